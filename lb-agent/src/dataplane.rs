@@ -1,0 +1,508 @@
+//! Loading, attaching and reading/writing the eBPF data plane. Knows the maps, not the load-balancer model
+//! (that is [`crate::programmer`]).
+
+use anyhow::{anyhow, bail, Context, Result};
+use aya::{
+    maps::{
+        lpm_trie::{Key as LpmKey, LpmTrie},
+        Array, HashMap, MapData, PerCpuArray, PerCpuValues,
+    },
+    programs::{
+        links::{FdLink, PinnedLink},
+        tc::{self, SchedClassifier, TcAttachOptions, TcAttachType},
+        LinkOrder, Xdp, XdpMode,
+    },
+    Ebpf, EbpfLoader,
+};
+use lb_common::{
+    map_names as names, stat, Addr, Backend, Config, FlowKeyV4, FlowV4, NextHop, Service,
+    ServiceKey, ServiceStats, SourceRangeKey, CONFIG_INDEX, LAYOUT_VERSION,
+};
+use std::path::{Path, PathBuf};
+
+/// The data-plane object, built by `cargo xtask build-ebpf` and embedded by `build.rs`.
+static LB_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/lb.o"));
+
+/// XDP program name in the object.
+pub const XDP_PROGRAM: &str = "lb_xdp";
+/// TC program name in the object.
+pub const TC_PROGRAM: &str = "lb_tc";
+
+/// Capacities of the maps, set at load time.
+#[derive(Clone, Debug)]
+pub struct MapSizes {
+    /// Connection-tracking entries (two per connection).
+    pub flows: u32,
+    /// Services.
+    pub services: u32,
+    /// Backend slots.
+    pub backends: u32,
+    /// Maglev arena slots.
+    pub maglev_slots: u32,
+    /// Next-hop entries.
+    pub nexthops: u32,
+    /// Source-range prefixes.
+    pub source_ranges: u32,
+}
+
+impl Default for MapSizes {
+    fn default() -> Self {
+        use lb_common::defaults as d;
+        MapSizes {
+            flows: d::MAX_FLOWS,
+            services: d::MAX_SERVICES,
+            backends: d::MAX_BACKENDS,
+            maglev_slots: d::MAGLEV_SLOTS,
+            nexthops: d::MAX_NEXTHOPS,
+            source_ranges: d::MAX_SOURCE_RANGES,
+        }
+    }
+}
+
+/// How to attach.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AttachMode {
+    /// Native XDP (driver mode), falling back to generic XDP with a warning.
+    Xdp,
+    /// Native XDP only.
+    XdpNative,
+    /// Generic (skb) XDP only.
+    XdpGeneric,
+    /// TC ingress through tcx: keeps GSO/GRO super-packets.
+    Tc,
+}
+
+/// The loaded data plane.
+pub struct Dataplane {
+    ebpf: Ebpf,
+    pin_dir: Option<PathBuf>,
+}
+
+/// Every map the agent programs, with the capacity setter's name.
+const MAPS: [&str; 10] = [
+    names::SERVICES,
+    names::BACKENDS,
+    names::MAGLEV,
+    names::NEXTHOPS,
+    names::SOURCE_RANGES,
+    names::VIPS,
+    names::FLOWS_V4,
+    names::SERVICE_STATS,
+    names::STATS,
+    names::CONFIG,
+];
+
+impl Dataplane {
+    /// Loads the embedded data-plane object. With `pin_dir`, maps are pinned there (and re-used if already
+    /// pinned), so a restarted or upgraded agent keeps the flows of established connections.
+    pub fn load(sizes: &MapSizes, pin_dir: Option<&Path>) -> Result<Self> {
+        if LB_OBJECT.is_empty() {
+            bail!("the eBPF object was not built into this binary: run `cargo xtask build-ebpf`, then rebuild");
+        }
+        Self::load_object(LB_OBJECT, sizes, pin_dir)
+    }
+
+    /// Loads another object with the same maps (the benchmark wrappers).
+    pub fn load_object(obj: &[u8], sizes: &MapSizes, pin_dir: Option<&Path>) -> Result<Self> {
+        let pin_dir = pin_dir.map(|d| d.join(format!("v{LAYOUT_VERSION}")));
+        if let Some(dir) = &pin_dir {
+            std::fs::create_dir_all(dir)
+                .with_context(|| format!("creating the bpffs pin directory {}", dir.display()))?;
+        }
+        let mut loader = EbpfLoader::new();
+        loader
+            .map_max_entries(names::FLOWS_V4, sizes.flows)
+            .map_max_entries(names::SERVICES, sizes.services)
+            .map_max_entries(names::SERVICE_STATS, sizes.services)
+            .map_max_entries(names::VIPS, sizes.services)
+            .map_max_entries(names::BACKENDS, sizes.backends)
+            .map_max_entries(names::MAGLEV, sizes.maglev_slots)
+            .map_max_entries(names::NEXTHOPS, sizes.nexthops)
+            .map_max_entries(names::SOURCE_RANGES, sizes.source_ranges);
+        let pins: Vec<(&str, PathBuf)> = match &pin_dir {
+            Some(dir) => MAPS.iter().map(|m| (*m, dir.join(m))).collect(),
+            None => Vec::new(),
+        };
+        for (name, path) in &pins {
+            loader.map_pin_path(name, path.as_path());
+        }
+        let ebpf = loader.load(obj).context(
+            "loading the eBPF object (map creation or pinned-map reuse failed; a pinned map with another size \
+             must be removed from bpffs first)",
+        )?;
+        Ok(Dataplane { ebpf, pin_dir })
+    }
+
+    /// The directory holding pinned maps and links, if pinning.
+    pub fn pin_dir(&self) -> Option<&Path> {
+        self.pin_dir.as_deref()
+    }
+
+    /// The loaded object, for programs and maps not wrapped here (tests and benchmarks).
+    pub fn ebpf_mut(&mut self) -> &mut Ebpf {
+        &mut self.ebpf
+    }
+
+    /// Loads (verifies) the XDP program and returns it.
+    pub fn xdp_program(&mut self, name: &str) -> Result<&mut Xdp> {
+        let prog: &mut Xdp = self
+            .ebpf
+            .program_mut(name)
+            .ok_or_else(|| anyhow!("program {name} not in the object"))?
+            .try_into()?;
+        if prog.fd().is_err() {
+            prog.load().map_err(verifier_error)?;
+        }
+        Ok(prog)
+    }
+
+    /// Loads (verifies) the TC program and returns it.
+    pub fn tc_program(&mut self) -> Result<&mut SchedClassifier> {
+        let prog: &mut SchedClassifier = self
+            .ebpf
+            .program_mut(TC_PROGRAM)
+            .ok_or_else(|| anyhow!("program {TC_PROGRAM} not in the object"))?
+            .try_into()?;
+        if prog.fd().is_err() {
+            prog.load().map_err(verifier_error)?;
+        }
+        Ok(prog)
+    }
+
+    /// Attaches to `iface`. With a pin directory the link is pinned, and an existing pinned link is
+    /// updated in place, which swaps the program atomically: no packet sees no program.
+    /// Returns the mode actually used.
+    pub fn attach(&mut self, iface: &str, mode: AttachMode) -> Result<AttachMode> {
+        if !Path::new("/sys/class/net").join(iface).exists() {
+            bail!("interface {iface} does not exist");
+        }
+        let link_pin = self
+            .pin_dir
+            .as_ref()
+            .map(|d| d.join(format!("link-{iface}-{}", mode_tag(mode))));
+        match mode {
+            AttachMode::Tc => {
+                let prog = self.tc_program()?;
+                if let Some(pin) = &link_pin {
+                    if pin.exists() {
+                        let old = PinnedLink::from_pin(pin)
+                            .with_context(|| format!("opening pinned link {}", pin.display()))?;
+                        let link = tc::SchedClassifierLink::try_from(FdLink::from(old))?;
+                        prog.attach_to_link(link)
+                            .context("replacing the program on the pinned tcx link")?;
+                        return Ok(mode);
+                    }
+                }
+                let id = prog
+                    .attach_with_options(
+                        iface,
+                        TcAttachType::Ingress,
+                        TcAttachOptions::TcxOrder(LinkOrder::default()),
+                    )
+                    .with_context(|| format!("attaching the TC program to {iface} (tcx ingress)"))?;
+                if let Some(pin) = &link_pin {
+                    let link = prog.take_link(id)?;
+                    let fd: FdLink = link.try_into().context("tcx link is not an fd link")?;
+                    let pinned = fd.pin(pin).context("pinning the tcx link")?;
+                    // Re-adopt the pinned link so it stays attached when this process exits.
+                    let link = tc::SchedClassifierLink::try_from(FdLink::from(pinned))?;
+                    prog.attach_to_link(link)?;
+                }
+                Ok(mode)
+            }
+            AttachMode::Xdp | AttachMode::XdpNative | AttachMode::XdpGeneric => {
+                let prog = self.xdp_program(XDP_PROGRAM)?;
+                if let Some(pin) = &link_pin {
+                    if pin.exists() {
+                        let old = PinnedLink::from_pin(pin)
+                            .with_context(|| format!("opening pinned link {}", pin.display()))?;
+                        let link = aya::programs::xdp::XdpLink::try_from(FdLink::from(old))?;
+                        prog.attach_to_link(link)
+                            .context("replacing the program on the pinned XDP link")?;
+                        return Ok(mode);
+                    }
+                }
+                let (first, used) = match mode {
+                    AttachMode::XdpGeneric => (XdpMode::Skb, AttachMode::XdpGeneric),
+                    _ => (XdpMode::Driver, AttachMode::XdpNative),
+                };
+                let id = match prog.attach(iface, first) {
+                    Ok(id) => (id, used),
+                    Err(e) if mode == AttachMode::Xdp => {
+                        tracing::warn!(%iface, error = %e, "native XDP refused, falling back to generic XDP (slower)");
+                        let id = prog
+                            .attach(iface, XdpMode::Skb)
+                            .with_context(|| format!("attaching XDP to {iface} in generic mode"))?;
+                        (id, AttachMode::XdpGeneric)
+                    }
+                    Err(e) => return Err(e).with_context(|| format!("attaching XDP to {iface}")),
+                };
+                if let Some(pin) = &link_pin {
+                    let link = prog.take_link(id.0)?;
+                    let fd: FdLink = link.try_into().context("XDP link is not an fd link")?;
+                    let pinned = fd.pin(pin).context("pinning the XDP link")?;
+                    let link = aya::programs::xdp::XdpLink::try_from(FdLink::from(pinned))?;
+                    prog.attach_to_link(link)?;
+                }
+                Ok(id.1)
+            }
+        }
+    }
+
+    fn map(&mut self, name: &str) -> Result<&mut aya::maps::Map> {
+        self.ebpf
+            .map_mut(name)
+            .ok_or_else(|| anyhow!("map {name} missing from the object"))
+    }
+
+    /// Writes the global settings.
+    pub fn set_config(&mut self, cfg: &Config) -> Result<()> {
+        let mut m: Array<&mut MapData, Config> = Array::try_from(self.map(names::CONFIG)?)?;
+        m.set(CONFIG_INDEX, cfg, 0)?;
+        Ok(())
+    }
+
+    /// Inserts or replaces a service (atomic for packets).
+    pub fn set_service(&mut self, key: &ServiceKey, svc: &Service) -> Result<()> {
+        let mut m: HashMap<&mut MapData, ServiceKey, Service> =
+            HashMap::try_from(self.map(names::SERVICES)?)?;
+        m.insert(key, svc, 0)
+            .with_context(|| format!("writing service {key:?} (services map full?)"))?;
+        Ok(())
+    }
+
+    /// Removes a service.
+    pub fn remove_service(&mut self, key: &ServiceKey) -> Result<()> {
+        let mut m: HashMap<&mut MapData, ServiceKey, Service> =
+            HashMap::try_from(self.map(names::SERVICES)?)?;
+        ignore_missing(m.remove(key))
+    }
+
+    /// All services in the map.
+    pub fn services(&mut self) -> Result<Vec<(ServiceKey, Service)>> {
+        let m: HashMap<&mut MapData, ServiceKey, Service> =
+            HashMap::try_from(self.map(names::SERVICES)?)?;
+        Ok(m.iter().filter_map(|r| r.ok()).collect())
+    }
+
+    /// Writes backend slot `id`.
+    pub fn set_backend(&mut self, id: u32, b: &Backend) -> Result<()> {
+        let mut m: Array<&mut MapData, Backend> = Array::try_from(self.map(names::BACKENDS)?)?;
+        m.set(id, b, 0)
+            .with_context(|| format!("writing backend slot {id}"))?;
+        Ok(())
+    }
+
+    /// Reads backend slot `id`.
+    pub fn backend(&mut self, id: u32) -> Result<Backend> {
+        let m: Array<&mut MapData, Backend> = Array::try_from(self.map(names::BACKENDS)?)?;
+        Ok(m.get(&id, 0)?)
+    }
+
+    /// Writes a Maglev table into the arena at `offset`.
+    pub fn write_table(&mut self, offset: u32, table: &[u32]) -> Result<()> {
+        let mut m: Array<&mut MapData, u32> = Array::try_from(self.map(names::MAGLEV)?)?;
+        for (i, id) in table.iter().enumerate() {
+            m.set(offset + i as u32, id, 0)
+                .with_context(|| format!("writing Maglev slot {}", offset as usize + i))?;
+        }
+        Ok(())
+    }
+
+    /// Reads `len` arena slots from `offset`.
+    pub fn read_table(&mut self, offset: u32, len: u32) -> Result<Vec<u32>> {
+        let m: Array<&mut MapData, u32> = Array::try_from(self.map(names::MAGLEV)?)?;
+        (offset..offset + len)
+            .map(|i| m.get(&i, 0).map_err(Into::into))
+            .collect()
+    }
+
+    /// Sets the next hop of an address.
+    pub fn set_nexthop(&mut self, addr: &Addr, nh: &NextHop) -> Result<()> {
+        let mut m: HashMap<&mut MapData, Addr, NextHop> =
+            HashMap::try_from(self.map(names::NEXTHOPS)?)?;
+        m.insert(addr, nh, 0).context("writing a next hop")?;
+        Ok(())
+    }
+
+    /// Removes the next hop of an address.
+    pub fn remove_nexthop(&mut self, addr: &Addr) -> Result<()> {
+        let mut m: HashMap<&mut MapData, Addr, NextHop> =
+            HashMap::try_from(self.map(names::NEXTHOPS)?)?;
+        ignore_missing(m.remove(addr))
+    }
+
+    /// All next hops.
+    pub fn nexthops(&mut self) -> Result<Vec<(Addr, NextHop)>> {
+        let m: HashMap<&mut MapData, Addr, NextHop> =
+            HashMap::try_from(self.map(names::NEXTHOPS)?)?;
+        Ok(m.iter().filter_map(|r| r.ok()).collect())
+    }
+
+    /// Allows `addr/prefix_len` for service `svc_id`.
+    pub fn add_source_range(&mut self, svc_id: u32, addr: Addr, prefix_len: u32) -> Result<()> {
+        let mut m: LpmTrie<&mut MapData, SourceRangeKey, u8> =
+            LpmTrie::try_from(self.map(names::SOURCE_RANGES)?)?;
+        m.insert(&source_range_key(svc_id, addr, prefix_len), 1, 0)
+            .context("writing a source range (source-range map full?)")?;
+        Ok(())
+    }
+
+    /// Removes `addr/prefix_len` for service `svc_id`.
+    pub fn remove_source_range(&mut self, svc_id: u32, addr: Addr, prefix_len: u32) -> Result<()> {
+        let mut m: LpmTrie<&mut MapData, SourceRangeKey, u8> =
+            LpmTrie::try_from(self.map(names::SOURCE_RANGES)?)?;
+        ignore_missing(m.remove(&source_range_key(svc_id, addr, prefix_len)))
+    }
+
+    /// All source-range entries as (svc id, address, CIDR prefix length).
+    pub fn source_ranges(&mut self) -> Result<Vec<(u32, Addr, u32)>> {
+        let m: LpmTrie<&mut MapData, SourceRangeKey, u8> =
+            LpmTrie::try_from(self.map(names::SOURCE_RANGES)?)?;
+        Ok(m.keys()
+            .filter_map(|k| k.ok())
+            .map(|k| {
+                let d = k.data();
+                (
+                    u32::from_be(d.svc_id_be),
+                    d.addr,
+                    k.prefix_len() - lb_common::SOURCE_RANGE_ID_BITS,
+                )
+            })
+            .collect())
+    }
+
+    /// Marks an address as carrying services (fragment policy).
+    pub fn add_vip(&mut self, addr: &Addr) -> Result<()> {
+        let mut m: HashMap<&mut MapData, Addr, u32> = HashMap::try_from(self.map(names::VIPS)?)?;
+        m.insert(addr, 1, 0).context("writing a VIP address")?;
+        Ok(())
+    }
+
+    /// Unmarks an address.
+    pub fn remove_vip(&mut self, addr: &Addr) -> Result<()> {
+        let mut m: HashMap<&mut MapData, Addr, u32> = HashMap::try_from(self.map(names::VIPS)?)?;
+        ignore_missing(m.remove(addr))
+    }
+
+    /// All VIP addresses.
+    pub fn vips(&mut self) -> Result<Vec<Addr>> {
+        let m: HashMap<&mut MapData, Addr, u32> = HashMap::try_from(self.map(names::VIPS)?)?;
+        Ok(m.keys().filter_map(|k| k.ok()).collect())
+    }
+
+    /// A snapshot of every IPv4 flow entry.
+    pub fn flows(&mut self) -> Result<Vec<(FlowKeyV4, FlowV4)>> {
+        let m: HashMap<&mut MapData, FlowKeyV4, FlowV4> =
+            HashMap::try_from(self.map(names::FLOWS_V4)?)?;
+        Ok(m.iter().filter_map(|r| r.ok()).collect())
+    }
+
+    /// One flow entry.
+    pub fn flow(&mut self, key: &FlowKeyV4) -> Result<Option<FlowV4>> {
+        let m: HashMap<&mut MapData, FlowKeyV4, FlowV4> =
+            HashMap::try_from(self.map(names::FLOWS_V4)?)?;
+        match m.get(key, 0) {
+            Ok(v) => Ok(Some(v)),
+            Err(aya::maps::MapError::KeyNotFound) => Ok(None),
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    /// Writes a flow entry (tests, state sync).
+    pub fn set_flow(&mut self, key: &FlowKeyV4, v: &FlowV4) -> Result<()> {
+        let mut m: HashMap<&mut MapData, FlowKeyV4, FlowV4> =
+            HashMap::try_from(self.map(names::FLOWS_V4)?)?;
+        m.insert(key, v, 0)?;
+        Ok(())
+    }
+
+    /// Deletes a flow entry.
+    pub fn remove_flow(&mut self, key: &FlowKeyV4) -> Result<()> {
+        let mut m: HashMap<&mut MapData, FlowKeyV4, FlowV4> =
+            HashMap::try_from(self.map(names::FLOWS_V4)?)?;
+        ignore_missing(m.remove(key))
+    }
+
+    /// Global counters summed over CPUs, indexed like `lb_common::stat`.
+    pub fn stats(&mut self) -> Result<Vec<u64>> {
+        let m: PerCpuArray<&mut MapData, u64> = PerCpuArray::try_from(self.map(names::STATS)?)?;
+        (0..stat::COUNT)
+            .map(|i| Ok(m.get(&i, 0)?.iter().sum()))
+            .collect()
+    }
+
+    /// Counters of service `id` summed over CPUs.
+    pub fn service_stats(&mut self, id: u32) -> Result<ServiceStats> {
+        let m: PerCpuArray<&mut MapData, ServiceStats> =
+            PerCpuArray::try_from(self.map(names::SERVICE_STATS)?)?;
+        let per_cpu = m.get(&id, 0)?;
+        Ok(sum_service_stats(per_cpu.iter()))
+    }
+
+    /// Zeroes the counters of service `id` (when the id is given to a new service).
+    pub fn reset_service_stats(&mut self, id: u32) -> Result<()> {
+        let mut m: PerCpuArray<&mut MapData, ServiceStats> =
+            PerCpuArray::try_from(self.map(names::SERVICE_STATS)?)?;
+        let n = aya::util::nr_cpus().map_err(|(_, e)| e)?;
+        m.set(id, PerCpuValues::try_from(vec![ServiceStats::default(); n])?, 0)?;
+        Ok(())
+    }
+}
+
+fn mode_tag(mode: AttachMode) -> &'static str {
+    match mode {
+        AttachMode::Tc => "tc",
+        _ => "xdp",
+    }
+}
+
+fn source_range_key(svc_id: u32, addr: Addr, prefix_len: u32) -> LpmKey<SourceRangeKey> {
+    LpmKey::new(
+        lb_common::SOURCE_RANGE_ID_BITS + prefix_len,
+        SourceRangeKey {
+            svc_id_be: svc_id.to_be(),
+            addr,
+        },
+    )
+}
+
+fn ignore_missing(r: Result<(), aya::maps::MapError>) -> Result<()> {
+    match r {
+        Ok(()) | Err(aya::maps::MapError::KeyNotFound) => Ok(()),
+        Err(aya::maps::MapError::SyscallError(e)) if e.io_error.raw_os_error() == Some(libc::ENOENT) => {
+            Ok(())
+        }
+        Err(e) => Err(e.into()),
+    }
+}
+
+/// Sums per-CPU service counters.
+pub fn sum_service_stats<'a>(it: impl Iterator<Item = &'a ServiceStats>) -> ServiceStats {
+    let mut t = ServiceStats::default();
+    for s in it {
+        t.rx_packets += s.rx_packets;
+        t.rx_bytes += s.rx_bytes;
+        t.tx_packets += s.tx_packets;
+        t.tx_bytes += s.tx_bytes;
+        t.new_flows += s.new_flows;
+        t.closed_flows += s.closed_flows;
+        t.drop_source_range += s.drop_source_range;
+        t.drop_no_backend += s.drop_no_backend;
+        t.drop_snat_exhausted += s.drop_snat_exhausted;
+        t.drop_no_flow += s.drop_no_flow;
+        t.pass_no_nexthop += s.pass_no_nexthop;
+        t.icmp_translated += s.icmp_translated;
+    }
+    t
+}
+
+/// Turns a program load error into one that carries the verifier log.
+fn verifier_error(e: aya::programs::ProgramError) -> anyhow::Error {
+    match e {
+        aya::programs::ProgramError::LoadError { io_error, verifier_log } => {
+            anyhow!("the kernel refused the program ({io_error}); verifier log:\n{verifier_log}")
+        }
+        e => anyhow!(e).context("loading the program"),
+    }
+}

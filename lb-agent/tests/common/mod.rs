@@ -1,0 +1,211 @@
+//! Harness for data-plane tests: the real eBPF object, loaded into the kernel, run on crafted frames with
+//! `BPF_PROG_TEST_RUN`, once through the XDP entry point and once through the TC one. Needs root.
+#![allow(dead_code)]
+
+pub mod packets;
+
+use aya::programs::{TestRun, TestRunOptions};
+use lb_agent::dataplane::{Dataplane, MapSizes, XDP_PROGRAM};
+use lb_agent::model::{Protocol, ServiceId, ServiceSpec};
+use lb_agent::programmer::{ip_to_addr, Programmer};
+use lb_common::NextHop;
+pub use packets::*;
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::time::Duration;
+
+/// The virtual IP.
+pub const VIP: Ipv4Addr = Ipv4Addr::new(203, 0, 113, 1);
+/// A client.
+pub const CLIENT: Ipv4Addr = Ipv4Addr::new(198, 51, 100, 10);
+/// Service ports and NodePorts.
+pub const WEB_PORT: u16 = 80;
+pub const WEB_NODE_PORT: u16 = 30080;
+pub const DNS_PORT: u16 = 53;
+pub const DNS_NODE_PORT: u16 = 30053;
+
+/// Address of node `i` (1-based).
+pub fn node(i: u8) -> Ipv4Addr {
+    Ipv4Addr::new(10, 0, 0, 10 + i)
+}
+
+/// Which entry point a test drives.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Hook {
+    Xdp,
+    Tc,
+}
+
+/// A program's decision, hook-independent.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Verdict {
+    Pass,
+    Drop,
+    Tx,
+    Other(u32),
+}
+
+/// A loaded data plane plus the programmer that fills it.
+pub struct Harness {
+    pub dp: Dataplane,
+    pub programmer: Programmer,
+    pub hook: Hook,
+}
+
+/// Small maps: tests load many objects in parallel.
+pub fn test_sizes() -> MapSizes {
+    MapSizes {
+        flows: 4096,
+        services: 64,
+        backends: 256,
+        maglev_slots: 1 << 16,
+        nexthops: 64,
+        source_ranges: 256,
+    }
+}
+
+impl Harness {
+    /// Loads the data plane with next hops for nodes 1..=4.
+    pub fn new(hook: Hook) -> Self {
+        let sizes = test_sizes();
+        let mut dp = Dataplane::load(&sizes, None).expect("loading the data plane (root needed)");
+        dp.xdp_program(XDP_PROGRAM).expect("XDP program loads");
+        dp.tc_program().expect("TC program loads");
+        for i in 1..=4 {
+            dp.set_nexthop(
+                &ip_to_addr(IpAddr::V4(node(i))),
+                &NextHop {
+                    mac: node_mac(i),
+                    _pad: 0,
+                    ifindex: 0,
+                },
+            )
+            .unwrap();
+        }
+        let programmer = Programmer::new(sizes.services, sizes.backends, sizes.maglev_slots);
+        Harness {
+            dp,
+            programmer,
+            hook,
+        }
+    }
+
+    /// Programs the services.
+    pub fn apply(&mut self, specs: &[ServiceSpec]) {
+        self.programmer.apply(&mut self.dp, specs).expect("apply");
+    }
+
+    /// Runs one frame through the hook under test; returns the verdict and the frame afterwards.
+    pub fn run(&mut self, frame: &[u8]) -> (Verdict, Vec<u8>) {
+        self.try_run(frame).expect("test run")
+    }
+
+    /// Like [`Self::run`], but returns the kernel's error (e.g. for frames it refuses to run).
+    pub fn try_run(&mut self, frame: &[u8]) -> anyhow::Result<(Verdict, Vec<u8>)> {
+        let mut out = vec![0u8; frame.len() + 512];
+        let mut opts = TestRunOptions::new();
+        opts.data_in = Some(frame);
+        opts.data_out = Some(&mut out);
+        let (ret, size) = match self.hook {
+            Hook::Xdp => {
+                let r = self.dp.xdp_program(XDP_PROGRAM)?.test_run(opts)?;
+                (r.return_value, r.data_size_out)
+            }
+            Hook::Tc => {
+                let r = self.dp.tc_program()?.test_run(opts)?;
+                (r.return_value, r.data_size_out)
+            }
+        };
+        let v = match (self.hook, ret) {
+            (Hook::Xdp, 1) | (Hook::Tc, 2) => Verdict::Drop,
+            (Hook::Xdp, 2) | (Hook::Tc, 0) => Verdict::Pass,
+            (Hook::Xdp, 3) | (Hook::Tc, 7) => Verdict::Tx,
+            (_, n) => Verdict::Other(n),
+        };
+        out.truncate(size as usize);
+        Ok((v, out))
+    }
+
+    /// Global counter `idx` (see `lb_common::stat`).
+    pub fn stat(&mut self, idx: u32) -> u64 {
+        self.dp.stats().unwrap()[idx as usize]
+    }
+
+    /// Counters of a service.
+    pub fn svc_stats(&mut self, id: &ServiceId) -> lb_common::ServiceStats {
+        let idx = self.programmer.service_index(id).expect("service programmed");
+        self.dp.service_stats(idx).unwrap()
+    }
+}
+
+/// The TCP web service VIP:80 → nodes:30080.
+pub fn web(nodes: &[u8]) -> ServiceSpec {
+    spec(Protocol::Tcp, WEB_PORT, WEB_NODE_PORT, nodes)
+}
+
+/// The UDP DNS service VIP:53 → nodes:30053.
+pub fn dns(nodes: &[u8]) -> ServiceSpec {
+    spec(Protocol::Udp, DNS_PORT, DNS_NODE_PORT, nodes)
+}
+
+/// A service on the VIP.
+pub fn spec(protocol: Protocol, port: u16, node_port: u16, nodes: &[u8]) -> ServiceSpec {
+    ServiceSpec {
+        id: ServiceId {
+            vip: IpAddr::V4(VIP),
+            port,
+            protocol,
+        },
+        snat: None,
+        idle_timeout: protocol.default_idle_timeout(),
+        source_ranges: vec![],
+        backends: nodes
+            .iter()
+            .map(|i| SocketAddr::new(IpAddr::V4(node(*i)), node_port))
+            .collect(),
+    }
+}
+
+/// A client → VIP TCP frame.
+pub fn client_tcp(sport: u16, flags: Flags, payload: &[u8]) -> Vec<u8> {
+    tcp(CLIENT_MAC, LB_MAC, CLIENT, sport, VIP, WEB_PORT, flags, payload)
+}
+
+/// A client → VIP UDP frame.
+pub fn client_udp(sport: u16, payload: &[u8]) -> Vec<u8> {
+    udp(CLIENT_MAC, LB_MAC, CLIENT, sport, VIP, DNS_PORT, payload)
+}
+
+/// Index (1-based) of the node an output frame goes to.
+pub fn node_index(p: &Parsed) -> u8 {
+    let o = p.dst.octets();
+    assert_eq!(&o[..3], &[10, 0, 0], "not sent to a node: {p:?}");
+    o[3] - 10
+}
+
+/// Duration shorthand.
+pub fn secs(s: u64) -> Duration {
+    Duration::from_secs(s)
+}
+
+/// Generates one test per hook from a body that takes the harness.
+#[macro_export]
+macro_rules! both_hooks {
+    ($( $(#[$m:meta])* fn $name:ident($h:ident) $body:block )*) => {
+        $(
+            mod $name {
+                #[allow(unused_imports)]
+                use super::*;
+                $(#[$m])*
+                fn body($h: &mut Harness) $body
+                #[test]
+                fn xdp() {
+                    body(&mut Harness::new(Hook::Xdp))
+                }
+                #[test]
+                fn tc() {
+                    body(&mut Harness::new(Hook::Tc))
+                }
+            }
+        )*
+    };
+}

@@ -1,0 +1,258 @@
+//! Frames for data-plane tests and benchmarks, built with etherparse, and a parser of what comes out.
+//! (Shared with `benches/` through `#[path]`.)
+#![allow(dead_code)]
+
+use etherparse::{IpNumber, Ipv4Header, PacketBuilder, TcpHeader, UdpHeader};
+use std::net::Ipv4Addr;
+
+/// MAC of the client's router (where client frames come from).
+pub const CLIENT_MAC: [u8; 6] = [0x02, 0xc1, 0, 0, 0, 1];
+/// MAC of the load balancer's interface.
+pub const LB_MAC: [u8; 6] = [0x02, 0x1b, 0, 0, 0, 1];
+
+/// MAC of node `i`.
+pub fn node_mac(i: u8) -> [u8; 6] {
+    [0x02, 0x0d, 0, 0, 0, i]
+}
+
+/// TCP flags for [`tcp`].
+#[derive(Clone, Copy, Default)]
+pub struct Flags {
+    pub syn: bool,
+    pub ack: bool,
+    pub fin: bool,
+    pub rst: bool,
+    pub psh: bool,
+}
+
+/// A SYN.
+pub const SYN: Flags = Flags {
+    syn: true,
+    ack: false,
+    fin: false,
+    rst: false,
+    psh: false,
+};
+/// A plain ACK.
+pub const ACK: Flags = Flags {
+    syn: false,
+    ack: true,
+    fin: false,
+    rst: false,
+    psh: false,
+};
+/// SYN+ACK.
+pub const SYN_ACK: Flags = Flags {
+    syn: true,
+    ack: true,
+    fin: false,
+    rst: false,
+    psh: false,
+};
+/// FIN+ACK.
+pub const FIN_ACK: Flags = Flags {
+    syn: false,
+    ack: true,
+    fin: true,
+    rst: false,
+    psh: false,
+};
+/// RST.
+pub const RST: Flags = Flags {
+    syn: false,
+    ack: false,
+    fin: false,
+    rst: true,
+    psh: false,
+};
+
+/// An Ethernet + IPv4 + TCP frame.
+#[allow(clippy::too_many_arguments)]
+pub fn tcp(
+    src_mac: [u8; 6],
+    dst_mac: [u8; 6],
+    src: Ipv4Addr,
+    sport: u16,
+    dst: Ipv4Addr,
+    dport: u16,
+    flags: Flags,
+    payload: &[u8],
+) -> Vec<u8> {
+    let mut b = PacketBuilder::ethernet2(src_mac, dst_mac)
+        .ipv4(src.octets(), dst.octets(), 64)
+        .tcp(sport, dport, 1000, 64240);
+    if flags.syn {
+        b = b.syn();
+    }
+    if flags.ack {
+        b = b.ack(1);
+    }
+    if flags.fin {
+        b = b.fin();
+    }
+    if flags.rst {
+        b = b.rst();
+    }
+    if flags.psh {
+        b = b.psh();
+    }
+    let mut out = Vec::with_capacity(b.size(payload.len()));
+    b.write(&mut out, payload).unwrap();
+    out
+}
+
+/// An Ethernet + IPv4 + UDP frame.
+pub fn udp(
+    src_mac: [u8; 6],
+    dst_mac: [u8; 6],
+    src: Ipv4Addr,
+    sport: u16,
+    dst: Ipv4Addr,
+    dport: u16,
+    payload: &[u8],
+) -> Vec<u8> {
+    let b = PacketBuilder::ethernet2(src_mac, dst_mac)
+        .ipv4(src.octets(), dst.octets(), 64)
+        .udp(sport, dport);
+    let mut out = Vec::with_capacity(b.size(payload.len()));
+    b.write(&mut out, payload).unwrap();
+    out
+}
+
+/// An ICMP error (type/code, `rest` = bytes 4..8 of the header, e.g. the MTU) quoting `inner`
+/// (an IPv4 packet without Ethernet header).
+pub fn icmp_error(
+    src_mac: [u8; 6],
+    dst_mac: [u8; 6],
+    src: Ipv4Addr,
+    dst: Ipv4Addr,
+    ty: u8,
+    code: u8,
+    rest: [u8; 4],
+    inner: &[u8],
+) -> Vec<u8> {
+    let mut icmp = vec![ty, code, 0, 0, rest[0], rest[1], rest[2], rest[3]];
+    icmp.extend_from_slice(inner);
+    let c = internet_checksum(&[&icmp]);
+    icmp[2..4].copy_from_slice(&c.to_be_bytes());
+    let ip = Ipv4Header::new(icmp.len() as u16, 64, IpNumber::ICMP, src.octets(), dst.octets())
+        .unwrap();
+    let mut out = Vec::new();
+    out.extend_from_slice(&dst_mac);
+    out.extend_from_slice(&src_mac);
+    out.extend_from_slice(&[0x08, 0x00]);
+    ip.write(&mut out).unwrap();
+    out.extend_from_slice(&icmp);
+    out
+}
+
+/// The one's-complement Internet checksum over several slices (as if concatenated; each slice must have
+/// even length except the last).
+pub fn internet_checksum(parts: &[&[u8]]) -> u16 {
+    let mut sum: u32 = 0;
+    for p in parts {
+        let mut chunks = p.chunks_exact(2);
+        for c in &mut chunks {
+            sum += u16::from_be_bytes([c[0], c[1]]) as u32;
+        }
+        if let [last] = chunks.remainder() {
+            sum += (*last as u32) << 8;
+        }
+    }
+    while sum > 0xffff {
+        sum = (sum & 0xffff) + (sum >> 16);
+    }
+    !(sum as u16)
+}
+
+/// Recomputes the IPv4 header checksum of a frame (after a test edits the header by hand).
+pub fn fix_ip_checksum(frame: &mut [u8]) {
+    let hl = ((frame[14] & 0x0f) as usize) * 4;
+    frame[24] = 0;
+    frame[25] = 0;
+    let c = internet_checksum(&[&frame[14..14 + hl]]);
+    frame[24..26].copy_from_slice(&c.to_be_bytes());
+}
+
+/// What a test reads back from an output frame.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Parsed {
+    pub dst_mac: [u8; 6],
+    pub src_mac: [u8; 6],
+    pub src: Ipv4Addr,
+    pub dst: Ipv4Addr,
+    pub proto: u8,
+    pub sport: u16,
+    pub dport: u16,
+    pub ip_csum_ok: bool,
+    /// L4 checksum valid (for UDP with checksum 0: true).
+    pub l4_csum_ok: bool,
+    pub udp_csum_zero: bool,
+    pub tcp_flags: u8,
+    pub payload: Vec<u8>,
+}
+
+/// Parses an Ethernet + IPv4 + TCP/UDP frame and verifies its checksums from scratch.
+pub fn parse(frame: &[u8]) -> Parsed {
+    assert!(frame.len() >= 34, "frame too short: {}", frame.len());
+    let hl = ((frame[14] & 0x0f) as usize) * 4;
+    let ip = &frame[14..14 + hl];
+    let tot = u16::from_be_bytes([frame[16], frame[17]]) as usize;
+    let proto = ip[9];
+    let src = Ipv4Addr::new(ip[12], ip[13], ip[14], ip[15]);
+    let dst = Ipv4Addr::new(ip[16], ip[17], ip[18], ip[19]);
+    let ip_csum_ok = internet_checksum(&[ip]) == 0;
+    let l4 = &frame[14 + hl..14 + tot];
+    let pseudo = pseudo_header(src, dst, proto, l4.len());
+    let (sport, dport) = (
+        u16::from_be_bytes([l4[0], l4[1]]),
+        u16::from_be_bytes([l4[2], l4[3]]),
+    );
+    let (l4_csum_ok, udp_csum_zero, tcp_flags, payload) = match proto {
+        6 => {
+            let h = TcpHeader::from_slice(l4).unwrap().0;
+            let off = h.header_len();
+            (
+                internet_checksum(&[&pseudo, l4]) == 0,
+                false,
+                l4[13],
+                l4[off as usize..].to_vec(),
+            )
+        }
+        17 => {
+            let h = UdpHeader::from_slice(l4).unwrap().0;
+            let zero = h.checksum == 0;
+            (
+                zero || internet_checksum(&[&pseudo, l4]) == 0,
+                zero,
+                0,
+                l4[8..].to_vec(),
+            )
+        }
+        _ => (true, false, 0, l4.to_vec()),
+    };
+    Parsed {
+        dst_mac: frame[0..6].try_into().unwrap(),
+        src_mac: frame[6..12].try_into().unwrap(),
+        src,
+        dst,
+        proto,
+        sport,
+        dport,
+        ip_csum_ok,
+        l4_csum_ok,
+        udp_csum_zero,
+        tcp_flags,
+        payload,
+    }
+}
+
+/// The IPv4 pseudo header for L4 checksums.
+pub fn pseudo_header(src: Ipv4Addr, dst: Ipv4Addr, proto: u8, len: usize) -> Vec<u8> {
+    let mut p = Vec::with_capacity(12);
+    p.extend_from_slice(&src.octets());
+    p.extend_from_slice(&dst.octets());
+    p.extend_from_slice(&[0, proto]);
+    p.extend_from_slice(&(len as u16).to_be_bytes());
+    p
+}

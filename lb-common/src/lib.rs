@@ -1,0 +1,435 @@
+//! Map keys and values shared by the eBPF data plane (`lb-ebpf`) and user space (`lb-agent`).
+//!
+//! Everything here is `#[repr(C)]`, has explicit padding fields (the kernel hashes keys byte by byte, so
+//! padding must be zeroed and therefore named), and keeps addresses and ports in network byte order exactly
+//! as they appear on the wire, so the data plane never converts.
+//!
+//! Addresses are 16 bytes wide in every family-agnostic structure (services, backends, next hops, source
+//! ranges): IPv4 lives in the first 4 bytes with `family == FAMILY_V4`. Connection tracking has one map per
+//! family with a compact key, because it holds millions of entries; only the IPv4 one exists today.
+#![no_std]
+
+/// Bumped whenever a pinned map's key or value layout changes. The agent pins maps under a directory named
+/// after it, so an upgrade with a new layout starts with fresh maps instead of misreading old ones.
+pub const LAYOUT_VERSION: u32 = 1;
+
+/// IP protocol number of TCP.
+pub const PROTO_TCP: u8 = 6;
+/// IP protocol number of UDP.
+pub const PROTO_UDP: u8 = 17;
+/// IP protocol number of ICMP.
+pub const PROTO_ICMP: u8 = 1;
+
+/// `family` value of an IPv4 address.
+pub const FAMILY_V4: u8 = 4;
+/// `family` value of an IPv6 address (reserved for dual-stack VIPs).
+pub const FAMILY_V6: u8 = 6;
+
+/// A 16-byte address in network byte order; IPv4 uses `bytes[0..4]` and zeroes the rest.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct Addr {
+    /// The address bytes as on the wire.
+    pub bytes: [u8; 16],
+}
+
+impl Addr {
+    /// An IPv4 address from its on-wire (network order) `u32`, as read straight from a header.
+    #[inline(always)]
+    pub const fn from_v4_raw(raw_be: u32) -> Self {
+        let b = raw_be.to_ne_bytes();
+        Addr {
+            bytes: [b[0], b[1], b[2], b[3], 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0],
+        }
+    }
+
+    /// The on-wire (network order) `u32` of an IPv4 address.
+    #[inline(always)]
+    pub const fn v4_raw(&self) -> u32 {
+        u32::from_ne_bytes([self.bytes[0], self.bytes[1], self.bytes[2], self.bytes[3]])
+    }
+}
+
+/// Key of the `SERVICES` map: one load-balanced (VIP, port, protocol).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct ServiceKey {
+    /// The virtual IP.
+    pub addr: Addr,
+    /// Service port, network byte order.
+    pub port_be: u16,
+    /// `PROTO_TCP` or `PROTO_UDP`.
+    pub proto: u8,
+    /// `FAMILY_V4` or `FAMILY_V6`.
+    pub family: u8,
+}
+
+/// The service has a non-empty source-range allow-list in `SOURCE_RANGES`.
+pub const SVC_F_SOURCE_RANGES: u32 = 1 << 0;
+
+/// Value of the `SERVICES` map.
+///
+/// User space replaces the whole value to switch a service to a new backend table, so a packet sees either
+/// the old table or the new one, never a mix.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Service {
+    /// Dense service index: the slot in `SERVICE_STATS` and the id in `SOURCE_RANGES` keys and flows.
+    pub id: u32,
+    /// `SVC_F_*` bits.
+    pub flags: u32,
+    /// First slot of this service's Maglev table in the `MAGLEV` arena.
+    pub table_offset: u32,
+    /// Maglev table size (a prime), or 0 when no backend is healthy: new flows are then dropped.
+    pub table_size: u32,
+    /// Idle timeout of this service's flows in seconds; 0 means never expire.
+    pub idle_timeout_s: u32,
+    /// Reserved, zero.
+    pub _pad: u32,
+    /// Source address of NATed packets towards the backends (the VIP unless configured otherwise).
+    pub snat_addr: Addr,
+}
+
+/// Value of the `BACKENDS` array (index = backend id, as stored in Maglev tables).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Backend {
+    /// Node address.
+    pub addr: Addr,
+    /// NodePort, network byte order.
+    pub port_be: u16,
+    /// `FAMILY_V4` or `FAMILY_V6`; 0 marks an unused slot.
+    pub family: u8,
+    /// Reserved, zero.
+    pub _pad: u8,
+}
+
+/// Value of the `NEXTHOPS` map, keyed by the backend's [`Addr`]: where to send frames for that address.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct NextHop {
+    /// Destination MAC (the node's, or its gateway's when the node is not on-link).
+    pub mac: [u8; 6],
+    /// Reserved, zero.
+    pub _pad: u16,
+    /// Egress interface; today always the ingress one (one-armed `XDP_TX`), kept for multi-NIC machines.
+    pub ifindex: u32,
+}
+
+/// Data of an `SOURCE_RANGES` LPM-trie key. The prefix length counts the 32 bits of `svc_id` plus the
+/// CIDR's own prefix, so one trie serves every service.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SourceRangeKey {
+    /// Service id, big endian so it forms the leading, always-matched part of the prefix.
+    pub svc_id_be: u32,
+    /// Client address.
+    pub addr: Addr,
+}
+
+/// Bits of the LPM prefix taken by [`SourceRangeKey::svc_id_be`].
+pub const SOURCE_RANGE_ID_BITS: u32 = 32;
+
+/// Key of the IPv4 connection-tracking map: a packet's 5-tuple as it arrives.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct FlowKeyV4 {
+    /// Source address (network order).
+    pub src: u32,
+    /// Destination address (network order).
+    pub dst: u32,
+    /// Source port (network order).
+    pub sport: u16,
+    /// Destination port (network order).
+    pub dport: u16,
+    /// IP protocol.
+    pub proto: u8,
+    /// Reserved, zero.
+    pub _pad: [u8; 3],
+}
+
+/// The entry was created for the client → VIP direction.
+pub const FLOW_F_FORWARD: u8 = 1 << 0;
+/// The entry was created for the backend → SNAT direction.
+pub const FLOW_F_REVERSE: u8 = 1 << 1;
+/// A FIN was seen in this entry's direction.
+pub const FLOW_F_FIN: u8 = 1 << 2;
+/// A RST was seen in this entry's direction.
+pub const FLOW_F_RST: u8 = 1 << 3;
+
+/// Idle timeout of a TCP flow once FIN or RST was seen (seconds): long enough for the last ACKs and
+/// retransmissions, short enough to release the SNAT port soon.
+pub const TCP_CLOSING_TIMEOUT_S: u32 = 10;
+
+/// Value of the IPv4 connection-tracking map: how to rewrite a packet whose 5-tuple is the key.
+///
+/// A full-NAT flow has two entries: the forward one keyed by (client, VIP, cport, vport) rewriting to
+/// (SNAT, node, sport, nodeport), and the reverse one keyed by (node, SNAT, nodeport, sport) rewriting to
+/// (VIP, client, vport, cport). Each entry's partner key is its rewritten tuple turned around, so it is not
+/// stored.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct FlowV4 {
+    /// New source address.
+    pub new_src: u32,
+    /// New destination address.
+    pub new_dst: u32,
+    /// New source port.
+    pub new_sport: u16,
+    /// New destination port.
+    pub new_dport: u16,
+    /// Destination MAC of the rewritten frame (backend next hop, or the client-side MAC the flow came from).
+    pub mac: [u8; 6],
+    /// `FLOW_F_*` bits.
+    pub flags: u8,
+    /// Reserved, zero.
+    pub _pad: u8,
+    /// Service id (for counters).
+    pub svc_id: u32,
+    /// Backend id.
+    pub backend_id: u32,
+    /// Idle timeout in seconds; 0 = never.
+    pub timeout_s: u32,
+    /// One's-complement sum that turns the old addresses into the new ones (IP header and L4 pseudo header).
+    pub csum_addr: u32,
+    /// One's-complement sum that turns the old ports into the new ones (L4 header only).
+    pub csum_port: u32,
+    /// Reserved, zero.
+    pub _pad2: u32,
+    /// Last time a packet used this entry, `bpf_ktime_get_coarse_ns` clock (CLOCK_MONOTONIC_COARSE), ns.
+    pub last_seen_ns: u64,
+}
+
+impl FlowV4 {
+    /// The key of the partner entry (the other direction of the same connection).
+    #[inline(always)]
+    pub const fn partner_key(&self, proto: u8) -> FlowKeyV4 {
+        FlowKeyV4 {
+            src: self.new_dst,
+            dst: self.new_src,
+            sport: self.new_dport,
+            dport: self.new_sport,
+            proto,
+            _pad: [0; 3],
+        }
+    }
+}
+
+/// Per-CPU, per-service counters (`SERVICE_STATS`, index = service id). User space sums the CPUs.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ServiceStats {
+    /// Packets client → backend.
+    pub rx_packets: u64,
+    /// IP bytes client → backend.
+    pub rx_bytes: u64,
+    /// Packets backend → client.
+    pub tx_packets: u64,
+    /// IP bytes backend → client.
+    pub tx_bytes: u64,
+    /// Flows created.
+    pub new_flows: u64,
+    /// TCP flows that saw FIN or RST (first time per direction entry).
+    pub closed_flows: u64,
+    /// New flows dropped because the client is outside the source ranges.
+    pub drop_source_range: u64,
+    /// New flows dropped because no backend is healthy.
+    pub drop_no_backend: u64,
+    /// New flows dropped because no SNAT port was free after the bounded search.
+    pub drop_snat_exhausted: u64,
+    /// TCP packets without a flow that were not a SYN (dropped).
+    pub drop_no_flow: u64,
+    /// Forwarded packets passed to the kernel because the backend's next hop is unknown.
+    pub pass_no_nexthop: u64,
+    /// ICMP errors translated for this service's flows.
+    pub icmp_translated: u64,
+}
+
+/// Indices of the global per-CPU `STATS` array (`u64` each).
+pub mod stat {
+    /// Every packet the program saw.
+    pub const PACKETS: u32 = 0;
+    /// Passed: not IPv4 (ARP, IPv6 today, …).
+    pub const PASS_NOT_IPV4: u32 = 1;
+    /// Passed: IPv4 but not for a flow or service (including VRRP, ICMP echo, SSH to the VM).
+    pub const PASS_NOT_SERVICE: u32 = 2;
+    /// Dropped: malformed (truncated Ethernet/IP/L4 header, IHL < 5, total length out of bounds).
+    pub const DROP_MALFORMED: u32 = 3;
+    /// IPv4 packets that carried options (forwarded normally when they belong to a service).
+    pub const IP_OPTIONS: u32 = 4;
+    /// Dropped: a fragment addressed to a VIP (fragments are not load-balanced).
+    pub const DROP_FRAGMENT: u32 = 5;
+    /// Passed: a fragment for another address.
+    pub const PASS_FRAGMENT: u32 = 6;
+    /// Passed: next hop of the backend unknown (the kernel resolves it; the agent refreshes the table).
+    pub const PASS_NO_NEXTHOP: u32 = 7;
+    /// Dropped: TCP non-SYN packet for a service without a flow.
+    pub const DROP_NO_FLOW: u32 = 8;
+    /// ICMP errors translated (both directions).
+    pub const ICMP_TRANSLATED: u32 = 9;
+    /// Dropped: source range.
+    pub const DROP_SOURCE_RANGE: u32 = 10;
+    /// Dropped: no healthy backend.
+    pub const DROP_NO_BACKEND: u32 = 11;
+    /// Dropped: no SNAT port free.
+    pub const DROP_SNAT_EXHAUSTED: u32 = 12;
+    /// Dropped: the flow could not be stored (map error).
+    pub const DROP_FLOW_INSERT: u32 = 13;
+    /// Flows created.
+    pub const NEW_FLOWS: u32 = 14;
+    /// Packets forwarded (XDP_TX / redirect).
+    pub const FORWARDED: u32 = 15;
+    /// Dropped: Maglev slot or backend slot empty (table being rebuilt or inconsistent).
+    pub const DROP_BAD_BACKEND: u32 = 16;
+    /// Passed: ICMP error whose inner packet is not one of our flows.
+    pub const PASS_ICMP_UNKNOWN: u32 = 17;
+    /// Number of counters.
+    pub const COUNT: u32 = 18;
+
+    /// Names for metrics and logs, by index.
+    pub const NAMES: [&str; COUNT as usize] = [
+        "packets",
+        "pass_not_ipv4",
+        "pass_not_service",
+        "drop_malformed",
+        "ip_options",
+        "drop_fragment",
+        "pass_fragment",
+        "pass_no_nexthop",
+        "drop_no_flow",
+        "icmp_translated",
+        "drop_source_range",
+        "drop_no_backend",
+        "drop_snat_exhausted",
+        "drop_flow_insert",
+        "new_flows",
+        "forwarded",
+        "drop_bad_backend",
+        "pass_icmp_unknown",
+    ];
+}
+
+/// Index of the data plane's settings in the one-element `CONFIG` array.
+pub const CONFIG_INDEX: u32 = 0;
+
+/// Global data-plane settings (`CONFIG` array, one element).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Config {
+    /// Lowest SNAT source port (host order).
+    pub snat_port_min: u16,
+    /// Highest SNAT source port (host order).
+    pub snat_port_max: u16,
+    /// Seed mixed into the flow hash; equal on every replica so they pick the same backends.
+    pub hash_seed: u32,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Config {
+            snat_port_min: 1024,
+            snat_port_max: 65535,
+            hash_seed: 0x5eed_1b01,
+        }
+    }
+}
+
+/// How many ports the SNAT allocator tries for one new flow before giving up (bounded for the verifier).
+pub const SNAT_PORT_TRIES: u32 = 32;
+
+/// Names of the maps as declared in the eBPF object (and pinned under the agent's bpffs directory).
+pub mod map_names {
+    /// `HashMap<ServiceKey, Service>`.
+    pub const SERVICES: &str = "SERVICES";
+    /// `Array<Backend>`.
+    pub const BACKENDS: &str = "BACKENDS";
+    /// `Array<u32>`: Maglev tables of all services, each a slice `[table_offset, +table_size)`.
+    pub const MAGLEV: &str = "MAGLEV";
+    /// `HashMap<Addr, NextHop>`.
+    pub const NEXTHOPS: &str = "NEXTHOPS";
+    /// `LpmTrie<SourceRangeKey, u8>`.
+    pub const SOURCE_RANGES: &str = "SOURCE_RANGES";
+    /// `HashMap<Addr, u32>`: every address that carries at least one service (fragment policy).
+    pub const VIPS: &str = "VIPS";
+    /// `LruHashMap<FlowKeyV4, FlowV4>`.
+    pub const FLOWS_V4: &str = "FLOWS_V4";
+    /// `PerCpuArray<ServiceStats>`.
+    pub const SERVICE_STATS: &str = "SERVICE_STATS";
+    /// `PerCpuArray<u64>`, indices in [`super::stat`].
+    pub const STATS: &str = "STATS";
+    /// `Array<Config>`, one element.
+    pub const CONFIG: &str = "CONFIG";
+}
+
+/// Default capacities, overridable by the agent at load time.
+pub mod defaults {
+    /// Services (VIP, port, protocol).
+    pub const MAX_SERVICES: u32 = 4096;
+    /// Backend slots.
+    pub const MAX_BACKENDS: u32 = 65536;
+    /// Maglev arena slots (u32 each): 4 MiB.
+    pub const MAGLEV_SLOTS: u32 = 1 << 20;
+    /// Connection-tracking entries (two per connection).
+    pub const MAX_FLOWS: u32 = 1 << 20;
+    /// Next-hop entries.
+    pub const MAX_NEXTHOPS: u32 = 4096;
+    /// Source-range prefixes over all services.
+    pub const MAX_SOURCE_RANGES: u32 = 16384;
+}
+
+#[cfg(feature = "user")]
+mod pod {
+    // SAFETY: every type is repr(C), Copy, made only of integers and arrays of them, with padding named.
+    unsafe impl aya::Pod for super::Addr {}
+    unsafe impl aya::Pod for super::ServiceKey {}
+    unsafe impl aya::Pod for super::Service {}
+    unsafe impl aya::Pod for super::Backend {}
+    unsafe impl aya::Pod for super::NextHop {}
+    unsafe impl aya::Pod for super::SourceRangeKey {}
+    unsafe impl aya::Pod for super::FlowKeyV4 {}
+    unsafe impl aya::Pod for super::FlowV4 {}
+    unsafe impl aya::Pod for super::ServiceStats {}
+    unsafe impl aya::Pod for super::Config {}
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use core::mem::size_of;
+
+    // Sizes are part of the pinned-map ABI: a change here needs a LAYOUT_VERSION bump.
+    #[test]
+    fn layout_sizes_are_stable() {
+        assert_eq!(size_of::<Addr>(), 16);
+        assert_eq!(size_of::<ServiceKey>(), 20);
+        assert_eq!(size_of::<Service>(), 40);
+        assert_eq!(size_of::<Backend>(), 20);
+        assert_eq!(size_of::<NextHop>(), 12);
+        assert_eq!(size_of::<SourceRangeKey>(), 20);
+        assert_eq!(size_of::<FlowKeyV4>(), 16);
+        assert_eq!(size_of::<FlowV4>(), 48);
+        assert_eq!(size_of::<Config>(), 8);
+        assert_eq!(stat::NAMES.len(), stat::COUNT as usize);
+    }
+
+    #[test]
+    fn v4_addresses_round_trip() {
+        let raw = u32::from_ne_bytes([10, 0, 0, 1]);
+        let a = Addr::from_v4_raw(raw);
+        assert_eq!(&a.bytes[..4], &[10, 0, 0, 1]);
+        assert_eq!(a.v4_raw(), raw);
+    }
+
+    #[test]
+    fn partner_key_turns_the_rewrite_around() {
+        let f = FlowV4 {
+            new_src: 1,
+            new_dst: 2,
+            new_sport: 3,
+            new_dport: 4,
+            ..Default::default()
+        };
+        let k = f.partner_key(PROTO_TCP);
+        assert_eq!((k.src, k.dst, k.sport, k.dport, k.proto), (2, 1, 4, 3, PROTO_TCP));
+    }
+}

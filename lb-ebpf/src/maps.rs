@@ -1,0 +1,74 @@
+//! The data plane's maps. Names, key and value types are the contract with user space (`lb_common`).
+//! Capacities here are defaults; the agent sets the real ones at load time.
+
+use aya_ebpf::{
+    macros::map,
+    maps::{lpm_trie::LpmTrie, Array, HashMap, LruHashMap, PerCpuArray},
+};
+use lb_common::{
+    defaults, Addr, Backend, Config, FlowKeyV4, FlowV4, NextHop, Service, ServiceKey,
+    ServiceStats, SourceRangeKey,
+};
+
+/// (VIP, port, protocol) → service.
+#[map]
+pub static SERVICES: HashMap<ServiceKey, Service> =
+    HashMap::with_max_entries(defaults::MAX_SERVICES, 0);
+
+/// Backend id → node address and NodePort.
+#[map]
+pub static BACKENDS: Array<Backend> = Array::with_max_entries(defaults::MAX_BACKENDS, 0);
+
+/// Maglev tables of all services (backend ids), each service owning a slice.
+#[map]
+pub static MAGLEV: Array<u32> = Array::with_max_entries(defaults::MAGLEV_SLOTS, 0);
+
+/// Backend address → next-hop MAC, kept resolved by user space.
+#[map]
+pub static NEXTHOPS: HashMap<Addr, NextHop> = HashMap::with_max_entries(defaults::MAX_NEXTHOPS, 0);
+
+/// (service id, client prefix) → allowed.
+#[map]
+pub static SOURCE_RANGES: LpmTrie<SourceRangeKey, u8> =
+    LpmTrie::with_max_entries(defaults::MAX_SOURCE_RANGES, 0);
+
+/// Addresses that carry services (for the fragment policy).
+#[map]
+pub static VIPS: HashMap<Addr, u32> = HashMap::with_max_entries(defaults::MAX_SERVICES, 0);
+
+/// IPv4 connection tracking, both directions of every flow. Shared by all CPUs on purpose: the reply of a
+/// full-NAT flow usually arrives on another CPU than the request.
+#[map]
+pub static FLOWS_V4: LruHashMap<FlowKeyV4, FlowV4> =
+    LruHashMap::with_max_entries(defaults::MAX_FLOWS, 0);
+
+/// Per-service counters.
+#[map]
+pub static SERVICE_STATS: PerCpuArray<ServiceStats> =
+    PerCpuArray::with_max_entries(defaults::MAX_SERVICES, 0);
+
+/// Global counters, indices in `lb_common::stat`.
+#[map]
+pub static STATS: PerCpuArray<u64> = PerCpuArray::with_max_entries(lb_common::stat::COUNT, 0);
+
+/// Global settings.
+#[map]
+pub static CONFIG: Array<Config> = Array::with_max_entries(1, 0);
+
+/// Adds one to a global counter.
+#[inline(always)]
+pub fn count(idx: u32) {
+    if let Some(p) = STATS.get_ptr_mut(idx) {
+        // SAFETY: per-CPU slot of this CPU; nothing else writes it concurrently.
+        unsafe { *p += 1 };
+    }
+}
+
+/// Runs `f` on this CPU's counters of service `id`.
+#[inline(always)]
+pub fn with_service_stats(id: u32, f: impl FnOnce(&mut ServiceStats)) {
+    if let Some(p) = SERVICE_STATS.get_ptr_mut(id) {
+        // SAFETY: per-CPU slot of this CPU.
+        f(unsafe { &mut *p });
+    }
+}

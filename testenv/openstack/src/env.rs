@@ -1,0 +1,138 @@
+//! Finding the environment that `cargo xtask openstack up` started, and connecting to it with `openstack_sdk`.
+
+use anyhow::{Context, Result};
+use openstack_sdk::config::{CloudConfig, ConfigFile};
+use openstack_sdk::types::ServiceType;
+use openstack_sdk::AsyncOpenStack;
+use serde::Deserialize;
+use std::path::{Path, PathBuf};
+
+/// Environment variable naming the state directory of the environment (what `up` printed); default
+/// `<workspace>/target/openstack`.
+pub const DIR_ENV: &str = "LB_OPENSTACK_DIR";
+
+/// What `up` wrote to `testenv.json`: credentials and the resources it created for the tests.
+#[derive(Debug, Clone, Deserialize)]
+pub struct EnvInfo {
+    /// Keystone v3, e.g. `http://127.0.0.1:5000/v3`.
+    pub auth_url: String,
+    pub region: String,
+    /// The test project (tests run as its member user).
+    pub project_id: String,
+    pub project_name: String,
+    pub username: String,
+    pub password: String,
+    /// Cloud names in `clouds.yaml`: the test user, and admin.
+    pub cloud: String,
+    pub admin_cloud: String,
+    /// Flavor `lbtest.tiny` and image `lbtest-image`.
+    pub flavor_id: String,
+    pub image_id: String,
+    /// The external network (floating IPs come from it) and its subnet.
+    pub external_network_id: String,
+    pub external_subnet_id: String,
+    /// The test project's network, subnet and router (gateway on the external network, interface on the subnet):
+    /// ports on this network can have floating IPs.
+    pub network_id: String,
+    pub subnet_id: String,
+    pub router_id: String,
+}
+
+/// The running test environment.
+#[derive(Debug, Clone)]
+pub struct TestEnv {
+    /// The state directory holding `clouds.yaml`, `cloudprovider.conf` and `testenv.json`.
+    pub dir: PathBuf,
+    pub info: EnvInfo,
+}
+
+impl TestEnv {
+    /// The state directory: `$LB_OPENSTACK_DIR`, or `target/openstack` in this workspace.
+    pub fn default_dir() -> PathBuf {
+        match std::env::var_os(DIR_ENV) {
+            Some(dir) => PathBuf::from(dir),
+            None => Path::new(env!("CARGO_MANIFEST_DIR")).join("../../target/openstack"),
+        }
+    }
+
+    /// Loads the environment from [`TestEnv::default_dir`]. Fails, naming the command to run, when it is not up:
+    /// integration tests must fail loudly rather than skip.
+    pub fn load() -> Result<Self> {
+        Self::load_from(&Self::default_dir())
+    }
+
+    /// Loads the environment from a state directory.
+    pub fn load_from(dir: &Path) -> Result<Self> {
+        let file = dir.join("testenv.json");
+        let text = std::fs::read_to_string(&file).with_context(|| {
+            format!(
+                "the OpenStack test environment is not set up: cannot read {} ({DIR_ENV} selects another \
+                 directory). Run `cargo xtask openstack up` first",
+                file.display()
+            )
+        })?;
+        let info: EnvInfo =
+            serde_json::from_str(&text).with_context(|| format!("parsing {} (re-run `cargo xtask openstack up`)", file.display()))?;
+        Ok(TestEnv { dir: dir.to_path_buf(), info })
+    }
+
+    /// `clouds.yaml` with the clouds [`EnvInfo::cloud`] and [`EnvInfo::admin_cloud`].
+    pub fn clouds_yaml(&self) -> PathBuf {
+        self.dir.join("clouds.yaml")
+    }
+
+    /// yawol-style `[Global]` INI with the test project's credentials.
+    pub fn cloudprovider_conf(&self) -> PathBuf {
+        self.dir.join("cloudprovider.conf")
+    }
+
+    /// The `CloudConfig` of a cloud in `clouds.yaml`; add `<service>_endpoint_override` options to its `options`
+    /// to route a service through a [`crate::FaultProxy`] (see [`crate::FaultProxy::route`]).
+    pub fn cloud_config(&self, cloud: &str) -> Result<CloudConfig> {
+        let path = self.clouds_yaml();
+        let file = ConfigFile::builder()
+            .add_source(&path)
+            .with_context(|| format!("loading {}", path.display()))?
+            .build()
+            .with_context(|| format!("loading {}", path.display()))?;
+        file.get_cloud_config(cloud)
+            .with_context(|| format!("reading cloud {cloud} from {}", path.display()))?
+            .with_context(|| format!("no cloud {cloud:?} in {}", path.display()))
+    }
+
+    /// Connects as the test project's user.
+    pub async fn connect(&self) -> Result<AsyncOpenStack> {
+        self.connect_with(&self.cloud_config(&self.info.cloud)?).await
+    }
+
+    /// Connects as admin (for set-up that needs it, e.g. quotas).
+    pub async fn connect_admin(&self) -> Result<AsyncOpenStack> {
+        self.connect_with(&self.cloud_config(&self.info.admin_cloud)?).await
+    }
+
+    /// Connects with a (possibly modified) cloud configuration and discovers the compute and network endpoints.
+    ///
+    /// The discovery is needed: without it `openstack_sdk` uses the unversioned catalog URL as is (Neutron's is
+    /// `http://127.0.0.1:9696`, so `/floatingips` would be a 404 instead of `/v2.0/floatingips`).
+    pub async fn connect_with(&self, config: &CloudConfig) -> Result<AsyncOpenStack> {
+        let client: AsyncOpenStack = AsyncOpenStack::builder(config)
+            // A token cached on disk would outlive a `down --purge` (new Keystone keys) and belongs to nobody.
+            .disable_auth_cache(true)
+            .connect()
+            .await
+            .with_context(|| {
+                format!(
+                    "authenticating to {} as {:?}: is the OpenStack test environment up? (`cargo xtask openstack up`)",
+                    self.info.auth_url,
+                    config.name.as_deref().unwrap_or("?")
+                )
+            })?;
+        for service in [ServiceType::Compute, ServiceType::Network] {
+            client
+                .discover_service_endpoint(&service)
+                .await
+                .with_context(|| format!("discovering the {service:?} endpoint"))?;
+        }
+        Ok(client)
+    }
+}

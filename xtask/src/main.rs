@@ -1,0 +1,38 @@
+//! Developer commands. `cargo xtask --help` lists them; the README's two commands are `cargo xtask demo` and
+//! `cargo xtask test`.
+
+mod ebpf;
+mod openstack;
+mod test;
+mod util;
+
+use anyhow::Result;
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(about = "Developer commands for the XDP load balancer")]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Build the eBPF programs (installs the nightly rust-src component and a cached bpf-linker if needed).
+    BuildEbpf,
+    /// Run every test suite, fast to slow (the README's test command; CI runs exactly this).
+    Test(test::TestArgs),
+    /// A real OpenStack control plane on 127.0.0.1 for tests and local development.
+    Openstack {
+        #[command(subcommand)]
+        cmd: openstack::OpenstackCmd,
+    },
+}
+
+fn main() -> Result<()> {
+    match Cli::parse().cmd {
+        Cmd::BuildEbpf => ebpf::build().map(|_| ()),
+        Cmd::Test(args) => test::run_all(args),
+        Cmd::Openstack { cmd } => openstack::run(cmd),
+    }
+}

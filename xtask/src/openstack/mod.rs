@@ -1,0 +1,168 @@
+//! `cargo xtask openstack up|down|status`: a real OpenStack control plane (Keystone, Glance, Placement, Neutron,
+//! Nova with the fake driver on two compute hosts) on 127.0.0.1, for the integration tests and for local development.
+//!
+//! Everything is installed from the package registries (Debian: MariaDB and RabbitMQ; PyPI: the pinned venv of
+//! `testenv/openstack/python/`), every process binds to 127.0.0.1 and runs from our own state directory, and the PID
+//! of each is recorded so that `down` stops exactly what `up` started. See `testenv/openstack/README.md` for the
+//! layout, the knobs and the pitfalls this works around.
+
+mod config;
+mod install;
+mod process;
+mod services;
+
+use crate::util::root;
+use anyhow::{Context, Result};
+use clap::Subcommand;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Instant;
+
+/// OpenStack sub-commands.
+#[derive(Subcommand)]
+pub enum OpenstackCmd {
+    /// Install what is missing, configure and start Keystone, Glance, Placement, Neutron and Nova on 127.0.0.1,
+    /// create the test project, and write clouds.yaml and cloudprovider.conf (idempotent).
+    Up,
+    /// Stop exactly the processes that `up` started.
+    Down {
+        /// Also drop all state: databases, queues, configs, images, logs, credentials. The venv is kept.
+        #[arg(long)]
+        purge: bool,
+    },
+    /// Show which services run and where the client files are.
+    Status,
+}
+
+/// Runs an OpenStack sub-command.
+pub fn run(cmd: OpenstackCmd) -> Result<()> {
+    let layout = Layout::from_env();
+    match cmd {
+        OpenstackCmd::Up => up(&layout),
+        OpenstackCmd::Down { purge } => down(&layout, purge),
+        OpenstackCmd::Status => {
+            services::status(&layout);
+            Ok(())
+        }
+    }
+}
+
+/// The `openstack` stage of `cargo xtask test`: brings the environment up (idempotent), runs the ignored integration
+/// tests of `openstack-testenv` against it, and stops it again if it was not running before (state is kept, so the
+/// next start is quicker).
+pub fn test_stage() -> Result<()> {
+    let layout = Layout::from_env();
+    let was_running = services::all_running(&layout);
+    up(&layout)?;
+    let result = crate::util::run(
+        Command::new("cargo")
+            .current_dir(root())
+            .env("LB_OPENSTACK_DIR", &layout.state)
+            .args(["test", "-p", "openstack-testenv", "--", "--ignored", "--test-threads=1"]),
+        "openstack integration tests (cargo test -p openstack-testenv -- --ignored)",
+    );
+    if !was_running {
+        eprintln!("openstack: stopping the environment this stage started (state kept; `cargo xtask openstack down --purge` drops it)");
+        services::stop_all(&layout)?;
+    }
+    result
+}
+
+/// Where everything lives.
+pub struct Layout {
+    /// `testenv/openstack/` in the workspace: templates and Python support files.
+    pub support: PathBuf,
+    /// Databases, queues, configs, logs, PIDs and the client files (`LB_OPENSTACK_DIR`, default `target/openstack`).
+    pub state: PathBuf,
+    /// The Python venv with the pinned OpenStack packages (`LB_OPENSTACK_VENV`, default `target/openstack-venv`).
+    /// Not state: `down --purge` keeps it, like the Debian packages.
+    pub venv: PathBuf,
+    /// The one password of the environment: admin, services, test user, database (`LB_OPENSTACK_PASSWORD`).
+    pub password: String,
+}
+
+impl Layout {
+    fn from_env() -> Self {
+        let root = root();
+        let absolute = |p: PathBuf| if p.is_absolute() { p } else { root.join(p) };
+        let state = std::env::var_os("LB_OPENSTACK_DIR")
+            .map(PathBuf::from)
+            .map(absolute)
+            .unwrap_or_else(|| root.join("target/openstack"));
+        let venv = std::env::var_os("LB_OPENSTACK_VENV")
+            .map(PathBuf::from)
+            .map(absolute)
+            .unwrap_or_else(|| root.join("target/openstack-venv"));
+        let password = std::env::var("LB_OPENSTACK_PASSWORD").unwrap_or_else(|_| "lbtest-secret".to_string());
+        Layout { support: root.join("testenv/openstack"), state, venv, password }
+    }
+
+    /// PID files, the MariaDB socket.
+    fn run_dir(&self) -> PathBuf {
+        self.state.join("run")
+    }
+
+    /// One log file per service.
+    fn log_dir(&self) -> PathBuf {
+        self.state.join("logs")
+    }
+
+    /// Rendered configuration files.
+    fn etc(&self) -> PathBuf {
+        self.state.join("etc")
+    }
+
+    /// Markers of one-time steps that are done (schema syncs).
+    fn stamps(&self) -> PathBuf {
+        self.state.join("stamps")
+    }
+
+    /// A program of the venv.
+    fn bin(&self, name: &str) -> PathBuf {
+        self.venv.join("bin").join(name)
+    }
+}
+
+fn up(layout: &Layout) -> Result<()> {
+    let started = Instant::now();
+    install::ensure_root()?;
+    install::ensure_debian_packages()?;
+    install::ensure_venv(layout)?;
+    for dir in [layout.run_dir(), layout.log_dir(), layout.etc(), layout.stamps()] {
+        std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+    }
+    config::render_all(layout)?;
+    services::start_all(layout)?;
+    let ids = services::register(layout, "resources")?;
+    let files = config::write_client_files(layout, &ids)?;
+    eprintln!("openstack: up in {:.1}s; every service listens on 127.0.0.1 only", started.elapsed().as_secs_f64());
+    print_usage(layout, &files);
+    Ok(())
+}
+
+fn down(layout: &Layout, purge: bool) -> Result<()> {
+    services::stop_all(layout)?;
+    if purge {
+        if layout.state.exists() {
+            std::fs::remove_dir_all(&layout.state)
+                .with_context(|| format!("removing the state directory {}", layout.state.display()))?;
+        }
+        eprintln!("openstack: state dropped ({}); the venv {} is kept", layout.state.display(), layout.venv.display());
+    }
+    Ok(())
+}
+
+fn print_usage(layout: &Layout, files: &[PathBuf]) {
+    for f in files {
+        println!("wrote {}", f.display());
+    }
+    let clouds = layout.state.join("clouds.yaml");
+    println!("# OpenStack CLI (admin: OS_CLOUD=lbtest-admin):");
+    println!("export OS_CLIENT_CONFIG_FILE={} OS_CLOUD=lbtest", clouds.display());
+    println!("# then e.g.: {} server list", display(&layout.bin("openstack")));
+    println!("# stop: cargo xtask openstack down [--purge]");
+}
+
+fn display(p: &Path) -> String {
+    p.display().to_string()
+}

@@ -1,0 +1,72 @@
+//! `cargo xtask test`: every suite, fast to slow. A stage that cannot run fails loudly; nothing is skipped.
+
+use crate::util::{root, run};
+use anyhow::Result;
+use clap::Args;
+use std::process::Command;
+use std::time::Instant;
+
+/// Options of `cargo xtask test`.
+#[derive(Args)]
+pub struct TestArgs {
+    /// Run only the stages whose name contains this text.
+    #[arg(long)]
+    pub only: Option<String>,
+}
+
+struct Stage {
+    name: &'static str,
+    run: fn() -> Result<()>,
+}
+
+fn cargo(args: &[&str]) -> Command {
+    let mut c = Command::new("cargo");
+    c.current_dir(root()).args(args);
+    c
+}
+
+const STAGES: &[Stage] = &[
+    Stage {
+        name: "format",
+        run: || run(&mut cargo(&["fmt", "--all", "--check"]), "cargo fmt --check"),
+    },
+    Stage {
+        name: "build-ebpf",
+        run: || crate::ebpf::build().map(|_| ()),
+    },
+    Stage {
+        name: "clippy",
+        run: || {
+            run(
+                &mut cargo(&["clippy", "--workspace", "--all-targets", "--", "-D", "warnings"]),
+                "cargo clippy",
+            )
+        },
+    },
+    Stage {
+        name: "unit+dataplane",
+        run: || run(&mut cargo(&["test", "--workspace"]), "cargo test --workspace"),
+    },
+    Stage {
+        name: "openstack",
+        run: crate::openstack::test_stage,
+    },
+];
+
+/// Runs the stages in order and stops at the first failure (entry point of `cargo xtask test`).
+pub fn run_all(args: TestArgs) -> Result<()> {
+    let total = Instant::now();
+    for stage in STAGES {
+        if let Some(only) = &args.only {
+            if !stage.name.contains(only.as_str()) {
+                continue;
+            }
+        }
+        eprintln!("==> stage {}", stage.name);
+        let t = Instant::now();
+        (stage.run)()?;
+        eprintln!("==> stage {} ok in {:.1}s", stage.name, t.elapsed().as_secs_f64());
+    }
+    eprintln!("all stages passed in {:.1}s", total.elapsed().as_secs_f64());
+    Ok(())
+}
