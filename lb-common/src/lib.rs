@@ -245,50 +245,46 @@ pub struct ServiceStats {
     pub icmp_translated: u64,
 }
 
-/// Indices of the global per-CPU `STATS` array (`u64` each).
+/// Indices of the global per-CPU `STATS` array (`u64` each). Forwarded packets and bytes are counted per
+/// service only ([`ServiceStats`]): one counter update per packet on the fast path, not two.
 pub mod stat {
-    /// Every packet the program saw.
-    pub const PACKETS: u32 = 0;
     /// Passed: not IPv4 (ARP, IPv6 today, …).
-    pub const PASS_NOT_IPV4: u32 = 1;
+    pub const PASS_NOT_IPV4: u32 = 0;
     /// Passed: IPv4 but not for a flow or service (including VRRP, ICMP echo, SSH to the VM).
-    pub const PASS_NOT_SERVICE: u32 = 2;
+    pub const PASS_NOT_SERVICE: u32 = 1;
     /// Dropped: malformed (truncated Ethernet/IP/L4 header, IHL < 5, total length out of bounds).
-    pub const DROP_MALFORMED: u32 = 3;
+    pub const DROP_MALFORMED: u32 = 2;
     /// IPv4 packets that carried options (forwarded normally when they belong to a service).
-    pub const IP_OPTIONS: u32 = 4;
+    pub const IP_OPTIONS: u32 = 3;
     /// Dropped: a fragment addressed to a VIP (fragments are not load-balanced).
-    pub const DROP_FRAGMENT: u32 = 5;
+    pub const DROP_FRAGMENT: u32 = 4;
     /// Passed: a fragment for another address.
-    pub const PASS_FRAGMENT: u32 = 6;
+    pub const PASS_FRAGMENT: u32 = 5;
     /// Passed: next hop of the backend unknown (the kernel resolves it; the agent refreshes the table).
-    pub const PASS_NO_NEXTHOP: u32 = 7;
+    pub const PASS_NO_NEXTHOP: u32 = 6;
     /// Dropped: TCP non-SYN packet for a service without a flow.
-    pub const DROP_NO_FLOW: u32 = 8;
+    pub const DROP_NO_FLOW: u32 = 7;
     /// ICMP errors translated (both directions).
-    pub const ICMP_TRANSLATED: u32 = 9;
+    pub const ICMP_TRANSLATED: u32 = 8;
     /// Dropped: source range.
-    pub const DROP_SOURCE_RANGE: u32 = 10;
+    pub const DROP_SOURCE_RANGE: u32 = 9;
     /// Dropped: no healthy backend.
-    pub const DROP_NO_BACKEND: u32 = 11;
+    pub const DROP_NO_BACKEND: u32 = 10;
     /// Dropped: no SNAT port free.
-    pub const DROP_SNAT_EXHAUSTED: u32 = 12;
+    pub const DROP_SNAT_EXHAUSTED: u32 = 11;
     /// Dropped: the flow could not be stored (map error).
-    pub const DROP_FLOW_INSERT: u32 = 13;
+    pub const DROP_FLOW_INSERT: u32 = 12;
     /// Flows created.
-    pub const NEW_FLOWS: u32 = 14;
-    /// Packets forwarded (XDP_TX / redirect).
-    pub const FORWARDED: u32 = 15;
+    pub const NEW_FLOWS: u32 = 13;
     /// Dropped: Maglev slot or backend slot empty (table being rebuilt or inconsistent).
-    pub const DROP_BAD_BACKEND: u32 = 16;
+    pub const DROP_BAD_BACKEND: u32 = 14;
     /// Passed: ICMP error whose inner packet is not one of our flows.
-    pub const PASS_ICMP_UNKNOWN: u32 = 17;
+    pub const PASS_ICMP_UNKNOWN: u32 = 15;
     /// Number of counters.
-    pub const COUNT: u32 = 18;
+    pub const COUNT: u32 = 16;
 
     /// Names for metrics and logs, by index.
     pub const NAMES: [&str; COUNT as usize] = [
-        "packets",
         "pass_not_ipv4",
         "pass_not_service",
         "drop_malformed",
@@ -303,7 +299,6 @@ pub mod stat {
         "drop_snat_exhausted",
         "drop_flow_insert",
         "new_flows",
-        "forwarded",
         "drop_bad_backend",
         "pass_icmp_unknown",
     ];

@@ -1,6 +1,116 @@
+//! `lb-controller`: the cloud controller binary (`run`, default) and `crds` (manifest generator).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context;
+use clap::Parser;
+use lb_controller::cli::{self, Cli, Command, LogFormat};
+use lb_controller::leader::{self, LeaderElectionConfig};
+use lb_controller::metrics::Metrics;
+use lb_controller::run::{self, Health, RunConfig};
+use lb_controller::service_controller::ServiceControllerConfig;
+use tracing::{error, info};
+
 fn main() -> anyhow::Result<()> {
-    for p in lb_controller::crds::write(std::path::Path::new("deploy/crds"))? {
-        println!("{}", p.display());
+    let cli = Cli::parse();
+    match cli.command {
+        Some(Command::Crds { dir, check }) => crds(&dir, check),
+        Some(Command::Run) | None => {
+            init_logging(cli.run.log_format);
+            tokio::runtime::Runtime::new()?.block_on(run_controller(cli.run))
+        }
+    }
+}
+
+fn crds(dir: &std::path::Path, check: bool) -> anyhow::Result<()> {
+    if check {
+        let drifted = lb_controller::crds::drift(dir)?;
+        anyhow::ensure!(
+            drifted.is_empty(),
+            "CRD manifests in {} are out of date: {} (run `lb-controller crds`)",
+            dir.display(),
+            drifted.join(", ")
+        );
+        println!("CRD manifests in {} are up to date", dir.display());
+    } else {
+        for path in lb_controller::crds::write(dir)? {
+            println!("wrote {}", path.display());
+        }
     }
     Ok(())
+}
+
+fn init_logging(format: LogFormat) {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let builder = tracing_subscriber::fmt().with_env_filter(filter);
+    match format {
+        LogFormat::Json => builder.json().init(),
+        LogFormat::Text => builder.init(),
+    }
+}
+
+async fn run_controller(args: cli::RunArgs) -> anyhow::Result<()> {
+    let defaults = args.infra.defaults()?;
+    let fallback = args.kubeconfig.as_deref();
+    let target = cli::client_for(args.target_kubeconfig.as_deref().or(fallback)).await.context("target cluster")?;
+    let control = cli::client_for(args.control_kubeconfig.as_deref().or(fallback)).await.context("control cluster")?;
+    let metrics = Arc::new(Metrics::new());
+    let health = Arc::new(Health::default());
+    let router = lb_controller::http::router(metrics.clone(), health.clone(), args.leader_elect);
+    for address in [&args.metrics_bind_address, &args.health_probe_bind_address] {
+        if let Some(addr) = cli::parse_bind_address(address)? {
+            let router = router.clone();
+            tokio::spawn(async move {
+                if let Err(e) = lb_controller::http::serve(addr, router).await {
+                    error!(error = %e, "http server failed");
+                    std::process::exit(1);
+                }
+            });
+        }
+    }
+    let instance = std::env::var("POD_NAME").unwrap_or_else(|_| hostname());
+    let config = RunConfig {
+        service: ServiceControllerConfig {
+            defaults: defaults.clone(),
+            classes: args.class_filter(),
+            resync: args.resync(),
+            deletion_poll: Duration::from_secs(5),
+        },
+        event_max_age: Duration::from_secs(args.event_max_age),
+        event_component: "lb-cloud-controller".into(),
+        instance: instance.clone(),
+        concurrency: args.concurrency.max(1),
+    };
+    let shutdown = async {
+        let _ = tokio::signal::ctrl_c().await;
+        info!("shutting down");
+    };
+    let controllers = run::run_controllers(target, control.clone(), config, metrics.clone(), health.clone(), shutdown);
+    if args.leader_elect {
+        let election = LeaderElectionConfig {
+            namespace: args.leader_election_namespace.clone().unwrap_or(defaults.namespace),
+            name: args.leader_election_id.clone(),
+            identity: format!("{instance}_{:08x}", std::process::id() ^ rand_suffix()),
+            lease_duration: Duration::from_secs(args.leases_duration),
+            renew_deadline: Duration::from_secs(args.leases_renew_deadline),
+            retry_period: Duration::from_secs(args.leases_retry_period.max(1)),
+        };
+        leader::run_as_leader(control, election, metrics, controllers).await?;
+    } else {
+        controllers.await;
+    }
+    anyhow::ensure!(!health.failed.load(std::sync::atomic::Ordering::SeqCst), "a controller loop failed");
+    Ok(())
+}
+
+fn hostname() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|h| h.trim().to_string())
+        .unwrap_or_else(|_| "lb-controller".into())
+}
+
+fn rand_suffix() -> u32 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.subsec_nanos()).unwrap_or(0)
 }

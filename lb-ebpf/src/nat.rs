@@ -34,7 +34,6 @@ const NS_PER_S: u64 = 1_000_000_000;
 /// Processes one frame.
 #[inline(always)]
 pub fn process<C: Ctx>(c: &C) -> Verdict {
-    count(stat::PACKETS);
     let Some(eth) = ptr_at::<C, EthHdr>(c, 0) else {
         count(stat::DROP_MALFORMED);
         return Verdict::Drop;
@@ -437,7 +436,6 @@ fn rewrite<C: Ctx>(
         (*ports).sport = fl.new_sport;
         (*ports).dport = fl.new_dport;
     }
-    count(stat::FORWARDED);
     c.l4_csum(csum_off, csum_p, fl.csum_addr, fl.csum_port, proto == PROTO_UDP);
     Verdict::Tx
 }
@@ -540,7 +538,6 @@ fn icmp<C: Ctx>(c: &C, eth: *mut EthHdr, ip: *mut Ipv4Hdr, l4_off: usize) -> Ver
         (*eth).dst = fl.mac;
     }
     count(stat::ICMP_TRANSLATED);
-    count(stat::FORWARDED);
     with_service_stats(fl.svc_id, |s| s.icmp_translated += 1);
     Verdict::Tx
 }

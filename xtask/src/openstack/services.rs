@@ -174,9 +174,10 @@ pub fn status(layout: &Layout) {
     }
 }
 
-/// Starts every service that does not run yet, phase by phase, with the one-time set-up steps after the
-/// infrastructure phase.
-pub fn start_all(layout: &Layout) -> Result<()> {
+/// Starts every service that does not run yet, phase by phase, with the one-time set-up steps in between. Returns
+/// how many services it started (0: everything was running already).
+pub fn start_all(layout: &Layout) -> Result<usize> {
+    let mut started = 0;
     prepare_dirs(layout)?;
     let mut all = services(layout);
     let last_phase = all.iter().map(|s| s.phase).max().unwrap_or(0);
@@ -189,19 +190,24 @@ pub fn start_all(layout: &Layout) -> Result<()> {
             all = later;
             now
         };
-        start_phase(layout, batch)?;
+        started += start_phase(layout, batch)?;
         match phase {
             PHASE_RABBITMQ => {
                 create_databases(layout)?;
                 sync_schemas(layout)?;
             }
             PHASE_KEYSTONE => {
-                register(layout, "identity")?;
+                // Stamped: the catalog only changes through us, and it is slow to re-check (about 40 Keystone calls).
+                let stamp = layout.stamps().join("register-identity");
+                if !stamp.exists() {
+                    register(layout, "identity")?;
+                    std::fs::write(&stamp, "").with_context(|| format!("writing {}", stamp.display()))?;
+                }
             }
             _ => {}
         }
     }
-    Ok(())
+    Ok(started)
 }
 
 fn prepare_dirs(layout: &Layout) -> Result<()> {
@@ -231,12 +237,17 @@ fn prepare_dirs(layout: &Layout) -> Result<()> {
     Ok(())
 }
 
-/// Starts the services of one phase that are not running and waits until all of them are ready.
-fn start_phase(layout: &Layout, batch: Vec<Service>) -> Result<()> {
+/// Starts the services of one phase that are not running and waits until all of them are ready. Returns how many
+/// it started.
+fn start_phase(layout: &Layout, batch: Vec<Service>) -> Result<usize> {
     let run_dir = layout.run_dir();
     let mut pending = Vec::new();
+    let mut already = Vec::new();
     for s in batch {
         if process::running_pid(&run_dir, &s.name).is_some() {
+            // Already running: still check that it answers, so that a hung API fails here and not in a test.
+            let long_ago = Instant::now().checked_sub(SETTLE_TIME).unwrap_or_else(Instant::now);
+            already.push((s.name, s.ready, long_ago));
             continue;
         }
         if let Ready::Port(port) | Ready::Http(port) = s.ready {
@@ -254,6 +265,8 @@ fn start_phase(layout: &Layout, batch: Vec<Service>) -> Result<()> {
         process::spawn(Spec { name: s.name, command: s.command }, &run_dir, &layout.log_dir())?;
         pending.push((name, ready, Instant::now()));
     }
+    let started = pending.len();
+    pending.extend(already);
     let deadline = Instant::now() + READY_TIMEOUT;
     while !pending.is_empty() {
         let mut still = Vec::new();
@@ -285,7 +298,7 @@ fn start_phase(layout: &Layout, batch: Vec<Service>) -> Result<()> {
         }
         std::thread::sleep(Duration::from_millis(500));
     }
-    Ok(())
+    Ok(started)
 }
 
 fn log_hint(layout: &Layout, name: &str) -> String {

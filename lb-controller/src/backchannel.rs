@@ -1,0 +1,216 @@
+//! Back channel (control cluster → target cluster): a ready LoadBalancer's external IP goes into
+//! `Service.status.loadBalancer.ingress`, and the user-facing events of the LoadBalancer
+//! controllers are re-emitted on the Service.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use futures::StreamExt;
+use k8s_openapi::api::core::v1::{Event, ObjectReference, Service};
+use kube::api::{Patch, PatchParams};
+use kube::runtime::controller::Action;
+use kube::runtime::reflector::{ObjectRef, Store};
+use kube::runtime::{watcher, WatchStreamExt};
+use kube::{Api, Client, Resource, ResourceExt};
+use lb_api::constants::{defaults, lb_annotations};
+use lb_api::{naming, LoadBalancer};
+use serde_json::json;
+use tracing::{debug, info, warn};
+
+use crate::events::{EventPublisher, EventType};
+use crate::metrics::Metrics;
+
+/// Shared state of the back-channel controllers.
+pub struct BackchannelContext {
+    /// Client of the cluster holding the Services.
+    pub target: Client,
+    /// Client of the cluster holding the LoadBalancers and their events.
+    pub control: Client,
+    /// Namespace of the LoadBalancers.
+    pub namespace: String,
+    /// Cache of the LoadBalancers.
+    pub loadbalancers: Store<LoadBalancer>,
+    /// Event publisher on the target cluster.
+    pub events: Arc<EventPublisher>,
+    /// Metrics.
+    pub metrics: Arc<Metrics>,
+    /// Events older than this when first seen are not forwarded (they were forwarded before a
+    /// restart, or are stale).
+    pub event_max_age: Duration,
+}
+
+/// Errors of the back channel; retried with backoff.
+#[derive(Debug, thiserror::Error)]
+#[error("{action}: {source}")]
+pub struct Error {
+    action: String,
+    #[source]
+    source: kube::Error,
+}
+
+/// The Service a LoadBalancer belongs to (`yawol.stackit.cloud/serviceName` annotation).
+pub fn service_of(lb: &LoadBalancer) -> Option<(String, String)> {
+    let reference = lb.annotations().get(lb_annotations::SERVICE_NAME)?;
+    let (namespace, name) = naming::parse_namespaced_name(reference)?;
+    Some((namespace.to_string(), name.to_string()))
+}
+
+/// The IP to publish, if the LoadBalancer is ready: an external IP and either ready machines or
+/// zero desired machines (yawol PR #521: keep reporting the IP when scaled to 0).
+pub fn publishable_ip(lb: &LoadBalancer) -> Option<&str> {
+    if lb.meta().deletion_timestamp.is_some() {
+        return None;
+    }
+    let status = lb.status.as_ref()?;
+    let ip = status.external_ip.as_deref().filter(|ip| !ip.is_empty())?;
+    let ready = lb.spec.replicas == 0 || status.ready_replicas.unwrap_or(0) > 0;
+    ready.then_some(ip)
+}
+
+/// Reconciles one LoadBalancer: publish its IP on the Service.
+pub async fn reconcile(lb: Arc<LoadBalancer>, ctx: Arc<BackchannelContext>) -> Result<Action, Error> {
+    let started = Instant::now();
+    let result = reconcile_ip(&lb, &ctx).await;
+    ctx.metrics.observe_reconcile("loadbalancer", result.is_ok(), started.elapsed());
+    result
+}
+
+async fn reconcile_ip(lb: &LoadBalancer, ctx: &BackchannelContext) -> Result<Action, Error> {
+    let (Some(ip), Some((namespace, name))) = (publishable_ip(lb), service_of(lb)) else {
+        return Ok(Action::await_change());
+    };
+    let api: Api<Service> = Api::namespaced(ctx.target.clone(), &namespace);
+    let service = api.get_opt(&name).await.map_err(|source| Error {
+        action: format!("reading service {namespace}/{name}"),
+        source,
+    })?;
+    let Some(service) = service else { return Ok(Action::await_change()) };
+    if service.meta().deletion_timestamp.is_some() {
+        return Ok(Action::await_change());
+    }
+    let current: Vec<Option<&str>> = service
+        .status
+        .as_ref()
+        .and_then(|s| s.load_balancer.as_ref())
+        .and_then(|l| l.ingress.as_ref())
+        .map(|i| i.iter().map(|i| i.ip.as_deref()).collect())
+        .unwrap_or_default();
+    if current == [Some(ip)] {
+        return Ok(Action::await_change());
+    }
+    let patch = json!({"status": {"loadBalancer": {"ingress": [{"ip": ip}]}}});
+    api.patch_status(&name, &PatchParams::default(), &Patch::Merge(&patch)).await.map_err(|source| Error {
+        action: format!("writing ingress of service {namespace}/{name}"),
+        source,
+    })?;
+    ctx.metrics.ingress_updates.inc();
+    info!(service = %format!("{namespace}/{name}"), ip, "published external IP");
+    let reference: ObjectReference = service.object_ref(&());
+    let message = format!("LoadBalancer is successfully created with IP {ip}");
+    if let Err(e) = ctx.events.publish(&reference, EventType::Normal, "creation", &message).await {
+        warn!(error = %e, "could not publish event");
+    }
+    Ok(Action::await_change())
+}
+
+/// Backoff for the back channel (same curve as the Service controller).
+pub fn error_policy(_: Arc<LoadBalancer>, error: &Error, _: Arc<BackchannelContext>) -> Action {
+    warn!(%error, "back channel reconcile failed");
+    Action::requeue(Duration::from_secs(5))
+}
+
+/// Whether an Event should be forwarded: about a LoadBalancer and from the user-facing source.
+pub fn is_forwardable(event: &Event) -> bool {
+    let component = event.source.as_ref().and_then(|s| s.component.as_deref());
+    let reporting = event.reporting_component.as_deref();
+    event.involved_object.kind.as_deref() == Some("LoadBalancer")
+        && (component == Some(defaults::USER_EVENT_COMPONENT)
+            || reporting == Some(defaults::USER_EVENT_COMPONENT))
+}
+
+fn event_count(event: &Event) -> i32 {
+    event.count.or_else(|| event.series.as_ref().and_then(|s| s.count)).unwrap_or(1)
+}
+
+fn event_time(event: &Event) -> Option<k8s_openapi::jiff::Timestamp> {
+    event
+        .last_timestamp
+        .as_ref()
+        .map(|t| t.0)
+        .or_else(|| event.event_time.as_ref().map(|t| t.0))
+        .or_else(|| event.first_timestamp.as_ref().map(|t| t.0))
+        .or_else(|| event.metadata.creation_timestamp.as_ref().map(|t| t.0))
+}
+
+/// Watches Events in the control namespace and re-emits the forwardable ones on the Services.
+/// Runs until the watch stream ends (never, in practice); watch errors are retried with backoff.
+pub async fn forward_events(ctx: Arc<BackchannelContext>) {
+    let api: Api<Event> = Api::namespaced(ctx.control.clone(), &ctx.namespace);
+    let config = watcher::Config::default().fields("involvedObject.kind=LoadBalancer");
+    let mut forwarded: HashMap<String, i32> = HashMap::new();
+    let stream = watcher(api, config).default_backoff().applied_objects();
+    futures::pin_mut!(stream);
+    while let Some(item) = stream.next().await {
+        let event = match item {
+            Ok(event) => event,
+            Err(e) => {
+                warn!(error = %e, "event watch failed; retrying");
+                continue;
+            }
+        };
+        if !is_forwardable(&event) {
+            continue;
+        }
+        let uid = event.metadata.uid.clone().unwrap_or_default();
+        let count = event_count(&event);
+        let first_sight = !forwarded.contains_key(&uid);
+        if forwarded.get(&uid).is_some_and(|seen| *seen >= count) {
+            continue;
+        }
+        forwarded.insert(uid, count);
+        if first_sight {
+            let fresh = event_time(&event).is_some_and(|t| {
+                k8s_openapi::jiff::Timestamp::now().duration_since(t).unsigned_abs() <= ctx.event_max_age
+            });
+            if !fresh {
+                debug!(event = event.name_any(), "skipping old event");
+                continue;
+            }
+        }
+        if let Err(e) = forward(&ctx, &event).await {
+            warn!(error = %e, event = event.name_any(), "could not forward event");
+        }
+        if forwarded.len() > 50_000 {
+            forwarded.clear();
+        }
+    }
+}
+
+async fn forward(ctx: &BackchannelContext, event: &Event) -> Result<(), kube::Error> {
+    let Some(lb_name) = event.involved_object.name.as_deref() else { return Ok(()) };
+    let lb = ctx.loadbalancers.get(&ObjectRef::new(lb_name).within(&ctx.namespace));
+    let lb = match lb {
+        Some(lb) => lb,
+        None => match Api::<LoadBalancer>::namespaced(ctx.control.clone(), &ctx.namespace).get_opt(lb_name).await? {
+            Some(lb) => Arc::new(lb),
+            None => return Ok(()),
+        },
+    };
+    let Some((namespace, name)) = service_of(&lb) else { return Ok(()) };
+    let Some(service) = Api::<Service>::namespaced(ctx.target.clone(), &namespace).get_opt(&name).await? else {
+        return Ok(());
+    };
+    let type_ = if event.type_.as_deref() == Some("Warning") { EventType::Warning } else { EventType::Normal };
+    ctx.events
+        .publish(
+            &service.object_ref(&()),
+            type_,
+            event.reason.as_deref().unwrap_or("LoadBalancer"),
+            event.message.as_deref().unwrap_or_default(),
+        )
+        .await?;
+    ctx.metrics.events_forwarded.inc();
+    Ok(())
+}
+

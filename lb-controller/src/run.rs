@@ -1,0 +1,221 @@
+//! Wiring: caches, triggers and the three loops (Service controller, back-channel controller,
+//! event forwarder) over a target and a control client.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::channel::mpsc;
+use futures::{Stream, StreamExt};
+use k8s_openapi::api::core::v1::{Node, Service};
+use kube::runtime::reflector::{self, ObjectRef, Store};
+use kube::runtime::{controller, watcher, Controller, WatchStreamExt};
+use kube::{Api, Client, ResourceExt};
+use lb_api::LoadBalancer;
+use tracing::{debug, info, warn};
+
+use crate::backchannel::{self, BackchannelContext};
+use crate::endpoints::NodeFingerprint;
+use crate::events::EventPublisher;
+use crate::metrics::Metrics;
+use crate::service_controller::{self, ServiceContext, ServiceControllerConfig};
+
+/// Everything configurable about the running controllers.
+#[derive(Clone, Debug)]
+pub struct RunConfig {
+    /// Service controller settings (defaults, classes, resync).
+    pub service: ServiceControllerConfig,
+    /// Events older than this when first seen are not forwarded.
+    pub event_max_age: Duration,
+    /// Component name on the Events this controller publishes.
+    pub event_component: String,
+    /// Instance name on the Events (pod name).
+    pub instance: String,
+    /// Parallel reconciliations per controller.
+    pub concurrency: u16,
+}
+
+/// Liveness/readiness shared with the probe endpoints.
+#[derive(Debug, Default)]
+pub struct Health {
+    /// Caches are synced and the controllers run.
+    pub ready: AtomicBool,
+    /// A controller loop ended unexpectedly.
+    pub failed: AtomicBool,
+}
+
+/// Runs the controllers until `shutdown` resolves (then finishes in-flight reconciliations).
+pub async fn run_controllers(
+    target: Client,
+    control: Client,
+    config: RunConfig,
+    metrics: Arc<Metrics>,
+    health: Arc<Health>,
+    shutdown: impl std::future::Future<Output = ()> + Send + Sync + 'static,
+) {
+    let namespace = config.service.defaults.namespace.clone();
+    let (node_trigger_tx, node_trigger_rx) = mpsc::unbounded::<()>();
+    let (nodes, node_writer) = reflector::store::<Node>();
+    let node_stream = reflector::reflector(
+        node_writer,
+        watcher(Api::<Node>::all(target.clone()), watcher::Config::default()).default_backoff(),
+    );
+    let node_task = tokio::spawn(node_triggers(node_stream, node_trigger_tx));
+
+    let lb_api: Api<LoadBalancer> = Api::namespaced(control.clone(), &namespace);
+    let (loadbalancers, lb_writer) = reflector::store::<LoadBalancer>();
+    let lb_stream = reflector::reflector(lb_writer, watcher(lb_api.clone(), watcher::Config::default()).default_backoff());
+    let lb_task = tokio::spawn(drain(lb_stream, "loadbalancer cache"));
+
+    info!("waiting for node and LoadBalancer caches");
+    if wait_ready(&nodes).await.is_err() || wait_ready(&loadbalancers).await.is_err() {
+        health.failed.store(true, Ordering::SeqCst);
+        return;
+    }
+    info!(nodes = nodes.state().len(), loadbalancers = loadbalancers.state().len(), "caches synced");
+
+    let events = Arc::new(EventPublisher::new(target.clone(), &config.event_component, &config.instance));
+    let service_ctx = Arc::new(ServiceContext {
+        target: target.clone(),
+        control: control.clone(),
+        config: config.service.clone(),
+        nodes: nodes.clone(),
+        loadbalancers: loadbalancers.clone(),
+        events: events.clone(),
+        metrics: metrics.clone(),
+        failures: Default::default(),
+        reported: Default::default(),
+    });
+    let backchannel_ctx = Arc::new(BackchannelContext {
+        target: target.clone(),
+        control: control.clone(),
+        namespace: namespace.clone(),
+        loadbalancers: loadbalancers.clone(),
+        events,
+        metrics: metrics.clone(),
+        event_max_age: config.event_max_age,
+    });
+
+    let (shutdown_tx, _) = tokio::sync::broadcast::channel::<()>(1);
+    let shutdown_signal = {
+        let tx = shutdown_tx.clone();
+        async move {
+            shutdown.await;
+            let _ = tx.send(());
+        }
+    };
+    let on_shutdown = |tx: &tokio::sync::broadcast::Sender<()>| {
+        let mut rx = tx.subscribe();
+        async move {
+            let _ = rx.recv().await;
+        }
+    };
+
+    let controller_config = controller::Config::default().concurrency(config.concurrency);
+    let services = Controller::new(Api::<Service>::all(target.clone()), watcher::Config::default())
+        .with_config(controller_config.clone())
+        .watches(lb_api.clone(), watcher::Config::default(), |lb: LoadBalancer| {
+            backchannel::service_of(&lb).map(|(ns, name)| ObjectRef::<Service>::new(&name).within(&ns))
+        })
+        .reconcile_all_on(node_trigger_rx)
+        .graceful_shutdown_on(on_shutdown(&shutdown_tx))
+        .run(service_controller::reconcile, service_controller::error_policy, service_ctx)
+        .for_each(|result| async move {
+            if let Err(e) = result {
+                debug!(error = %e, "service controller");
+            }
+        });
+    let backchannel = Controller::new(lb_api, watcher::Config::default())
+        .with_config(controller_config)
+        .graceful_shutdown_on(on_shutdown(&shutdown_tx))
+        .run(backchannel::reconcile, backchannel::error_policy, backchannel_ctx.clone())
+        .for_each(|result| async move {
+            if let Err(e) = result {
+                debug!(error = %e, "back channel controller");
+            }
+        });
+    let mut forwarder_shutdown = shutdown_tx.subscribe();
+    let forwarder = async move {
+        tokio::select! {
+            () = backchannel::forward_events(backchannel_ctx) => {}
+            _ = forwarder_shutdown.recv() => {}
+        }
+    };
+
+    health.ready.store(true, Ordering::SeqCst);
+    info!("controllers running");
+    tokio::join!(services, backchannel, forwarder, shutdown_signal);
+    health.ready.store(false, Ordering::SeqCst);
+    node_task.abort();
+    lb_task.abort();
+    info!("controllers stopped");
+}
+
+async fn wait_ready<K: kube::Resource + Clone + 'static>(store: &Store<K>) -> Result<(), ()>
+where
+    K::DynamicType: Eq + std::hash::Hash + Clone,
+{
+    store.wait_until_ready().await.map_err(|_| warn!("cache writer dropped before sync"))
+}
+
+async fn drain<S, K>(stream: S, what: &'static str)
+where
+    S: Stream<Item = Result<watcher::Event<K>, watcher::Error>>,
+{
+    futures::pin_mut!(stream);
+    while let Some(item) = stream.next().await {
+        if let Err(e) = item {
+            warn!(error = %e, what, "watch failed; retrying with backoff");
+        }
+    }
+}
+
+/// Drives the node cache and emits one trigger whenever the endpoint-relevant state of any node
+/// changes (readiness, termination, addresses, add/delete). Heartbeat-only updates are ignored,
+/// so a 1000-node cluster does not cause a reconcile storm.
+async fn node_triggers<S>(stream: S, trigger: mpsc::UnboundedSender<()>)
+where
+    S: Stream<Item = Result<watcher::Event<Node>, watcher::Error>>,
+{
+    futures::pin_mut!(stream);
+    let mut known: HashMap<String, NodeFingerprint> = HashMap::new();
+    let mut relist: Option<HashMap<String, NodeFingerprint>> = None;
+    let mut synced = false;
+    while let Some(item) = stream.next().await {
+        let event = match item {
+            Ok(event) => event,
+            Err(e) => {
+                warn!(error = %e, "node watch failed; retrying with backoff");
+                continue;
+            }
+        };
+        let changed = match event {
+            watcher::Event::Apply(node) => {
+                let fingerprint = NodeFingerprint::of(&node);
+                known.insert(node.name_any(), fingerprint.clone()) != Some(fingerprint)
+            }
+            watcher::Event::Delete(node) => known.remove(&node.name_any()).is_some(),
+            watcher::Event::Init => {
+                relist = Some(HashMap::new());
+                false
+            }
+            watcher::Event::InitApply(node) => {
+                relist.get_or_insert_with(HashMap::new).insert(node.name_any(), NodeFingerprint::of(&node));
+                false
+            }
+            watcher::Event::InitDone => {
+                let fresh = relist.take().unwrap_or_default();
+                let changed = fresh != known;
+                known = fresh;
+                // The first sync is not a change: the Service controller starts after it anyway.
+                let changed = changed && synced;
+                synced = true;
+                changed
+            }
+        };
+        if changed && trigger.unbounded_send(()).is_err() {
+            return;
+        }
+    }
+}

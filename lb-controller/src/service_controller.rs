@@ -1,0 +1,340 @@
+//! Service controller (target cluster → control cluster): one `LoadBalancer` per Service of type
+//! LoadBalancer with a matching class; node changes re-run every Service so endpoints follow.
+//!
+//! Each reconcile computes the complete desired spec (see [`crate::desired`]) and applies all
+//! differences in one merge patch (yawol applies at most one option change per reconcile).
+
+use std::collections::HashMap;
+use std::hash::{Hash, Hasher};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use k8s_openapi::api::core::v1::{Node, ObjectReference, Service};
+use kube::api::{DeleteParams, Patch, PatchParams, PostParams};
+use kube::runtime::controller::Action;
+use kube::runtime::reflector::{ObjectRef, Store};
+use kube::{Api, Client, Resource, ResourceExt};
+use lb_api::constants::{finalizers, lb_annotations};
+use lb_api::{naming, LoadBalancer};
+use serde_json::json;
+use tracing::{debug, info, warn};
+
+use crate::desired::{self, ClassFilter, InfrastructureDefaults};
+use crate::endpoints;
+use crate::events::{EventPublisher, EventType};
+use crate::metrics::Metrics;
+
+/// Static configuration of the Service controller.
+#[derive(Clone, Debug)]
+pub struct ServiceControllerConfig {
+    /// Infrastructure defaults (namespace of the LoadBalancers, networks, flavor, image ...).
+    pub defaults: InfrastructureDefaults,
+    /// Which Service classes are handled.
+    pub classes: ClassFilter,
+    /// Periodic re-check of every Service even without changes.
+    pub resync: Duration,
+    /// Poll interval while waiting for a LoadBalancer to be deleted.
+    pub deletion_poll: Duration,
+}
+
+/// Shared state of the Service controller.
+pub struct ServiceContext {
+    /// Client of the cluster holding the Services and Nodes.
+    pub target: Client,
+    /// Client of the cluster holding the LoadBalancers.
+    pub control: Client,
+    /// Configuration.
+    pub config: ServiceControllerConfig,
+    /// Cache of all Nodes (target cluster).
+    pub nodes: Store<Node>,
+    /// Cache of the LoadBalancers in the controller namespace (control cluster).
+    pub loadbalancers: Store<LoadBalancer>,
+    /// Event publisher on the target cluster.
+    pub events: Arc<EventPublisher>,
+    /// Metrics.
+    pub metrics: Arc<Metrics>,
+    /// Consecutive failures per Service, for exponential backoff.
+    pub failures: std::sync::Mutex<HashMap<ObjectRef<Service>, u32>>,
+    /// Fingerprint of the last reported warnings per Service, so node flaps do not repeat them.
+    pub reported: std::sync::Mutex<HashMap<ObjectRef<Service>, u64>>,
+}
+
+/// Errors of a reconciliation; all are retried with backoff.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// An API call failed.
+    #[error("{action}: {source}")]
+    Kube {
+        /// What was attempted.
+        action: String,
+        /// The client error.
+        #[source]
+        source: kube::Error,
+    },
+}
+
+fn kube_err(action: impl Into<String>) -> impl FnOnce(kube::Error) -> Error {
+    let action = action.into();
+    move |source| Error::Kube { action, source }
+}
+
+const CONTROLLER: &str = "service";
+
+impl ServiceContext {
+    fn lb_api(&self) -> Api<LoadBalancer> {
+        Api::namespaced(self.control.clone(), &self.config.defaults.namespace)
+    }
+
+    /// Emits the given warnings as events unless exactly this set was already reported.
+    async fn report_warnings(
+        &self,
+        service: &Service,
+        reference: &ObjectRef<Service>,
+        reason: &str,
+        warnings: &[String],
+    ) {
+        let mut hasher = std::collections::hash_map::DefaultHasher::new();
+        (reason, warnings).hash(&mut hasher);
+        let fingerprint = hasher.finish();
+        {
+            let mut reported = self.reported.lock().unwrap();
+            if warnings.is_empty() {
+                reported.remove(reference);
+                return;
+            }
+            if reported.insert(reference.clone(), fingerprint) == Some(fingerprint) {
+                return;
+            }
+        }
+        for message in warnings {
+            if reason == "validation" {
+                self.metrics.invalid_services.inc();
+            } else {
+                self.metrics.annotation_warnings.inc();
+            }
+            warn!(service = %reference, reason, message, "service problem");
+            self.event(service, EventType::Warning, reason, message).await;
+        }
+    }
+
+    async fn event(&self, service: &Service, type_: EventType, reason: &str, message: &str) {
+        let reference: ObjectReference = service.object_ref(&());
+        if let Err(e) = self.events.publish(&reference, type_, reason, message).await {
+            // Events are best effort; the state change itself already happened.
+            warn!(error = %e, reason, "could not publish event");
+        }
+    }
+}
+
+/// Reconciles one Service.
+pub async fn reconcile(service: Arc<Service>, ctx: Arc<ServiceContext>) -> Result<Action, Error> {
+    let started = Instant::now();
+    let reference = ObjectRef::from_obj(service.as_ref());
+    let result = reconcile_inner(&service, &ctx, &reference).await;
+    ctx.metrics.observe_reconcile(CONTROLLER, result.is_ok(), started.elapsed());
+    if result.is_ok() {
+        ctx.failures.lock().unwrap().remove(&reference);
+    }
+    result
+}
+
+/// Backoff for failed reconciliations: 1 s doubling per consecutive failure, capped at 5 min.
+pub fn error_policy(service: Arc<Service>, error: &Error, ctx: Arc<ServiceContext>) -> Action {
+    let reference = ObjectRef::from_obj(service.as_ref());
+    let failures = {
+        let mut failures = ctx.failures.lock().unwrap();
+        let n = failures.entry(reference.clone()).or_insert(0);
+        *n = n.saturating_add(1);
+        *n
+    };
+    let delay = backoff(failures);
+    warn!(service = %reference, error = %error, retry_in = ?delay, "reconcile failed");
+    Action::requeue(delay)
+}
+
+/// Exponential backoff: 1 s, 2 s, 4 s, ... capped at 300 s.
+pub fn backoff(failures: u32) -> Duration {
+    Duration::from_secs(1u64 << failures.saturating_sub(1).min(9)).min(Duration::from_secs(300))
+}
+
+fn has_finalizer(service: &Service) -> bool {
+    service.finalizers().iter().any(|f| f == finalizers::SERVICE)
+}
+
+async fn reconcile_inner(
+    service: &Service,
+    ctx: &ServiceContext,
+    reference: &ObjectRef<Service>,
+) -> Result<Action, Error> {
+    let namespace = service.namespace().unwrap_or_default();
+    let name = service.name_any();
+    let lb_name = naming::loadbalancer_name(&namespace, &name);
+
+    let wanted = ctx.config.classes.accepts(service)
+        && desired::is_load_balancer_type(service)
+        && service.meta().deletion_timestamp.is_none();
+    if !wanted {
+        return deletion(service, ctx, &lb_name).await;
+    }
+
+    if !has_finalizer(service) {
+        add_finalizer(service, ctx).await?;
+        // The update re-triggers this Service; continue with the fresh object then.
+        return Ok(Action::await_change());
+    }
+
+    let errors = desired::validate_service(service);
+    if !errors.is_empty() {
+        ctx.report_warnings(service, reference, "validation", &errors).await;
+        // Nothing to retry until the Service changes.
+        return Ok(Action::await_change());
+    }
+
+    let ip_families = service.spec.as_ref().and_then(|s| s.ip_families.clone()).unwrap_or_default();
+    let nodes = ctx.nodes.state();
+    let endpoints = endpoints::endpoints_for(nodes.iter().map(|n| n.as_ref()), &ip_families);
+    let desired = desired::desired_spec(service, endpoints, &ctx.config.defaults);
+    let mut warnings = desired.warnings;
+
+    let existing = ctx
+        .loadbalancers
+        .get(&ObjectRef::new(&lb_name).within(&ctx.config.defaults.namespace));
+    let Some(existing) = existing else {
+        ctx.report_warnings(service, reference, "annotation", &warnings).await;
+        let lb = desired::new_loadbalancer(service, desired.spec, &ctx.config.defaults);
+        match ctx.lb_api().create(&PostParams::default(), &lb).await {
+            Ok(_) => {
+                ctx.metrics.loadbalancer_write("create");
+                info!(service = %reference, loadbalancer = lb_name, "created LoadBalancer");
+                ctx.event(service, EventType::Normal, "creation", "LoadBalancer is in creation").await;
+            }
+            // Our cache is behind; the watch brings the object and re-triggers us.
+            Err(kube::Error::Api(e)) if e.code == 409 => debug!(loadbalancer = lb_name, "already exists"),
+            Err(e) => return Err(kube_err(format!("creating LoadBalancer {lb_name}"))(e)),
+        }
+        return Ok(Action::requeue(ctx.config.resync));
+    };
+
+    if existing.meta().deletion_timestamp.is_some() {
+        // A LoadBalancer being deleted (e.g. the Service was briefly of another type) must finish
+        // first; it is recreated afterwards.
+        return Ok(Action::requeue(ctx.config.deletion_poll));
+    }
+
+    let (spec, immutable_warnings) = desired::protect_immutable(desired.spec, &existing.spec, service);
+    warnings.extend(immutable_warnings);
+    ctx.report_warnings(service, reference, "annotation", &warnings).await;
+
+    let current_spec = serde_json::to_value(&existing.spec).expect("spec serialises");
+    let desired_spec = serde_json::to_value(&spec).expect("spec serialises");
+    let spec_patch = desired::merge_patch_diff(&current_spec, &desired_spec);
+    let service_ref = naming::service_reference(&namespace, &name);
+    let annotation_ok = existing.annotations().get(lb_annotations::SERVICE_NAME) == Some(&service_ref);
+    if spec_patch.is_none() && annotation_ok {
+        return Ok(Action::requeue(ctx.config.resync));
+    }
+    let mut patch = json!({});
+    if !annotation_ok {
+        patch["metadata"] = json!({"annotations": {lb_annotations::SERVICE_NAME: service_ref}});
+    }
+    let fields = spec_patch.as_ref().map(desired::changed_fields).unwrap_or_default();
+    if let Some(spec_patch) = spec_patch {
+        patch["spec"] = spec_patch;
+    }
+    ctx.lb_api()
+        .patch(&lb_name, &PatchParams::default(), &Patch::Merge(&patch))
+        .await
+        .map_err(kube_err(format!("patching LoadBalancer {lb_name}")))?;
+    ctx.metrics.loadbalancer_write("patch");
+    if !fields.is_empty() {
+        info!(service = %reference, loadbalancer = lb_name, ?fields, "updated LoadBalancer");
+        let message = format!("LoadBalancer {} synced with the service", fields.join(", "));
+        ctx.event(service, EventType::Normal, "update", &message).await;
+    }
+    Ok(Action::requeue(ctx.config.resync))
+}
+
+async fn add_finalizer(service: &Service, ctx: &ServiceContext) -> Result<(), Error> {
+    let mut finalizers = service.finalizers().to_vec();
+    finalizers.push(finalizers::SERVICE.to_string());
+    patch_finalizers(service, ctx, finalizers).await
+}
+
+async fn patch_finalizers(service: &Service, ctx: &ServiceContext, finalizers: Vec<String>) -> Result<(), Error> {
+    let api: Api<Service> = Api::namespaced(ctx.target.clone(), &service.namespace().unwrap_or_default());
+    // The resourceVersion makes this a compare-and-swap: finalizers of others are never lost.
+    let patch = json!({"metadata": {"finalizers": finalizers, "resourceVersion": service.resource_version()}});
+    api.patch(&service.name_any(), &PatchParams::default(), &Patch::Merge(&patch))
+        .await
+        .map_err(kube_err(format!("updating finalizers of service {}", service.name_any())))?;
+    Ok(())
+}
+
+/// Service deleted, of another type or class: delete the LoadBalancer, wait until it is gone,
+/// then clear the ingress and release the Service.
+async fn deletion(service: &Service, ctx: &ServiceContext, lb_name: &str) -> Result<Action, Error> {
+    let ours = has_finalizer(service);
+    let cached = ctx
+        .loadbalancers
+        .get(&ObjectRef::new(lb_name).within(&ctx.config.defaults.namespace));
+    if !ours && cached.is_none() {
+        // The common case for every other Service in the cluster: nothing to do, no API call.
+        return Ok(Action::await_change());
+    }
+    // Read through (not the cache): this decides whether the Service may go away.
+    let lb = ctx
+        .lb_api()
+        .get_opt(lb_name)
+        .await
+        .map_err(kube_err(format!("reading LoadBalancer {lb_name}")))?;
+    if let Some(lb) = lb {
+        let belongs = lb.annotations().get(lb_annotations::SERVICE_NAME).map(String::as_str)
+            == Some(&naming::service_reference(
+                &service.namespace().unwrap_or_default(),
+                &service.name_any(),
+            ));
+        if !ours && !belongs {
+            // Not ours (e.g. another controller instance with another class owns it).
+            return Ok(Action::await_change());
+        }
+        if lb.meta().deletion_timestamp.is_none() {
+            match ctx.lb_api().delete(lb_name, &DeleteParams::default()).await {
+                Ok(_) => {
+                    ctx.metrics.loadbalancer_write("delete");
+                    info!(loadbalancer = lb_name, "deleting LoadBalancer");
+                }
+                Err(kube::Error::Api(e)) if e.code == 404 => {}
+                Err(e) => return Err(kube_err(format!("deleting LoadBalancer {lb_name}"))(e)),
+            }
+        }
+        return Ok(Action::requeue(ctx.config.deletion_poll));
+    }
+    if !ours {
+        return Ok(Action::await_change());
+    }
+    let api: Api<Service> = Api::namespaced(ctx.target.clone(), &service.namespace().unwrap_or_default());
+    if desired::service_ingress_ip(service).is_some()
+        || service
+            .status
+            .as_ref()
+            .and_then(|s| s.load_balancer.as_ref())
+            .and_then(|l| l.ingress.as_ref())
+            .is_some_and(|i| !i.is_empty())
+    {
+        let patch = json!({"status": {"loadBalancer": {"ingress": null}}});
+        api.patch_status(&service.name_any(), &PatchParams::default(), &Patch::Merge(&patch))
+            .await
+            .map_err(kube_err(format!("clearing ingress of service {}", service.name_any())))?;
+    }
+    let remaining: Vec<String> =
+        service.finalizers().iter().filter(|f| *f != finalizers::SERVICE).cloned().collect();
+    match patch_finalizers(service, ctx, remaining).await {
+        Ok(()) => {}
+        // Already gone: nothing left to release.
+        Err(Error::Kube { source: kube::Error::Api(e), .. }) if e.code == 404 => {}
+        Err(e) => return Err(e),
+    }
+    info!(service = %ObjectRef::from_obj(service), "released service");
+    ctx.reported.lock().unwrap().remove(&ObjectRef::from_obj(service));
+    Ok(Action::await_change())
+}
