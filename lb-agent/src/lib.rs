@@ -1,6 +1,16 @@
 //! The load-balancer agent: loads the XDP data plane and programs it (see README "Architecture").
+//!
+//! Flow of information: a config source ([`agent::watch_file`], or Kubernetes) → [`config::DesiredConfig`]
+//! → health filtering ([`health`]) → [`programmer::Programmer`] → maps ([`dataplane::Dataplane`]).
+pub mod agent;
 pub mod arena;
-pub mod maglev;
+pub mod config;
 pub mod dataplane;
+pub mod gc;
+pub mod health;
+pub mod hostmetrics;
+pub mod maglev;
+pub mod metrics;
 pub mod model;
+pub mod neighbor;
 pub mod programmer;

@@ -357,6 +357,7 @@ impl FakeApiServer {
 
     fn watch(&self, route: &Route, query: &HashMap<String, String>) -> Response<FakeBody> {
         let since: u64 = query.get("resourceVersion").and_then(|v| v.parse().ok()).unwrap_or(0);
+        tracing::debug!(resource = route.key.plural, namespace = route.namespace, since, "fake watch started");
         let (tx, rx) = mpsc::unbounded_channel::<Bytes>();
         let mut live = {
             // Subscribe while holding the lock: no event can slip between replay and live.

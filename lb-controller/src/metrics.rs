@@ -117,6 +117,19 @@ impl Metrics {
         self.loadbalancer_writes.get_or_create(&OperationLabels { operation: operation.to_string() }).inc();
     }
 
+    /// Number of reconciliations of a controller so far (any result); used by tests to know a
+    /// change has been processed.
+    pub fn reconcile_count(&self, controller: &str) -> u64 {
+        ["ok", "error"]
+            .iter()
+            .map(|result| {
+                self.reconciles
+                    .get_or_create(&ResultLabels { controller: controller.to_string(), result: result.to_string() })
+                    .get()
+            })
+            .sum()
+    }
+
     /// OpenMetrics text exposition.
     pub fn encode(&self) -> String {
         let mut text = String::new();

@@ -214,8 +214,11 @@ where
                 changed
             }
         };
-        if changed && trigger.unbounded_send(()).is_err() {
-            return;
+        if changed {
+            debug!("node change: reconciling all services");
+            if trigger.unbounded_send(()).is_err() {
+                return;
+            }
         }
     }
 }

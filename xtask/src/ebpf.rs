@@ -28,7 +28,14 @@ pub fn build() -> Result<PathBuf> {
     let target_dir = root.join("target").join("ebpf");
     let mut cmd = Command::new("cargo");
     cmd.current_dir(&root)
-        .args(["+nightly", "build", "--package", "lb-ebpf", "--bins", "--release"])
+        .args([
+            "+nightly",
+            "build",
+            "--package",
+            "lb-ebpf",
+            "--bins",
+            "--release",
+        ])
         .args(["--target", "bpfel-unknown-none", "-Z", "build-std=core"])
         .arg("--target-dir")
         .arg(&target_dir)

@@ -1,6 +1,7 @@
 //! Developer commands. `cargo xtask --help` lists them; the README's two commands are `cargo xtask demo` and
 //! `cargo xtask test`.
 
+mod bench;
 mod ebpf;
 mod openstack;
 mod test;
@@ -22,6 +23,12 @@ enum Cmd {
     BuildEbpf,
     /// Run every test suite, fast to slow (the README's test command; CI runs exactly this).
     Test(test::TestArgs),
+    /// Benchmarks: print a table, write JSON under target/bench/.
+    Bench {
+        /// What to measure.
+        #[arg(value_enum, default_value = "all")]
+        which: bench::Which,
+    },
     /// A real OpenStack control plane on 127.0.0.1 for tests and local development.
     Openstack {
         #[command(subcommand)]
@@ -33,6 +40,7 @@ fn main() -> Result<()> {
     match Cli::parse().cmd {
         Cmd::BuildEbpf => ebpf::build().map(|_| ()),
         Cmd::Test(args) => test::run_all(args),
+        Cmd::Bench { which } => bench::run_bench(which),
         Cmd::Openstack { cmd } => openstack::run(cmd),
     }
 }

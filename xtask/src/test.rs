@@ -28,7 +28,12 @@ fn cargo(args: &[&str]) -> Command {
 const STAGES: &[Stage] = &[
     Stage {
         name: "format",
-        run: || run(&mut cargo(&["fmt", "--all", "--check"]), "cargo fmt --check"),
+        run: || {
+            run(
+                &mut cargo(&["fmt", "--all", "--check"]),
+                "cargo fmt --check",
+            )
+        },
     },
     Stage {
         name: "build-ebpf",
@@ -38,14 +43,26 @@ const STAGES: &[Stage] = &[
         name: "clippy",
         run: || {
             run(
-                &mut cargo(&["clippy", "--workspace", "--all-targets", "--", "-D", "warnings"]),
+                &mut cargo(&[
+                    "clippy",
+                    "--workspace",
+                    "--all-targets",
+                    "--",
+                    "-D",
+                    "warnings",
+                ]),
                 "cargo clippy",
             )
         },
     },
     Stage {
         name: "unit+dataplane",
-        run: || run(&mut cargo(&["test", "--workspace"]), "cargo test --workspace"),
+        run: || {
+            run(
+                &mut cargo(&["test", "--workspace"]),
+                "cargo test --workspace",
+            )
+        },
     },
     Stage {
         name: "openstack",
@@ -65,7 +82,11 @@ pub fn run_all(args: TestArgs) -> Result<()> {
         eprintln!("==> stage {}", stage.name);
         let t = Instant::now();
         (stage.run)()?;
-        eprintln!("==> stage {} ok in {:.1}s", stage.name, t.elapsed().as_secs_f64());
+        eprintln!(
+            "==> stage {} ok in {:.1}s",
+            stage.name,
+            t.elapsed().as_secs_f64()
+        );
     }
     eprintln!("all stages passed in {:.1}s", total.elapsed().as_secs_f64());
     Ok(())

@@ -29,6 +29,8 @@ class _Server(BaseApplication):
             "worker_class": "gthread",
             "threads": 8,
             "timeout": 300,
+            # `cargo xtask openstack down` sends SIGTERM: finish in-flight requests, but do not wait 30 s.
+            "graceful_timeout": 5,
             # gunicorn's default keep-alive (2 s) equals common client poll
             # intervals: a client then reuses a socket the server is closing and
             # gets "Remote end closed connection without response".

@@ -71,9 +71,16 @@ impl TestEnv {
                 file.display()
             )
         })?;
-        let info: EnvInfo =
-            serde_json::from_str(&text).with_context(|| format!("parsing {} (re-run `cargo xtask openstack up`)", file.display()))?;
-        Ok(TestEnv { dir: dir.to_path_buf(), info })
+        let info: EnvInfo = serde_json::from_str(&text).with_context(|| {
+            format!(
+                "parsing {} (re-run `cargo xtask openstack up`)",
+                file.display()
+            )
+        })?;
+        Ok(TestEnv {
+            dir: dir.to_path_buf(),
+            info,
+        })
     }
 
     /// `clouds.yaml` with the clouds [`EnvInfo::cloud`] and [`EnvInfo::admin_cloud`].
@@ -102,12 +109,14 @@ impl TestEnv {
 
     /// Connects as the test project's user.
     pub async fn connect(&self) -> Result<AsyncOpenStack> {
-        self.connect_with(&self.cloud_config(&self.info.cloud)?).await
+        self.connect_with(&self.cloud_config(&self.info.cloud)?)
+            .await
     }
 
     /// Connects as admin (for set-up that needs it, e.g. quotas).
     pub async fn connect_admin(&self) -> Result<AsyncOpenStack> {
-        self.connect_with(&self.cloud_config(&self.info.admin_cloud)?).await
+        self.connect_with(&self.cloud_config(&self.info.admin_cloud)?)
+            .await
     }
 
     /// Connects with a (possibly modified) cloud configuration and discovers the compute and network endpoints.
@@ -134,5 +143,34 @@ impl TestEnv {
                 .with_context(|| format!("discovering the {service:?} endpoint"))?;
         }
         Ok(client)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn missing_environment_fails_naming_the_command_to_run() {
+        let err = TestEnv::load_from(Path::new("/nonexistent/openstack-state")).unwrap_err();
+        let msg = format!("{err:#}");
+        assert!(msg.contains("cargo xtask openstack up"), "{msg}");
+    }
+
+    #[test]
+    fn reads_what_up_writes() {
+        let dir = std::env::temp_dir().join(format!("lbtest-env-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let info = serde_json::json!({
+            "auth_url": "http://127.0.0.1:5000/v3", "region": "RegionOne", "project_id": "p", "project_name": "lbtest",
+            "username": "lbtest", "password": "pw", "cloud": "lbtest", "admin_cloud": "lbtest-admin", "flavor_id": "f",
+            "image_id": "i", "external_network_id": "e", "external_subnet_id": "es", "network_id": "n",
+            "subnet_id": "s", "router_id": "r"
+        });
+        std::fs::write(dir.join("testenv.json"), info.to_string()).unwrap();
+        let env = TestEnv::load_from(&dir).unwrap();
+        std::fs::remove_dir_all(&dir).unwrap();
+        assert_eq!(env.info.router_id, "r");
+        assert_eq!(env.clouds_yaml(), dir.join("clouds.yaml"));
     }
 }

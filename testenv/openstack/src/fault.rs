@@ -35,10 +35,7 @@ use tokio::task::JoinHandle;
 #[derive(Debug, Clone)]
 pub enum Fault {
     /// Answer with this status and JSON body instead of forwarding.
-    Respond {
-        status: u16,
-        body: String,
-    },
+    Respond { status: u16, body: String },
     /// Wait, then forward (a slow API; combine with a client timeout to test time-outs).
     Delay(Duration),
     /// Close the connection without an answer (a crashed API worker or a broken load balancer in front of it).
@@ -48,8 +45,14 @@ pub enum Fault {
 impl Fault {
     /// An arbitrary status with an OpenStack-style error body.
     pub fn status(status: u16, message: &str) -> Self {
-        let title = StatusCode::from_u16(status).ok().and_then(|s| s.canonical_reason()).unwrap_or("Error");
-        Fault::Respond { status, body: error_body(title, status, message) }
+        let title = StatusCode::from_u16(status)
+            .ok()
+            .and_then(|s| s.canonical_reason())
+            .unwrap_or("Error");
+        Fault::Respond {
+            status,
+            body: error_body(title, status, message),
+        }
     }
 
     /// 500 Internal Server Error.
@@ -89,7 +92,9 @@ impl Fault {
 
     /// Nova's quota error when creating servers or server groups: 403 `Quota exceeded`.
     pub fn nova_over_quota(resource: &str) -> Self {
-        let message = format!("Quota exceeded for {resource}: Requested 1, but already used 10 of 10 {resource}");
+        let message = format!(
+            "Quota exceeded for {resource}: Requested 1, but already used 10 of 10 {resource}"
+        );
         Fault::Respond {
             status: 403,
             body: serde_json::json!({"forbidden": {"code": 403, "message": message}}).to_string(),
@@ -117,7 +122,11 @@ pub struct Rule {
 impl Rule {
     /// Requests with `method` (or `*`) whose path contains `path_contains`.
     pub fn new(method: &str, path_contains: &str) -> Self {
-        Rule { method: method.to_ascii_uppercase(), path_contains: path_contains.into(), times: None }
+        Rule {
+            method: method.to_ascii_uppercase(),
+            path_contains: path_contains.into(),
+            times: None,
+        }
     }
 
     /// Applies to the next `n` matching requests, then the rule is gone.
@@ -152,7 +161,10 @@ struct State {
 impl State {
     /// The fault of the first matching rule, consuming one use of it.
     fn take_fault(&mut self, method: &str, path: &str) -> Option<Fault> {
-        let i = self.rules.iter().position(|(r, _)| r.matches(method, path))?;
+        let i = self
+            .rules
+            .iter()
+            .position(|(r, _)| r.matches(method, path))?;
         let fault = self.rules[i].1.clone();
         if let Some(n) = &mut self.rules[i].0.times {
             *n -= 1;
@@ -183,12 +195,18 @@ impl FaultProxy {
     /// Starts a proxy on 127.0.0.1 (a free port) in front of `upstream`, e.g. `http://127.0.0.1:9696`. Only plain
     /// HTTP upstreams on loopback are accepted: tests send traffic to this machine only.
     pub async fn start(upstream: &str) -> Result<Self> {
-        let uri: Uri = upstream.parse().with_context(|| format!("fault proxy: bad upstream URL {upstream:?}"))?;
+        let uri: Uri = upstream
+            .parse()
+            .with_context(|| format!("fault proxy: bad upstream URL {upstream:?}"))?;
         let host = uri.host().unwrap_or_default();
-        if uri.scheme_str() != Some("http") || !(host == "localhost" || host == "[::1]" || host.starts_with("127.")) {
+        if uri.scheme_str() != Some("http")
+            || !(host == "localhost" || host == "[::1]" || host.starts_with("127."))
+        {
             bail!("fault proxy: the upstream must be http:// on loopback, not {upstream:?}");
         }
-        let listener = TcpListener::bind("127.0.0.1:0").await.context("fault proxy: binding 127.0.0.1")?;
+        let listener = TcpListener::bind("127.0.0.1:0")
+            .await
+            .context("fault proxy: binding 127.0.0.1")?;
         let addr = listener.local_addr()?;
         let authority = uri.authority().map(|a| a.as_str()).unwrap_or_default();
         let shared = Arc::new(Shared {
@@ -199,7 +217,11 @@ impl FaultProxy {
             state: Mutex::new(State::default()),
         });
         let accept = tokio::spawn(accept_loop(listener, shared.clone()));
-        Ok(FaultProxy { addr, shared, accept })
+        Ok(FaultProxy {
+            addr,
+            shared,
+            accept,
+        })
     }
 
     /// `http://127.0.0.1:<port>`.
@@ -254,12 +276,16 @@ impl Drop for FaultProxy {
 
 async fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
     loop {
-        let Ok((stream, _)) = listener.accept().await else { continue };
+        let Ok((stream, _)) = listener.accept().await else {
+            continue;
+        };
         let shared = shared.clone();
         tokio::spawn(async move {
             let service = service_fn(move |req| handle(shared.clone(), req));
             // Errors here are clients going away or injected drops: nothing to report.
-            let _ = http1::Builder::new().serve_connection(TokioIo::new(stream), service).await;
+            let _ = http1::Builder::new()
+                .serve_connection(TokioIo::new(stream), service)
+                .await;
         });
     }
 }
@@ -276,13 +302,35 @@ impl std::fmt::Display for Dropped {
 
 impl std::error::Error for Dropped {}
 
-async fn handle(shared: Arc<Shared>, req: Request<Incoming>) -> Result<Response<Full<Bytes>>, Dropped> {
+async fn handle(
+    shared: Arc<Shared>,
+    req: Request<Incoming>,
+) -> Result<Response<Full<Bytes>>, Dropped> {
     let method = req.method().as_str().to_string();
-    let path = req.uri().path_and_query().map(|p| p.as_str()).unwrap_or("/").to_string();
-    let fault = shared.state.lock().unwrap_or_else(|e| e.into_inner()).take_fault(&method, &path);
+    let path = req
+        .uri()
+        .path_and_query()
+        .map(|p| p.as_str())
+        .unwrap_or("/")
+        .to_string();
+    let fault = shared
+        .state
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .take_fault(&method, &path);
     let record = |status: Option<u16>, injected: bool| {
-        let seen = Seen { method: method.clone(), path: path.clone(), status, injected };
-        shared.state.lock().unwrap_or_else(|e| e.into_inner()).seen.push(seen);
+        let seen = Seen {
+            method: method.clone(),
+            path: path.clone(),
+            status,
+            injected,
+        };
+        shared
+            .state
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .seen
+            .push(seen);
     };
     let injected = fault.is_some();
     match fault {
@@ -299,7 +347,14 @@ async fn handle(shared: Arc<Shared>, req: Request<Incoming>) -> Result<Response<
     }
     let response = match forward(&shared, req, &path).await {
         Ok(r) => r,
-        Err(e) => json_response(502, error_body("Bad Gateway", 502, &format!("fault proxy: upstream failed: {e:#}"))),
+        Err(e) => json_response(
+            502,
+            error_body(
+                "Bad Gateway",
+                502,
+                &format!("fault proxy: upstream failed: {e:#}"),
+            ),
+        ),
     };
     record(Some(response.status().as_u16()), injected);
     Ok(response)
@@ -317,23 +372,51 @@ fn json_response(status: u16, body: String) -> Response<Full<Bytes>> {
 /// Forwards a request upstream. Bodies are buffered (API payloads are small) so that links in the answer that
 /// point at the upstream (pagination `next`, `Location`, version documents) can be rewritten to the proxy:
 /// a client following them stays behind the proxy.
-async fn forward(shared: &Shared, req: Request<Incoming>, path: &str) -> Result<Response<Full<Bytes>>> {
+async fn forward(
+    shared: &Shared,
+    req: Request<Incoming>,
+    path: &str,
+) -> Result<Response<Full<Bytes>>> {
     let (mut parts, body) = req.into_parts();
-    let body = body.collect().await.context("reading the request body")?.to_bytes();
-    let authority = shared.upstream.authority().context("upstream without authority")?.clone();
-    parts.uri = Uri::builder().scheme("http").authority(authority.clone()).path_and_query(path).build()?;
-    parts.headers.insert(hyper::header::HOST, authority.as_str().parse()?);
+    let body = body
+        .collect()
+        .await
+        .context("reading the request body")?
+        .to_bytes();
+    let authority = shared
+        .upstream
+        .authority()
+        .context("upstream without authority")?
+        .clone();
+    parts.uri = Uri::builder()
+        .scheme("http")
+        .authority(authority.clone())
+        .path_and_query(path)
+        .build()?;
+    parts
+        .headers
+        .insert(hyper::header::HOST, authority.as_str().parse()?);
     let response = shared
         .client
         .request(Request::from_parts(parts, Full::new(body)))
         .await
         .context("sending upstream")?;
     let (mut parts, body) = response.into_parts();
-    let body = body.collect().await.context("reading the upstream response")?.to_bytes();
+    let body = body
+        .collect()
+        .await
+        .context("reading the upstream response")?
+        .to_bytes();
     let body = rewrite(&body, &shared.upstream_origin, &shared.own_origin);
-    if let Some(location) = parts.headers.get(hyper::header::LOCATION).and_then(|v| v.to_str().ok()) {
+    if let Some(location) = parts
+        .headers
+        .get(hyper::header::LOCATION)
+        .and_then(|v| v.to_str().ok())
+    {
         let location = location.replace(&shared.upstream_origin, &shared.own_origin);
-        parts.headers.insert(hyper::header::LOCATION, location.parse()?);
+        parts
+            .headers
+            .insert(hyper::header::LOCATION, location.parse()?);
     }
     // The body may have changed length; Full sets the right Content-Length on the way out.
     parts.headers.remove(hyper::header::CONTENT_LENGTH);
@@ -367,7 +450,9 @@ mod tests {
                         let body = format!(r#"{{"self": "{me}{}"}}"#, req.uri().path());
                         async move { Ok::<_, std::convert::Infallible>(json_response(200, body)) }
                     });
-                    let _ = http1::Builder::new().serve_connection(TokioIo::new(stream), service).await;
+                    let _ = http1::Builder::new()
+                        .serve_connection(TokioIo::new(stream), service)
+                        .await;
                 });
             }
         });
@@ -377,10 +462,16 @@ mod tests {
     /// A bare HTTP/1.0 GET, so the tests do not depend on any client's retry behaviour.
     async fn get(addr: SocketAddr, method: &str, path: &str) -> std::io::Result<(u16, String)> {
         let mut s = tokio::net::TcpStream::connect(addr).await?;
-        s.write_all(format!("{method} {path} HTTP/1.0\r\nHost: x\r\nContent-Length: 0\r\n\r\n").as_bytes()).await?;
+        s.write_all(
+            format!("{method} {path} HTTP/1.0\r\nHost: x\r\nContent-Length: 0\r\n\r\n").as_bytes(),
+        )
+        .await?;
         let mut buf = String::new();
         s.read_to_string(&mut buf).await?;
-        let status = buf.get(9..12).and_then(|s| s.parse().ok()).ok_or(std::io::ErrorKind::UnexpectedEof)?;
+        let status = buf
+            .get(9..12)
+            .and_then(|s| s.parse().ok())
+            .ok_or(std::io::ErrorKind::UnexpectedEof)?;
         let body = buf.split("\r\n\r\n").nth(1).unwrap_or_default().to_string();
         Ok((status, body))
     }
@@ -389,12 +480,19 @@ mod tests {
     async fn forwards_and_rewrites_upstream_links() {
         let (origin, _up) = upstream().await;
         let proxy = FaultProxy::start(&origin).await.unwrap();
-        let (status, body) = get(proxy.addr(), "GET", "/v2.0/ports?limit=1").await.unwrap();
+        let (status, body) = get(proxy.addr(), "GET", "/v2.0/ports?limit=1")
+            .await
+            .unwrap();
         assert_eq!(status, 200);
         assert_eq!(body, format!(r#"{{"self": "{}/v2.0/ports"}}"#, proxy.url()));
         assert_eq!(
             proxy.seen(),
-            vec![Seen { method: "GET".into(), path: "/v2.0/ports?limit=1".into(), status: Some(200), injected: false }]
+            vec![Seen {
+                method: "GET".into(),
+                path: "/v2.0/ports?limit=1".into(),
+                status: Some(200),
+                injected: false
+            }]
         );
     }
 
@@ -402,19 +500,57 @@ mod tests {
     async fn injects_errors_for_matching_requests_only_and_counts_uses() {
         let (origin, _up) = upstream().await;
         let proxy = FaultProxy::start(&origin).await.unwrap();
-        proxy.inject(Rule::new("POST", "/floatingips").times(2), Fault::neutron_over_quota("floatingip"));
+        proxy.inject(
+            Rule::new("POST", "/floatingips").times(2),
+            Fault::neutron_over_quota("floatingip"),
+        );
         proxy.inject(Rule::new("*", "/servers"), Fault::internal_error());
 
-        let (status, body) = get(proxy.addr(), "POST", "/v2.0/floatingips").await.unwrap();
+        let (status, body) = get(proxy.addr(), "POST", "/v2.0/floatingips")
+            .await
+            .unwrap();
         assert_eq!(status, 409);
         assert!(body.contains("OverQuota"), "{body}");
-        assert_eq!(get(proxy.addr(), "GET", "/v2.0/floatingips").await.unwrap().0, 200, "GET does not match");
-        assert_eq!(get(proxy.addr(), "POST", "/v2.0/floatingips").await.unwrap().0, 409);
-        assert_eq!(get(proxy.addr(), "POST", "/v2.0/floatingips").await.unwrap().0, 200, "used up after 2");
-        assert_eq!(get(proxy.addr(), "DELETE", "/v2.1/servers/x").await.unwrap().0, 500);
-        assert_eq!(get(proxy.addr(), "GET", "/v2.1/servers").await.unwrap().0, 500, "until cleared");
+        assert_eq!(
+            get(proxy.addr(), "GET", "/v2.0/floatingips")
+                .await
+                .unwrap()
+                .0,
+            200,
+            "GET does not match"
+        );
+        assert_eq!(
+            get(proxy.addr(), "POST", "/v2.0/floatingips")
+                .await
+                .unwrap()
+                .0,
+            409
+        );
+        assert_eq!(
+            get(proxy.addr(), "POST", "/v2.0/floatingips")
+                .await
+                .unwrap()
+                .0,
+            200,
+            "used up after 2"
+        );
+        assert_eq!(
+            get(proxy.addr(), "DELETE", "/v2.1/servers/x")
+                .await
+                .unwrap()
+                .0,
+            500
+        );
+        assert_eq!(
+            get(proxy.addr(), "GET", "/v2.1/servers").await.unwrap().0,
+            500,
+            "until cleared"
+        );
         proxy.clear();
-        assert_eq!(get(proxy.addr(), "GET", "/v2.1/servers").await.unwrap().0, 200);
+        assert_eq!(
+            get(proxy.addr(), "GET", "/v2.1/servers").await.unwrap().0,
+            200
+        );
         assert_eq!(proxy.injected_count(), 4);
     }
 
@@ -425,7 +561,10 @@ mod tests {
         proxy.inject(Rule::new("*", "/a").times(1), Fault::over_limit("too many"));
         proxy.inject(Rule::new("*", "/b").times(1), Fault::conflict("in use"));
         proxy.inject(Rule::new("*", "/c").times(1), Fault::unavailable());
-        proxy.inject(Rule::new("*", "/d").times(1), Fault::nova_over_quota("instances"));
+        proxy.inject(
+            Rule::new("*", "/d").times(1),
+            Fault::nova_over_quota("instances"),
+        );
         let (s, body) = get(proxy.addr(), "GET", "/a").await.unwrap();
         assert_eq!((s, body.contains("overLimit")), (413, true), "{body}");
         let (s, body) = get(proxy.addr(), "GET", "/b").await.unwrap();
@@ -439,14 +578,20 @@ mod tests {
     async fn delays_and_drops() {
         let (origin, _up) = upstream().await;
         let proxy = FaultProxy::start(&origin).await.unwrap();
-        proxy.inject(Rule::new("GET", "/slow").times(1), Fault::Delay(Duration::from_millis(300)));
+        proxy.inject(
+            Rule::new("GET", "/slow").times(1),
+            Fault::Delay(Duration::from_millis(300)),
+        );
         proxy.inject(Rule::new("GET", "/gone").times(1), Fault::Drop);
         let t = std::time::Instant::now();
         assert_eq!(get(proxy.addr(), "GET", "/slow").await.unwrap().0, 200);
         assert!(t.elapsed() >= Duration::from_millis(300));
-        assert!(get(proxy.addr(), "GET", "/gone").await.is_err(), "no response on a dropped connection");
+        assert!(
+            get(proxy.addr(), "GET", "/gone").await.is_err(),
+            "no response on a dropped connection"
+        );
         let seen = proxy.seen();
-        assert_eq!(seen[0].injected, true);
+        assert!(seen[0].injected);
         assert_eq!(seen[1].status, None);
     }
 
@@ -458,12 +603,19 @@ mod tests {
 
     #[test]
     fn route_sets_the_endpoint_override() {
-        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
         rt.block_on(async {
             let proxy = FaultProxy::start("http://127.0.0.1:9").await.unwrap();
             let mut config = CloudConfig::default();
             proxy.route(&mut config, "network", "v2.0");
-            let value = config.options.get("network_endpoint_override").unwrap().to_string();
+            let value = config
+                .options
+                .get("network_endpoint_override")
+                .unwrap()
+                .to_string();
             assert_eq!(value, format!("{}/v2.0/", proxy.url()));
         });
     }

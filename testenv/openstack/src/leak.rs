@@ -58,19 +58,31 @@ impl<'a> LeakCheck<'a> {
         let info = &self.env.info;
         let mut found = Vec::new();
 
-        let servers = list(client, compute::v2::server::list_detailed_21::Request::builder().build()?, "servers").await?;
+        let servers = list(
+            client,
+            compute::v2::server::list_detailed_21::Request::builder().build()?,
+            "servers",
+        )
+        .await?;
         for s in &servers {
             found.push(resource("server", s, str_field(s, "status")));
         }
 
-        let groups = list(client, compute::v2::server_group::list_20::Request::builder().build()?, "server groups").await?;
+        let groups = list(
+            client,
+            compute::v2::server_group::list_20::Request::builder().build()?,
+            "server groups",
+        )
+        .await?;
         for g in &groups {
             found.push(resource("server group", g, format!("policy {}", policy(g))));
         }
 
         let ports = list(
             client,
-            network::v2::port::list::Request::builder().tenant_id(info.project_id.as_str()).build()?,
+            network::v2::port::list::Request::builder()
+                .tenant_id(info.project_id.as_str())
+                .build()?,
             "ports",
         )
         .await?;
@@ -79,18 +91,28 @@ impl<'a> LeakCheck<'a> {
             if str_field(p, "device_id") == info.router_id {
                 continue;
             }
-            let detail = format!("device_owner {:?}, device_id {:?}", str_field(p, "device_owner"), str_field(p, "device_id"));
+            let detail = format!(
+                "device_owner {:?}, device_id {:?}",
+                str_field(p, "device_owner"),
+                str_field(p, "device_id")
+            );
             found.push(resource("port", p, detail));
         }
 
         let fips = list(
             client,
-            network::v2::floatingip::list::Request::builder().tenant_id(info.project_id.as_str()).build()?,
+            network::v2::floatingip::list::Request::builder()
+                .tenant_id(info.project_id.as_str())
+                .build()?,
             "floating IPs",
         )
         .await?;
         for f in &fips {
-            let detail = format!("{} on port {:?}", str_field(f, "floating_ip_address"), str_field(f, "port_id"));
+            let detail = format!(
+                "{} on port {:?}",
+                str_field(f, "floating_ip_address"),
+                str_field(f, "port_id")
+            );
             let mut r = resource("floating IP", f, detail);
             if r.name.is_empty() {
                 r.name = str_field(f, "description");
@@ -100,7 +122,9 @@ impl<'a> LeakCheck<'a> {
 
         let sgs = list(
             client,
-            network::v2::security_group::list::Request::builder().tenant_id(info.project_id.as_str()).build()?,
+            network::v2::security_group::list::Request::builder()
+                .tenant_id(info.project_id.as_str())
+                .build()?,
             "security groups",
         )
         .await?;
@@ -110,21 +134,31 @@ impl<'a> LeakCheck<'a> {
 
         let routers = list(
             client,
-            network::v2::router::list::Request::builder().tenant_id(info.project_id.as_str()).build()?,
+            network::v2::router::list::Request::builder()
+                .tenant_id(info.project_id.as_str())
+                .build()?,
             "routers",
         )
         .await?;
-        for r in routers.iter().filter(|r| str_field(r, "id") != info.router_id) {
+        for r in routers
+            .iter()
+            .filter(|r| str_field(r, "id") != info.router_id)
+        {
             found.push(resource("router", r, String::new()));
         }
 
         let networks = list(
             client,
-            network::v2::network::list::Request::builder().tenant_id(info.project_id.as_str()).build()?,
+            network::v2::network::list::Request::builder()
+                .tenant_id(info.project_id.as_str())
+                .build()?,
             "networks",
         )
         .await?;
-        for n in networks.iter().filter(|n| str_field(n, "id") != info.network_id) {
+        for n in networks
+            .iter()
+            .filter(|n| str_field(n, "id") != info.network_id)
+        {
             found.push(resource("network", n, String::new()));
         }
 
@@ -152,12 +186,23 @@ impl<'a> LeakCheck<'a> {
 }
 
 /// Keeps resources named with `prefix`, plus nameless ports of such servers or such ports' floating IPs.
-fn filter_prefixed(found: Vec<Resource>, servers: &[Value], ports: &[Value], prefix: &str) -> Vec<Resource> {
-    let server_ids: Vec<String> =
-        servers.iter().filter(|s| str_field(s, "name").starts_with(prefix)).map(|s| str_field(s, "id")).collect();
+fn filter_prefixed(
+    found: Vec<Resource>,
+    servers: &[Value],
+    ports: &[Value],
+    prefix: &str,
+) -> Vec<Resource> {
+    let server_ids: Vec<String> = servers
+        .iter()
+        .filter(|s| str_field(s, "name").starts_with(prefix))
+        .map(|s| str_field(s, "id"))
+        .collect();
     let port_ids: Vec<String> = ports
         .iter()
-        .filter(|p| str_field(p, "name").starts_with(prefix) || server_ids.contains(&str_field(p, "device_id")))
+        .filter(|p| {
+            str_field(p, "name").starts_with(prefix)
+                || server_ids.contains(&str_field(p, "device_id"))
+        })
         .map(|p| str_field(p, "id"))
         .collect();
     found
@@ -165,7 +210,8 @@ fn filter_prefixed(found: Vec<Resource>, servers: &[Value], ports: &[Value], pre
         .filter(|r| {
             r.name.starts_with(prefix)
                 || (r.kind == "port" && port_ids.contains(&r.id))
-                || (r.kind == "floating IP" && port_ids.iter().any(|p| r.detail.contains(p.as_str())))
+                || (r.kind == "floating IP"
+                    && port_ids.iter().any(|p| r.detail.contains(p.as_str())))
         })
         .collect()
 }
@@ -174,15 +220,26 @@ async fn list<E>(client: &AsyncOpenStack, endpoint: E, what: &str) -> Result<Vec
 where
     E: QueryAsync<Vec<Value>, AsyncOpenStack>,
 {
-    endpoint.query_async(client).await.with_context(|| format!("leak check: listing {what}"))
+    endpoint
+        .query_async(client)
+        .await
+        .with_context(|| format!("leak check: listing {what}"))
 }
 
 fn resource(kind: &'static str, v: &Value, detail: String) -> Resource {
-    Resource { kind, id: str_field(v, "id"), name: str_field(v, "name"), detail }
+    Resource {
+        kind,
+        id: str_field(v, "id"),
+        name: str_field(v, "name"),
+        detail,
+    }
 }
 
 fn str_field(v: &Value, key: &str) -> String {
-    v.get(key).and_then(Value::as_str).unwrap_or_default().to_string()
+    v.get(key)
+        .and_then(Value::as_str)
+        .unwrap_or_default()
+        .to_string()
 }
 
 /// `policy` (microversion 2.64+) or `policies[0]` (older).
@@ -190,7 +247,12 @@ fn policy(group: &Value) -> String {
     group
         .get("policy")
         .and_then(Value::as_str)
-        .or_else(|| group.get("policies").and_then(|p| p.get(0)).and_then(Value::as_str))
+        .or_else(|| {
+            group
+                .get("policies")
+                .and_then(|p| p.get(0))
+                .and_then(Value::as_str)
+        })
         .unwrap_or_default()
         .to_string()
 }
@@ -202,7 +264,10 @@ mod tests {
 
     #[test]
     fn prefix_filter_keeps_named_resources_and_their_nameless_ports_and_fips() {
-        let servers = vec![json!({"id": "s1", "name": "t1-vm"}), json!({"id": "s2", "name": "other"})];
+        let servers = vec![
+            json!({"id": "s1", "name": "t1-vm"}),
+            json!({"id": "s2", "name": "other"}),
+        ];
         let ports = vec![
             json!({"id": "p1", "name": "", "device_id": "s1"}),
             json!({"id": "p2", "name": "", "device_id": "s2"}),
@@ -221,7 +286,10 @@ mod tests {
             r("floating IP", "f1", "", "203.0.113.5 on port \"p1\""),
             r("floating IP", "f2", "", "203.0.113.6 on port \"p2\""),
         ];
-        let kept: Vec<String> = filter_prefixed(found, &servers, &ports, "t1-").into_iter().map(|r| r.id).collect();
+        let kept: Vec<String> = filter_prefixed(found, &servers, &ports, "t1-")
+            .into_iter()
+            .map(|r| r.id)
+            .collect();
         assert_eq!(kept, ["s1", "p1", "f1"]);
     }
 }

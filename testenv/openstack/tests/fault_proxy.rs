@@ -21,7 +21,10 @@ async fn injected_faults_reach_the_sdk_and_everything_else_passes() -> Result<()
     let env = TestEnv::load()?;
     // Straight to the API (not through the proxies) for set-up checks and clean-up.
     let direct = env.connect().await?;
-    LeakCheck::new(&env).assert_clean(&direct).await.context("before the test: the test project must be empty")?;
+    LeakCheck::new(&env)
+        .assert_clean(&direct)
+        .await
+        .context("before the test: the test project must be empty")?;
     let neutron_proxy = FaultProxy::start("http://127.0.0.1:9696").await?;
     let nova_proxy = FaultProxy::start("http://127.0.0.1:8774").await?;
     let mut config = env.cloud_config(&env.info.cloud)?;
@@ -32,9 +35,13 @@ async fn injected_faults_reach_the_sdk_and_everything_else_passes() -> Result<()
     let mut sg_id = None;
     let result = scenario(&env, &client, &neutron_proxy, &nova_proxy, &mut sg_id).await;
     if let Some(id) = sg_id {
-        let deleted = ignore(neutron::security_group::delete::Request::builder().id(id.as_str()).build()?)
-            .query_async(&direct)
-            .await;
+        let deleted = ignore(
+            neutron::security_group::delete::Request::builder()
+                .id(id.as_str())
+                .build()?,
+        )
+        .query_async(&direct)
+        .await;
         if let Err(e) = deleted {
             if api_status(&e) != Some(404) {
                 eprintln!("clean-up: deleting security group {id}: {e}");
@@ -57,21 +64,34 @@ async fn scenario(
 
     // Untouched requests go through to the real API.
     let sg: Value = neutron::security_group::create::Request::builder()
-        .security_group(neutron::security_group::create::SecurityGroupBuilder::default().name("fault-proxy-sg").build()?)
+        .security_group(
+            neutron::security_group::create::SecurityGroupBuilder::default()
+                .name("fault-proxy-sg")
+                .build()?,
+        )
         .build()?
         .query_async(client)
         .await
         .context("creating a security group through the proxy")?;
-    let sg_id = sg["id"].as_str().context("security group without id")?.to_string();
+    let sg_id = sg["id"]
+        .as_str()
+        .context("security group without id")?
+        .to_string();
     *sg_id_out = Some(sg_id.clone());
     ensure!(
-        neutron_proxy.seen().iter().any(|s| s.method == "POST" && s.path.starts_with("/v2.0/security-groups")),
+        neutron_proxy
+            .seen()
+            .iter()
+            .any(|s| s.method == "POST" && s.path.starts_with("/v2.0/security-groups")),
         "the request did not go through the proxy: {:?}",
         neutron_proxy.seen()
     );
 
     // Neutron's quota error on floating IPs, once.
-    neutron_proxy.inject(Rule::new("POST", "/floatingips").times(1), Fault::neutron_over_quota("floatingip"));
+    neutron_proxy.inject(
+        Rule::new("POST", "/floatingips").times(1),
+        Fault::neutron_over_quota("floatingip"),
+    );
     let create_fip = || -> Result<neutron::floatingip::create::Request<'_>> {
         Ok(neutron::floatingip::create::Request::builder()
             .floatingip(
@@ -82,30 +102,61 @@ async fn scenario(
             )
             .build()?)
     };
-    let err = create_fip()?.query_async(client).await.map(|_: Value| ()).expect_err("quota error injected");
-    ensure!(api_status(&err) == Some(409), "expected 409, got {err}");
-    ensure!(err.to_string().contains("Quota exceeded"), "the OverQuota message is lost: {err}");
-    // The rule is used up: the next one is created for real (then deleted).
-    let fip: Value = create_fip()?.query_async(client).await.context("creating a floating IP after the fault")?;
-    ignore(neutron::floatingip::delete::Request::builder().id(fip["id"].as_str().unwrap_or_default()).build()?)
+    let err = create_fip()?
         .query_async(client)
-        .await?;
+        .await
+        .map(|_: Value| ())
+        .expect_err("quota error injected");
+    ensure!(api_status(&err) == Some(409), "expected 409, got {err}");
+    ensure!(
+        err.to_string().contains("Quota exceeded"),
+        "the OverQuota message is lost: {err}"
+    );
+    // The rule is used up: the next one is created for real (then deleted).
+    let fip: Value = create_fip()?
+        .query_async(client)
+        .await
+        .context("creating a floating IP after the fault")?;
+    ignore(
+        neutron::floatingip::delete::Request::builder()
+            .id(fip["id"].as_str().unwrap_or_default())
+            .build()?,
+    )
+    .query_async(client)
+    .await?;
 
     // A 500 on listing ports, until cleared.
     neutron_proxy.inject(Rule::new("GET", "/ports"), Fault::internal_error());
     let list_ports = || neutron::port::list::Request::builder().build();
     for _ in 0..2 {
-        let err = list_ports()?.query_async(client).await.map(|_: Vec<Value>| ()).expect_err("500 injected");
+        let err = list_ports()?
+            .query_async(client)
+            .await
+            .map(|_: Vec<Value>| ())
+            .expect_err("500 injected");
         ensure!(api_status(&err) == Some(500), "expected 500, got {err}");
     }
     neutron_proxy.clear();
-    let _: Vec<Value> = list_ports()?.query_async(client).await.context("listing ports after clear()")?;
+    let _: Vec<Value> = list_ports()?
+        .query_async(client)
+        .await
+        .context("listing ports after clear()")?;
 
     // A slow API: the call takes the delay and still succeeds.
-    neutron_proxy.inject(Rule::new("GET", "/security-groups/").times(1), Fault::Delay(Duration::from_millis(800)));
+    neutron_proxy.inject(
+        Rule::new("GET", "/security-groups/").times(1),
+        Fault::Delay(Duration::from_millis(800)),
+    );
     let t = Instant::now();
-    let _: Value = neutron::security_group::get::Request::builder().id(sg_id.as_str()).build()?.query_async(client).await?;
-    ensure!(t.elapsed() >= Duration::from_millis(800), "the delay was not applied");
+    let _: Value = neutron::security_group::get::Request::builder()
+        .id(sg_id.as_str())
+        .build()?
+        .query_async(client)
+        .await?;
+    ensure!(
+        t.elapsed() >= Duration::from_millis(800),
+        "the delay was not applied"
+    );
 
     // A dropped connection is a transport error, not an HTTP status.
     neutron_proxy.inject(Rule::new("GET", "/networks").times(1), Fault::Drop);
@@ -115,10 +166,16 @@ async fn scenario(
         .await
         .map(|_: Vec<Value>| ())
         .expect_err("connection dropped");
-    ensure!(api_status(&err).is_none(), "a dropped connection must not look like an HTTP answer: {err}");
+    ensure!(
+        api_status(&err).is_none(),
+        "a dropped connection must not look like an HTTP answer: {err}"
+    );
 
     // Nova: 413 over limit on a server group, 503 on a server create.
-    nova_proxy.inject(Rule::new("POST", "/os-server-groups").times(1), Fault::over_limit("Quota exceeded, too many server groups."));
+    nova_proxy.inject(
+        Rule::new("POST", "/os-server-groups").times(1),
+        Fault::over_limit("Quota exceeded, too many server groups."),
+    );
     let err = nova::server_group::create_264::Request::builder()
         .server_group(
             nova::server_group::create_264::ServerGroupBuilder::default()
@@ -141,7 +198,9 @@ async fn scenario(
                 .name("fault-proxy-vm")
                 .flavor_ref(info.flavor_id.as_str())
                 .image_ref(info.image_id.as_str())
-                .networks(ServerNetworks::F1(vec![NetworksBuilder::default().uuid(Cow::from(info.network_id.as_str())).build()?]))
+                .networks(ServerNetworks::F1(vec![NetworksBuilder::default()
+                    .uuid(Cow::from(info.network_id.as_str()))
+                    .build()?]))
                 .build()?,
         )
         .build()?
@@ -150,11 +209,19 @@ async fn scenario(
         .map(|_: Value| ())
         .expect_err("503 injected");
     ensure!(api_status(&err) == Some(503), "expected 503, got {err}");
-    ensure!(nova_proxy.injected_count() == 2, "nova proxy: {:?}", nova_proxy.seen());
+    ensure!(
+        nova_proxy.injected_count() == 2,
+        "nova proxy: {:?}",
+        nova_proxy.seen()
+    );
 
-    ignore(neutron::security_group::delete::Request::builder().id(sg_id.as_str()).build()?)
-        .query_async(client)
-        .await
-        .context("deleting the security group through the proxy")?;
+    ignore(
+        neutron::security_group::delete::Request::builder()
+            .id(sg_id.as_str())
+            .build()?,
+    )
+    .query_async(client)
+    .await
+    .context("deleting the security group through the proxy")?;
     Ok(())
 }

@@ -52,7 +52,11 @@ async fn scenario(
 
     // A network of its own, with a subnet.
     let net: Value = neutron::network::create::Request::builder()
-        .network(neutron::network::create::NetworkBuilder::default().name(format!("{prefix}-net")).build()?)
+        .network(
+            neutron::network::create::NetworkBuilder::default()
+                .name(format!("{prefix}-net"))
+                .build()?,
+        )
         .build()?
         .query_async(client)
         .await
@@ -73,12 +77,17 @@ async fn scenario(
         .query_async(client)
         .await
         .context("creating a subnet")?;
-    ensure!(str_of(&subnet, "network_id") == net_id, "subnet on the wrong network: {subnet}");
+    ensure!(
+        str_of(&subnet, "network_id") == net_id,
+        "subnet on the wrong network: {subnet}"
+    );
 
     // A security group with the rules a load balancer needs: a service port, ICMP, VRRP between members.
     let sg: Value = neutron::security_group::create::Request::builder()
         .security_group(
-            neutron::security_group::create::SecurityGroupBuilder::default().name(format!("{prefix}-sg")).build()?,
+            neutron::security_group::create::SecurityGroupBuilder::default()
+                .name(format!("{prefix}-sg"))
+                .build()?,
         )
         .build()?
         .query_async(client)
@@ -119,10 +128,20 @@ async fn scenario(
             .await
             .context("creating a security group rule")?;
     }
-    let sg: Value = neutron::security_group::get::Request::builder().id(sg_id.as_str()).build()?.query_async(client).await?;
-    let rule_count = sg["security_group_rules"].as_array().map(Vec::len).unwrap_or(0);
+    let sg: Value = neutron::security_group::get::Request::builder()
+        .id(sg_id.as_str())
+        .build()?
+        .query_async(client)
+        .await?;
+    let rule_count = sg["security_group_rules"]
+        .as_array()
+        .map(Vec::len)
+        .unwrap_or(0);
     // 3 of ours + the 2 default egress rules (IPv4, IPv6) Neutron adds to every new group.
-    ensure!(rule_count == 5, "expected 5 rules in the security group, found {rule_count}: {sg}");
+    ensure!(
+        rule_count == 5,
+        "expected 5 rules in the security group, found {rule_count}: {sg}"
+    );
 
     // A port in that group on the project's network (which has a router to the external network).
     let port: Value = neutron::port::create::Request::builder()
@@ -139,7 +158,10 @@ async fn scenario(
         .context("creating a port")?;
     let port_id = id(&port)?;
     created.push(Kind::Port, &port_id);
-    let fixed_ip = port["fixed_ips"][0]["ip_address"].as_str().context("port without a fixed IP")?.to_string();
+    let fixed_ip = port["fixed_ips"][0]["ip_address"]
+        .as_str()
+        .context("port without a fixed IP")?
+        .to_string();
 
     // A floating IP from the external network, on that port.
     let fip: Value = neutron::floatingip::create::Request::builder()
@@ -156,8 +178,14 @@ async fn scenario(
         .context("creating a floating IP")?;
     let fip_id = id(&fip)?;
     created.push(Kind::FloatingIp, &fip_id);
-    ensure!(str_of(&fip, "port_id") == port_id, "floating IP not on the port: {fip}");
-    ensure!(str_of(&fip, "fixed_ip_address") == fixed_ip, "floating IP maps to the wrong address: {fip}");
+    ensure!(
+        str_of(&fip, "port_id") == port_id,
+        "floating IP not on the port: {fip}"
+    );
+    ensure!(
+        str_of(&fip, "fixed_ip_address") == fixed_ip,
+        "floating IP maps to the wrong address: {fip}"
+    );
 
     // An anti-affinity server group, and two servers in it: there are two compute hosts, so both go ACTIVE.
     let group: Value = nova::server_group::create_264::Request::builder()
@@ -177,13 +205,19 @@ async fn scenario(
     let user_data = base64::engine::general_purpose::STANDARD.encode(USER_DATA);
     let mut server_ids = Vec::new();
     for i in 0..2 {
-        use nova::server::create_294::{NetworksBuilder, OsSchHntSchedulerHintsBuilder, ServerBuilder, ServerNetworks};
+        use nova::server::create_294::{
+            NetworksBuilder, OsSchHntSchedulerHintsBuilder, ServerBuilder, ServerNetworks,
+        };
         // The first server boots on our port (as a load-balancer VM with a pre-made VIP port), the second gets a
         // port from Nova on the project's network.
         let network = if i == 0 {
-            NetworksBuilder::default().port(Some(Cow::from(port_id.as_str()))).build()?
+            NetworksBuilder::default()
+                .port(Some(Cow::from(port_id.as_str())))
+                .build()?
         } else {
-            NetworksBuilder::default().uuid(info.network_id.as_str()).build()?
+            NetworksBuilder::default()
+                .uuid(info.network_id.as_str())
+                .build()?
         };
         let server: Value = nova::server::create_294::Request::builder()
             .server(
@@ -196,7 +230,9 @@ async fn scenario(
                     .build()?,
             )
             .os_sch_hnt_scheduler_hints(
-                OsSchHntSchedulerHintsBuilder::default().group(vec![Cow::from(group_id.as_str())]).build()?,
+                OsSchHntSchedulerHintsBuilder::default()
+                    .group(vec![Cow::from(group_id.as_str())])
+                    .build()?,
             )
             .build()?
             .query_async(client)
@@ -210,15 +246,29 @@ async fn scenario(
     for server_id in &server_ids {
         let t = Instant::now();
         let server = wait_for_status(client, server_id, "ACTIVE").await?;
-        eprintln!("server {server_id} ACTIVE after {:.1}s", t.elapsed().as_secs_f64());
+        eprintln!(
+            "server {server_id} ACTIVE after {:.1}s",
+            t.elapsed().as_secs_f64()
+        );
         host_ids.push(str_of(&server, "hostId"));
     }
-    ensure!(host_ids[0] != host_ids[1], "anti-affinity: both servers on one host ({host_ids:?})");
+    ensure!(
+        host_ids[0] != host_ids[1],
+        "anti-affinity: both servers on one host ({host_ids:?})"
+    );
 
     // What the cloud reports back: group members, user_data (admin-only attribute), the port's binding.
-    let group: Value =
-        nova::server_group::get_21::Request::builder().id(group_id.as_str()).build()?.query_async(client).await?;
-    let members: Vec<&str> = group["members"].as_array().into_iter().flatten().filter_map(Value::as_str).collect();
+    let group: Value = nova::server_group::get_21::Request::builder()
+        .id(group_id.as_str())
+        .build()?
+        .query_async(client)
+        .await?;
+    let members: Vec<&str> = group["members"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(Value::as_str)
+        .collect();
     ensure!(
         server_ids.iter().all(|s| members.contains(&s.as_str())),
         "servers {server_ids:?} not all members of the group: {group}"
@@ -233,18 +283,38 @@ async fn scenario(
         .query_async(admin)
         .await
         .context("reading the server as admin")?;
-    let stored = server["OS-EXT-SRV-ATTR:user_data"].as_str().unwrap_or_default();
-    ensure!(stored == user_data, "user_data did not round-trip: {:?}", stored);
-    let port: Value = neutron::port::get::Request::builder().id(port_id.as_str()).build()?.query_async(client).await?;
-    ensure!(str_of(&port, "device_id") == server_ids[0], "port not attached to the server: {port}");
-    ensure!(str_of(&port, "status") == "ACTIVE", "port not ACTIVE (is the fake-bind ML2 driver loaded?): {port}");
+    let stored = server["OS-EXT-SRV-ATTR:user_data"]
+        .as_str()
+        .unwrap_or_default();
+    ensure!(
+        stored == user_data,
+        "user_data did not round-trip: {:?}",
+        stored
+    );
+    let port: Value = neutron::port::get::Request::builder()
+        .id(port_id.as_str())
+        .build()?
+        .query_async(client)
+        .await?;
+    ensure!(
+        str_of(&port, "device_id") == server_ids[0],
+        "port not attached to the server: {port}"
+    );
+    ensure!(
+        str_of(&port, "status") == "ACTIVE",
+        "port not ACTIVE (is the fake-bind ML2 driver loaded?): {port}"
+    );
 
     // Delete in dependency order, checking each goes away.
     for server_id in &server_ids {
-        ignore(nova::server::delete::Request::builder().id(server_id.as_str()).build()?)
-            .query_async(client)
-            .await
-            .context("deleting a server")?;
+        ignore(
+            nova::server::delete::Request::builder()
+                .id(server_id.as_str())
+                .build()?,
+        )
+        .query_async(client)
+        .await
+        .context("deleting a server")?;
     }
     for server_id in &server_ids {
         wait_for_gone(client, server_id).await?;
@@ -257,8 +327,11 @@ async fn scenario(
 async fn wait_for_status(client: &AsyncOpenStack, server_id: &str, status: &str) -> Result<Value> {
     let deadline = Instant::now() + Duration::from_secs(90);
     loop {
-        let server: Value =
-            nova::server::get_20::Request::builder().id(server_id).build()?.query_async(client).await?;
+        let server: Value = nova::server::get_20::Request::builder()
+            .id(server_id)
+            .build()?
+            .query_async(client)
+            .await?;
         let now = str_of(&server, "status");
         if now == status {
             return Ok(server);
@@ -276,11 +349,17 @@ async fn wait_for_status(client: &AsyncOpenStack, server_id: &str, status: &str)
 async fn wait_for_gone(client: &AsyncOpenStack, server_id: &str) -> Result<()> {
     let deadline = Instant::now() + Duration::from_secs(60);
     loop {
-        let res: Result<Value, _> = nova::server::get_20::Request::builder().id(server_id).build()?.query_async(client).await;
+        let res: Result<Value, _> = nova::server::get_20::Request::builder()
+            .id(server_id)
+            .build()?
+            .query_async(client)
+            .await;
         match res {
             Err(e) if api_status(&e) == Some(404) => return Ok(()),
             Err(e) => return Err(e).context("waiting for a server to go away"),
-            Ok(s) if Instant::now() > deadline => bail!("server {server_id} still there after 60 s: {}", s["status"]),
+            Ok(s) if Instant::now() > deadline => {
+                bail!("server {server_id} still there after 60 s: {}", s["status"])
+            }
             Ok(_) => tokio::time::sleep(Duration::from_millis(250)).await,
         }
     }
@@ -323,19 +402,51 @@ impl Created {
 
 async fn delete(client: &AsyncOpenStack, kind: Kind, id: &str) -> Result<()> {
     let result = match kind {
-        Kind::Network => ignore(neutron::network::delete::Request::builder().id(id).build()?).query_async(client).await,
-        Kind::SecurityGroup => {
-            ignore(neutron::security_group::delete::Request::builder().id(id).build()?).query_async(client).await
+        Kind::Network => {
+            ignore(
+                neutron::network::delete::Request::builder()
+                    .id(id)
+                    .build()?,
+            )
+            .query_async(client)
+            .await
         }
-        Kind::Port => ignore(neutron::port::delete::Request::builder().id(id).build()?).query_async(client).await,
+        Kind::SecurityGroup => {
+            ignore(
+                neutron::security_group::delete::Request::builder()
+                    .id(id)
+                    .build()?,
+            )
+            .query_async(client)
+            .await
+        }
+        Kind::Port => {
+            ignore(neutron::port::delete::Request::builder().id(id).build()?)
+                .query_async(client)
+                .await
+        }
         Kind::FloatingIp => {
-            ignore(neutron::floatingip::delete::Request::builder().id(id).build()?).query_async(client).await
+            ignore(
+                neutron::floatingip::delete::Request::builder()
+                    .id(id)
+                    .build()?,
+            )
+            .query_async(client)
+            .await
         }
         Kind::ServerGroup => {
-            ignore(nova::server_group::delete::Request::builder().id(id).build()?).query_async(client).await
+            ignore(
+                nova::server_group::delete::Request::builder()
+                    .id(id)
+                    .build()?,
+            )
+            .query_async(client)
+            .await
         }
         Kind::Server => {
-            ignore(nova::server::delete::Request::builder().id(id).build()?).query_async(client).await?;
+            ignore(nova::server::delete::Request::builder().id(id).build()?)
+                .query_async(client)
+                .await?;
             return wait_for_gone(client, id).await;
         }
     };
@@ -346,9 +457,15 @@ async fn delete(client: &AsyncOpenStack, kind: Kind, id: &str) -> Result<()> {
 }
 
 fn id(v: &Value) -> Result<String> {
-    v.get("id").and_then(Value::as_str).map(str::to_string).with_context(|| format!("no id in {v}"))
+    v.get("id")
+        .and_then(Value::as_str)
+        .map(str::to_string)
+        .with_context(|| format!("no id in {v}"))
 }
 
 fn str_of(v: &Value, key: &str) -> String {
-    v.get(key).and_then(Value::as_str).unwrap_or_default().to_string()
+    v.get(key)
+        .and_then(Value::as_str)
+        .unwrap_or_default()
+        .to_string()
 }

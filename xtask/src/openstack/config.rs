@@ -14,7 +14,10 @@ pub const COMPUTE_HOSTS: usize = 2;
 
 /// The connection prefix of every service database (MariaDB on 127.0.0.1, user `openstack`).
 fn db_url(layout: &Layout) -> String {
-    format!("mysql+pymysql://openstack:{}@127.0.0.1:3306", layout.password)
+    format!(
+        "mysql+pymysql://openstack:{}@127.0.0.1:3306",
+        layout.password
+    )
 }
 
 /// RabbitMQ's default `guest` user may only log in over loopback, which is all we use.
@@ -89,19 +92,24 @@ pub fn render_all(layout: &Layout) -> Result<()> {
     }
     // The paste pipelines ship with the wheels under <venv>/etc/; the services look for them next to their config.
     for (src, dst) in [
-        ("etc/glance/glance-api-paste.ini", "glance/glance-api-paste.ini"),
+        (
+            "etc/glance/glance-api-paste.ini",
+            "glance/glance-api-paste.ini",
+        ),
         ("etc/neutron/api-paste.ini", "neutron/api-paste.ini"),
         ("etc/nova/api-paste.ini", "nova/api-paste.ini"),
     ] {
         let src = layout.venv.join(src);
         let dst = layout.etc().join(dst);
-        std::fs::copy(&src, &dst).with_context(|| format!("copying {} to {}", src.display(), dst.display()))?;
+        std::fs::copy(&src, &dst)
+            .with_context(|| format!("copying {} to {}", src.display(), dst.display()))?;
     }
     Ok(())
 }
 
 fn render_file(template: &Path, target: &Path, vars: &[(String, String)]) -> Result<()> {
-    let text = std::fs::read_to_string(template).with_context(|| format!("reading {}", template.display()))?;
+    let text = std::fs::read_to_string(template)
+        .with_context(|| format!("reading {}", template.display()))?;
     let rendered = render(&text, vars, template)?;
     if let Some(dir) = target.parent() {
         std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
@@ -111,8 +119,8 @@ fn render_file(template: &Path, target: &Path, vars: &[(String, String)]) -> Res
 
 /// Writes a file that contains the password readable by its owner only.
 fn write_private(path: &Path, content: &str) -> Result<()> {
-    use std::os::unix::fs::OpenOptionsExt;
     use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
     let mut f = std::fs::OpenOptions::new()
         .write(true)
         .create(true)
@@ -120,7 +128,8 @@ fn write_private(path: &Path, content: &str) -> Result<()> {
         .mode(0o600)
         .open(path)
         .with_context(|| format!("writing {}", path.display()))?;
-    f.write_all(content.as_bytes()).with_context(|| format!("writing {}", path.display()))
+    f.write_all(content.as_bytes())
+        .with_context(|| format!("writing {}", path.display()))
 }
 
 /// Writes `clouds.yaml` (clouds `lbtest` and `lbtest-admin`), `cloudprovider.conf` (yawol's `[Global]` INI for the
@@ -167,7 +176,11 @@ pub fn write_client_files(layout: &Layout, ids: &serde_json::Value) -> Result<Ve
     let info = serde_json::to_string_pretty(&info)? + "\n";
 
     let mut written = Vec::new();
-    for (name, content) in [("clouds.yaml", clouds), ("cloudprovider.conf", cloudprovider), ("testenv.json", info)] {
+    for (name, content) in [
+        ("clouds.yaml", clouds),
+        ("cloudprovider.conf", cloudprovider),
+        ("testenv.json", info),
+    ] {
         let path = layout.state.join(name);
         write_private(&path, &content)?;
         written.push(path);
@@ -183,7 +196,13 @@ mod tests {
     fn render_replaces_and_rejects_unknown_placeholders() {
         let vars = vec![("A".to_string(), "1".to_string())];
         let p = Path::new("t.conf");
-        assert_eq!(render("x = @A@\n# @NAME@ is fine in comments\n", &vars, p).unwrap().lines().next(), Some("x = 1"));
+        assert_eq!(
+            render("x = @A@\n# @NAME@ is fine in comments\n", &vars, p)
+                .unwrap()
+                .lines()
+                .next(),
+            Some("x = 1")
+        );
         assert!(render("x = @B@\n", &vars, p).is_err());
         // A lone @ (e.g. in a password) is not a placeholder.
         assert!(render("p = a@b\n", &vars, p).is_ok());

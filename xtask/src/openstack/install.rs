@@ -26,31 +26,64 @@ pub fn ensure_root() -> Result<()> {
     Ok(())
 }
 
-/// Installs MariaDB and RabbitMQ with apt-get unless they already are.
-pub fn ensure_debian_packages() -> Result<()> {
-    let missing: Vec<&str> = DEBIAN_PACKAGES.iter().copied().filter(|p| !dpkg_installed(p)).collect();
+/// Installs MariaDB and RabbitMQ with apt-get unless they already are. apt's chatter goes to `<logs>/apt.log`.
+pub fn ensure_debian_packages(log_dir: &Path) -> Result<()> {
+    let missing: Vec<&str> = DEBIAN_PACKAGES
+        .iter()
+        .copied()
+        .filter(|p| !dpkg_installed(p))
+        .collect();
     if missing.is_empty() {
         return Ok(());
     }
     let t = Instant::now();
-    eprintln!("openstack: installing Debian packages {}", missing.join(" "));
+    eprintln!(
+        "openstack: installing Debian packages {}",
+        missing.join(" ")
+    );
     if !Path::new(POLICY_RC_D).exists() {
         // exit 101 = "action forbidden": the package scripts then leave the daemons stopped.
         std::fs::write(POLICY_RC_D, "#!/bin/sh\n# written by cargo xtask openstack: do not start daemons on install\nexit 101\n")
             .and_then(|_| set_mode(Path::new(POLICY_RC_D), 0o755))
             .with_context(|| format!("writing {POLICY_RC_D}"))?;
     }
+    let log = log_dir.join("apt.log");
     let apt = |args: &[&str], what: &str| {
-        run(
-            Command::new("apt-get").env("DEBIAN_FRONTEND", "noninteractive").args(args),
-            what,
-        )
+        let file = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&log)?;
+        let status = Command::new("apt-get")
+            .env("DEBIAN_FRONTEND", "noninteractive")
+            .args(args)
+            .stdin(std::process::Stdio::null())
+            .stdout(file.try_clone()?)
+            .stderr(file)
+            .status()
+            .with_context(|| format!("{what}: could not run apt-get"))?;
+        if !status.success() {
+            bail!(
+                "{what} failed ({status}); last lines of {}:\n{}",
+                log.display(),
+                super::process::log_tail(&log, 20)
+            );
+        }
+        anyhow::Ok(())
     };
-    apt(&["update", "-q"], "apt-get update (are Debian's package mirrors reachable?)")?;
+    apt(
+        &["update", "-q"],
+        "apt-get update (are Debian's package mirrors reachable?)",
+    )?;
     let mut args = vec!["install", "-y", "-q", "--no-install-recommends"];
     args.extend(&missing);
-    apt(&args, "apt-get install of MariaDB/RabbitMQ (are Debian's package mirrors reachable?)")?;
-    eprintln!("openstack: Debian packages installed in {:.1}s", t.elapsed().as_secs_f64());
+    apt(
+        &args,
+        "apt-get install of MariaDB/RabbitMQ (are Debian's package mirrors reachable?)",
+    )?;
+    eprintln!(
+        "openstack: Debian packages installed in {:.1}s",
+        t.elapsed().as_secs_f64()
+    );
     Ok(())
 }
 
@@ -58,7 +91,10 @@ fn dpkg_installed(package: &str) -> bool {
     Command::new("dpkg-query")
         .args(["-W", "-f=${Status}", package])
         .output()
-        .map(|o| o.status.success() && String::from_utf8_lossy(&o.stdout).contains("install ok installed"))
+        .map(|o| {
+            o.status.success()
+                && String::from_utf8_lossy(&o.stdout).contains("install ok installed")
+        })
         .unwrap_or(false)
 }
 
@@ -73,17 +109,17 @@ pub fn ensure_venv(layout: &Layout) -> Result<()> {
     let python_dir = layout.support.join("python");
     let requirements = python_dir.join("requirements.txt");
     let constraints = python_dir.join("constraints.txt");
-    let wanted = format!(
-        "{}\n{}",
-        read(&requirements)?,
-        read(&constraints)?
-    );
+    let wanted = format!("{}\n{}", read(&requirements)?, read(&constraints)?);
     let stamp = layout.venv.join(VENV_STAMP);
     if std::fs::read_to_string(&stamp).ok().as_deref() != Some(wanted.as_str()) {
         let t = Instant::now();
         if !layout.bin("python").exists() {
-            let python = std::env::var("LB_OPENSTACK_PYTHON").unwrap_or_else(|_| "python3".to_string());
-            eprintln!("openstack: creating the venv {} with {python}", layout.venv.display());
+            let python =
+                std::env::var("LB_OPENSTACK_PYTHON").unwrap_or_else(|_| "python3".to_string());
+            eprintln!(
+                "openstack: creating the venv {} with {python}",
+                layout.venv.display()
+            );
             run(
                 Command::new(&python).args(["-m", "venv"]).arg(&layout.venv),
                 "creating the Python venv (set LB_OPENSTACK_PYTHON to a Python >= 3.10 with the venv module)",
@@ -110,7 +146,8 @@ pub fn ensure_venv(layout: &Layout) -> Result<()> {
 fn install_fakebind(layout: &Layout, python_dir: &Path) -> Result<()> {
     let site = site_packages(&layout.venv)?;
     let dist_info = site.join("lbtest_fakebind-1.0.dist-info");
-    std::fs::create_dir_all(&dist_info).with_context(|| format!("creating {}", dist_info.display()))?;
+    std::fs::create_dir_all(&dist_info)
+        .with_context(|| format!("creating {}", dist_info.display()))?;
     let files: [(PathBuf, String); 4] = [
         (site.join("lbtest_fakebind.py"), read(&python_dir.join("lbtest_fakebind.py"))?),
         (dist_info.join("METADATA"), "Metadata-Version: 2.1\nName: lbtest-fakebind\nVersion: 1.0\n".into()),
@@ -123,7 +160,8 @@ fn install_fakebind(layout: &Layout, python_dir: &Path) -> Result<()> {
     for (path, content) in files {
         // Rewriting unchanged files would change mtimes and invalidate stevedore's entry-point cache for nothing.
         if std::fs::read_to_string(&path).ok().as_deref() != Some(content.as_str()) {
-            std::fs::write(&path, content).with_context(|| format!("writing {}", path.display()))?;
+            std::fs::write(&path, content)
+                .with_context(|| format!("writing {}", path.display()))?;
         }
     }
     Ok(())
@@ -137,7 +175,10 @@ fn site_packages(venv: &Path) -> Result<PathBuf> {
             return Ok(dir);
         }
     }
-    bail!("no lib/python*/site-packages in the venv {}", venv.display())
+    bail!(
+        "no lib/python*/site-packages in the venv {}",
+        venv.display()
+    )
 }
 
 fn read(path: &Path) -> Result<String> {

@@ -58,7 +58,14 @@ pub fn test_stage() -> Result<()> {
         Command::new("cargo")
             .current_dir(root())
             .env("LB_OPENSTACK_DIR", &layout.state)
-            .args(["test", "-p", "openstack-testenv", "--", "--ignored", "--test-threads=1"]),
+            .args([
+                "test",
+                "-p",
+                "openstack-testenv",
+                "--",
+                "--ignored",
+                "--test-threads=1",
+            ]),
         "openstack integration tests (cargo test -p openstack-testenv -- --ignored)",
     );
     if !was_running {
@@ -93,8 +100,14 @@ impl Layout {
             .map(PathBuf::from)
             .map(absolute)
             .unwrap_or_else(|| root.join("target/openstack-venv"));
-        let password = std::env::var("LB_OPENSTACK_PASSWORD").unwrap_or_else(|_| "lbtest-secret".to_string());
-        Layout { support: root.join("testenv/openstack"), state, venv, password }
+        let password =
+            std::env::var("LB_OPENSTACK_PASSWORD").unwrap_or_else(|_| "lbtest-secret".to_string());
+        Layout {
+            support: root.join("testenv/openstack"),
+            state,
+            venv,
+            password,
+        }
     }
 
     /// PID files, the MariaDB socket.
@@ -126,11 +139,16 @@ impl Layout {
 fn up(layout: &Layout) -> Result<()> {
     let started = Instant::now();
     install::ensure_root()?;
-    install::ensure_debian_packages()?;
-    install::ensure_venv(layout)?;
-    for dir in [layout.run_dir(), layout.log_dir(), layout.etc(), layout.stamps()] {
+    for dir in [
+        layout.run_dir(),
+        layout.log_dir(),
+        layout.etc(),
+        layout.stamps(),
+    ] {
         std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
     }
+    install::ensure_debian_packages(&layout.log_dir())?;
+    install::ensure_venv(layout)?;
     config::render_all(layout)?;
     let newly_started = services::start_all(layout)?;
     let info = layout.state.join("testenv.json");
@@ -138,12 +156,18 @@ fn up(layout: &Layout) -> Result<()> {
         // Everything was up and set up: the idempotent re-run stays at a few seconds. (register.py re-checks the
         // whole project in about 10 s; it runs whenever a service had to be started.)
         eprintln!("openstack: every service was already running; the test project is set up");
-        ["clouds.yaml", "cloudprovider.conf", "testenv.json"].iter().map(|f| layout.state.join(f)).collect()
+        ["clouds.yaml", "cloudprovider.conf", "testenv.json"]
+            .iter()
+            .map(|f| layout.state.join(f))
+            .collect()
     } else {
         let ids = services::register(layout, "resources")?;
         config::write_client_files(layout, &ids)?
     };
-    eprintln!("openstack: up in {:.1}s; every service listens on 127.0.0.1 only", started.elapsed().as_secs_f64());
+    eprintln!(
+        "openstack: up in {:.1}s; every service listens on 127.0.0.1 only",
+        started.elapsed().as_secs_f64()
+    );
     print_usage(layout, &files);
     Ok(())
 }
@@ -152,10 +176,15 @@ fn down(layout: &Layout, purge: bool) -> Result<()> {
     services::stop_all(layout)?;
     if purge {
         if layout.state.exists() {
-            std::fs::remove_dir_all(&layout.state)
-                .with_context(|| format!("removing the state directory {}", layout.state.display()))?;
+            std::fs::remove_dir_all(&layout.state).with_context(|| {
+                format!("removing the state directory {}", layout.state.display())
+            })?;
         }
-        eprintln!("openstack: state dropped ({}); the venv {} is kept", layout.state.display(), layout.venv.display());
+        eprintln!(
+            "openstack: state dropped ({}); the venv {} is kept",
+            layout.state.display(),
+            layout.venv.display()
+        );
     }
     Ok(())
 }
@@ -166,8 +195,14 @@ fn print_usage(layout: &Layout, files: &[PathBuf]) {
     }
     let clouds = layout.state.join("clouds.yaml");
     println!("# OpenStack CLI (admin: OS_CLOUD=lbtest-admin):");
-    println!("export OS_CLIENT_CONFIG_FILE={} OS_CLOUD=lbtest", clouds.display());
-    println!("# then e.g.: {} server list", display(&layout.bin("openstack")));
+    println!(
+        "export OS_CLIENT_CONFIG_FILE={} OS_CLOUD=lbtest",
+        clouds.display()
+    );
+    println!(
+        "# then e.g.: {} server list",
+        display(&layout.bin("openstack"))
+    );
     println!("# stop: cargo xtask openstack down [--purge]");
 }
 

@@ -36,7 +36,8 @@ pub fn spawn(mut spec: Spec, run_dir: &Path, log_dir: &Path) -> Result<u32> {
         .with_context(|| format!("starting {} ({:?})", spec.name, spec.command.get_program()))?;
     let pid = child.id();
     let pid_file = pid_file(run_dir, &spec.name);
-    std::fs::write(&pid_file, format!("{pid}\n")).with_context(|| format!("writing {}", pid_file.display()))?;
+    std::fs::write(&pid_file, format!("{pid}\n"))
+        .with_context(|| format!("writing {}", pid_file.display()))?;
     // The Child is dropped without waiting: the process outlives xtask and is reaped by init once we exit.
     Ok(pid)
 }
@@ -49,7 +50,11 @@ pub fn pid_file(run_dir: &Path, name: &str) -> PathBuf {
 /// The recorded PID of `name` if that process still runs and is still the one we started: it must lead its own
 /// process group (we start every service with `process_group(0)`), which a recycled PID almost never does.
 pub fn running_pid(run_dir: &Path, name: &str) -> Option<u32> {
-    let pid: u32 = std::fs::read_to_string(pid_file(run_dir, name)).ok()?.trim().parse().ok()?;
+    let pid: u32 = std::fs::read_to_string(pid_file(run_dir, name))
+        .ok()?
+        .trim()
+        .parse()
+        .ok()?;
     let (state, pgrp) = proc_stat(pid)?;
     (state != 'Z' && pgrp == pid).then_some(pid)
 }
@@ -68,10 +73,14 @@ fn proc_stat(pid: u32) -> Option<(char, u32)> {
 
 /// Live (non-zombie) processes of process group `pgid`.
 pub fn group_members(pgid: u32) -> Vec<u32> {
-    let Ok(entries) = std::fs::read_dir("/proc") else { return Vec::new() };
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
     entries
         .filter_map(|e| e.ok()?.file_name().to_str()?.parse::<u32>().ok())
-        .filter(|&pid| matches!(proc_stat(pid), Some((state, pgrp)) if pgrp == pgid && state != 'Z'))
+        .filter(
+            |&pid| matches!(proc_stat(pid), Some((state, pgrp)) if pgrp == pgid && state != 'Z'),
+        )
         .collect()
 }
 
@@ -94,12 +103,18 @@ pub fn stop(run_dir: &Path, name: &str, grace: Duration) -> Result<()> {
             std::thread::sleep(Duration::from_millis(200));
         }
         if !group_members(pgid).is_empty() {
-            eprintln!("openstack: {name} did not stop within {}s, killing it", grace.as_secs());
+            eprintln!(
+                "openstack: {name} did not stop within {}s, killing it",
+                grace.as_secs()
+            );
             signal_group(pgid, libc::SIGKILL);
             let deadline = Instant::now() + Duration::from_secs(10);
             while !group_members(pgid).is_empty() {
                 if Instant::now() > deadline {
-                    bail!("{name} (process group {pgid}) survived SIGKILL: {:?}", group_members(pgid));
+                    bail!(
+                        "{name} (process group {pgid}) survived SIGKILL: {:?}",
+                        group_members(pgid)
+                    );
                 }
                 std::thread::sleep(Duration::from_millis(100));
             }
@@ -115,13 +130,20 @@ pub fn stop(run_dir: &Path, name: &str, grace: Duration) -> Result<()> {
 
 /// Whether something accepts TCP connections on 127.0.0.1:`port`.
 pub fn port_open(port: u16) -> bool {
-    TcpStream::connect_timeout(&SocketAddr::from(([127, 0, 0, 1], port)), Duration::from_millis(300)).is_ok()
+    TcpStream::connect_timeout(
+        &SocketAddr::from(([127, 0, 0, 1], port)),
+        Duration::from_millis(300),
+    )
+    .is_ok()
 }
 
 /// Whether an HTTP server on 127.0.0.1:`port` answers `GET /` with any status line.
 pub fn http_answers(port: u16) -> bool {
     let attempt = || -> std::io::Result<bool> {
-        let mut s = TcpStream::connect_timeout(&SocketAddr::from(([127, 0, 0, 1], port)), Duration::from_millis(500))?;
+        let mut s = TcpStream::connect_timeout(
+            &SocketAddr::from(([127, 0, 0, 1], port)),
+            Duration::from_millis(500),
+        )?;
         s.set_read_timeout(Some(Duration::from_secs(10)))?;
         s.write_all(b"GET / HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n")?;
         let mut buf = [0u8; 12];

@@ -57,17 +57,43 @@ fn services(layout: &Layout) -> Vec<Service> {
         .arg("--user=root")
         .arg(format!("--datadir={}", s.join("mysql").display()))
         .arg(format!("--socket={}", mysql_socket(layout).display()))
-        .arg(format!("--pid-file={}", s.join("mysql/mariadbd.pid").display()))
-        .args(["--bind-address=127.0.0.1", "--port=3306", "--skip-name-resolve", "--skip-log-bin"])
-        .args(["--max-connections=1000", "--character-set-server=utf8mb4", "--collation-server=utf8mb4_general_ci"])
+        .arg(format!(
+            "--pid-file={}",
+            s.join("mysql/mariadbd.pid").display()
+        ))
+        .args([
+            "--bind-address=127.0.0.1",
+            "--port=3306",
+            "--skip-name-resolve",
+            "--skip-log-bin",
+        ])
+        .args([
+            "--max-connections=1000",
+            "--character-set-server=utf8mb4",
+            "--collation-server=utf8mb4_general_ci",
+        ])
         // Test data: trade durability for a schema sync that is several times faster.
-        .args(["--innodb-flush-method=nosync", "--innodb-flush-log-at-trx-commit=0", "--innodb-doublewrite=0"]);
-    list.push(Service { name: "mariadb".into(), phase: 0, ready: Ready::Port(3306), command: mariadb });
+        .args([
+            "--innodb-flush-method=nosync",
+            "--innodb-flush-log-at-trx-commit=0",
+            "--innodb-doublewrite=0",
+        ]);
+    list.push(Service {
+        name: "mariadb".into(),
+        phase: 0,
+        ready: Ready::Port(3306),
+        command: mariadb,
+    });
 
     // Our own epmd, so that it binds 127.0.0.1 and we own its PID (RabbitMQ would otherwise daemonize one).
     let mut epmd = Command::new("epmd");
     epmd.args(["-address", "127.0.0.1", "-port", "4369"]);
-    list.push(Service { name: "epmd".into(), phase: 0, ready: Ready::Port(4369), command: epmd });
+    list.push(Service {
+        name: "epmd".into(),
+        phase: 0,
+        ready: Ready::Port(4369),
+        command: epmd,
+    });
 
     // The Debian wrapper in /usr/sbin switches to the rabbitmq user; the real script runs fine as root with
     // everything pointed at our state directory.
@@ -75,10 +101,19 @@ fn services(layout: &Layout) -> Vec<Service> {
     let mut rabbit = Command::new("/usr/lib/rabbitmq/bin/rabbitmq-server");
     rabbit
         .env("HOME", &rabbit_dir)
-        .env("RABBITMQ_CONF_ENV_FILE", rabbit_dir.join("rabbitmq-env.conf"))
+        .env(
+            "RABBITMQ_CONF_ENV_FILE",
+            rabbit_dir.join("rabbitmq-env.conf"),
+        )
         .env("RABBITMQ_CONFIG_FILE", rabbit_dir.join("rabbitmq.conf"))
-        .env("RABBITMQ_ADVANCED_CONFIG_FILE", rabbit_dir.join("advanced.config"))
-        .env("RABBITMQ_ENABLED_PLUGINS_FILE", rabbit_dir.join("enabled_plugins"))
+        .env(
+            "RABBITMQ_ADVANCED_CONFIG_FILE",
+            rabbit_dir.join("advanced.config"),
+        )
+        .env(
+            "RABBITMQ_ENABLED_PLUGINS_FILE",
+            rabbit_dir.join("enabled_plugins"),
+        )
         .env("RABBITMQ_MNESIA_BASE", rabbit_dir.join("mnesia"))
         .env("RABBITMQ_LOG_BASE", layout.log_dir())
         .env("RABBITMQ_LOGS", "-")
@@ -87,24 +122,49 @@ fn services(layout: &Layout) -> Vec<Service> {
         .env("RABBITMQ_NODE_IP_ADDRESS", "127.0.0.1")
         .env("RABBITMQ_NODE_PORT", "5672")
         .env("RABBITMQ_DIST_PORT", "25672")
-        .env("RABBITMQ_SERVER_ADDITIONAL_ERL_ARGS", "-kernel inet_dist_use_interface {127,0,0,1}")
+        .env(
+            "RABBITMQ_SERVER_ADDITIONAL_ERL_ARGS",
+            "-kernel inet_dist_use_interface {127,0,0,1}",
+        )
         .env("ERL_EPMD_ADDRESS", "127.0.0.1")
         .env("ERL_EPMD_PORT", "4369");
-    list.push(Service { name: "rabbitmq".into(), phase: PHASE_RABBITMQ, ready: Ready::Port(5672), command: rabbit });
+    list.push(Service {
+        name: "rabbitmq".into(),
+        phase: PHASE_RABBITMQ,
+        ready: Ready::Port(5672),
+        command: rabbit,
+    });
 
     let wsgi = |name: &str, app: &str, port: u16, env: &[(&str, String)]| {
         let mut c = python_command(layout, layout.bin("python"));
-        c.arg(layout.support.join("python/wsgi_serve.py")).arg(app).arg(port.to_string());
+        c.arg(layout.support.join("python/wsgi_serve.py"))
+            .arg(app)
+            .arg(port.to_string());
         for (k, v) in env {
             c.env(k, v);
         }
-        Service { name: name.into(), phase: PHASE_APIS, ready: Ready::Http(port), command: c }
+        Service {
+            name: name.into(),
+            phase: PHASE_APIS,
+            ready: Ready::Http(port),
+            command: c,
+        }
     };
     let dir = |d: &str| etc.join(d).display().to_string();
-    let mut keystone = wsgi("keystone", "keystone.wsgi.api:application", 5000, &[("OS_KEYSTONE_CONFIG_DIR", dir("keystone"))]);
+    let mut keystone = wsgi(
+        "keystone",
+        "keystone.wsgi.api:application",
+        5000,
+        &[("OS_KEYSTONE_CONFIG_DIR", dir("keystone"))],
+    );
     keystone.phase = PHASE_KEYSTONE;
     list.push(keystone);
-    list.push(wsgi("glance", "glance.wsgi.api:application", 9292, &[("OS_GLANCE_CONFIG_DIR", dir("glance"))]));
+    list.push(wsgi(
+        "glance",
+        "glance.wsgi.api:application",
+        9292,
+        &[("OS_GLANCE_CONFIG_DIR", dir("glance"))],
+    ));
     list.push(wsgi(
         "placement",
         "placement.wsgi.api:application",
@@ -116,22 +176,43 @@ fn services(layout: &Layout) -> Vec<Service> {
         "neutron",
         "neutron.wsgi.api:application",
         9696,
-        &[("OS_NEUTRON_CONFIG_DIR", dir("neutron")), ("ASGI_WORKERS", "1".into())],
+        &[
+            ("OS_NEUTRON_CONFIG_DIR", dir("neutron")),
+            ("ASGI_WORKERS", "1".into()),
+        ],
     ));
-    list.push(wsgi("nova-api", "nova.wsgi.osapi_compute:application", 8774, &[("OS_NOVA_CONFIG_DIR", dir("nova"))]));
+    list.push(wsgi(
+        "nova-api",
+        "nova.wsgi.osapi_compute:application",
+        8774,
+        &[("OS_NOVA_CONFIG_DIR", dir("nova"))],
+    ));
 
     let nova_conf = etc.join("nova/nova.conf");
     for binary in ["nova-conductor", "nova-scheduler"] {
         let mut c = python_command(layout, layout.bin(binary));
         c.arg("--config-file").arg(&nova_conf);
-        list.push(Service { name: binary.into(), phase: PHASE_APIS, ready: Ready::Process, command: c });
+        list.push(Service {
+            name: binary.into(),
+            phase: PHASE_APIS,
+            ready: Ready::Process,
+            command: c,
+        });
     }
     // The compute hosts start once placement and the conductor run: a compute that finds no placement at start-up
     // only retries in its 60 s periodic task.
     for n in 1..=COMPUTE_HOSTS {
         let mut c = python_command(layout, layout.bin("nova-compute"));
-        c.arg("--config-file").arg(&nova_conf).arg("--config-file").arg(etc.join(format!("nova/compute-{n}.conf")));
-        list.push(Service { name: format!("nova-compute-{n}"), phase: PHASE_COMPUTE, ready: Ready::Process, command: c });
+        c.arg("--config-file")
+            .arg(&nova_conf)
+            .arg("--config-file")
+            .arg(etc.join(format!("nova/compute-{n}.conf")));
+        list.push(Service {
+            name: format!("nova-compute-{n}"),
+            phase: PHASE_COMPUTE,
+            ready: Ready::Process,
+            command: c,
+        });
     }
     list
 }
@@ -155,7 +236,9 @@ fn mysql_socket(layout: &Layout) -> std::path::PathBuf {
 
 /// Whether every service of the environment runs.
 pub fn all_running(layout: &Layout) -> bool {
-    services(layout).iter().all(|s| process::running_pid(&layout.run_dir(), &s.name).is_some())
+    services(layout)
+        .iter()
+        .all(|s| process::running_pid(&layout.run_dir(), &s.name).is_some())
 }
 
 /// Prints each service's state and the client files.
@@ -201,7 +284,8 @@ pub fn start_all(layout: &Layout) -> Result<usize> {
                 let stamp = layout.stamps().join("register-identity");
                 if !stamp.exists() {
                     register(layout, "identity")?;
-                    std::fs::write(&stamp, "").with_context(|| format!("writing {}", stamp.display()))?;
+                    std::fs::write(&stamp, "")
+                        .with_context(|| format!("writing {}", stamp.display()))?;
                 }
             }
             _ => {}
@@ -231,9 +315,15 @@ fn prepare_dirs(layout: &Layout) -> Result<()> {
     }
     let rabbit = s.join("rabbitmq");
     // Only the AMQP listener, on loopback; no plugins (the management UI would open another port).
-    std::fs::write(rabbit.join("rabbitmq.conf"), "listeners.tcp.default = 127.0.0.1:5672\nloopback_users.guest = true\n")?;
+    std::fs::write(
+        rabbit.join("rabbitmq.conf"),
+        "listeners.tcp.default = 127.0.0.1:5672\nloopback_users.guest = true\n",
+    )?;
     std::fs::write(rabbit.join("enabled_plugins"), "[].\n")?;
-    std::fs::write(rabbit.join("rabbitmq-env.conf"), "# empty: everything is set in the environment\n")?;
+    std::fs::write(
+        rabbit.join("rabbitmq-env.conf"),
+        "# empty: everything is set in the environment\n",
+    )?;
     Ok(())
 }
 
@@ -246,7 +336,9 @@ fn start_phase(layout: &Layout, batch: Vec<Service>) -> Result<usize> {
     for s in batch {
         if process::running_pid(&run_dir, &s.name).is_some() {
             // Already running: still check that it answers, so that a hung API fails here and not in a test.
-            let long_ago = Instant::now().checked_sub(SETTLE_TIME).unwrap_or_else(Instant::now);
+            let long_ago = Instant::now()
+                .checked_sub(SETTLE_TIME)
+                .unwrap_or_else(Instant::now);
             already.push((s.name, s.ready, long_ago));
             continue;
         }
@@ -262,7 +354,14 @@ fn start_phase(layout: &Layout, batch: Vec<Service>) -> Result<usize> {
         }
         eprintln!("openstack: starting {}", s.name);
         let (name, ready) = (s.name.clone(), s.ready);
-        process::spawn(Spec { name: s.name, command: s.command }, &run_dir, &layout.log_dir())?;
+        process::spawn(
+            Spec {
+                name: s.name,
+                command: s.command,
+            },
+            &run_dir,
+            &layout.log_dir(),
+        )?;
         pending.push((name, ready, Instant::now()));
     }
     let started = pending.len();
@@ -303,7 +402,11 @@ fn start_phase(layout: &Layout, batch: Vec<Service>) -> Result<usize> {
 
 fn log_hint(layout: &Layout, name: &str) -> String {
     let log = layout.log_dir().join(format!("{name}.log"));
-    format!("last lines of {}:\n{}", log.display(), process::log_tail(&log, 30))
+    format!(
+        "last lines of {}:\n{}",
+        log.display(),
+        process::log_tail(&log, 30)
+    )
 }
 
 /// Creates the MariaDB data directory on first start.
@@ -329,7 +432,15 @@ fn init_mariadb(layout: &Layout) -> Result<()> {
 fn create_databases(layout: &Layout) -> Result<()> {
     let pw = layout.password.replace('\\', "\\\\").replace('\'', "\\'");
     let mut sql = String::new();
-    for db in ["keystone", "glance", "placement", "neutron", "nova_api", "nova_cell0", "nova_cell1"] {
+    for db in [
+        "keystone",
+        "glance",
+        "placement",
+        "neutron",
+        "nova_api",
+        "nova_cell0",
+        "nova_cell1",
+    ] {
         sql += &format!("CREATE DATABASE IF NOT EXISTS {db} CHARACTER SET utf8mb4;");
     }
     sql += &format!(
@@ -344,7 +455,10 @@ fn create_databases(layout: &Layout) -> Result<()> {
         .output()
         .context("creating the databases: could not run the mariadb client")?;
     if !out.status.success() {
-        bail!("creating the databases failed: {}", String::from_utf8_lossy(&out.stderr).trim());
+        bail!(
+            "creating the databases failed: {}",
+            String::from_utf8_lossy(&out.stderr).trim()
+        );
     }
     Ok(())
 }
@@ -376,7 +490,10 @@ fn run_logged(cmd: &mut Command, log: &Path, what: &str) -> Result<()> {
 /// and sequentially they take 40-60 s.
 fn sync_schemas(layout: &Layout) -> Result<()> {
     let etc = layout.etc();
-    let db = format!("mysql+pymysql://openstack:{}@127.0.0.1:3306", layout.password);
+    let db = format!(
+        "mysql+pymysql://openstack:{}@127.0.0.1:3306",
+        layout.password
+    );
     let cmd = |bin: &str, args: &[&str]| {
         let mut c = python_command(layout, layout.bin(bin));
         c.args(args);
@@ -386,9 +503,34 @@ fn sync_schemas(layout: &Layout) -> Result<()> {
     let keystone_conf = conf("keystone/keystone.conf");
     let admin_url = format!("{}/", super::config::AUTH_URL);
     let keystone = vec![
-        cmd("keystone-manage", &["--config-file", &keystone_conf, "db_sync"]),
-        cmd("keystone-manage", &["--config-file", &keystone_conf, "fernet_setup", "--keystone-user", "root", "--keystone-group", "root"]),
-        cmd("keystone-manage", &["--config-file", &keystone_conf, "credential_setup", "--keystone-user", "root", "--keystone-group", "root"]),
+        cmd(
+            "keystone-manage",
+            &["--config-file", &keystone_conf, "db_sync"],
+        ),
+        cmd(
+            "keystone-manage",
+            &[
+                "--config-file",
+                &keystone_conf,
+                "fernet_setup",
+                "--keystone-user",
+                "root",
+                "--keystone-group",
+                "root",
+            ],
+        ),
+        cmd(
+            "keystone-manage",
+            &[
+                "--config-file",
+                &keystone_conf,
+                "credential_setup",
+                "--keystone-user",
+                "root",
+                "--keystone-group",
+                "root",
+            ],
+        ),
         cmd(
             "keystone-manage",
             &[
@@ -408,8 +550,19 @@ fn sync_schemas(layout: &Layout) -> Result<()> {
             ],
         ),
     ];
-    let glance = vec![cmd("glance-manage", &["--config-file", &conf("glance/glance-api.conf"), "db_sync"])];
-    let placement = vec![cmd("placement-manage", &["--config-file", &conf("placement/placement.conf"), "db", "sync"])];
+    let glance = vec![cmd(
+        "glance-manage",
+        &["--config-file", &conf("glance/glance-api.conf"), "db_sync"],
+    )];
+    let placement = vec![cmd(
+        "placement-manage",
+        &[
+            "--config-file",
+            &conf("placement/placement.conf"),
+            "db",
+            "sync",
+        ],
+    )];
     let neutron = vec![cmd(
         "neutron-db-manage",
         &[
@@ -424,8 +577,21 @@ fn sync_schemas(layout: &Layout) -> Result<()> {
     let nova_conf = conf("nova/nova.conf");
     let cell0 = format!("{db}/nova_cell0");
     let nova = vec![
-        cmd("nova-manage", &["--config-file", &nova_conf, "api_db", "sync"]),
-        cmd("nova-manage", &["--config-file", &nova_conf, "cell_v2", "map_cell0", "--database_connection", &cell0]),
+        cmd(
+            "nova-manage",
+            &["--config-file", &nova_conf, "api_db", "sync"],
+        ),
+        cmd(
+            "nova-manage",
+            &[
+                "--config-file",
+                &nova_conf,
+                "cell_v2",
+                "map_cell0",
+                "--database_connection",
+                &cell0,
+            ],
+        ),
         // create_cell fails when the cell exists; a shell keeps the check and the command together.
         {
             let manage = layout.bin("nova-manage").display().to_string();
@@ -438,18 +604,30 @@ fn sync_schemas(layout: &Layout) -> Result<()> {
         },
         cmd("nova-manage", &["--config-file", &nova_conf, "db", "sync"]),
     ];
-    let jobs = [("keystone", keystone), ("glance", glance), ("placement", placement), ("neutron", neutron), ("nova", nova)];
+    let jobs = [
+        ("keystone", keystone),
+        ("glance", glance),
+        ("placement", placement),
+        ("neutron", neutron),
+        ("nova", nova),
+    ];
     let t = Instant::now();
     let results: Vec<Result<()>> = std::thread::scope(|scope| {
         let handles: Vec<_> = jobs
             .into_iter()
             .map(|(name, steps)| scope.spawn(move || sync_one(layout, name, steps)))
             .collect();
-        handles.into_iter().map(|h| h.join().expect("schema sync thread panicked")).collect()
+        handles
+            .into_iter()
+            .map(|h| h.join().expect("schema sync thread panicked"))
+            .collect()
     });
     results.into_iter().collect::<Result<Vec<()>>>()?;
     if t.elapsed() > Duration::from_secs(1) {
-        eprintln!("openstack: schemas synced in {:.1}s", t.elapsed().as_secs_f64());
+        eprintln!(
+            "openstack: schemas synced in {:.1}s",
+            t.elapsed().as_secs_f64()
+        );
     }
     Ok(())
 }
@@ -500,9 +678,16 @@ pub fn register(layout: &Layout, step: &str) -> Result<serde_json::Value> {
             dead.join("\n")
         );
     }
-    eprintln!("openstack: register.py {step} done in {:.1}s", t.elapsed().as_secs_f64());
-    serde_json::from_slice(&out.stdout)
-        .with_context(|| format!("register.py printed no JSON: {}", String::from_utf8_lossy(&out.stdout)))
+    eprintln!(
+        "openstack: register.py {step} done in {:.1}s",
+        t.elapsed().as_secs_f64()
+    );
+    serde_json::from_slice(&out.stdout).with_context(|| {
+        format!(
+            "register.py printed no JSON: {}",
+            String::from_utf8_lossy(&out.stdout)
+        )
+    })
 }
 
 /// Stops every recorded process: the OpenStack services first (in parallel), then RabbitMQ, epmd and MariaDB, so
@@ -514,7 +699,13 @@ pub fn stop_all(layout: &Layout) -> Result<()> {
     let mut names: Vec<String> = std::fs::read_dir(&run_dir)
         .map(|entries| {
             entries
-                .filter_map(|e| e.ok()?.file_name().to_str()?.strip_suffix(".pid").map(str::to_string))
+                .filter_map(|e| {
+                    e.ok()?
+                        .file_name()
+                        .to_str()?
+                        .strip_suffix(".pid")
+                        .map(str::to_string)
+                })
                 .collect()
         })
         .unwrap_or_default();
@@ -531,7 +722,10 @@ pub fn stop_all(layout: &Layout) -> Result<()> {
                     scope.spawn(move || process::stop(run_dir, name, STOP_GRACE))
                 })
                 .collect();
-            handles.into_iter().map(|h| h.join().expect("stop thread panicked")).collect()
+            handles
+                .into_iter()
+                .map(|h| h.join().expect("stop thread panicked"))
+                .collect()
         });
         results.into_iter().collect::<Result<Vec<()>>>()?;
     }

@@ -1,0 +1,394 @@
+//! The agent's main loop: desired config + backend health → maps; next hops kept resolved; idle flows
+//! collected; a metrics snapshot refreshed. Config sources feed it through a watch channel, so the file
+//! and Kubernetes modes share everything from here on.
+
+use crate::config::DesiredConfig;
+use crate::dataplane::{AttachMode, Dataplane, MapSizes};
+use crate::gc;
+use crate::health::{HealthChecker, HealthMap};
+use crate::metrics::{ServiceMetrics, SharedSnapshot, Snapshot};
+use crate::model::ServiceSpec;
+use crate::neighbor;
+use crate::programmer::{ip_to_addr, Programmer};
+use anyhow::{Context, Result};
+use lb_common::{stat, NextHop, FLOW_F_FORWARD};
+use std::collections::{BTreeSet, HashMap};
+use std::net::IpAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tokio::sync::watch;
+
+/// What a config source says.
+#[derive(Clone, Debug, Default)]
+pub enum ConfigState {
+    /// Nothing read yet.
+    #[default]
+    Pending,
+    /// A valid desired state with its generation (source-defined, increasing).
+    Valid(Arc<DesiredConfig>, u64),
+    /// The latest input was invalid; the last valid state keeps forwarding.
+    Invalid(String, u64),
+}
+
+/// What the agent reports about itself (Kubernetes mode turns it into conditions).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct AgentStatus {
+    /// The data plane is loaded and attached.
+    pub dataplane_ready: bool,
+    /// The latest config was invalid (message), or `None`.
+    pub config_error: Option<String>,
+    /// Generation of the latest input seen from the source.
+    pub desired_generation: Option<u64>,
+    /// Generation of the config now in the maps.
+    pub applied_generation: Option<u64>,
+}
+
+impl AgentStatus {
+    /// The maps match the latest valid input.
+    pub fn up_to_date(&self) -> bool {
+        self.dataplane_ready
+            && self.config_error.is_none()
+            && self.applied_generation.is_some()
+            && self.applied_generation == self.desired_generation
+    }
+}
+
+/// Agent settings that are not part of the load balancer's config.
+#[derive(Clone, Debug)]
+pub struct AgentOptions {
+    /// Interface to attach to.
+    pub interface: String,
+    /// XDP (native with generic fallback), or TC.
+    pub attach_mode: AttachMode,
+    /// bpffs directory for pinned maps and links; `None` = no pinning (state dies with the process).
+    pub pin_dir: Option<PathBuf>,
+    /// Map capacities.
+    pub sizes: MapSizes,
+    /// SNAT port range and hash seed.
+    pub dataplane: lb_common::Config,
+    /// Overrides every service's SNAT address.
+    pub snat_override: Option<IpAddr>,
+    /// Idle-flow collection period.
+    pub gc_interval: Duration,
+    /// Next-hop refresh period.
+    pub neighbor_interval: Duration,
+    /// Detach the program on exit even when pinned (default: leave it, so a restart keeps flows).
+    pub detach_on_exit: bool,
+}
+
+/// Runs until `shutdown` resolves.
+pub async fn run(
+    opts: AgentOptions,
+    mut config_rx: watch::Receiver<ConfigState>,
+    status_tx: watch::Sender<AgentStatus>,
+    snapshot: SharedSnapshot,
+    shutdown: impl std::future::Future<Output = ()>,
+) -> Result<()> {
+    let mut dp = Dataplane::load(&opts.sizes, opts.pin_dir.as_deref())?;
+    dp.set_config(&opts.dataplane)?;
+    let mut programmer = if opts.pin_dir.is_some() {
+        Programmer::adopt(
+            &mut dp,
+            opts.sizes.services,
+            opts.sizes.backends,
+            opts.sizes.maglev_slots,
+        )
+        .context("adopting pinned maps")?
+    } else {
+        Programmer::new(opts.sizes.services, opts.sizes.backends, opts.sizes.maglev_slots)
+    };
+    if !programmer.is_empty() {
+        tracing::info!(services = programmer.len(), "adopted the previous agent's services; flows keep running");
+    }
+    let mode = dp.attach(&opts.interface, opts.attach_mode)?;
+    tracing::info!(interface = %opts.interface, ?mode, "data plane attached");
+    status_tx.send_modify(|s| s.dataplane_ready = true);
+
+    let (mut hc, mut health_rx) = HealthChecker::new()?;
+    let mut state = LoopState {
+        current: None,
+        generation: None,
+        idle_expired: HashMap::new(),
+        applied: 0,
+        errors: 0,
+        last_no_nexthop: 0,
+    };
+    let mut tick = tokio::time::interval(Duration::from_secs(1));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut last_gc = Instant::now();
+    let mut last_nh = Instant::now() - opts.neighbor_interval;
+    tokio::pin!(shutdown);
+    // The initial value of a watch channel is not a change: look at it once.
+    let mut config_changed = true;
+    loop {
+        if config_changed {
+            config_changed = false;
+            let cs = config_rx.borrow_and_update().clone();
+            match cs {
+                ConfigState::Pending => {}
+                ConfigState::Valid(cfg, generation) => {
+                    hc.set_targets(&cfg.health_check, &cfg.backends());
+                    state.current = Some(cfg);
+                    state.generation = Some(generation);
+                    status_tx.send_modify(|s| {
+                        s.config_error = None;
+                        s.desired_generation = Some(generation);
+                    });
+                    refresh_nexthops(&mut dp, &state, &opts)?;
+                    last_nh = Instant::now();
+                    apply(&mut dp, &mut programmer, &mut state, &health_rx.borrow(), &opts, &status_tx);
+                }
+                ConfigState::Invalid(msg, generation) => {
+                    tracing::error!(error = %msg, "configuration rejected; the last valid one keeps forwarding");
+                    state.errors += 1;
+                    status_tx.send_modify(|s| {
+                        s.config_error = Some(msg);
+                        s.desired_generation = Some(generation);
+                    });
+                }
+            }
+        }
+        tokio::select! {
+            _ = &mut shutdown => break,
+            r = config_rx.changed() => {
+                if r.is_err() {
+                    tracing::warn!("config source ended");
+                    break;
+                }
+                config_changed = true;
+            }
+            r = health_rx.changed() => {
+                if r.is_ok() {
+                    let health = health_rx.borrow_and_update().clone();
+                    apply(&mut dp, &mut programmer, &mut state, &health, &opts, &status_tx);
+                }
+            }
+            _ = tick.tick() => {
+                let stats = dp.stats()?;
+                let no_nh = stats[stat::PASS_NO_NEXTHOP as usize];
+                if last_nh.elapsed() >= opts.neighbor_interval || no_nh != state.last_no_nexthop {
+                    state.last_no_nexthop = no_nh;
+                    if let Err(e) = refresh_nexthops(&mut dp, &state, &opts) {
+                        tracing::warn!(error = %e, "next-hop refresh failed");
+                    }
+                    last_nh = Instant::now();
+                }
+                let mut active = None;
+                if last_gc.elapsed() >= opts.gc_interval {
+                    last_gc = Instant::now();
+                    let r = gc::collect(&mut dp, gc::now_ns())?;
+                    for (svc, n) in &r.expired {
+                        *state.idle_expired.entry(*svc).or_default() += n;
+                    }
+                    let fill = r.entries as f64 / opts.sizes.flows as f64;
+                    if fill > 0.9 {
+                        tracing::warn!(entries = r.entries, capacity = opts.sizes.flows, "flow table over 90% full: the oldest flows get evicted; raise --max-flows");
+                    }
+                    active = Some(r);
+                }
+                update_snapshot(&mut dp, &programmer, &state, &health_rx.borrow(), &opts, &snapshot, active, &stats);
+            }
+        }
+    }
+    if opts.detach_on_exit || opts.pin_dir.is_none() {
+        tracing::info!("detaching the data plane");
+    } else {
+        tracing::info!("exiting; the pinned data plane keeps forwarding");
+    }
+    drop(dp);
+    Ok(())
+}
+
+struct LoopState {
+    current: Option<Arc<DesiredConfig>>,
+    generation: Option<u64>,
+    idle_expired: HashMap<u32, u64>,
+    applied: u64,
+    errors: u64,
+    last_no_nexthop: u64,
+}
+
+/// The services as they must be in the maps now: configured backends minus unhealthy ones.
+fn effective(cfg: &DesiredConfig, health: &HealthMap, opts: &AgentOptions) -> Vec<ServiceSpec> {
+    cfg.services
+        .iter()
+        .map(|s| {
+            let mut s = s.clone();
+            s.backends.retain(|b| health.get(b).copied().unwrap_or(true));
+            if let Some(snat) = opts.snat_override {
+                s.snat = Some(snat);
+            }
+            s
+        })
+        .collect()
+}
+
+fn apply(
+    dp: &mut Dataplane,
+    programmer: &mut Programmer,
+    state: &mut LoopState,
+    health: &HealthMap,
+    opts: &AgentOptions,
+    status_tx: &watch::Sender<AgentStatus>,
+) {
+    let Some(cfg) = state.current.clone() else {
+        return;
+    };
+    let services = effective(&cfg, health, opts);
+    let t = Instant::now();
+    match programmer.apply(dp, &services) {
+        Ok(r) => {
+            state.applied += 1;
+            tracing::info!(added = r.added, updated = r.updated, removed = r.removed, unchanged = r.unchanged,
+                elapsed_ms = t.elapsed().as_secs_f64() * 1e3, "configuration applied");
+            let generation = state.generation;
+            status_tx.send_modify(|s| s.applied_generation = generation);
+        }
+        Err(e) => {
+            state.errors += 1;
+            tracing::error!(error = %format!("{e:#}"), "applying the configuration failed; services keep their previous state");
+            let msg = format!("{e:#}");
+            status_tx.send_modify(|s| s.config_error = Some(msg));
+        }
+    }
+}
+
+/// Resolves every backend address; updates changed MACs, including in the flows that cached them.
+fn refresh_nexthops(dp: &mut Dataplane, state: &LoopState, opts: &AgentOptions) -> Result<()> {
+    let Some(cfg) = &state.current else {
+        return Ok(());
+    };
+    let ips: BTreeSet<IpAddr> = cfg.backends().iter().map(|b| b.ip()).collect();
+    let existing: HashMap<lb_common::Addr, NextHop> = dp.nexthops()?.into_iter().collect();
+    let mut changed: HashMap<u32, [u8; 6]> = HashMap::new();
+    for ip in &ips {
+        let addr = ip_to_addr(*ip);
+        match neighbor::resolve(*ip) {
+            Ok(Some(r)) => {
+                if r.dev != opts.interface {
+                    tracing::warn!(backend = %ip, dev = %r.dev, interface = %opts.interface,
+                        "backend is routed via another interface; the data plane sends out of the attached one");
+                }
+                let nh = NextHop {
+                    mac: r.mac,
+                    _pad: 0,
+                    ifindex: 0,
+                };
+                match existing.get(&addr) {
+                    Some(old) if old.mac == nh.mac => {}
+                    old => {
+                        if old.is_some() {
+                            tracing::info!(backend = %ip, "next-hop MAC changed");
+                            if let IpAddr::V4(v4) = ip {
+                                changed.insert(u32::from_ne_bytes(v4.octets()), nh.mac);
+                            }
+                        }
+                        dp.set_nexthop(&addr, &nh)?;
+                    }
+                }
+            }
+            Ok(None) => tracing::debug!(backend = %ip, "next hop not resolved yet"),
+            Err(e) => tracing::warn!(backend = %ip, error = %e, "cannot resolve next hop"),
+        }
+    }
+    for addr in existing.keys() {
+        if !ips.iter().any(|ip| ip_to_addr(*ip) == *addr) {
+            dp.remove_nexthop(addr)?;
+        }
+    }
+    if !changed.is_empty() {
+        for (k, mut f) in dp.flows()? {
+            if f.flags & FLOW_F_FORWARD != 0 {
+                if let Some(mac) = changed.get(&f.new_dst) {
+                    f.mac = *mac;
+                    dp.set_flow(&k, &f)?;
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+#[allow(clippy::too_many_arguments)]
+fn update_snapshot(
+    dp: &mut Dataplane,
+    programmer: &Programmer,
+    state: &LoopState,
+    health: &HealthMap,
+    opts: &AgentOptions,
+    snapshot: &SharedSnapshot,
+    gc: Option<gc::GcReport>,
+    stats: &[u64],
+) {
+    let mut services = Vec::new();
+    let prev: HashMap<_, _> = snapshot
+        .read()
+        .unwrap()
+        .services
+        .iter()
+        .filter_map(|m| m.id.map(|id| (id, m.active)))
+        .collect();
+    for (id, idx) in programmer.service_indices() {
+        let stats = dp.service_stats(idx).unwrap_or_default();
+        let active = match &gc {
+            Some(r) => r.active.get(&idx).copied().unwrap_or(0),
+            None => prev.get(id).copied().unwrap_or(0),
+        };
+        services.push(ServiceMetrics {
+            id: Some(*id),
+            stats,
+            active,
+            idle_expired: state.idle_expired.get(&idx).copied().unwrap_or(0),
+        });
+    }
+    let mut s = snapshot.write().unwrap();
+    let flow_entries = gc.as_ref().map_or(s.flow_entries, |r| r.entries);
+    *s = Snapshot {
+        services,
+        dataplane: stat::NAMES.iter().copied().zip(stats.iter().copied()).collect(),
+        backends: health.iter().map(|(a, h)| (*a, *h)).collect(),
+        flow_entries,
+        flow_capacity: opts.sizes.flows as u64,
+        host: crate::hostmetrics::read(),
+        config_applied: state.applied,
+        config_errors: state.errors,
+        ready: state.applied > 0,
+    };
+}
+
+/// Polls a config file (content, not just mtime) and publishes each new version.
+pub fn watch_file(path: PathBuf, every: Duration) -> watch::Receiver<ConfigState> {
+    let (tx, rx) = watch::channel(ConfigState::Pending);
+    tokio::spawn(async move {
+        let mut last: Option<String> = None;
+        let mut generation = 0u64;
+        loop {
+            match tokio::fs::read_to_string(&path).await {
+                Ok(text) if last.as_deref() != Some(text.as_str()) => {
+                    generation += 1;
+                    let state = serde_yaml::from_str::<crate::config::LocalConfig>(&text)
+                        .map_err(|e| format!("{}: {e}", path.display()))
+                        .and_then(|c| DesiredConfig::try_from(&c).map_err(|e| format!("{e:#}")));
+                    let _ = tx.send(match state {
+                        Ok(c) => ConfigState::Valid(Arc::new(c), generation),
+                        Err(e) => ConfigState::Invalid(e, generation),
+                    });
+                    last = Some(text);
+                }
+                Ok(_) => {}
+                Err(e) if last.is_none() => {
+                    generation += 1;
+                    let _ = tx.send(ConfigState::Invalid(
+                        format!("reading {}: {e}", path.display()),
+                        generation,
+                    ));
+                    last = Some(String::new());
+                }
+                Err(_) => {}
+            }
+            tokio::time::sleep(every).await;
+        }
+    });
+    rx
+}

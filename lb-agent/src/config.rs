@@ -1,0 +1,273 @@
+//! What the agent must load-balance, from either config source, validated into [`DesiredConfig`].
+//!
+//! The local file has the shape of a `LoadBalancer` spec (ports, endpoints, options; yawol's field names and
+//! types from `lb-api`) plus the VIP and agent-side settings, so the same YAML fragment works in both modes
+//! and the "frontend for the API server" use needs no cluster.
+
+use crate::health::HealthCheckSpec;
+use crate::model::{Protocol, ServiceId, ServiceSpec};
+use anyhow::{anyhow, bail, Context, Result};
+use ipnet::IpNet;
+use k8s_openapi::api::core::v1::ServicePort;
+use lb_api::loadbalancer::{LoadBalancerEndpoint, LoadBalancerOptions};
+use serde::Deserialize;
+use std::collections::BTreeSet;
+use std::net::{IpAddr, SocketAddr};
+use std::path::Path;
+
+/// The local config file (`--config`).
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct LocalConfig {
+    /// The virtual IP (the LoadBalancer's `status.portIP` in Kubernetes mode).
+    pub vip: IpAddr,
+    /// Source address towards the backends; default: the VIP.
+    #[serde(default)]
+    pub snat_address: Option<IpAddr>,
+    /// Service ports (Kubernetes `ServicePort`: `name`, `protocol`, `port`, `nodePort`).
+    #[serde(default)]
+    pub ports: Vec<ServicePort>,
+    /// Backends: one entry per node with its addresses.
+    #[serde(default)]
+    pub endpoints: Vec<LoadBalancerEndpoint>,
+    /// LoadBalancer options (source ranges, idle timeouts).
+    #[serde(default)]
+    pub options: LoadBalancerOptions,
+    /// Health checking of backends.
+    #[serde(default)]
+    pub health_check: HealthCheckSpec,
+}
+
+impl LocalConfig {
+    /// Reads and parses a config file.
+    pub fn load(path: &Path) -> Result<Self> {
+        let text = std::fs::read_to_string(path)
+            .with_context(|| format!("reading config file {}", path.display()))?;
+        serde_yaml::from_str(&text).with_context(|| format!("parsing config file {}", path.display()))
+    }
+}
+
+/// A validated desired state: services with every configured backend (health filtering happens later).
+#[derive(Clone, Debug, PartialEq)]
+pub struct DesiredConfig {
+    /// One entry per (VIP, port, protocol), backends = all endpoints × NodePort.
+    pub services: Vec<ServiceSpec>,
+    /// Health checking.
+    pub health_check: HealthCheckSpec,
+}
+
+impl DesiredConfig {
+    /// Every backend that needs health checking.
+    pub fn backends(&self) -> BTreeSet<SocketAddr> {
+        self.services
+            .iter()
+            .flat_map(|s| s.backends.iter().copied())
+            .collect()
+    }
+}
+
+/// Builds the desired state from LoadBalancer-shaped input. Every problem is reported at once, naming the
+/// field, so an operator can fix the object in one go; nothing is applied when anything is wrong.
+pub fn desired(
+    vip: IpAddr,
+    snat: Option<IpAddr>,
+    ports: &[ServicePort],
+    endpoints: &[LoadBalancerEndpoint],
+    options: &LoadBalancerOptions,
+    health_check: HealthCheckSpec,
+) -> Result<DesiredConfig> {
+    let mut errors = Vec::new();
+    let tcp_idle = options
+        .tcp_idle_timeout()
+        .map_err(|e| errors.push(format!("options.tcpIdleTimeout: {e}")))
+        .unwrap_or_default();
+    let udp_idle = options
+        .udp_idle_timeout()
+        .map_err(|e| errors.push(format!("options.udpIdleTimeout: {e}")))
+        .unwrap_or_default();
+    let mut source_ranges = Vec::new();
+    for (i, r) in options.source_ranges().iter().enumerate() {
+        match r.trim().parse::<IpNet>() {
+            Ok(net) => source_ranges.push(net),
+            Err(_) => errors.push(format!(
+                "options.loadBalancerSourceRanges[{i}]: {r:?} is not a CIDR (e.g. 192.0.2.0/24)"
+            )),
+        }
+    }
+    let mut addrs = Vec::new();
+    for (i, ep) in endpoints.iter().enumerate() {
+        for (j, a) in ep.addresses().iter().enumerate() {
+            match a.trim().parse::<IpAddr>() {
+                // Backends of the VIP's family; the other family's addresses are for a dual-stack peer.
+                Ok(ip) if ip.is_ipv4() == vip.is_ipv4() => addrs.push(ip),
+                Ok(_) => {}
+                Err(_) => errors.push(format!(
+                    "endpoints[{i}] ({}).addresses[{j}]: {a:?} is not an IP address",
+                    ep.name
+                )),
+            }
+        }
+    }
+    addrs.sort();
+    addrs.dedup();
+    let mut services = Vec::new();
+    let mut seen = BTreeSet::new();
+    for (i, p) in ports.iter().enumerate() {
+        let what = format!("ports[{i}]{}", p.name.as_deref().map(|n| format!(" ({n})")).unwrap_or_default());
+        let protocol = match p.protocol.as_deref().unwrap_or("TCP") {
+            "TCP" => Protocol::Tcp,
+            "UDP" => Protocol::Udp,
+            other => {
+                errors.push(format!("{what}: protocol {other:?} is not supported (TCP or UDP)"));
+                continue;
+            }
+        };
+        if !(1..=65535).contains(&p.port) {
+            errors.push(format!("{what}: port {} is out of range 1-65535", p.port));
+            continue;
+        }
+        let node_port = match p.node_port {
+            Some(np) if (1..=65535).contains(&np) => np as u16,
+            Some(np) => {
+                errors.push(format!("{what}: nodePort {np} is out of range 1-65535"));
+                continue;
+            }
+            None => {
+                errors.push(format!("{what}: nodePort is missing"));
+                continue;
+            }
+        };
+        let id = ServiceId {
+            vip,
+            port: p.port as u16,
+            protocol,
+        };
+        if !seen.insert(id) {
+            errors.push(format!("{what}: {} {} is listed twice", protocol.name(), p.port));
+            continue;
+        }
+        services.push(ServiceSpec {
+            id,
+            snat,
+            idle_timeout: match protocol {
+                Protocol::Tcp => tcp_idle,
+                Protocol::Udp => udp_idle,
+            },
+            source_ranges: source_ranges.clone(),
+            backends: addrs.iter().map(|a| SocketAddr::new(*a, node_port)).collect(),
+        });
+    }
+    if let Some(s) = snat {
+        if s.is_ipv4() != vip.is_ipv4() {
+            errors.push(format!("snatAddress {s} is not of the VIP's family"));
+        }
+    }
+    if let Err(e) = health_check.validate() {
+        errors.push(format!("healthCheck: {e}"));
+    }
+    if !errors.is_empty() {
+        bail!("invalid configuration:\n  - {}", errors.join("\n  - "));
+    }
+    Ok(DesiredConfig {
+        services,
+        health_check,
+    })
+}
+
+impl TryFrom<&LocalConfig> for DesiredConfig {
+    type Error = anyhow::Error;
+
+    fn try_from(c: &LocalConfig) -> Result<Self> {
+        desired(
+            c.vip,
+            c.snat_address,
+            &c.ports,
+            &c.endpoints,
+            &c.options,
+            c.health_check.clone(),
+        )
+        .map_err(|e| anyhow!(e))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    const GOOD: &str = r#"
+vip: 10.200.0.100
+ports:
+  - {name: http, protocol: TCP, port: 80, nodePort: 30080}
+  - {name: dns, protocol: UDP, port: 53, nodePort: 30053}
+endpoints:
+  - {name: node-1, addresses: [10.200.0.11]}
+  - {name: node-2, addresses: [10.200.0.12, "fd00::12"]}
+options:
+  loadBalancerSourceRanges: [10.0.0.0/8]
+  tcpIdleTimeout: 2h0m0s
+  udpIdleTimeout: 0s
+"#;
+
+    #[test]
+    fn a_loadbalancer_shaped_file_becomes_services() {
+        let c: LocalConfig = serde_yaml::from_str(GOOD).unwrap();
+        let d = DesiredConfig::try_from(&c).unwrap();
+        assert_eq!(d.services.len(), 2);
+        let tcp = &d.services[0];
+        assert_eq!(tcp.id.port, 80);
+        assert_eq!(tcp.idle_timeout, Duration::from_secs(7200));
+        assert_eq!(tcp.backends.len(), 2, "IPv6 address of a v4 VIP ignored");
+        assert_eq!(tcp.backends[0], "10.200.0.11:30080".parse().unwrap());
+        assert_eq!(d.services[1].idle_timeout, Duration::ZERO, "0s = never expire");
+        assert_eq!(tcp.source_ranges, vec!["10.0.0.0/8".parse::<IpNet>().unwrap()]);
+    }
+
+    #[test]
+    fn defaults_are_envoys() {
+        let c: LocalConfig = serde_yaml::from_str(
+            "vip: 10.0.0.1\nports: [{port: 80, nodePort: 30080}]\nendpoints: []\n",
+        )
+        .unwrap();
+        let d = DesiredConfig::try_from(&c).unwrap();
+        assert_eq!(d.services[0].id.protocol, Protocol::Tcp);
+        assert_eq!(d.services[0].idle_timeout, Duration::from_secs(3600));
+        assert!(d.services[0].backends.is_empty());
+    }
+
+    #[test]
+    fn every_problem_is_reported_by_field() {
+        let bad = r#"
+vip: 10.0.0.1
+ports:
+  - {name: a, protocol: SCTP, port: 80, nodePort: 30080}
+  - {name: b, protocol: TCP, port: 0, nodePort: 30081}
+  - {name: c, protocol: TCP, port: 81}
+  - {name: d, protocol: UDP, port: 82, nodePort: 70000}
+endpoints:
+  - {name: node-1, addresses: [not-an-ip]}
+options:
+  loadBalancerSourceRanges: [10.0.0.0/33]
+  tcpIdleTimeout: forever
+"#;
+        let c: LocalConfig = serde_yaml::from_str(bad).unwrap();
+        let e = DesiredConfig::try_from(&c).unwrap_err().to_string();
+        for needle in [
+            "ports[0] (a): protocol \"SCTP\"",
+            "ports[1] (b): port 0",
+            "ports[2] (c): nodePort is missing",
+            "ports[3] (d): nodePort 70000",
+            "endpoints[0] (node-1).addresses[0]",
+            "loadBalancerSourceRanges[0]",
+            "options.tcpIdleTimeout",
+        ] {
+            assert!(e.contains(needle), "missing {needle:?} in:\n{e}");
+        }
+    }
+
+    #[test]
+    fn unknown_fields_are_rejected() {
+        let e = serde_yaml::from_str::<LocalConfig>("vip: 10.0.0.1\nprots: []\n").unwrap_err();
+        assert!(e.to_string().contains("prots"));
+    }
+}

@@ -1,0 +1,76 @@
+//! Connection-tracking housekeeping: expires idle flows (the data plane only ignores them), counts active
+//! connections and idle expiries per service, and watches the table's fill level.
+
+use crate::dataplane::Dataplane;
+use anyhow::Result;
+use lb_common::{FlowKeyV4, FlowV4, FLOW_F_FORWARD};
+use std::collections::{HashMap, HashSet};
+
+/// The clock of `bpf_ktime_get_coarse_ns` (CLOCK_MONOTONIC_COARSE), in ns.
+pub fn now_ns() -> u64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: valid pointer to a timespec.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC_COARSE, &mut ts) };
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+}
+
+/// Result of one pass.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct GcReport {
+    /// Active (non-expired) connections per service id.
+    pub active: HashMap<u32, u64>,
+    /// Connections expired in this pass per service id.
+    pub expired: HashMap<u32, u64>,
+    /// Entries in the table before the pass.
+    pub entries: u64,
+    /// Entries deleted.
+    pub deleted: u64,
+}
+
+fn stale(f: &FlowV4, now: u64) -> bool {
+    f.timeout_s != 0 && now.saturating_sub(f.last_seen_ns) > f.timeout_s as u64 * 1_000_000_000
+}
+
+/// Walks the flow table once. A connection is expired when both of its entries are idle past their
+/// timeouts (the rule the data plane applies); both entries are then deleted. Reverse entries whose forward
+/// entry is gone (replaced by a new connection on the same client port, or evicted) go when idle.
+pub fn collect(dp: &mut Dataplane, now: u64) -> Result<GcReport> {
+    let flows: HashMap<FlowKeyV4, FlowV4> = dp.flows()?.into_iter().collect();
+    let mut r = GcReport {
+        entries: flows.len() as u64,
+        ..Default::default()
+    };
+    let mut delete: Vec<FlowKeyV4> = Vec::new();
+    let mut partnered: HashSet<FlowKeyV4> = HashSet::new();
+    for (k, f) in &flows {
+        if f.flags & FLOW_F_FORWARD == 0 {
+            continue;
+        }
+        let pk = f.partner_key(k.proto);
+        let partner = flows.get(&pk);
+        partnered.insert(pk);
+        let expired = stale(f, now) && partner.is_none_or(|p| stale(p, now));
+        if expired {
+            delete.push(*k);
+            if partner.is_some() {
+                delete.push(pk);
+            }
+            *r.expired.entry(f.svc_id).or_default() += 1;
+        } else {
+            *r.active.entry(f.svc_id).or_default() += 1;
+        }
+    }
+    for (k, f) in &flows {
+        if f.flags & FLOW_F_FORWARD == 0 && !partnered.contains(k) && stale(f, now) {
+            delete.push(*k);
+        }
+    }
+    for k in &delete {
+        dp.remove_flow(k)?;
+    }
+    r.deleted = delete.len() as u64;
+    Ok(r)
+}

@@ -1,0 +1,268 @@
+//! Prometheus `/metrics`, `/healthz` and `/readyz`, rendered from the agent's latest [`Snapshot`], and the
+//! yawol-named metric list written to `LoadBalancerMachine.status.metrics`.
+
+use crate::model::ServiceId;
+use lb_common::ServiceStats;
+use prometheus_client::collector::Collector;
+use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
+use prometheus_client::metrics::counter::ConstCounter;
+use prometheus_client::metrics::gauge::ConstGauge;
+use prometheus_client::metrics::MetricType;
+use prometheus_client::registry::Registry;
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::sync::{Arc, RwLock};
+
+/// Per-service numbers.
+#[derive(Clone, Debug, Default)]
+pub struct ServiceMetrics {
+    /// (VIP, port, protocol).
+    pub id: Option<ServiceId>,
+    /// Data-plane counters (summed over CPUs).
+    pub stats: ServiceStats,
+    /// Connections currently tracked and not idle-expired.
+    pub active: u64,
+    /// Connections expired for idleness since the agent started.
+    pub idle_expired: u64,
+}
+
+/// Everything the endpoints show, replaced as a whole by the agent loop.
+#[derive(Clone, Debug, Default)]
+pub struct Snapshot {
+    /// Services.
+    pub services: Vec<ServiceMetrics>,
+    /// Global data-plane counters by name.
+    pub dataplane: Vec<(&'static str, u64)>,
+    /// Backend health.
+    pub backends: Vec<(SocketAddr, bool)>,
+    /// Connection-tracking entries in use and the capacity.
+    pub flow_entries: u64,
+    /// Capacity of the connection-tracking map.
+    pub flow_capacity: u64,
+    /// Host numbers (load1, memAvailable, …).
+    pub host: BTreeMap<&'static str, f64>,
+    /// Configurations applied successfully.
+    pub config_applied: u64,
+    /// Configurations rejected.
+    pub config_errors: u64,
+    /// The data plane is attached and the first configuration is applied.
+    pub ready: bool,
+}
+
+impl Snapshot {
+    /// yawol's per-port metric list (`TCP-80-upstream_cx_active`, …) plus host metrics, for
+    /// `LoadBalancerMachine.status.metrics`.
+    pub fn yawol_metrics(&self) -> Vec<(String, String)> {
+        let mut v = Vec::new();
+        for s in &self.services {
+            let Some(id) = s.id else { continue };
+            let p = format!("{}-{}", id.protocol.name(), id.port);
+            v.push((format!("{p}-upstream_cx_active"), s.active.to_string()));
+            v.push((format!("{p}-upstream_cx_total"), s.stats.new_flows.to_string()));
+            v.push((
+                format!("{p}-upstream_cx_connect_fail"),
+                connect_fail(&s.stats).to_string(),
+            ));
+            v.push((format!("{p}-upstream_cx_rx_bytes_total"), s.stats.tx_bytes.to_string()));
+            v.push((format!("{p}-upstream_cx_tx_bytes_total"), s.stats.rx_bytes.to_string()));
+            v.push((format!("{p}-upstream_cx_idle_timeout"), s.idle_expired.to_string()));
+        }
+        for (k, val) in &self.host {
+            v.push((k.to_string(), format!("{val}")));
+        }
+        v
+    }
+}
+
+/// New flows that could not be sent to a backend (Envoy's `upstream_cx_connect_fail` equivalent).
+fn connect_fail(s: &ServiceStats) -> u64 {
+    s.drop_no_backend + s.drop_snat_exhausted + s.pass_no_nexthop
+}
+
+/// Shared handle to the latest snapshot.
+pub type SharedSnapshot = Arc<RwLock<Snapshot>>;
+
+#[derive(Debug)]
+struct SnapshotCollector(SharedSnapshot);
+
+fn counter(
+    enc: &mut DescriptorEncoder,
+    name: &str,
+    help: &str,
+    rows: &[(Vec<(&'static str, String)>, u64)],
+) -> std::fmt::Result {
+    let mut m = enc.encode_descriptor(name, help, None, MetricType::Counter)?;
+    for (labels, v) in rows {
+        ConstCounter::new(*v).encode(m.encode_family(labels)?)?;
+    }
+    Ok(())
+}
+
+fn gauge<T: prometheus_client::encoding::EncodeGaugeValue + Copy>(
+    enc: &mut DescriptorEncoder,
+    name: &str,
+    help: &str,
+    rows: &[(Vec<(&'static str, String)>, T)],
+) -> std::fmt::Result {
+    let mut m = enc.encode_descriptor(name, help, None, MetricType::Gauge)?;
+    for (labels, v) in rows {
+        ConstGauge::new(*v).encode(m.encode_family(labels)?)?;
+    }
+    Ok(())
+}
+
+impl Collector for SnapshotCollector {
+    fn encode(&self, mut enc: DescriptorEncoder) -> std::fmt::Result {
+        let s = self.0.read().unwrap().clone();
+        let svc = |f: &dyn Fn(&ServiceMetrics) -> u64| -> Vec<(Vec<(&'static str, String)>, u64)> {
+            s.services
+                .iter()
+                .filter_map(|m| {
+                    m.id.map(|id| {
+                        (
+                            vec![
+                                ("protocol", id.protocol.name().to_string()),
+                                ("port", id.port.to_string()),
+                                ("vip", id.vip.to_string()),
+                            ],
+                            f(m),
+                        )
+                    })
+                })
+                .collect()
+        };
+        gauge(&mut enc, "lb_upstream_cx_active", "Connections tracked and not idle.", &svc(&|m| m.active))?;
+        counter(&mut enc, "lb_upstream_cx", "Connections (flows) created.", &svc(&|m| m.stats.new_flows))?;
+        counter(
+            &mut enc,
+            "lb_upstream_cx_connect_fail",
+            "New flows that could not be sent to a backend (no healthy backend, SNAT ports exhausted, next hop unknown).",
+            &svc(&|m| connect_fail(&m.stats)),
+        )?;
+        counter(&mut enc, "lb_upstream_cx_rx_bytes", "IP bytes received from backends.", &svc(&|m| m.stats.tx_bytes))?;
+        counter(&mut enc, "lb_upstream_cx_tx_bytes", "IP bytes sent to backends.", &svc(&|m| m.stats.rx_bytes))?;
+        counter(&mut enc, "lb_upstream_cx_idle_timeout", "Connections expired for idleness.", &svc(&|m| m.idle_expired))?;
+        counter(&mut enc, "lb_client_packets", "Packets client to backend.", &svc(&|m| m.stats.rx_packets))?;
+        counter(&mut enc, "lb_backend_packets", "Packets backend to client.", &svc(&|m| m.stats.tx_packets))?;
+        counter(&mut enc, "lb_closed_flows", "TCP flows that saw FIN or RST.", &svc(&|m| m.stats.closed_flows))?;
+        counter(&mut enc, "lb_drop_source_range", "New flows from outside the source ranges.", &svc(&|m| m.stats.drop_source_range))?;
+        counter(&mut enc, "lb_drop_no_flow", "TCP segments without a flow that were not a SYN.", &svc(&|m| m.stats.drop_no_flow))?;
+        counter(&mut enc, "lb_icmp_translated", "ICMP errors translated for this service's flows.", &svc(&|m| m.stats.icmp_translated))?;
+        let dp: Vec<_> = s
+            .dataplane
+            .iter()
+            .map(|(n, v)| (vec![("reason", n.to_string())], *v))
+            .collect();
+        counter(&mut enc, "lb_dataplane_packets", "Data-plane decisions other than forwarding, by reason.", &dp)?;
+        let be: Vec<_> = s
+            .backends
+            .iter()
+            .map(|(a, h)| (vec![("backend", a.to_string())], *h as i64))
+            .collect();
+        gauge(&mut enc, "lb_backend_healthy", "1 when the backend takes new flows.", &be)?;
+        gauge(&mut enc, "lb_flow_table_entries", "Connection-tracking entries in use (two per connection).", &[(vec![], s.flow_entries)])?;
+        gauge(&mut enc, "lb_flow_table_capacity", "Connection-tracking capacity (entries).", &[(vec![], s.flow_capacity)])?;
+        counter(&mut enc, "lb_config_applied", "Configurations applied.", &[(vec![], s.config_applied)])?;
+        counter(&mut enc, "lb_config_errors", "Configurations rejected.", &[(vec![], s.config_errors)])?;
+        let host: Vec<_> = s.host.iter().map(|(k, v)| (vec![("name", k.to_string())], *v)).collect();
+        gauge(&mut enc, "lb_host", "Host metrics of the load-balancer VM (yawol's names).", &host)?;
+        Ok(())
+    }
+}
+
+/// A registry rendering `snapshot` on every scrape.
+pub fn registry(snapshot: SharedSnapshot) -> Registry {
+    let mut r = Registry::default();
+    r.register_collector(Box::new(SnapshotCollector(snapshot)));
+    r
+}
+
+/// Serves `/metrics`, `/healthz` (process alive) and `/readyz` (attached and configured) on `addr`.
+pub async fn serve(addr: SocketAddr, snapshot: SharedSnapshot) -> anyhow::Result<()> {
+    use axum::{http::StatusCode, routing::get, Router};
+    let reg = Arc::new(registry(snapshot.clone()));
+    let app = Router::new()
+        .route(
+            "/metrics",
+            get(move || {
+                let reg = reg.clone();
+                async move {
+                    let mut body = String::new();
+                    match prometheus_client::encoding::text::encode(&mut body, &reg) {
+                        Ok(()) => (
+                            StatusCode::OK,
+                            [("content-type", "application/openmetrics-text; version=1.0.0; charset=utf-8")],
+                            body,
+                        ),
+                        Err(_) => (
+                            StatusCode::INTERNAL_SERVER_ERROR,
+                            [("content-type", "text/plain")],
+                            "encoding failed".to_string(),
+                        ),
+                    }
+                }
+            }),
+        )
+        .route("/healthz", get(|| async { "ok" }))
+        .route(
+            "/readyz",
+            get(move || {
+                let s = snapshot.clone();
+                async move {
+                    if s.read().unwrap().ready {
+                        (StatusCode::OK, "ready")
+                    } else {
+                        (StatusCode::SERVICE_UNAVAILABLE, "not ready")
+                    }
+                }
+            }),
+        );
+    let listener = tokio::net::TcpListener::bind(addr)
+        .await
+        .map_err(|e| anyhow::anyhow!("binding the metrics listener {addr}: {e}"))?;
+    axum::serve(listener, app).await?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::Protocol;
+
+    #[test]
+    fn renders_services_and_yawol_names() {
+        let id = ServiceId {
+            vip: "10.0.0.1".parse().unwrap(),
+            port: 80,
+            protocol: Protocol::Tcp,
+        };
+        let snap = Snapshot {
+            services: vec![ServiceMetrics {
+                id: Some(id),
+                stats: ServiceStats {
+                    new_flows: 7,
+                    rx_bytes: 100,
+                    tx_bytes: 200,
+                    ..Default::default()
+                },
+                active: 3,
+                idle_expired: 1,
+            }],
+            dataplane: vec![("drop_malformed", 2)],
+            backends: vec![("10.0.0.11:30080".parse().unwrap(), true)],
+            ready: true,
+            ..Default::default()
+        };
+        let names = snap.yawol_metrics();
+        assert!(names.contains(&("TCP-80-upstream_cx_active".into(), "3".into())));
+        assert!(names.contains(&("TCP-80-upstream_cx_total".into(), "7".into())));
+        assert!(names.contains(&("TCP-80-upstream_cx_rx_bytes_total".into(), "200".into())));
+        let reg = registry(Arc::new(RwLock::new(snap)));
+        let mut out = String::new();
+        prometheus_client::encoding::text::encode(&mut out, &reg).unwrap();
+        assert!(out.contains("lb_upstream_cx_active{protocol=\"TCP\",port=\"80\",vip=\"10.0.0.1\"} 3"), "{out}");
+        assert!(out.contains("lb_upstream_cx_total{protocol=\"TCP\",port=\"80\",vip=\"10.0.0.1\"} 7"), "{out}");
+        assert!(out.contains("lb_dataplane_packets_total{reason=\"drop_malformed\"} 2"), "{out}");
+        assert!(out.contains("lb_backend_healthy{backend=\"10.0.0.11:30080\"} 1"), "{out}");
+    }
+}

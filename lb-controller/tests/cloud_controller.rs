@@ -1,0 +1,478 @@
+//! The cloud controller end to end against in-memory API servers (yawol's target/control suites).
+
+mod common;
+
+use common::*;
+use k8s_openapi::api::core::v1::Event;
+use kube::api::{DeleteParams, Patch, PatchParams, PostParams};
+use kube::Api;
+use lb_controller::desired::ClassFilter;
+use serde_json::json;
+
+const LB: &str = "default--web";
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lifecycle_create_ip_delete() {
+    let h = Harness::start_with(true, ClassFilter::default(), |h| {
+        h.put_node("node-a", "True", &["10.0.0.1"]);
+        h.put_node("node-b", "True", &["10.0.0.2"]);
+    })
+    .await;
+    h.create_service("default", "web", json!({}), json!({})).await;
+
+    let lb = h.wait_lb(LB, "LoadBalancer created", |_| true).await;
+    assert_eq!(lb.metadata.namespace.as_deref(), Some(LB_NS));
+    assert_eq!(
+        lb.metadata.annotations.as_ref().unwrap()["yawol.stackit.cloud/serviceName"],
+        "default/web"
+    );
+    assert_eq!(lb.spec.replicas, 1);
+    assert_eq!(endpoint_names(&lb), ["node-a", "node-b"]);
+    assert_eq!(lb.spec.ports()[0].node_port, Some(30080));
+    assert_eq!(lb.spec.infrastructure.default_network.network_id, "cluster-net");
+    assert_eq!(lb.spec.infrastructure.auth_secret_ref.name.as_deref(), Some("cloudprovider"));
+    assert_eq!(lb.spec.options().internal_lb, Some(false), "schema default applied");
+    wait_until("service finalizer", || {
+        h.service("default", "web").unwrap().metadata.finalizers.unwrap_or_default()
+            == ["stackit.cloud/loadbalancer"]
+    })
+    .await;
+    h.wait_event("default", "web", "Normal", "LoadBalancer is in creation").await;
+
+    // Not ready yet: no IP on the Service.
+    h.set_lb_status(LB, json!({"externalIP": "192.0.2.7", "readyReplicas": 0, "replicas": 1})).await;
+    // Ready: the IP appears, with an event.
+    h.set_lb_status(LB, json!({"readyReplicas": 1})).await;
+    wait_until("ingress IP", || ingress(&h) == Some("192.0.2.7".into())).await;
+    h.wait_event("default", "web", "Normal", "successfully created with IP 192.0.2.7").await;
+
+    // The OpenStack controllers keep a finalizer on the LoadBalancer until they cleaned up.
+    h.lb_api()
+        .patch(LB, &PatchParams::default(), &Patch::Merge(&json!({"metadata": {"finalizers": ["yawol.stackit.cloud/controller2"]}})))
+        .await
+        .unwrap();
+    h.service_api("default").delete("web", &DeleteParams::default()).await.unwrap();
+    h.wait_lb(LB, "LoadBalancer deletion requested", |lb| lb.metadata.deletion_timestamp.is_some()).await;
+    assert!(h.service("default", "web").is_some(), "service waits for the LoadBalancer");
+    h.lb_api()
+        .patch(LB, &PatchParams::default(), &Patch::Merge(&json!({"metadata": {"finalizers": null}})))
+        .await
+        .unwrap();
+    wait_until("service released", || h.service("default", "web").is_none()).await;
+    assert!(h.lb(LB).is_none());
+    h.stop().await;
+}
+
+fn ingress(h: &Harness) -> Option<String> {
+    let service = h.service("default", "web")?;
+    lb_controller::desired::service_ingress_ip(&service).map(str::to_string)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn type_change_deletes_loadbalancer_and_clears_ingress() {
+    let h = Harness::start().await;
+    h.put_node("node-a", "True", &["10.0.0.1"]);
+    h.create_service("default", "web", json!({}), json!({})).await;
+    h.wait_lb(LB, "created", |_| true).await;
+    h.set_lb_status(LB, json!({"externalIP": "192.0.2.8", "replicas": 1, "readyReplicas": 1})).await;
+    wait_until("ingress IP", || ingress(&h).is_some()).await;
+
+    h.patch_service("default", "web", json!({"spec": {"type": "ClusterIP"}})).await;
+    wait_until("LoadBalancer deleted", || h.lb(LB).is_none()).await;
+    wait_until("ingress cleared and finalizer removed", || {
+        let svc = h.service("default", "web").unwrap();
+        ingress(&h).is_none() && svc.metadata.finalizers.unwrap_or_default().is_empty()
+    })
+    .await;
+
+    // Back to LoadBalancer: a new LoadBalancer is created.
+    h.patch_service("default", "web", json!({"spec": {"type": "LoadBalancer"}})).await;
+    h.wait_lb(LB, "recreated", |_| true).await;
+    h.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn class_filtering() {
+    let classes = ClassFilter { class_names: vec!["stackit.cloud/yawol".into(), "team-b".into()], accept_empty: false };
+    let h = Harness::start_with(true, classes, |h| h.put_node("node-a", "True", &["10.0.0.1"])).await;
+
+    let before = h.metrics.reconcile_count("service");
+    h.create_service("default", "empty", json!({}), json!({})).await;
+    h.create_service("default", "other", json!({}), json!({"loadBalancerClass": "other.io/lb"})).await;
+    h.create_service("default", "byclass", json!({}), json!({"loadBalancerClass": "team-b"})).await;
+    h.create_service("default", "byannotation", json!({"yawol.stackit.cloud/className": "stackit.cloud/yawol"}), json!({})).await;
+    h.wait_lb("default--byclass", "class in list", |_| true).await;
+    h.wait_lb("default--byannotation", "deprecated annotation", |_| true).await;
+    h.wait_reconciles(before, 4).await;
+    assert!(h.lb("default--empty").is_none(), "empty class not accepted");
+    assert!(h.lb("default--other").is_none(), "other class ignored");
+    assert!(h.service("default", "other").unwrap().metadata.finalizers.is_none(), "foreign service untouched");
+
+    // The deprecated annotation wins over spec.loadBalancerClass: switching it away deletes the LB.
+    h.patch_service("default", "byclass", json!({"metadata": {"annotations": {"yawol.stackit.cloud/className": "other.io/lb"}}})).await;
+    wait_until("LoadBalancer of re-classed service deleted", || h.lb("default--byclass").is_none()).await;
+    wait_until("finalizer released", || {
+        h.service("default", "byclass").unwrap().metadata.finalizers.unwrap_or_default().is_empty()
+    })
+    .await;
+    h.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn annotations_applied_and_changed_in_one_write() {
+    let h = Harness::start_with(true, ClassFilter::default(), |h| h.put_node("node-a", "True", &["10.0.0.1"])).await;
+    h.create_service("default", "web", json!({}), json!({})).await;
+    h.wait_lb(LB, "created", |_| true).await;
+
+    let writes_before = h.control.write_count();
+    h.patch_service(
+        "default",
+        "web",
+        json!({"metadata": {"annotations": {
+            "yawol.stackit.cloud/replicas": "3",
+            "yawol.stackit.cloud/internalLB": "true",
+            "yawol.stackit.cloud/imageId": "image-2",
+            "yawol.stackit.cloud/flavorId": "flavor-2",
+            "yawol.stackit.cloud/availabilityZone": "az-2",
+            "yawol.stackit.cloud/defaultNetworkID": "other-net",
+            "yawol.stackit.cloud/defaultSubnetID": "other-subnet",
+            "yawol.stackit.cloud/floatingNetworkID": "other-floating",
+            "yawol.stackit.cloud/additionalNetworks": "extra-net",
+            "yawol.stackit.cloud/debug": "true",
+            "yawol.stackit.cloud/debugsshkey": "ops",
+            "yawol.stackit.cloud/loadBalancerSourceRanges": "10.0.0.0/8",
+            "yawol.stackit.cloud/tcpProxyProtocol": "true",
+            "yawol.stackit.cloud/tcpProxyProtocolPortsFilter": "80",
+            "yawol.stackit.cloud/tcpIdleTimeout": "90s",
+            "yawol.stackit.cloud/udpIdleTimeout": "0",
+            "yawol.stackit.cloud/logForward": "true",
+            "yawol.stackit.cloud/logForwardLokiURL": "http://loki:3100/loki/api/v1/push",
+            "yawol.stackit.cloud/logForwardProxyURL": "http://proxy:3128",
+            "logging.yawol.stackit.cloud/team": "blue",
+            "yawol.stackit.cloud/serverGroupPolicy": "soft-anti-affinity",
+        }}}),
+    )
+    .await;
+    let lb = h.wait_lb(LB, "all options applied", |lb| lb.spec.replicas == 3).await;
+    assert_eq!(h.control.write_count(), writes_before + 1, "all changes in one patch");
+    let infra = &lb.spec.infrastructure;
+    assert_eq!(infra.image.image_id.as_deref(), Some("image-2"));
+    assert_eq!(infra.flavor.flavor_id.as_deref(), Some("flavor-2"));
+    assert_eq!(infra.availability_zone, "az-2");
+    assert_eq!(infra.default_network.network_id, "other-net");
+    assert_eq!(infra.default_network.subnet_id.as_deref(), Some("other-subnet"));
+    assert_eq!(infra.default_network.floating_net_id.as_deref(), Some("other-floating"));
+    let extra: Vec<_> = infra.additional_networks().iter().map(|n| n.network_id.as_str()).collect();
+    assert_eq!(extra, ["extra-net", "cluster-net"]);
+    assert!(lb.spec.debug_settings().enabled);
+    let o = lb.spec.options();
+    assert!(o.is_internal());
+    assert_eq!(o.source_ranges(), ["10.0.0.0/8"]);
+    assert!(o.tcp_proxy_protocol_for_port(80));
+    assert_eq!(o.tcp_idle_timeout.as_ref().unwrap().as_str(), "1m30s");
+    assert_eq!(o.udp_idle_timeout(), Ok(std::time::Duration::ZERO));
+    assert_eq!(o.log_forward.as_ref().unwrap().labels.as_ref().unwrap()["team"], "blue");
+    assert_eq!(o.server_group_policy(), Some("soft-anti-affinity"));
+    h.wait_event("default", "web", "Normal", "synced with the service").await;
+
+    // Removing the annotations reverts to the defaults (fields are removed, not left behind).
+    let service = h.service("default", "web").unwrap();
+    let nulls: serde_json::Map<String, serde_json::Value> = service
+        .metadata
+        .annotations
+        .unwrap()
+        .keys()
+        .map(|k| (k.clone(), serde_json::Value::Null))
+        .collect();
+    h.patch_service("default", "web", json!({"metadata": {"annotations": nulls}})).await;
+    let lb = h.wait_lb(LB, "defaults restored", |lb| lb.spec.replicas == 1).await;
+    let o = lb.spec.options();
+    assert!(!o.is_internal() && !o.tcp_proxy_protocol() && o.tcp_idle_timeout.is_none());
+    assert!(lb.spec.infrastructure.additional_networks.is_none());
+    assert_eq!(lb.spec.infrastructure.image.image_id.as_deref(), Some("image-1"));
+    h.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn invalid_annotations_warn_but_do_not_block() {
+    let h = Harness::start_with(true, ClassFilter::default(), |h| h.put_node("node-a", "True", &["10.0.0.1"])).await;
+    h.create_service(
+        "default",
+        "web",
+        json!({
+            "yawol.stackit.cloud/replicas": "two",
+            "yawol.stackit.cloud/tcpIdleTimeout": "1 hour",
+            "yawol.stackit.cloud/serverGroupPolicy": "spread-out",
+        }),
+        json!({}),
+    )
+    .await;
+    let lb = h.wait_lb(LB, "created despite bad annotations", |_| true).await;
+    assert_eq!(lb.spec.replicas, 1);
+    assert!(lb.spec.options().tcp_idle_timeout.is_none());
+    h.wait_event("default", "web", "Warning", "yawol.stackit.cloud/replicas").await;
+    h.wait_event("default", "web", "Warning", "yawol.stackit.cloud/tcpIdleTimeout").await;
+    h.wait_event("default", "web", "Warning", "spread-out").await;
+    assert!(h.metrics.annotation_warnings.get() >= 3);
+
+    // projectID is immutable once set.
+    h.patch_service("default", "web", json!({"metadata": {"annotations": {"yawol.stackit.cloud/projectID": "p1"}}})).await;
+    h.wait_lb(LB, "projectID set", |lb| lb.spec.infrastructure.project_id.as_deref() == Some("p1")).await;
+    h.patch_service("default", "web", json!({"metadata": {"annotations": {"yawol.stackit.cloud/projectID": "p2"}}})).await;
+    h.wait_event("default", "web", "Warning", "projectID cannot be changed").await;
+    assert_eq!(h.lb(LB).unwrap().spec.infrastructure.project_id.as_deref(), Some("p1"));
+    h.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn existing_floating_ip_cannot_change_after_assignment() {
+    let h = Harness::start().await;
+    h.create_service("default", "web", json!({"yawol.stackit.cloud/existingFloatingIP": "192.0.2.50"}), json!({})).await;
+    let lb = h.wait_lb(LB, "created", |_| true).await;
+    assert_eq!(lb.spec.existing_floating_ip.as_deref(), Some("192.0.2.50"));
+    h.set_lb_status(LB, json!({"externalIP": "192.0.2.50", "replicas": 1, "readyReplicas": 1})).await;
+    wait_until("ingress", || ingress(&h).is_some()).await;
+    h.patch_service("default", "web", json!({"metadata": {"annotations": {"yawol.stackit.cloud/existingFloatingIP": "192.0.2.51"}}})).await;
+    h.wait_event("default", "web", "Warning", "existingFloatingIP cannot be changed").await;
+    assert_eq!(h.lb(LB).unwrap().spec.existing_floating_ip.as_deref(), Some("192.0.2.50"));
+    h.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn validation_errors_are_events_and_nothing_is_created() {
+    let h = Harness::start().await;
+    h.create_service(
+        "default",
+        "web",
+        json!({}),
+        json!({"ports": [{"name": "sctp", "port": 9, "protocol": "SCTP", "nodePort": 30009}]}),
+    )
+    .await;
+    h.wait_event("default", "web", "Warning", "unsupported protocol SCTP").await;
+    assert!(h.lb(LB).is_none());
+    assert_eq!(h.metrics.invalid_services.get(), 1);
+
+    h.patch_service("default", "web", json!({"spec": {"allocateLoadBalancerNodePorts": false,
+        "ports": [{"name": "dns", "port": 53, "protocol": "UDP", "nodePort": 30053}]}})).await;
+    h.wait_event("default", "web", "Warning", "allocateLoadBalancerNodePorts=false").await;
+    assert!(h.lb(LB).is_none());
+
+    h.patch_service("default", "web", json!({"spec": {"allocateLoadBalancerNodePorts": null}})).await;
+    let lb = h.wait_lb(LB, "created once valid", |_| true).await;
+    assert_eq!(lb.spec.ports()[0].protocol.as_deref(), Some("UDP"));
+    h.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn port_and_protocol_changes() {
+    let h = Harness::start().await;
+    h.create_service("default", "web", json!({}), json!({})).await;
+    h.wait_lb(LB, "created", |_| true).await;
+    h.patch_service("default", "web", json!({"spec": {"ports": [
+        {"name": "https", "port": 443, "protocol": "TCP", "nodePort": 30443, "targetPort": 8443},
+        {"name": "dns", "port": 53, "protocol": "UDP", "nodePort": 30053, "targetPort": 53},
+    ]}}))
+    .await;
+    let lb = h.wait_lb(LB, "ports synced", |lb| lb.spec.ports().len() == 2).await;
+    assert_eq!(lb.spec.ports()[0].port, 443);
+    assert_eq!(lb.spec.ports()[1].protocol.as_deref(), Some("UDP"));
+    h.patch_service("default", "web", json!({"spec": {"ports": [
+        {"name": "dns", "port": 53, "protocol": "TCP", "nodePort": 30054, "targetPort": 53},
+    ]}}))
+    .await;
+    let lb = h.wait_lb(LB, "protocol synced", |lb| lb.spec.ports().len() == 1).await;
+    assert_eq!(lb.spec.ports()[0].protocol.as_deref(), Some("TCP"));
+    assert_eq!(lb.spec.ports()[0].node_port, Some(30054));
+    h.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn node_readiness_termination_and_meltdown() {
+    let h = Harness::start_with(true, ClassFilter::default(), |h| {
+        h.put_node("node-a", "True", &["10.0.0.1"]);
+        h.put_node("node-b", "True", &["10.0.0.2"]);
+        h.put_node("node-c", "False", &["10.0.0.3"]);
+    })
+    .await;
+    h.create_service("default", "web", json!({}), json!({})).await;
+    h.wait_lb(LB, "ready nodes only", |lb| endpoint_names(lb) == ["node-a", "node-b"]).await;
+
+    h.put_node("node-c", "True", &["10.0.0.3"]);
+    h.wait_lb(LB, "node became ready", |lb| endpoint_names(lb) == ["node-a", "node-b", "node-c"]).await;
+
+    h.put_node("node-b", "Unknown", &["10.0.0.2"]);
+    h.wait_lb(LB, "node not ready", |lb| endpoint_names(lb) == ["node-a", "node-c"]).await;
+
+    h.put_node_with("node-a", "True", &["10.0.0.1"], json!({"taints": [{"key": "ToBeDeletedByClusterAutoscaler", "effect": "NoSchedule"}]}), vec![]);
+    h.wait_lb(LB, "autoscaler taint", |lb| endpoint_names(lb) == ["node-c"]).await;
+
+    h.put_node_with("node-c", "True", &["10.0.0.3"], json!({}), vec![json!({"type": "Terminating", "status": "True"})]);
+    // No non-terminating node is Ready now: meltdown protection keeps node-b (NotReady but not
+    // terminating) instead of emptying the endpoints.
+    h.wait_lb(LB, "meltdown protection", |lb| endpoint_names(lb) == ["node-b"]).await;
+
+    h.put_node("node-d", "True", &["10.0.0.4"]);
+    h.wait_lb(LB, "ready node back", |lb| endpoint_names(lb) == ["node-d"]).await;
+
+    h.put_node("node-d", "True", &["10.0.0.40"]);
+    h.wait_lb(LB, "address change", |lb| lb.spec.endpoints()[0].addresses() == ["10.0.0.40"]).await;
+
+    h.target.remove(&nodes(), "", "node-d");
+    h.wait_lb(LB, "node deleted", |lb| endpoint_names(lb) == ["node-b"]).await;
+    h.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn node_heartbeats_do_not_cause_writes() {
+    let h = Harness::start_with(true, ClassFilter::default(), |h| h.put_node("node-a", "True", &["10.0.0.1"])).await;
+    h.create_service("default", "web", json!({}), json!({})).await;
+    h.wait_lb(LB, "created", |_| true).await;
+    let writes = h.control.write_count();
+    let before = h.metrics.reconcile_count("service");
+    for _ in 0..5 {
+        let mut node = h.target.get(&nodes(), "", "node-a").unwrap();
+        node["metadata"]["labels"] = json!({"heartbeat": rand_label()});
+        h.target.put(&nodes(), node);
+    }
+    // A real change afterwards proves the node events were processed in order.
+    h.put_node("node-b", "True", &["10.0.0.2"]);
+    h.wait_lb(LB, "node-b added", |lb| endpoint_names(lb).len() == 2).await;
+    assert_eq!(h.control.write_count(), writes + 1, "only the real change was written");
+    assert!(h.metrics.reconcile_count("service") - before <= 3);
+    h.stop().await;
+}
+
+fn rand_label() -> String {
+    format!("{:?}", std::time::Instant::now())
+        .chars()
+        .filter(|c| c.is_ascii_alphanumeric())
+        .take(20)
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dual_stack_filtering() {
+    let h = Harness::start_with(true, ClassFilter::default(), |h| {
+        h.put_node("node-a", "True", &["10.0.0.1", "fd00::1"]);
+        h.put_node("node-b", "True", &["fd00::2"]);
+    })
+    .await;
+    h.create_service("default", "v4", json!({}), json!({"ipFamilies": ["IPv4"]})).await;
+    h.create_service("default", "v6", json!({}), json!({"ipFamilies": ["IPv6"]})).await;
+    h.create_service("default", "dual", json!({}), json!({"ipFamilies": ["IPv4", "IPv6"]})).await;
+    let v4 = h.wait_lb("default--v4", "v4", |_| true).await;
+    assert_eq!(endpoint_names(&v4), ["node-a"]);
+    assert_eq!(v4.spec.endpoints()[0].addresses(), ["10.0.0.1"]);
+    let v6 = h.wait_lb("default--v6", "v6", |_| true).await;
+    assert_eq!(endpoint_names(&v6), ["node-a", "node-b"]);
+    assert_eq!(v6.spec.endpoints()[0].addresses(), ["fd00::1"]);
+    let dual = h.wait_lb("default--dual", "dual", |_| true).await;
+    assert_eq!(dual.spec.endpoints()[0].addresses(), ["10.0.0.1", "fd00::1"]);
+    h.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn external_ip_with_zero_replicas() {
+    let h = Harness::start().await;
+    h.create_service("default", "web", json!({"yawol.stackit.cloud/replicas": "0"}), json!({})).await;
+    let lb = h.wait_lb(LB, "created", |_| true).await;
+    assert_eq!(lb.spec.replicas, 0);
+    h.set_lb_status(LB, json!({"externalIP": "192.0.2.9"})).await;
+    wait_until("ingress with 0 replicas", || ingress(&h) == Some("192.0.2.9".into())).await;
+    h.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn events_are_forwarded_to_the_service() {
+    let h = Harness::start().await;
+    h.create_service("default", "web", json!({}), json!({})).await;
+    let lb = h.wait_lb(LB, "created", |_| true).await;
+    let events: Api<Event> = Api::namespaced(h.control.client(), LB_NS);
+    let now = k8s_openapi::jiff::Timestamp::now();
+    let make = |name: &str, component: &str, reason: &str, message: &str| -> Event {
+        serde_json::from_value(json!({
+            "metadata": {"name": name, "namespace": LB_NS},
+            "involvedObject": {"kind": "LoadBalancer", "name": LB, "namespace": LB_NS, "uid": lb.metadata.uid},
+            "source": {"component": component},
+            "type": "Warning", "reason": reason, "message": message, "count": 1,
+            "firstTimestamp": now.to_string(), "lastTimestamp": now.to_string(),
+        }))
+        .unwrap()
+    };
+    events.create(&PostParams::default(), &make("internal", "yawol-controller", "Internal", "not for users")).await.unwrap();
+    events.create(&PostParams::default(), &make("quota", "yawol-service", "Failed", "Quota exceeded for floatingips")).await.unwrap();
+    h.wait_event("default", "web", "Warning", "Quota exceeded for floatingips").await;
+    // Repeats of the same event are aggregated on the Service, not duplicated.
+    events
+        .patch("quota", &PatchParams::default(), &Patch::Merge(&json!({"count": 2})))
+        .await
+        .unwrap();
+    wait_until("count bumped", || {
+        h.target.list(&events_key()).iter().any(|e| e["message"] == "Quota exceeded for floatingips" && e["count"] == 2)
+    })
+    .await;
+    assert!(!h.events_for("default", "web").iter().any(|(_, _, m)| m == "not for users"));
+    assert_eq!(h.metrics.events_forwarded.get(), 2);
+    h.stop().await;
+}
+
+fn events_key() -> lb_controller::fake_api::ResourceKey {
+    events()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn single_cluster_and_adoption_of_existing_loadbalancer() {
+    // One API server for both roles, and a LoadBalancer that yawol created before (no
+    // serviceName annotation, older field shape): it is adopted and converged, not recreated.
+    let h = Harness::start_with(false, ClassFilter::default(), |h| {
+        h.put_node("node-a", "True", &["10.0.0.1"]);
+        let mut lb: serde_json::Value =
+            serde_yaml::from_str(include_str!("../../lb-api/tests/fixtures/loadbalancer.yaml")).unwrap();
+        lb["metadata"]["namespace"] = json!(LB_NS);
+        lb["metadata"]["annotations"] = json!({});
+        lb["metadata"]["finalizers"] = json!([]);
+        h.control.put(&loadbalancers(), lb);
+    })
+    .await;
+    let uid = h.lb(LB).unwrap().metadata.uid;
+    h.create_service("default", "web", json!({}), json!({})).await;
+    let lb = h
+        .wait_lb(LB, "adopted", |lb| {
+            lb.metadata.annotations.as_ref().is_some_and(|a| a.contains_key("yawol.stackit.cloud/serviceName"))
+                && endpoint_names(lb) == ["node-a"]
+        })
+        .await;
+    assert_eq!(lb.metadata.uid, uid, "not recreated");
+    assert_eq!(lb.status.unwrap().external_ip.as_deref(), Some("192.0.2.10"), "status kept");
+    wait_until("ingress from adopted status", || ingress(&h) == Some("192.0.2.10".into())).await;
+    h.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn restart_does_not_rewrite_converged_loadbalancers() {
+    let h = Harness::start_with(true, ClassFilter::default(), |h| h.put_node("node-a", "True", &["10.0.0.1"])).await;
+    h.create_service("default", "web", json!({"yawol.stackit.cloud/tcpIdleTimeout": "5m"}), json!({})).await;
+    h.wait_lb(LB, "created", |lb| lb.spec.options().tcp_idle_timeout.is_some()).await;
+    let writes = h.control.write_count();
+    // A second controller instance against the same clusters (e.g. after a restart) finds
+    // everything converged and writes nothing.
+    let (target, control) = (h.target.clone(), h.control.clone());
+    let metrics = std::sync::Arc::new(lb_controller::metrics::Metrics::new());
+    let health = std::sync::Arc::new(lb_controller::run::Health::default());
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let second = tokio::spawn(lb_controller::run::run_controllers(
+        target.client(),
+        control.client(),
+        run_config(ClassFilter::default()),
+        metrics.clone(),
+        health.clone(),
+        async move {
+            let _ = stopped.await;
+        },
+    ));
+    wait_until("second instance reconciled", || metrics.reconcile_count("service") >= 1).await;
+    assert_eq!(h.control.write_count(), writes);
+    let _ = stop.send(());
+    second.await.unwrap();
+    h.stop().await;
+}

@@ -1,0 +1,20 @@
+//! `lb-testbed`: the network-namespace test bed of the load balancer, shared by `cargo xtask demo`, the
+//! end-to-end tests and the connection benchmarks.
+//!
+//! - [`topology`]: switch namespace with a bridge; client, lb and N backend namespaces on one /24, torn down on
+//!   drop.
+//! - [`echo`]: TCP/UDP echo servers that greet with their id (which backend answered).
+//! - [`load`]: many short TCP connections / UDP flows, every byte verified, latency percentiles.
+//! - [`hold`]: long-lived connections that must never break.
+//! - [`rawsend`]: malformed Ethernet frames through AF_PACKET.
+//!
+//! The same functions are available as subcommands of the `lb-testbed` binary (run inside a namespace with
+//! [`Topology::spawn`]), which print JSON reports that deserialize into the report types here.
+
+pub mod echo;
+pub mod hold;
+pub mod load;
+pub mod rawsend;
+pub mod topology;
+
+pub use topology::{binary_path, is_root, ChildGuard, ChildOutput, Host, HostInfo, Topology, TopologyConfig};

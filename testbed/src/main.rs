@@ -1,0 +1,389 @@
+//! `lb-testbed`: echo servers, load generator, long-lived connections and malformed-frame injector, meant to
+//! run inside the test bed's network namespaces (`ip netns exec <ns> lb-testbed …`). Reports are JSON on
+//! stdout; diagnostics go to stderr.
+
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::{bail, Context, Result};
+use clap::{Parser, Subcommand};
+use lb_testbed::echo::{EchoConfig, EchoServer};
+use lb_testbed::hold::{self, HoldConfig};
+use lb_testbed::load::{self, LoadReport, TcpLoadConfig, UdpLoadConfig};
+use lb_testbed::rawsend::{self, FrameParams, MalformedKind};
+use lb_testbed::topology::{mac_string, parse_mac, Topology, TopologyConfig, DEFAULT_PREFIX};
+use tokio::signal::unix::{signal, SignalKind};
+
+#[derive(Parser)]
+#[command(name = "lb-testbed", version, about = "Network-namespace test bed tools for the XDP load balancer")]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// TCP/UDP echo server greeting with its id; runs until SIGTERM/SIGINT.
+    Echo(EchoArgs),
+    /// Opens many short TCP connections and/or UDP flows, verifies every byte, prints a JSON report.
+    Load(LoadArgs),
+    /// Keeps connections open exchanging numbered messages; prints per-connection breakage as JSON.
+    Hold(HoldArgs),
+    /// Sends malformed Ethernet frames on an interface via AF_PACKET; prints counts as JSON.
+    Rawsend(RawsendArgs),
+    /// Creates a topology for manual experiments, prints it as JSON, tears it down on SIGINT/SIGTERM.
+    Up(UpArgs),
+    /// Removes namespaces left behind by crashed runs (only those whose creating process is gone).
+    Cleanup {
+        /// Namespace name prefix.
+        #[arg(long, default_value = DEFAULT_PREFIX)]
+        prefix: String,
+    },
+}
+
+#[derive(clap::Args)]
+struct EchoArgs {
+    /// Identity sent as greeting (`<id>\n`) and UDP reply prefix.
+    #[arg(long)]
+    id: String,
+    /// TCP listen address (repeatable).
+    #[arg(long)]
+    tcp: Vec<SocketAddr>,
+    /// UDP listen address (repeatable).
+    #[arg(long)]
+    udp: Vec<SocketAddr>,
+}
+
+#[derive(clap::Args)]
+struct LoadArgs {
+    /// TCP target (VIP:port).
+    #[arg(long)]
+    tcp: Option<SocketAddr>,
+    /// TCP connections in total.
+    #[arg(long, default_value_t = 1000)]
+    connections: usize,
+    /// Connections (and UDP flows) in flight at once.
+    #[arg(long, default_value_t = 64)]
+    concurrency: usize,
+    /// Payload bytes per TCP connection and per UDP datagram (keep ≤ 1400 for UDP: no fragmentation).
+    #[arg(long, default_value_t = 64)]
+    payload: usize,
+    /// UDP target (VIP:port).
+    #[arg(long)]
+    udp: Option<SocketAddr>,
+    /// UDP flows (one fresh socket each).
+    #[arg(long, default_value_t = 200)]
+    udp_flows: usize,
+    /// UDP retransmissions after a reply timeout.
+    #[arg(long, default_value_t = 2)]
+    udp_retries: u32,
+    /// Timeout of each TCP operation (connect, greeting, echo, close), ms.
+    #[arg(long, default_value_t = 5000)]
+    timeout_ms: u64,
+    /// Timeout of each UDP reply, ms.
+    #[arg(long, default_value_t = 1000)]
+    udp_timeout_ms: u64,
+    /// Overall deadline per protocol, seconds.
+    #[arg(long, default_value_t = 60.0)]
+    deadline_secs: f64,
+    /// Source address to bind TCP sockets to.
+    #[arg(long)]
+    bind: Option<IpAddr>,
+    /// Exit with status 1 when anything failed (the report is printed anyway).
+    #[arg(long)]
+    strict: bool,
+}
+
+#[derive(clap::Args)]
+struct HoldArgs {
+    /// TCP target (VIP:port).
+    #[arg(long)]
+    tcp: Option<SocketAddr>,
+    /// TCP connections to hold.
+    #[arg(long, default_value_t = 100)]
+    connections: usize,
+    /// UDP target (VIP:port).
+    #[arg(long)]
+    udp: Option<SocketAddr>,
+    /// UDP flows to hold.
+    #[arg(long, default_value_t = 0)]
+    udp_flows: usize,
+    /// Message interval per connection, ms.
+    #[arg(long, default_value_t = 100)]
+    interval_ms: u64,
+    /// Connect / round-trip timeout, ms; exceeding it breaks the connection.
+    #[arg(long, default_value_t = 5000)]
+    timeout_ms: u64,
+    /// Message size in bytes.
+    #[arg(long, default_value_t = 32)]
+    message_size: usize,
+    /// Hold this long after establishment, seconds; 0 = until stop file or SIGTERM/SIGINT.
+    #[arg(long, default_value_t = 10.0)]
+    duration_secs: f64,
+    /// Stop when this file appears.
+    #[arg(long)]
+    stop_file: Option<PathBuf>,
+    /// Create this file once every connection has been attempted.
+    #[arg(long)]
+    ready_file: Option<PathBuf>,
+    /// Connects in flight at once while establishing.
+    #[arg(long, default_value_t = 64)]
+    connect_concurrency: usize,
+    /// Source address to bind to.
+    #[arg(long)]
+    bind: Option<IpAddr>,
+    /// List only broken connections in the report.
+    #[arg(long)]
+    brief: bool,
+    /// Exit with status 1 when any connection broke.
+    #[arg(long)]
+    strict: bool,
+}
+
+#[derive(clap::Args)]
+struct RawsendArgs {
+    /// Interface to send on (in the current namespace).
+    #[arg(long)]
+    iface: String,
+    /// Destination MAC (the load balancer's interface).
+    #[arg(long)]
+    dst_mac: String,
+    /// Destination IPv4 (the VIP).
+    #[arg(long)]
+    dst_ip: Ipv4Addr,
+    /// Source MAC; default: the interface's.
+    #[arg(long)]
+    src_mac: Option<String>,
+    /// Source IPv4; default: the interface's first IPv4 address.
+    #[arg(long)]
+    src_ip: Option<Ipv4Addr>,
+    /// Destination port of the TCP/UDP kinds.
+    #[arg(long, default_value_t = 80)]
+    dst_port: u16,
+    /// Base source port.
+    #[arg(long, default_value_t = 40000)]
+    src_port: u16,
+    /// Frames in total, cycling through the kinds.
+    #[arg(long, default_value_t = 100)]
+    count: u64,
+    /// Kinds to send (repeatable); default: all.
+    #[arg(long = "kind", value_enum)]
+    kinds: Vec<MalformedKind>,
+}
+
+#[derive(clap::Args)]
+struct UpArgs {
+    /// Number of backends.
+    #[arg(long, default_value_t = 3)]
+    backends: usize,
+    /// Namespace name prefix.
+    #[arg(long, default_value = DEFAULT_PREFIX)]
+    prefix: String,
+    /// Extra /32 address for the lb host (e.g. the VIP), repeatable.
+    #[arg(long)]
+    lb_addr: Vec<Ipv4Addr>,
+}
+
+fn main() {
+    raise_nofile_limit();
+    let cli = Cli::parse();
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .expect("tokio runtime");
+    match rt.block_on(run(cli)) {
+        Ok(code) => std::process::exit(code),
+        Err(e) => {
+            eprintln!("lb-testbed: error: {e:#}");
+            std::process::exit(2);
+        }
+    }
+}
+
+/// Thousands of held connections need more than the usual 1024 descriptors: raise the soft limit to the hard.
+fn raise_nofile_limit() {
+    let mut lim = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: valid pointer to a local rlimit.
+    unsafe {
+        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) == 0 && lim.rlim_cur < lim.rlim_max {
+            lim.rlim_cur = lim.rlim_max;
+            libc::setrlimit(libc::RLIMIT_NOFILE, &lim);
+        }
+    }
+}
+
+/// Resolves on SIGTERM or SIGINT.
+async fn terminated() {
+    let mut term = signal(SignalKind::terminate()).expect("SIGTERM handler");
+    let mut int = signal(SignalKind::interrupt()).expect("SIGINT handler");
+    tokio::select! {
+        _ = term.recv() => {},
+        _ = int.recv() => {},
+    }
+}
+
+fn print_json<T: serde::Serialize>(v: &T) -> Result<()> {
+    println!("{}", serde_json::to_string_pretty(v)?);
+    Ok(())
+}
+
+async fn run(cli: Cli) -> Result<i32> {
+    match cli.cmd {
+        Cmd::Echo(a) => {
+            let cfg = EchoConfig {
+                id: a.id,
+                tcp: a.tcp,
+                udp: a.udp,
+            };
+            let server = EchoServer::bind(&cfg).await?;
+            // One machine-readable line once every socket is bound: callers wait for it instead of sleeping.
+            println!(
+                "{}",
+                serde_json::json!({"ready": true, "id": cfg.id, "tcp": server.tcp_addrs(), "udp": server.udp_addrs()})
+            );
+            tokio::select! {
+                r = server.serve() => r?,
+                _ = terminated() => {},
+            }
+            Ok(0)
+        }
+        Cmd::Load(a) => {
+            if a.tcp.is_none() && a.udp.is_none() {
+                bail!("nothing to do: give --tcp and/or --udp");
+            }
+            let deadline = Duration::from_secs_f64(a.deadline_secs);
+            let mut report = LoadReport::default();
+            if let Some(target) = a.tcp {
+                report.tcp = Some(
+                    load::run_tcp(TcpLoadConfig {
+                        target,
+                        connections: a.connections,
+                        concurrency: a.concurrency,
+                        payload: a.payload,
+                        op_timeout: Duration::from_millis(a.timeout_ms),
+                        deadline,
+                        bind: a.bind,
+                    })
+                    .await,
+                );
+            }
+            if let Some(target) = a.udp {
+                report.udp = Some(
+                    load::run_udp(UdpLoadConfig {
+                        target,
+                        flows: a.udp_flows,
+                        concurrency: a.concurrency,
+                        payload: a.payload,
+                        op_timeout: Duration::from_millis(a.udp_timeout_ms),
+                        retries: a.udp_retries,
+                        deadline,
+                    })
+                    .await,
+                );
+            }
+            print_json(&report)?;
+            let failed = report.tcp.as_ref().map_or(0, |r| r.failed) + report.udp.as_ref().map_or(0, |r| r.failed);
+            Ok(if a.strict && failed > 0 { 1 } else { 0 })
+        }
+        Cmd::Hold(a) => {
+            if a.tcp.is_none() && a.udp.is_none() {
+                bail!("nothing to do: give --tcp and/or --udp");
+            }
+            let cfg = HoldConfig {
+                tcp: a.tcp,
+                connections: a.connections,
+                udp: a.udp,
+                udp_flows: a.udp_flows,
+                interval: Duration::from_millis(a.interval_ms.max(1)),
+                op_timeout: Duration::from_millis(a.timeout_ms),
+                message_size: a.message_size.clamp(1, 60000),
+                duration: (a.duration_secs > 0.0).then(|| Duration::from_secs_f64(a.duration_secs)),
+                stop_file: a.stop_file,
+                ready_file: a.ready_file,
+                connect_concurrency: a.connect_concurrency,
+                bind: a.bind,
+            };
+            let report = hold::run(cfg, terminated(), a.brief).await;
+            print_json(&report)?;
+            Ok(if a.strict && report.broken > 0 { 1 } else { 0 })
+        }
+        Cmd::Rawsend(a) => {
+            let params = FrameParams {
+                src_mac: match a.src_mac {
+                    Some(m) => parse_mac(&m)?,
+                    None => rawsend::iface_mac(&a.iface)?,
+                },
+                dst_mac: parse_mac(&a.dst_mac)?,
+                src_ip: match a.src_ip {
+                    Some(ip) => ip,
+                    None => iface_ipv4(&a.iface)?,
+                },
+                dst_ip: a.dst_ip,
+                dst_port: a.dst_port,
+                src_port: a.src_port,
+            };
+            let kinds = if a.kinds.is_empty() { MalformedKind::ALL.to_vec() } else { a.kinds };
+            let report = rawsend::send(&a.iface, &kinds, a.count, &params)?;
+            print_json(&report)?;
+            Ok(if report.errors.is_empty() { 0 } else { 1 })
+        }
+        Cmd::Up(a) => {
+            let topo = Topology::new(TopologyConfig {
+                backends: a.backends,
+                prefix: a.prefix,
+                ..TopologyConfig::default()
+            })?;
+            for ip in &a.lb_addr {
+                topo.add_addr(lb_testbed::Host::Lb, *ip)?;
+            }
+            let hosts: Vec<_> = topo
+                .hosts()
+                .map(|h| {
+                    serde_json::json!({"host": h.host.name(), "netns": h.netns, "ifname": h.ifname,
+                        "ip": h.ip, "mac": mac_string(&h.mac), "switch_port": h.switch_port})
+                })
+                .collect();
+            print_json(&serde_json::json!({"id": topo.id(), "switch_netns": topo.switch_netns(), "hosts": hosts}))?;
+            eprintln!("lb-testbed: topology {} up; Ctrl-C to tear down", topo.id());
+            terminated().await;
+            drop(topo);
+            Ok(0)
+        }
+        Cmd::Cleanup { prefix } => {
+            let removed = Topology::cleanup_stale(&prefix)?;
+            print_json(&serde_json::json!({ "removed": removed }))?;
+            Ok(0)
+        }
+    }
+}
+
+/// First IPv4 address of `iface` (getifaddrs).
+fn iface_ipv4(iface: &str) -> Result<Ipv4Addr> {
+    let mut addrs: *mut libc::ifaddrs = std::ptr::null_mut();
+    // SAFETY: getifaddrs fills a list we free below; every pointer is checked before use.
+    unsafe {
+        if libc::getifaddrs(&mut addrs) != 0 {
+            return Err(std::io::Error::last_os_error()).context("getifaddrs");
+        }
+        let mut found = None;
+        let mut cur = addrs;
+        while !cur.is_null() {
+            let ifa = &*cur;
+            if !ifa.ifa_addr.is_null()
+                && i32::from((*ifa.ifa_addr).sa_family) == libc::AF_INET
+                && std::ffi::CStr::from_ptr(ifa.ifa_name).to_bytes() == iface.as_bytes()
+            {
+                let sin = &*(ifa.ifa_addr as *const libc::sockaddr_in);
+                found = Some(Ipv4Addr::from(u32::from_be(sin.sin_addr.s_addr)));
+                break;
+            }
+            cur = ifa.ifa_next;
+        }
+        libc::freeifaddrs(addrs);
+        found.with_context(|| format!("interface {iface:?} has no IPv4 address; pass --src-ip"))
+    }
+}

@@ -1,0 +1,818 @@
+//! The network-namespace topology: one L2 segment (a Linux bridge in a "switch" namespace) with a client, a
+//! load-balancer host and N backends attached by veth pairs.
+//!
+//! ```text
+//!             switch namespace (bridge br0)
+//!   p-client ─┬─ p-lb ─┬─ p-b1 ─┬─ p-b2 ─┬─ …
+//!      │          │        │        │
+//!    eth0       eth0     eth0     eth0        (one namespace each)
+//!   client .10  lb .2  backend-1 .11  backend-2 .12 …
+//! ```
+//!
+//! Every veth pair is created directly between the switch namespace and the host namespace (`ip -n <sw> link
+//! add … peer … netns <host>`), so nothing ever appears in the caller's namespace and parallel topologies cannot
+//! collide on interface names; only namespace names are global, and those carry prefix + pid + counter.
+
+use std::collections::BTreeMap;
+use std::ffi::OsStr;
+use std::fmt;
+use std::fs::File;
+use std::net::Ipv4Addr;
+use std::os::fd::AsRawFd;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Output, Stdio};
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::{Duration, Instant};
+
+use anyhow::{anyhow, bail, Context, Result};
+
+/// Default prefix of every namespace name created by this crate.
+pub const DEFAULT_PREFIX: &str = "lbt";
+
+/// Name of the bridge inside the switch namespace.
+pub const BRIDGE: &str = "br0";
+
+/// Per-process counter making names unique between topologies of one process (parallel tests).
+static TOPOLOGY_COUNTER: AtomicU32 = AtomicU32::new(0);
+/// Per-process counter for the output files of spawned children.
+static CHILD_COUNTER: AtomicU32 = AtomicU32::new(0);
+
+/// A host of the topology.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Host {
+    /// The traffic source, 10.200.0.10 by default.
+    Client,
+    /// The load-balancer host, 10.200.0.2 by default (the caller adds the VIP).
+    Lb,
+    /// Backend `i`, 1-based (`Backend(1)` is `backend-1`, 10.200.0.11 by default).
+    Backend(usize),
+}
+
+impl Host {
+    /// Name used in namespace names and as the echo server id: `client`, `lb`, `backend-<i>`.
+    pub fn name(&self) -> String {
+        match self {
+            Host::Client => "client".into(),
+            Host::Lb => "lb".into(),
+            Host::Backend(i) => format!("backend-{i}"),
+        }
+    }
+
+    /// Last octet of the host's address in the /24.
+    fn octet(&self) -> u8 {
+        match self {
+            Host::Client => 10,
+            Host::Lb => 2,
+            Host::Backend(i) => 10 + *i as u8,
+        }
+    }
+
+    /// Name of the host's port on the bridge (in the switch namespace; ≤ 15 chars).
+    fn switch_port(&self) -> String {
+        match self {
+            Host::Client => "p-client".into(),
+            Host::Lb => "p-lb".into(),
+            Host::Backend(i) => format!("p-b{i}"),
+        }
+    }
+}
+
+impl fmt::Display for Host {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.name())
+    }
+}
+
+/// Settings of a [`Topology`].
+#[derive(Debug, Clone)]
+pub struct TopologyConfig {
+    /// Prefix of the namespace names (keep it short; [`Topology::cleanup_stale`] matches on it).
+    pub prefix: String,
+    /// Number of backends (1..=80).
+    pub backends: usize,
+    /// Network address of the /24 (last octet must be 0).
+    pub subnet: Ipv4Addr,
+    /// Name of the host-side interface in every host namespace.
+    pub host_ifname: String,
+    /// GRO on the host-side veths: `None` leaves the kernel default.
+    pub host_gro: Option<bool>,
+    /// GRO on the bridge ports in the switch namespace. On by default: a veth only receives frames sent by
+    /// `XDP_TX`/`XDP_REDIRECT` on its peer when it has NAPI (GRO on or an XDP program), otherwise the kernel
+    /// silently drops them — which is exactly the path the load balancer's replies take.
+    pub switch_port_gro: Option<bool>,
+    /// Widen the client's ephemeral port range and allow TIME_WAIT reuse, so connection benchmarks that open
+    /// tens of thousands of short connections are not limited by the client's port space.
+    pub tune_client: bool,
+}
+
+impl Default for TopologyConfig {
+    fn default() -> Self {
+        Self {
+            prefix: DEFAULT_PREFIX.into(),
+            backends: 3,
+            subnet: Ipv4Addr::new(10, 200, 0, 0),
+            host_ifname: "eth0".into(),
+            host_gro: None,
+            switch_port_gro: Some(true),
+            tune_client: true,
+        }
+    }
+}
+
+/// Everything a caller needs to know about one host.
+#[derive(Debug, Clone)]
+pub struct HostInfo {
+    /// Which host.
+    pub host: Host,
+    /// Network namespace name (`ip netns exec <netns> …`).
+    pub netns: String,
+    /// Interface name inside the namespace.
+    pub ifname: String,
+    /// Primary IPv4 address (/24).
+    pub ip: Ipv4Addr,
+    /// Deterministic MAC address of `ifname`: `02:00:` + the four bytes of `ip`.
+    pub mac: [u8; 6],
+    /// Name of the peer interface (bridge port) in the switch namespace.
+    pub switch_port: String,
+}
+
+/// A created topology. Dropping it kills every process left in its namespaces and deletes them (also while
+/// unwinding from a panic).
+#[derive(Debug)]
+pub struct Topology {
+    id: String,
+    switch_ns: String,
+    hosts: BTreeMap<Host, HostInfo>,
+    subnet: Ipv4Addr,
+    /// Namespaces created so far: a half-built topology is torn down by `Drop` too.
+    created: Vec<String>,
+}
+
+impl Topology {
+    /// Creates the default topology (client, lb, 3 backends, 10.200.0.0/24).
+    pub fn create() -> Result<Self> {
+        Self::new(TopologyConfig::default())
+    }
+
+    /// Creates a topology with `backends` backends and otherwise default settings.
+    pub fn with_backends(backends: usize) -> Result<Self> {
+        Self::new(TopologyConfig {
+            backends,
+            ..TopologyConfig::default()
+        })
+    }
+
+    /// Creates a topology. Needs root, `ip` (iproute2) and `ethtool`.
+    pub fn new(cfg: TopologyConfig) -> Result<Self> {
+        preflight()?;
+        if cfg.backends == 0 || cfg.backends > 80 {
+            bail!("backends must be in 1..=80, got {}", cfg.backends);
+        }
+        if cfg.subnet.octets()[3] != 0 {
+            bail!("subnet must be a /24 network address ending in .0, got {}", cfg.subnet);
+        }
+        if cfg.host_ifname.is_empty() || cfg.host_ifname.len() > 15 {
+            bail!("interface name {:?} must be 1..=15 chars", cfg.host_ifname);
+        }
+        if cfg.prefix.is_empty() || cfg.prefix.contains('/') || cfg.prefix.contains(char::is_whitespace) {
+            bail!("invalid namespace prefix {:?}", cfg.prefix);
+        }
+        let n = TOPOLOGY_COUNTER.fetch_add(1, Ordering::Relaxed);
+        let id = format!("{}-{}-{}", cfg.prefix, std::process::id(), n);
+        let switch_ns = format!("{id}-sw");
+        let base = cfg.subnet.octets();
+        let mut all = vec![Host::Client, Host::Lb];
+        all.extend((1..=cfg.backends).map(Host::Backend));
+        let hosts: BTreeMap<Host, HostInfo> = all
+            .into_iter()
+            .map(|h| {
+                let ip = Ipv4Addr::new(base[0], base[1], base[2], h.octet());
+                let o = ip.octets();
+                let info = HostInfo {
+                    host: h,
+                    netns: format!("{id}-{}", h.name()),
+                    ifname: cfg.host_ifname.clone(),
+                    ip,
+                    mac: [0x02, 0x00, o[0], o[1], o[2], o[3]],
+                    switch_port: h.switch_port(),
+                };
+                (h, info)
+            })
+            .collect();
+        let mut topo = Topology {
+            id,
+            switch_ns,
+            hosts,
+            subnet: cfg.subnet,
+            created: Vec::new(),
+        };
+        // On error `topo` is dropped here, which removes whatever was already created.
+        topo.build(&cfg)?;
+        Ok(topo)
+    }
+
+    fn build(&mut self, cfg: &TopologyConfig) -> Result<()> {
+        let sw = self.switch_ns.clone();
+        self.add_netns(&sw)?;
+        run_cmd(["ip", "-n", &sw, "link", "set", "lo", "up"])?;
+        // STP off and no forward delay: ports forward immediately. Multicast snooping off: nothing to learn here.
+        run_cmd([
+            "ip", "-n", &sw, "link", "add", BRIDGE, "type", "bridge", "stp_state", "0", "forward_delay", "0",
+            "mcast_snooping", "0",
+        ])?;
+        run_cmd(["ip", "-n", &sw, "link", "set", BRIDGE, "up"])?;
+
+        let infos: Vec<HostInfo> = self.hosts.values().cloned().collect();
+        for h in &infos {
+            self.add_netns(&h.netns)?;
+            let ns = h.netns.as_str();
+            run_cmd(["ip", "-n", ns, "link", "set", "lo", "up"])?;
+            let o = h.ip.octets();
+            let port_mac = mac_string(&[0x06, 0x00, o[0], o[1], o[2], o[3]]);
+            run_cmd([
+                "ip", "-n", &sw, "link", "add", &h.switch_port, "address", &port_mac, "type", "veth", "peer", "name",
+                &h.ifname, "address", &mac_string(&h.mac), "netns", ns,
+            ])?;
+            run_cmd(["ip", "-n", &sw, "link", "set", &h.switch_port, "master", BRIDGE])?;
+            run_cmd(["ip", "-n", &sw, "link", "set", &h.switch_port, "up"])?;
+            run_cmd(["ip", "-n", ns, "addr", "add", &format!("{}/24", h.ip), "dev", &h.ifname])?;
+            run_cmd(["ip", "-n", ns, "link", "set", &h.ifname, "up"])?;
+            // Without this the kernel leaves checksums to "hardware" that a veth never has: frames would carry
+            // partial checksums, and the load balancer's incremental checksum rewrite would produce garbage
+            // that only works because the receiver trusts CHECKSUM_PARTIAL. Full checksums, like a real wire.
+            let mut features = vec!["tx", "off"];
+            if let Some(gro) = cfg.host_gro {
+                features.extend(["gro", on_off(gro)]);
+            }
+            self.ethtool(ns, &h.ifname, &features)?;
+            if let Some(gro) = cfg.switch_port_gro {
+                self.ethtool(&sw, &h.switch_port, &["gro", on_off(gro)])?;
+            }
+        }
+        if cfg.tune_client {
+            let ns = self.netns(Host::Client).to_string();
+            run_cmd([
+                "ip", "netns", "exec", &ns, "sysctl", "-q", "-w", "net.ipv4.ip_local_port_range=1024 65535",
+                "net.ipv4.tcp_tw_reuse=1",
+            ])?;
+        }
+        Ok(())
+    }
+
+    fn add_netns(&mut self, name: &str) -> Result<()> {
+        run_cmd(["ip", "netns", "add", name])?;
+        self.created.push(name.to_string());
+        Ok(())
+    }
+
+    fn ethtool(&self, ns: &str, ifname: &str, features: &[&str]) -> Result<()> {
+        let mut argv = vec!["ip", "netns", "exec", ns, "ethtool", "-K", ifname];
+        argv.extend_from_slice(features);
+        run_cmd(argv).map(|_| ())
+    }
+
+    fn info(&self, host: Host) -> &HostInfo {
+        self.hosts
+            .get(&host)
+            .unwrap_or_else(|| panic!("{host} is not part of topology {} (has {} backends)", self.id, self.backend_count()))
+    }
+
+    /// Unique id of this topology (`<prefix>-<pid>-<counter>`); every namespace name starts with it.
+    pub fn id(&self) -> &str {
+        &self.id
+    }
+
+    /// All hosts, client and lb first, then the backends in order.
+    pub fn hosts(&self) -> impl Iterator<Item = &HostInfo> {
+        self.hosts.values()
+    }
+
+    /// The backends, `Backend(1)..=Backend(n)`.
+    pub fn backends(&self) -> impl Iterator<Item = Host> + '_ {
+        self.hosts.keys().copied().filter(|h| matches!(h, Host::Backend(_)))
+    }
+
+    /// Number of backends.
+    pub fn backend_count(&self) -> usize {
+        self.backends().count()
+    }
+
+    /// Details of one host. Panics if the host is not part of the topology (a test bug).
+    pub fn host(&self, host: Host) -> &HostInfo {
+        self.info(host)
+    }
+
+    /// Namespace name of `host`.
+    pub fn netns(&self, host: Host) -> &str {
+        &self.info(host).netns
+    }
+
+    /// Interface name of `host` inside its namespace.
+    pub fn ifname(&self, host: Host) -> &str {
+        &self.info(host).ifname
+    }
+
+    /// Primary address of `host`.
+    pub fn ip(&self, host: Host) -> Ipv4Addr {
+        self.info(host).ip
+    }
+
+    /// MAC of `host`'s interface.
+    pub fn mac(&self, host: Host) -> [u8; 6] {
+        self.info(host).mac
+    }
+
+    /// An address in the segment's /24 by last octet (e.g. `addr(100)` for the conventional VIP).
+    pub fn addr(&self, last_octet: u8) -> Ipv4Addr {
+        let o = self.subnet.octets();
+        Ipv4Addr::new(o[0], o[1], o[2], last_octet)
+    }
+
+    /// The switch namespace (holds [`BRIDGE`] and the bridge ports).
+    pub fn switch_netns(&self) -> &str {
+        &self.switch_ns
+    }
+
+    /// Name of `host`'s bridge port in the switch namespace.
+    pub fn switch_port(&self, host: Host) -> &str {
+        &self.info(host).switch_port
+    }
+
+    /// Adds an extra address (e.g. the VIP or a SNAT address) as /32 to `host`'s interface.
+    pub fn add_addr(&self, host: Host, ip: Ipv4Addr) -> Result<()> {
+        let h = self.info(host);
+        run_cmd(["ip", "-n", &h.netns, "addr", "add", &format!("{ip}/32"), "dev", &h.ifname]).map(|_| ())
+    }
+
+    /// Removes an address added by [`Topology::add_addr`].
+    pub fn del_addr(&self, host: Host, ip: Ipv4Addr) -> Result<()> {
+        let h = self.info(host);
+        run_cmd(["ip", "-n", &h.netns, "addr", "del", &format!("{ip}/32"), "dev", &h.ifname]).map(|_| ())
+    }
+
+    /// Sets `host`'s interface up or down (its bridge port loses carrier accordingly).
+    pub fn set_link(&self, host: Host, up: bool) -> Result<()> {
+        let h = self.info(host);
+        let state = if up { "up" } else { "down" };
+        run_cmd(["ip", "-n", &h.netns, "link", "set", &h.ifname, state]).map(|_| ())
+    }
+
+    /// Runs `argv` inside `host`'s namespace and waits for it. Fails (with the command line, exit status and
+    /// stderr) when it exits non-zero; use [`Topology::exec_unchecked`] to inspect failures yourself.
+    pub fn exec<I, S>(&self, host: Host, argv: I) -> Result<Output>
+    where
+        I: IntoIterator<Item = S>,
+        S: AsRef<OsStr>,
+    {
+        run_cmd(netns_argv(self.netns(host), argv))
+    }
+
+    /// Like [`Topology::exec`] but returns the output whatever the exit status.
+    pub fn exec_unchecked<I, S>(&self, host: Host, argv: I) -> Result<Output>
+    where
+        I: IntoIterator<Item = S>,
+        S: AsRef<OsStr>,
+    {
+        let argv = netns_argv(self.netns(host), argv);
+        let mut cmd = Command::new(&argv[0]);
+        cmd.args(&argv[1..]).stdin(Stdio::null());
+        cmd.output().with_context(|| format!("cannot run `{}`", render(&argv)))
+    }
+
+    /// Runs `argv` in the switch namespace (e.g. `tcpdump -i br0`, `ethtool` on a bridge port).
+    pub fn exec_switch<I, S>(&self, argv: I) -> Result<Output>
+    where
+        I: IntoIterator<Item = S>,
+        S: AsRef<OsStr>,
+    {
+        run_cmd(netns_argv(&self.switch_ns, argv))
+    }
+
+    /// Starts `argv` inside `host`'s namespace. stdout/stderr go to files (never a pipe that could fill up and
+    /// block the child) readable through the guard. The process is killed when the guard drops, and at the
+    /// latest when the topology drops.
+    pub fn spawn<I, S>(&self, host: Host, argv: I) -> Result<ChildGuard>
+    where
+        I: IntoIterator<Item = S>,
+        S: AsRef<OsStr>,
+    {
+        let argv = netns_argv(self.netns(host), argv);
+        ChildGuard::spawn(&argv, &format!("{}@{}", render(&argv[4..]), host))
+    }
+
+    /// Runs `f` on a new thread that has entered `host`'s network namespace, and returns its result. Sockets
+    /// created inside keep that namespace for their whole life, so this runs in-process load generators or
+    /// servers: e.g. `topo.run_in(Host::Client, || tokio_runtime.block_on(load::run_tcp(cfg)))` where the
+    /// runtime is built inside `f`.
+    pub fn run_in<F, T>(&self, host: Host, f: F) -> Result<T>
+    where
+        F: FnOnce() -> T + Send + 'static,
+        T: Send + 'static,
+    {
+        let path = netns_path(self.netns(host));
+        let file = File::open(&path).with_context(|| format!("cannot open {}", path.display()))?;
+        let handle = std::thread::Builder::new()
+            .name(format!("netns-{host}"))
+            .spawn(move || -> Result<T> {
+                // SAFETY: plain syscall on a valid fd; it only changes this (new) thread's network namespace.
+                let rc = unsafe { libc::setns(file.as_raw_fd(), libc::CLONE_NEWNET) };
+                if rc != 0 {
+                    bail!("setns({}) failed: {}", path.display(), std::io::Error::last_os_error());
+                }
+                Ok(f())
+            })
+            .context("cannot spawn thread")?;
+        match handle.join() {
+            Ok(r) => r,
+            Err(panic) => std::panic::resume_unwind(panic),
+        }
+    }
+
+    /// Deletes the topology now (idempotent; `Drop` does the same and reports errors on stderr).
+    pub fn teardown(&mut self) -> Result<()> {
+        let mut errors = Vec::new();
+        // Hosts first, the switch last (reverse creation order).
+        while let Some(ns) = self.created.pop() {
+            if let Err(e) = delete_netns(&ns) {
+                errors.push(format!("{e:#}"));
+            }
+        }
+        if errors.is_empty() {
+            Ok(())
+        } else {
+            Err(anyhow!("teardown of {} incomplete: {}", self.id, errors.join("; ")))
+        }
+    }
+
+    /// Removes leftovers of crashed runs: every namespace named `<prefix>-<pid>-…` whose creating process `pid`
+    /// no longer exists (namespaces of live processes, e.g. parallel tests, are left alone). Returns the names
+    /// removed.
+    pub fn cleanup_stale(prefix: &str) -> Result<Vec<String>> {
+        preflight()?;
+        let mut removed = Vec::new();
+        for ns in list_netns()? {
+            let Some(rest) = ns.strip_prefix(prefix).and_then(|r| r.strip_prefix('-')) else {
+                continue;
+            };
+            let Some(pid) = rest.split('-').next().and_then(|p| p.parse::<u32>().ok()) else {
+                continue;
+            };
+            if pid == std::process::id() || Path::new(&format!("/proc/{pid}")).exists() {
+                continue;
+            }
+            delete_netns(&ns)?;
+            removed.push(ns);
+        }
+        Ok(removed)
+    }
+}
+
+impl Drop for Topology {
+    fn drop(&mut self) {
+        if let Err(e) = self.teardown() {
+            eprintln!("lb-testbed: {e:#}");
+        }
+    }
+}
+
+/// Names of all named network namespaces (`ip netns list`).
+pub fn list_netns() -> Result<Vec<String>> {
+    let out = run_cmd(["ip", "netns", "list"])?;
+    Ok(String::from_utf8_lossy(&out.stdout)
+        .lines()
+        // Lines look like "name" or "name (id: 3)".
+        .filter_map(|l| l.split_whitespace().next().map(str::to_string))
+        .collect())
+}
+
+/// Kills every process inside `ns`, then deletes it. A process still inside would keep the namespace (and its
+/// veths) alive after the name is gone, invisible to `ip netns list`.
+fn delete_netns(ns: &str) -> Result<()> {
+    for _ in 0..50 {
+        let pids = netns_pids(ns)?;
+        if pids.is_empty() {
+            break;
+        }
+        for pid in pids {
+            // SAFETY: sending a signal has no memory-safety implications.
+            unsafe { libc::kill(pid, libc::SIGKILL) };
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    run_cmd(["ip", "netns", "del", ns]).map(|_| ())
+}
+
+fn netns_pids(ns: &str) -> Result<Vec<i32>> {
+    let out = Command::new("ip")
+        .args(["netns", "pids", ns])
+        .output()
+        .context("cannot run `ip netns pids`")?;
+    if !out.status.success() {
+        // The namespace is already gone: nothing to kill.
+        return Ok(Vec::new());
+    }
+    Ok(String::from_utf8_lossy(&out.stdout)
+        .split_whitespace()
+        .filter_map(|p| p.parse().ok())
+        // Never signal ourselves (a test thread may have entered the namespace through `run_in`).
+        .filter(|p| *p as u32 != std::process::id())
+        .collect())
+}
+
+fn netns_path(ns: &str) -> PathBuf {
+    Path::new("/var/run/netns").join(ns)
+}
+
+fn netns_argv<I, S>(ns: &str, argv: I) -> Vec<std::ffi::OsString>
+where
+    I: IntoIterator<Item = S>,
+    S: AsRef<OsStr>,
+{
+    let mut v: Vec<std::ffi::OsString> = ["ip", "netns", "exec", ns].iter().map(Into::into).collect();
+    v.extend(argv.into_iter().map(|a| a.as_ref().to_os_string()));
+    v
+}
+
+fn on_off(b: bool) -> &'static str {
+    if b {
+        "on"
+    } else {
+        "off"
+    }
+}
+
+/// Formats a MAC as `aa:bb:cc:dd:ee:ff`.
+pub fn mac_string(mac: &[u8; 6]) -> String {
+    mac.iter().map(|b| format!("{b:02x}")).collect::<Vec<_>>().join(":")
+}
+
+/// Parses `aa:bb:cc:dd:ee:ff`.
+pub fn parse_mac(s: &str) -> Result<[u8; 6]> {
+    let parts: Vec<&str> = s.trim().split(':').collect();
+    if parts.len() != 6 {
+        bail!("invalid MAC address {s:?}");
+    }
+    let mut mac = [0u8; 6];
+    for (m, p) in mac.iter_mut().zip(parts) {
+        *m = u8::from_str_radix(p, 16).with_context(|| format!("invalid MAC address {s:?}"))?;
+    }
+    Ok(mac)
+}
+
+fn render<S: AsRef<OsStr>>(argv: &[S]) -> String {
+    argv.iter()
+        .map(|a| a.as_ref().to_string_lossy().into_owned())
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+/// Runs a command to completion; a non-zero exit becomes an error naming the command, status and stderr.
+pub fn run_cmd<I, S>(argv: I) -> Result<Output>
+where
+    I: IntoIterator<Item = S>,
+    S: AsRef<OsStr>,
+{
+    let argv: Vec<std::ffi::OsString> = argv.into_iter().map(|a| a.as_ref().to_os_string()).collect();
+    let (prog, args) = argv.split_first().ok_or_else(|| anyhow!("empty command"))?;
+    let out = Command::new(prog)
+        .args(args)
+        .stdin(Stdio::null())
+        .output()
+        .with_context(|| format!("cannot run `{}`", render(&argv)))?;
+    if !out.status.success() {
+        bail!(
+            "`{}` failed ({}): {}",
+            render(&argv),
+            out.status,
+            String::from_utf8_lossy(&out.stderr).trim()
+        );
+    }
+    Ok(out)
+}
+
+/// Tools the topology needs, with the Debian package providing each.
+const TOOLS: &[(&str, &str)] = &[("ip", "iproute2"), ("ethtool", "ethtool"), ("sysctl", "procps")];
+
+/// Checks for root and the external tools, with an actionable message.
+pub fn preflight() -> Result<()> {
+    // SAFETY: geteuid cannot fail.
+    if unsafe { libc::geteuid() } != 0 {
+        bail!("lb-testbed needs root (network namespaces, veth, bridges)");
+    }
+    let missing: Vec<String> = TOOLS
+        .iter()
+        .filter(|(tool, _)| find_in_path(tool).is_none())
+        .map(|(tool, pkg)| format!("`{tool}` (Debian package `{pkg}`)"))
+        .collect();
+    if !missing.is_empty() {
+        bail!(
+            "missing tools: {}; install with `apt-get install -y {}`",
+            missing.join(", "),
+            TOOLS
+                .iter()
+                .filter(|(t, _)| find_in_path(t).is_none())
+                .map(|(_, p)| *p)
+                .collect::<Vec<_>>()
+                .join(" ")
+        );
+    }
+    Ok(())
+}
+
+fn find_in_path(tool: &str) -> Option<PathBuf> {
+    let path = std::env::var_os("PATH").unwrap_or_else(|| "/usr/sbin:/usr/bin:/sbin:/bin".into());
+    std::env::split_paths(&path)
+        .chain(["/usr/sbin", "/sbin"].map(PathBuf::from))
+        .map(|d| d.join(tool))
+        .find(|p| p.is_file())
+}
+
+/// True when running as root (tests skip themselves otherwise).
+pub fn is_root() -> bool {
+    // SAFETY: geteuid cannot fail.
+    unsafe { libc::geteuid() == 0 }
+}
+
+/// Path of the `lb-testbed` binary: `$LB_TESTBED_BIN`, else next to the running executable or its parent
+/// directories (how `target/debug/deps/<test>` finds `target/debug/lb-testbed`). Build it first with
+/// `cargo build -p lb-testbed`.
+pub fn binary_path() -> Result<PathBuf> {
+    if let Some(p) = std::env::var_os("LB_TESTBED_BIN") {
+        return Ok(PathBuf::from(p));
+    }
+    let exe = std::env::current_exe().context("cannot locate current executable")?;
+    exe.ancestors()
+        .skip(1)
+        .take(3)
+        .map(|d| d.join("lb-testbed"))
+        .find(|p| p.is_file())
+        .ok_or_else(|| {
+            anyhow!(
+                "lb-testbed binary not found near {}: run `cargo build -p lb-testbed` or set LB_TESTBED_BIN",
+                exe.display()
+            )
+        })
+}
+
+/// A process started by [`Topology::spawn`]; killed (SIGKILL) and reaped when dropped.
+#[derive(Debug)]
+pub struct ChildGuard {
+    child: Option<Child>,
+    label: String,
+    stdout_path: PathBuf,
+    stderr_path: PathBuf,
+}
+
+/// Exit status and captured output of a finished child.
+#[derive(Debug, Clone)]
+pub struct ChildOutput {
+    /// Exit status.
+    pub status: ExitStatus,
+    /// Everything written to stdout.
+    pub stdout: String,
+    /// Everything written to stderr.
+    pub stderr: String,
+}
+
+impl ChildGuard {
+    /// Starts `argv` (already including any `ip netns exec` prefix) with output captured to temp files.
+    pub fn spawn<S: AsRef<OsStr>>(argv: &[S], label: &str) -> Result<Self> {
+        let (prog, args) = argv.split_first().ok_or_else(|| anyhow!("empty command"))?;
+        let n = CHILD_COUNTER.fetch_add(1, Ordering::Relaxed);
+        let base = std::env::temp_dir().join(format!("lb-testbed-{}-{n}", std::process::id()));
+        let stdout_path = base.with_extension("out");
+        let stderr_path = base.with_extension("err");
+        let out = File::create(&stdout_path).with_context(|| format!("cannot create {}", stdout_path.display()))?;
+        let err = File::create(&stderr_path).with_context(|| format!("cannot create {}", stderr_path.display()))?;
+        let child = Command::new(prog)
+            .args(args)
+            .stdin(Stdio::null())
+            .stdout(out)
+            .stderr(err)
+            .spawn()
+            .with_context(|| format!("cannot start `{}`", render(argv)))?;
+        Ok(Self {
+            child: Some(child),
+            label: label.to_string(),
+            stdout_path,
+            stderr_path,
+        })
+    }
+
+    fn child(&mut self) -> &mut Child {
+        self.child.as_mut().expect("child present until drop")
+    }
+
+    /// Process id (with `ip netns exec` the id of the command itself: `ip` execs it).
+    pub fn pid(&self) -> u32 {
+        self.child.as_ref().map(Child::id).unwrap_or(0)
+    }
+
+    /// Sends a signal (e.g. `libc::SIGTERM`) unless the process has already been reaped.
+    pub fn signal(&mut self, sig: i32) -> Result<()> {
+        if self.child().try_wait()?.is_some() {
+            return Ok(());
+        }
+        // SAFETY: the pid is our unreaped child, so it cannot have been reused.
+        if unsafe { libc::kill(self.pid() as i32, sig) } != 0 {
+            bail!("kill({}, {sig}) for {}: {}", self.pid(), self.label, std::io::Error::last_os_error());
+        }
+        Ok(())
+    }
+
+    /// Exit status if the process has exited.
+    pub fn try_wait(&mut self) -> Result<Option<ExitStatus>> {
+        Ok(self.child().try_wait()?)
+    }
+
+    /// Waits up to `timeout` for the process to exit.
+    pub fn wait_timeout(&mut self, timeout: Duration) -> Result<Option<ExitStatus>> {
+        let end = Instant::now() + timeout;
+        loop {
+            if let Some(s) = self.child().try_wait()? {
+                return Ok(Some(s));
+            }
+            if Instant::now() >= end {
+                return Ok(None);
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
+    /// Waits up to `timeout` for the process to exit on its own and returns its output; kills it and fails
+    /// (with its stderr) when it does not.
+    pub fn finish(mut self, timeout: Duration) -> Result<ChildOutput> {
+        match self.wait_timeout(timeout)? {
+            Some(status) => Ok(self.output(status)),
+            None => {
+                self.kill();
+                bail!("{} did not exit within {timeout:?}; stderr: {}", self.label, self.stderr().trim())
+            }
+        }
+    }
+
+    /// SIGTERM, then SIGKILL after `grace`; returns the output.
+    pub fn terminate(mut self, grace: Duration) -> Result<ChildOutput> {
+        self.signal(libc::SIGTERM)?;
+        let status = match self.wait_timeout(grace)? {
+            Some(s) => s,
+            None => {
+                self.kill();
+                self.child().wait()?
+            }
+        };
+        Ok(self.output(status))
+    }
+
+    fn output(&self, status: ExitStatus) -> ChildOutput {
+        ChildOutput {
+            status,
+            stdout: self.stdout(),
+            stderr: self.stderr(),
+        }
+    }
+
+    /// SIGKILL and reap (idempotent).
+    pub fn kill(&mut self) {
+        if let Some(c) = self.child.as_mut() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    /// Everything the process wrote to stdout so far.
+    pub fn stdout(&self) -> String {
+        std::fs::read_to_string(&self.stdout_path).unwrap_or_default()
+    }
+
+    /// Everything the process wrote to stderr so far.
+    pub fn stderr(&self) -> String {
+        std::fs::read_to_string(&self.stderr_path).unwrap_or_default()
+    }
+
+    /// Waits until stdout contains `needle` (e.g. the `"ready"` line of `lb-testbed echo`). Fails early, with
+    /// stderr, if the process exits.
+    pub fn wait_for_stdout(&mut self, needle: &str, timeout: Duration) -> Result<()> {
+        let end = Instant::now() + timeout;
+        loop {
+            if self.stdout().contains(needle) {
+                return Ok(());
+            }
+            if let Some(s) = self.child().try_wait()? {
+                bail!("{} exited ({s}) before printing {needle:?}; stderr: {}", self.label, self.stderr().trim());
+            }
+            if Instant::now() >= end {
+                bail!("{} did not print {needle:?} within {timeout:?}; stderr: {}", self.label, self.stderr().trim());
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+}
+
+impl Drop for ChildGuard {
+    fn drop(&mut self) {
+        self.kill();
+        let _ = std::fs::remove_file(&self.stdout_path);
+        let _ = std::fs::remove_file(&self.stderr_path);
+    }
+}
