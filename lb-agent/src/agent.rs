@@ -128,7 +128,7 @@ pub async fn run(
             match cs {
                 ConfigState::Pending => {}
                 ConfigState::Valid(cfg, generation) => {
-                    hc.set_targets(&cfg.health_check, &cfg.backends());
+                    hc.set_targets(&cfg.health_check, &cfg.health_targets());
                     state.current = Some(cfg);
                     state.generation = Some(generation);
                     status_tx.send_modify(|s| {
@@ -209,19 +209,15 @@ struct LoopState {
     last_no_nexthop: u64,
 }
 
-/// The services as they must be in the maps now: configured backends minus unhealthy ones.
+/// The services as they must be in the maps now: healthy backends, SNAT override applied.
 fn effective(cfg: &DesiredConfig, health: &HealthMap, opts: &AgentOptions) -> Vec<ServiceSpec> {
-    cfg.services
-        .iter()
-        .map(|s| {
-            let mut s = s.clone();
-            s.backends.retain(|b| health.get(b).copied().unwrap_or(true));
-            if let Some(snat) = opts.snat_override {
-                s.snat = Some(snat);
-            }
-            s
-        })
-        .collect()
+    let mut services = cfg.effective(health);
+    if let Some(snat) = opts.snat_override {
+        for s in &mut services {
+            s.snat = Some(snat);
+        }
+    }
+    services
 }
 
 fn apply(

@@ -57,11 +57,45 @@ pub struct DesiredConfig {
 }
 
 impl DesiredConfig {
-    /// Every backend that needs health checking.
+    /// Every backend (all services).
     pub fn backends(&self) -> BTreeSet<SocketAddr> {
         self.services
             .iter()
             .flat_map(|s| s.backends.iter().copied())
+            .collect()
+    }
+
+    /// Backends that are actively checked: those of TCP services. UDP has no protocol-independent probe
+    /// (a NodePort may silently drop anything that is not its application's request), so UDP backends
+    /// follow their node's TCP checks instead (see [`udp_backend_healthy`]).
+    pub fn health_targets(&self) -> BTreeSet<SocketAddr> {
+        self.services
+            .iter()
+            .filter(|s| s.id.protocol == Protocol::Tcp)
+            .flat_map(|s| s.backends.iter().copied())
+            .collect()
+    }
+}
+
+/// A UDP backend is healthy unless its node has checked TCP backends and all of them are down.
+pub fn udp_backend_healthy(b: &SocketAddr, health: &crate::health::HealthMap) -> bool {
+    let mut checked = health.iter().filter(|(a, _)| a.ip() == b.ip()).peekable();
+    checked.peek().is_none() || checked.any(|(_, up)| *up)
+}
+
+impl DesiredConfig {
+    /// The services as they must be in the maps now: configured backends minus unhealthy ones.
+    pub fn effective(&self, health: &crate::health::HealthMap) -> Vec<ServiceSpec> {
+        self.services
+            .iter()
+            .map(|s| {
+                let mut s = s.clone();
+                match s.id.protocol {
+                    Protocol::Tcp => s.backends.retain(|b| health.get(b).copied().unwrap_or(true)),
+                    Protocol::Udp => s.backends.retain(|b| udp_backend_healthy(b, health)),
+                }
+                s
+            })
             .collect()
     }
 }
@@ -263,6 +297,19 @@ options:
         ] {
             assert!(e.contains(needle), "missing {needle:?} in:\n{e}");
         }
+    }
+
+    #[test]
+    fn unhealthy_backends_leave_and_udp_follows_its_node() {
+        let c: LocalConfig = serde_yaml::from_str(GOOD).unwrap();
+        let d = DesiredConfig::try_from(&c).unwrap();
+        assert_eq!(d.health_targets().len(), 2, "only TCP backends are probed");
+        let mut h = crate::health::HealthMap::new();
+        h.insert("10.200.0.11:30080".parse().unwrap(), false);
+        h.insert("10.200.0.12:30080".parse().unwrap(), true);
+        let e = d.effective(&h);
+        assert_eq!(e[0].backends, vec!["10.200.0.12:30080".parse().unwrap()]);
+        assert_eq!(e[1].backends, vec!["10.200.0.12:30053".parse().unwrap()], "node 11 is down for UDP too");
     }
 
     #[test]

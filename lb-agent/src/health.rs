@@ -122,9 +122,11 @@ impl HealthChecker {
     /// or a config change never empties a service) and are checked at once; removed ones are forgotten.
     pub fn set_targets(&mut self, spec: &HealthCheckSpec, targets: &BTreeSet<SocketAddr>) {
         if *spec != self.spec {
+            // New rules: start over, optimistic, rather than judge with results of the old ones.
             for (_, t) in self.tasks.drain() {
                 t.abort();
             }
+            self.tx.send_modify(|m| m.clear());
             self.spec = spec.clone();
         }
         self.tasks.retain(|addr, task| {

@@ -66,7 +66,8 @@ pub async fn run_controllers(
     let lb_api: Api<LoadBalancer> = Api::namespaced(control.clone(), &namespace);
     let (loadbalancers, lb_writer) = reflector::store::<LoadBalancer>();
     let lb_stream = reflector::reflector(lb_writer, watcher(lb_api.clone(), watcher::Config::default()).default_backoff());
-    let lb_task = tokio::spawn(drain(lb_stream, "loadbalancer cache"));
+    let (lb_trigger_tx, lb_trigger_rx) = mpsc::unbounded::<ObjectRef<Service>>();
+    let lb_task = tokio::spawn(loadbalancer_triggers(lb_stream, lb_trigger_tx));
 
     info!("waiting for node and LoadBalancer caches");
     if wait_ready(&nodes).await.is_err() || wait_ready(&loadbalancers).await.is_err() {
@@ -115,9 +116,7 @@ pub async fn run_controllers(
     let controller_config = controller::Config::default().concurrency(config.concurrency);
     let services = Controller::new(Api::<Service>::all(target.clone()), watcher::Config::default())
         .with_config(controller_config.clone())
-        .watches(lb_api.clone(), watcher::Config::default(), |lb: LoadBalancer| {
-            backchannel::service_of(&lb).map(|(ns, name)| ObjectRef::<Service>::new(&name).within(&ns))
-        })
+        .reconcile_on(lb_trigger_rx)
         .reconcile_all_on(node_trigger_rx)
         .graceful_shutdown_on(on_shutdown(&shutdown_tx))
         .run(service_controller::reconcile, service_controller::error_policy, service_ctx)
@@ -159,14 +158,27 @@ where
     store.wait_until_ready().await.map_err(|_| warn!("cache writer dropped before sync"))
 }
 
-async fn drain<S, K>(stream: S, what: &'static str)
+/// Drives the LoadBalancer cache and, after the cache has applied a change, asks the Service
+/// controller to reconcile the LoadBalancer's Service (so edits by others are reverted and
+/// deletions are noticed).
+async fn loadbalancer_triggers<S>(stream: S, trigger: mpsc::UnboundedSender<ObjectRef<Service>>)
 where
-    S: Stream<Item = Result<watcher::Event<K>, watcher::Error>>,
+    S: Stream<Item = Result<watcher::Event<LoadBalancer>, watcher::Error>>,
 {
     futures::pin_mut!(stream);
     while let Some(item) = stream.next().await {
-        if let Err(e) = item {
-            warn!(error = %e, what, "watch failed; retrying with backoff");
+        let lb = match item {
+            Ok(watcher::Event::Apply(lb) | watcher::Event::Delete(lb) | watcher::Event::InitApply(lb)) => lb,
+            Ok(watcher::Event::Init | watcher::Event::InitDone) => continue,
+            Err(e) => {
+                warn!(error = %e, "LoadBalancer watch failed; retrying with backoff");
+                continue;
+            }
+        };
+        if let Some((namespace, name)) = backchannel::service_of(&lb) {
+            if trigger.unbounded_send(ObjectRef::new(&name).within(&namespace)).is_err() {
+                return;
+            }
         }
     }
 }

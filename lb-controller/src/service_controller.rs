@@ -196,23 +196,35 @@ async fn reconcile_inner(
     let desired = desired::desired_spec(service, endpoints, &ctx.config.defaults);
     let mut warnings = desired.warnings;
 
-    let existing = ctx
+    let cached = ctx
         .loadbalancers
         .get(&ObjectRef::new(&lb_name).within(&ctx.config.defaults.namespace));
-    let Some(existing) = existing else {
-        ctx.report_warnings(service, reference, "annotation", &warnings).await;
-        let lb = desired::new_loadbalancer(service, desired.spec, &ctx.config.defaults);
-        match ctx.lb_api().create(&PostParams::default(), &lb).await {
-            Ok(_) => {
-                ctx.metrics.loadbalancer_write("create");
-                info!(service = %reference, loadbalancer = lb_name, "created LoadBalancer");
-                ctx.event(service, EventType::Normal, "creation", "LoadBalancer is in creation").await;
+    let existing = match cached {
+        Some(lb) => lb,
+        None => {
+            ctx.report_warnings(service, reference, "annotation", &warnings).await;
+            let lb = desired::new_loadbalancer(service, desired.spec.clone(), &ctx.config.defaults);
+            match ctx.lb_api().create(&PostParams::default(), &lb).await {
+                Ok(_) => {
+                    ctx.metrics.loadbalancer_write("create");
+                    info!(service = %reference, loadbalancer = lb_name, "created LoadBalancer");
+                    ctx.event(service, EventType::Normal, "creation", "LoadBalancer is in creation").await;
+                    return Ok(Action::requeue(ctx.config.resync));
+                }
+                // The cache is behind the API server (e.g. we created it a moment ago): continue
+                // with the authoritative object so that no change waits for the next resync.
+                Err(kube::Error::Api(e)) if e.code == 409 => {
+                    debug!(loadbalancer = lb_name, "already exists; reading it");
+                    match ctx.lb_api().get_opt(&lb_name).await {
+                        Ok(Some(lb)) => Arc::new(lb),
+                        // Deleted in between: the delete event re-triggers us.
+                        Ok(None) => return Ok(Action::requeue(ctx.config.deletion_poll)),
+                        Err(e) => return Err(kube_err(format!("reading LoadBalancer {lb_name}"))(e)),
+                    }
+                }
+                Err(e) => return Err(kube_err(format!("creating LoadBalancer {lb_name}"))(e)),
             }
-            // Our cache is behind; the watch brings the object and re-triggers us.
-            Err(kube::Error::Api(e)) if e.code == 409 => debug!(loadbalancer = lb_name, "already exists"),
-            Err(e) => return Err(kube_err(format!("creating LoadBalancer {lb_name}"))(e)),
         }
-        return Ok(Action::requeue(ctx.config.resync));
     };
 
     if existing.meta().deletion_timestamp.is_some() {

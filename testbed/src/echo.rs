@@ -44,17 +44,30 @@ impl EchoServer {
     /// Binds every socket; fails naming the address that could not be bound.
     pub async fn bind(cfg: &EchoConfig) -> Result<Self> {
         anyhow::ensure!(!cfg.id.contains('\n'), "echo id must not contain a newline");
-        anyhow::ensure!(!cfg.tcp.is_empty() || !cfg.udp.is_empty(), "nothing to serve: give --tcp and/or --udp");
+        anyhow::ensure!(
+            !cfg.tcp.is_empty() || !cfg.udp.is_empty(),
+            "nothing to serve: give --tcp and/or --udp"
+        );
         let mut tcp = Vec::new();
         for addr in &cfg.tcp {
-            let sock = if addr.is_ipv4() { TcpSocket::new_v4() } else { TcpSocket::new_v6() }?;
+            let sock = if addr.is_ipv4() {
+                TcpSocket::new_v4()
+            } else {
+                TcpSocket::new_v6()
+            }?;
             sock.set_reuseaddr(true)?;
-            sock.bind(*addr).with_context(|| format!("cannot bind TCP {addr}"))?;
-            tcp.push(sock.listen(BACKLOG).with_context(|| format!("cannot listen on TCP {addr}"))?);
+            sock.bind(*addr)
+                .with_context(|| format!("cannot bind TCP {addr}"))?;
+            tcp.push(
+                sock.listen(BACKLOG)
+                    .with_context(|| format!("cannot listen on TCP {addr}"))?,
+            );
         }
         let mut udp = Vec::new();
         for addr in &cfg.udp {
-            let sock = UdpSocket::bind(addr).await.with_context(|| format!("cannot bind UDP {addr}"))?;
+            let sock = UdpSocket::bind(addr)
+                .await
+                .with_context(|| format!("cannot bind UDP {addr}"))?;
             udp.push(Arc::new(sock));
         }
         let mut id = cfg.id.as_bytes().to_vec();
@@ -68,12 +81,18 @@ impl EchoServer {
 
     /// Bound TCP addresses (with the actual port when 0 was requested).
     pub fn tcp_addrs(&self) -> Vec<SocketAddr> {
-        self.tcp.iter().filter_map(|l| l.local_addr().ok()).collect()
+        self.tcp
+            .iter()
+            .filter_map(|l| l.local_addr().ok())
+            .collect()
     }
 
     /// Bound UDP addresses.
     pub fn udp_addrs(&self) -> Vec<SocketAddr> {
-        self.udp.iter().filter_map(|s| s.local_addr().ok()).collect()
+        self.udp
+            .iter()
+            .filter_map(|s| s.local_addr().ok())
+            .collect()
     }
 
     /// Serves forever (until dropped).

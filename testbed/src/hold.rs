@@ -201,7 +201,11 @@ async fn hold_tcp(
         rec.error_at_s = Some(sh.start.elapsed().as_secs_f64());
     };
     let setup = async {
-        let _permit = sh.connect_gate.acquire().await.expect("semaphore never closed");
+        let _permit = sh
+            .connect_gate
+            .acquire()
+            .await
+            .expect("semaphore never closed");
         let stream = tcp_connect(target, cfg.bind, cfg.op_timeout).await?;
         let port = stream.local_addr().map(|a| a.port()).unwrap_or(0);
         let (rd, wr) = stream.into_split();
@@ -274,7 +278,9 @@ async fn hold_udp(
         } else {
             IpAddr::from([0u16; 8])
         });
-        let sock = UdpSocket::bind(SocketAddr::new(ip, 0)).await.map_err(|e| io_kind("udp", &e))?;
+        let sock = UdpSocket::bind(SocketAddr::new(ip, 0))
+            .await
+            .map_err(|e| io_kind("udp", &e))?;
         sock.connect(target).await.map_err(|e| io_kind("udp", &e))?;
         Ok::<_, String>(sock)
     };
@@ -302,7 +308,9 @@ async fn hold_udp(
         };
         match timeout(cfg.op_timeout, rt).await {
             Err(_) => fail(&mut rec, "echo_timeout".into()),
-            Ok(Err(e)) if e.kind() == std::io::ErrorKind::ConnectionRefused => fail(&mut rec, "refused".into()),
+            Ok(Err(e)) if e.kind() == std::io::ErrorKind::ConnectionRefused => {
+                fail(&mut rec, "refused".into())
+            }
             Ok(Err(_)) => fail(&mut rec, "io_error".into()),
             Ok(Ok(len)) => match split_udp_reply(&buf[..len]) {
                 None => fail(&mut rec, "invalid_reply".into()),
@@ -343,7 +351,11 @@ pub async fn run(cfg: HoldConfig, stop: impl Future<Output = ()>, brief: bool) -
     let (stop_tx, stop_rx) = watch::channel(false);
     let (est_tx, mut est_rx) = mpsc::unbounded_channel();
     let mut tasks = tokio::task::JoinSet::new();
-    let tcp_n = if cfg.tcp.is_some() { cfg.connections } else { 0 };
+    let tcp_n = if cfg.tcp.is_some() {
+        cfg.connections
+    } else {
+        0
+    };
     let udp_n = if cfg.udp.is_some() { cfg.udp_flows } else { 0 };
     for i in 0..tcp_n {
         tasks.spawn(hold_tcp(sh.clone(), i, est_tx.clone(), stop_rx.clone()));
@@ -382,7 +394,10 @@ pub async fn run(cfg: HoldConfig, stop: impl Future<Output = ()>, brief: bool) -
         None => {
             if let Some(p) = &cfg.ready_file {
                 if let Err(e) = std::fs::write(p, "ready\n") {
-                    eprintln!("lb-testbed hold: cannot write ready file {}: {e}", p.display());
+                    eprintln!(
+                        "lb-testbed hold: cannot write ready file {}: {e}",
+                        p.display()
+                    );
                 }
             }
             let duration = cfg.duration;
@@ -432,11 +447,19 @@ pub async fn run(cfg: HoldConfig, stop: impl Future<Output = ()>, brief: bool) -
         report.max_gap_ms = report.max_gap_ms.max(c.max_gap_ms);
         report.udp_backend_changes += c.backend_changes;
         if let Some(b) = &c.backend {
-            let map = if c.proto == "tcp" { &mut report.per_backend } else { &mut report.udp_per_backend };
+            let map = if c.proto == "tcp" {
+                &mut report.per_backend
+            } else {
+                &mut report.udp_per_backend
+            };
             *map.entry(b.clone()).or_default() += 1;
         }
     }
-    report.connections = if brief { conns.into_iter().filter(|c| c.broken).collect() } else { conns };
+    report.connections = if brief {
+        conns.into_iter().filter(|c| c.broken).collect()
+    } else {
+        conns
+    };
     report
 }
 

@@ -17,4 +17,6 @@ pub mod load;
 pub mod rawsend;
 pub mod topology;
 
-pub use topology::{binary_path, is_root, ChildGuard, ChildOutput, Host, HostInfo, Topology, TopologyConfig};
+pub use topology::{
+    binary_path, is_root, ChildGuard, ChildOutput, Host, HostInfo, Topology, TopologyConfig,
+};

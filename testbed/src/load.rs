@@ -105,7 +105,9 @@ impl Latency {
             return Self::default();
         }
         samples.sort_by(f64::total_cmp);
-        let rank = |p: f64| samples[((p * samples.len() as f64).ceil() as usize).clamp(1, samples.len()) - 1];
+        let rank = |p: f64| {
+            samples[((p * samples.len() as f64).ceil() as usize).clamp(1, samples.len()) - 1]
+        };
         Self {
             samples: samples.len(),
             p50: rank(0.50),
@@ -224,11 +226,15 @@ impl Rng {
 /// Maps an I/O error to a report kind, with `stage` as prefix for the common cases.
 pub(crate) fn io_kind(stage: &str, e: &std::io::Error) -> String {
     match e.kind() {
-        ErrorKind::ConnectionReset | ErrorKind::ConnectionAborted | ErrorKind::BrokenPipe => "reset".into(),
+        ErrorKind::ConnectionReset | ErrorKind::ConnectionAborted | ErrorKind::BrokenPipe => {
+            "reset".into()
+        }
         ErrorKind::UnexpectedEof => format!("{stage}_eof"),
         ErrorKind::TimedOut => format!("{stage}_timeout"),
         ErrorKind::ConnectionRefused => format!("{stage}_refused"),
-        ErrorKind::HostUnreachable | ErrorKind::NetworkUnreachable => format!("{stage}_unreachable"),
+        ErrorKind::HostUnreachable | ErrorKind::NetworkUnreachable => {
+            format!("{stage}_unreachable")
+        }
         _ => "io_error".into(),
     }
 }
@@ -246,10 +252,15 @@ pub(crate) async fn tcp_connect(
     bind: Option<IpAddr>,
     op_timeout: Duration,
 ) -> Result<tokio::net::TcpStream, String> {
-    let sock = if target.is_ipv4() { TcpSocket::new_v4() } else { TcpSocket::new_v6() }
-        .map_err(|e| io_kind("connect", &e))?;
+    let sock = if target.is_ipv4() {
+        TcpSocket::new_v4()
+    } else {
+        TcpSocket::new_v6()
+    }
+    .map_err(|e| io_kind("connect", &e))?;
     if let Some(ip) = bind {
-        sock.bind(SocketAddr::new(ip, 0)).map_err(|e| io_kind("connect", &e))?;
+        sock.bind(SocketAddr::new(ip, 0))
+            .map_err(|e| io_kind("connect", &e))?;
     }
     let stream = timeout(op_timeout, sock.connect(target))
         .await
@@ -269,10 +280,13 @@ pub(crate) async fn read_greeting<R: tokio::io::AsyncBufRead + Unpin>(
 ) -> Result<String, String> {
     let mut line = Vec::with_capacity(32);
     // `take` bounds the line: a peer that is not our echo server must not make us buffer forever.
-    let n = timeout(op_timeout, (&mut *rd).take(256).read_until(b'\n', &mut line))
-        .await
-        .map_err(|_| "greeting_timeout".to_string())?
-        .map_err(|e| io_kind("greeting", &e))?;
+    let n = timeout(
+        op_timeout,
+        (&mut *rd).take(256).read_until(b'\n', &mut line),
+    )
+    .await
+    .map_err(|_| "greeting_timeout".to_string())?
+    .map_err(|e| io_kind("greeting", &e))?;
     if n == 0 {
         return Err("greeting_eof".into());
     }
@@ -435,7 +449,11 @@ pub async fn run_tcp(cfg: TcpLoadConfig) -> TcpReport {
         connect_ms: Latency::from_ms(std::mem::take(&mut t.lat_a)),
         total_ms: Latency::from_ms(std::mem::take(&mut t.lat_b)),
         elapsed_s: elapsed,
-        connections_per_s: if elapsed > 0.0 { t.ok as f64 / elapsed } else { 0.0 },
+        connections_per_s: if elapsed > 0.0 {
+            t.ok as f64 / elapsed
+        } else {
+            0.0
+        },
     }
 }
 
@@ -454,12 +472,20 @@ struct UdpOk {
 }
 
 async fn one_udp(cfg: &UdpLoadConfig, payload: Vec<u8>) -> Result<UdpOk, String> {
-    let local: SocketAddr = if cfg.target.is_ipv4() { "0.0.0.0:0" } else { "[::]:0" }
-        .parse()
-        .expect("valid literal");
-    let sock = UdpSocket::bind(local).await.map_err(|e| io_kind("udp", &e))?;
+    let local: SocketAddr = if cfg.target.is_ipv4() {
+        "0.0.0.0:0"
+    } else {
+        "[::]:0"
+    }
+    .parse()
+    .expect("valid literal");
+    let sock = UdpSocket::bind(local)
+        .await
+        .map_err(|e| io_kind("udp", &e))?;
     // Connected: the kernel filters replies from other peers and reports ICMP port unreachable as ECONNREFUSED.
-    sock.connect(cfg.target).await.map_err(|e| io_kind("udp", &e))?;
+    sock.connect(cfg.target)
+        .await
+        .map_err(|e| io_kind("udp", &e))?;
     let mut buf = vec![0u8; payload.len() + 512];
     let mut sent = 0u64;
     for attempt in 0..=cfg.retries {
@@ -533,7 +559,11 @@ pub async fn run_udp(cfg: UdpLoadConfig) -> UdpReport {
         bytes_received: t.bytes_received,
         rtt_ms: Latency::from_ms(std::mem::take(&mut t.lat_a)),
         elapsed_s: elapsed,
-        flows_per_s: if elapsed > 0.0 { t.ok as f64 / elapsed } else { 0.0 },
+        flows_per_s: if elapsed > 0.0 {
+            t.ok as f64 / elapsed
+        } else {
+            0.0
+        },
     }
 }
 
@@ -551,7 +581,10 @@ mod tests {
 
     #[test]
     fn udp_reply_split() {
-        assert_eq!(split_udp_reply(b"backend-1\nabc"), Some(("backend-1".into(), &b"abc"[..])));
+        assert_eq!(
+            split_udp_reply(b"backend-1\nabc"),
+            Some(("backend-1".into(), &b"abc"[..]))
+        );
         assert_eq!(split_udp_reply(b"no newline"), None);
     }
 

@@ -16,7 +16,11 @@ use lb_testbed::topology::{mac_string, parse_mac, Topology, TopologyConfig, DEFA
 use tokio::signal::unix::{signal, SignalKind};
 
 #[derive(Parser)]
-#[command(name = "lb-testbed", version, about = "Network-namespace test bed tools for the XDP load balancer")]
+#[command(
+    name = "lb-testbed",
+    version,
+    about = "Network-namespace test bed tools for the XDP load balancer"
+)]
 struct Cli {
     #[command(subcommand)]
     cmd: Cmd,
@@ -286,7 +290,8 @@ async fn run(cli: Cli) -> Result<i32> {
                 );
             }
             print_json(&report)?;
-            let failed = report.tcp.as_ref().map_or(0, |r| r.failed) + report.udp.as_ref().map_or(0, |r| r.failed);
+            let failed = report.tcp.as_ref().map_or(0, |r| r.failed)
+                + report.udp.as_ref().map_or(0, |r| r.failed);
             Ok(if a.strict && failed > 0 { 1 } else { 0 })
         }
         Cmd::Hold(a) => {
@@ -326,7 +331,11 @@ async fn run(cli: Cli) -> Result<i32> {
                 dst_port: a.dst_port,
                 src_port: a.src_port,
             };
-            let kinds = if a.kinds.is_empty() { MalformedKind::ALL.to_vec() } else { a.kinds };
+            let kinds = if a.kinds.is_empty() {
+                MalformedKind::ALL.to_vec()
+            } else {
+                a.kinds
+            };
             let report = rawsend::send(&a.iface, &kinds, a.count, &params)?;
             print_json(&report)?;
             Ok(if report.errors.is_empty() { 0 } else { 1 })
@@ -347,7 +356,9 @@ async fn run(cli: Cli) -> Result<i32> {
                         "ip": h.ip, "mac": mac_string(&h.mac), "switch_port": h.switch_port})
                 })
                 .collect();
-            print_json(&serde_json::json!({"id": topo.id(), "switch_netns": topo.switch_netns(), "hosts": hosts}))?;
+            print_json(
+                &serde_json::json!({"id": topo.id(), "switch_netns": topo.switch_netns(), "hosts": hosts}),
+            )?;
             eprintln!("lb-testbed: topology {} up; Ctrl-C to tear down", topo.id());
             terminated().await;
             drop(topo);

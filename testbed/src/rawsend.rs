@@ -9,11 +9,25 @@ use std::ffi::CString;
 use std::net::Ipv4Addr;
 
 use anyhow::{bail, Context, Result};
-use etherparse::{EtherType, Ethernet2Header, IpFragOffset, IpNumber, Ipv4Header, TcpHeader, UdpHeader};
+use etherparse::{
+    EtherType, Ethernet2Header, IpFragOffset, IpNumber, Ipv4Header, TcpHeader, UdpHeader,
+};
 use serde::{Deserialize, Serialize};
 
 /// The kinds of malformed frames.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, clap::ValueEnum, Serialize, Deserialize)]
+#[derive(
+    Debug,
+    Clone,
+    Copy,
+    PartialEq,
+    Eq,
+    Hash,
+    PartialOrd,
+    Ord,
+    clap::ValueEnum,
+    Serialize,
+    Deserialize,
+)]
 #[serde(rename_all = "kebab-case")]
 pub enum MalformedKind {
     /// Ethertype IPv4 but only 10 bytes of IPv4 header.
@@ -30,7 +44,10 @@ pub enum MalformedKind {
     TcpDoffTooSmall,
     /// IPv4 protocol 253 (reserved for experiments), addressed to the VIP.
     UnknownProto,
-    /// A single garbage byte; the kernel pads it to the 14-byte link header (root has CAP_SYS_RAWIO).
+    /// One byte of "IPv4" (`0x45`) after the Ethernet header, zero-padded to the 60-byte Ethernet minimum the
+    /// way a NIC's driver pads short frames: long enough to pass a length check, all-zero header fields
+    /// (total length 0, protocol 0) behind it. (A frame shorter than the 14-byte link header cannot be sent:
+    /// the kernel rejects it with EINVAL.)
     TinyGarbage,
     /// First fragment (MF set, offset 0) of a UDP datagram to the VIP.
     FragmentFirst,
@@ -80,18 +97,31 @@ pub struct FrameParams {
 }
 
 fn ipv4(p: &FrameParams, payload_len: usize, proto: IpNumber) -> Ipv4Header {
-    let mut ip = Ipv4Header::new(payload_len as u16, 64, proto, p.src_ip.octets(), p.dst_ip.octets())
-        .expect("small payload fits");
+    let mut ip = Ipv4Header::new(
+        payload_len as u16,
+        64,
+        proto,
+        p.src_ip.octets(),
+        p.dst_ip.octets(),
+    )
+    .expect("small payload fits");
     ip.header_checksum = ip.calc_header_checksum();
     ip
 }
 
 /// A valid Ethernet + IPv4 + TCP (ACK) frame with `data` as payload, all checksums correct.
 fn valid_tcp(p: &FrameParams, seq: u32, data: &[u8]) -> Vec<u8> {
-    let mut tcp = TcpHeader::new(p.src_port.wrapping_add((seq % 1000) as u16), p.dst_port, seq, 64240);
+    let mut tcp = TcpHeader::new(
+        p.src_port.wrapping_add((seq % 1000) as u16),
+        p.dst_port,
+        seq,
+        64240,
+    );
     tcp.ack = true;
     let ip = ipv4(p, tcp.header_len() + data.len(), IpNumber::TCP);
-    tcp.checksum = tcp.calc_checksum_ipv4(&ip, data).expect("small payload fits");
+    tcp.checksum = tcp
+        .calc_checksum_ipv4(&ip, data)
+        .expect("small payload fits");
     let mut f = eth(p).to_vec();
     f.extend_from_slice(&ip.to_bytes());
     f.extend_from_slice(&tcp.to_bytes());
@@ -173,7 +203,12 @@ pub fn build_frame(kind: MalformedKind, p: &FrameParams, seq: u32) -> Vec<u8> {
             f.extend_from_slice(data);
             f
         }
-        MalformedKind::TinyGarbage => vec![0xa5],
+        MalformedKind::TinyGarbage => {
+            let mut f = eth(p).to_vec();
+            f.push(0x45);
+            f.resize(60, 0);
+            f
+        }
         MalformedKind::FragmentFirst | MalformedKind::FragmentNonFirst => {
             // A 3000-byte UDP datagram: only one fragment is sent, so reassembly can never complete.
             let full = vec![0x42u8; 3000];
@@ -242,7 +277,10 @@ impl RawSocket {
         // SAFETY: plain syscall; the result is checked.
         let fd = unsafe { libc::socket(libc::AF_PACKET, libc::SOCK_RAW | libc::SOCK_CLOEXEC, 0) };
         if fd < 0 {
-            bail!("socket(AF_PACKET) failed (needs CAP_NET_RAW): {}", std::io::Error::last_os_error());
+            bail!(
+                "socket(AF_PACKET) failed (needs CAP_NET_RAW): {}",
+                std::io::Error::last_os_error()
+            );
         }
         // SAFETY: fd is a fresh, owned descriptor.
         let fd = unsafe { <std::os::fd::OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd) };
@@ -291,7 +329,12 @@ pub fn iface_mac(iface: &str) -> Result<[u8; 6]> {
 }
 
 /// Sends `count` frames on `iface`, cycling through `kinds`.
-pub fn send(iface: &str, kinds: &[MalformedKind], count: u64, p: &FrameParams) -> Result<RawSendReport> {
+pub fn send(
+    iface: &str,
+    kinds: &[MalformedKind],
+    count: u64,
+    p: &FrameParams,
+) -> Result<RawSendReport> {
     anyhow::ensure!(!kinds.is_empty(), "no frame kinds selected");
     let sock = RawSocket::open(iface)?;
     let mut report = RawSendReport {
@@ -306,7 +349,12 @@ pub fn send(iface: &str, kinds: &[MalformedKind], count: u64, p: &FrameParams) -
                 report.total_sent += 1;
                 *report.sent.entry(kind.name()).or_default() += 1;
             }
-            Err(e) => *report.errors.entry(format!("{}: {e}", kind.name())).or_default() += 1,
+            Err(e) => {
+                *report
+                    .errors
+                    .entry(format!("{}: {e}", kind.name()))
+                    .or_default() += 1
+            }
         }
     }
     Ok(report)
@@ -336,7 +384,10 @@ mod tests {
             // load balancer could use: every kind must end up dropped, not forwarded.
             match SlicedPacket::from_ethernet(&f) {
                 Err(_) => {}
-                Ok(s) => assert!(s.transport.is_none(), "{kind:?} parsed with a transport header"),
+                Ok(s) => assert!(
+                    s.transport.is_none(),
+                    "{kind:?} parsed with a transport header"
+                ),
             }
             assert!(!kind.name().is_empty());
         }

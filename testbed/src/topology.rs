@@ -103,6 +103,9 @@ pub struct TopologyConfig {
     /// Widen the client's ephemeral port range and allow TIME_WAIT reuse, so connection benchmarks that open
     /// tens of thousands of short connections are not limited by the client's port space.
     pub tune_client: bool,
+    /// Keep IPv6 on (off by default): with it, every interface emits router solicitations, MLD reports and DAD
+    /// probes that land in the load balancer's counters and make "exactly N dropped" assertions flaky.
+    pub ipv6: bool,
 }
 
 impl Default for TopologyConfig {
@@ -115,6 +118,7 @@ impl Default for TopologyConfig {
             host_gro: None,
             switch_port_gro: Some(true),
             tune_client: true,
+            ipv6: false,
         }
     }
 }
@@ -169,12 +173,18 @@ impl Topology {
             bail!("backends must be in 1..=80, got {}", cfg.backends);
         }
         if cfg.subnet.octets()[3] != 0 {
-            bail!("subnet must be a /24 network address ending in .0, got {}", cfg.subnet);
+            bail!(
+                "subnet must be a /24 network address ending in .0, got {}",
+                cfg.subnet
+            );
         }
         if cfg.host_ifname.is_empty() || cfg.host_ifname.len() > 15 {
             bail!("interface name {:?} must be 1..=15 chars", cfg.host_ifname);
         }
-        if cfg.prefix.is_empty() || cfg.prefix.contains('/') || cfg.prefix.contains(char::is_whitespace) {
+        if cfg.prefix.is_empty()
+            || cfg.prefix.contains('/')
+            || cfg.prefix.contains(char::is_whitespace)
+        {
             bail!("invalid namespace prefix {:?}", cfg.prefix);
         }
         let n = TOPOLOGY_COUNTER.fetch_add(1, Ordering::Relaxed);
@@ -214,28 +224,90 @@ impl Topology {
     fn build(&mut self, cfg: &TopologyConfig) -> Result<()> {
         let sw = self.switch_ns.clone();
         self.add_netns(&sw)?;
-        run_cmd(["ip", "-n", &sw, "link", "set", "lo", "up"])?;
+        self.prepare_netns(&sw, cfg)?;
         // STP off and no forward delay: ports forward immediately. Multicast snooping off: nothing to learn here.
         run_cmd([
-            "ip", "-n", &sw, "link", "add", BRIDGE, "type", "bridge", "stp_state", "0", "forward_delay", "0",
-            "mcast_snooping", "0",
+            "ip",
+            "-n",
+            &sw,
+            "link",
+            "add",
+            BRIDGE,
+            "type",
+            "bridge",
+            "stp_state",
+            "0",
+            "forward_delay",
+            "0",
+            "mcast_snooping",
+            "0",
         ])?;
         run_cmd(["ip", "-n", &sw, "link", "set", BRIDGE, "up"])?;
+        // When br_netfilter is loaded (it is on many hosts, e.g. for Docker), a bridge hands IPv4 frames to
+        // netfilter and first *validates* them: bad IHL, total length or header checksum are dropped on the
+        // switch. A switch must be dumb, or malformed-frame tests never reach the load balancer and its
+        // checksum bugs are hidden. `-e`: the keys only exist while br_netfilter is loaded.
+        run_cmd([
+            "ip",
+            "netns",
+            "exec",
+            &sw,
+            "sysctl",
+            "-q",
+            "-e",
+            "-w",
+            "net.bridge.bridge-nf-call-iptables=0",
+            "net.bridge.bridge-nf-call-ip6tables=0",
+            "net.bridge.bridge-nf-call-arptables=0",
+        ])?;
 
         let infos: Vec<HostInfo> = self.hosts.values().cloned().collect();
         for h in &infos {
             self.add_netns(&h.netns)?;
             let ns = h.netns.as_str();
-            run_cmd(["ip", "-n", ns, "link", "set", "lo", "up"])?;
+            self.prepare_netns(ns, cfg)?;
             let o = h.ip.octets();
             let port_mac = mac_string(&[0x06, 0x00, o[0], o[1], o[2], o[3]]);
             run_cmd([
-                "ip", "-n", &sw, "link", "add", &h.switch_port, "address", &port_mac, "type", "veth", "peer", "name",
-                &h.ifname, "address", &mac_string(&h.mac), "netns", ns,
+                "ip",
+                "-n",
+                &sw,
+                "link",
+                "add",
+                &h.switch_port,
+                "address",
+                &port_mac,
+                "type",
+                "veth",
+                "peer",
+                "name",
+                &h.ifname,
+                "address",
+                &mac_string(&h.mac),
+                "netns",
+                ns,
             ])?;
-            run_cmd(["ip", "-n", &sw, "link", "set", &h.switch_port, "master", BRIDGE])?;
+            run_cmd([
+                "ip",
+                "-n",
+                &sw,
+                "link",
+                "set",
+                &h.switch_port,
+                "master",
+                BRIDGE,
+            ])?;
             run_cmd(["ip", "-n", &sw, "link", "set", &h.switch_port, "up"])?;
-            run_cmd(["ip", "-n", ns, "addr", "add", &format!("{}/24", h.ip), "dev", &h.ifname])?;
+            run_cmd([
+                "ip",
+                "-n",
+                ns,
+                "addr",
+                "add",
+                &format!("{}/24", h.ip),
+                "dev",
+                &h.ifname,
+            ])?;
             run_cmd(["ip", "-n", ns, "link", "set", &h.ifname, "up"])?;
             // Without this the kernel leaves checksums to "hardware" that a veth never has: frames would carry
             // partial checksums, and the load balancer's incremental checksum rewrite would produce garbage
@@ -252,7 +324,14 @@ impl Topology {
         if cfg.tune_client {
             let ns = self.netns(Host::Client).to_string();
             run_cmd([
-                "ip", "netns", "exec", &ns, "sysctl", "-q", "-w", "net.ipv4.ip_local_port_range=1024 65535",
+                "ip",
+                "netns",
+                "exec",
+                &ns,
+                "sysctl",
+                "-q",
+                "-w",
+                "net.ipv4.ip_local_port_range=1024 65535",
                 "net.ipv4.tcp_tw_reuse=1",
             ])?;
         }
@@ -265,6 +344,25 @@ impl Topology {
         Ok(())
     }
 
+    /// `lo` up (local services, health checks against 127.0.0.1) and IPv6 off unless asked for; done before any
+    /// other interface exists in the namespace so none of them ever gets an IPv6 address.
+    fn prepare_netns(&self, ns: &str, cfg: &TopologyConfig) -> Result<()> {
+        if !cfg.ipv6 {
+            run_cmd([
+                "ip",
+                "netns",
+                "exec",
+                ns,
+                "sysctl",
+                "-q",
+                "-w",
+                "net.ipv6.conf.all.disable_ipv6=1",
+                "net.ipv6.conf.default.disable_ipv6=1",
+            ])?;
+        }
+        run_cmd(["ip", "-n", ns, "link", "set", "lo", "up"]).map(|_| ())
+    }
+
     fn ethtool(&self, ns: &str, ifname: &str, features: &[&str]) -> Result<()> {
         let mut argv = vec!["ip", "netns", "exec", ns, "ethtool", "-K", ifname];
         argv.extend_from_slice(features);
@@ -272,9 +370,13 @@ impl Topology {
     }
 
     fn info(&self, host: Host) -> &HostInfo {
-        self.hosts
-            .get(&host)
-            .unwrap_or_else(|| panic!("{host} is not part of topology {} (has {} backends)", self.id, self.backend_count()))
+        self.hosts.get(&host).unwrap_or_else(|| {
+            panic!(
+                "{host} is not part of topology {} (has {} backends)",
+                self.id,
+                self.backend_count()
+            )
+        })
     }
 
     /// Unique id of this topology (`<prefix>-<pid>-<counter>`); every namespace name starts with it.
@@ -289,7 +391,10 @@ impl Topology {
 
     /// The backends, `Backend(1)..=Backend(n)`.
     pub fn backends(&self) -> impl Iterator<Item = Host> + '_ {
-        self.hosts.keys().copied().filter(|h| matches!(h, Host::Backend(_)))
+        self.hosts
+            .keys()
+            .copied()
+            .filter(|h| matches!(h, Host::Backend(_)))
     }
 
     /// Number of backends.
@@ -341,13 +446,33 @@ impl Topology {
     /// Adds an extra address (e.g. the VIP or a SNAT address) as /32 to `host`'s interface.
     pub fn add_addr(&self, host: Host, ip: Ipv4Addr) -> Result<()> {
         let h = self.info(host);
-        run_cmd(["ip", "-n", &h.netns, "addr", "add", &format!("{ip}/32"), "dev", &h.ifname]).map(|_| ())
+        run_cmd([
+            "ip",
+            "-n",
+            &h.netns,
+            "addr",
+            "add",
+            &format!("{ip}/32"),
+            "dev",
+            &h.ifname,
+        ])
+        .map(|_| ())
     }
 
     /// Removes an address added by [`Topology::add_addr`].
     pub fn del_addr(&self, host: Host, ip: Ipv4Addr) -> Result<()> {
         let h = self.info(host);
-        run_cmd(["ip", "-n", &h.netns, "addr", "del", &format!("{ip}/32"), "dev", &h.ifname]).map(|_| ())
+        run_cmd([
+            "ip",
+            "-n",
+            &h.netns,
+            "addr",
+            "del",
+            &format!("{ip}/32"),
+            "dev",
+            &h.ifname,
+        ])
+        .map(|_| ())
     }
 
     /// Sets `host`'s interface up or down (its bridge port loses carrier accordingly).
@@ -376,7 +501,8 @@ impl Topology {
         let argv = netns_argv(self.netns(host), argv);
         let mut cmd = Command::new(&argv[0]);
         cmd.args(&argv[1..]).stdin(Stdio::null());
-        cmd.output().with_context(|| format!("cannot run `{}`", render(&argv)))
+        cmd.output()
+            .with_context(|| format!("cannot run `{}`", render(&argv)))
     }
 
     /// Runs `argv` in the switch namespace (e.g. `tcpdump -i br0`, `ethtool` on a bridge port).
@@ -417,7 +543,11 @@ impl Topology {
                 // SAFETY: plain syscall on a valid fd; it only changes this (new) thread's network namespace.
                 let rc = unsafe { libc::setns(file.as_raw_fd(), libc::CLONE_NEWNET) };
                 if rc != 0 {
-                    bail!("setns({}) failed: {}", path.display(), std::io::Error::last_os_error());
+                    bail!(
+                        "setns({}) failed: {}",
+                        path.display(),
+                        std::io::Error::last_os_error()
+                    );
                 }
                 Ok(f())
             })
@@ -440,7 +570,11 @@ impl Topology {
         if errors.is_empty() {
             Ok(())
         } else {
-            Err(anyhow!("teardown of {} incomplete: {}", self.id, errors.join("; ")))
+            Err(anyhow!(
+                "teardown of {} incomplete: {}",
+                self.id,
+                errors.join("; ")
+            ))
         }
     }
 
@@ -528,7 +662,8 @@ where
     I: IntoIterator<Item = S>,
     S: AsRef<OsStr>,
 {
-    let mut v: Vec<std::ffi::OsString> = ["ip", "netns", "exec", ns].iter().map(Into::into).collect();
+    let mut v: Vec<std::ffi::OsString> =
+        ["ip", "netns", "exec", ns].iter().map(Into::into).collect();
     v.extend(argv.into_iter().map(|a| a.as_ref().to_os_string()));
     v
 }
@@ -543,7 +678,10 @@ fn on_off(b: bool) -> &'static str {
 
 /// Formats a MAC as `aa:bb:cc:dd:ee:ff`.
 pub fn mac_string(mac: &[u8; 6]) -> String {
-    mac.iter().map(|b| format!("{b:02x}")).collect::<Vec<_>>().join(":")
+    mac.iter()
+        .map(|b| format!("{b:02x}"))
+        .collect::<Vec<_>>()
+        .join(":")
 }
 
 /// Parses `aa:bb:cc:dd:ee:ff`.
@@ -572,7 +710,10 @@ where
     I: IntoIterator<Item = S>,
     S: AsRef<OsStr>,
 {
-    let argv: Vec<std::ffi::OsString> = argv.into_iter().map(|a| a.as_ref().to_os_string()).collect();
+    let argv: Vec<std::ffi::OsString> = argv
+        .into_iter()
+        .map(|a| a.as_ref().to_os_string())
+        .collect();
     let (prog, args) = argv.split_first().ok_or_else(|| anyhow!("empty command"))?;
     let out = Command::new(prog)
         .args(args)
@@ -591,7 +732,11 @@ where
 }
 
 /// Tools the topology needs, with the Debian package providing each.
-const TOOLS: &[(&str, &str)] = &[("ip", "iproute2"), ("ethtool", "ethtool"), ("sysctl", "procps")];
+const TOOLS: &[(&str, &str)] = &[
+    ("ip", "iproute2"),
+    ("ethtool", "ethtool"),
+    ("sysctl", "procps"),
+];
 
 /// Checks for root and the external tools, with an actionable message.
 pub fn preflight() -> Result<()> {
@@ -682,8 +827,10 @@ impl ChildGuard {
         let base = std::env::temp_dir().join(format!("lb-testbed-{}-{n}", std::process::id()));
         let stdout_path = base.with_extension("out");
         let stderr_path = base.with_extension("err");
-        let out = File::create(&stdout_path).with_context(|| format!("cannot create {}", stdout_path.display()))?;
-        let err = File::create(&stderr_path).with_context(|| format!("cannot create {}", stderr_path.display()))?;
+        let out = File::create(&stdout_path)
+            .with_context(|| format!("cannot create {}", stdout_path.display()))?;
+        let err = File::create(&stderr_path)
+            .with_context(|| format!("cannot create {}", stderr_path.display()))?;
         let child = Command::new(prog)
             .args(args)
             .stdin(Stdio::null())
@@ -715,7 +862,12 @@ impl ChildGuard {
         }
         // SAFETY: the pid is our unreaped child, so it cannot have been reused.
         if unsafe { libc::kill(self.pid() as i32, sig) } != 0 {
-            bail!("kill({}, {sig}) for {}: {}", self.pid(), self.label, std::io::Error::last_os_error());
+            bail!(
+                "kill({}, {sig}) for {}: {}",
+                self.pid(),
+                self.label,
+                std::io::Error::last_os_error()
+            );
         }
         Ok(())
     }
@@ -746,7 +898,11 @@ impl ChildGuard {
             Some(status) => Ok(self.output(status)),
             None => {
                 self.kill();
-                bail!("{} did not exit within {timeout:?}; stderr: {}", self.label, self.stderr().trim())
+                bail!(
+                    "{} did not exit within {timeout:?}; stderr: {}",
+                    self.label,
+                    self.stderr().trim()
+                )
             }
         }
     }
@@ -799,10 +955,18 @@ impl ChildGuard {
                 return Ok(());
             }
             if let Some(s) = self.child().try_wait()? {
-                bail!("{} exited ({s}) before printing {needle:?}; stderr: {}", self.label, self.stderr().trim());
+                bail!(
+                    "{} exited ({s}) before printing {needle:?}; stderr: {}",
+                    self.label,
+                    self.stderr().trim()
+                );
             }
             if Instant::now() >= end {
-                bail!("{} did not print {needle:?} within {timeout:?}; stderr: {}", self.label, self.stderr().trim());
+                bail!(
+                    "{} did not print {needle:?} within {timeout:?}; stderr: {}",
+                    self.label,
+                    self.stderr().trim()
+                );
             }
             std::thread::sleep(Duration::from_millis(10));
         }

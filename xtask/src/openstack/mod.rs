@@ -14,7 +14,7 @@ mod services;
 use crate::util::root;
 use anyhow::{Context, Result};
 use clap::Subcommand;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::Command;
 use std::time::Instant;
 
@@ -53,23 +53,30 @@ pub fn run(cmd: OpenstackCmd) -> Result<()> {
 pub fn test_stage() -> Result<()> {
     let layout = Layout::from_env();
     let was_running = services::all_running(&layout);
-    up(&layout)?;
-    let result = crate::util::run(
-        Command::new("cargo")
-            .current_dir(root())
-            .env("LB_OPENSTACK_DIR", &layout.state)
-            .args([
-                "test",
-                "-p",
-                "openstack-testenv",
-                "--",
-                "--ignored",
-                "--test-threads=1",
-            ]),
-        "openstack integration tests (cargo test -p openstack-testenv -- --ignored)",
-    );
+    let result = up(&layout).and_then(|()| {
+        crate::util::run(
+            Command::new("cargo")
+                .current_dir(root())
+                .env("LB_OPENSTACK_DIR", &layout.state)
+                // One test at a time: the leak check after each test sees the whole project.
+                .args([
+                    "test",
+                    "-p",
+                    "openstack-testenv",
+                    "--",
+                    "--ignored",
+                    "--test-threads=1",
+                ]),
+            "openstack integration tests (cargo test -p openstack-testenv -- --ignored)",
+        )
+    });
     if !was_running {
-        eprintln!("openstack: stopping the environment this stage started (state kept; `cargo xtask openstack down --purge` drops it)");
+        // Also after a failure: no stray services after CI. The logs stay in the state directory.
+        eprintln!(
+            "openstack: stopping the environment this stage started (state and logs kept in {}; \
+             `cargo xtask openstack down --purge` drops them)",
+            layout.state.display()
+        );
         services::stop_all(&layout)?;
     }
     result
@@ -190,8 +197,9 @@ fn down(layout: &Layout, purge: bool) -> Result<()> {
 }
 
 fn print_usage(layout: &Layout, files: &[PathBuf]) {
+    println!("# client files:");
     for f in files {
-        println!("{}", f.display());
+        println!("#   {}", f.display());
     }
     let clouds = layout.state.join("clouds.yaml");
     println!("# OpenStack CLI (admin: OS_CLOUD=lbtest-admin):");
@@ -201,11 +209,7 @@ fn print_usage(layout: &Layout, files: &[PathBuf]) {
     );
     println!(
         "# then e.g.: {} server list",
-        display(&layout.bin("openstack"))
+        layout.bin("openstack").display()
     );
     println!("# stop: cargo xtask openstack down [--purge]");
-}
-
-fn display(p: &Path) -> String {
-    p.display().to_string()
 }
