@@ -476,3 +476,19 @@ async fn restart_does_not_rewrite_converged_loadbalancers() {
     second.await.unwrap();
     h.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn foreign_edits_are_reverted_and_deleted_loadbalancers_recreated() {
+    let h = Harness::start_with(true, ClassFilter::default(), |h| h.put_node("node-a", "True", &["10.0.0.1"])).await;
+    h.create_service("default", "web", json!({}), json!({})).await;
+    h.wait_lb(LB, "created", |_| true).await;
+    h.lb_api()
+        .patch(LB, &PatchParams::default(), &Patch::Merge(&json!({"spec": {"replicas": 5, "endpoints": null}})))
+        .await
+        .unwrap();
+    h.wait_lb(LB, "reverted", |lb| lb.spec.replicas == 1 && endpoint_names(lb) == ["node-a"]).await;
+    let uid = h.lb(LB).unwrap().metadata.uid;
+    h.lb_api().delete(LB, &DeleteParams::default()).await.unwrap();
+    h.wait_lb(LB, "recreated", |lb| lb.metadata.uid != uid).await;
+    h.stop().await;
+}

@@ -7,6 +7,7 @@
 //! - [`load`]: many short TCP connections / UDP flows, every byte verified, latency percentiles.
 //! - [`hold`]: long-lived connections that must never break.
 //! - [`rawsend`]: malformed Ethernet frames through AF_PACKET.
+//! - [`process`]: command runner with clear errors, [`ChildGuard`], tool/root checks, [`binary_path`].
 //!
 //! The same functions are available as subcommands of the `lb-testbed` binary (run inside a namespace with
 //! [`Topology::spawn`]), which print JSON reports that deserialize into the report types here.
@@ -14,6 +15,7 @@
 pub mod echo;
 pub mod hold;
 pub mod load;
+pub mod process;
 pub mod rawsend;
 pub mod topology;
 

@@ -4,6 +4,7 @@
 mod bench;
 mod ebpf;
 mod openstack;
+mod prereq;
 mod test;
 mod util;
 

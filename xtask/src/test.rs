@@ -27,6 +27,10 @@ fn cargo(args: &[&str]) -> Command {
 
 const STAGES: &[Stage] = &[
     Stage {
+        name: "prerequisites",
+        run: crate::prereq::all,
+    },
+    Stage {
         name: "format",
         run: || {
             run(

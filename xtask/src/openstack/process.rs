@@ -17,8 +17,9 @@ pub struct Spec {
 }
 
 /// Starts `spec` detached from our terminal and stdio: its own process group (so `stop` reaches its workers, and a
-/// Ctrl-C of `cargo xtask` does not), stdin from /dev/null, stdout and stderr appended to its log file. Records the
-/// PID. Holding none of our pipes matters in CI: a child that kept them open would keep the runner waiting.
+/// Ctrl-C of `cargo xtask` does not), stdin from /dev/null, stdout and stderr appended to its log file, working
+/// directory `run_dir` (which [`running_pid`] checks). Records the PID. Holding none of our pipes matters in CI: a
+/// child that kept them open would keep the runner waiting.
 pub fn spawn(mut spec: Spec, run_dir: &Path, log_dir: &Path) -> Result<u32> {
     let log_path = log_dir.join(format!("{}.log", spec.name));
     let log = std::fs::OpenOptions::new()
@@ -31,6 +32,7 @@ pub fn spawn(mut spec: Spec, run_dir: &Path, log_dir: &Path) -> Result<u32> {
         .stdin(Stdio::null())
         .stdout(log.try_clone()?)
         .stderr(log)
+        .current_dir(run_dir)
         .process_group(0)
         .spawn()
         .with_context(|| format!("starting {} ({:?})", spec.name, spec.command.get_program()))?;
@@ -48,7 +50,8 @@ pub fn pid_file(run_dir: &Path, name: &str) -> PathBuf {
 }
 
 /// The recorded PID of `name` if that process still runs and is still the one we started: it must lead its own
-/// process group (we start every service with `process_group(0)`), which a recycled PID almost never does.
+/// process group and work in `run_dir`, as [`spawn`] set it up. A recycled PID is then never mistaken for ours (and
+/// never signalled by `stop`).
 pub fn running_pid(run_dir: &Path, name: &str) -> Option<u32> {
     let pid: u32 = std::fs::read_to_string(pid_file(run_dir, name))
         .ok()?
@@ -56,7 +59,9 @@ pub fn running_pid(run_dir: &Path, name: &str) -> Option<u32> {
         .parse()
         .ok()?;
     let (state, pgrp) = proc_stat(pid)?;
-    (state != 'Z' && pgrp == pid).then_some(pid)
+    let ours =
+        std::fs::read_link(format!("/proc/{pid}/cwd")).ok()? == run_dir.canonicalize().ok()?;
+    (state != 'Z' && pgrp == pid && ours).then_some(pid)
 }
 
 /// State letter and process group of a PID, from `/proc/<pid>/stat`.
