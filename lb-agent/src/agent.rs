@@ -113,6 +113,13 @@ pub async fn run(
         applied: 0,
         errors: 0,
         last_no_nexthop: 0,
+        udp_down: BTreeSet::new(),
+        resolved: dp
+            .nexthops()?
+            .into_iter()
+            .map(|(a, _)| crate::programmer::addr_to_ip(&a, true))
+            .collect(),
+        applied_generation: None,
     };
     let mut tick = tokio::time::interval(Duration::from_secs(1));
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -135,7 +142,8 @@ pub async fn run(
                         s.config_error = None;
                         s.desired_generation = Some(generation);
                     });
-                    refresh_nexthops(&mut dp, &state, &opts)?;
+                    // Resolve next hops before the backends enter tables (bounded wait for ARP).
+                    refresh_nexthops(&mut dp, &mut state, &opts, Duration::from_millis(500))?;
                     last_nh = Instant::now();
                     apply(&mut dp, &mut programmer, &mut state, &health_rx.borrow(), &opts, &status_tx);
                 }
@@ -169,8 +177,10 @@ pub async fn run(
                 let no_nh = stats[stat::PASS_NO_NEXTHOP as usize];
                 if last_nh.elapsed() >= opts.neighbor_interval || no_nh != state.last_no_nexthop {
                     state.last_no_nexthop = no_nh;
-                    if let Err(e) = refresh_nexthops(&mut dp, &state, &opts) {
-                        tracing::warn!(error = %e, "next-hop refresh failed");
+                    match refresh_nexthops(&mut dp, &mut state, &opts, Duration::ZERO) {
+                        Ok(true) => apply(&mut dp, &mut programmer, &mut state, &health_rx.borrow(), &opts, &status_tx),
+                        Ok(false) => {}
+                        Err(e) => tracing::warn!(error = %e, "next-hop refresh failed"),
                     }
                     last_nh = Instant::now();
                 }
@@ -207,13 +217,26 @@ struct LoopState {
     applied: u64,
     errors: u64,
     last_no_nexthop: u64,
+    /// UDP backends currently out of the tables (health), to notice the ones that just left.
+    udp_down: BTreeSet<std::net::SocketAddr>,
+    /// Backend addresses with a next hop in the map; only they go into tables.
+    resolved: BTreeSet<IpAddr>,
+    /// Generation now in the maps.
+    applied_generation: Option<u64>,
 }
 
-/// The services as they must be in the maps now: healthy backends, SNAT override applied.
-fn effective(cfg: &DesiredConfig, health: &HealthMap, opts: &AgentOptions) -> Vec<ServiceSpec> {
+/// The services as they must be in the maps now: healthy backends whose next hop is known, SNAT override
+/// applied.
+fn effective(
+    cfg: &DesiredConfig,
+    health: &HealthMap,
+    resolved: &BTreeSet<IpAddr>,
+    opts: &AgentOptions,
+) -> Vec<ServiceSpec> {
     let mut services = cfg.effective(health);
-    if let Some(snat) = opts.snat_override {
-        for s in &mut services {
+    for s in &mut services {
+        s.backends.retain(|b| resolved.contains(&b.ip()));
+        if let Some(snat) = opts.snat_override {
             s.snat = Some(snat);
         }
     }
@@ -231,7 +254,17 @@ fn apply(
     let Some(cfg) = state.current.clone() else {
         return;
     };
-    let services = effective(&cfg, health, opts);
+    let services = effective(&cfg, health, &state.resolved, opts);
+    // UDP backends that just left: move their flows (see gc::flush_udp_flows).
+    let down: BTreeSet<std::net::SocketAddr> = cfg
+        .services
+        .iter()
+        .zip(&services)
+        .filter(|(c, _)| c.id.protocol == crate::model::Protocol::Udp)
+        .flat_map(|(c, e)| c.backends.iter().filter(|b| !e.backends.contains(b)).copied().collect::<Vec<_>>())
+        .collect();
+    let newly_down: BTreeSet<_> = down.difference(&state.udp_down).copied().collect();
+    state.udp_down = down;
     let t = Instant::now();
     match programmer.apply(dp, &services) {
         Ok(r) => {
@@ -239,7 +272,13 @@ fn apply(
             tracing::info!(added = r.added, updated = r.updated, removed = r.removed, unchanged = r.unchanged,
                 elapsed_ms = t.elapsed().as_secs_f64() * 1e3, "configuration applied");
             let generation = state.generation;
+            state.applied_generation = generation;
             status_tx.send_modify(|s| s.applied_generation = generation);
+            match gc::flush_udp_flows(dp, &newly_down) {
+                Ok(0) => {}
+                Ok(n) => tracing::info!(flows = n, backends = ?newly_down, "moved UDP flows off unhealthy backends"),
+                Err(e) => tracing::warn!(error = %e, "moving UDP flows off unhealthy backends failed"),
+            }
         }
         Err(e) => {
             state.errors += 1;
@@ -250,43 +289,69 @@ fn apply(
     }
 }
 
-/// Resolves every backend address; updates changed MACs, including in the flows that cached them.
-fn refresh_nexthops(dp: &mut Dataplane, state: &LoopState, opts: &AgentOptions) -> Result<()> {
+/// Resolves every backend address, waiting up to `wait` for ARP to answer for new ones; updates changed MACs,
+/// including in the flows that cached them. Returns whether the set of resolved addresses changed.
+fn refresh_nexthops(
+    dp: &mut Dataplane,
+    state: &mut LoopState,
+    opts: &AgentOptions,
+    wait: Duration,
+) -> Result<bool> {
     let Some(cfg) = &state.current else {
-        return Ok(());
+        return Ok(false);
     };
     let ips: BTreeSet<IpAddr> = cfg.backends().iter().map(|b| b.ip()).collect();
     let existing: HashMap<lb_common::Addr, NextHop> = dp.nexthops()?.into_iter().collect();
     let mut changed: HashMap<u32, [u8; 6]> = HashMap::new();
-    for ip in &ips {
-        let addr = ip_to_addr(*ip);
-        match neighbor::resolve(*ip) {
-            Ok(Some(r)) => {
-                if r.dev != opts.interface {
-                    tracing::warn!(backend = %ip, dev = %r.dev, interface = %opts.interface,
-                        "backend is routed via another interface; the data plane sends out of the attached one");
-                }
-                let nh = NextHop {
-                    mac: r.mac,
-                    _pad: 0,
-                    ifindex: 0,
-                };
-                match existing.get(&addr) {
-                    Some(old) if old.mac == nh.mac => {}
-                    old => {
-                        if old.is_some() {
-                            tracing::info!(backend = %ip, "next-hop MAC changed");
-                            if let IpAddr::V4(v4) = ip {
-                                changed.insert(u32::from_ne_bytes(v4.octets()), nh.mac);
+    let deadline = Instant::now() + wait;
+    let mut pending: BTreeSet<IpAddr> = ips.clone();
+    loop {
+        for ip in pending.clone() {
+            let addr = ip_to_addr(ip);
+            match neighbor::resolve(ip) {
+                Ok(Some(r)) => {
+                    pending.remove(&ip);
+                    if r.dev != opts.interface {
+                        tracing::warn!(backend = %ip, dev = %r.dev, interface = %opts.interface,
+                            "backend is routed via another interface; the data plane sends out of the attached one");
+                    }
+                    let nh = NextHop {
+                        mac: r.mac,
+                        _pad: 0,
+                        ifindex: 0,
+                    };
+                    match existing.get(&addr) {
+                        Some(old) if old.mac == nh.mac => {}
+                        old => {
+                            if old.is_some() {
+                                tracing::info!(backend = %ip, "next-hop MAC changed");
+                                if let IpAddr::V4(v4) = ip {
+                                    changed.insert(u32::from_ne_bytes(v4.octets()), nh.mac);
+                                }
                             }
+                            dp.set_nexthop(&addr, &nh)?;
                         }
-                        dp.set_nexthop(&addr, &nh)?;
                     }
                 }
+                // A known MAC stays until a new one is learnt (a node that stopped answering ARP is the
+                // health checks' business).
+                Ok(None) if existing.contains_key(&addr) => {
+                    pending.remove(&ip);
+                }
+                Ok(None) => {}
+                Err(e) => {
+                    pending.remove(&ip);
+                    tracing::warn!(backend = %ip, error = %e, "cannot resolve next hop");
+                }
             }
-            Ok(None) => tracing::debug!(backend = %ip, "next hop not resolved yet"),
-            Err(e) => tracing::warn!(backend = %ip, error = %e, "cannot resolve next hop"),
         }
+        if pending.is_empty() || Instant::now() >= deadline {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    for ip in &pending {
+        tracing::debug!(backend = %ip, "next hop not resolved yet; kept out of the tables");
     }
     for addr in existing.keys() {
         if !ips.iter().any(|ip| ip_to_addr(*ip) == *addr) {
@@ -303,7 +368,14 @@ fn refresh_nexthops(dp: &mut Dataplane, state: &LoopState, opts: &AgentOptions) 
             }
         }
     }
-    Ok(())
+    let resolved: BTreeSet<IpAddr> = dp
+        .nexthops()?
+        .into_iter()
+        .map(|(a, _)| crate::programmer::addr_to_ip(&a, true))
+        .collect();
+    let differs = resolved != state.resolved;
+    state.resolved = resolved;
+    Ok(differs)
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -348,6 +420,7 @@ fn update_snapshot(
         flow_capacity: opts.sizes.flows as u64,
         host: crate::hostmetrics::read(),
         config_applied: state.applied,
+        config_generation: state.applied_generation.unwrap_or(0),
         config_errors: state.errors,
         ready: state.applied > 0,
     };

@@ -3,8 +3,9 @@
 
 use crate::dataplane::Dataplane;
 use anyhow::Result;
-use lb_common::{FlowKeyV4, FlowV4, FLOW_F_FORWARD};
-use std::collections::{HashMap, HashSet};
+use lb_common::{FlowKeyV4, FlowV4, FLOW_F_FIN, FLOW_F_FORWARD, FLOW_F_RST};
+use std::collections::{BTreeSet, HashMap, HashSet};
+use std::net::{IpAddr, SocketAddr};
 
 /// The clock of `bpf_ktime_get_coarse_ns` (CLOCK_MONOTONIC_COARSE), in ns.
 pub fn now_ns() -> u64 {
@@ -20,14 +21,21 @@ pub fn now_ns() -> u64 {
 /// Result of one pass.
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
 pub struct GcReport {
-    /// Active (non-expired) connections per service id.
+    /// Active connections per service id: not idle-expired, not reset, not closed by FIN in both directions.
     pub active: HashMap<u32, u64>,
     /// Connections expired in this pass per service id.
     pub expired: HashMap<u32, u64>,
-    /// Entries in the table before the pass.
+    /// Entries left in the table after the pass.
     pub entries: u64,
     /// Entries deleted.
     pub deleted: u64,
+}
+
+/// A TCP connection that was reset, or saw FIN both ways, only lingers for late segments.
+fn closed(f: &FlowV4, partner: Option<&FlowV4>) -> bool {
+    let flags = f.flags | partner.map_or(0, |p| p.flags);
+    flags & FLOW_F_RST != 0
+        || (f.flags & FLOW_F_FIN != 0 && partner.is_some_and(|p| p.flags & FLOW_F_FIN != 0))
 }
 
 fn stale(f: &FlowV4, now: u64) -> bool {
@@ -59,7 +67,7 @@ pub fn collect(dp: &mut Dataplane, now: u64) -> Result<GcReport> {
                 delete.push(pk);
             }
             *r.expired.entry(f.svc_id).or_default() += 1;
-        } else {
+        } else if !closed(f, partner) {
             *r.active.entry(f.svc_id).or_default() += 1;
         }
     }
@@ -72,5 +80,32 @@ pub fn collect(dp: &mut Dataplane, now: u64) -> Result<GcReport> {
         dp.remove_flow(k)?;
     }
     r.deleted = delete.len() as u64;
+    r.entries -= r.deleted;
     Ok(r)
+}
+
+/// Deletes the UDP flows (both entries) that go to one of `backends`, so their next datagram picks a
+/// healthy backend instead of following conntrack to a dead one until the idle timeout. TCP flows are left
+/// alone: a dead backend answers them with a RST (or they time out), which tells the client to reconnect.
+/// Returns the number of flows moved.
+pub fn flush_udp_flows(dp: &mut Dataplane, backends: &BTreeSet<SocketAddr>) -> Result<u64> {
+    if backends.is_empty() {
+        return Ok(0);
+    }
+    let mut n = 0;
+    for (k, f) in dp.flows()? {
+        if k.proto != lb_common::PROTO_UDP || f.flags & FLOW_F_FORWARD == 0 {
+            continue;
+        }
+        let to = SocketAddr::new(
+            IpAddr::from(f.new_dst.to_ne_bytes()),
+            u16::from_be(f.new_dport),
+        );
+        if backends.contains(&to) {
+            dp.remove_flow(&k)?;
+            dp.remove_flow(&f.partner_key(k.proto))?;
+            n += 1;
+        }
+    }
+    Ok(n)
 }

@@ -1,6 +1,6 @@
 //! The load-balancer agent: loads the XDP data plane and programs it (see README "Architecture").
 //!
-//! Flow of information: a config source ([`agent::watch_file`], or Kubernetes) → [`config::DesiredConfig`]
+//! Flow of information: a config source ([`agent::watch_file`], or Kubernetes: [`kube`]) → [`config::DesiredConfig`]
 //! → health filtering ([`health`]) → [`programmer::Programmer`] → maps ([`dataplane::Dataplane`]).
 pub mod agent;
 pub mod arena;
@@ -9,6 +9,7 @@ pub mod dataplane;
 pub mod gc;
 pub mod health;
 pub mod hostmetrics;
+pub mod kube;
 pub mod maglev;
 pub mod metrics;
 pub mod model;

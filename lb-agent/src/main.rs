@@ -5,9 +5,11 @@ use anyhow::{bail, Context, Result};
 use clap::{Parser, ValueEnum};
 use lb_agent::agent::{self, AgentOptions, AgentStatus};
 use lb_agent::dataplane::{AttachMode, MapSizes};
+use lb_agent::health::{HealthCheckSpec, HttpCheck};
+use lb_agent::kube::KubeSettings;
 use lb_agent::metrics::SharedSnapshot;
 use std::net::{IpAddr, SocketAddr};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 #[derive(Clone, Copy, ValueEnum, Debug)]
@@ -49,6 +51,31 @@ struct Cli {
     /// Kubernetes mode: name of this machine's LoadBalancerMachine.
     #[arg(long, env = "LB_LOADBALANCER_MACHINE_NAME")]
     loadbalancer_machine_name: Option<String>,
+    /// Kubernetes mode: the LoadBalancerMachine status (heartbeat) is rewritten at least this often
+    /// (Go duration; clamped to 5s..170s like yawol's --requeue-time, so heartbeats stay under 3 min).
+    #[arg(long, env = "LB_REQUEUE_PERIOD", default_value = "30s", value_parser = go_duration)]
+    requeue_period: Duration,
+    /// Kubernetes mode: time between health checks of one backend (Go duration).
+    #[arg(long, env = "LB_HC_INTERVAL", default_value = "5s", value_parser = go_duration)]
+    hc_interval: Duration,
+    /// Kubernetes mode: time one health check may take (Go duration).
+    #[arg(long, env = "LB_HC_TIMEOUT", default_value = "5s", value_parser = go_duration)]
+    hc_timeout: Duration,
+    /// Kubernetes mode: consecutive failed checks that take a backend out.
+    #[arg(long, env = "LB_HC_UNHEALTHY_THRESHOLD", default_value_t = 3)]
+    hc_unhealthy_threshold: u32,
+    /// Kubernetes mode: consecutive successful checks that bring a backend back.
+    #[arg(long, env = "LB_HC_HEALTHY_THRESHOLD", default_value_t = 2)]
+    hc_healthy_threshold: u32,
+    /// Kubernetes mode: HTTP GET this path (e.g. /healthz) instead of a TCP connect.
+    #[arg(long, env = "LB_HC_HTTP_PATH")]
+    hc_http_path: Option<String>,
+    /// Kubernetes mode: the HTTP check uses TLS (certificate not verified).
+    #[arg(long, env = "LB_HC_HTTPS", requires = "hc_http_path")]
+    hc_https: bool,
+    /// Kubernetes mode: HTTP status that counts as healthy.
+    #[arg(long, env = "LB_HC_EXPECTED_STATUS", default_value_t = 200)]
+    hc_expected_status: u16,
     /// Attach mode.
     #[arg(long, env = "LB_ATTACH_MODE", value_enum, default_value = "xdp")]
     attach_mode: Mode,
@@ -88,6 +115,29 @@ struct Cli {
     /// Log format.
     #[arg(long, env = "LB_LOG_FORMAT", value_enum, default_value = "text")]
     log_format: LogFormat,
+}
+
+/// Go-style duration (`30s`, `1m30s`, `500ms`), as in the LoadBalancer objects.
+fn go_duration(s: &str) -> Result<Duration, String> {
+    lb_api::parse_go_duration(s).map_err(|e| e.to_string())
+}
+
+impl Cli {
+    /// Health-check settings of Kubernetes mode (the LoadBalancer object has none).
+    fn health_check(&self) -> HealthCheckSpec {
+        HealthCheckSpec {
+            enabled: true,
+            interval: self.hc_interval,
+            timeout: self.hc_timeout,
+            unhealthy_threshold: self.hc_unhealthy_threshold,
+            healthy_threshold: self.hc_healthy_threshold,
+            http: self.hc_http_path.clone().map(|path| HttpCheck {
+                path,
+                https: self.hc_https,
+                expected_status: self.hc_expected_status,
+            }),
+        }
+    }
 }
 
 fn parse_ports(s: &str) -> Result<(u16, u16)> {
@@ -137,18 +187,27 @@ async fn main() -> Result<()> {
         neighbor_interval: Duration::from_secs(5),
         detach_on_exit: false,
     };
-    if opts.pin_dir.is_some() {
-        ensure_bpffs()?;
+    if let Some(dir) = &opts.pin_dir {
+        ensure_bpffs(dir)?;
     }
+    let (status_tx, status_rx) = tokio::sync::watch::channel(AgentStatus::default());
+    let snapshot: SharedSnapshot = Default::default();
+    // Kept alive for the whole run: dropping it stops the Kubernetes tasks.
+    let mut _kube_mode = None;
     let config_rx = match (&cli.config, &cli.loadbalancer_name) {
         (Some(path), None) => agent::watch_file(path.clone(), Duration::from_secs(1)),
-        (None, Some(_)) => bail!(
-            "Kubernetes mode (--loadbalancer-name) is not available in this build yet; use --config"
-        ),
+        (None, Some(lb)) => {
+            let settings = kube_settings(&cli, lb)?;
+            tracing::info!(namespace = %settings.namespace, loadbalancer = %settings.loadbalancer,
+                machine = %settings.machine, requeue = ?settings.requeue, "Kubernetes mode");
+            let client = lb_agent::kube::client(cli.kubeconfig.as_deref()).await?;
+            let mode = lb_agent::kube::start(client, settings, status_rx, snapshot.clone());
+            let rx = mode.config.clone();
+            _kube_mode = Some(mode);
+            rx
+        }
         _ => bail!("give either --config FILE or the Kubernetes flags (--namespace, --loadbalancer-name, --loadbalancer-machine-name)"),
     };
-    let (status_tx, _status_rx) = tokio::sync::watch::channel(AgentStatus::default());
-    let snapshot: SharedSnapshot = Default::default();
     let metrics_addr = cli.metrics_address;
     let snap2 = snapshot.clone();
     tokio::spawn(async move {
@@ -167,19 +226,68 @@ async fn main() -> Result<()> {
     agent::run(opts, config_rx, status_tx, snapshot, shutdown).await
 }
 
-/// Mounts bpffs at /sys/fs/bpf if it is not mounted (pinning needs it).
-fn ensure_bpffs() -> Result<()> {
-    let mounts = std::fs::read_to_string("/proc/mounts").unwrap_or_default();
-    if mounts.lines().any(|l| l.split_whitespace().nth(1) == Some("/sys/fs/bpf")) {
+/// Kubernetes-mode settings from the flags; every required flag is named when missing.
+fn kube_settings(cli: &Cli, loadbalancer: &str) -> Result<KubeSettings> {
+    let namespace = cli
+        .namespace
+        .clone()
+        .context("Kubernetes mode needs --namespace")?;
+    let machine = cli
+        .loadbalancer_machine_name
+        .clone()
+        .context("Kubernetes mode needs --loadbalancer-machine-name")?;
+    let health_check = cli.health_check();
+    health_check
+        .validate()
+        .context("health-check flags (--hc-*)")?;
+    let (min, max) = (Duration::from_secs(5), Duration::from_secs(170));
+    let requeue = cli.requeue_period.clamp(min, max);
+    if requeue != cli.requeue_period {
+        tracing::warn!(given = ?cli.requeue_period, used = ?requeue, "--requeue-period clamped to 5s..170s");
+    }
+    Ok(KubeSettings {
+        namespace,
+        loadbalancer: loadbalancer.to_string(),
+        machine,
+        health_check,
+        requeue,
+        clock: lb_agent::kube::system_clock(),
+    })
+}
+
+/// Makes sure `pin_dir` lives on a bpffs: mounts /sys/fs/bpf when the directory is under it and nothing is
+/// mounted there; any other location must already be a bpffs mount.
+fn ensure_bpffs(pin_dir: &Path) -> Result<()> {
+    const BPF_FS_MAGIC: i64 = 0xcafe4a11;
+    let on_bpffs = |p: &Path| -> bool {
+        let mut dir = p.to_path_buf();
+        while !dir.exists() {
+            if !dir.pop() {
+                return false;
+            }
+        }
+        let Ok(c) = std::ffi::CString::new(dir.as_os_str().as_encoded_bytes()) else {
+            return false;
+        };
+        // SAFETY: valid C string and out pointer.
+        let mut st: libc::statfs = unsafe { std::mem::zeroed() };
+        unsafe { libc::statfs(c.as_ptr(), &mut st) == 0 && st.f_type as i64 == BPF_FS_MAGIC }
+    };
+    if on_bpffs(pin_dir) {
         return Ok(());
     }
-    std::fs::create_dir_all("/sys/fs/bpf")?;
-    let status = std::process::Command::new("mount")
-        .args(["-t", "bpf", "bpf", "/sys/fs/bpf"])
-        .status()
-        .context("running mount -t bpf")?;
-    if !status.success() {
-        bail!("mounting bpffs at /sys/fs/bpf failed; mount it or pass --no-pin");
+    if pin_dir.starts_with("/sys/fs/bpf") {
+        std::fs::create_dir_all("/sys/fs/bpf")?;
+        let status = std::process::Command::new("mount")
+            .args(["-t", "bpf", "bpf", "/sys/fs/bpf"])
+            .status()
+            .context("running mount -t bpf")?;
+        if status.success() && on_bpffs(pin_dir) {
+            return Ok(());
+        }
     }
-    Ok(())
+    bail!(
+        "pin directory {} is not on a bpffs mount: mount one (mount -t bpf bpf DIR) or pass --no-pin",
+        pin_dir.display()
+    )
 }

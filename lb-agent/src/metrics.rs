@@ -43,6 +43,9 @@ pub struct Snapshot {
     pub host: BTreeMap<&'static str, f64>,
     /// Configurations applied successfully.
     pub config_applied: u64,
+    /// Generation of the configuration in the maps (a config file's version counter, a LoadBalancer's
+    /// `metadata.generation`).
+    pub config_generation: u64,
     /// Configurations rejected.
     pub config_errors: u64,
     /// The data plane is attached and the first configuration is applied.
@@ -164,6 +167,7 @@ impl Collector for SnapshotCollector {
         gauge(&mut enc, "lb_flow_table_capacity", "Connection-tracking capacity (entries).", &[(vec![], s.flow_capacity)])?;
         counter(&mut enc, "lb_config_applied", "Configurations applied.", &[(vec![], s.config_applied)])?;
         counter(&mut enc, "lb_config_errors", "Configurations rejected.", &[(vec![], s.config_errors)])?;
+        gauge(&mut enc, "lb_config_generation", "Generation of the configuration in the maps.", &[(vec![], s.config_generation)])?;
         let host: Vec<_> = s.host.iter().map(|(k, v)| (vec![("name", k.to_string())], *v)).collect();
         gauge(&mut enc, "lb_host", "Host metrics of the load-balancer VM (yawol's names).", &host)?;
         Ok(())

@@ -13,6 +13,8 @@
 
 pub mod constants;
 pub mod duration;
+#[cfg(feature = "fake-api-server")]
+pub mod fake_api;
 pub mod loadbalancer;
 pub mod loadbalancermachine;
 pub mod loadbalancerset;

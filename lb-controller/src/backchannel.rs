@@ -69,10 +69,14 @@ pub fn publishable_ip(lb: &LoadBalancer) -> Option<&str> {
 }
 
 /// Reconciles one LoadBalancer: publish its IP on the Service.
-pub async fn reconcile(lb: Arc<LoadBalancer>, ctx: Arc<BackchannelContext>) -> Result<Action, Error> {
+pub async fn reconcile(
+    lb: Arc<LoadBalancer>,
+    ctx: Arc<BackchannelContext>,
+) -> Result<Action, Error> {
     let started = Instant::now();
     let result = reconcile_ip(&lb, &ctx).await;
-    ctx.metrics.observe_reconcile("loadbalancer", result.is_ok(), started.elapsed());
+    ctx.metrics
+        .observe_reconcile("loadbalancer", result.is_ok(), started.elapsed());
     result
 }
 
@@ -85,7 +89,9 @@ async fn reconcile_ip(lb: &LoadBalancer, ctx: &BackchannelContext) -> Result<Act
         action: format!("reading service {namespace}/{name}"),
         source,
     })?;
-    let Some(service) = service else { return Ok(Action::await_change()) };
+    let Some(service) = service else {
+        return Ok(Action::await_change());
+    };
     if service.meta().deletion_timestamp.is_some() {
         return Ok(Action::await_change());
     }
@@ -100,15 +106,21 @@ async fn reconcile_ip(lb: &LoadBalancer, ctx: &BackchannelContext) -> Result<Act
         return Ok(Action::await_change());
     }
     let patch = json!({"status": {"loadBalancer": {"ingress": [{"ip": ip}]}}});
-    api.patch_status(&name, &PatchParams::default(), &Patch::Merge(&patch)).await.map_err(|source| Error {
-        action: format!("writing ingress of service {namespace}/{name}"),
-        source,
-    })?;
+    api.patch_status(&name, &PatchParams::default(), &Patch::Merge(&patch))
+        .await
+        .map_err(|source| Error {
+            action: format!("writing ingress of service {namespace}/{name}"),
+            source,
+        })?;
     ctx.metrics.ingress_updates.inc();
     info!(service = %format!("{namespace}/{name}"), ip, "published external IP");
     let reference: ObjectReference = service.object_ref(&());
     let message = format!("LoadBalancer is successfully created with IP {ip}");
-    if let Err(e) = ctx.events.publish(&reference, EventType::Normal, "creation", &message).await {
+    if let Err(e) = ctx
+        .events
+        .publish(&reference, EventType::Normal, "creation", &message)
+        .await
+    {
         warn!(error = %e, "could not publish event");
     }
     Ok(Action::await_change())
@@ -130,7 +142,10 @@ pub fn is_forwardable(event: &Event) -> bool {
 }
 
 fn event_count(event: &Event) -> i32 {
-    event.count.or_else(|| event.series.as_ref().and_then(|s| s.count)).unwrap_or(1)
+    event
+        .count
+        .or_else(|| event.series.as_ref().and_then(|s| s.count))
+        .unwrap_or(1)
 }
 
 fn event_time(event: &Event) -> Option<k8s_openapi::jiff::Timestamp> {
@@ -171,7 +186,10 @@ pub async fn forward_events(ctx: Arc<BackchannelContext>) {
         forwarded.insert(uid, count);
         if first_sight {
             let fresh = event_time(&event).is_some_and(|t| {
-                k8s_openapi::jiff::Timestamp::now().duration_since(t).unsigned_abs() <= ctx.event_max_age
+                k8s_openapi::jiff::Timestamp::now()
+                    .duration_since(t)
+                    .unsigned_abs()
+                    <= ctx.event_max_age
             });
             if !fresh {
                 debug!(event = event.name_any(), "skipping old event");
@@ -188,20 +206,36 @@ pub async fn forward_events(ctx: Arc<BackchannelContext>) {
 }
 
 async fn forward(ctx: &BackchannelContext, event: &Event) -> Result<(), kube::Error> {
-    let Some(lb_name) = event.involved_object.name.as_deref() else { return Ok(()) };
-    let lb = ctx.loadbalancers.get(&ObjectRef::new(lb_name).within(&ctx.namespace));
+    let Some(lb_name) = event.involved_object.name.as_deref() else {
+        return Ok(());
+    };
+    let lb = ctx
+        .loadbalancers
+        .get(&ObjectRef::new(lb_name).within(&ctx.namespace));
     let lb = match lb {
         Some(lb) => lb,
-        None => match Api::<LoadBalancer>::namespaced(ctx.control.clone(), &ctx.namespace).get_opt(lb_name).await? {
+        None => match Api::<LoadBalancer>::namespaced(ctx.control.clone(), &ctx.namespace)
+            .get_opt(lb_name)
+            .await?
+        {
             Some(lb) => Arc::new(lb),
             None => return Ok(()),
         },
     };
-    let Some((namespace, name)) = service_of(&lb) else { return Ok(()) };
-    let Some(service) = Api::<Service>::namespaced(ctx.target.clone(), &namespace).get_opt(&name).await? else {
+    let Some((namespace, name)) = service_of(&lb) else {
         return Ok(());
     };
-    let type_ = if event.type_.as_deref() == Some("Warning") { EventType::Warning } else { EventType::Normal };
+    let Some(service) = Api::<Service>::namespaced(ctx.target.clone(), &namespace)
+        .get_opt(&name)
+        .await?
+    else {
+        return Ok(());
+    };
+    let type_ = if event.type_.as_deref() == Some("Warning") {
+        EventType::Warning
+    } else {
+        EventType::Normal
+    };
     ctx.events
         .publish(
             &service.object_ref(&()),
@@ -213,4 +247,3 @@ async fn forward(ctx: &BackchannelContext, event: &Event) -> Result<(), kube::Er
     ctx.metrics.events_forwarded.inc();
     Ok(())
 }
-

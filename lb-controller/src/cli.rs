@@ -77,7 +77,11 @@ pub struct RunArgs {
     #[arg(long, env = "LEADER_ELECT")]
     pub leader_elect: bool,
     /// Name of the Lease.
-    #[arg(long, env = "LEADER_ELECTION_ID", default_value = "lb-cloud-controller")]
+    #[arg(
+        long,
+        env = "LEADER_ELECTION_ID",
+        default_value = "lb-cloud-controller"
+    )]
     pub leader_election_id: String,
     /// Namespace of the Lease (default: CLUSTER_NAMESPACE).
     #[arg(long, env = "LEADER_ELECTION_NAMESPACE")]
@@ -156,13 +160,14 @@ impl InfraArgs {
     /// Validated defaults; lists every missing required setting at once.
     pub fn defaults(&self) -> anyhow::Result<InfrastructureDefaults> {
         let mut missing = Vec::new();
-        let mut required = |value: &Option<String>, name: &str| match value.as_deref().filter(|v| !v.is_empty()) {
-            Some(v) => v.to_string(),
-            None => {
-                missing.push(name.to_string());
-                String::new()
-            }
-        };
+        let mut required =
+            |value: &Option<String>, name: &str| match value.as_deref().filter(|v| !v.is_empty()) {
+                Some(v) => v.to_string(),
+                None => {
+                    missing.push(name.to_string());
+                    String::new()
+                }
+            };
         let namespace = required(&self.cluster_namespace, "CLUSTER_NAMESPACE");
         let auth_secret_name = required(&self.secret_name, "SECRET_NAME");
         let floating_network_id = required(&self.floating_net_id, "FLOATING_NET_ID");
@@ -205,7 +210,10 @@ impl InfraArgs {
 impl RunArgs {
     /// The class filter.
     pub fn class_filter(&self) -> ClassFilter {
-        ClassFilter { class_names: self.class_names.clone(), accept_empty: self.empty_classname }
+        ClassFilter {
+            class_names: self.class_names.clone(),
+            accept_empty: self.empty_classname,
+        }
     }
 
     /// Resync period.
@@ -218,8 +226,14 @@ impl RunArgs {
 pub fn parse_bind_address(text: &str) -> anyhow::Result<Option<SocketAddr>> {
     match text {
         "" | "0" => Ok(None),
-        t if t.starts_with(':') => Ok(Some(format!("0.0.0.0{t}").parse().with_context(|| format!("bad address {t:?}"))?)),
-        t => Ok(Some(t.parse().with_context(|| format!("bad address {t:?}"))?)),
+        t if t.starts_with(':') => Ok(Some(
+            format!("0.0.0.0{t}")
+                .parse()
+                .with_context(|| format!("bad address {t:?}"))?,
+        )),
+        t => Ok(Some(
+            t.parse().with_context(|| format!("bad address {t:?}"))?,
+        )),
     }
 }
 
@@ -230,11 +244,16 @@ pub async fn client_for(kubeconfig: Option<&str>) -> anyhow::Result<kube::Client
         Some(path) => {
             let kubeconfig = kube::config::Kubeconfig::read_from(path)
                 .with_context(|| format!("reading kubeconfig {path}"))?;
-            kube::Config::from_custom_kubeconfig(kubeconfig, &kube::config::KubeConfigOptions::default())
-                .await
-                .with_context(|| format!("loading kubeconfig {path}"))?
+            kube::Config::from_custom_kubeconfig(
+                kubeconfig,
+                &kube::config::KubeConfigOptions::default(),
+            )
+            .await
+            .with_context(|| format!("loading kubeconfig {path}"))?
         }
-        None => kube::Config::infer().await.context("inferring kubeconfig")?,
+        None => kube::Config::infer()
+            .await
+            .context("inferring kubeconfig")?,
     };
     kube::Client::try_from(config).context("creating kube client")
 }
@@ -245,8 +264,14 @@ mod tests {
 
     #[test]
     fn bind_addresses() {
-        assert_eq!(parse_bind_address(":8080").unwrap(), Some("0.0.0.0:8080".parse().unwrap()));
-        assert_eq!(parse_bind_address("127.0.0.1:9").unwrap(), Some("127.0.0.1:9".parse().unwrap()));
+        assert_eq!(
+            parse_bind_address(":8080").unwrap(),
+            Some("0.0.0.0:8080".parse().unwrap())
+        );
+        assert_eq!(
+            parse_bind_address("127.0.0.1:9").unwrap(),
+            Some("127.0.0.1:9".parse().unwrap())
+        );
         assert_eq!(parse_bind_address("0").unwrap(), None);
         assert!(parse_bind_address("nope").is_err());
     }
@@ -255,7 +280,13 @@ mod tests {
     fn missing_settings_are_listed_together() {
         let cli = Cli::try_parse_from(["lb-controller", "--cluster-namespace", "ns"]).unwrap();
         let err = cli.run.infra.defaults().unwrap_err().to_string();
-        for name in ["SECRET_NAME", "FLOATING_NET_ID", "NETWORK_ID", "FLAVOR_ID", "IMAGE_ID"] {
+        for name in [
+            "SECRET_NAME",
+            "FLOATING_NET_ID",
+            "NETWORK_ID",
+            "FLAVOR_ID",
+            "IMAGE_ID",
+        ] {
             assert!(err.contains(name), "{err}");
         }
     }
@@ -263,6 +294,9 @@ mod tests {
     #[test]
     fn crds_subcommand() {
         let cli = Cli::try_parse_from(["lb-controller", "crds", "--check"]).unwrap();
-        assert!(matches!(cli.command, Some(Command::Crds { check: true, .. })));
+        assert!(matches!(
+            cli.command,
+            Some(Command::Crds { check: true, .. })
+        ));
     }
 }

@@ -13,7 +13,8 @@ pub fn render() -> anyhow::Result<Vec<(String, String)>> {
     lb_api::crds()
         .into_iter()
         .map(|(stem, crd)| {
-            let yaml = serde_yaml::to_string(&crd).with_context(|| format!("serialising {stem}"))?;
+            let yaml =
+                serde_yaml::to_string(&crd).with_context(|| format!("serialising {stem}"))?;
             Ok((format!("{stem}.yaml"), format!("{HEADER}{yaml}")))
         })
         .collect()

@@ -54,7 +54,10 @@ pub struct ClassFilter {
 
 impl Default for ClassFilter {
     fn default() -> Self {
-        Self { class_names: vec![defaults::LOADBALANCER_CLASS.to_string()], accept_empty: true }
+        Self {
+            class_names: vec![defaults::LOADBALANCER_CLASS.to_string()],
+            accept_empty: true,
+        }
     }
 }
 
@@ -63,7 +66,12 @@ impl ClassFilter {
     pub fn class_of(service: &Service) -> String {
         annotation(service, ann::CLASS_NAME)
             .map(str::to_string)
-            .or_else(|| service.spec.as_ref().and_then(|s| s.load_balancer_class.clone()))
+            .or_else(|| {
+                service
+                    .spec
+                    .as_ref()
+                    .and_then(|s| s.load_balancer_class.clone())
+            })
             .unwrap_or_default()
     }
 
@@ -73,7 +81,7 @@ impl ClassFilter {
         if class.is_empty() {
             self.accept_empty
         } else {
-            self.class_names.iter().any(|c| *c == class)
+            self.class_names.contains(&class)
         }
     }
 }
@@ -91,13 +99,18 @@ pub fn validate_service(service: &Service) -> Vec<String> {
         return vec!["service has no spec".into()];
     };
     if spec.allocate_load_balancer_node_ports == Some(false) {
-        errors.push("allocateLoadBalancerNodePorts=false is not supported: every port needs a nodePort".into());
+        errors.push(
+            "allocateLoadBalancerNodePorts=false is not supported: every port needs a nodePort"
+                .into(),
+        );
     }
     for port in spec.ports.iter().flatten() {
         let label = port.name.clone().unwrap_or_else(|| port.port.to_string());
         let protocol = port.protocol.as_deref().unwrap_or("TCP");
         if protocol != "TCP" && protocol != "UDP" {
-            errors.push(format!("port {label}: unsupported protocol {protocol} (only TCP and UDP)"));
+            errors.push(format!(
+                "port {label}: unsupported protocol {protocol} (only TCP and UDP)"
+            ));
         }
         match port.node_port {
             Some(p) if (1..=65535).contains(&p) => {}
@@ -148,7 +161,11 @@ pub fn desired_spec(
     let debug = bool_annotation(service, ann::DEBUG, &mut warnings).unwrap_or(false);
     let debug_settings = LoadBalancerDebugSettings {
         enabled: debug,
-        sshkey_name: if debug { annotation(service, ann::DEBUG_SSH_KEY).map(str::to_string) } else { None },
+        sshkey_name: if debug {
+            annotation(service, ann::DEBUG_SSH_KEY).map(str::to_string)
+        } else {
+            None
+        },
     };
 
     let infrastructure = infrastructure(service, defaults, &mut warnings);
@@ -166,7 +183,8 @@ pub fn desired_spec(
         spec: LoadBalancerSpec {
             selector,
             replicas,
-            existing_floating_ip: annotation(service, ann::EXISTING_FLOATING_IP).map(str::to_string),
+            existing_floating_ip: annotation(service, ann::EXISTING_FLOATING_IP)
+                .map(str::to_string),
             debug_settings: Some(debug_settings),
             endpoints: (!endpoints.is_empty()).then_some(endpoints),
             ports: spec.ports.filter(|p| !p.is_empty()),
@@ -187,7 +205,12 @@ fn infrastructure(
     // The default subnet belongs to the default network: only use it with that network.
     let subnet_id = annotation(service, ann::DEFAULT_SUBNET_ID)
         .map(str::to_string)
-        .or_else(|| network_override.is_none().then(|| defaults.subnet_id.clone()).flatten());
+        .or_else(|| {
+            network_override
+                .is_none()
+                .then(|| defaults.subnet_id.clone())
+                .flatten()
+        });
     let floating_net_id = annotation(service, ann::FLOATING_NETWORK_ID)
         .unwrap_or(&defaults.floating_network_id)
         .to_string();
@@ -195,8 +218,12 @@ fn infrastructure(
     let mut additional: Vec<String> = annotation(service, ann::ADDITIONAL_NETWORKS)
         .map(|list| split_list(list).map(str::to_string).collect())
         .unwrap_or_default();
-    let skip_default = bool_annotation(service, ann::SKIP_CLOUD_CONTROLLER_DEFAULT_NETWORK_ID, warnings)
-        .unwrap_or(false);
+    let skip_default = bool_annotation(
+        service,
+        ann::SKIP_CLOUD_CONTROLLER_DEFAULT_NETWORK_ID,
+        warnings,
+    )
+    .unwrap_or(false);
     // With an overridden listener network the machines still need the cluster network to reach
     // the nodes, unless the user says they do not.
     if network_id != defaults.network_id && !skip_default && !defaults.network_id.is_empty() {
@@ -214,7 +241,10 @@ fn infrastructure(
             subnet_id: subnet_id.filter(|s| !s.is_empty()),
         },
         additional_networks: (!additional.is_empty()).then(|| {
-            additional.into_iter().map(|network_id| LoadBalancerAdditionalNetwork { network_id }).collect()
+            additional
+                .into_iter()
+                .map(|network_id| LoadBalancerAdditionalNetwork { network_id })
+                .collect()
         }),
         flavor: annotation(service, ann::FLAVOR_ID)
             .map(OpenstackFlavorRef::by_id)
@@ -233,8 +263,12 @@ fn infrastructure(
     }
 }
 
-const SERVER_GROUP_POLICIES: [&str; 4] =
-    ["affinity", "anti-affinity", "soft-affinity", "soft-anti-affinity"];
+const SERVER_GROUP_POLICIES: [&str; 4] = [
+    "affinity",
+    "anti-affinity",
+    "soft-affinity",
+    "soft-anti-affinity",
+];
 
 fn options(
     service: &Service,
@@ -242,24 +276,29 @@ fn options(
     warnings: &mut Vec<String>,
 ) -> LoadBalancerOptions {
     let spec = service.spec.as_ref();
-    let internal = bool_annotation(service, ann::INTERNAL_LB, warnings).unwrap_or(defaults.internal_lb);
+    let internal =
+        bool_annotation(service, ann::INTERNAL_LB, warnings).unwrap_or(defaults.internal_lb);
 
     // spec.loadBalancerSourceRanges wins over the annotation (yawol's rule).
-    let mut source_ranges: Vec<String> = match spec.and_then(|s| s.load_balancer_source_ranges.clone()) {
-        Some(ranges) => ranges,
-        None => annotation(service, ann::LOAD_BALANCER_SOURCE_RANGES)
-            .map(|list| split_list(list).map(str::to_string).collect())
-            .unwrap_or_default(),
-    };
+    let mut source_ranges: Vec<String> =
+        match spec.and_then(|s| s.load_balancer_source_ranges.clone()) {
+            Some(ranges) => ranges,
+            None => annotation(service, ann::LOAD_BALANCER_SOURCE_RANGES)
+                .map(|list| split_list(list).map(str::to_string).collect())
+                .unwrap_or_default(),
+        };
     source_ranges.retain(|cidr| {
         let valid = is_cidr(cidr);
         if !valid {
-            warnings.push(format!("source range {cidr:?} is not a valid CIDR; ignoring it"));
+            warnings.push(format!(
+                "source range {cidr:?} is not a valid CIDR; ignoring it"
+            ));
         }
         valid
     });
 
-    let proxy_protocol = bool_annotation(service, ann::TCP_PROXY_PROTOCOL, warnings).unwrap_or(false);
+    let proxy_protocol =
+        bool_annotation(service, ann::TCP_PROXY_PROTOCOL, warnings).unwrap_or(false);
     let ports_filter = annotation(service, ann::TCP_PROXY_PROTOCOL_PORTS_FILTER).and_then(|list| {
         let parsed: Result<Vec<i32>, _> = split_list(list).map(|p| p.parse::<i32>()).collect();
         match parsed {
@@ -305,7 +344,9 @@ fn options(
             .collect();
         LoadBalancerLogForward {
             enabled: true,
-            loki_url: annotation(service, ann::LOG_FORWARD_LOKI_URL).unwrap_or_default().to_string(),
+            loki_url: annotation(service, ann::LOG_FORWARD_LOKI_URL)
+                .unwrap_or_default()
+                .to_string(),
             proxy_url: annotation(service, ann::LOG_FORWARD_PROXY_URL).map(str::to_string),
             labels: (!labels.is_empty()).then_some(labels),
         }
@@ -328,7 +369,8 @@ fn options(
         internal_lb: Some(internal),
         load_balancer_source_ranges: (!source_ranges.is_empty()).then_some(source_ranges),
         tcp_proxy_protocol: proxy_protocol.then_some(true),
-        tcp_proxy_protocol_ports_filter: ports_filter.filter(|_| proxy_protocol),
+        // Kept even without PROXY protocol (yawol does the same; it only matters when enabled).
+        tcp_proxy_protocol_ports_filter: ports_filter,
         tcp_idle_timeout,
         udp_idle_timeout,
         log_forward,
@@ -338,7 +380,13 @@ fn options(
 
 /// Non-empty annotation value.
 fn annotation<'a>(service: &'a Service, key: &str) -> Option<&'a str> {
-    service.metadata.annotations.as_ref()?.get(key).map(String::as_str).filter(|v| !v.is_empty())
+    service
+        .metadata
+        .annotations
+        .as_ref()?
+        .get(key)
+        .map(String::as_str)
+        .filter(|v| !v.is_empty())
 }
 
 /// A boolean annotation with Go's `strconv.ParseBool` syntax; invalid values are warned about
@@ -347,7 +395,9 @@ fn bool_annotation(service: &Service, key: &str, warnings: &mut Vec<String>) -> 
     let text = annotation(service, key)?;
     let parsed = parse_go_bool(text.trim());
     if parsed.is_none() {
-        warnings.push(format!("annotation {key}={text:?} is not a boolean; ignoring it"));
+        warnings.push(format!(
+            "annotation {key}={text:?} is not a boolean; ignoring it"
+        ));
     }
     parsed
 }
@@ -366,7 +416,9 @@ fn split_list(list: &str) -> impl Iterator<Item = &str> {
 }
 
 fn is_cidr(text: &str) -> bool {
-    let Some((ip, prefix)) = text.split_once('/') else { return false };
+    let Some((ip, prefix)) = text.split_once('/') else {
+        return false;
+    };
     match (ip.parse::<IpAddr>(), prefix.parse::<u8>()) {
         (Ok(IpAddr::V4(_)), Ok(p)) => p <= 32,
         (Ok(IpAddr::V6(_)), Ok(p)) => p <= 128,
@@ -390,7 +442,11 @@ pub fn service_ingress_ip(service: &Service) -> Option<&str> {
 }
 
 /// A complete new LoadBalancer object for a Service.
-pub fn new_loadbalancer(service: &Service, spec: LoadBalancerSpec, defaults: &InfrastructureDefaults) -> LoadBalancer {
+pub fn new_loadbalancer(
+    service: &Service,
+    spec: LoadBalancerSpec,
+    defaults: &InfrastructureDefaults,
+) -> LoadBalancer {
     let namespace = service.metadata.namespace.as_deref().unwrap_or("default");
     let name = service.metadata.name.as_deref().unwrap_or_default();
     LoadBalancer {
@@ -423,7 +479,11 @@ pub fn protect_immutable(
         warnings.push(format!(
             "annotation {} cannot be changed after creation (current {:?}); keeping it",
             ann::PROJECT_ID,
-            current.infrastructure.project_id.as_deref().unwrap_or_default()
+            current
+                .infrastructure
+                .project_id
+                .as_deref()
+                .unwrap_or_default()
         ));
         desired.infrastructure.project_id = current.infrastructure.project_id.clone();
     }
@@ -474,7 +534,10 @@ pub fn merge_patch_diff(current: &Value, desired: &Value) -> Option<Value> {
 
 /// The spec fields a patch touches, for logs and events ("ports", "endpoints", ...).
 pub fn changed_fields(spec_patch: &Value) -> Vec<String> {
-    spec_patch.as_object().map(|m| m.keys().cloned().collect()).unwrap_or_default()
+    spec_patch
+        .as_object()
+        .map(|m| m.keys().cloned().collect())
+        .unwrap_or_default()
 }
 
 #[cfg(test)]
@@ -517,9 +580,15 @@ mod tests {
         let infra = &spec.infrastructure;
         assert_eq!(infra.default_network.network_id, "net");
         assert_eq!(infra.default_network.subnet_id.as_deref(), Some("subnet"));
-        assert_eq!(infra.default_network.floating_net_id.as_deref(), Some("floating"));
+        assert_eq!(
+            infra.default_network.floating_net_id.as_deref(),
+            Some("floating")
+        );
         assert_eq!(infra.flavor.flavor_id.as_deref(), Some("flavor"));
-        assert_eq!(infra.auth_secret_ref.namespace.as_deref(), Some("kube-system"));
+        assert_eq!(
+            infra.auth_secret_ref.namespace.as_deref(),
+            Some("kube-system")
+        );
         assert!(infra.additional_networks.is_none());
         assert_eq!(spec.options().internal_lb, Some(false));
         assert_eq!(spec.ports().len(), 1);
@@ -563,11 +632,22 @@ mod tests {
         assert_eq!(infra.flavor.flavor_id.as_deref(), Some("flv2"));
         assert_eq!(infra.default_network.network_id, "net2");
         assert_eq!(infra.default_network.subnet_id.as_deref(), Some("sub2"));
-        assert_eq!(infra.default_network.floating_net_id.as_deref(), Some("fip2"));
+        assert_eq!(
+            infra.default_network.floating_net_id.as_deref(),
+            Some("fip2")
+        );
         assert_eq!(infra.project_id.as_deref(), Some("proj"));
         assert_eq!(infra.availability_zone, "az2");
-        let extra: Vec<_> = infra.additional_networks().iter().map(|n| n.network_id.as_str()).collect();
-        assert_eq!(extra, ["extra1", "extra2", "net"], "controller default network appended");
+        let extra: Vec<_> = infra
+            .additional_networks()
+            .iter()
+            .map(|n| n.network_id.as_str())
+            .collect();
+        assert_eq!(
+            extra,
+            ["extra1", "extra2", "net"],
+            "controller default network appended"
+        );
         assert_eq!(s.replicas, 3);
         assert_eq!(s.existing_floating_ip.as_deref(), Some("192.0.2.1"));
         assert!(s.debug_settings().enabled);
@@ -595,7 +675,10 @@ mod tests {
         }));
         let s = desired_spec(&svc, vec![], &defaults()).spec;
         assert!(s.infrastructure.additional_networks.is_none());
-        assert_eq!(s.infrastructure.default_network.subnet_id, None, "default subnet belongs to the default network");
+        assert_eq!(
+            s.infrastructure.default_network.subnet_id, None,
+            "default subnet belongs to the default network"
+        );
     }
 
     #[test]
@@ -624,8 +707,10 @@ mod tests {
 
     #[test]
     fn spec_source_ranges_win_over_annotation() {
-        let mut svc = service(json!({"yawol.stackit.cloud/loadBalancerSourceRanges": "10.0.0.0/8"}));
-        svc.spec.as_mut().unwrap().load_balancer_source_ranges = Some(vec!["192.168.0.0/16".into()]);
+        let mut svc =
+            service(json!({"yawol.stackit.cloud/loadBalancerSourceRanges": "10.0.0.0/8"}));
+        svc.spec.as_mut().unwrap().load_balancer_source_ranges =
+            Some(vec!["192.168.0.0/16".into()]);
         let s = desired_spec(&svc, vec![], &defaults()).spec;
         assert_eq!(s.options().source_ranges(), ["192.168.0.0/16"]);
     }
@@ -640,9 +725,13 @@ mod tests {
         svc.spec.as_mut().unwrap().load_balancer_class = Some("stackit.cloud/yawol".into());
         assert!(filter.accepts(&svc));
         // The deprecated annotation wins.
-        svc.metadata.annotations = Some([(ann::CLASS_NAME.to_string(), "other".to_string())].into());
+        svc.metadata.annotations =
+            Some([(ann::CLASS_NAME.to_string(), "other".to_string())].into());
         assert!(!filter.accepts(&svc));
-        let strict = ClassFilter { class_names: vec!["x".into()], accept_empty: false };
+        let strict = ClassFilter {
+            class_names: vec!["x".into()],
+            accept_empty: false,
+        };
         assert!(!strict.accepts(&service(json!({}))));
     }
 
@@ -652,17 +741,33 @@ mod tests {
         assert!(validate_service(&svc).is_empty());
         let spec = svc.spec.as_mut().unwrap();
         spec.allocate_load_balancer_node_ports = Some(false);
-        spec.ports.as_mut().unwrap().push(serde_json::from_value(json!({"port": 9, "protocol": "SCTP", "nodePort": 30009})).unwrap());
-        spec.ports.as_mut().unwrap().push(serde_json::from_value(json!({"port": 10, "protocol": "UDP"})).unwrap());
-        assert_eq!(validate_service(&svc).len(), 3, "{:?}", validate_service(&svc));
+        spec.ports.as_mut().unwrap().push(
+            serde_json::from_value(json!({"port": 9, "protocol": "SCTP", "nodePort": 30009}))
+                .unwrap(),
+        );
+        spec.ports
+            .as_mut()
+            .unwrap()
+            .push(serde_json::from_value(json!({"port": 10, "protocol": "UDP"})).unwrap());
+        assert_eq!(
+            validate_service(&svc).len(),
+            3,
+            "{:?}",
+            validate_service(&svc)
+        );
     }
 
     #[test]
     fn immutable_fields_are_protected() {
         let defaults = defaults();
         let created = desired_spec(&service(json!({"yawol.stackit.cloud/projectID": "p1", "yawol.stackit.cloud/existingFloatingIP": "192.0.2.1"})), vec![], &defaults).spec;
-        let mut svc = service(json!({"yawol.stackit.cloud/projectID": "p2", "yawol.stackit.cloud/existingFloatingIP": "192.0.2.2"}));
-        svc.status = Some(serde_json::from_value(json!({"loadBalancer": {"ingress": [{"ip": "192.0.2.1"}]}})).unwrap());
+        let mut svc = service(
+            json!({"yawol.stackit.cloud/projectID": "p2", "yawol.stackit.cloud/existingFloatingIP": "192.0.2.2"}),
+        );
+        svc.status = Some(
+            serde_json::from_value(json!({"loadBalancer": {"ingress": [{"ip": "192.0.2.1"}]}}))
+                .unwrap(),
+        );
         let wanted = desired_spec(&svc, vec![], &defaults).spec;
         let (kept, warnings) = protect_immutable(wanted, &created, &svc);
         assert_eq!(warnings.len(), 2);
@@ -675,9 +780,12 @@ mod tests {
         let current = json!({"a": 1, "b": {"c": 2, "d": 3}, "e": [1, 2], "gone": true});
         let desired = json!({"a": 1, "b": {"c": 2, "d": 4}, "e": [1], "new": "x"});
         let patch = merge_patch_diff(&current, &desired).unwrap();
-        assert_eq!(patch, json!({"b": {"d": 4}, "e": [1], "gone": null, "new": "x"}));
+        assert_eq!(
+            patch,
+            json!({"b": {"d": 4}, "e": [1], "gone": null, "new": "x"})
+        );
         let mut applied = current.clone();
-        crate::fake_api::json_merge(&mut applied, &patch);
+        lb_api::fake_api::json_merge(&mut applied, &patch);
         assert_eq!(applied, desired);
         assert_eq!(merge_patch_diff(&desired, &desired), None);
     }

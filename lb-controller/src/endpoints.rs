@@ -116,7 +116,10 @@ mod tests {
 
     fn node(name: &str, ready: &str, ips: &[&str]) -> Node {
         let addresses: Vec<_> = std::iter::once(json!({"type": "Hostname", "address": name}))
-            .chain(ips.iter().map(|ip| json!({"type": "InternalIP", "address": ip})))
+            .chain(
+                ips.iter()
+                    .map(|ip| json!({"type": "InternalIP", "address": ip})),
+            )
             .collect();
         serde_json::from_value(json!({
             "metadata": {"name": name},
@@ -148,15 +151,28 @@ mod tests {
     #[test]
     fn terminating_nodes_are_excluded() {
         let mut tainted = node("tainted", "True", &["10.0.0.1"]);
-        tainted.spec = Some(serde_json::from_value(json!({"taints": [{"key": AUTOSCALER_TAINT, "effect": "NoSchedule"}]})).unwrap());
-        let mut condition = node("condition", "True", &["10.0.0.2"]);
-        condition.status.as_mut().unwrap().conditions.as_mut().unwrap().push(
-            serde_json::from_value(json!({"type": "Terminating", "status": "True"})).unwrap(),
+        tainted.spec = Some(
+            serde_json::from_value(
+                json!({"taints": [{"key": AUTOSCALER_TAINT, "effect": "NoSchedule"}]}),
+            )
+            .unwrap(),
         );
+        let mut condition = node("condition", "True", &["10.0.0.2"]);
+        condition
+            .status
+            .as_mut()
+            .unwrap()
+            .conditions
+            .as_mut()
+            .unwrap()
+            .push(
+                serde_json::from_value(json!({"type": "Terminating", "status": "True"})).unwrap(),
+            );
         let mut deleting = node("deleting", "True", &["10.0.0.3"]);
-        deleting.metadata.deletion_timestamp = Some(k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(
-            k8s_openapi::jiff::Timestamp::UNIX_EPOCH,
-        ));
+        deleting.metadata.deletion_timestamp =
+            Some(k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(
+                k8s_openapi::jiff::Timestamp::UNIX_EPOCH,
+            ));
         let healthy = node("healthy", "True", &["10.0.0.4"]);
         let eps = endpoints_for([&tainted, &condition, &deleting, &healthy], &[]);
         assert_eq!(names(&eps), ["healthy"]);
@@ -165,15 +181,27 @@ mod tests {
     #[test]
     fn meltdown_keeps_all_non_terminating_nodes() {
         let mut tainted = node("tainted", "False", &["10.0.0.9"]);
-        tainted.spec = Some(serde_json::from_value(json!({"taints": [{"key": AUTOSCALER_TAINT, "effect": "NoSchedule"}]})).unwrap());
-        let nodes = [node("a", "False", &["10.0.0.1"]), node("b", "Unknown", &["10.0.0.2"]), tainted];
+        tainted.spec = Some(
+            serde_json::from_value(
+                json!({"taints": [{"key": AUTOSCALER_TAINT, "effect": "NoSchedule"}]}),
+            )
+            .unwrap(),
+        );
+        let nodes = [
+            node("a", "False", &["10.0.0.1"]),
+            node("b", "Unknown", &["10.0.0.2"]),
+            tainted,
+        ];
         assert_eq!(names(&endpoints_for(&nodes, &[])), ["a", "b"]);
         assert!(endpoints_for(&[] as &[Node], &[]).is_empty());
     }
 
     #[test]
     fn ip_family_filtering() {
-        let nodes = [node("a", "True", &["10.0.0.1", "fd00::1"]), node("b", "True", &["fd00::2"])];
+        let nodes = [
+            node("a", "True", &["10.0.0.1", "fd00::1"]),
+            node("b", "True", &["fd00::2"]),
+        ];
         let v4 = endpoints_for(&nodes, &["IPv4".into()]);
         assert_eq!(names(&v4), ["a"]);
         assert_eq!(v4[0].addresses(), ["10.0.0.1"]);
@@ -191,7 +219,13 @@ mod tests {
         let mut relabeled = a.clone();
         relabeled.metadata.labels = Some([("x".to_string(), "y".to_string())].into());
         assert_eq!(NodeFingerprint::of(&a), NodeFingerprint::of(&relabeled));
-        assert_ne!(NodeFingerprint::of(&a), NodeFingerprint::of(&node("a", "False", &["10.0.0.1"])));
-        assert_ne!(NodeFingerprint::of(&a), NodeFingerprint::of(&node("a", "True", &["10.0.0.2"])));
+        assert_ne!(
+            NodeFingerprint::of(&a),
+            NodeFingerprint::of(&node("a", "False", &["10.0.0.1"]))
+        );
+        assert_ne!(
+            NodeFingerprint::of(&a),
+            NodeFingerprint::of(&node("a", "True", &["10.0.0.2"]))
+        );
     }
 }

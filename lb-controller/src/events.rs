@@ -79,7 +79,10 @@ impl EventPublisher {
         let mut sent = self.sent.lock().await;
         if let Some((name, count)) = sent.get(&key).cloned() {
             let patch = json!({"count": count + 1, "lastTimestamp": now});
-            match api.patch(&name, &PatchParams::default(), &Patch::Merge(&patch)).await {
+            match api
+                .patch(&name, &PatchParams::default(), &Patch::Merge(&patch))
+                .await
+            {
                 Ok(_) => {
                     sent.insert(key, (name, count + 1));
                     return Ok(());
@@ -95,7 +98,11 @@ impl EventPublisher {
             k8s_openapi::jiff::Timestamp::now().as_nanosecond()
         );
         let event = Event {
-            metadata: ObjectMeta { name: Some(name.clone()), namespace: Some(namespace), ..Default::default() },
+            metadata: ObjectMeta {
+                name: Some(name.clone()),
+                namespace: Some(namespace),
+                ..Default::default()
+            },
             involved_object: object.clone(),
             type_: Some(type_.as_str().to_string()),
             reason: Some(reason.to_string()),
@@ -103,7 +110,10 @@ impl EventPublisher {
             count: Some(1),
             first_timestamp: Some(now.clone()),
             last_timestamp: Some(now),
-            source: Some(EventSource { component: Some(self.component.clone()), host: None }),
+            source: Some(EventSource {
+                component: Some(self.component.clone()),
+                host: None,
+            }),
             reporting_component: Some(self.component.clone()),
             reporting_instance: Some(self.instance.clone()),
             ..Default::default()

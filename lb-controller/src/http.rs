@@ -27,12 +27,19 @@ pub fn router(metrics: Arc<Metrics>, health: Arc<Health>, leader_election: bool)
         .route("/metrics", get(metrics_handler))
         .route("/healthz", get(healthz))
         .route("/readyz", get(readyz))
-        .with_state(AppState { metrics, health, leader_election })
+        .with_state(AppState {
+            metrics,
+            health,
+            leader_election,
+        })
 }
 
 async fn metrics_handler(State(state): State<AppState>) -> impl IntoResponse {
     (
-        [(header::CONTENT_TYPE, "application/openmetrics-text; version=1.0.0; charset=utf-8")],
+        [(
+            header::CONTENT_TYPE,
+            "application/openmetrics-text; version=1.0.0; charset=utf-8",
+        )],
         state.metrics.encode(),
     )
 }

@@ -45,8 +45,15 @@ pub enum Decision {
 }
 
 /// Pure decision from the current Lease (if any).
-pub fn decide(lease: Option<&Lease>, identity: &str, now: Timestamp, default_duration: Duration) -> Decision {
-    let Some(spec) = lease.and_then(|l| l.spec.as_ref()) else { return Decision::Acquire };
+pub fn decide(
+    lease: Option<&Lease>,
+    identity: &str,
+    now: Timestamp,
+    default_duration: Duration,
+) -> Decision {
+    let Some(spec) = lease.and_then(|l| l.spec.as_ref()) else {
+        return Decision::Acquire;
+    };
     let holder = spec.holder_identity.as_deref().unwrap_or("");
     if holder == identity {
         return Decision::Renew;
@@ -58,9 +65,17 @@ pub fn decide(lease: Option<&Lease>, identity: &str, now: Timestamp, default_dur
         .lease_duration_seconds
         .map(|s| Duration::from_secs(s.max(0) as u64))
         .unwrap_or(default_duration);
-    let renewed = spec.renew_time.as_ref().or(spec.acquire_time.as_ref()).map(|t| t.0);
+    let renewed = spec
+        .renew_time
+        .as_ref()
+        .or(spec.acquire_time.as_ref())
+        .map(|t| t.0);
     match renewed {
-        Some(renewed) if now.duration_since(renewed).unsigned_abs() < duration && renewed <= now => Decision::Wait,
+        Some(renewed)
+            if now.duration_since(renewed).unsigned_abs() < duration && renewed <= now =>
+        {
+            Decision::Wait
+        }
         Some(renewed) if renewed > now => Decision::Wait, // clock skew: be conservative
         _ => Decision::Acquire,
     }
@@ -84,7 +99,12 @@ impl Elector {
     async fn try_acquire_or_renew(&self) -> Result<bool, kube::Error> {
         let now = Timestamp::now();
         let current = self.api.get_opt(&self.config.name).await?;
-        let decision = decide(current.as_ref(), &self.config.identity, now, self.config.lease_duration);
+        let decision = decide(
+            current.as_ref(),
+            &self.config.identity,
+            now,
+            self.config.lease_duration,
+        );
         if decision == Decision::Wait {
             return Ok(false);
         }
@@ -124,7 +144,9 @@ impl Elector {
             Some(mut lease) => {
                 // Replace with the read resourceVersion: a concurrent writer makes this fail.
                 lease.spec = Some(spec);
-                self.api.replace(&lease.name_any(), &PostParams::default(), &lease).await
+                self.api
+                    .replace(&lease.name_any(), &PostParams::default(), &lease)
+                    .await
             }
         };
         match result {
@@ -141,7 +163,10 @@ impl Elector {
                 if spec.holder_identity.as_deref() == Some(&self.config.identity) {
                     spec.holder_identity = None;
                     spec.lease_duration_seconds = Some(1);
-                    let _ = self.api.replace(&self.config.name, &PostParams::default(), &lease).await;
+                    let _ = self
+                        .api
+                        .replace(&self.config.name, &PostParams::default(), &lease)
+                        .await;
                 }
             }
         }
@@ -159,8 +184,15 @@ pub async fn run_as_leader<F>(
 where
     F: Future<Output = ()>,
 {
-    let elector = Elector { api: Api::namespaced(client, &config.namespace), config: config.clone() };
-    info!(lease = config.name, identity = config.identity, "waiting for leadership");
+    let elector = Elector {
+        api: Api::namespaced(client, &config.namespace),
+        config: config.clone(),
+    };
+    info!(
+        lease = config.name,
+        identity = config.identity,
+        "waiting for leadership"
+    );
     loop {
         match elector.try_acquire_or_renew().await {
             Ok(true) => break,
@@ -169,7 +201,11 @@ where
         }
         tokio::time::sleep(config.retry_period).await;
     }
-    info!(lease = config.name, identity = config.identity, "became leader");
+    info!(
+        lease = config.name,
+        identity = config.identity,
+        "became leader"
+    );
     metrics.leader.set(1);
     let renew = async {
         let mut last_renewal = tokio::time::Instant::now();
@@ -217,10 +253,25 @@ mod tests {
         let now = Timestamp::from_second(1000).unwrap();
         let d = Duration::from_secs(60);
         assert_eq!(decide(None, "me", now, d), Decision::Acquire);
-        assert_eq!(decide(Some(&lease("me", 990, 60)), "me", now, d), Decision::Renew);
-        assert_eq!(decide(Some(&lease("other", 990, 60)), "me", now, d), Decision::Wait);
-        assert_eq!(decide(Some(&lease("other", 900, 60)), "me", now, d), Decision::Acquire);
-        assert_eq!(decide(Some(&lease("", 999, 60)), "me", now, d), Decision::Acquire);
-        assert_eq!(decide(Some(&lease("other", 1010, 60)), "me", now, d), Decision::Wait);
+        assert_eq!(
+            decide(Some(&lease("me", 990, 60)), "me", now, d),
+            Decision::Renew
+        );
+        assert_eq!(
+            decide(Some(&lease("other", 990, 60)), "me", now, d),
+            Decision::Wait
+        );
+        assert_eq!(
+            decide(Some(&lease("other", 900, 60)), "me", now, d),
+            Decision::Acquire
+        );
+        assert_eq!(
+            decide(Some(&lease("", 999, 60)), "me", now, d),
+            Decision::Acquire
+        );
+        assert_eq!(
+            decide(Some(&lease("other", 1010, 60)), "me", now, d),
+            Decision::Wait
+        );
     }
 }

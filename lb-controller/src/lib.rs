@@ -3,8 +3,8 @@
 //! reports external IPs and events back to the Services.
 //!
 //! Layout: pure decisions in [`desired`] and [`endpoints`]; I/O in [`service_controller`],
-//! [`backchannel`], [`leader`]; wiring in [`run`]; [`fake_api`] is the in-memory API server used
-//! by the tests and the benchmark.
+//! [`backchannel`], [`leader`]; wiring in [`run`]. The tests and the benchmark run
+//! the controllers against `lb_api::fake_api::FakeApiServer` (feature `fake-api-server`).
 
 pub mod backchannel;
 pub mod cli;
@@ -12,7 +12,6 @@ pub mod crds;
 pub mod desired;
 pub mod endpoints;
 pub mod events;
-pub mod fake_api;
 pub mod http;
 pub mod leader;
 pub mod metrics;

@@ -54,8 +54,12 @@ fn init_logging(format: LogFormat) {
 async fn run_controller(args: cli::RunArgs) -> anyhow::Result<()> {
     let defaults = args.infra.defaults()?;
     let fallback = args.kubeconfig.as_deref();
-    let target = cli::client_for(args.target_kubeconfig.as_deref().or(fallback)).await.context("target cluster")?;
-    let control = cli::client_for(args.control_kubeconfig.as_deref().or(fallback)).await.context("control cluster")?;
+    let target = cli::client_for(args.target_kubeconfig.as_deref().or(fallback))
+        .await
+        .context("target cluster")?;
+    let control = cli::client_for(args.control_kubeconfig.as_deref().or(fallback))
+        .await
+        .context("control cluster")?;
     let metrics = Arc::new(Metrics::new());
     let health = Arc::new(Health::default());
     let router = lb_controller::http::router(metrics.clone(), health.clone(), args.leader_elect);
@@ -87,10 +91,20 @@ async fn run_controller(args: cli::RunArgs) -> anyhow::Result<()> {
         let _ = tokio::signal::ctrl_c().await;
         info!("shutting down");
     };
-    let controllers = run::run_controllers(target, control.clone(), config, metrics.clone(), health.clone(), shutdown);
+    let controllers = run::run_controllers(
+        target,
+        control.clone(),
+        config,
+        metrics.clone(),
+        health.clone(),
+        shutdown,
+    );
     if args.leader_elect {
         let election = LeaderElectionConfig {
-            namespace: args.leader_election_namespace.clone().unwrap_or(defaults.namespace),
+            namespace: args
+                .leader_election_namespace
+                .clone()
+                .unwrap_or(defaults.namespace),
             name: args.leader_election_id.clone(),
             identity: format!("{instance}_{:08x}", std::process::id() ^ rand_suffix()),
             lease_duration: Duration::from_secs(args.leases_duration),
@@ -101,7 +115,10 @@ async fn run_controller(args: cli::RunArgs) -> anyhow::Result<()> {
     } else {
         controllers.await;
     }
-    anyhow::ensure!(!health.failed.load(std::sync::atomic::Ordering::SeqCst), "a controller loop failed");
+    anyhow::ensure!(
+        !health.failed.load(std::sync::atomic::Ordering::SeqCst),
+        "a controller loop failed"
+    );
     Ok(())
 }
 
@@ -112,5 +129,8 @@ fn hostname() -> String {
 }
 
 fn rand_suffix() -> u32 {
-    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.subsec_nanos()).unwrap_or(0)
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.subsec_nanos())
+        .unwrap_or(0)
 }

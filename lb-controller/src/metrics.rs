@@ -74,18 +74,46 @@ impl Metrics {
         let events_forwarded = Counter::default();
         let ingress_updates = Counter::default();
         let leader = Gauge::<i64, AtomicI64>::default();
-        registry.register("reconciles", "Reconciliations by controller and result", reconciles.clone());
+        registry.register(
+            "reconciles",
+            "Reconciliations by controller and result",
+            reconciles.clone(),
+        );
         registry.register(
             "reconcile_duration_seconds",
             "Reconciliation latency",
             reconcile_duration.clone(),
         );
-        registry.register("loadbalancer_writes", "Writes to LoadBalancer objects", loadbalancer_writes.clone());
-        registry.register("invalid_services", "Services rejected by validation", invalid_services.clone());
-        registry.register("annotation_warnings", "Service annotation values ignored", annotation_warnings.clone());
-        registry.register("events_forwarded", "LoadBalancer events re-emitted on Services", events_forwarded.clone());
-        registry.register("ingress_updates", "External IPs written to Service status", ingress_updates.clone());
-        registry.register("leader", "1 while this instance is the leader", leader.clone());
+        registry.register(
+            "loadbalancer_writes",
+            "Writes to LoadBalancer objects",
+            loadbalancer_writes.clone(),
+        );
+        registry.register(
+            "invalid_services",
+            "Services rejected by validation",
+            invalid_services.clone(),
+        );
+        registry.register(
+            "annotation_warnings",
+            "Service annotation values ignored",
+            annotation_warnings.clone(),
+        );
+        registry.register(
+            "events_forwarded",
+            "LoadBalancer events re-emitted on Services",
+            events_forwarded.clone(),
+        );
+        registry.register(
+            "ingress_updates",
+            "External IPs written to Service status",
+            ingress_updates.clone(),
+        );
+        registry.register(
+            "leader",
+            "1 while this instance is the leader",
+            leader.clone(),
+        );
         Self {
             reconciles,
             reconcile_duration,
@@ -108,13 +136,19 @@ impl Metrics {
             })
             .inc();
         self.reconcile_duration
-            .get_or_create(&ControllerLabels { controller: controller.to_string() })
+            .get_or_create(&ControllerLabels {
+                controller: controller.to_string(),
+            })
             .observe(took.as_secs_f64());
     }
 
     /// Counts a LoadBalancer write.
     pub fn loadbalancer_write(&self, operation: &str) {
-        self.loadbalancer_writes.get_or_create(&OperationLabels { operation: operation.to_string() }).inc();
+        self.loadbalancer_writes
+            .get_or_create(&OperationLabels {
+                operation: operation.to_string(),
+            })
+            .inc();
     }
 
     /// Number of reconciliations of a controller so far (any result); used by tests to know a
@@ -124,7 +158,10 @@ impl Metrics {
             .iter()
             .map(|result| {
                 self.reconciles
-                    .get_or_create(&ResultLabels { controller: controller.to_string(), result: result.to_string() })
+                    .get_or_create(&ResultLabels {
+                        controller: controller.to_string(),
+                        result: result.to_string(),
+                    })
                     .get()
             })
             .sum()

@@ -19,7 +19,7 @@ use crate::backchannel::{self, BackchannelContext};
 use crate::endpoints::NodeFingerprint;
 use crate::events::EventPublisher;
 use crate::metrics::Metrics;
-use crate::service_controller::{self, ServiceContext, ServiceControllerConfig};
+use crate::service_controller::{self, OwnWrites, ServiceContext, ServiceControllerConfig};
 
 /// Everything configurable about the running controllers.
 #[derive(Clone, Debug)]
@@ -65,18 +65,30 @@ pub async fn run_controllers(
 
     let lb_api: Api<LoadBalancer> = Api::namespaced(control.clone(), &namespace);
     let (loadbalancers, lb_writer) = reflector::store::<LoadBalancer>();
-    let lb_stream = reflector::reflector(lb_writer, watcher(lb_api.clone(), watcher::Config::default()).default_backoff());
+    let lb_stream = reflector::reflector(
+        lb_writer,
+        watcher(lb_api.clone(), watcher::Config::default()).default_backoff(),
+    );
     let (lb_trigger_tx, lb_trigger_rx) = mpsc::unbounded::<ObjectRef<Service>>();
-    let lb_task = tokio::spawn(loadbalancer_triggers(lb_stream, lb_trigger_tx));
+    let own_writes = OwnWrites::default();
+    let lb_task = tokio::spawn(loadbalancer_triggers(lb_stream, lb_trigger_tx, own_writes.clone()));
 
     info!("waiting for node and LoadBalancer caches");
     if wait_ready(&nodes).await.is_err() || wait_ready(&loadbalancers).await.is_err() {
         health.failed.store(true, Ordering::SeqCst);
         return;
     }
-    info!(nodes = nodes.state().len(), loadbalancers = loadbalancers.state().len(), "caches synced");
+    info!(
+        nodes = nodes.state().len(),
+        loadbalancers = loadbalancers.state().len(),
+        "caches synced"
+    );
 
-    let events = Arc::new(EventPublisher::new(target.clone(), &config.event_component, &config.instance));
+    let events = Arc::new(EventPublisher::new(
+        target.clone(),
+        &config.event_component,
+        &config.instance,
+    ));
     let service_ctx = Arc::new(ServiceContext {
         target: target.clone(),
         control: control.clone(),
@@ -87,6 +99,7 @@ pub async fn run_controllers(
         metrics: metrics.clone(),
         failures: Default::default(),
         reported: Default::default(),
+        own_writes,
     });
     let backchannel_ctx = Arc::new(BackchannelContext {
         target: target.clone(),
@@ -114,21 +127,32 @@ pub async fn run_controllers(
     };
 
     let controller_config = controller::Config::default().concurrency(config.concurrency);
-    let services = Controller::new(Api::<Service>::all(target.clone()), watcher::Config::default())
-        .with_config(controller_config.clone())
-        .reconcile_on(lb_trigger_rx)
-        .reconcile_all_on(node_trigger_rx)
-        .graceful_shutdown_on(on_shutdown(&shutdown_tx))
-        .run(service_controller::reconcile, service_controller::error_policy, service_ctx)
-        .for_each(|result| async move {
-            if let Err(e) = result {
-                debug!(error = %e, "service controller");
-            }
-        });
+    let services = Controller::new(
+        Api::<Service>::all(target.clone()),
+        watcher::Config::default(),
+    )
+    .with_config(controller_config.clone())
+    .reconcile_on(lb_trigger_rx)
+    .reconcile_all_on(node_trigger_rx)
+    .graceful_shutdown_on(on_shutdown(&shutdown_tx))
+    .run(
+        service_controller::reconcile,
+        service_controller::error_policy,
+        service_ctx,
+    )
+    .for_each(|result| async move {
+        if let Err(e) = result {
+            debug!(error = %e, "service controller");
+        }
+    });
     let backchannel = Controller::new(lb_api, watcher::Config::default())
         .with_config(controller_config)
         .graceful_shutdown_on(on_shutdown(&shutdown_tx))
-        .run(backchannel::reconcile, backchannel::error_policy, backchannel_ctx.clone())
+        .run(
+            backchannel::reconcile,
+            backchannel::error_policy,
+            backchannel_ctx.clone(),
+        )
         .for_each(|result| async move {
             if let Err(e) = result {
                 debug!(error = %e, "back channel controller");
@@ -155,20 +179,31 @@ async fn wait_ready<K: kube::Resource + Clone + 'static>(store: &Store<K>) -> Re
 where
     K::DynamicType: Eq + std::hash::Hash + Clone,
 {
-    store.wait_until_ready().await.map_err(|_| warn!("cache writer dropped before sync"))
+    store
+        .wait_until_ready()
+        .await
+        .map_err(|_| warn!("cache writer dropped before sync"))
 }
 
 /// Drives the LoadBalancer cache and, after the cache has applied a change, asks the Service
 /// controller to reconcile the LoadBalancer's Service (so edits by others are reverted and
 /// deletions are noticed).
-async fn loadbalancer_triggers<S>(stream: S, trigger: mpsc::UnboundedSender<ObjectRef<Service>>)
-where
+async fn loadbalancer_triggers<S>(
+    stream: S,
+    trigger: mpsc::UnboundedSender<ObjectRef<Service>>,
+    own_writes: OwnWrites,
+) where
     S: Stream<Item = Result<watcher::Event<LoadBalancer>, watcher::Error>>,
 {
     futures::pin_mut!(stream);
     while let Some(item) = stream.next().await {
         let lb = match item {
-            Ok(watcher::Event::Apply(lb) | watcher::Event::Delete(lb) | watcher::Event::InitApply(lb)) => lb,
+            Ok(watcher::Event::Apply(lb)) if own_writes.is_own(&lb) => continue,
+            Ok(watcher::Event::Delete(lb)) => {
+                own_writes.forget(&lb.name_any());
+                lb
+            }
+            Ok(watcher::Event::Apply(lb) | watcher::Event::InitApply(lb)) => lb,
             Ok(watcher::Event::Init | watcher::Event::InitDone) => continue,
             Err(e) => {
                 warn!(error = %e, "LoadBalancer watch failed; retrying with backoff");
@@ -176,7 +211,10 @@ where
             }
         };
         if let Some((namespace, name)) = backchannel::service_of(&lb) {
-            if trigger.unbounded_send(ObjectRef::new(&name).within(&namespace)).is_err() {
+            if trigger
+                .unbounded_send(ObjectRef::new(&name).within(&namespace))
+                .is_err()
+            {
                 return;
             }
         }
@@ -213,7 +251,9 @@ where
                 false
             }
             watcher::Event::InitApply(node) => {
-                relist.get_or_insert_with(HashMap::new).insert(node.name_any(), NodeFingerprint::of(&node));
+                relist
+                    .get_or_insert_with(HashMap::new)
+                    .insert(node.name_any(), NodeFingerprint::of(&node));
                 false
             }
             watcher::Event::InitDone => {

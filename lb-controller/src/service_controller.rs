@@ -57,6 +57,41 @@ pub struct ServiceContext {
     pub failures: std::sync::Mutex<HashMap<ObjectRef<Service>, u32>>,
     /// Fingerprint of the last reported warnings per Service, so node flaps do not repeat them.
     pub reported: std::sync::Mutex<HashMap<ObjectRef<Service>, u64>>,
+    /// Our own LoadBalancer writes; see [`OwnWrites`].
+    pub own_writes: OwnWrites,
+}
+
+/// resourceVersions produced by our own LoadBalancer writes, by LoadBalancer name. The watch
+/// event of such a write carries nothing new for us, so it does not re-trigger the Service
+/// (halves the work per change); writes by anybody else still do.
+#[derive(Clone, Default)]
+pub struct OwnWrites(Arc<std::sync::Mutex<HashMap<String, String>>>);
+
+impl OwnWrites {
+    /// Records the resourceVersion our write produced.
+    pub fn record(&self, lb: &LoadBalancer) {
+        if let Some(rv) = lb.resource_version() {
+            self.0.lock().unwrap().insert(lb.name_any(), rv);
+        }
+    }
+
+    /// Whether this version of the LoadBalancer is the result of our last write (consumes the
+    /// record).
+    pub fn is_own(&self, lb: &LoadBalancer) -> bool {
+        let mut writes = self.0.lock().unwrap();
+        match (writes.get(&lb.name_any()), lb.resource_version()) {
+            (Some(ours), Some(rv)) if *ours == rv => {
+                writes.remove(&lb.name_any());
+                true
+            }
+            _ => false,
+        }
+    }
+
+    /// Forgets a LoadBalancer (deleted).
+    pub fn forget(&self, name: &str) {
+        self.0.lock().unwrap().remove(name);
+    }
 }
 
 /// Errors of a reconciliation; all are retried with backoff.
@@ -113,13 +148,18 @@ impl ServiceContext {
                 self.metrics.annotation_warnings.inc();
             }
             warn!(service = %reference, reason, message, "service problem");
-            self.event(service, EventType::Warning, reason, message).await;
+            self.event(service, EventType::Warning, reason, message)
+                .await;
         }
     }
 
     async fn event(&self, service: &Service, type_: EventType, reason: &str, message: &str) {
         let reference: ObjectReference = service.object_ref(&());
-        if let Err(e) = self.events.publish(&reference, type_, reason, message).await {
+        if let Err(e) = self
+            .events
+            .publish(&reference, type_, reason, message)
+            .await
+        {
             // Events are best effort; the state change itself already happened.
             warn!(error = %e, reason, "could not publish event");
         }
@@ -131,7 +171,8 @@ pub async fn reconcile(service: Arc<Service>, ctx: Arc<ServiceContext>) -> Resul
     let started = Instant::now();
     let reference = ObjectRef::from_obj(service.as_ref());
     let result = reconcile_inner(&service, &ctx, &reference).await;
-    ctx.metrics.observe_reconcile(CONTROLLER, result.is_ok(), started.elapsed());
+    ctx.metrics
+        .observe_reconcile(CONTROLLER, result.is_ok(), started.elapsed());
     if result.is_ok() {
         ctx.failures.lock().unwrap().remove(&reference);
     }
@@ -158,7 +199,10 @@ pub fn backoff(failures: u32) -> Duration {
 }
 
 fn has_finalizer(service: &Service) -> bool {
-    service.finalizers().iter().any(|f| f == finalizers::SERVICE)
+    service
+        .finalizers()
+        .iter()
+        .any(|f| f == finalizers::SERVICE)
 }
 
 async fn reconcile_inner(
@@ -185,12 +229,17 @@ async fn reconcile_inner(
 
     let errors = desired::validate_service(service);
     if !errors.is_empty() {
-        ctx.report_warnings(service, reference, "validation", &errors).await;
+        ctx.report_warnings(service, reference, "validation", &errors)
+            .await;
         // Nothing to retry until the Service changes.
         return Ok(Action::await_change());
     }
 
-    let ip_families = service.spec.as_ref().and_then(|s| s.ip_families.clone()).unwrap_or_default();
+    let ip_families = service
+        .spec
+        .as_ref()
+        .and_then(|s| s.ip_families.clone())
+        .unwrap_or_default();
     let nodes = ctx.nodes.state();
     let endpoints = endpoints::endpoints_for(nodes.iter().map(|n| n.as_ref()), &ip_families);
     let desired = desired::desired_spec(service, endpoints, &ctx.config.defaults);
@@ -202,13 +251,21 @@ async fn reconcile_inner(
     let existing = match cached {
         Some(lb) => lb,
         None => {
-            ctx.report_warnings(service, reference, "annotation", &warnings).await;
+            ctx.report_warnings(service, reference, "annotation", &warnings)
+                .await;
             let lb = desired::new_loadbalancer(service, desired.spec.clone(), &ctx.config.defaults);
             match ctx.lb_api().create(&PostParams::default(), &lb).await {
-                Ok(_) => {
+                Ok(created) => {
+                    ctx.own_writes.record(&created);
                     ctx.metrics.loadbalancer_write("create");
                     info!(service = %reference, loadbalancer = lb_name, "created LoadBalancer");
-                    ctx.event(service, EventType::Normal, "creation", "LoadBalancer is in creation").await;
+                    ctx.event(
+                        service,
+                        EventType::Normal,
+                        "creation",
+                        "LoadBalancer is in creation",
+                    )
+                    .await;
                     return Ok(Action::requeue(ctx.config.resync));
                 }
                 // The cache is behind the API server (e.g. we created it a moment ago): continue
@@ -219,7 +276,9 @@ async fn reconcile_inner(
                         Ok(Some(lb)) => Arc::new(lb),
                         // Deleted in between: the delete event re-triggers us.
                         Ok(None) => return Ok(Action::requeue(ctx.config.deletion_poll)),
-                        Err(e) => return Err(kube_err(format!("reading LoadBalancer {lb_name}"))(e)),
+                        Err(e) => {
+                            return Err(kube_err(format!("reading LoadBalancer {lb_name}"))(e))
+                        }
                     }
                 }
                 Err(e) => return Err(kube_err(format!("creating LoadBalancer {lb_name}"))(e)),
@@ -233,15 +292,18 @@ async fn reconcile_inner(
         return Ok(Action::requeue(ctx.config.deletion_poll));
     }
 
-    let (spec, immutable_warnings) = desired::protect_immutable(desired.spec, &existing.spec, service);
+    let (spec, immutable_warnings) =
+        desired::protect_immutable(desired.spec, &existing.spec, service);
     warnings.extend(immutable_warnings);
-    ctx.report_warnings(service, reference, "annotation", &warnings).await;
+    ctx.report_warnings(service, reference, "annotation", &warnings)
+        .await;
 
     let current_spec = serde_json::to_value(&existing.spec).expect("spec serialises");
     let desired_spec = serde_json::to_value(&spec).expect("spec serialises");
     let spec_patch = desired::merge_patch_diff(&current_spec, &desired_spec);
     let service_ref = naming::service_reference(&namespace, &name);
-    let annotation_ok = existing.annotations().get(lb_annotations::SERVICE_NAME) == Some(&service_ref);
+    let annotation_ok =
+        existing.annotations().get(lb_annotations::SERVICE_NAME) == Some(&service_ref);
     if spec_patch.is_none() && annotation_ok {
         return Ok(Action::requeue(ctx.config.resync));
     }
@@ -249,19 +311,25 @@ async fn reconcile_inner(
     if !annotation_ok {
         patch["metadata"] = json!({"annotations": {lb_annotations::SERVICE_NAME: service_ref}});
     }
-    let fields = spec_patch.as_ref().map(desired::changed_fields).unwrap_or_default();
+    let fields = spec_patch
+        .as_ref()
+        .map(desired::changed_fields)
+        .unwrap_or_default();
     if let Some(spec_patch) = spec_patch {
         patch["spec"] = spec_patch;
     }
-    ctx.lb_api()
+    let patched = ctx
+        .lb_api()
         .patch(&lb_name, &PatchParams::default(), &Patch::Merge(&patch))
         .await
         .map_err(kube_err(format!("patching LoadBalancer {lb_name}")))?;
+    ctx.own_writes.record(&patched);
     ctx.metrics.loadbalancer_write("patch");
     if !fields.is_empty() {
         info!(service = %reference, loadbalancer = lb_name, ?fields, "updated LoadBalancer");
         let message = format!("LoadBalancer {} synced with the service", fields.join(", "));
-        ctx.event(service, EventType::Normal, "update", &message).await;
+        ctx.event(service, EventType::Normal, "update", &message)
+            .await;
     }
     Ok(Action::requeue(ctx.config.resync))
 }
@@ -272,13 +340,25 @@ async fn add_finalizer(service: &Service, ctx: &ServiceContext) -> Result<(), Er
     patch_finalizers(service, ctx, finalizers).await
 }
 
-async fn patch_finalizers(service: &Service, ctx: &ServiceContext, finalizers: Vec<String>) -> Result<(), Error> {
-    let api: Api<Service> = Api::namespaced(ctx.target.clone(), &service.namespace().unwrap_or_default());
+async fn patch_finalizers(
+    service: &Service,
+    ctx: &ServiceContext,
+    finalizers: Vec<String>,
+) -> Result<(), Error> {
+    let api: Api<Service> =
+        Api::namespaced(ctx.target.clone(), &service.namespace().unwrap_or_default());
     // The resourceVersion makes this a compare-and-swap: finalizers of others are never lost.
     let patch = json!({"metadata": {"finalizers": finalizers, "resourceVersion": service.resource_version()}});
-    api.patch(&service.name_any(), &PatchParams::default(), &Patch::Merge(&patch))
-        .await
-        .map_err(kube_err(format!("updating finalizers of service {}", service.name_any())))?;
+    api.patch(
+        &service.name_any(),
+        &PatchParams::default(),
+        &Patch::Merge(&patch),
+    )
+    .await
+    .map_err(kube_err(format!(
+        "updating finalizers of service {}",
+        service.name_any()
+    )))?;
     Ok(())
 }
 
@@ -300,7 +380,10 @@ async fn deletion(service: &Service, ctx: &ServiceContext, lb_name: &str) -> Res
         .await
         .map_err(kube_err(format!("reading LoadBalancer {lb_name}")))?;
     if let Some(lb) = lb {
-        let belongs = lb.annotations().get(lb_annotations::SERVICE_NAME).map(String::as_str)
+        let belongs = lb
+            .annotations()
+            .get(lb_annotations::SERVICE_NAME)
+            .map(String::as_str)
             == Some(&naming::service_reference(
                 &service.namespace().unwrap_or_default(),
                 &service.name_any(),
@@ -324,7 +407,8 @@ async fn deletion(service: &Service, ctx: &ServiceContext, lb_name: &str) -> Res
     if !ours {
         return Ok(Action::await_change());
     }
-    let api: Api<Service> = Api::namespaced(ctx.target.clone(), &service.namespace().unwrap_or_default());
+    let api: Api<Service> =
+        Api::namespaced(ctx.target.clone(), &service.namespace().unwrap_or_default());
     if desired::service_ingress_ip(service).is_some()
         || service
             .status
@@ -334,19 +418,36 @@ async fn deletion(service: &Service, ctx: &ServiceContext, lb_name: &str) -> Res
             .is_some_and(|i| !i.is_empty())
     {
         let patch = json!({"status": {"loadBalancer": {"ingress": null}}});
-        api.patch_status(&service.name_any(), &PatchParams::default(), &Patch::Merge(&patch))
-            .await
-            .map_err(kube_err(format!("clearing ingress of service {}", service.name_any())))?;
+        api.patch_status(
+            &service.name_any(),
+            &PatchParams::default(),
+            &Patch::Merge(&patch),
+        )
+        .await
+        .map_err(kube_err(format!(
+            "clearing ingress of service {}",
+            service.name_any()
+        )))?;
     }
-    let remaining: Vec<String> =
-        service.finalizers().iter().filter(|f| *f != finalizers::SERVICE).cloned().collect();
+    let remaining: Vec<String> = service
+        .finalizers()
+        .iter()
+        .filter(|f| *f != finalizers::SERVICE)
+        .cloned()
+        .collect();
     match patch_finalizers(service, ctx, remaining).await {
         Ok(()) => {}
         // Already gone: nothing left to release.
-        Err(Error::Kube { source: kube::Error::Api(e), .. }) if e.code == 404 => {}
+        Err(Error::Kube {
+            source: kube::Error::Api(e),
+            ..
+        }) if e.code == 404 => {}
         Err(e) => return Err(e),
     }
     info!(service = %ObjectRef::from_obj(service), "released service");
-    ctx.reported.lock().unwrap().remove(&ObjectRef::from_obj(service));
+    ctx.reported
+        .lock()
+        .unwrap()
+        .remove(&ObjectRef::from_obj(service));
     Ok(Action::await_change())
 }

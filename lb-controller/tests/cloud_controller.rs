@@ -18,7 +18,8 @@ async fn lifecycle_create_ip_delete() {
         h.put_node("node-b", "True", &["10.0.0.2"]);
     })
     .await;
-    h.create_service("default", "web", json!({}), json!({})).await;
+    h.create_service("default", "web", json!({}), json!({}))
+        .await;
 
     let lb = h.wait_lb(LB, "LoadBalancer created", |_| true).await;
     assert_eq!(lb.metadata.namespace.as_deref(), Some(LB_NS));
@@ -29,33 +30,77 @@ async fn lifecycle_create_ip_delete() {
     assert_eq!(lb.spec.replicas, 1);
     assert_eq!(endpoint_names(&lb), ["node-a", "node-b"]);
     assert_eq!(lb.spec.ports()[0].node_port, Some(30080));
-    assert_eq!(lb.spec.infrastructure.default_network.network_id, "cluster-net");
-    assert_eq!(lb.spec.infrastructure.auth_secret_ref.name.as_deref(), Some("cloudprovider"));
-    assert_eq!(lb.spec.options().internal_lb, Some(false), "schema default applied");
+    assert_eq!(
+        lb.spec.infrastructure.default_network.network_id,
+        "cluster-net"
+    );
+    assert_eq!(
+        lb.spec.infrastructure.auth_secret_ref.name.as_deref(),
+        Some("cloudprovider")
+    );
+    assert_eq!(
+        lb.spec.options().internal_lb,
+        Some(false),
+        "schema default applied"
+    );
     wait_until("service finalizer", || {
-        h.service("default", "web").unwrap().metadata.finalizers.unwrap_or_default()
+        h.service("default", "web")
+            .unwrap()
+            .metadata
+            .finalizers
+            .unwrap_or_default()
             == ["stackit.cloud/loadbalancer"]
     })
     .await;
-    h.wait_event("default", "web", "Normal", "LoadBalancer is in creation").await;
+    h.wait_event("default", "web", "Normal", "LoadBalancer is in creation")
+        .await;
 
     // Not ready yet: no IP on the Service.
-    h.set_lb_status(LB, json!({"externalIP": "192.0.2.7", "readyReplicas": 0, "replicas": 1})).await;
+    h.set_lb_status(
+        LB,
+        json!({"externalIP": "192.0.2.7", "readyReplicas": 0, "replicas": 1}),
+    )
+    .await;
     // Ready: the IP appears, with an event.
     h.set_lb_status(LB, json!({"readyReplicas": 1})).await;
     wait_until("ingress IP", || ingress(&h) == Some("192.0.2.7".into())).await;
-    h.wait_event("default", "web", "Normal", "successfully created with IP 192.0.2.7").await;
+    h.wait_event(
+        "default",
+        "web",
+        "Normal",
+        "successfully created with IP 192.0.2.7",
+    )
+    .await;
 
     // The OpenStack controllers keep a finalizer on the LoadBalancer until they cleaned up.
     h.lb_api()
-        .patch(LB, &PatchParams::default(), &Patch::Merge(&json!({"metadata": {"finalizers": ["yawol.stackit.cloud/controller2"]}})))
+        .patch(
+            LB,
+            &PatchParams::default(),
+            &Patch::Merge(
+                &json!({"metadata": {"finalizers": ["yawol.stackit.cloud/controller2"]}}),
+            ),
+        )
         .await
         .unwrap();
-    h.service_api("default").delete("web", &DeleteParams::default()).await.unwrap();
-    h.wait_lb(LB, "LoadBalancer deletion requested", |lb| lb.metadata.deletion_timestamp.is_some()).await;
-    assert!(h.service("default", "web").is_some(), "service waits for the LoadBalancer");
+    h.service_api("default")
+        .delete("web", &DeleteParams::default())
+        .await
+        .unwrap();
+    h.wait_lb(LB, "LoadBalancer deletion requested", |lb| {
+        lb.metadata.deletion_timestamp.is_some()
+    })
+    .await;
+    assert!(
+        h.service("default", "web").is_some(),
+        "service waits for the LoadBalancer"
+    );
     h.lb_api()
-        .patch(LB, &PatchParams::default(), &Patch::Merge(&json!({"metadata": {"finalizers": null}})))
+        .patch(
+            LB,
+            &PatchParams::default(),
+            &Patch::Merge(&json!({"metadata": {"finalizers": null}})),
+        )
         .await
         .unwrap();
     wait_until("service released", || h.service("default", "web").is_none()).await;
@@ -72,12 +117,18 @@ fn ingress(h: &Harness) -> Option<String> {
 async fn type_change_deletes_loadbalancer_and_clears_ingress() {
     let h = Harness::start().await;
     h.put_node("node-a", "True", &["10.0.0.1"]);
-    h.create_service("default", "web", json!({}), json!({})).await;
+    h.create_service("default", "web", json!({}), json!({}))
+        .await;
     h.wait_lb(LB, "created", |_| true).await;
-    h.set_lb_status(LB, json!({"externalIP": "192.0.2.8", "replicas": 1, "readyReplicas": 1})).await;
+    h.set_lb_status(
+        LB,
+        json!({"externalIP": "192.0.2.8", "replicas": 1, "readyReplicas": 1}),
+    )
+    .await;
     wait_until("ingress IP", || ingress(&h).is_some()).await;
 
-    h.patch_service("default", "web", json!({"spec": {"type": "ClusterIP"}})).await;
+    h.patch_service("default", "web", json!({"spec": {"type": "ClusterIP"}}))
+        .await;
     wait_until("LoadBalancer deleted", || h.lb(LB).is_none()).await;
     wait_until("ingress cleared and finalizer removed", || {
         let svc = h.service("default", "web").unwrap();
@@ -86,33 +137,81 @@ async fn type_change_deletes_loadbalancer_and_clears_ingress() {
     .await;
 
     // Back to LoadBalancer: a new LoadBalancer is created.
-    h.patch_service("default", "web", json!({"spec": {"type": "LoadBalancer"}})).await;
+    h.patch_service("default", "web", json!({"spec": {"type": "LoadBalancer"}}))
+        .await;
     h.wait_lb(LB, "recreated", |_| true).await;
     h.stop().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn class_filtering() {
-    let classes = ClassFilter { class_names: vec!["stackit.cloud/yawol".into(), "team-b".into()], accept_empty: false };
-    let h = Harness::start_with(true, classes, |h| h.put_node("node-a", "True", &["10.0.0.1"])).await;
+    let classes = ClassFilter {
+        class_names: vec!["stackit.cloud/yawol".into(), "team-b".into()],
+        accept_empty: false,
+    };
+    let h = Harness::start_with(true, classes, |h| {
+        h.put_node("node-a", "True", &["10.0.0.1"])
+    })
+    .await;
 
     let before = h.metrics.reconcile_count("service");
-    h.create_service("default", "empty", json!({}), json!({})).await;
-    h.create_service("default", "other", json!({}), json!({"loadBalancerClass": "other.io/lb"})).await;
-    h.create_service("default", "byclass", json!({}), json!({"loadBalancerClass": "team-b"})).await;
-    h.create_service("default", "byannotation", json!({"yawol.stackit.cloud/className": "stackit.cloud/yawol"}), json!({})).await;
-    h.wait_lb("default--byclass", "class in list", |_| true).await;
-    h.wait_lb("default--byannotation", "deprecated annotation", |_| true).await;
+    h.create_service("default", "empty", json!({}), json!({}))
+        .await;
+    h.create_service(
+        "default",
+        "other",
+        json!({}),
+        json!({"loadBalancerClass": "other.io/lb"}),
+    )
+    .await;
+    h.create_service(
+        "default",
+        "byclass",
+        json!({}),
+        json!({"loadBalancerClass": "team-b"}),
+    )
+    .await;
+    h.create_service(
+        "default",
+        "byannotation",
+        json!({"yawol.stackit.cloud/className": "stackit.cloud/yawol"}),
+        json!({}),
+    )
+    .await;
+    h.wait_lb("default--byclass", "class in list", |_| true)
+        .await;
+    h.wait_lb("default--byannotation", "deprecated annotation", |_| true)
+        .await;
     h.wait_reconciles(before, 4).await;
     assert!(h.lb("default--empty").is_none(), "empty class not accepted");
     assert!(h.lb("default--other").is_none(), "other class ignored");
-    assert!(h.service("default", "other").unwrap().metadata.finalizers.is_none(), "foreign service untouched");
+    assert!(
+        h.service("default", "other")
+            .unwrap()
+            .metadata
+            .finalizers
+            .is_none(),
+        "foreign service untouched"
+    );
 
     // The deprecated annotation wins over spec.loadBalancerClass: switching it away deletes the LB.
-    h.patch_service("default", "byclass", json!({"metadata": {"annotations": {"yawol.stackit.cloud/className": "other.io/lb"}}})).await;
-    wait_until("LoadBalancer of re-classed service deleted", || h.lb("default--byclass").is_none()).await;
+    h.patch_service(
+        "default",
+        "byclass",
+        json!({"metadata": {"annotations": {"yawol.stackit.cloud/className": "other.io/lb"}}}),
+    )
+    .await;
+    wait_until("LoadBalancer of re-classed service deleted", || {
+        h.lb("default--byclass").is_none()
+    })
+    .await;
     wait_until("finalizer released", || {
-        h.service("default", "byclass").unwrap().metadata.finalizers.unwrap_or_default().is_empty()
+        h.service("default", "byclass")
+            .unwrap()
+            .metadata
+            .finalizers
+            .unwrap_or_default()
+            .is_empty()
     })
     .await;
     h.stop().await;
@@ -120,8 +219,12 @@ async fn class_filtering() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn annotations_applied_and_changed_in_one_write() {
-    let h = Harness::start_with(true, ClassFilter::default(), |h| h.put_node("node-a", "True", &["10.0.0.1"])).await;
-    h.create_service("default", "web", json!({}), json!({})).await;
+    let h = Harness::start_with(true, ClassFilter::default(), |h| {
+        h.put_node("node-a", "True", &["10.0.0.1"])
+    })
+    .await;
+    h.create_service("default", "web", json!({}), json!({}))
+        .await;
     h.wait_lb(LB, "created", |_| true).await;
 
     let writes_before = h.control.write_count();
@@ -153,16 +256,32 @@ async fn annotations_applied_and_changed_in_one_write() {
         }}}),
     )
     .await;
-    let lb = h.wait_lb(LB, "all options applied", |lb| lb.spec.replicas == 3).await;
-    assert_eq!(h.control.write_count(), writes_before + 1, "all changes in one patch");
+    let lb = h
+        .wait_lb(LB, "all options applied", |lb| lb.spec.replicas == 3)
+        .await;
+    assert_eq!(
+        h.control.write_count(),
+        writes_before + 1,
+        "all changes in one patch"
+    );
     let infra = &lb.spec.infrastructure;
     assert_eq!(infra.image.image_id.as_deref(), Some("image-2"));
     assert_eq!(infra.flavor.flavor_id.as_deref(), Some("flavor-2"));
     assert_eq!(infra.availability_zone, "az-2");
     assert_eq!(infra.default_network.network_id, "other-net");
-    assert_eq!(infra.default_network.subnet_id.as_deref(), Some("other-subnet"));
-    assert_eq!(infra.default_network.floating_net_id.as_deref(), Some("other-floating"));
-    let extra: Vec<_> = infra.additional_networks().iter().map(|n| n.network_id.as_str()).collect();
+    assert_eq!(
+        infra.default_network.subnet_id.as_deref(),
+        Some("other-subnet")
+    );
+    assert_eq!(
+        infra.default_network.floating_net_id.as_deref(),
+        Some("other-floating")
+    );
+    let extra: Vec<_> = infra
+        .additional_networks()
+        .iter()
+        .map(|n| n.network_id.as_str())
+        .collect();
     assert_eq!(extra, ["extra-net", "cluster-net"]);
     assert!(lb.spec.debug_settings().enabled);
     let o = lb.spec.options();
@@ -171,9 +290,13 @@ async fn annotations_applied_and_changed_in_one_write() {
     assert!(o.tcp_proxy_protocol_for_port(80));
     assert_eq!(o.tcp_idle_timeout.as_ref().unwrap().as_str(), "1m30s");
     assert_eq!(o.udp_idle_timeout(), Ok(std::time::Duration::ZERO));
-    assert_eq!(o.log_forward.as_ref().unwrap().labels.as_ref().unwrap()["team"], "blue");
+    assert_eq!(
+        o.log_forward.as_ref().unwrap().labels.as_ref().unwrap()["team"],
+        "blue"
+    );
     assert_eq!(o.server_group_policy(), Some("soft-anti-affinity"));
-    h.wait_event("default", "web", "Normal", "synced with the service").await;
+    h.wait_event("default", "web", "Normal", "synced with the service")
+        .await;
 
     // Removing the annotations reverts to the defaults (fields are removed, not left behind).
     let service = h.service("default", "web").unwrap();
@@ -184,18 +307,31 @@ async fn annotations_applied_and_changed_in_one_write() {
         .keys()
         .map(|k| (k.clone(), serde_json::Value::Null))
         .collect();
-    h.patch_service("default", "web", json!({"metadata": {"annotations": nulls}})).await;
-    let lb = h.wait_lb(LB, "defaults restored", |lb| lb.spec.replicas == 1).await;
+    h.patch_service(
+        "default",
+        "web",
+        json!({"metadata": {"annotations": nulls}}),
+    )
+    .await;
+    let lb = h
+        .wait_lb(LB, "defaults restored", |lb| lb.spec.replicas == 1)
+        .await;
     let o = lb.spec.options();
     assert!(!o.is_internal() && !o.tcp_proxy_protocol() && o.tcp_idle_timeout.is_none());
     assert!(lb.spec.infrastructure.additional_networks.is_none());
-    assert_eq!(lb.spec.infrastructure.image.image_id.as_deref(), Some("image-1"));
+    assert_eq!(
+        lb.spec.infrastructure.image.image_id.as_deref(),
+        Some("image-1")
+    );
     h.stop().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn invalid_annotations_warn_but_do_not_block() {
-    let h = Harness::start_with(true, ClassFilter::default(), |h| h.put_node("node-a", "True", &["10.0.0.1"])).await;
+    let h = Harness::start_with(true, ClassFilter::default(), |h| {
+        h.put_node("node-a", "True", &["10.0.0.1"])
+    })
+    .await;
     h.create_service(
         "default",
         "web",
@@ -207,34 +343,80 @@ async fn invalid_annotations_warn_but_do_not_block() {
         json!({}),
     )
     .await;
-    let lb = h.wait_lb(LB, "created despite bad annotations", |_| true).await;
+    let lb = h
+        .wait_lb(LB, "created despite bad annotations", |_| true)
+        .await;
     assert_eq!(lb.spec.replicas, 1);
     assert!(lb.spec.options().tcp_idle_timeout.is_none());
-    h.wait_event("default", "web", "Warning", "yawol.stackit.cloud/replicas").await;
-    h.wait_event("default", "web", "Warning", "yawol.stackit.cloud/tcpIdleTimeout").await;
-    h.wait_event("default", "web", "Warning", "spread-out").await;
+    h.wait_event("default", "web", "Warning", "yawol.stackit.cloud/replicas")
+        .await;
+    h.wait_event(
+        "default",
+        "web",
+        "Warning",
+        "yawol.stackit.cloud/tcpIdleTimeout",
+    )
+    .await;
+    h.wait_event("default", "web", "Warning", "spread-out")
+        .await;
     assert!(h.metrics.annotation_warnings.get() >= 3);
 
     // projectID is immutable once set.
-    h.patch_service("default", "web", json!({"metadata": {"annotations": {"yawol.stackit.cloud/projectID": "p1"}}})).await;
-    h.wait_lb(LB, "projectID set", |lb| lb.spec.infrastructure.project_id.as_deref() == Some("p1")).await;
-    h.patch_service("default", "web", json!({"metadata": {"annotations": {"yawol.stackit.cloud/projectID": "p2"}}})).await;
-    h.wait_event("default", "web", "Warning", "projectID cannot be changed").await;
-    assert_eq!(h.lb(LB).unwrap().spec.infrastructure.project_id.as_deref(), Some("p1"));
+    h.patch_service(
+        "default",
+        "web",
+        json!({"metadata": {"annotations": {"yawol.stackit.cloud/projectID": "p1"}}}),
+    )
+    .await;
+    h.wait_lb(LB, "projectID set", |lb| {
+        lb.spec.infrastructure.project_id.as_deref() == Some("p1")
+    })
+    .await;
+    h.patch_service(
+        "default",
+        "web",
+        json!({"metadata": {"annotations": {"yawol.stackit.cloud/projectID": "p2"}}}),
+    )
+    .await;
+    h.wait_event("default", "web", "Warning", "projectID cannot be changed")
+        .await;
+    assert_eq!(
+        h.lb(LB).unwrap().spec.infrastructure.project_id.as_deref(),
+        Some("p1")
+    );
     h.stop().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn existing_floating_ip_cannot_change_after_assignment() {
     let h = Harness::start().await;
-    h.create_service("default", "web", json!({"yawol.stackit.cloud/existingFloatingIP": "192.0.2.50"}), json!({})).await;
+    h.create_service(
+        "default",
+        "web",
+        json!({"yawol.stackit.cloud/existingFloatingIP": "192.0.2.50"}),
+        json!({}),
+    )
+    .await;
     let lb = h.wait_lb(LB, "created", |_| true).await;
     assert_eq!(lb.spec.existing_floating_ip.as_deref(), Some("192.0.2.50"));
-    h.set_lb_status(LB, json!({"externalIP": "192.0.2.50", "replicas": 1, "readyReplicas": 1})).await;
+    h.set_lb_status(
+        LB,
+        json!({"externalIP": "192.0.2.50", "replicas": 1, "readyReplicas": 1}),
+    )
+    .await;
     wait_until("ingress", || ingress(&h).is_some()).await;
     h.patch_service("default", "web", json!({"metadata": {"annotations": {"yawol.stackit.cloud/existingFloatingIP": "192.0.2.51"}}})).await;
-    h.wait_event("default", "web", "Warning", "existingFloatingIP cannot be changed").await;
-    assert_eq!(h.lb(LB).unwrap().spec.existing_floating_ip.as_deref(), Some("192.0.2.50"));
+    h.wait_event(
+        "default",
+        "web",
+        "Warning",
+        "existingFloatingIP cannot be changed",
+    )
+    .await;
+    assert_eq!(
+        h.lb(LB).unwrap().spec.existing_floating_ip.as_deref(),
+        Some("192.0.2.50")
+    );
     h.stop().await;
 }
 
@@ -248,16 +430,33 @@ async fn validation_errors_are_events_and_nothing_is_created() {
         json!({"ports": [{"name": "sctp", "port": 9, "protocol": "SCTP", "nodePort": 30009}]}),
     )
     .await;
-    h.wait_event("default", "web", "Warning", "unsupported protocol SCTP").await;
+    h.wait_event("default", "web", "Warning", "unsupported protocol SCTP")
+        .await;
     assert!(h.lb(LB).is_none());
     assert_eq!(h.metrics.invalid_services.get(), 1);
 
-    h.patch_service("default", "web", json!({"spec": {"allocateLoadBalancerNodePorts": false,
-        "ports": [{"name": "dns", "port": 53, "protocol": "UDP", "nodePort": 30053}]}})).await;
-    h.wait_event("default", "web", "Warning", "allocateLoadBalancerNodePorts=false").await;
+    h.patch_service(
+        "default",
+        "web",
+        json!({"spec": {"allocateLoadBalancerNodePorts": false,
+        "ports": [{"name": "dns", "port": 53, "protocol": "UDP", "nodePort": 30053}]}}),
+    )
+    .await;
+    h.wait_event(
+        "default",
+        "web",
+        "Warning",
+        "allocateLoadBalancerNodePorts=false",
+    )
+    .await;
     assert!(h.lb(LB).is_none());
 
-    h.patch_service("default", "web", json!({"spec": {"allocateLoadBalancerNodePorts": null}})).await;
+    h.patch_service(
+        "default",
+        "web",
+        json!({"spec": {"allocateLoadBalancerNodePorts": null}}),
+    )
+    .await;
     let lb = h.wait_lb(LB, "created once valid", |_| true).await;
     assert_eq!(lb.spec.ports()[0].protocol.as_deref(), Some("UDP"));
     h.stop().await;
@@ -266,21 +465,30 @@ async fn validation_errors_are_events_and_nothing_is_created() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn port_and_protocol_changes() {
     let h = Harness::start().await;
-    h.create_service("default", "web", json!({}), json!({})).await;
+    h.create_service("default", "web", json!({}), json!({}))
+        .await;
     h.wait_lb(LB, "created", |_| true).await;
     h.patch_service("default", "web", json!({"spec": {"ports": [
         {"name": "https", "port": 443, "protocol": "TCP", "nodePort": 30443, "targetPort": 8443},
         {"name": "dns", "port": 53, "protocol": "UDP", "nodePort": 30053, "targetPort": 53},
     ]}}))
     .await;
-    let lb = h.wait_lb(LB, "ports synced", |lb| lb.spec.ports().len() == 2).await;
+    let lb = h
+        .wait_lb(LB, "ports synced", |lb| lb.spec.ports().len() == 2)
+        .await;
     assert_eq!(lb.spec.ports()[0].port, 443);
     assert_eq!(lb.spec.ports()[1].protocol.as_deref(), Some("UDP"));
-    h.patch_service("default", "web", json!({"spec": {"ports": [
-        {"name": "dns", "port": 53, "protocol": "TCP", "nodePort": 30054, "targetPort": 53},
-    ]}}))
+    h.patch_service(
+        "default",
+        "web",
+        json!({"spec": {"ports": [
+            {"name": "dns", "port": 53, "protocol": "TCP", "nodePort": 30054, "targetPort": 53},
+        ]}}),
+    )
     .await;
-    let lb = h.wait_lb(LB, "protocol synced", |lb| lb.spec.ports().len() == 1).await;
+    let lb = h
+        .wait_lb(LB, "protocol synced", |lb| lb.spec.ports().len() == 1)
+        .await;
     assert_eq!(lb.spec.ports()[0].protocol.as_deref(), Some("TCP"));
     assert_eq!(lb.spec.ports()[0].node_port, Some(30054));
     h.stop().await;
@@ -294,38 +502,75 @@ async fn node_readiness_termination_and_meltdown() {
         h.put_node("node-c", "False", &["10.0.0.3"]);
     })
     .await;
-    h.create_service("default", "web", json!({}), json!({})).await;
-    h.wait_lb(LB, "ready nodes only", |lb| endpoint_names(lb) == ["node-a", "node-b"]).await;
+    h.create_service("default", "web", json!({}), json!({}))
+        .await;
+    h.wait_lb(LB, "ready nodes only", |lb| {
+        endpoint_names(lb) == ["node-a", "node-b"]
+    })
+    .await;
 
     h.put_node("node-c", "True", &["10.0.0.3"]);
-    h.wait_lb(LB, "node became ready", |lb| endpoint_names(lb) == ["node-a", "node-b", "node-c"]).await;
+    h.wait_lb(LB, "node became ready", |lb| {
+        endpoint_names(lb) == ["node-a", "node-b", "node-c"]
+    })
+    .await;
 
     h.put_node("node-b", "Unknown", &["10.0.0.2"]);
-    h.wait_lb(LB, "node not ready", |lb| endpoint_names(lb) == ["node-a", "node-c"]).await;
+    h.wait_lb(LB, "node not ready", |lb| {
+        endpoint_names(lb) == ["node-a", "node-c"]
+    })
+    .await;
 
-    h.put_node_with("node-a", "True", &["10.0.0.1"], json!({"taints": [{"key": "ToBeDeletedByClusterAutoscaler", "effect": "NoSchedule"}]}), vec![]);
-    h.wait_lb(LB, "autoscaler taint", |lb| endpoint_names(lb) == ["node-c"]).await;
+    h.put_node_with(
+        "node-a",
+        "True",
+        &["10.0.0.1"],
+        json!({"taints": [{"key": "ToBeDeletedByClusterAutoscaler", "effect": "NoSchedule"}]}),
+        vec![],
+    );
+    h.wait_lb(LB, "autoscaler taint", |lb| {
+        endpoint_names(lb) == ["node-c"]
+    })
+    .await;
 
-    h.put_node_with("node-c", "True", &["10.0.0.3"], json!({}), vec![json!({"type": "Terminating", "status": "True"})]);
+    h.put_node_with(
+        "node-c",
+        "True",
+        &["10.0.0.3"],
+        json!({}),
+        vec![json!({"type": "Terminating", "status": "True"})],
+    );
     // No non-terminating node is Ready now: meltdown protection keeps node-b (NotReady but not
     // terminating) instead of emptying the endpoints.
-    h.wait_lb(LB, "meltdown protection", |lb| endpoint_names(lb) == ["node-b"]).await;
+    h.wait_lb(LB, "meltdown protection", |lb| {
+        endpoint_names(lb) == ["node-b"]
+    })
+    .await;
 
     h.put_node("node-d", "True", &["10.0.0.4"]);
-    h.wait_lb(LB, "ready node back", |lb| endpoint_names(lb) == ["node-d"]).await;
+    h.wait_lb(LB, "ready node back", |lb| endpoint_names(lb) == ["node-d"])
+        .await;
 
     h.put_node("node-d", "True", &["10.0.0.40"]);
-    h.wait_lb(LB, "address change", |lb| lb.spec.endpoints()[0].addresses() == ["10.0.0.40"]).await;
+    h.wait_lb(LB, "address change", |lb| {
+        lb.spec.endpoints()[0].addresses() == ["10.0.0.40"]
+    })
+    .await;
 
     h.target.remove(&nodes(), "", "node-d");
-    h.wait_lb(LB, "node deleted", |lb| endpoint_names(lb) == ["node-b"]).await;
+    h.wait_lb(LB, "node deleted", |lb| endpoint_names(lb) == ["node-b"])
+        .await;
     h.stop().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn node_heartbeats_do_not_cause_writes() {
-    let h = Harness::start_with(true, ClassFilter::default(), |h| h.put_node("node-a", "True", &["10.0.0.1"])).await;
-    h.create_service("default", "web", json!({}), json!({})).await;
+    let h = Harness::start_with(true, ClassFilter::default(), |h| {
+        h.put_node("node-a", "True", &["10.0.0.1"])
+    })
+    .await;
+    h.create_service("default", "web", json!({}), json!({}))
+        .await;
     h.wait_lb(LB, "created", |_| true).await;
     let writes = h.control.write_count();
     let before = h.metrics.reconcile_count("service");
@@ -336,8 +581,13 @@ async fn node_heartbeats_do_not_cause_writes() {
     }
     // A real change afterwards proves the node events were processed in order.
     h.put_node("node-b", "True", &["10.0.0.2"]);
-    h.wait_lb(LB, "node-b added", |lb| endpoint_names(lb).len() == 2).await;
-    assert_eq!(h.control.write_count(), writes + 1, "only the real change was written");
+    h.wait_lb(LB, "node-b added", |lb| endpoint_names(lb).len() == 2)
+        .await;
+    assert_eq!(
+        h.control.write_count(),
+        writes + 1,
+        "only the real change was written"
+    );
     assert!(h.metrics.reconcile_count("service") - before <= 3);
     h.stop().await;
 }
@@ -357,9 +607,17 @@ async fn dual_stack_filtering() {
         h.put_node("node-b", "True", &["fd00::2"]);
     })
     .await;
-    h.create_service("default", "v4", json!({}), json!({"ipFamilies": ["IPv4"]})).await;
-    h.create_service("default", "v6", json!({}), json!({"ipFamilies": ["IPv6"]})).await;
-    h.create_service("default", "dual", json!({}), json!({"ipFamilies": ["IPv4", "IPv6"]})).await;
+    h.create_service("default", "v4", json!({}), json!({"ipFamilies": ["IPv4"]}))
+        .await;
+    h.create_service("default", "v6", json!({}), json!({"ipFamilies": ["IPv6"]}))
+        .await;
+    h.create_service(
+        "default",
+        "dual",
+        json!({}),
+        json!({"ipFamilies": ["IPv4", "IPv6"]}),
+    )
+    .await;
     let v4 = h.wait_lb("default--v4", "v4", |_| true).await;
     assert_eq!(endpoint_names(&v4), ["node-a"]);
     assert_eq!(v4.spec.endpoints()[0].addresses(), ["10.0.0.1"]);
@@ -367,25 +625,39 @@ async fn dual_stack_filtering() {
     assert_eq!(endpoint_names(&v6), ["node-a", "node-b"]);
     assert_eq!(v6.spec.endpoints()[0].addresses(), ["fd00::1"]);
     let dual = h.wait_lb("default--dual", "dual", |_| true).await;
-    assert_eq!(dual.spec.endpoints()[0].addresses(), ["10.0.0.1", "fd00::1"]);
+    assert_eq!(
+        dual.spec.endpoints()[0].addresses(),
+        ["10.0.0.1", "fd00::1"]
+    );
     h.stop().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn external_ip_with_zero_replicas() {
     let h = Harness::start().await;
-    h.create_service("default", "web", json!({"yawol.stackit.cloud/replicas": "0"}), json!({})).await;
+    h.create_service(
+        "default",
+        "web",
+        json!({"yawol.stackit.cloud/replicas": "0"}),
+        json!({}),
+    )
+    .await;
     let lb = h.wait_lb(LB, "created", |_| true).await;
     assert_eq!(lb.spec.replicas, 0);
-    h.set_lb_status(LB, json!({"externalIP": "192.0.2.9"})).await;
-    wait_until("ingress with 0 replicas", || ingress(&h) == Some("192.0.2.9".into())).await;
+    h.set_lb_status(LB, json!({"externalIP": "192.0.2.9"}))
+        .await;
+    wait_until("ingress with 0 replicas", || {
+        ingress(&h) == Some("192.0.2.9".into())
+    })
+    .await;
     h.stop().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn events_are_forwarded_to_the_service() {
     let h = Harness::start().await;
-    h.create_service("default", "web", json!({}), json!({})).await;
+    h.create_service("default", "web", json!({}), json!({}))
+        .await;
     let lb = h.wait_lb(LB, "created", |_| true).await;
     let events: Api<Event> = Api::namespaced(h.control.client(), LB_NS);
     let now = k8s_openapi::jiff::Timestamp::now();
@@ -399,24 +671,57 @@ async fn events_are_forwarded_to_the_service() {
         }))
         .unwrap()
     };
-    events.create(&PostParams::default(), &make("internal", "yawol-controller", "Internal", "not for users")).await.unwrap();
-    events.create(&PostParams::default(), &make("quota", "yawol-service", "Failed", "Quota exceeded for floatingips")).await.unwrap();
-    h.wait_event("default", "web", "Warning", "Quota exceeded for floatingips").await;
+    events
+        .create(
+            &PostParams::default(),
+            &make("internal", "yawol-controller", "Internal", "not for users"),
+        )
+        .await
+        .unwrap();
+    events
+        .create(
+            &PostParams::default(),
+            &make(
+                "quota",
+                "yawol-service",
+                "Failed",
+                "Quota exceeded for floatingips",
+            ),
+        )
+        .await
+        .unwrap();
+    h.wait_event(
+        "default",
+        "web",
+        "Warning",
+        "Quota exceeded for floatingips",
+    )
+    .await;
     // Repeats of the same event are aggregated on the Service, not duplicated.
     events
-        .patch("quota", &PatchParams::default(), &Patch::Merge(&json!({"count": 2})))
+        .patch(
+            "quota",
+            &PatchParams::default(),
+            &Patch::Merge(&json!({"count": 2})),
+        )
         .await
         .unwrap();
     wait_until("count bumped", || {
-        h.target.list(&events_key()).iter().any(|e| e["message"] == "Quota exceeded for floatingips" && e["count"] == 2)
+        h.target
+            .list(&events_key())
+            .iter()
+            .any(|e| e["message"] == "Quota exceeded for floatingips" && e["count"] == 2)
     })
     .await;
-    assert!(!h.events_for("default", "web").iter().any(|(_, _, m)| m == "not for users"));
+    assert!(!h
+        .events_for("default", "web")
+        .iter()
+        .any(|(_, _, m)| m == "not for users"));
     assert_eq!(h.metrics.events_forwarded.get(), 2);
     h.stop().await;
 }
 
-fn events_key() -> lb_controller::fake_api::ResourceKey {
+fn events_key() -> lb_api::fake_api::ResourceKey {
     events()
 }
 
@@ -426,8 +731,10 @@ async fn single_cluster_and_adoption_of_existing_loadbalancer() {
     // serviceName annotation, older field shape): it is adopted and converged, not recreated.
     let h = Harness::start_with(false, ClassFilter::default(), |h| {
         h.put_node("node-a", "True", &["10.0.0.1"]);
-        let mut lb: serde_json::Value =
-            serde_yaml::from_str(include_str!("../../lb-api/tests/fixtures/loadbalancer.yaml")).unwrap();
+        let mut lb: serde_json::Value = serde_yaml::from_str(include_str!(
+            "../../lb-api/tests/fixtures/loadbalancer.yaml"
+        ))
+        .unwrap();
         lb["metadata"]["namespace"] = json!(LB_NS);
         lb["metadata"]["annotations"] = json!({});
         lb["metadata"]["finalizers"] = json!([]);
@@ -435,24 +742,47 @@ async fn single_cluster_and_adoption_of_existing_loadbalancer() {
     })
     .await;
     let uid = h.lb(LB).unwrap().metadata.uid;
-    h.create_service("default", "web", json!({}), json!({})).await;
+    h.create_service("default", "web", json!({}), json!({}))
+        .await;
     let lb = h
         .wait_lb(LB, "adopted", |lb| {
-            lb.metadata.annotations.as_ref().is_some_and(|a| a.contains_key("yawol.stackit.cloud/serviceName"))
+            lb.metadata
+                .annotations
+                .as_ref()
+                .is_some_and(|a| a.contains_key("yawol.stackit.cloud/serviceName"))
                 && endpoint_names(lb) == ["node-a"]
         })
         .await;
     assert_eq!(lb.metadata.uid, uid, "not recreated");
-    assert_eq!(lb.status.unwrap().external_ip.as_deref(), Some("192.0.2.10"), "status kept");
-    wait_until("ingress from adopted status", || ingress(&h) == Some("192.0.2.10".into())).await;
+    assert_eq!(
+        lb.status.unwrap().external_ip.as_deref(),
+        Some("192.0.2.10"),
+        "status kept"
+    );
+    wait_until("ingress from adopted status", || {
+        ingress(&h) == Some("192.0.2.10".into())
+    })
+    .await;
     h.stop().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn restart_does_not_rewrite_converged_loadbalancers() {
-    let h = Harness::start_with(true, ClassFilter::default(), |h| h.put_node("node-a", "True", &["10.0.0.1"])).await;
-    h.create_service("default", "web", json!({"yawol.stackit.cloud/tcpIdleTimeout": "5m"}), json!({})).await;
-    h.wait_lb(LB, "created", |lb| lb.spec.options().tcp_idle_timeout.is_some()).await;
+    let h = Harness::start_with(true, ClassFilter::default(), |h| {
+        h.put_node("node-a", "True", &["10.0.0.1"])
+    })
+    .await;
+    h.create_service(
+        "default",
+        "web",
+        json!({"yawol.stackit.cloud/tcpIdleTimeout": "5m"}),
+        json!({}),
+    )
+    .await;
+    h.wait_lb(LB, "created", |lb| {
+        lb.spec.options().tcp_idle_timeout.is_some()
+    })
+    .await;
     let writes = h.control.write_count();
     // A second controller instance against the same clusters (e.g. after a restart) finds
     // everything converged and writes nothing.
@@ -470,7 +800,10 @@ async fn restart_does_not_rewrite_converged_loadbalancers() {
             let _ = stopped.await;
         },
     ));
-    wait_until("second instance reconciled", || metrics.reconcile_count("service") >= 1).await;
+    wait_until("second instance reconciled", || {
+        metrics.reconcile_count("service") >= 1
+    })
+    .await;
     assert_eq!(h.control.write_count(), writes);
     let _ = stop.send(());
     second.await.unwrap();
@@ -479,16 +812,60 @@ async fn restart_does_not_rewrite_converged_loadbalancers() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn foreign_edits_are_reverted_and_deleted_loadbalancers_recreated() {
-    let h = Harness::start_with(true, ClassFilter::default(), |h| h.put_node("node-a", "True", &["10.0.0.1"])).await;
-    h.create_service("default", "web", json!({}), json!({})).await;
+    let h = Harness::start_with(true, ClassFilter::default(), |h| {
+        h.put_node("node-a", "True", &["10.0.0.1"])
+    })
+    .await;
+    h.create_service("default", "web", json!({}), json!({}))
+        .await;
     h.wait_lb(LB, "created", |_| true).await;
     h.lb_api()
-        .patch(LB, &PatchParams::default(), &Patch::Merge(&json!({"spec": {"replicas": 5, "endpoints": null}})))
+        .patch(
+            LB,
+            &PatchParams::default(),
+            &Patch::Merge(&json!({"spec": {"replicas": 5, "endpoints": null}})),
+        )
         .await
         .unwrap();
-    h.wait_lb(LB, "reverted", |lb| lb.spec.replicas == 1 && endpoint_names(lb) == ["node-a"]).await;
+    h.wait_lb(LB, "reverted", |lb| {
+        lb.spec.replicas == 1 && endpoint_names(lb) == ["node-a"]
+    })
+    .await;
     let uid = h.lb(LB).unwrap().metadata.uid;
-    h.lb_api().delete(LB, &DeleteParams::default()).await.unwrap();
-    h.wait_lb(LB, "recreated", |lb| lb.metadata.uid != uid).await;
+    h.lb_api()
+        .delete(LB, &DeleteParams::default())
+        .await
+        .unwrap();
+    h.wait_lb(LB, "recreated", |lb| lb.metadata.uid != uid)
+        .await;
+    h.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn api_outage_backs_off_and_recovers() {
+    let h = Harness::start_with(true, ClassFilter::default(), |h| {
+        h.put_node("node-a", "True", &["10.0.0.1"])
+    })
+    .await;
+    h.create_service("default", "web", json!({}), json!({}))
+        .await;
+    h.wait_lb(LB, "created", |_| true).await;
+
+    h.target.set_unavailable(true);
+    h.control.set_unavailable(true);
+    let before = h.target.request_count() + h.control.request_count();
+    tokio::time::sleep(std::time::Duration::from_secs(2)).await;
+    let during = h.target.request_count() + h.control.request_count() - before;
+    // Five watches re-listing with backoff (0.8 s, 1.6 s, ... with jitter) stay far below a busy loop.
+    assert!(during < 60, "{during} requests in 2 s of outage");
+
+    h.target.set_unavailable(false);
+    h.control.set_unavailable(false);
+    h.put_node("node-b", "True", &["10.0.0.2"]);
+    // Recovery depends on the watch backoff (at most ~30 s in kube's default backoff).
+    h.wait_lb(LB, "endpoints after outage", |lb| {
+        endpoint_names(lb) == ["node-a", "node-b"]
+    })
+    .await;
     h.stop().await;
 }

@@ -2,8 +2,8 @@
 //! the API server would apply them (through the fake API server).
 
 use kube::api::{Api, PostParams};
+use lb_api::fake_api::FakeApiServer;
 use lb_api::LoadBalancer;
-use lb_controller::fake_api::FakeApiServer;
 use serde_json::json;
 
 #[test]
@@ -59,13 +59,19 @@ async fn schema_defaults_and_validation() {
 
     let invalid = [
         ("negative replicas", json!({"replicas": -1})),
-        ("bad idle timeout", json!({"options": {"tcpIdleTimeout": "1 hour"}})),
-        ("bad server group policy", json!({"options": {"serverGroupPolicy": "spread"}})),
+        (
+            "bad idle timeout",
+            json!({"options": {"tcpIdleTimeout": "1 hour"}}),
+        ),
+        (
+            "bad server group policy",
+            json!({"options": {"serverGroupPolicy": "spread"}}),
+        ),
         ("bad protocol type", json!({"ports": [{"port": "eighty"}]})),
     ];
     for (i, (what, overlay)) in invalid.into_iter().enumerate() {
         let mut spec = base_spec();
-        lb_controller::fake_api::json_merge(&mut spec, &overlay);
+        lb_api::fake_api::json_merge(&mut spec, &overlay);
         let mut object = serde_json::to_value(lb(base_spec())).unwrap();
         object["metadata"]["name"] = json!(format!("invalid-{i}"));
         object["spec"] = spec;
@@ -76,7 +82,10 @@ async fn schema_defaults_and_validation() {
             &kube::api::ApiResource::erase::<LoadBalancer>(&()),
         );
         let object: kube::api::DynamicObject = serde_json::from_value(object).unwrap();
-        let err = api_raw.create(&PostParams::default(), &object).await.expect_err(what);
+        let err = api_raw
+            .create(&PostParams::default(), &object)
+            .await
+            .expect_err(what);
         match err {
             kube::Error::Api(status) => assert_eq!(status.code, 422, "{what}: {status:?}"),
             other => panic!("{what}: unexpected {other}"),
@@ -84,8 +93,32 @@ async fn schema_defaults_and_validation() {
     }
     let valid = json!({"options": {"tcpIdleTimeout": "1h0m0s", "udpIdleTimeout": "0s", "serverGroupPolicy": ""}});
     let mut spec = base_spec();
-    lb_controller::fake_api::json_merge(&mut spec, &valid);
+    lb_api::fake_api::json_merge(&mut spec, &valid);
     let mut object = serde_json::to_value(lb(spec)).unwrap();
     object["metadata"]["name"] = json!("valid");
-    api.create(&PostParams::default(), &serde_json::from_value(object).unwrap()).await.unwrap();
+    api.create(
+        &PostParams::default(),
+        &serde_json::from_value(object).unwrap(),
+    )
+    .await
+    .unwrap();
+}
+
+#[test]
+fn deployment_manifest_parses_and_grants_what_the_controller_uses() {
+    use serde::Deserialize;
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/cloud-controller.yaml");
+    let text = std::fs::read_to_string(path).unwrap();
+    let docs: Vec<serde_json::Value> = serde_yaml::Deserializer::from_str(&text)
+        .map(|d| serde_json::Value::deserialize(d).unwrap())
+        .collect();
+    let kinds: Vec<&str> = docs.iter().map(|d| d["kind"].as_str().unwrap()).collect();
+    assert_eq!(
+        kinds,
+        ["ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding", "Deployment"]
+    );
+    let rules = serde_json::to_string(&docs[1]["rules"]).unwrap() + &serde_json::to_string(&docs[3]["rules"]).unwrap();
+    for needle in ["services/status", "nodes", "loadbalancers", "leases", "events"] {
+        assert!(rules.contains(needle), "RBAC lacks {needle}");
+    }
 }

@@ -7,16 +7,19 @@
 //! - [`load`]: many short TCP connections / UDP flows, every byte verified, latency percentiles.
 //! - [`hold`]: long-lived connections that must never break.
 //! - [`rawsend`]: malformed Ethernet frames through AF_PACKET.
+//! - [`rig`]: the load balancer under test (topology + echo servers + the real agent); [`demo`] uses it.
 //! - [`process`]: command runner with clear errors, [`ChildGuard`], tool/root checks, [`binary_path`].
 //!
 //! The same functions are available as subcommands of the `lb-testbed` binary (run inside a namespace with
 //! [`Topology::spawn`]), which print JSON reports that deserialize into the report types here.
 
+pub mod demo;
 pub mod echo;
 pub mod hold;
 pub mod load;
 pub mod process;
 pub mod rawsend;
+pub mod rig;
 pub mod topology;
 
 pub use topology::{

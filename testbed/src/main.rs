@@ -38,6 +38,28 @@ enum Cmd {
     Rawsend(RawsendArgs),
     /// Creates a topology for manual experiments, prints it as JSON, tears it down on SIGINT/SIGTERM.
     Up(UpArgs),
+    /// Attaches the test-only `xdp_pass` program to an interface until killed (veth peers of a natively
+    /// attached load balancer need an XDP program to receive its `XDP_TX` frames).
+    XdpPass {
+        /// `xdp-pass.o` (built by `cargo xtask build-ebpf`).
+        #[arg(long)]
+        object: std::path::PathBuf,
+        /// Interface (in the current namespace).
+        #[arg(long)]
+        iface: String,
+    },
+    /// The demo (`cargo xtask demo`): real traffic through the XDP load balancer, a backend stopped, a table.
+    Demo {
+        /// TCP connections in the first round.
+        #[arg(long, default_value_t = 3000)]
+        connections: usize,
+        /// UDP flows in the first round.
+        #[arg(long, default_value_t = 1000)]
+        udp_flows: usize,
+        /// Agent attach mode: xdp, xdp-generic or tc.
+        #[arg(long, default_value = "xdp")]
+        attach_mode: String,
+    },
     /// Removes namespaces left behind by crashed runs (only those whose creating process is gone).
     Cleanup {
         /// Namespace name prefix.
@@ -363,6 +385,55 @@ async fn run(cli: Cli) -> Result<i32> {
             terminated().await;
             drop(topo);
             Ok(0)
+        }
+        Cmd::XdpPass { object, iface } => {
+            let mut ebpf = aya::Ebpf::load_file(&object)
+                .with_context(|| format!("loading {}", object.display()))?;
+            let prog: &mut aya::programs::Xdp = ebpf
+                .program_mut("xdp_pass")
+                .context("xdp_pass not in the object")?
+                .try_into()?;
+            prog.load()?;
+            prog.attach(&iface, aya::programs::XdpMode::Driver)
+                .with_context(|| format!("attaching xdp_pass to {iface}"))?;
+            println!("attached");
+            terminated().await;
+            drop(ebpf);
+            Ok(0)
+        }
+        Cmd::Demo {
+            connections,
+            udp_flows,
+            attach_mode,
+        } => {
+            let cfg = lb_testbed::demo::DemoConfig {
+                connections,
+                udp_flows,
+                attach_mode,
+            };
+            let id = std::sync::Arc::new(std::sync::Mutex::new(None::<String>));
+            let id2 = id.clone();
+            let task = tokio::task::spawn_blocking(move || {
+                lb_testbed::demo::run(&cfg, |t| *id2.lock().unwrap() = Some(t.to_string()))
+            });
+            tokio::select! {
+                r = task => {
+                    match r? {
+                        Ok(()) => Ok(0),
+                        Err(e) => {
+                            eprintln!("lb-testbed: {e:#}");
+                            Ok(1)
+                        }
+                    }
+                }
+                _ = terminated() => {
+                    eprintln!("lb-testbed: interrupted; tearing down");
+                    if let Some(t) = id.lock().unwrap().clone() {
+                        lb_testbed::topology::remove_topology(&t)?;
+                    }
+                    Ok(130)
+                }
+            }
         }
         Cmd::Cleanup { prefix } => {
             let removed = Topology::cleanup_stale(&prefix)?;

@@ -610,6 +610,21 @@ impl Drop for Topology {
     }
 }
 
+/// Removes every namespace of topology `id` (processes inside killed), for signal handlers that cannot run
+/// the owner's `Drop`: hosts first, the switch last.
+pub fn remove_topology(id: &str) -> Result<()> {
+    let prefix = format!("{id}-");
+    let mut names: Vec<String> = list_netns()?
+        .into_iter()
+        .filter(|n| n.starts_with(&prefix))
+        .collect();
+    names.sort_by_key(|n| n.ends_with("-sw"));
+    for ns in names {
+        delete_netns(&ns)?;
+    }
+    Ok(())
+}
+
 /// Names of all named network namespaces (`ip netns list`).
 pub fn list_netns() -> Result<Vec<String>> {
     let out = run_cmd(["ip", "netns", "list"])?;

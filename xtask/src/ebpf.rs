@@ -13,7 +13,7 @@ use std::process::Command;
 /// bpf-linker release that links with LLVM 22 (the nightly toolchain's).
 const BPF_LINKER_VERSION: &str = "0.13.0";
 /// Programs built from `lb-ebpf` (its `[[bin]]` targets).
-const PROGRAMS: [&str; 2] = ["lb", "lb-bench"];
+const PROGRAMS: [&str; 3] = ["lb", "lb-bench", "xdp-pass"];
 
 /// Where the built objects go: `target/bpf/<name>.o`.
 pub fn out_dir() -> PathBuf {

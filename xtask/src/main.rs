@@ -2,6 +2,7 @@
 //! `cargo xtask test`.
 
 mod bench;
+mod demo;
 mod ebpf;
 mod openstack;
 mod prereq;
@@ -22,6 +23,12 @@ struct Cli {
 enum Cmd {
     /// Build the eBPF programs (installs the nightly rust-src component and a cached bpf-linker if needed).
     BuildEbpf,
+    /// The demo: real TCP/UDP through the XDP load balancer between network namespaces.
+    Demo {
+        /// Attach mode of the agent: xdp, xdp-generic or tc.
+        #[arg(long, default_value = "xdp")]
+        attach_mode: String,
+    },
     /// Run every test suite, fast to slow (the README's test command; CI runs exactly this).
     Test(test::TestArgs),
     /// Benchmarks: print a table, write JSON under target/bench/.
@@ -40,6 +47,7 @@ enum Cmd {
 fn main() -> Result<()> {
     match Cli::parse().cmd {
         Cmd::BuildEbpf => ebpf::build().map(|_| ()),
+        Cmd::Demo { attach_mode } => demo::demo(&attach_mode),
         Cmd::Test(args) => test::run_all(args),
         Cmd::Bench { which } => bench::run_bench(which),
         Cmd::Openstack { cmd } => openstack::run(cmd),

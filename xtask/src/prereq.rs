@@ -58,7 +58,9 @@ pub fn bpffs() -> Result<()> {
 pub fn all() -> Result<()> {
     // SAFETY: geteuid has no preconditions.
     if unsafe { libc::geteuid() } != 0 {
-        anyhow::bail!("the tests and the demo load eBPF programs and create network namespaces: run as root");
+        anyhow::bail!(
+            "the tests and the demo load eBPF programs and create network namespaces: run as root"
+        );
     }
     debian_packages(NETNS_PACKAGES)?;
     bpffs()

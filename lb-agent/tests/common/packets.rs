@@ -121,6 +121,7 @@ pub fn udp(
 
 /// An ICMP error (type/code, `rest` = bytes 4..8 of the header, e.g. the MTU) quoting `inner`
 /// (an IPv4 packet without Ethernet header).
+#[allow(clippy::too_many_arguments)]
 pub fn icmp_error(
     src_mac: [u8; 6],
     dst_mac: [u8; 6],
@@ -216,7 +217,7 @@ pub fn parse(frame: &[u8]) -> Parsed {
                 internet_checksum(&[&pseudo, l4]) == 0,
                 false,
                 l4[13],
-                l4[off as usize..].to_vec(),
+                l4[off..].to_vec(),
             )
         }
         17 => {

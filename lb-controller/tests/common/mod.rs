@@ -14,13 +14,13 @@ use std::time::Duration;
 use k8s_openapi::api::core::v1::Service;
 use kube::api::{Patch, PatchParams, PostParams};
 use kube::Api;
+use lb_api::fake_api::{FakeApiServer, ResourceKey};
 use lb_api::LoadBalancer;
+use lb_api::{OpenstackFlavorRef, OpenstackImageRef};
 use lb_controller::desired::{ClassFilter, InfrastructureDefaults};
-use lb_controller::fake_api::{FakeApiServer, ResourceKey};
 use lb_controller::metrics::Metrics;
 use lb_controller::run::{run_controllers, Health, RunConfig};
 use lb_controller::service_controller::ServiceControllerConfig;
-use lb_api::{OpenstackFlavorRef, OpenstackImageRef};
 use serde_json::{json, Value};
 use tokio::sync::oneshot;
 
@@ -88,10 +88,17 @@ impl Harness {
     /// start (objects that exist "before" the controller).
     pub async fn start_with(split: bool, classes: ClassFilter, seed: impl FnOnce(&Self)) -> Self {
         if std::env::var_os("TEST_LOG").is_some() {
-            let _ = tracing_subscriber::fmt().with_env_filter("debug,hyper=info,tower=info").with_test_writer().try_init();
+            let _ = tracing_subscriber::fmt()
+                .with_env_filter("debug,hyper=info,tower=info")
+                .with_test_writer()
+                .try_init();
         }
         let target = FakeApiServer::new();
-        let control = if split { FakeApiServer::new() } else { target.clone() };
+        let control = if split {
+            FakeApiServer::new()
+        } else {
+            target.clone()
+        };
         for (_, crd) in lb_api::crds() {
             control.install_crd(&crd);
         }
@@ -118,7 +125,10 @@ impl Harness {
         harness.stop = Some(stop);
         harness.task = Some(task);
         let health = harness.health.clone();
-        wait_until("controllers ready", || health.ready.load(std::sync::atomic::Ordering::SeqCst)).await;
+        wait_until("controllers ready", || {
+            health.ready.load(std::sync::atomic::Ordering::SeqCst)
+        })
+        .await;
         harness
     }
 
@@ -127,7 +137,10 @@ impl Harness {
             let _ = stop.send(());
         }
         if let Some(task) = self.task.take() {
-            tokio::time::timeout(Duration::from_secs(10), task).await.expect("controllers stop").unwrap();
+            tokio::time::timeout(Duration::from_secs(10), task)
+                .await
+                .expect("controllers stop")
+                .unwrap();
         }
     }
 
@@ -140,7 +153,13 @@ impl Harness {
     }
 
     /// Creates a Service of type LoadBalancer through the API (like a user would).
-    pub async fn create_service(&self, namespace: &str, name: &str, annotations: Value, extra_spec: Value) -> Service {
+    pub async fn create_service(
+        &self,
+        namespace: &str,
+        name: &str,
+        annotations: Value,
+        extra_spec: Value,
+    ) -> Service {
         let mut service = json!({
             "apiVersion": "v1",
             "kind": "Service",
@@ -151,9 +170,12 @@ impl Harness {
                 "ports": [{"name": "http", "port": 80, "protocol": "TCP", "nodePort": 30080, "targetPort": 8080}],
             }
         });
-        lb_controller::fake_api::json_merge(&mut service["spec"], &extra_spec);
+        lb_api::fake_api::json_merge(&mut service["spec"], &extra_spec);
         let service: Service = serde_json::from_value(service).unwrap();
-        self.service_api(namespace).create(&PostParams::default(), &service).await.unwrap()
+        self.service_api(namespace)
+            .create(&PostParams::default(), &service)
+            .await
+            .unwrap()
     }
 
     pub async fn patch_service(&self, namespace: &str, name: &str, patch: Value) {
@@ -168,10 +190,20 @@ impl Harness {
         self.put_node_with(name, ready, addresses, json!({}), vec![]);
     }
 
-    pub fn put_node_with(&self, name: &str, ready: &str, addresses: &[&str], spec: Value, extra_conditions: Vec<Value>) {
+    pub fn put_node_with(
+        &self,
+        name: &str,
+        ready: &str,
+        addresses: &[&str],
+        spec: Value,
+        extra_conditions: Vec<Value>,
+    ) {
         let mut conditions = vec![json!({"type": "Ready", "status": ready})];
         conditions.extend(extra_conditions);
-        let addresses: Vec<Value> = addresses.iter().map(|a| json!({"type": "InternalIP", "address": a})).collect();
+        let addresses: Vec<Value> = addresses
+            .iter()
+            .map(|a| json!({"type": "InternalIP", "address": a}))
+            .collect();
         self.target.put(
             &nodes(),
             json!({
@@ -183,15 +215,24 @@ impl Harness {
     }
 
     pub fn lb(&self, lb_name: &str) -> Option<LoadBalancer> {
-        self.control.get(&loadbalancers(), LB_NS, lb_name).map(|v| serde_json::from_value(v).unwrap())
+        self.control
+            .get(&loadbalancers(), LB_NS, lb_name)
+            .map(|v| serde_json::from_value(v).unwrap())
     }
 
     pub fn service(&self, namespace: &str, name: &str) -> Option<Service> {
-        self.target.get(&services(), namespace, name).map(|v| serde_json::from_value(v).unwrap())
+        self.target
+            .get(&services(), namespace, name)
+            .map(|v| serde_json::from_value(v).unwrap())
     }
 
     /// Waits until the LoadBalancer exists and satisfies `check`.
-    pub async fn wait_lb(&self, lb_name: &str, what: &str, check: impl Fn(&LoadBalancer) -> bool) -> LoadBalancer {
+    pub async fn wait_lb(
+        &self,
+        lb_name: &str,
+        what: &str,
+        check: impl Fn(&LoadBalancer) -> bool,
+    ) -> LoadBalancer {
         wait_until(what, || self.lb(lb_name).is_some_and(|lb| check(&lb))).await;
         self.lb(lb_name).unwrap()
     }
@@ -201,7 +242,9 @@ impl Harness {
         self.target
             .list(&events())
             .into_iter()
-            .filter(|e| e["involvedObject"]["name"] == name && e["involvedObject"]["namespace"] == namespace)
+            .filter(|e| {
+                e["involvedObject"]["name"] == name && e["involvedObject"]["namespace"] == namespace
+            })
             .map(|e| {
                 (
                     e["type"].as_str().unwrap_or("").to_string(),
@@ -214,7 +257,9 @@ impl Harness {
 
     pub async fn wait_event(&self, namespace: &str, name: &str, type_: &str, contains: &str) {
         wait_until(&format!("{type_} event containing {contains:?}"), || {
-            self.events_for(namespace, name).iter().any(|(t, _, m)| t == type_ && m.contains(contains))
+            self.events_for(namespace, name)
+                .iter()
+                .any(|(t, _, m)| t == type_ && m.contains(contains))
         })
         .await;
     }
@@ -222,7 +267,11 @@ impl Harness {
     /// Sets the LoadBalancer status as the OpenStack controllers would.
     pub async fn set_lb_status(&self, lb_name: &str, status: Value) {
         self.lb_api()
-            .patch_status(lb_name, &PatchParams::default(), &Patch::Merge(&json!({"status": status})))
+            .patch_status(
+                lb_name,
+                &PatchParams::default(),
+                &Patch::Merge(&json!({"status": status})),
+            )
             .await
             .unwrap();
     }
@@ -231,7 +280,10 @@ impl Harness {
     /// `before` — to assert that something did *not* happen after the controller looked.
     pub async fn wait_reconciles(&self, before: u64, n: u64) {
         let metrics = self.metrics.clone();
-        wait_until("reconciliations", move || metrics.reconcile_count("service") >= before + n).await;
+        wait_until("reconciliations", move || {
+            metrics.reconcile_count("service") >= before + n
+        })
+        .await;
     }
 }
 

@@ -1,5 +1,4 @@
-//! Test-only programs for `cargo xtask bench dataplane` and the network-namespace tests (never attached by
-//! the agent).
+//! Test-only programs for `cargo xtask bench dataplane` (never attached by the agent).
 //!
 //! `BPF_PROG_TEST_RUN` with `repeat` reuses one buffer, and the load balancer rewrites it, so every repeat
 //! after the first would see a NATed packet. The wrappers copy a template packet into the frame first;
@@ -82,13 +81,6 @@ mod programs {
             }
         }
         true
-    }
-
-    /// `XDP_PASS`: attached by test topologies to the bridge side of a veth whose other end runs the load
-    /// balancer natively, because veth delivers `XDP_TX` frames only to a peer with an XDP program.
-    #[xdp]
-    pub fn xdp_pass(_ctx: XdpContext) -> u32 {
-        xdp_action::XDP_PASS
     }
 
     /// Bare `XDP_TX`.

@@ -16,25 +16,34 @@ pub const DIR_ENV: &str = "LB_OPENSTACK_DIR";
 pub struct EnvInfo {
     /// Keystone v3, e.g. `http://127.0.0.1:5000/v3`.
     pub auth_url: String,
+    /// The only region, `RegionOne`.
     pub region: String,
-    /// The test project (tests run as its member user).
+    /// ID of the test project (tests run as its member user).
     pub project_id: String,
+    /// Name of the test project, `lbtest`.
     pub project_name: String,
+    /// The test project's member user, `lbtest`.
     pub username: String,
+    /// Password of every user of the environment (`LB_OPENSTACK_PASSWORD` at `up`).
     pub password: String,
-    /// Cloud names in `clouds.yaml`: the test user, and admin.
+    /// Cloud of the test user in `clouds.yaml`, `lbtest`.
     pub cloud: String,
+    /// Cloud of admin in `clouds.yaml`, `lbtest-admin`.
     pub admin_cloud: String,
-    /// Flavor `lbtest.tiny` and image `lbtest-image`.
+    /// Flavor `lbtest.tiny` (1 vCPU, 256 MiB, 1 GiB).
     pub flavor_id: String,
+    /// Image `lbtest-image` (1 MiB raw; the fake driver never boots it).
     pub image_id: String,
-    /// The external network (floating IPs come from it) and its subnet.
+    /// The external network `public`: floating IPs come from it.
     pub external_network_id: String,
+    /// The external network's subnet (203.0.113.0/24).
     pub external_subnet_id: String,
-    /// The test project's network, subnet and router (gateway on the external network, interface on the subnet):
-    /// ports on this network can have floating IPs.
+    /// The test project's network `lbtest-net`; ports on it can have floating IPs (its router has a gateway on the
+    /// external network).
     pub network_id: String,
+    /// The subnet of `lbtest-net` (198.51.100.0/24).
     pub subnet_id: String,
+    /// The router `lbtest-router`: gateway on the external network, interface on the subnet.
     pub router_id: String,
 }
 
@@ -43,6 +52,7 @@ pub struct EnvInfo {
 pub struct TestEnv {
     /// The state directory holding `clouds.yaml`, `cloudprovider.conf` and `testenv.json`.
     pub dir: PathBuf,
+    /// What `up` wrote to `testenv.json`.
     pub info: EnvInfo,
 }
 

@@ -34,8 +34,13 @@ use tokio::task::JoinHandle;
 /// What to do with a matching request.
 #[derive(Debug, Clone)]
 pub enum Fault {
-    /// Answer with this status and JSON body instead of forwarding.
-    Respond { status: u16, body: String },
+    /// Answer instead of forwarding.
+    Respond {
+        /// HTTP status.
+        status: u16,
+        /// JSON body.
+        body: String,
+    },
     /// Wait, then forward (a slow API; combine with a client timeout to test time-outs).
     Delay(Duration),
     /// Close the connection without an answer (a crashed API worker or a broken load balancer in front of it).
@@ -143,6 +148,7 @@ impl Rule {
 /// One request the proxy saw.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Seen {
+    /// HTTP method.
     pub method: String,
     /// Path and query.
     pub path: String,

@@ -18,7 +18,9 @@ use std::fmt;
 pub struct Resource {
     /// `server`, `port`, `floating IP`, `security group`, `server group`, `router`, `network`.
     pub kind: &'static str,
+    /// Its ID.
     pub id: String,
+    /// Its name (a floating IP's description, which has no name).
     pub name: String,
     /// A detail that helps find the test that left it (status, device owner, address).
     pub detail: String,

@@ -8,6 +8,8 @@
 //! The integration tests of this crate (`tests/`) are `#[ignore]`d so that a plain `cargo test --workspace` needs no
 //! OpenStack; the `openstack` stage of `cargo xtask test` brings the environment up and runs them with `--ignored`.
 
+#![warn(missing_docs)]
+
 mod env;
 mod fault;
 mod leak;

@@ -13,7 +13,7 @@ pub const REGION: &str = "RegionOne";
 pub const COMPUTE_HOSTS: usize = 2;
 
 /// The connection prefix of every service database (MariaDB on 127.0.0.1, user `openstack`).
-fn db_url(layout: &Layout) -> String {
+pub fn db_url(layout: &Layout) -> String {
     format!(
         "mysql+pymysql://openstack:{}@127.0.0.1:3306",
         layout.password

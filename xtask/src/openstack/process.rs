@@ -17,9 +17,9 @@ pub struct Spec {
 }
 
 /// Starts `spec` detached from our terminal and stdio: its own process group (so `stop` reaches its workers, and a
-/// Ctrl-C of `cargo xtask` does not), stdin from /dev/null, stdout and stderr appended to its log file, working
-/// directory `run_dir` (which [`running_pid`] checks). Records the PID. Holding none of our pipes matters in CI: a
-/// child that kept them open would keep the runner waiting.
+/// Ctrl-C of `cargo xtask` does not), stdin from /dev/null, stdout and stderr appended to its log file. Records the
+/// PID and the process's start time. Holding none of our pipes matters in CI: a child that kept them open would keep
+/// the runner waiting.
 pub fn spawn(mut spec: Spec, run_dir: &Path, log_dir: &Path) -> Result<u32> {
     let log_path = log_dir.join(format!("{}.log", spec.name));
     let log = std::fs::OpenOptions::new()
@@ -32,48 +32,55 @@ pub fn spawn(mut spec: Spec, run_dir: &Path, log_dir: &Path) -> Result<u32> {
         .stdin(Stdio::null())
         .stdout(log.try_clone()?)
         .stderr(log)
-        .current_dir(run_dir)
         .process_group(0)
         .spawn()
         .with_context(|| format!("starting {} ({:?})", spec.name, spec.command.get_program()))?;
     let pid = child.id();
+    // Our child cannot be reaped before we wait for it, so its /proc entry is there to read.
+    let started = proc_stat(pid).map(|s| s.start_time).unwrap_or_default();
     let pid_file = pid_file(run_dir, &spec.name);
-    std::fs::write(&pid_file, format!("{pid}\n"))
+    std::fs::write(&pid_file, format!("{pid} {started}\n"))
         .with_context(|| format!("writing {}", pid_file.display()))?;
     // The Child is dropped without waiting: the process outlives xtask and is reaped by init once we exit.
     Ok(pid)
 }
 
-/// `<run>/<name>.pid`.
+/// `<run>/<name>.pid`: "PID START_TIME".
 pub fn pid_file(run_dir: &Path, name: &str) -> PathBuf {
     run_dir.join(format!("{name}.pid"))
 }
 
-/// The recorded PID of `name` if that process still runs and is still the one we started: it must lead its own
-/// process group and work in `run_dir`, as [`spawn`] set it up. A recycled PID is then never mistaken for ours (and
-/// never signalled by `stop`).
+/// The recorded PID of `name` if that process still runs and is still the one we started: same start time as
+/// recorded, and leader of its own process group. A recycled PID is then never mistaken for ours (and never
+/// signalled by `stop`). (The working directory or environment would not do: mariadbd changes directory, and
+/// setproctitle overwrites the environment block of gunicorn and the nova services.)
 pub fn running_pid(run_dir: &Path, name: &str) -> Option<u32> {
-    let pid: u32 = std::fs::read_to_string(pid_file(run_dir, name))
-        .ok()?
-        .trim()
-        .parse()
-        .ok()?;
-    let (state, pgrp) = proc_stat(pid)?;
-    let ours =
-        std::fs::read_link(format!("/proc/{pid}/cwd")).ok()? == run_dir.canonicalize().ok()?;
-    (state != 'Z' && pgrp == pid && ours).then_some(pid)
+    let recorded = std::fs::read_to_string(pid_file(run_dir, name)).ok()?;
+    let mut fields = recorded.split_whitespace();
+    let pid: u32 = fields.next()?.parse().ok()?;
+    let started: u64 = fields.next()?.parse().ok()?;
+    let stat = proc_stat(pid)?;
+    (stat.state != 'Z' && stat.pgrp == pid && stat.start_time == started).then_some(pid)
 }
 
-/// State letter and process group of a PID, from `/proc/<pid>/stat`.
-fn proc_stat(pid: u32) -> Option<(char, u32)> {
+struct ProcStat {
+    state: char,
+    pgrp: u32,
+    /// Clock ticks after boot.
+    start_time: u64,
+}
+
+/// Fields of `/proc/<pid>/stat`.
+fn proc_stat(pid: u32) -> Option<ProcStat> {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    // "pid (comm) state ppid pgrp ..."; comm may contain spaces and parentheses, so split after the last ')'.
-    let rest = &stat[stat.rfind(')')? + 2..];
-    let mut fields = rest.split_whitespace();
-    let state = fields.next()?.chars().next()?;
-    let _ppid = fields.next()?;
-    let pgrp = fields.next()?.parse().ok()?;
-    Some((state, pgrp))
+    // "pid (comm) state ppid pgrp ...": comm may contain spaces and parentheses, so split after the last ')'.
+    // Counting from state as 0, pgrp is field 2 and starttime field 19 (field 22 of proc(5)).
+    let fields: Vec<&str> = stat[stat.rfind(')')? + 2..].split_whitespace().collect();
+    Some(ProcStat {
+        state: fields.first()?.chars().next()?,
+        pgrp: fields.get(2)?.parse().ok()?,
+        start_time: fields.get(19)?.parse().ok()?,
+    })
 }
 
 /// Live (non-zombie) processes of process group `pgid`.
@@ -83,9 +90,7 @@ pub fn group_members(pgid: u32) -> Vec<u32> {
     };
     entries
         .filter_map(|e| e.ok()?.file_name().to_str()?.parse::<u32>().ok())
-        .filter(
-            |&pid| matches!(proc_stat(pid), Some((state, pgrp)) if pgrp == pgid && state != 'Z'),
-        )
+        .filter(|&pid| matches!(proc_stat(pid), Some(s) if s.pgrp == pgid && s.state != 'Z'))
         .collect()
 }
 
@@ -163,4 +168,44 @@ pub fn log_tail(path: &Path, lines: usize) -> String {
     let text = std::fs::read_to_string(path).unwrap_or_default();
     let all: Vec<&str> = text.lines().collect();
     all[all.len().saturating_sub(lines)..].join("\n")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn spawn_records_and_stop_ends_the_whole_group() {
+        let dir = std::env::temp_dir().join(format!("lbtest-process-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        // A group with a worker: the shell forks a sleep, as gunicorn forks workers.
+        let mut command = Command::new("sh");
+        command.args(["-c", "sleep 60 & wait"]);
+        let pid = spawn(
+            Spec {
+                name: "t".into(),
+                command,
+            },
+            &dir,
+            &dir,
+        )
+        .unwrap();
+        assert_eq!(running_pid(&dir, "t"), Some(pid));
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while group_members(pid).len() < 2 && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        assert_eq!(group_members(pid).len(), 2, "shell and sleep");
+
+        // Same PID, other start time: a recycled PID is not ours.
+        let real = std::fs::read_to_string(pid_file(&dir, "t")).unwrap();
+        std::fs::write(pid_file(&dir, "t"), format!("{pid} 1\n")).unwrap();
+        assert_eq!(running_pid(&dir, "t"), None);
+        std::fs::write(pid_file(&dir, "t"), real).unwrap();
+
+        stop(&dir, "t", Duration::from_secs(5)).unwrap();
+        assert!(group_members(pid).is_empty());
+        assert!(!pid_file(&dir, "t").exists());
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 }

@@ -1,7 +1,7 @@
 //! The processes of the environment, in start order, and the one-time steps between them: the MariaDB data
 //! directory and databases, the schema syncs, and the registration of the catalog and the test project.
 
-use super::config::{COMPUTE_HOSTS, REGION};
+use super::config::{db_url, COMPUTE_HOSTS, REGION};
 use super::process::{self, Spec};
 use super::Layout;
 use anyhow::{bail, Context, Result};
@@ -489,120 +489,73 @@ fn run_logged(cmd: &mut Command, log: &Path, what: &str) -> Result<()> {
 /// Syncs every service's schema once (stamped), the five services in parallel: the syncs mostly wait on MariaDB,
 /// and sequentially they take 40-60 s.
 fn sync_schemas(layout: &Layout) -> Result<()> {
-    let etc = layout.etc();
-    let db = format!(
-        "mysql+pymysql://openstack:{}@127.0.0.1:3306",
-        layout.password
-    );
-    let cmd = |bin: &str, args: &[&str]| {
-        let mut c = python_command(layout, layout.bin(bin));
-        c.args(args);
+    let conf = |p: &str| layout.etc().join(p).display().to_string();
+    // `<venv>/bin/<program> --config-file <each of confs> <args split on whitespace>`.
+    let step = |program: &str, confs: &[&str], args: &str| {
+        let mut c = python_command(layout, layout.bin(program));
+        for f in confs {
+            c.arg("--config-file").arg(conf(f));
+        }
+        c.args(args.split_whitespace());
         c
     };
-    let conf = |p: &str| etc.join(p).display().to_string();
-    let keystone_conf = conf("keystone/keystone.conf");
-    let admin_url = format!("{}/", super::config::AUTH_URL);
+    let keystone_conf = ["keystone/keystone.conf"];
+    let owner = "--keystone-user root --keystone-group root";
+    let url = format!("{}/", super::config::AUTH_URL);
+    let mut bootstrap = step(
+        "keystone-manage",
+        &keystone_conf,
+        &format!(
+            "bootstrap --bootstrap-admin-url {url} --bootstrap-internal-url {url} --bootstrap-public-url {url} \
+             --bootstrap-region-id {REGION}"
+        ),
+    );
+    bootstrap.arg("--bootstrap-password").arg(&layout.password);
     let keystone = vec![
-        cmd(
+        step("keystone-manage", &keystone_conf, "db_sync"),
+        step(
             "keystone-manage",
-            &["--config-file", &keystone_conf, "db_sync"],
+            &keystone_conf,
+            &format!("fernet_setup {owner}"),
         ),
-        cmd(
+        step(
             "keystone-manage",
-            &[
-                "--config-file",
-                &keystone_conf,
-                "fernet_setup",
-                "--keystone-user",
-                "root",
-                "--keystone-group",
-                "root",
-            ],
+            &keystone_conf,
+            &format!("credential_setup {owner}"),
         ),
-        cmd(
-            "keystone-manage",
-            &[
-                "--config-file",
-                &keystone_conf,
-                "credential_setup",
-                "--keystone-user",
-                "root",
-                "--keystone-group",
-                "root",
-            ],
-        ),
-        cmd(
-            "keystone-manage",
-            &[
-                "--config-file",
-                &keystone_conf,
-                "bootstrap",
-                "--bootstrap-password",
-                &layout.password,
-                "--bootstrap-admin-url",
-                &admin_url,
-                "--bootstrap-internal-url",
-                &admin_url,
-                "--bootstrap-public-url",
-                &admin_url,
-                "--bootstrap-region-id",
-                REGION,
-            ],
-        ),
+        bootstrap,
     ];
-    let glance = vec![cmd(
+    let glance = vec![step(
         "glance-manage",
-        &["--config-file", &conf("glance/glance-api.conf"), "db_sync"],
+        &["glance/glance-api.conf"],
+        "db_sync",
     )];
-    let placement = vec![cmd(
+    let placement = vec![step(
         "placement-manage",
-        &[
-            "--config-file",
-            &conf("placement/placement.conf"),
-            "db",
-            "sync",
-        ],
+        &["placement/placement.conf"],
+        "db sync",
     )];
-    let neutron = vec![cmd(
-        "neutron-db-manage",
-        &[
-            "--config-file",
-            &conf("neutron/neutron.conf"),
-            "--config-file",
-            &conf("neutron/plugins/ml2/ml2_conf.ini"),
-            "upgrade",
-            "heads",
-        ],
-    )];
-    let nova_conf = conf("nova/nova.conf");
-    let cell0 = format!("{db}/nova_cell0");
+    let neutron_confs = ["neutron/neutron.conf", "neutron/plugins/ml2/ml2_conf.ini"];
+    let neutron = vec![step("neutron-db-manage", &neutron_confs, "upgrade heads")];
+    let nova_conf = ["nova/nova.conf"];
+    let mut map_cell0 = step(
+        "nova-manage",
+        &nova_conf,
+        "cell_v2 map_cell0 --database_connection",
+    );
+    map_cell0.arg(format!("{}/nova_cell0", db_url(layout)));
+    // create_cell fails when the cell exists; a shell keeps the check and the command together.
+    let mut create_cell = python_command(layout, "sh");
+    create_cell
+        .arg("-c")
+        .arg(r#""$0" --config-file "$1" cell_v2 list_cells | grep -qw cell1 || "$0" --config-file "$1" cell_v2 create_cell --name cell1 --verbose"#)
+        .arg(layout.bin("nova-manage"))
+        .arg(conf(nova_conf[0]));
     let nova = vec![
-        cmd(
-            "nova-manage",
-            &["--config-file", &nova_conf, "api_db", "sync"],
-        ),
-        cmd(
-            "nova-manage",
-            &[
-                "--config-file",
-                &nova_conf,
-                "cell_v2",
-                "map_cell0",
-                "--database_connection",
-                &cell0,
-            ],
-        ),
-        // create_cell fails when the cell exists; a shell keeps the check and the command together.
-        {
-            let manage = layout.bin("nova-manage").display().to_string();
-            let mut c = python_command(layout, "sh");
-            c.arg("-c")
-                .arg(r#""$0" --config-file "$1" cell_v2 list_cells | grep -qw cell1 || "$0" --config-file "$1" cell_v2 create_cell --name cell1 --verbose"#)
-                .arg(manage)
-                .arg(&nova_conf);
-            c
-        },
-        cmd("nova-manage", &["--config-file", &nova_conf, "db", "sync"]),
+        step("nova-manage", &nova_conf, "api_db sync"),
+        map_cell0,
+        create_cell,
+        step("nova-manage", &nova_conf, "db sync"),
     ];
     let jobs = [
         ("keystone", keystone),

@@ -1,4 +1,4 @@
-//! `FakeApiServer`: an in-memory, in-process stand-in for kube-apiserver, for tests and the
+//! `FakeApiServer` (feature `fake-api-server`): an in-memory, in-process stand-in for kube-apiserver, for tests and the
 //! benchmark. It is a `tower::Service` that a real [`kube::Client`] talks to, so the controllers
 //! run unmodified (reflectors, watches, patches, finalizers) without sockets or timing tricks.
 //!
@@ -47,7 +47,10 @@ pub struct ResourceKey {
 impl ResourceKey {
     /// A resource in the given group.
     pub fn new(group: &str, plural: &str) -> Self {
-        Self { group: group.to_string(), plural: plural.to_string() }
+        Self {
+            group: group.to_string(),
+            plural: plural.to_string(),
+        }
     }
 }
 
@@ -83,6 +86,7 @@ struct Inner {
     events: broadcast::Sender<WatchEvent>,
     requests: AtomicU64,
     writes: AtomicU64,
+    unavailable: std::sync::atomic::AtomicBool,
     uid_counter: AtomicU64,
 }
 
@@ -109,6 +113,7 @@ impl FakeApiServer {
                 events,
                 requests: AtomicU64::new(0),
                 writes: AtomicU64::new(0),
+                unavailable: std::sync::atomic::AtomicBool::new(false),
                 uid_counter: AtomicU64::new(0),
             }),
         };
@@ -125,8 +130,11 @@ impl FakeApiServer {
         {
             let mut store = server.inner.store.lock().unwrap();
             for (group, version, plural, kind, namespaced, status) in builtin {
-                let api_version =
-                    if group.is_empty() { version.to_string() } else { format!("{group}/{version}") };
+                let api_version = if group.is_empty() {
+                    version.to_string()
+                } else {
+                    format!("{group}/{version}")
+                };
                 store.resources.insert(
                     ResourceKey::new(group, plural),
                     ResourceInfo {
@@ -144,7 +152,12 @@ impl FakeApiServer {
 
     /// Serves the CRD's kind (first served version), applying its schema defaults and validation.
     pub fn install_crd(&self, crd: &CustomResourceDefinition) {
-        let version = crd.spec.versions.iter().find(|v| v.served).expect("CRD has a served version");
+        let version = crd
+            .spec
+            .versions
+            .iter()
+            .find(|v| v.served)
+            .expect("CRD has a served version");
         let schema = version
             .schema
             .as_ref()
@@ -154,7 +167,10 @@ impl FakeApiServer {
             api_version: format!("{}/{}", crd.spec.group, version.name),
             kind: crd.spec.names.kind.clone(),
             namespaced: crd.spec.scope == "Namespaced",
-            status_subresource: version.subresources.as_ref().is_some_and(|s| s.status.is_some()),
+            status_subresource: version
+                .subresources
+                .as_ref()
+                .is_some_and(|s| s.status.is_some()),
             schema,
         };
         let key = ResourceKey::new(&crd.spec.group, &crd.spec.names.plural);
@@ -163,12 +179,32 @@ impl FakeApiServer {
 
     /// A `kube::Client` talking to this server. Must be called inside a Tokio runtime.
     pub fn client(&self) -> kube::Client {
-        kube::Client::new(FakeService { server: self.clone() }, "default")
+        kube::Client::new(
+            FakeService {
+                server: self.clone(),
+            },
+            "default",
+        )
     }
 
     /// Number of HTTP requests served so far.
     pub fn request_count(&self) -> u64 {
         self.inner.requests.load(Ordering::Relaxed)
+    }
+
+    /// Simulates an API-server outage: while set, every request fails with 503 and open watches
+    /// are ended (clients must back off and re-watch).
+    pub fn set_unavailable(&self, unavailable: bool) {
+        self.inner.unavailable.store(unavailable, Ordering::SeqCst);
+        if unavailable {
+            // Wake every watch task so it notices the outage and closes its stream.
+            let _ = self.inner.events.send(WatchEvent {
+                key: ResourceKey::new("", ""),
+                resource_version: 0,
+                type_: "BOOKMARK",
+                object: Arc::new(Value::Null),
+            });
+        }
     }
 
     /// Number of successful writes (create, update, patch, delete) so far.
@@ -179,43 +215,69 @@ impl FakeApiServer {
     /// The stored object, if any (`namespace` is "" for cluster-scoped objects).
     pub fn get(&self, key: &ResourceKey, namespace: &str, name: &str) -> Option<Value> {
         let store = self.inner.store.lock().unwrap();
-        store.objects.get(key)?.get(&(namespace.to_string(), name.to_string())).cloned()
+        store
+            .objects
+            .get(key)?
+            .get(&(namespace.to_string(), name.to_string()))
+            .cloned()
     }
 
     /// All stored objects of a resource.
     pub fn list(&self, key: &ResourceKey) -> Vec<Value> {
         let store = self.inner.store.lock().unwrap();
-        store.objects.get(key).map(|m| m.values().cloned().collect()).unwrap_or_default()
+        store
+            .objects
+            .get(key)
+            .map(|m| m.values().cloned().collect())
+            .unwrap_or_default()
     }
 
     /// Test helper: stores `object` as given (including status), bypassing subresource rules,
     /// and notifies watchers. Sets uid/resourceVersion/creationTimestamp when missing.
     pub fn put(&self, key: &ResourceKey, mut object: Value) -> Value {
         let mut store = self.inner.store.lock().unwrap();
-        let namespace = object["metadata"]["namespace"].as_str().unwrap_or("").to_string();
-        let name = object["metadata"]["name"].as_str().expect("object has a name").to_string();
-        let existing = store.objects.get(key).and_then(|m| m.get(&(namespace.clone(), name.clone())));
-        let type_ = if existing.is_some() { "MODIFIED" } else { "ADDED" };
+        let namespace = object["metadata"]["namespace"]
+            .as_str()
+            .unwrap_or("")
+            .to_string();
+        let name = object["metadata"]["name"]
+            .as_str()
+            .expect("object has a name")
+            .to_string();
+        let existing = store
+            .objects
+            .get(key)
+            .and_then(|m| m.get(&(namespace.clone(), name.clone())));
+        let type_ = if existing.is_some() {
+            "MODIFIED"
+        } else {
+            "ADDED"
+        };
         if let Some(info) = store.resources.get(key) {
             object["apiVersion"] = json!(info.api_version);
             object["kind"] = json!(info.kind);
         }
-        let meta = object["metadata"].as_object_mut().expect("metadata is an object");
+        let meta = object["metadata"]
+            .as_object_mut()
+            .expect("metadata is an object");
         if !meta.contains_key("uid") {
             let uid = existing
                 .and_then(|e| e["metadata"]["uid"].as_str().map(str::to_string))
                 .unwrap_or_else(|| self.new_uid());
             meta.insert("uid".into(), json!(uid));
         }
-        meta.entry("creationTimestamp").or_insert_with(|| json!(now_rfc3339()));
+        meta.entry("creationTimestamp")
+            .or_insert_with(|| json!(now_rfc3339()));
         self.commit(&mut store, key, namespace, name, type_, object)
     }
 
     /// Test helper: deletes an object immediately (ignoring finalizers) and notifies watchers.
     pub fn remove(&self, key: &ResourceKey, namespace: &str, name: &str) -> Option<Value> {
         let mut store = self.inner.store.lock().unwrap();
-        let object =
-            store.objects.get_mut(key)?.remove(&(namespace.to_string(), name.to_string()))?;
+        let object = store
+            .objects
+            .get_mut(key)?
+            .remove(&(namespace.to_string(), name.to_string()))?;
         Some(self.commit_delete(&mut store, key, object))
     }
 
@@ -237,7 +299,11 @@ impl FakeApiServer {
         store.resource_version += 1;
         let rv = store.resource_version;
         object["metadata"]["resourceVersion"] = json!(rv.to_string());
-        store.objects.entry(key.clone()).or_default().insert((namespace, name), object.clone());
+        store
+            .objects
+            .entry(key.clone())
+            .or_default()
+            .insert((namespace, name), object.clone());
         self.publish(store, key, rv, type_, object.clone());
         object
     }
@@ -250,9 +316,20 @@ impl FakeApiServer {
         object
     }
 
-    fn publish(&self, store: &mut Store, key: &ResourceKey, rv: u64, type_: &'static str, object: Value) {
-        let event =
-            WatchEvent { key: key.clone(), resource_version: rv, type_, object: Arc::new(object) };
+    fn publish(
+        &self,
+        store: &mut Store,
+        key: &ResourceKey,
+        rv: u64,
+        type_: &'static str,
+        object: Value,
+    ) {
+        let event = WatchEvent {
+            key: key.clone(),
+            resource_version: rv,
+            type_,
+            object: Arc::new(object),
+        };
         store.log.push(event.clone());
         // No receivers is fine: nobody is watching yet.
         let _ = self.inner.events.send(event);
@@ -260,17 +337,24 @@ impl FakeApiServer {
 
     async fn handle(&self, request: Request<kube::client::Body>) -> Response<FakeBody> {
         self.inner.requests.fetch_add(1, Ordering::Relaxed);
+        if self.inner.unavailable.load(Ordering::SeqCst) {
+            return status_response(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "ServiceUnavailable",
+                "fake outage",
+            );
+        }
         let (parts, body) = request.into_parts();
         let body = match body.collect_bytes().await {
             Ok(bytes) => bytes,
-            Err(e) => return status_response(StatusCode::BAD_REQUEST, "BadRequest", &e.to_string()),
+            Err(e) => {
+                return status_response(StatusCode::BAD_REQUEST, "BadRequest", &e.to_string())
+            }
         };
         let query: HashMap<String, String> = parts
             .uri
             .query()
-            .map(|q| {
-                url_decode_pairs(q).collect()
-            })
+            .map(|q| url_decode_pairs(q).collect())
             .unwrap_or_default();
         let Some(route) = Route::parse(parts.uri.path()) else {
             return status_response(StatusCode::NOT_FOUND, "NotFound", "unknown path");
@@ -283,7 +367,10 @@ impl FakeApiServer {
             return status_response(
                 StatusCode::NOT_FOUND,
                 "NotFound",
-                &format!("the server could not find the requested resource ({})", route.key.plural),
+                &format!(
+                    "the server could not find the requested resource ({})",
+                    route.key.plural
+                ),
             );
         };
         let content_type = parts
@@ -302,8 +389,14 @@ impl FakeApiServer {
                 }
             }
         };
-        let result = match (&parts.method, route.name.as_deref(), route.subresource.as_deref()) {
-            (&Method::GET, None, None) if query.get("watch").is_some_and(|w| w == "true" || w == "1") => {
+        let result = match (
+            &parts.method,
+            route.name.as_deref(),
+            route.subresource.as_deref(),
+        ) {
+            (&Method::GET, None, None)
+                if query.get("watch").is_some_and(|w| w == "true" || w == "1") =>
+            {
                 return self.watch(&route, &query);
             }
             (&Method::GET, None, None) => self.list_objects(&route, &info, &query),
@@ -314,7 +407,11 @@ impl FakeApiServer {
                 self.patch(&route, &info, name, sub, body, &content_type)
             }
             (&Method::DELETE, Some(name), None) => self.delete(&route, name),
-            _ => Err(ApiError::new(StatusCode::METHOD_NOT_ALLOWED, "MethodNotAllowed", "not supported")),
+            _ => Err(ApiError::new(
+                StatusCode::METHOD_NOT_ALLOWED,
+                "MethodNotAllowed",
+                "not supported",
+            )),
         };
         match result {
             Ok((code, value)) => json_response(code, &value),
@@ -332,7 +429,12 @@ impl FakeApiServer {
         let items: Vec<Value> = store
             .objects
             .get(&route.key)
-            .map(|m| m.values().filter(|o| matches(o, route, query)).cloned().collect())
+            .map(|m| {
+                m.values()
+                    .filter(|o| matches(o, route, query))
+                    .cloned()
+                    .collect()
+            })
             .unwrap_or_default();
         Ok((
             StatusCode::OK,
@@ -356,8 +458,16 @@ impl FakeApiServer {
     }
 
     fn watch(&self, route: &Route, query: &HashMap<String, String>) -> Response<FakeBody> {
-        let since: u64 = query.get("resourceVersion").and_then(|v| v.parse().ok()).unwrap_or(0);
-        tracing::debug!(resource = route.key.plural, namespace = route.namespace, since, "fake watch started");
+        let since: u64 = query
+            .get("resourceVersion")
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0);
+        tracing::debug!(
+            resource = route.key.plural,
+            namespace = route.namespace,
+            since,
+            "fake watch started"
+        );
         let (tx, rx) = mpsc::unbounded_channel::<Bytes>();
         let mut live = {
             // Subscribe while holding the lock: no event can slip between replay and live.
@@ -367,10 +477,19 @@ impl FakeApiServer {
                 // "Any" version: synthesize ADDED for the current state, like the real server.
                 Vec::new()
             } else {
-                store.log.iter().filter(|e| e.resource_version > since && e.key == route.key).collect()
+                store
+                    .log
+                    .iter()
+                    .filter(|e| e.resource_version > since && e.key == route.key)
+                    .collect()
             };
             if since == 0 {
-                for object in store.objects.get(&route.key).into_iter().flat_map(|m| m.values()) {
+                for object in store
+                    .objects
+                    .get(&route.key)
+                    .into_iter()
+                    .flat_map(|m| m.values())
+                {
                     if matches(object, route, query) {
                         let _ = tx.send(watch_line("ADDED", object));
                     }
@@ -385,8 +504,12 @@ impl FakeApiServer {
         };
         let route = route.clone();
         let query = query.clone();
+        let inner = self.inner.clone();
         tokio::spawn(async move {
             loop {
+                if inner.unavailable.load(Ordering::SeqCst) {
+                    return;
+                }
                 match live.recv().await {
                     Ok(event) => {
                         if event.key == route.key
@@ -407,7 +530,9 @@ impl FakeApiServer {
             }
         });
         let stream = futures::stream::unfold(rx, |mut rx| async move {
-            rx.recv().await.map(|line| (Ok::<_, Infallible>(http_body::Frame::data(line)), rx))
+            rx.recv()
+                .await
+                .map(|line| (Ok::<_, Infallible>(http_body::Frame::data(line)), rx))
         });
         Response::builder()
             .status(StatusCode::OK)
@@ -426,13 +551,21 @@ impl FakeApiServer {
         if !object["metadata"].is_object() {
             object["metadata"] = json!({});
         }
-        let mut name = object["metadata"]["name"].as_str().unwrap_or("").to_string();
+        let mut name = object["metadata"]["name"]
+            .as_str()
+            .unwrap_or("")
+            .to_string();
         if name.is_empty() {
             let prefix = object["metadata"]["generateName"].as_str().unwrap_or("");
             if prefix.is_empty() {
-                return Err(ApiError::invalid("metadata.name or metadata.generateName is required"));
+                return Err(ApiError::invalid(
+                    "metadata.name or metadata.generateName is required",
+                ));
             }
-            name = format!("{prefix}{:05x}", self.inner.uid_counter.load(Ordering::Relaxed) + 1);
+            name = format!(
+                "{prefix}{:05x}",
+                self.inner.uid_counter.load(Ordering::Relaxed) + 1
+            );
         }
         object["apiVersion"] = json!(info.api_version);
         object["kind"] = json!(info.kind);
@@ -455,7 +588,11 @@ impl FakeApiServer {
         apply_schema(info, &mut object)?;
         let mut store = self.inner.store.lock().unwrap();
         let id = (route.namespace.clone(), name.clone());
-        if store.objects.get(&route.key).is_some_and(|m| m.contains_key(&id)) {
+        if store
+            .objects
+            .get(&route.key)
+            .is_some_and(|m| m.contains_key(&id))
+        {
             return Err(ApiError::new(
                 StatusCode::CONFLICT,
                 "AlreadyExists",
@@ -476,7 +613,7 @@ impl FakeApiServer {
         body: Option<Value>,
     ) -> Result<(StatusCode, Value), ApiError> {
         let new = body.ok_or_else(|| ApiError::bad_request("missing body"))?;
-        self.update(route, info, name, subresource, |_| Ok(new), true)
+        self.update(route, info, name, subresource, |_| Ok(new))
     }
 
     fn patch(
@@ -503,18 +640,11 @@ impl FakeApiServer {
             object["metadata"]["name"] = json!(name);
             return self.create(route, info, Some(object));
         }
-        self.update(
-            route,
-            info,
-            name,
-            subresource,
-            |current| {
-                let mut merged = current.clone();
-                json_merge(&mut merged, &patch);
-                Ok(merged)
-            },
-            false,
-        )
+        self.update(route, info, name, subresource, |current| {
+            let mut merged = current.clone();
+            json_merge(&mut merged, &patch);
+            Ok(merged)
+        })
     }
 
     /// Shared replace/patch path: computes the new object from the current one, applies the
@@ -526,10 +656,13 @@ impl FakeApiServer {
         name: &str,
         subresource: Option<&str>,
         compute: impl FnOnce(&Value) -> Result<Value, ApiError>,
-        is_replace: bool,
     ) -> Result<(StatusCode, Value), ApiError> {
         if subresource.is_some_and(|s| s != "status") {
-            return Err(ApiError::new(StatusCode::NOT_FOUND, "NotFound", "unknown subresource"));
+            return Err(ApiError::new(
+                StatusCode::NOT_FOUND,
+                "NotFound",
+                "unknown subresource",
+            ));
         }
         let mut store = self.inner.store.lock().unwrap();
         let id = (route.namespace.clone(), name.to_string());
@@ -541,9 +674,13 @@ impl FakeApiServer {
             .ok_or_else(|| ApiError::not_found(&route.key, name))?;
         let mut new = compute(&current)?;
         // Optimistic concurrency: a resourceVersion in the request must match.
-        let requested_rv = new["metadata"]["resourceVersion"].as_str().map(str::to_string);
+        let requested_rv = new["metadata"]["resourceVersion"]
+            .as_str()
+            .map(str::to_string);
         if let Some(rv) = requested_rv {
-            if !rv.is_empty() && Some(rv.as_str()) != current["metadata"]["resourceVersion"].as_str() {
+            if !rv.is_empty()
+                && Some(rv.as_str()) != current["metadata"]["resourceVersion"].as_str()
+            {
                 return Err(ApiError::new(
                     StatusCode::CONFLICT,
                     "Conflict",
@@ -566,14 +703,21 @@ impl FakeApiServer {
             }
         } else {
             if info.status_subresource {
-                let map = new.as_object_mut().ok_or_else(|| ApiError::bad_request("not an object"))?;
+                let map = new
+                    .as_object_mut()
+                    .ok_or_else(|| ApiError::bad_request("not an object"))?;
                 match current.get("status") {
                     Some(status) => map.insert("status".into(), status.clone()),
                     None => map.remove("status"),
                 };
             }
             // Immutable / server-owned metadata.
-            for field in ["uid", "creationTimestamp", "deletionTimestamp", "generation"] {
+            for field in [
+                "uid",
+                "creationTimestamp",
+                "deletionTimestamp",
+                "generation",
+            ] {
                 match current["metadata"].get(field) {
                     Some(v) => new["metadata"][field] = v.clone(),
                     None => {
@@ -583,7 +727,6 @@ impl FakeApiServer {
                     }
                 }
             }
-            let _ = is_replace;
             apply_schema(info, &mut new)?;
             let spec_changed = strip_meta_status(&new) != strip_meta_status(&current);
             if spec_changed {
@@ -604,10 +747,15 @@ impl FakeApiServer {
         }
         self.inner.writes.fetch_add(1, Ordering::Relaxed);
         let deleting = new["metadata"]["deletionTimestamp"].is_string();
-        let no_finalizers =
-            new["metadata"]["finalizers"].as_array().is_none_or(|f| f.is_empty());
+        let no_finalizers = new["metadata"]["finalizers"]
+            .as_array()
+            .is_none_or(|f| f.is_empty());
         if deleting && no_finalizers {
-            store.objects.get_mut(&route.key).expect("exists").remove(&id);
+            store
+                .objects
+                .get_mut(&route.key)
+                .expect("exists")
+                .remove(&id);
             let deleted = self.commit_delete(&mut store, &route.key, new);
             return Ok((StatusCode::OK, deleted));
         }
@@ -624,8 +772,9 @@ impl FakeApiServer {
             .and_then(|m| m.get(&id))
             .cloned()
             .ok_or_else(|| ApiError::not_found(&route.key, name))?;
-        let has_finalizers =
-            current["metadata"]["finalizers"].as_array().is_some_and(|f| !f.is_empty());
+        let has_finalizers = current["metadata"]["finalizers"]
+            .as_array()
+            .is_some_and(|f| !f.is_empty());
         self.inner.writes.fetch_add(1, Ordering::Relaxed);
         if has_finalizers {
             if current["metadata"]["deletionTimestamp"].is_string() {
@@ -637,7 +786,11 @@ impl FakeApiServer {
             let stored = self.commit(&mut store, &route.key, id.0, id.1, "MODIFIED", marked);
             return Ok((StatusCode::OK, stored));
         }
-        store.objects.get_mut(&route.key).expect("exists").remove(&id);
+        store
+            .objects
+            .get_mut(&route.key)
+            .expect("exists")
+            .remove(&id);
         let deleted = self.commit_delete(&mut store, &route.key, current);
         Ok((StatusCode::OK, deleted))
     }
@@ -703,10 +856,18 @@ struct ApiError {
 
 impl ApiError {
     fn new(code: StatusCode, reason: &'static str, message: &str) -> Self {
-        Self { code, reason, message: message.to_string() }
+        Self {
+            code,
+            reason,
+            message: message.to_string(),
+        }
     }
     fn not_found(key: &ResourceKey, name: &str) -> Self {
-        Self::new(StatusCode::NOT_FOUND, "NotFound", &format!("{} \"{name}\" not found", key.plural))
+        Self::new(
+            StatusCode::NOT_FOUND,
+            "NotFound",
+            &format!("{} \"{name}\" not found", key.plural),
+        )
     }
     fn bad_request(message: &str) -> Self {
         Self::new(StatusCode::BAD_REQUEST, "BadRequest", message)
@@ -720,7 +881,9 @@ fn json_response(code: StatusCode, value: &Value) -> Response<FakeBody> {
     Response::builder()
         .status(code)
         .header(http::header::CONTENT_TYPE, "application/json")
-        .body(BodyExt::boxed_unsync(Full::new(Bytes::from(value.to_string()))))
+        .body(BodyExt::boxed_unsync(Full::new(Bytes::from(
+            value.to_string(),
+        ))))
         .expect("valid response")
 }
 
@@ -746,7 +909,9 @@ fn watch_line(type_: &str, object: &Value) -> Bytes {
 }
 
 fn now_rfc3339() -> String {
-    jiff::Timestamp::now().strftime("%Y-%m-%dT%H:%M:%SZ").to_string()
+    jiff::Timestamp::now()
+        .strftime("%Y-%m-%dT%H:%M:%SZ")
+        .to_string()
 }
 
 fn url_decode_pairs(query: &str) -> impl Iterator<Item = (String, String)> + '_ {
@@ -837,27 +1002,36 @@ fn label_selector_matches(selector: &str, labels: Option<&Map<String, Value>>) -
         }
     }
     requirements.push(&selector[start..]);
-    requirements.into_iter().map(str::trim).filter(|r| !r.is_empty()).all(|r| {
-        if let Some((k, v)) = r.split_once("!=") {
-            get(k.trim()) != Some(v.trim())
-        } else if let Some((k, v)) = r.split_once("==").or_else(|| r.split_once('=')) {
-            get(k.trim()) == Some(v.trim())
-        } else if let Some((k, set)) = r.split_once(" notin ") {
-            let set = parse_set(set);
-            get(k.trim()).is_none_or(|v| !set.contains(&v))
-        } else if let Some((k, set)) = r.split_once(" in ") {
-            let set = parse_set(set);
-            get(k.trim()).is_some_and(|v| set.contains(&v))
-        } else if let Some(k) = r.strip_prefix('!') {
-            get(k.trim()).is_none()
-        } else {
-            get(r).is_some()
-        }
-    })
+    requirements
+        .into_iter()
+        .map(str::trim)
+        .filter(|r| !r.is_empty())
+        .all(|r| {
+            if let Some((k, v)) = r.split_once("!=") {
+                get(k.trim()) != Some(v.trim())
+            } else if let Some((k, v)) = r.split_once("==").or_else(|| r.split_once('=')) {
+                get(k.trim()) == Some(v.trim())
+            } else if let Some((k, set)) = r.split_once(" notin ") {
+                let set = parse_set(set);
+                get(k.trim()).is_none_or(|v| !set.contains(&v))
+            } else if let Some((k, set)) = r.split_once(" in ") {
+                let set = parse_set(set);
+                get(k.trim()).is_some_and(|v| set.contains(&v))
+            } else if let Some(k) = r.strip_prefix('!') {
+                get(k.trim()).is_none()
+            } else {
+                get(r).is_some()
+            }
+        })
 }
 
 fn parse_set(set: &str) -> Vec<&str> {
-    set.trim().trim_start_matches('(').trim_end_matches(')').split(',').map(str::trim).collect()
+    set.trim()
+        .trim_start_matches('(')
+        .trim_end_matches(')')
+        .split(',')
+        .map(str::trim)
+        .collect()
 }
 
 /// RFC 7386 JSON merge patch.
@@ -890,7 +1064,9 @@ fn strip_meta_status(object: &Value) -> Value {
 }
 
 fn apply_schema(info: &ResourceInfo, object: &mut Value) -> Result<(), ApiError> {
-    let Some(schema) = &info.schema else { return Ok(()) };
+    let Some(schema) = &info.schema else {
+        return Ok(());
+    };
     // Like the API server: drop explicit nulls (no field is nullable in our CRDs), default,
     // then validate.
     prune_nulls(object);
@@ -900,7 +1076,11 @@ fn apply_schema(info: &ResourceInfo, object: &mut Value) -> Result<(), ApiError>
     if errors.is_empty() {
         Ok(())
     } else {
-        Err(ApiError::invalid(&format!("{} is invalid: {}", info.kind, errors.join(", "))))
+        Err(ApiError::invalid(&format!(
+            "{} is invalid: {}",
+            info.kind,
+            errors.join(", ")
+        )))
     }
 }
 
@@ -937,8 +1117,17 @@ pub fn apply_defaults(schema: &Value, value: &mut Value) {
 
 /// The subset of OpenAPI v3 validation our CRDs use.
 pub fn validate(schema: &Value, value: &Value, path: &str, errors: &mut Vec<String>) {
-    let at = |p: &str| if p.is_empty() { "<root>".to_string() } else { p.to_string() };
-    if schema.get("x-kubernetes-int-or-string").is_some_and(|v| v == true) {
+    let at = |p: &str| {
+        if p.is_empty() {
+            "<root>".to_string()
+        } else {
+            p.to_string()
+        }
+    };
+    if schema
+        .get("x-kubernetes-int-or-string")
+        .is_some_and(|v| v == true)
+    {
         if !(value.is_i64() || value.is_u64() || value.is_string()) {
             errors.push(format!("{}: must be an integer or a string", at(path)));
         }
@@ -961,12 +1150,18 @@ pub fn validate(schema: &Value, value: &Value, path: &str, errors: &mut Vec<Stri
     }
     if let (Some(min), Some(n)) = (schema["minimum"].as_f64(), value.as_f64()) {
         if n < min {
-            errors.push(format!("{}: should be greater than or equal to {min}", at(path)));
+            errors.push(format!(
+                "{}: should be greater than or equal to {min}",
+                at(path)
+            ));
         }
     }
     if let (Some(max), Some(n)) = (schema["maximum"].as_f64(), value.as_f64()) {
         if n > max {
-            errors.push(format!("{}: should be less than or equal to {max}", at(path)));
+            errors.push(format!(
+                "{}: should be less than or equal to {max}",
+                at(path)
+            ));
         }
     }
     if let (Some(pattern), Some(s)) = (schema["pattern"].as_str(), value.as_str()) {
@@ -996,7 +1191,9 @@ pub fn validate(schema: &Value, value: &Value, path: &str, errors: &mut Vec<Stri
                     validate(child_schema, child, &format!("{path}.{name}"), errors);
                 }
             }
-        } else if let Some(additional) = schema.get("additionalProperties").filter(|a| a.is_object()) {
+        } else if let Some(additional) =
+            schema.get("additionalProperties").filter(|a| a.is_object())
+        {
             for (name, child) in map {
                 validate(additional, child, &format!("{path}.{name}"), errors);
             }

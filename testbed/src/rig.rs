@@ -1,0 +1,438 @@
+//! A load balancer under test: a [`Topology`] with echo servers on every backend, the real `lb-agent` in the
+//! lb namespace with a LoadBalancer-shaped config file, and the VIP on the lb's interface. Shared by the
+//! end-to-end tests and `lb-testbed demo`.
+
+use crate::hold::HoldReport;
+use crate::load::LoadReport;
+use crate::{ChildGuard, Host, Topology, TopologyConfig};
+use anyhow::{anyhow, bail, Context, Result};
+use std::collections::BTreeMap;
+use std::io::{Read, Write};
+use std::net::{Ipv4Addr, TcpStream};
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+/// TCP service port on the VIP and its NodePort on the backends.
+pub const TCP_PORT: u16 = 80;
+/// NodePort of the TCP service.
+pub const TCP_NODE_PORT: u16 = 30080;
+/// UDP service port on the VIP.
+pub const UDP_PORT: u16 = 53;
+/// NodePort of the UDP service.
+pub const UDP_NODE_PORT: u16 = 30053;
+/// Where the agent serves metrics inside the lb namespace.
+pub const METRICS: &str = "127.0.0.1:9100";
+
+/// How to build the rig.
+#[derive(Clone, Debug)]
+pub struct RigConfig {
+    /// Backends in the topology.
+    pub backends: usize,
+    /// How many of them are in the initial config (the rest can be added later).
+    pub configured_backends: usize,
+    /// `--attach-mode` of the agent (`xdp`, `xdp-native`, `xdp-generic`, `tc`).
+    pub attach_mode: String,
+    /// The `lb-agent` binary.
+    pub agent_bin: PathBuf,
+    /// The `xdp-pass.o` test program (see `lb-ebpf/src/bin/xdp-pass.rs`).
+    pub xdp_pass_obj: PathBuf,
+    /// Extra `options:` lines of the LoadBalancer config (YAML, indented by two spaces).
+    pub options: String,
+    /// Extra agent flags.
+    pub agent_args: Vec<String>,
+    /// Topology settings.
+    pub topology: TopologyConfig,
+}
+
+impl RigConfig {
+    /// Defaults: 3 backends, native XDP, binaries found next to this one or under `target/`.
+    pub fn new() -> Result<Self> {
+        Ok(RigConfig {
+            backends: 3,
+            configured_backends: 3,
+            attach_mode: "xdp".into(),
+            agent_bin: find_artifact("LB_AGENT_BIN", "lb-agent")?,
+            xdp_pass_obj: find_artifact("LB_XDP_PASS_OBJ", "bpf/xdp-pass.o")?,
+            options: String::new(),
+            agent_args: Vec::new(),
+            topology: TopologyConfig::default(),
+        })
+    }
+}
+
+/// Finds a build artifact: `$ENV`, else next to the running executable (or its parent, for test binaries in
+/// `target/debug/deps`), else under `target/{debug,release}` of the workspace.
+pub fn find_artifact(env: &str, rel: &str) -> Result<PathBuf> {
+    if let Some(p) = std::env::var_os(env) {
+        return Ok(PathBuf::from(p));
+    }
+    let exe = std::env::current_exe()?;
+    let mut candidates = Vec::new();
+    for dir in exe.ancestors().skip(1).take(3) {
+        candidates.push(dir.join(rel));
+    }
+    let ws = Path::new(env!("CARGO_MANIFEST_DIR")).join("..").join("target");
+    for d in ["debug", "release", ""] {
+        candidates.push(ws.join(d).join(rel));
+    }
+    candidates
+        .into_iter()
+        .find(|p| p.is_file())
+        .ok_or_else(|| {
+            anyhow!("{rel} not found (set {env}, or build it: `cargo build -p lb-agent`, `cargo xtask build-ebpf`)")
+        })
+}
+
+/// The running rig. Dropping it stops everything and removes the namespaces.
+pub struct Rig {
+    /// The namespaces.
+    pub topo: Topology,
+    /// The virtual IP (on the lb's interface).
+    pub vip: Ipv4Addr,
+    /// Settings it was built with.
+    pub cfg: RigConfig,
+    echo: BTreeMap<usize, ChildGuard>,
+    agent: Option<ChildGuard>,
+    xdp_pass: Option<ChildGuard>,
+    dir: PathBuf,
+    pin_dir: PathBuf,
+}
+
+impl Rig {
+    /// Builds the topology, starts the echo servers and the agent, and waits until the agent is ready.
+    pub fn start(cfg: RigConfig) -> Result<Self> {
+        Self::start_with(cfg, |_| {})
+    }
+
+    /// [`Rig::start`], telling `on_topology` the topology id first (for cleanup from a signal handler).
+    pub fn start_with(cfg: RigConfig, on_topology: impl FnOnce(&str)) -> Result<Self> {
+        let topo = Topology::new(TopologyConfig {
+            backends: cfg.backends,
+            ..cfg.topology.clone()
+        })?;
+        on_topology(topo.id());
+        let vip = topo.addr(100);
+        topo.add_addr(Host::Lb, vip)?;
+        let dir = std::env::temp_dir().join(format!("{}-rig", topo.id()));
+        std::fs::create_dir_all(&dir)?;
+        let pin_dir = pin_root()?.join(topo.id());
+        let mut rig = Rig {
+            topo,
+            vip,
+            cfg,
+            echo: BTreeMap::new(),
+            agent: None,
+            xdp_pass: None,
+            dir,
+            pin_dir,
+        };
+        if rig.cfg.attach_mode.starts_with("xdp") && rig.cfg.attach_mode != "xdp-generic" {
+            rig.attach_xdp_pass()?;
+        }
+        for i in 1..=rig.cfg.backends {
+            rig.start_backend(i)?;
+        }
+        let n = rig.cfg.configured_backends;
+        rig.write_config(&rig.config_yaml(&(1..=n).collect::<Vec<_>>(), &rig.cfg.options.clone()))?;
+        rig.start_agent()?;
+        Ok(rig)
+    }
+
+    /// The config file the agent reads.
+    pub fn config_path(&self) -> PathBuf {
+        self.dir.join("lb.yaml")
+    }
+
+    /// A LoadBalancer-shaped config with the given backends (1-based) and extra `options:` lines.
+    pub fn config_yaml(&self, backends: &[usize], options: &str) -> String {
+        let mut y = format!(
+            "vip: {}\nports:\n  - {{name: web, protocol: TCP, port: {TCP_PORT}, nodePort: {TCP_NODE_PORT}}}\n  - {{name: dns, protocol: UDP, port: {UDP_PORT}, nodePort: {UDP_NODE_PORT}}}\nendpoints:\n",
+            self.vip
+        );
+        for i in backends {
+            y += &format!(
+                "  - {{name: node-{i}, addresses: [{}]}}\n",
+                self.topo.ip(Host::Backend(*i))
+            );
+        }
+        y += "options:\n";
+        y += if options.is_empty() { "  {}\n" } else { options };
+        y += "healthCheck: {interval: 1s, timeout: 1s, unhealthyThreshold: 2, healthyThreshold: 1}\n";
+        y
+    }
+
+    /// Replaces the config file (atomically: the agent never reads half a file).
+    pub fn write_config(&self, yaml: &str) -> Result<()> {
+        let tmp = self.dir.join("lb.yaml.tmp");
+        std::fs::write(&tmp, yaml)?;
+        std::fs::rename(&tmp, self.config_path())?;
+        Ok(())
+    }
+
+    /// Replaces the config and waits until the agent has applied it (its `lb_config_generation` moves on).
+    pub fn update_config(&self, yaml: &str) -> Result<()> {
+        let before = self.metric("lb_config_generation", "")?;
+        self.write_config(yaml)?;
+        let deadline = Instant::now() + Duration::from_secs(15);
+        while self.metric("lb_config_generation", "")? <= before {
+            if Instant::now() > deadline {
+                bail!("the agent did not apply the new config:\n{}", self.agent_log());
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        Ok(())
+    }
+
+    /// Starts the agent (pinning its state in a per-rig bpffs directory) and waits for `/readyz`.
+    pub fn start_agent(&mut self) -> Result<()> {
+        let mut argv: Vec<String> = vec![
+            self.cfg.agent_bin.display().to_string(),
+            "--interface".into(),
+            self.topo.ifname(Host::Lb).into(),
+            "--config".into(),
+            self.config_path().display().to_string(),
+            "--attach-mode".into(),
+            self.cfg.attach_mode.clone(),
+            "--pin-dir".into(),
+            self.pin_dir.display().to_string(),
+            "--max-flows".into(),
+            "131072".into(),
+            "--gc-interval".into(),
+            "1".into(),
+            "--metrics-address".into(),
+            METRICS.into(),
+        ];
+        argv.extend(self.cfg.agent_args.iter().cloned());
+        let child = self.topo.spawn(Host::Lb, &argv)?;
+        self.agent = Some(child);
+        self.wait_ready(Duration::from_secs(30))
+    }
+
+    /// Kills the agent with `signal` (e.g. `libc::SIGKILL`) and waits for it to be gone.
+    pub fn kill_agent(&mut self, signal: i32) -> Result<String> {
+        let mut a = self.agent.take().context("agent not running")?;
+        a.signal(signal)?;
+        a.wait_timeout(Duration::from_secs(10))?;
+        Ok(a.stderr())
+    }
+
+    /// The agent's log so far.
+    pub fn agent_log(&self) -> String {
+        self.agent.as_ref().map(|a| a.stderr() + &a.stdout()).unwrap_or_default()
+    }
+
+    fn wait_ready(&mut self, timeout: Duration) -> Result<()> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Some(a) = self.agent.as_mut() {
+                if let Some(status) = a.try_wait()? {
+                    bail!("agent exited ({status}):\n{}", self.agent_log());
+                }
+            }
+            if let Ok(body) = self.http_get("/readyz") {
+                if body.starts_with("ready") {
+                    return Ok(());
+                }
+            }
+            if Instant::now() > deadline {
+                bail!("agent not ready after {timeout:?}:\n{}", self.agent_log());
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
+    /// Starts the echo server of backend `i` (1-based).
+    pub fn start_backend(&mut self, i: usize) -> Result<()> {
+        let bin = crate::binary_path()?;
+        let host = Host::Backend(i);
+        let mut c = self.topo.spawn(
+            host,
+            [
+                bin.display().to_string(),
+                "echo".into(),
+                "--id".into(),
+                host.name(),
+                "--tcp".into(),
+                format!("0.0.0.0:{TCP_NODE_PORT}"),
+                "--udp".into(),
+                format!("0.0.0.0:{UDP_NODE_PORT}"),
+            ],
+        )?;
+        c.wait_for_stdout("\"ready\":true", Duration::from_secs(10))?;
+        self.echo.insert(i, c);
+        Ok(())
+    }
+
+    /// Stops the echo server of backend `i`: the node stays, its NodePort refuses connections.
+    pub fn stop_backend(&mut self, i: usize) -> Result<()> {
+        if let Some(mut c) = self.echo.remove(&i) {
+            c.kill();
+        }
+        Ok(())
+    }
+
+    /// GET on the agent's metrics listener from inside the lb namespace; returns the body.
+    pub fn http_get(&self, path: &str) -> Result<String> {
+        let path = path.to_string();
+        self.topo.run_in(Host::Lb, move || -> Result<String> {
+            let mut s = TcpStream::connect_timeout(&METRICS.parse()?, Duration::from_secs(2))?;
+            s.set_read_timeout(Some(Duration::from_secs(5)))?;
+            write!(s, "GET {path} HTTP/1.0\r\nHost: lb\r\n\r\n")?;
+            let mut out = String::new();
+            s.read_to_string(&mut out)?;
+            let body = out.split_once("\r\n\r\n").map(|(_, b)| b.to_string());
+            body.context("no HTTP body")
+        })?
+    }
+
+    /// The sum of every sample of metric `name` whose label text contains `labels` (e.g. `port="80"`).
+    pub fn metric(&self, name: &str, labels: &str) -> Result<f64> {
+        let body = self.http_get("/metrics")?;
+        Ok(parse_metric(&body, name, labels))
+    }
+
+    /// Runs `lb-testbed load` in the client namespace with `args` (targets default to the VIP services).
+    pub fn load(&self, args: &[&str]) -> Result<LoadReport> {
+        let bin = crate::binary_path()?;
+        let mut argv = vec![bin.display().to_string(), "load".into()];
+        argv.extend(args.iter().map(|s| s.to_string()));
+        let out = self
+            .topo
+            .spawn(Host::Client, &argv)?
+            .finish(Duration::from_secs(120))?;
+        serde_json::from_str(&out.stdout).with_context(|| {
+            format!("load output is not a report: {}\n{}", out.stdout, out.stderr)
+        })
+    }
+
+    /// Starts `lb-testbed hold` in the client namespace; stop it with [`Rig::stop_hold`].
+    pub fn start_hold(&self, args: &[&str]) -> Result<Hold> {
+        let bin = crate::binary_path()?;
+        let stop = self.dir.join(format!("hold-stop-{}", rand_suffix()));
+        let ready = self.dir.join(format!("hold-ready-{}", rand_suffix()));
+        let mut argv = vec![
+            bin.display().to_string(),
+            "hold".into(),
+            "--duration-secs".into(),
+            "0".into(),
+            "--stop-file".into(),
+            stop.display().to_string(),
+            "--ready-file".into(),
+            ready.display().to_string(),
+        ];
+        argv.extend(args.iter().map(|s| s.to_string()));
+        let child = self.topo.spawn(Host::Client, &argv)?;
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while !ready.exists() {
+            if Instant::now() > deadline {
+                bail!("hold never became ready: {}", child.stderr());
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        Ok(Hold { child, stop })
+    }
+
+    /// Attaches `xdp_pass` to the bridge side of the lb's veth (veth needs it for `XDP_TX`).
+    fn attach_xdp_pass(&mut self) -> Result<()> {
+        let bin = crate::binary_path()?;
+        let port = self.topo.switch_port(Host::Lb).to_string();
+        let argv = vec![
+            "ip".to_string(),
+            "netns".into(),
+            "exec".into(),
+            self.topo.switch_netns().to_string(),
+            bin.display().to_string(),
+            "xdp-pass".into(),
+            "--object".into(),
+            self.cfg.xdp_pass_obj.display().to_string(),
+            "--iface".into(),
+            port,
+        ];
+        let mut c = ChildGuard::spawn(&argv, "xdp-pass@switch")?;
+        c.wait_for_stdout("attached", Duration::from_secs(10))?;
+        self.xdp_pass = Some(c);
+        Ok(())
+    }
+}
+
+impl Drop for Rig {
+    fn drop(&mut self) {
+        if let Some(mut a) = self.agent.take() {
+            a.kill();
+        }
+        self.echo.clear();
+        self.xdp_pass.take();
+        let _ = std::fs::remove_dir_all(&self.pin_dir);
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// A running `hold`.
+pub struct Hold {
+    child: ChildGuard,
+    stop: PathBuf,
+}
+
+impl Hold {
+    /// Stops it and returns its report.
+    pub fn stop(self) -> Result<HoldReport> {
+        std::fs::write(&self.stop, b"stop")?;
+        let out = self.child.finish(Duration::from_secs(60))?;
+        serde_json::from_str(&out.stdout)
+            .with_context(|| format!("hold output is not a report: {}\n{}", out.stdout, out.stderr))
+    }
+}
+
+/// A bpffs mount for the rigs' pinned state. `ip netns exec` remounts /sys, hiding /sys/fs/bpf, so the
+/// agent pins under /run instead, which every namespace sees.
+fn pin_root() -> Result<PathBuf> {
+    let root = PathBuf::from("/run/lb-testbed-bpf");
+    let mounts = std::fs::read_to_string("/proc/mounts")?;
+    let mounted = mounts.lines().any(|l| {
+        let f: Vec<&str> = l.split_whitespace().collect();
+        f.get(1) == Some(&"/run/lb-testbed-bpf") && f.get(2) == Some(&"bpf")
+    });
+    if !mounted {
+        std::fs::create_dir_all(&root)?;
+        crate::process::run_cmd(["mount", "-t", "bpf", "bpf", "/run/lb-testbed-bpf"])
+            .context("mounting a bpffs for pinned test state")?;
+    }
+    Ok(root)
+}
+
+fn rand_suffix() -> u64 {
+    use std::time::SystemTime;
+    SystemTime::now()
+        .duration_since(SystemTime::UNIX_EPOCH)
+        .map(|d| d.as_nanos() as u64)
+        .unwrap_or(0)
+}
+
+/// Sums the samples of `name` (exact metric name) whose label text contains `labels`.
+pub fn parse_metric(body: &str, name: &str, labels: &str) -> f64 {
+    body.lines()
+        .filter(|l| !l.starts_with('#'))
+        .filter_map(|l| {
+            let (series, value) = l.rsplit_once(' ')?;
+            let (n, lab) = match series.split_once('{') {
+                Some((n, rest)) => (n, rest),
+                None => (series, ""),
+            };
+            (n == name && lab.contains(labels)).then(|| value.parse::<f64>().ok())?
+        })
+        .sum()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn metrics_parse() {
+        let body = "# HELP x\nlb_upstream_cx_total{protocol=\"TCP\",port=\"80\"} 7\nlb_upstream_cx_total{protocol=\"UDP\",port=\"53\"} 2\nlb_flow_table_entries{} 4\n";
+        assert_eq!(parse_metric(body, "lb_upstream_cx_total", "port=\"80\""), 7.0);
+        assert_eq!(parse_metric(body, "lb_upstream_cx_total", ""), 9.0);
+        assert_eq!(parse_metric(body, "lb_flow_table_entries", ""), 4.0);
+        assert_eq!(parse_metric(body, "missing", ""), 0.0);
+    }
+}
