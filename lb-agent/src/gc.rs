@@ -80,7 +80,7 @@ pub fn collect(dp: &mut Dataplane, now: u64) -> Result<GcReport> {
         dp.remove_flow(k)?;
     }
     r.deleted = delete.len() as u64;
-    r.entries -= r.deleted;
+    r.entries = r.entries.saturating_sub(r.deleted);
     Ok(r)
 }
 

@@ -19,7 +19,7 @@ pub fn demo(attach_mode: &str) -> Result<()> {
         ]),
         "building lb-agent and lb-testbed",
     )?;
-    let bin = root().join("target/release");
+    let bin = root().join("target/debug");
     run(
         Command::new(bin.join("lb-testbed"))
             .args(["demo", "--attach-mode", attach_mode])

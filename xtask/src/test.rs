@@ -60,12 +60,25 @@ const STAGES: &[Stage] = &[
         },
     },
     Stage {
+        // Unit tests, the data-plane packet tests (real programs via BPF_PROG_TEST_RUN, root) and the
+        // controllers against the in-memory API.
         name: "unit+dataplane",
         run: || {
             run(
-                &mut cargo(&["test", "--workspace"]),
-                "cargo test --workspace",
+                &mut cargo(&["test", "--workspace", "--exclude", "lb-testbed"]),
+                "cargo test --workspace --exclude lb-testbed",
             )
+        },
+    },
+    Stage {
+        // Real TCP/UDP between network namespaces through the real agent and programs.
+        name: "netns-e2e",
+        run: || {
+            run(
+                &mut cargo(&["build", "-p", "lb-agent", "-p", "lb-testbed"]),
+                "building lb-agent and lb-testbed",
+            )?;
+            run(&mut cargo(&["test", "-p", "lb-testbed"]), "cargo test -p lb-testbed")
         },
     },
     Stage {
