@@ -25,3 +25,142 @@ pub fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(|a, b| a.partial_cmp(b).unwrap());
     v[v.len() / 2]
 }
+
+/// Runs `f` on a scoped thread that has entered network namespace `ns` (a name under /var/run/netns), so it
+/// may borrow from the caller (unlike `Topology::run_in`). Sockets, ifindex look-ups, netlink attaches and
+/// `BPF_PROG_TEST_RUN` with an ingress device all use the thread's namespace.
+pub fn in_netns<T: Send>(
+    ns: &str,
+    f: impl FnOnce() -> anyhow::Result<T> + Send,
+) -> anyhow::Result<T> {
+    use std::os::fd::AsRawFd;
+    let path = Path::new("/var/run/netns").join(ns);
+    let file = std::fs::File::open(&path)
+        .map_err(|e| anyhow::anyhow!("cannot open {}: {e}", path.display()))?;
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            // SAFETY: plain syscall on a valid fd; it only changes this thread's network namespace.
+            if unsafe { libc::setns(file.as_raw_fd(), libc::CLONE_NEWNET) } != 0 {
+                anyhow::bail!(
+                    "setns({}): {}",
+                    path.display(),
+                    std::io::Error::last_os_error()
+                );
+            }
+            f()
+        })
+        .join()
+        .map_err(|_| anyhow::anyhow!("thread in {ns} panicked"))?
+    })
+}
+
+/// Pins the calling thread to one CPU (best effort).
+pub fn pin_cpu(cpu: usize) {
+    // SAFETY: a zeroed cpu_set_t is valid; CPU_SET and sched_setaffinity only touch it and this thread.
+    unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        libc::CPU_SET(cpu, &mut set);
+        libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set);
+    }
+}
+
+/// Machine-wide CPU time from /proc/stat, seconds: (busy excluding idle/iowait, softirq alone).
+pub fn machine_cpu() -> (f64, f64) {
+    let s = std::fs::read_to_string("/proc/stat").unwrap_or_default();
+    let line = s.lines().next().unwrap_or_default();
+    let v: Vec<f64> = line
+        .split_whitespace()
+        .skip(1)
+        .filter_map(|x| x.parse().ok())
+        .collect();
+    let hz = clk_tck();
+    let get = |i: usize| v.get(i).copied().unwrap_or(0.0);
+    // user nice system idle iowait irq softirq steal
+    let busy = get(0) + get(1) + get(2) + get(5) + get(6) + get(7);
+    (busy / hz, get(6) / hz)
+}
+
+/// utime + stime of a process, seconds (0 when it is gone).
+pub fn process_cpu(pid: i32) -> f64 {
+    let Ok(s) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+        return 0.0;
+    };
+    // Fields after the ")" of comm: state is field 3; utime, stime are 14, 15.
+    let Some((_, rest)) = s.rsplit_once(')') else {
+        return 0.0;
+    };
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    let t = |i: usize| f.get(i).and_then(|x| x.parse::<f64>().ok()).unwrap_or(0.0);
+    (t(11) + t(12)) / clk_tck()
+}
+
+/// Total CPU seconds of every process in network namespace `ns` (`ip netns pids`).
+pub fn netns_cpu(ns: &str) -> f64 {
+    netns_pids(ns).into_iter().map(process_cpu).sum()
+}
+
+/// Processes inside network namespace `ns`.
+pub fn netns_pids(ns: &str) -> Vec<i32> {
+    std::process::Command::new("ip")
+        .args(["netns", "pids", ns])
+        .output()
+        .map(|o| {
+            String::from_utf8_lossy(&o.stdout)
+                .split_whitespace()
+                .filter_map(|p| p.parse().ok())
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+fn clk_tck() -> f64 {
+    // SAFETY: sysconf has no memory-safety implications.
+    let t = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
+    if t > 0 {
+        t as f64
+    } else {
+        100.0
+    }
+}
+
+/// Formats `v` with a precision that suits its size.
+pub fn fmt_num(v: f64) -> String {
+    if !v.is_finite() {
+        "-".into()
+    } else if v.abs() >= 100.0 {
+        format!("{v:.0}")
+    } else if v.abs() >= 10.0 {
+        format!("{v:.1}")
+    } else {
+        format!("{v:.2}")
+    }
+}
+
+/// Prints a table: a header row and rows of cells, columns padded to their widest cell.
+pub fn print_table(header: &[&str], rows: &[Vec<String>]) {
+    let mut w: Vec<usize> = header.iter().map(|h| h.chars().count()).collect();
+    for r in rows {
+        for (i, c) in r.iter().enumerate() {
+            if i < w.len() {
+                w[i] = w[i].max(c.chars().count());
+            }
+        }
+    }
+    let line = |cells: Vec<String>| {
+        let mut s = String::from("  ");
+        for (i, c) in cells.iter().enumerate() {
+            let pad = w[i].saturating_sub(c.chars().count());
+            if i == 0 {
+                s += &format!("{c}{}", " ".repeat(pad));
+            } else {
+                s += &format!("  {}{c}", " ".repeat(pad));
+            }
+        }
+        println!("{}", s.trim_end());
+    };
+    line(header.iter().map(|s| s.to_string()).collect());
+    line(w.iter().map(|n| "-".repeat(*n)).collect());
+    for r in rows {
+        line(r.clone());
+    }
+}

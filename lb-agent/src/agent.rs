@@ -96,10 +96,17 @@ pub async fn run(
         )
         .context("adopting pinned maps")?
     } else {
-        Programmer::new(opts.sizes.services, opts.sizes.backends, opts.sizes.maglev_slots)
+        Programmer::new(
+            opts.sizes.services,
+            opts.sizes.backends,
+            opts.sizes.maglev_slots,
+        )
     };
     if !programmer.is_empty() {
-        tracing::info!(services = programmer.len(), "adopted the previous agent's services; flows keep running");
+        tracing::info!(
+            services = programmer.len(),
+            "adopted the previous agent's services; flows keep running"
+        );
     }
     let mode = dp.attach(&opts.interface, opts.attach_mode)?;
     tracing::info!(interface = %opts.interface, ?mode, "data plane attached");
@@ -145,7 +152,14 @@ pub async fn run(
                     // Resolve next hops before the backends enter tables (bounded wait for ARP).
                     refresh_nexthops(&mut dp, &mut state, &opts, Duration::from_millis(500))?;
                     last_nh = Instant::now();
-                    apply(&mut dp, &mut programmer, &mut state, &health_rx.borrow(), &opts, &status_tx);
+                    apply(
+                        &mut dp,
+                        &mut programmer,
+                        &mut state,
+                        &health_rx.borrow(),
+                        &opts,
+                        &status_tx,
+                    );
                 }
                 ConfigState::Invalid(msg, generation) => {
                     tracing::error!(error = %msg, "configuration rejected; the last valid one keeps forwarding");
@@ -261,7 +275,13 @@ fn apply(
         .iter()
         .zip(&services)
         .filter(|(c, _)| c.id.protocol == crate::model::Protocol::Udp)
-        .flat_map(|(c, e)| c.backends.iter().filter(|b| !e.backends.contains(b)).copied().collect::<Vec<_>>())
+        .flat_map(|(c, e)| {
+            c.backends
+                .iter()
+                .filter(|b| !e.backends.contains(b))
+                .copied()
+                .collect::<Vec<_>>()
+        })
         .collect();
     let newly_down: BTreeSet<_> = down.difference(&state.udp_down).copied().collect();
     state.udp_down = down;
@@ -269,15 +289,25 @@ fn apply(
     match programmer.apply(dp, &services) {
         Ok(r) => {
             state.applied += 1;
-            tracing::info!(added = r.added, updated = r.updated, removed = r.removed, unchanged = r.unchanged,
-                elapsed_ms = t.elapsed().as_secs_f64() * 1e3, "configuration applied");
+            tracing::info!(
+                added = r.added,
+                updated = r.updated,
+                removed = r.removed,
+                unchanged = r.unchanged,
+                elapsed_ms = t.elapsed().as_secs_f64() * 1e3,
+                "configuration applied"
+            );
             let generation = state.generation;
             state.applied_generation = generation;
             status_tx.send_modify(|s| s.applied_generation = generation);
             match gc::flush_udp_flows(dp, &newly_down) {
                 Ok(0) => {}
-                Ok(n) => tracing::info!(flows = n, backends = ?newly_down, "moved UDP flows off unhealthy backends"),
-                Err(e) => tracing::warn!(error = %e, "moving UDP flows off unhealthy backends failed"),
+                Ok(n) => {
+                    tracing::info!(flows = n, backends = ?newly_down, "moved UDP flows off unhealthy backends")
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "moving UDP flows off unhealthy backends failed")
+                }
             }
         }
         Err(e) => {
@@ -414,7 +444,11 @@ fn update_snapshot(
     let flow_entries = gc.as_ref().map_or(s.flow_entries, |r| r.entries);
     *s = Snapshot {
         services,
-        dataplane: stat::NAMES.iter().copied().zip(stats.iter().copied()).collect(),
+        dataplane: stat::NAMES
+            .iter()
+            .copied()
+            .zip(stats.iter().copied())
+            .collect(),
         backends: health.iter().map(|(a, h)| (*a, *h)).collect(),
         flow_entries,
         flow_capacity: opts.sizes.flows as u64,

@@ -43,7 +43,8 @@ impl LocalConfig {
     pub fn load(path: &Path) -> Result<Self> {
         let text = std::fs::read_to_string(path)
             .with_context(|| format!("reading config file {}", path.display()))?;
-        serde_yaml::from_str(&text).with_context(|| format!("parsing config file {}", path.display()))
+        serde_yaml::from_str(&text)
+            .with_context(|| format!("parsing config file {}", path.display()))
     }
 }
 
@@ -91,7 +92,9 @@ impl DesiredConfig {
             .map(|s| {
                 let mut s = s.clone();
                 match s.id.protocol {
-                    Protocol::Tcp => s.backends.retain(|b| health.get(b).copied().unwrap_or(true)),
+                    Protocol::Tcp => s
+                        .backends
+                        .retain(|b| health.get(b).copied().unwrap_or(true)),
                     Protocol::Udp => s.backends.retain(|b| udp_backend_healthy(b, health)),
                 }
                 s
@@ -147,12 +150,20 @@ pub fn desired(
     let mut services = Vec::new();
     let mut seen = BTreeSet::new();
     for (i, p) in ports.iter().enumerate() {
-        let what = format!("ports[{i}]{}", p.name.as_deref().map(|n| format!(" ({n})")).unwrap_or_default());
+        let what = format!(
+            "ports[{i}]{}",
+            p.name
+                .as_deref()
+                .map(|n| format!(" ({n})"))
+                .unwrap_or_default()
+        );
         let protocol = match p.protocol.as_deref().unwrap_or("TCP") {
             "TCP" => Protocol::Tcp,
             "UDP" => Protocol::Udp,
             other => {
-                errors.push(format!("{what}: protocol {other:?} is not supported (TCP or UDP)"));
+                errors.push(format!(
+                    "{what}: protocol {other:?} is not supported (TCP or UDP)"
+                ));
                 continue;
             }
         };
@@ -177,7 +188,11 @@ pub fn desired(
             protocol,
         };
         if !seen.insert(id) {
-            errors.push(format!("{what}: {} {} is listed twice", protocol.name(), p.port));
+            errors.push(format!(
+                "{what}: {} {} is listed twice",
+                protocol.name(),
+                p.port
+            ));
             continue;
         }
         services.push(ServiceSpec {
@@ -188,7 +203,10 @@ pub fn desired(
                 Protocol::Udp => udp_idle,
             },
             source_ranges: source_ranges.clone(),
-            backends: addrs.iter().map(|a| SocketAddr::new(*a, node_port)).collect(),
+            backends: addrs
+                .iter()
+                .map(|a| SocketAddr::new(*a, node_port))
+                .collect(),
         });
     }
     if let Some(s) = snat {
@@ -253,8 +271,15 @@ options:
         assert_eq!(tcp.idle_timeout, Duration::from_secs(7200));
         assert_eq!(tcp.backends.len(), 2, "IPv6 address of a v4 VIP ignored");
         assert_eq!(tcp.backends[0], "10.200.0.11:30080".parse().unwrap());
-        assert_eq!(d.services[1].idle_timeout, Duration::ZERO, "0s = never expire");
-        assert_eq!(tcp.source_ranges, vec!["10.0.0.0/8".parse::<IpNet>().unwrap()]);
+        assert_eq!(
+            d.services[1].idle_timeout,
+            Duration::ZERO,
+            "0s = never expire"
+        );
+        assert_eq!(
+            tcp.source_ranges,
+            vec!["10.0.0.0/8".parse::<IpNet>().unwrap()]
+        );
     }
 
     #[test]
@@ -309,7 +334,11 @@ options:
         h.insert("10.200.0.12:30080".parse().unwrap(), true);
         let e = d.effective(&h);
         assert_eq!(e[0].backends, vec!["10.200.0.12:30080".parse().unwrap()]);
-        assert_eq!(e[1].backends, vec!["10.200.0.12:30053".parse().unwrap()], "node 11 is down for UDP too");
+        assert_eq!(
+            e[1].backends,
+            vec!["10.200.0.12:30053".parse().unwrap()],
+            "node 11 is down for UDP too"
+        );
     }
 
     #[test]

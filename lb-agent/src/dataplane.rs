@@ -199,7 +199,9 @@ impl Dataplane {
                         TcAttachType::Ingress,
                         TcAttachOptions::TcxOrder(LinkOrder::default()),
                     )
-                    .with_context(|| format!("attaching the TC program to {iface} (tcx ingress)"))?;
+                    .with_context(|| {
+                        format!("attaching the TC program to {iface} (tcx ingress)")
+                    })?;
                 if let Some(pin) = &link_pin {
                     let link = prog.take_link(id)?;
                     let fd: FdLink = link.try_into().context("tcx link is not an fd link")?;
@@ -445,7 +447,11 @@ impl Dataplane {
         let mut m: PerCpuArray<&mut MapData, ServiceStats> =
             PerCpuArray::try_from(self.map(names::SERVICE_STATS)?)?;
         let n = aya::util::nr_cpus().map_err(|(_, e)| e)?;
-        m.set(id, PerCpuValues::try_from(vec![ServiceStats::default(); n])?, 0)?;
+        m.set(
+            id,
+            PerCpuValues::try_from(vec![ServiceStats::default(); n])?,
+            0,
+        )?;
         Ok(())
     }
 }
@@ -470,7 +476,9 @@ fn source_range_key(svc_id: u32, addr: Addr, prefix_len: u32) -> LpmKey<SourceRa
 fn ignore_missing(r: Result<(), aya::maps::MapError>) -> Result<()> {
     match r {
         Ok(()) | Err(aya::maps::MapError::KeyNotFound) => Ok(()),
-        Err(aya::maps::MapError::SyscallError(e)) if e.io_error.raw_os_error() == Some(libc::ENOENT) => {
+        Err(aya::maps::MapError::SyscallError(e))
+            if e.io_error.raw_os_error() == Some(libc::ENOENT) =>
+        {
             Ok(())
         }
         Err(e) => Err(e.into()),
@@ -500,7 +508,10 @@ pub fn sum_service_stats<'a>(it: impl Iterator<Item = &'a ServiceStats>) -> Serv
 /// Turns a program load error into one that carries the verifier log.
 fn verifier_error(e: aya::programs::ProgramError) -> anyhow::Error {
     match e {
-        aya::programs::ProgramError::LoadError { io_error, verifier_log } => {
+        aya::programs::ProgramError::LoadError {
+            io_error,
+            verifier_log,
+        } => {
             anyhow!("the kernel refused the program ({io_error}); verifier log:\n{verifier_log}")
         }
         e => anyhow!(e).context("loading the program"),

@@ -228,7 +228,11 @@ pub async fn check_once(
             let url = format!("{scheme}://{addr}{}", h.path);
             let resp = client.get(&url).timeout(spec.timeout).send().await?;
             if resp.status().as_u16() != h.expected_status {
-                bail!("GET {url}: status {} (want {})", resp.status(), h.expected_status);
+                bail!(
+                    "GET {url}: status {} (want {})",
+                    resp.status(),
+                    h.expected_status
+                );
             }
             Ok(())
         }
@@ -307,7 +311,9 @@ mod tests {
         };
         let (mut hc, mut rx) = HealthChecker::new().unwrap();
         hc.set_targets(&spec, &[addr].into());
-        assert!(check_once(addr, &spec, &reqwest::Client::new()).await.is_ok());
+        assert!(check_once(addr, &spec, &reqwest::Client::new())
+            .await
+            .is_ok());
         status.store(503, std::sync::atomic::Ordering::SeqCst);
         wait_for(&mut rx, addr, false).await;
         status.store(200, std::sync::atomic::Ordering::SeqCst);

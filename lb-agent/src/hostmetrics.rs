@@ -6,7 +6,9 @@ use std::collections::BTreeMap;
 pub fn read() -> BTreeMap<&'static str, f64> {
     let mut m = BTreeMap::new();
     if let Ok(s) = std::fs::read_to_string("/proc/loadavg") {
-        let mut it = s.split_whitespace().map(|x| x.parse::<f64>().unwrap_or(0.0));
+        let mut it = s
+            .split_whitespace()
+            .map(|x| x.parse::<f64>().unwrap_or(0.0));
         m.insert("load1", it.next().unwrap_or(0.0));
         m.insert("load5", it.next().unwrap_or(0.0));
         m.insert("load15", it.next().unwrap_or(0.0));
@@ -62,7 +64,15 @@ mod tests {
             Some(77)
         );
         let m = read();
-        for k in ["load1", "load5", "load15", "numCPU", "memTotal", "memAvailable", "stealTime"] {
+        for k in [
+            "load1",
+            "load5",
+            "load15",
+            "numCPU",
+            "memTotal",
+            "memAvailable",
+            "stealTime",
+        ] {
             assert!(m.contains_key(k), "{k} missing");
         }
     }

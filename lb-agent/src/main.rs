@@ -31,7 +31,10 @@ enum LogFormat {
 }
 
 #[derive(Parser, Debug)]
-#[command(version, about = "XDP load-balancer agent: programs the data plane from a LoadBalancer")]
+#[command(
+    version,
+    about = "XDP load-balancer agent: programs the data plane from a LoadBalancer"
+)]
 struct Cli {
     /// Interface that carries the VIP (traffic comes in and goes out here).
     #[arg(long, env = "LB_INTERFACE")]
@@ -158,7 +161,10 @@ async fn main() -> Result<()> {
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
     match cli.log_format {
         LogFormat::Text => tracing_subscriber::fmt().with_env_filter(filter).init(),
-        LogFormat::Json => tracing_subscriber::fmt().json().with_env_filter(filter).init(),
+        LogFormat::Json => tracing_subscriber::fmt()
+            .json()
+            .with_env_filter(filter)
+            .init(),
     }
     let (min, max) = parse_ports(&cli.snat_ports)?;
     let opts = AgentOptions {

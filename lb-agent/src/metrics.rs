@@ -61,14 +61,26 @@ impl Snapshot {
             let Some(id) = s.id else { continue };
             let p = format!("{}-{}", id.protocol.name(), id.port);
             v.push((format!("{p}-upstream_cx_active"), s.active.to_string()));
-            v.push((format!("{p}-upstream_cx_total"), s.stats.new_flows.to_string()));
+            v.push((
+                format!("{p}-upstream_cx_total"),
+                s.stats.new_flows.to_string(),
+            ));
             v.push((
                 format!("{p}-upstream_cx_connect_fail"),
                 connect_fail(&s.stats).to_string(),
             ));
-            v.push((format!("{p}-upstream_cx_rx_bytes_total"), s.stats.tx_bytes.to_string()));
-            v.push((format!("{p}-upstream_cx_tx_bytes_total"), s.stats.rx_bytes.to_string()));
-            v.push((format!("{p}-upstream_cx_idle_timeout"), s.idle_expired.to_string()));
+            v.push((
+                format!("{p}-upstream_cx_rx_bytes_total"),
+                s.stats.tx_bytes.to_string(),
+            ));
+            v.push((
+                format!("{p}-upstream_cx_tx_bytes_total"),
+                s.stats.rx_bytes.to_string(),
+            ));
+            v.push((
+                format!("{p}-upstream_cx_idle_timeout"),
+                s.idle_expired.to_string(),
+            ));
         }
         for (k, val) in &self.host {
             v.push((k.to_string(), format!("{val}")));
@@ -134,42 +146,141 @@ impl Collector for SnapshotCollector {
                 })
                 .collect()
         };
-        gauge(&mut enc, "lb_upstream_cx_active", "Connections tracked and not idle.", &svc(&|m| m.active))?;
-        counter(&mut enc, "lb_upstream_cx", "Connections (flows) created.", &svc(&|m| m.stats.new_flows))?;
+        gauge(
+            &mut enc,
+            "lb_upstream_cx_active",
+            "Connections tracked and not idle.",
+            &svc(&|m| m.active),
+        )?;
+        counter(
+            &mut enc,
+            "lb_upstream_cx",
+            "Connections (flows) created.",
+            &svc(&|m| m.stats.new_flows),
+        )?;
         counter(
             &mut enc,
             "lb_upstream_cx_connect_fail",
             "New flows that could not be sent to a backend (no healthy backend, SNAT ports exhausted, next hop unknown).",
             &svc(&|m| connect_fail(&m.stats)),
         )?;
-        counter(&mut enc, "lb_upstream_cx_rx_bytes", "IP bytes received from backends.", &svc(&|m| m.stats.tx_bytes))?;
-        counter(&mut enc, "lb_upstream_cx_tx_bytes", "IP bytes sent to backends.", &svc(&|m| m.stats.rx_bytes))?;
-        counter(&mut enc, "lb_upstream_cx_idle_timeout", "Connections expired for idleness.", &svc(&|m| m.idle_expired))?;
-        counter(&mut enc, "lb_client_packets", "Packets client to backend.", &svc(&|m| m.stats.rx_packets))?;
-        counter(&mut enc, "lb_backend_packets", "Packets backend to client.", &svc(&|m| m.stats.tx_packets))?;
-        counter(&mut enc, "lb_closed_flows", "TCP flows that saw FIN or RST.", &svc(&|m| m.stats.closed_flows))?;
-        counter(&mut enc, "lb_drop_source_range", "New flows from outside the source ranges.", &svc(&|m| m.stats.drop_source_range))?;
-        counter(&mut enc, "lb_drop_no_flow", "TCP segments without a flow that were not a SYN.", &svc(&|m| m.stats.drop_no_flow))?;
-        counter(&mut enc, "lb_icmp_translated", "ICMP errors translated for this service's flows.", &svc(&|m| m.stats.icmp_translated))?;
+        counter(
+            &mut enc,
+            "lb_upstream_cx_rx_bytes",
+            "IP bytes received from backends.",
+            &svc(&|m| m.stats.tx_bytes),
+        )?;
+        counter(
+            &mut enc,
+            "lb_upstream_cx_tx_bytes",
+            "IP bytes sent to backends.",
+            &svc(&|m| m.stats.rx_bytes),
+        )?;
+        counter(
+            &mut enc,
+            "lb_upstream_cx_idle_timeout",
+            "Connections expired for idleness.",
+            &svc(&|m| m.idle_expired),
+        )?;
+        counter(
+            &mut enc,
+            "lb_client_packets",
+            "Packets client to backend.",
+            &svc(&|m| m.stats.rx_packets),
+        )?;
+        counter(
+            &mut enc,
+            "lb_backend_packets",
+            "Packets backend to client.",
+            &svc(&|m| m.stats.tx_packets),
+        )?;
+        counter(
+            &mut enc,
+            "lb_closed_flows",
+            "TCP flows that saw FIN or RST.",
+            &svc(&|m| m.stats.closed_flows),
+        )?;
+        counter(
+            &mut enc,
+            "lb_drop_source_range",
+            "New flows from outside the source ranges.",
+            &svc(&|m| m.stats.drop_source_range),
+        )?;
+        counter(
+            &mut enc,
+            "lb_drop_no_flow",
+            "TCP segments without a flow that were not a SYN.",
+            &svc(&|m| m.stats.drop_no_flow),
+        )?;
+        counter(
+            &mut enc,
+            "lb_icmp_translated",
+            "ICMP errors translated for this service's flows.",
+            &svc(&|m| m.stats.icmp_translated),
+        )?;
         let dp: Vec<_> = s
             .dataplane
             .iter()
             .map(|(n, v)| (vec![("reason", n.to_string())], *v))
             .collect();
-        counter(&mut enc, "lb_dataplane_packets", "Data-plane decisions other than forwarding, by reason.", &dp)?;
+        counter(
+            &mut enc,
+            "lb_dataplane_packets",
+            "Data-plane decisions other than forwarding, by reason.",
+            &dp,
+        )?;
         let be: Vec<_> = s
             .backends
             .iter()
             .map(|(a, h)| (vec![("backend", a.to_string())], *h as i64))
             .collect();
-        gauge(&mut enc, "lb_backend_healthy", "1 when the backend takes new flows.", &be)?;
-        gauge(&mut enc, "lb_flow_table_entries", "Connection-tracking entries in use (two per connection).", &[(vec![], s.flow_entries)])?;
-        gauge(&mut enc, "lb_flow_table_capacity", "Connection-tracking capacity (entries).", &[(vec![], s.flow_capacity)])?;
-        counter(&mut enc, "lb_config_applied", "Configurations applied.", &[(vec![], s.config_applied)])?;
-        counter(&mut enc, "lb_config_errors", "Configurations rejected.", &[(vec![], s.config_errors)])?;
-        gauge(&mut enc, "lb_config_generation", "Generation of the configuration in the maps.", &[(vec![], s.config_generation)])?;
-        let host: Vec<_> = s.host.iter().map(|(k, v)| (vec![("name", k.to_string())], *v)).collect();
-        gauge(&mut enc, "lb_host", "Host metrics of the load-balancer VM (yawol's names).", &host)?;
+        gauge(
+            &mut enc,
+            "lb_backend_healthy",
+            "1 when the backend takes new flows.",
+            &be,
+        )?;
+        gauge(
+            &mut enc,
+            "lb_flow_table_entries",
+            "Connection-tracking entries in use (two per connection).",
+            &[(vec![], s.flow_entries)],
+        )?;
+        gauge(
+            &mut enc,
+            "lb_flow_table_capacity",
+            "Connection-tracking capacity (entries).",
+            &[(vec![], s.flow_capacity)],
+        )?;
+        counter(
+            &mut enc,
+            "lb_config_applied",
+            "Configurations applied.",
+            &[(vec![], s.config_applied)],
+        )?;
+        counter(
+            &mut enc,
+            "lb_config_errors",
+            "Configurations rejected.",
+            &[(vec![], s.config_errors)],
+        )?;
+        gauge(
+            &mut enc,
+            "lb_config_generation",
+            "Generation of the configuration in the maps.",
+            &[(vec![], s.config_generation)],
+        )?;
+        let host: Vec<_> = s
+            .host
+            .iter()
+            .map(|(k, v)| (vec![("name", k.to_string())], *v))
+            .collect();
+        gauge(
+            &mut enc,
+            "lb_host",
+            "Host metrics of the load-balancer VM (yawol's names).",
+            &host,
+        )?;
         Ok(())
     }
 }
@@ -195,7 +306,10 @@ pub async fn serve(addr: SocketAddr, snapshot: SharedSnapshot) -> anyhow::Result
                     match prometheus_client::encoding::text::encode(&mut body, &reg) {
                         Ok(()) => (
                             StatusCode::OK,
-                            [("content-type", "application/openmetrics-text; version=1.0.0; charset=utf-8")],
+                            [(
+                                "content-type",
+                                "application/openmetrics-text; version=1.0.0; charset=utf-8",
+                            )],
                             body,
                         ),
                         Err(_) => (
@@ -264,9 +378,21 @@ mod tests {
         let reg = registry(Arc::new(RwLock::new(snap)));
         let mut out = String::new();
         prometheus_client::encoding::text::encode(&mut out, &reg).unwrap();
-        assert!(out.contains("lb_upstream_cx_active{protocol=\"TCP\",port=\"80\",vip=\"10.0.0.1\"} 3"), "{out}");
-        assert!(out.contains("lb_upstream_cx_total{protocol=\"TCP\",port=\"80\",vip=\"10.0.0.1\"} 7"), "{out}");
-        assert!(out.contains("lb_dataplane_packets_total{reason=\"drop_malformed\"} 2"), "{out}");
-        assert!(out.contains("lb_backend_healthy{backend=\"10.0.0.11:30080\"} 1"), "{out}");
+        assert!(
+            out.contains("lb_upstream_cx_active{protocol=\"TCP\",port=\"80\",vip=\"10.0.0.1\"} 3"),
+            "{out}"
+        );
+        assert!(
+            out.contains("lb_upstream_cx_total{protocol=\"TCP\",port=\"80\",vip=\"10.0.0.1\"} 7"),
+            "{out}"
+        );
+        assert!(
+            out.contains("lb_dataplane_packets_total{reason=\"drop_malformed\"} 2"),
+            "{out}"
+        );
+        assert!(
+            out.contains("lb_backend_healthy{backend=\"10.0.0.11:30080\"} 1"),
+            "{out}"
+        );
     }
 }

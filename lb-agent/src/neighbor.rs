@@ -47,13 +47,22 @@ pub fn resolve(ip: IpAddr) -> Result<Option<Resolved>> {
             String::from_utf8_lossy(&out.stderr).trim()
         );
     }
-    let routes: Vec<Route> = serde_json::from_slice(&out.stdout).context("parsing `ip route get`")?;
+    let routes: Vec<Route> =
+        serde_json::from_slice(&out.stdout).context("parsing `ip route get`")?;
     let Some(route) = routes.into_iter().next() else {
         bail!("no route to {ip}");
     };
     let via = route.gateway.unwrap_or(ip);
     let out = Command::new("ip")
-        .args(["-json", "neigh", "show", "to", &via.to_string(), "dev", &route.dev])
+        .args([
+            "-json",
+            "neigh",
+            "show",
+            "to",
+            &via.to_string(),
+            "dev",
+            &route.dev,
+        ])
         .output()
         .context("running `ip neigh show`")?;
     let neighs: Vec<Neigh> = serde_json::from_slice(&out.stdout).unwrap_or_default();

@@ -13,9 +13,7 @@ use crate::maglev::{self, MaglevBackend};
 use crate::model::{ServiceId, ServiceSpec};
 use anyhow::{bail, Context, Result};
 use ipnet::IpNet;
-use lb_common::{
-    Addr, Backend, Service, ServiceKey, FAMILY_V4, FAMILY_V6, SVC_F_SOURCE_RANGES,
-};
+use lb_common::{Addr, Backend, Service, ServiceKey, FAMILY_V4, FAMILY_V6, SVC_F_SOURCE_RANGES};
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::net::{IpAddr, SocketAddr};
 
@@ -95,16 +93,11 @@ impl Programmer {
             );
         }
         p.arena = Arena::from_used(maglev_slots, &used).context("pinned Maglev tables overlap")?;
-        let by_svc: HashMap<u32, ServiceId> =
-            p.services.iter().map(|(k, a)| (a.id, *k)).collect();
+        let by_svc: HashMap<u32, ServiceId> = p.services.iter().map(|(k, a)| (a.id, *k)).collect();
         for (svc, addr, len) in dp.source_ranges()? {
             if let Some(sid) = by_svc.get(&svc) {
                 if let Ok(net) = IpNet::new(addr_to_ip(&addr, sid.vip.is_ipv4()), len as u8) {
-                    p.services
-                        .get_mut(sid)
-                        .unwrap()
-                        .source_ranges
-                        .insert(net);
+                    p.services.get_mut(sid).unwrap().source_ranges.insert(net);
                 }
             }
         }
@@ -152,7 +145,8 @@ impl Programmer {
         self.services.iter().map(|(k, a)| (k, a.id))
     }
 
-    /// Validates the whole desired state; nothing is written when this fails.
+    /// Validates the whole desired state; nothing is written when this fails. (IPv6 source ranges of an
+    /// IPv4 service are accepted and ignored, as a dual-stack load balancer would.)
     pub fn validate(desired: &[ServiceSpec]) -> Result<()> {
         let mut seen = BTreeSet::new();
         for s in desired {
@@ -163,7 +157,10 @@ impl Programmer {
                 bail!("service {} is listed twice", s.id);
             }
             if !s.id.vip.is_ipv4() {
-                bail!("service {}: IPv6 VIPs are not supported by the data plane yet", s.id);
+                bail!(
+                    "service {}: IPv6 VIPs are not supported by the data plane yet",
+                    s.id
+                );
             }
             if let Some(snat) = s.snat {
                 if !snat.is_ipv4() {
@@ -172,16 +169,13 @@ impl Programmer {
             }
             for b in &s.backends {
                 if !b.ip().is_ipv4() {
-                    bail!("service {}: backend {b} is not IPv4 (IPv6 backends come with dual-stack)", s.id);
+                    bail!(
+                        "service {}: backend {b} is not IPv4 (IPv6 backends come with dual-stack)",
+                        s.id
+                    );
                 }
                 if b.port() == 0 {
                     bail!("service {}: backend {b} has port 0", s.id);
-                }
-            }
-            for r in &s.source_ranges {
-                if !r.addr().is_ipv4() {
-                    // An IPv6 range cannot match IPv4 clients; accept and ignore it like a dual-stack LB would.
-                    continue;
                 }
             }
         }
@@ -459,7 +453,11 @@ pub fn service_key(id: &ServiceId) -> ServiceKey {
         addr: ip_to_addr(id.vip),
         port_be: id.port.to_be(),
         proto: id.protocol.number(),
-        family: if id.vip.is_ipv4() { FAMILY_V4 } else { FAMILY_V6 },
+        family: if id.vip.is_ipv4() {
+            FAMILY_V4
+        } else {
+            FAMILY_V6
+        },
     }
 }
 

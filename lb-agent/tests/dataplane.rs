@@ -45,7 +45,9 @@ fn open(h: &mut Harness, sport: u16) -> Parsed {
 
 /// The reply of the backend to a forwarded packet `p`.
 fn reply_tcp(p: &Parsed, flags: Flags, payload: &[u8]) -> Vec<u8> {
-    tcp(p.dst_mac, LB_MAC, p.dst, p.dport, p.src, p.sport, flags, payload)
+    tcp(
+        p.dst_mac, LB_MAC, p.dst, p.dport, p.src, p.sport, flags, payload,
+    )
 }
 
 /// Makes both entries of a flow look idle past their timeout. The timeout is shortened to 1 s because the

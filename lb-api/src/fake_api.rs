@@ -232,6 +232,16 @@ impl FakeApiServer {
             .unwrap_or_default()
     }
 
+    /// Number of stored objects of a resource satisfying `predicate` (no copies; for polling
+    /// in benchmarks).
+    pub fn count(&self, key: &ResourceKey, predicate: impl Fn(&Value) -> bool) -> usize {
+        let store = self.inner.store.lock().unwrap();
+        store
+            .objects
+            .get(key)
+            .map_or(0, |m| m.values().filter(|v| predicate(v)).count())
+    }
+
     /// Test helper: stores `object` as given (including status), bypassing subresource rules,
     /// and notifies watchers. Sets uid/resourceVersion/creationTimestamp when missing.
     pub fn put(&self, key: &ResourceKey, mut object: Value) -> Value {

@@ -425,6 +425,9 @@ mod tests {
             ..Default::default()
         };
         let k = f.partner_key(PROTO_TCP);
-        assert_eq!((k.src, k.dst, k.sport, k.dport, k.proto), (2, 1, 4, 3, PROTO_TCP));
+        assert_eq!(
+            (k.src, k.dst, k.sport, k.dport, k.proto),
+            (2, 1, 4, 3, PROTO_TCP)
+        );
     }
 }

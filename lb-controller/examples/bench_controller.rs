@@ -138,9 +138,7 @@ async fn main() -> anyhow::Result<()> {
     let servers = [&target, &control];
     // Cheap checks on the raw JSON (typed deserialisation of 1000 objects per poll would compete
     // with the controller for the CPU).
-    let count_lbs = |check: &dyn Fn(&serde_json::Value) -> bool| {
-        control.list(&lbs_key).iter().filter(|lb| check(lb)).count()
-    };
+    let count_lbs = |check: &dyn Fn(&serde_json::Value) -> bool| control.count(&lbs_key, check);
     let endpoints = |lb: &serde_json::Value| lb["spec"]["endpoints"].as_array().map_or(0, Vec::len);
     let n = args.services;
     let all_nodes = args.nodes;

@@ -71,7 +71,11 @@ pub async fn run_controllers(
     );
     let (lb_trigger_tx, lb_trigger_rx) = mpsc::unbounded::<ObjectRef<Service>>();
     let own_writes = OwnWrites::default();
-    let lb_task = tokio::spawn(loadbalancer_triggers(lb_stream, lb_trigger_tx, own_writes.clone()));
+    let lb_task = tokio::spawn(loadbalancer_triggers(
+        lb_stream,
+        lb_trigger_tx,
+        own_writes.clone(),
+    ));
 
     info!("waiting for node and LoadBalancer caches");
     if wait_ready(&nodes).await.is_err() || wait_ready(&loadbalancers).await.is_err() {

@@ -107,7 +107,8 @@ async fn schema_defaults_and_validation() {
 #[test]
 fn deployment_manifest_parses_and_grants_what_the_controller_uses() {
     use serde::Deserialize;
-    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/cloud-controller.yaml");
+    let path =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/cloud-controller.yaml");
     let text = std::fs::read_to_string(path).unwrap();
     let docs: Vec<serde_json::Value> = serde_yaml::Deserializer::from_str(&text)
         .map(|d| serde_json::Value::deserialize(d).unwrap())
@@ -115,10 +116,24 @@ fn deployment_manifest_parses_and_grants_what_the_controller_uses() {
     let kinds: Vec<&str> = docs.iter().map(|d| d["kind"].as_str().unwrap()).collect();
     assert_eq!(
         kinds,
-        ["ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding", "Deployment"]
+        [
+            "ServiceAccount",
+            "ClusterRole",
+            "ClusterRoleBinding",
+            "Role",
+            "RoleBinding",
+            "Deployment"
+        ]
     );
-    let rules = serde_json::to_string(&docs[1]["rules"]).unwrap() + &serde_json::to_string(&docs[3]["rules"]).unwrap();
-    for needle in ["services/status", "nodes", "loadbalancers", "leases", "events"] {
+    let rules = serde_json::to_string(&docs[1]["rules"]).unwrap()
+        + &serde_json::to_string(&docs[3]["rules"]).unwrap();
+    for needle in [
+        "services/status",
+        "nodes",
+        "loadbalancers",
+        "leases",
+        "events",
+    ] {
         assert!(rules.contains(needle), "RBAC lacks {needle}");
     }
 }

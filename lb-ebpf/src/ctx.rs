@@ -1,6 +1,12 @@
 //! What the packet logic needs from its attach point.
 
 use crate::csum;
+use aya_ebpf::{
+    bindings::{BPF_F_MARK_MANGLED_0, BPF_F_PSEUDO_HDR},
+    helpers::bpf_l4_csum_replace,
+    programs::{TcContext, XdpContext},
+    EbpfContext,
+};
 
 /// A packet under processing, as seen by one hook.
 pub trait Ctx {
@@ -9,7 +15,7 @@ pub trait Ctx {
     /// End of the directly accessible packet data.
     fn data_end(&self) -> usize;
     /// Length of the whole packet (for an skb, including non-linear parts).
-    fn len(&self) -> usize;
+    fn packet_len(&self) -> usize;
     /// Updates the TCP or UDP checksum at packet offset `off` (pointer `p`, already bounds-checked) for an
     /// address change (`addr`, also in the pseudo header) and a port change (`port`). Called last: a TC
     /// implementation may invalidate packet pointers.
@@ -29,7 +35,7 @@ pub fn ptr_at<C: Ctx, T>(c: &C, off: usize) -> Option<*mut T> {
 /// Plain arithmetic on the checksum field: what XDP (and the benchmarks) use. XDP frames never carry
 /// partially offloaded checksums.
 #[inline(always)]
-pub fn l4_csum_arith(p: *mut u16, addr: u32, port: u32, udp: bool) {
+fn l4_csum_arith(p: *mut u16, addr: u32, port: u32, udp: bool) {
     // SAFETY: the caller bounds-checked `p`.
     unsafe {
         let d = csum::add(addr, port);
@@ -38,5 +44,62 @@ pub fn l4_csum_arith(p: *mut u16, addr: u32, port: u32, udp: bool) {
         } else {
             csum::apply(*p, d)
         };
+    }
+}
+
+/// An XDP frame.
+pub struct Xdp<'a>(pub &'a XdpContext);
+
+impl Ctx for Xdp<'_> {
+    #[inline(always)]
+    fn data(&self) -> usize {
+        self.0.data()
+    }
+    #[inline(always)]
+    fn data_end(&self) -> usize {
+        self.0.data_end()
+    }
+    #[inline(always)]
+    fn packet_len(&self) -> usize {
+        self.0.data_end() - self.0.data()
+    }
+    #[inline(always)]
+    fn l4_csum(&self, _off: usize, p: *mut u16, addr: u32, port: u32, udp: bool) {
+        l4_csum_arith(p, addr, port, udp)
+    }
+}
+
+/// An skb at TC.
+pub struct Tc<'a>(pub &'a TcContext);
+
+impl Ctx for Tc<'_> {
+    #[inline(always)]
+    fn data(&self) -> usize {
+        self.0.data()
+    }
+    #[inline(always)]
+    fn data_end(&self) -> usize {
+        self.0.data_end()
+    }
+    #[inline(always)]
+    fn packet_len(&self) -> usize {
+        self.0.len() as usize
+    }
+    #[inline(always)]
+    fn l4_csum(&self, off: usize, _p: *mut u16, addr: u32, port: u32, udp: bool) {
+        // The kernel helpers know whether the checksum is complete or only the pseudo-header part of an
+        // offloaded (GSO) packet: addresses go in as pseudo-header changes, ports as payload.
+        let mangled = if udp { BPF_F_MARK_MANGLED_0 as u64 } else { 0 };
+        let skb = self.0.as_ptr().cast();
+        unsafe {
+            bpf_l4_csum_replace(
+                skb,
+                off as u32,
+                0,
+                addr as u64,
+                BPF_F_PSEUDO_HDR as u64 | mangled,
+            );
+            bpf_l4_csum_replace(skb, off as u32, 0, port as u64, mangled);
+        }
     }
 }

@@ -6,8 +6,8 @@ use aya_ebpf::{
     maps::{lpm_trie::LpmTrie, Array, HashMap, LruHashMap, PerCpuArray},
 };
 use lb_common::{
-    defaults, Addr, Backend, Config, FlowKeyV4, FlowV4, NextHop, Service, ServiceKey,
-    ServiceStats, SourceRangeKey,
+    defaults, Addr, Backend, Config, FlowKeyV4, FlowV4, NextHop, Service, ServiceKey, ServiceStats,
+    SourceRangeKey,
 };
 
 /// (VIP, port, protocol) → service.

@@ -4,8 +4,8 @@
 use aya_ebpf::{bindings::BPF_NOEXIST, helpers::bpf_ktime_get_coarse_ns, maps::lpm_trie::Key};
 use lb_common::{
     stat, Addr, Config, FlowKeyV4, FlowV4, ServiceKey, SourceRangeKey, FAMILY_V4, FLOW_F_FIN,
-    FLOW_F_FORWARD, FLOW_F_REVERSE, FLOW_F_RST, PROTO_ICMP, PROTO_TCP, PROTO_UDP,
-    SNAT_PORT_TRIES, SOURCE_RANGE_ID_BITS, SVC_F_SOURCE_RANGES, TCP_CLOSING_TIMEOUT_S,
+    FLOW_F_FORWARD, FLOW_F_REVERSE, FLOW_F_RST, PROTO_ICMP, PROTO_TCP, PROTO_UDP, SNAT_PORT_TRIES,
+    SOURCE_RANGE_ID_BITS, SVC_F_SOURCE_RANGES, TCP_CLOSING_TIMEOUT_S,
 };
 
 use crate::{
@@ -56,7 +56,7 @@ pub fn process<C: Ctx>(c: &C) -> Verdict {
     let hl = ihl * 4;
     let tot = u16::from_be(unsafe { (*ip).tot_len }) as usize;
     // Trailing bytes after `tot` are link padding and allowed; a length beyond the frame is not.
-    if tot < hl || tot + ETH_LEN > c.len() {
+    if tot < hl || tot + ETH_LEN > c.packet_len() {
         count(stat::DROP_MALFORMED);
         return Verdict::Drop;
     }
@@ -162,7 +162,7 @@ fn l4<C: Ctx>(
     let now = unsafe { bpf_ktime_get_coarse_ns() };
     let mut reopen: Option<FlowKeyV4> = None;
 
-    if let Some(fp) = FLOWS_V4.get_ptr_mut(&key) {
+    if let Some(fp) = FLOWS_V4.get_ptr_mut(key) {
         let fl = unsafe { &mut *fp };
         let forward = fl.flags & FLOW_F_FORWARD != 0;
         // A SYN on a closing flow opens a new connection on a reused client port; an idle-expired forward
@@ -194,7 +194,7 @@ fn l4<C: Ctx>(
         proto,
         family: FAMILY_V4,
     };
-    let Some(svc) = SERVICES.get_ptr(&skey) else {
+    let Some(svc) = SERVICES.get_ptr(skey) else {
         count(stat::PASS_NOT_SERVICE);
         return Verdict::Pass;
     };
@@ -240,7 +240,7 @@ fn l4<C: Ctx>(
         count(stat::DROP_BAD_BACKEND);
         return Verdict::Drop;
     }
-    let Some(nh) = NEXTHOPS.get_ptr(&backend.addr) else {
+    let Some(nh) = NEXTHOPS.get_ptr(backend.addr) else {
         // The kernel gets the packet unchanged and resolves the neighbour; the agent notices the counter
         // and refreshes the table. The client retransmits.
         count(stat::PASS_NO_NEXTHOP);
@@ -268,7 +268,8 @@ fn l4<C: Ctx>(
         _pad2: 0,
         last_seen_ns: now,
     };
-    let Some(snat_port) = alloc_snat_port(&cfg, hash, snat, node, node_port, proto, &mut rev) else {
+    let Some(snat_port) = alloc_snat_port(&cfg, hash, snat, node, node_port, proto, &mut rev)
+    else {
         count(stat::DROP_SNAT_EXHAUSTED);
         with_service_stats(svc.id, |s| s.drop_snat_exhausted += 1);
         return Verdict::Drop;
@@ -295,10 +296,10 @@ fn l4<C: Ctx>(
     let rkey = fwd.partner_key(proto);
     if let Some(old) = reopen {
         // The previous connection on this client port is over: release its reverse entry (and port).
-        let _ = FLOWS_V4.remove(&old);
+        let _ = FLOWS_V4.remove(old);
     }
-    if FLOWS_V4.insert(&key, &fwd, 0).is_err() {
-        let _ = FLOWS_V4.remove(&rkey);
+    if FLOWS_V4.insert(key, fwd, 0).is_err() {
+        let _ = FLOWS_V4.remove(rkey);
         count(stat::DROP_FLOW_INSERT);
         return Verdict::Drop;
     }
@@ -339,7 +340,7 @@ fn alloc_snat_port(
             proto,
             family: FAMILY_V4,
         };
-        if SERVICES.get_ptr(&skey).is_some() {
+        if SERVICES.get_ptr(skey).is_some() {
             continue;
         }
         let rkey = FlowKeyV4 {
@@ -354,7 +355,7 @@ fn alloc_snat_port(
             csum::diff16(node_port, svc_port),
             csum::diff16(port, client_port),
         );
-        if FLOWS_V4.insert(&rkey, &*rev, BPF_NOEXIST as u64).is_ok() {
+        if FLOWS_V4.insert(rkey, *rev, BPF_NOEXIST as u64).is_ok() {
             return Some(port);
         }
     }
@@ -436,7 +437,13 @@ fn rewrite<C: Ctx>(
         (*ports).sport = fl.new_sport;
         (*ports).dport = fl.new_dport;
     }
-    c.l4_csum(csum_off, csum_p, fl.csum_addr, fl.csum_port, proto == PROTO_UDP);
+    c.l4_csum(
+        csum_off,
+        csum_p,
+        fl.csum_addr,
+        fl.csum_port,
+        proto == PROTO_UDP,
+    );
     Verdict::Tx
 }
 
@@ -480,7 +487,7 @@ fn icmp<C: Ctx>(c: &C, eth: *mut EthHdr, ip: *mut Ipv4Hdr, l4_off: usize) -> Ver
             _pad: [0; 3],
         }
     };
-    let Some(fp) = FLOWS_V4.get_ptr(&key) else {
+    let Some(fp) = FLOWS_V4.get_ptr(key) else {
         count(stat::PASS_ICMP_UNKNOWN);
         return Verdict::Pass;
     };
@@ -511,10 +518,7 @@ fn icmp<C: Ctx>(c: &C, eth: *mut EthHdr, ip: *mut Ipv4Hdr, l4_off: usize) -> Ver
         (*iip).check = new_ick;
         (*ip4).sport = fl.new_dport;
         (*ip4).dport = fl.new_sport;
-        let mut d_icmp = csum::add(
-            csum::add(d_iaddr, d_iport),
-            csum::diff16(old_ick, new_ick),
-        );
+        let mut d_icmp = csum::add(csum::add(d_iaddr, d_iport), csum::diff16(old_ick, new_ick));
         // The inner L4 checksum is there only if the error quoted enough of the packet.
         let l4_diff = csum::add(d_iaddr, d_iport);
         if iproto == PROTO_TCP {
@@ -554,10 +558,7 @@ fn config() -> Config {
 /// `a % b` without the panic path for `b == 0` (which the verifier would reject as a dead end).
 #[inline(always)]
 fn rem(a: u32, b: u32) -> u32 {
-    match a.checked_rem(b) {
-        Some(r) => r,
-        None => 0,
-    }
+    a.checked_rem(b).unwrap_or_default()
 }
 
 /// murmur3's finaliser: cheap and well mixed.

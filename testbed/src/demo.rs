@@ -29,12 +29,26 @@ pub fn run(cfg: &DemoConfig, on_topology: impl FnOnce(&str)) -> Result<()> {
     let vip = rig.vip;
     println!("    VIP {vip}: TCP {TCP_PORT} -> backends:{TCP_NODE_PORT}, UDP {UDP_PORT} -> backends:30053 (ready in {:.1}s)", t0.elapsed().as_secs_f64());
 
-    println!("==> {} TCP connections (1 KiB echoed each) and {} UDP flows to the VIP", cfg.connections, cfg.udp_flows);
+    println!(
+        "==> {} TCP connections (1 KiB echoed each) and {} UDP flows to the VIP",
+        cfg.connections, cfg.udp_flows
+    );
     let tcp = format!("{vip}:{TCP_PORT}");
     let udp = format!("{vip}:{UDP_PORT}");
     let conns = cfg.connections.to_string();
     let flows = cfg.udp_flows.to_string();
-    let r = rig.load(&["--tcp", &tcp, "--connections", &conns, "--payload", "1024", "--udp", &udp, "--udp-flows", &flows])?;
+    let r = rig.load(&[
+        "--tcp",
+        &tcp,
+        "--connections",
+        &conns,
+        "--payload",
+        "1024",
+        "--udp",
+        &udp,
+        "--udp-flows",
+        &flows,
+    ])?;
     print_report(&r);
     print_agent(&rig)?;
     let (t, u) = (r.tcp.as_ref().unwrap(), r.udp.as_ref().unwrap());
@@ -61,19 +75,39 @@ pub fn run(cfg: &DemoConfig, on_topology: impl FnOnce(&str)) -> Result<()> {
         }
         std::thread::sleep(Duration::from_millis(100));
     }
-    println!("    backend-2 out after {:.1}s (interval 1s, 2 failures)", stopped.elapsed().as_secs_f64());
-    let r2 = rig.load(&["--tcp", &tcp, "--connections", "1000", "--payload", "1024", "--udp", &udp, "--udp-flows", "300"])?;
+    println!(
+        "    backend-2 out after {:.1}s (interval 1s, 2 failures)",
+        stopped.elapsed().as_secs_f64()
+    );
+    let r2 = rig.load(&[
+        "--tcp",
+        &tcp,
+        "--connections",
+        "1000",
+        "--payload",
+        "1024",
+        "--udp",
+        &udp,
+        "--udp-flows",
+        "300",
+    ])?;
     print_report(&r2);
     let (t2, u2) = (r2.tcp.as_ref().unwrap(), r2.udp.as_ref().unwrap());
     if t2.failed > 0 || u2.failed > 0 {
-        problems.push(format!("after the stop: {} TCP and {} UDP failures", t2.failed, u2.failed));
+        problems.push(format!(
+            "after the stop: {} TCP and {} UDP failures",
+            t2.failed, u2.failed
+        ));
     }
     if t2.per_backend.contains_key("backend-2") || u2.per_backend.contains_key("backend-2") {
         problems.push("backend-2 still got new flows after leaving".into());
     }
     print_agent(&rig)?;
     drop(rig);
-    println!("==> torn down; demo took {:.1}s", t0.elapsed().as_secs_f64());
+    println!(
+        "==> torn down; demo took {:.1}s",
+        t0.elapsed().as_secs_f64()
+    );
     if problems.is_empty() {
         println!("RESULT: ok — traffic flowed as expected");
         Ok(())
@@ -84,7 +118,10 @@ pub fn run(cfg: &DemoConfig, on_topology: impl FnOnce(&str)) -> Result<()> {
 
 fn print_report(r: &LoadReport) {
     if let (Some(t), Some(u)) = (&r.tcp, &r.udp) {
-        println!("    {:<12} {:>10} {:>10}", "backend", "TCP conns", "UDP flows");
+        println!(
+            "    {:<12} {:>10} {:>10}",
+            "backend", "TCP conns", "UDP flows"
+        );
         let mut names: Vec<&String> = t.per_backend.keys().chain(u.per_backend.keys()).collect();
         names.sort();
         names.dedup();

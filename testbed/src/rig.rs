@@ -71,7 +71,9 @@ pub fn find_artifact(env: &str, rel: &str) -> Result<PathBuf> {
     for dir in exe.ancestors().skip(1).take(3) {
         candidates.push(dir.join(rel));
     }
-    let ws = Path::new(env!("CARGO_MANIFEST_DIR")).join("..").join("target");
+    let ws = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("..")
+        .join("target");
     for d in ["debug", "release", ""] {
         candidates.push(ws.join(d).join(rel));
     }
@@ -156,7 +158,11 @@ impl Rig {
             );
         }
         y += "options:\n";
-        y += if options.is_empty() { "  {}\n" } else { options };
+        y += if options.is_empty() {
+            "  {}\n"
+        } else {
+            options
+        };
         y += "healthCheck: {interval: 1s, timeout: 1s, unhealthyThreshold: 2, healthyThreshold: 1}\n";
         y
     }
@@ -176,7 +182,10 @@ impl Rig {
         let deadline = Instant::now() + Duration::from_secs(15);
         while self.metric("lb_config_generation", "")? <= before {
             if Instant::now() > deadline {
-                bail!("the agent did not apply the new config:\n{}", self.agent_log());
+                bail!(
+                    "the agent did not apply the new config:\n{}",
+                    self.agent_log()
+                );
             }
             std::thread::sleep(Duration::from_millis(50));
         }
@@ -218,7 +227,10 @@ impl Rig {
 
     /// The agent's log so far.
     pub fn agent_log(&self) -> String {
-        self.agent.as_ref().map(|a| a.stderr() + &a.stdout()).unwrap_or_default()
+        self.agent
+            .as_ref()
+            .map(|a| a.stderr() + &a.stdout())
+            .unwrap_or_default()
     }
 
     fn wait_ready(&mut self, timeout: Duration) -> Result<()> {
@@ -301,7 +313,10 @@ impl Rig {
             .spawn(Host::Client, &argv)?
             .finish(Duration::from_secs(120))?;
         serde_json::from_str(&out.stdout).with_context(|| {
-            format!("load output is not a report: {}\n{}", out.stdout, out.stderr)
+            format!(
+                "load output is not a report: {}\n{}",
+                out.stdout, out.stderr
+            )
         })
     }
 
@@ -378,8 +393,12 @@ impl Hold {
     pub fn stop(self) -> Result<HoldReport> {
         std::fs::write(&self.stop, b"stop")?;
         let out = self.child.finish(Duration::from_secs(60))?;
-        serde_json::from_str(&out.stdout)
-            .with_context(|| format!("hold output is not a report: {}\n{}", out.stdout, out.stderr))
+        serde_json::from_str(&out.stdout).with_context(|| {
+            format!(
+                "hold output is not a report: {}\n{}",
+                out.stdout, out.stderr
+            )
+        })
     }
 }
 
@@ -430,7 +449,10 @@ mod tests {
     #[test]
     fn metrics_parse() {
         let body = "# HELP x\nlb_upstream_cx_total{protocol=\"TCP\",port=\"80\"} 7\nlb_upstream_cx_total{protocol=\"UDP\",port=\"53\"} 2\nlb_flow_table_entries{} 4\n";
-        assert_eq!(parse_metric(body, "lb_upstream_cx_total", "port=\"80\""), 7.0);
+        assert_eq!(
+            parse_metric(body, "lb_upstream_cx_total", "port=\"80\""),
+            7.0
+        );
         assert_eq!(parse_metric(body, "lb_upstream_cx_total", ""), 9.0);
         assert_eq!(parse_metric(body, "lb_flow_table_entries", ""), 4.0);
         assert_eq!(parse_metric(body, "missing", ""), 0.0);

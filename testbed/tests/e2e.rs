@@ -15,19 +15,36 @@ fn rig(f: impl FnOnce(&mut RigConfig)) -> Rig {
 }
 
 fn targets(r: &Rig) -> (String, String) {
-    (format!("{}:{TCP_PORT}", r.vip), format!("{}:{UDP_PORT}", r.vip))
+    (
+        format!("{}:{TCP_PORT}", r.vip),
+        format!("{}:{UDP_PORT}", r.vip),
+    )
 }
 
 /// Every connection and flow verified, and each backend within ±30 % of an even share.
 fn assert_spread(rep: &LoadReport, n_tcp: u64, n_udp: u64, backends: &[&str]) {
     let t = rep.tcp.as_ref().unwrap();
     let u = rep.udp.as_ref().unwrap();
-    assert_eq!((t.ok as u64, t.failed as u64), (n_tcp, 0), "TCP errors: {:?}", t.errors);
-    assert_eq!((u.ok as u64, u.failed as u64), (n_udp, 0), "UDP errors: {:?}", u.errors);
+    assert_eq!(
+        (t.ok as u64, t.failed as u64),
+        (n_tcp, 0),
+        "TCP errors: {:?}",
+        t.errors
+    );
+    assert_eq!(
+        (u.ok as u64, u.failed as u64),
+        (n_udp, 0),
+        "UDP errors: {:?}",
+        u.errors
+    );
     let mean = n_tcp as f64 / backends.len() as f64;
     for b in backends {
         let got = t.per_backend.get(*b).copied().unwrap_or(0) as f64;
-        assert!((got - mean).abs() <= 0.3 * mean, "{b}: {got} of {n_tcp} ({:?})", t.per_backend);
+        assert!(
+            (got - mean).abs() <= 0.3 * mean,
+            "{b}: {got} of {n_tcp} ({:?})",
+            t.per_backend
+        );
     }
 }
 
@@ -43,12 +60,31 @@ fn check_tcp_and_udp(mode: &str) {
     let r = rig(|c| c.attach_mode = mode.into());
     let (tcp, udp) = targets(&r);
     let rep = r
-        .load(&["--tcp", &tcp, "--connections", "1000", "--payload", "512", "--udp", &udp, "--udp-flows", "1000"])
+        .load(&[
+            "--tcp",
+            &tcp,
+            "--connections",
+            "1000",
+            "--payload",
+            "512",
+            "--udp",
+            &udp,
+            "--udp-flows",
+            "1000",
+        ])
         .unwrap();
     assert_spread(&rep, 1000, 1000, &["backend-1", "backend-2", "backend-3"]);
     std::thread::sleep(Duration::from_millis(1500));
-    assert!(r.metric("lb_upstream_cx_total", "protocol=\"TCP\"").unwrap() >= 1000.0);
-    assert!(r.metric("lb_upstream_cx_total", "protocol=\"UDP\"").unwrap() >= 900.0);
+    assert!(
+        r.metric("lb_upstream_cx_total", "protocol=\"TCP\"")
+            .unwrap()
+            >= 1000.0
+    );
+    assert!(
+        r.metric("lb_upstream_cx_total", "protocol=\"UDP\"")
+            .unwrap()
+            >= 900.0
+    );
 }
 
 #[test]
@@ -66,7 +102,16 @@ fn source_ranges_allow_and_deny_tcp_and_udp() {
     let r = rig(|c| c.options = "  loadBalancerSourceRanges: [10.200.0.10/32]\n".into());
     let (tcp, udp) = targets(&r);
     let ok = r
-        .load(&["--tcp", &tcp, "--connections", "50", "--udp", &udp, "--udp-flows", "50"])
+        .load(&[
+            "--tcp",
+            &tcp,
+            "--connections",
+            "50",
+            "--udp",
+            &udp,
+            "--udp-flows",
+            "50",
+        ])
         .unwrap();
     assert_spread(&ok, 50, 50, &[]);
     // The client (10.200.0.10) is no longer in the list: new TCP and UDP flows are dropped.
@@ -74,15 +119,35 @@ fn source_ranges_allow_and_deny_tcp_and_udp() {
     r.update_config(&yaml).unwrap();
     let denied = r
         .load(&[
-            "--tcp", &tcp, "--connections", "5", "--udp", &udp, "--udp-flows", "5", "--timeout-ms", "500",
-            "--udp-timeout-ms", "300", "--udp-retries", "0",
+            "--tcp",
+            &tcp,
+            "--connections",
+            "5",
+            "--udp",
+            &udp,
+            "--udp-flows",
+            "5",
+            "--timeout-ms",
+            "500",
+            "--udp-timeout-ms",
+            "300",
+            "--udp-retries",
+            "0",
         ])
         .unwrap();
     assert_eq!(denied.tcp.as_ref().unwrap().ok, 0);
     assert_eq!(denied.udp.as_ref().unwrap().ok, 0);
     std::thread::sleep(Duration::from_millis(1200));
-    assert!(r.metric("lb_drop_source_range_total", "protocol=\"TCP\"").unwrap() >= 5.0);
-    assert!(r.metric("lb_drop_source_range_total", "protocol=\"UDP\"").unwrap() >= 5.0);
+    assert!(
+        r.metric("lb_drop_source_range_total", "protocol=\"TCP\"")
+            .unwrap()
+            >= 5.0
+    );
+    assert!(
+        r.metric("lb_drop_source_range_total", "protocol=\"UDP\"")
+            .unwrap()
+            >= 5.0
+    );
 }
 
 #[test]
@@ -91,19 +156,49 @@ fn idle_flows_expire_for_tcp_and_udp() {
     let (tcp, udp) = targets(&r);
     // TCP connections that go quiet after one message, and one-datagram UDP flows.
     let hold = r
-        .start_hold(&["--tcp", &tcp, "--connections", "5", "--interval-ms", "60000"])
+        .start_hold(&[
+            "--tcp",
+            &tcp,
+            "--connections",
+            "5",
+            "--interval-ms",
+            "60000",
+        ])
         .unwrap();
     let rep = r.load(&["--udp", &udp, "--udp-flows", "5"]).unwrap();
     assert_eq!(rep.udp.as_ref().unwrap().ok, 5);
     wait_until("idle expiries", Duration::from_secs(15), || {
-        r.metric("lb_upstream_cx_idle_timeout_total", "protocol=\"TCP\"").unwrap() >= 5.0
-            && r.metric("lb_upstream_cx_idle_timeout_total", "protocol=\"UDP\"").unwrap() >= 5.0
+        r.metric("lb_upstream_cx_idle_timeout_total", "protocol=\"TCP\"")
+            .unwrap()
+            >= 5.0
+            && r.metric("lb_upstream_cx_idle_timeout_total", "protocol=\"UDP\"")
+                .unwrap()
+                >= 5.0
     });
-    assert_eq!(r.metric("lb_upstream_cx_active", "protocol=\"TCP\"").unwrap(), 0.0);
-    assert_eq!(r.metric("lb_flow_table_entries", "").unwrap(), 0.0, "expired entries deleted");
+    assert_eq!(
+        r.metric("lb_upstream_cx_active", "protocol=\"TCP\"")
+            .unwrap(),
+        0.0
+    );
+    assert_eq!(
+        r.metric("lb_flow_table_entries", "").unwrap(),
+        0.0,
+        "expired entries deleted"
+    );
     drop(hold);
     // New flows still work after expiries.
-    let rep = r.load(&["--tcp", &tcp, "--connections", "20", "--udp", &udp, "--udp-flows", "20"]).unwrap();
+    let rep = r
+        .load(&[
+            "--tcp",
+            &tcp,
+            "--connections",
+            "20",
+            "--udp",
+            &udp,
+            "--udp-flows",
+            "20",
+        ])
+        .unwrap();
     assert_spread(&rep, 20, 20, &[]);
 }
 
@@ -111,21 +206,51 @@ fn idle_flows_expire_for_tcp_and_udp() {
 fn a_dead_backend_gets_no_new_flows_and_others_are_untouched() {
     let mut r = rig(|_| {});
     let (tcp, udp) = targets(&r);
-    let hold = r.start_hold(&["--tcp", &tcp, "--connections", "60", "--interval-ms", "100"]).unwrap();
+    let hold = r
+        .start_hold(&["--tcp", &tcp, "--connections", "60", "--interval-ms", "100"])
+        .unwrap();
     r.stop_backend(2).unwrap();
-    let b2 = format!("backend=\"{}:{TCP_NODE_PORT}\"", r.topo.ip(Host::Backend(2)));
+    let b2 = format!(
+        "backend=\"{}:{TCP_NODE_PORT}\"",
+        r.topo.ip(Host::Backend(2))
+    );
     wait_until("backend-2 to leave", Duration::from_secs(10), || {
         r.metric("lb_backend_healthy", &b2).unwrap() == 0.0
     });
-    let rep = r.load(&["--tcp", &tcp, "--connections", "300", "--udp", &udp, "--udp-flows", "100"]).unwrap();
+    let rep = r
+        .load(&[
+            "--tcp",
+            &tcp,
+            "--connections",
+            "300",
+            "--udp",
+            &udp,
+            "--udp-flows",
+            "100",
+        ])
+        .unwrap();
     assert_spread(&rep, 300, 100, &["backend-1", "backend-3"]);
-    assert!(!rep.tcp.as_ref().unwrap().per_backend.contains_key("backend-2"));
-    assert!(!rep.udp.as_ref().unwrap().per_backend.contains_key("backend-2"));
+    assert!(!rep
+        .tcp
+        .as_ref()
+        .unwrap()
+        .per_backend
+        .contains_key("backend-2"));
+    assert!(!rep
+        .udp
+        .as_ref()
+        .unwrap()
+        .per_backend
+        .contains_key("backend-2"));
     let held = hold.stop().unwrap();
     // Connections on backend-2 died with its server; every other one is intact.
     for c in &held.connections {
         if c.backend.as_deref() != Some("backend-2") {
-            assert!(!c.broken, "connection {} on {:?} broke: {:?}", c.index, c.backend, c.error);
+            assert!(
+                !c.broken,
+                "connection {} on {:?} broke: {:?}",
+                c.index, c.backend, c.error
+            );
         }
     }
 }
@@ -138,14 +263,33 @@ fn backends_added_and_removed_under_long_lived_connections() {
     });
     let (tcp, udp) = targets(&r);
     let hold = r
-        .start_hold(&["--tcp", &tcp, "--connections", "200", "--udp", &udp, "--udp-flows", "50", "--interval-ms", "50"])
+        .start_hold(&[
+            "--tcp",
+            &tcp,
+            "--connections",
+            "200",
+            "--udp",
+            &udp,
+            "--udp-flows",
+            "50",
+            "--interval-ms",
+            "50",
+        ])
         .unwrap();
     for backends in [vec![1, 2, 3, 4], vec![1, 3, 4], vec![2, 3], vec![1, 2, 3]] {
         r.update_config(&r.config_yaml(&backends, "")).unwrap();
         std::thread::sleep(Duration::from_millis(500));
     }
     let held = hold.stop().unwrap();
-    assert_eq!(held.broken, 0, "{:?}", held.connections.iter().filter(|c| c.broken).collect::<Vec<_>>());
+    assert_eq!(
+        held.broken,
+        0,
+        "{:?}",
+        held.connections
+            .iter()
+            .filter(|c| c.broken)
+            .collect::<Vec<_>>()
+    );
     assert_eq!(held.established, 250);
 }
 
@@ -154,7 +298,18 @@ fn agent_killed_and_restarted_during_transfer_breaks_nothing() {
     let mut r = rig(|_| {});
     let (tcp, udp) = targets(&r);
     let hold = r
-        .start_hold(&["--tcp", &tcp, "--connections", "200", "--udp", &udp, "--udp-flows", "50", "--interval-ms", "50"])
+        .start_hold(&[
+            "--tcp",
+            &tcp,
+            "--connections",
+            "200",
+            "--udp",
+            &udp,
+            "--udp-flows",
+            "50",
+            "--interval-ms",
+            "50",
+        ])
         .unwrap();
     std::thread::sleep(Duration::from_millis(500));
     r.kill_agent(libc::SIGKILL).unwrap();
@@ -163,10 +318,33 @@ fn agent_killed_and_restarted_during_transfer_breaks_nothing() {
     r.start_agent().unwrap();
     std::thread::sleep(Duration::from_millis(1500));
     let held = hold.stop().unwrap();
-    assert_eq!(held.broken, 0, "{:?}", held.connections.iter().filter(|c| c.broken).collect::<Vec<_>>());
-    assert!(r.agent_log().contains("adopted"), "restarted agent re-adopts the pinned state:\n{}", r.agent_log());
+    assert_eq!(
+        held.broken,
+        0,
+        "{:?}",
+        held.connections
+            .iter()
+            .filter(|c| c.broken)
+            .collect::<Vec<_>>()
+    );
+    assert!(
+        r.agent_log().contains("adopted"),
+        "restarted agent re-adopts the pinned state:\n{}",
+        r.agent_log()
+    );
     // New connections work after the restart.
-    let rep = r.load(&["--tcp", &tcp, "--connections", "100", "--udp", &udp, "--udp-flows", "30"]).unwrap();
+    let rep = r
+        .load(&[
+            "--tcp",
+            &tcp,
+            "--connections",
+            "100",
+            "--udp",
+            &udp,
+            "--udp-flows",
+            "30",
+        ])
+        .unwrap();
     assert_spread(&rep, 100, 30, &[]);
 }
 
@@ -174,7 +352,9 @@ fn agent_killed_and_restarted_during_transfer_breaks_nothing() {
 fn malformed_burst_during_traffic_is_dropped_and_counted() {
     let r = rig(|_| {});
     let (tcp, udp) = targets(&r);
-    let hold = r.start_hold(&["--tcp", &tcp, "--connections", "50", "--interval-ms", "50"]).unwrap();
+    let hold = r
+        .start_hold(&["--tcp", &tcp, "--connections", "50", "--interval-ms", "50"])
+        .unwrap();
     let bin = lb_testbed::binary_path().unwrap();
     let out = r
         .topo
@@ -194,14 +374,66 @@ fn malformed_burst_during_traffic_is_dropped_and_counted() {
             ],
         )
         .unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    let rep = r.load(&["--tcp", &tcp, "--connections", "200", "--udp", &udp, "--udp-flows", "100"]).unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let rep = r
+        .load(&[
+            "--tcp",
+            &tcp,
+            "--connections",
+            "200",
+            "--udp",
+            &udp,
+            "--udp-flows",
+            "100",
+        ])
+        .unwrap();
     assert_spread(&rep, 200, 100, &[]);
     let held = hold.stop().unwrap();
     assert_eq!(held.broken, 0);
     std::thread::sleep(Duration::from_millis(1200));
-    let malformed = r.metric("lb_dataplane_packets_total", "reason=\"drop_malformed\"").unwrap();
-    let fragments = r.metric("lb_dataplane_packets_total", "reason=\"drop_fragment\"").unwrap();
+    let malformed = r
+        .metric("lb_dataplane_packets_total", "reason=\"drop_malformed\"")
+        .unwrap();
+    let fragments = r
+        .metric("lb_dataplane_packets_total", "reason=\"drop_fragment\"")
+        .unwrap();
     assert!(malformed >= 1000.0, "malformed frames counted: {malformed}");
-    assert!(fragments >= 200.0, "fragments to the VIP counted: {fragments}");
+    assert!(
+        fragments >= 200.0,
+        "fragments to the VIP counted: {fragments}"
+    );
+}
+
+#[test]
+fn invalid_config_is_rejected_and_the_last_good_one_keeps_forwarding() {
+    let r = rig(|_| {});
+    let (tcp, udp) = targets(&r);
+    let bad = r.config_yaml(&[1, 2, 3], "  loadBalancerSourceRanges: [10.0.0.0/33]\n");
+    r.write_config(&bad.replace("nodePort: 30053", "nodePort: 0"))
+        .unwrap();
+    wait_until("the rejection", Duration::from_secs(10), || {
+        r.metric("lb_config_errors_total", "").unwrap() >= 1.0
+    });
+    let log = r.agent_log();
+    assert!(
+        log.contains("loadBalancerSourceRanges[0]") && log.contains("nodePort 0"),
+        "{log}"
+    );
+    let rep = r
+        .load(&[
+            "--tcp",
+            &tcp,
+            "--connections",
+            "100",
+            "--udp",
+            &udp,
+            "--udp-flows",
+            "50",
+        ])
+        .unwrap();
+    assert_spread(&rep, 100, 50, &[]);
 }

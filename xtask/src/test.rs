@@ -78,7 +78,10 @@ const STAGES: &[Stage] = &[
                 &mut cargo(&["build", "-p", "lb-agent", "-p", "lb-testbed"]),
                 "building lb-agent and lb-testbed",
             )?;
-            run(&mut cargo(&["test", "-p", "lb-testbed"]), "cargo test -p lb-testbed")
+            run(
+                &mut cargo(&["test", "-p", "lb-testbed"]),
+                "cargo test -p lb-testbed",
+            )
         },
     },
     Stage {

@@ -98,7 +98,10 @@ impl Bench {
 
     fn set_template(&mut self, frame: &[u8], vary: bool) -> Result<()> {
         if frame.len() != FRAME {
-            bail!("benchmark frames must be {FRAME} bytes, got {}", frame.len());
+            bail!(
+                "benchmark frames must be {FRAME} bytes, got {}",
+                frame.len()
+            );
         }
         let mut data = [0u8; FRAME];
         data.copy_from_slice(frame);
@@ -223,8 +226,25 @@ fn main() -> Result<()> {
     }
 
     let syn = pad(tcp(CLIENT_MAC, LB_MAC, CLIENT, 40000, VIP, 80, SYN, b""));
-    let seg = pad(tcp(CLIENT_MAC, LB_MAC, CLIENT, 40000, VIP, 80, ACK, b"0123456789"));
-    let dgram = pad(udp(CLIENT_MAC, LB_MAC, CLIENT, 5353, VIP, 53, b"0123456789"));
+    let seg = pad(tcp(
+        CLIENT_MAC,
+        LB_MAC,
+        CLIENT,
+        40000,
+        VIP,
+        80,
+        ACK,
+        b"0123456789",
+    ));
+    let dgram = pad(udp(
+        CLIENT_MAC,
+        LB_MAC,
+        CLIENT,
+        5353,
+        VIP,
+        53,
+        b"0123456789",
+    ));
     let other = pad(tcp(CLIENT_MAC, LB_MAC, CLIENT, 40000, VIP, 22, SYN, b""));
     let denied_syn = pad(tcp(CLIENT_MAC, LB_MAC, CLIENT, 40000, VIP, 8443, SYN, b""));
 
@@ -318,8 +338,16 @@ fn main() -> Result<()> {
     println!();
     println!(
         "  targets: established ≤ 1.5x reflector: {} ({est:.2}x); new flow ≤ 3x: {} ({new:.2}x)",
-        if targets.established_met { "met" } else { "NOT met" },
-        if targets.new_flow_met { "met" } else { "NOT met" },
+        if targets.established_met {
+            "met"
+        } else {
+            "NOT met"
+        },
+        if targets.new_flow_met {
+            "met"
+        } else {
+            "NOT met"
+        },
     );
     let report = Report {
         repeat: b.args.repeat,

@@ -132,7 +132,10 @@ impl Harness {
 
     /// Counters of a service.
     pub fn svc_stats(&mut self, id: &ServiceId) -> lb_common::ServiceStats {
-        let idx = self.programmer.service_index(id).expect("service programmed");
+        let idx = self
+            .programmer
+            .service_index(id)
+            .expect("service programmed");
         self.dp.service_stats(idx).unwrap()
     }
 }
@@ -167,7 +170,9 @@ pub fn spec(protocol: Protocol, port: u16, node_port: u16, nodes: &[u8]) -> Serv
 
 /// A client → VIP TCP frame.
 pub fn client_tcp(sport: u16, flags: Flags, payload: &[u8]) -> Vec<u8> {
-    tcp(CLIENT_MAC, LB_MAC, CLIENT, sport, VIP, WEB_PORT, flags, payload)
+    tcp(
+        CLIENT_MAC, LB_MAC, CLIENT, sport, VIP, WEB_PORT, flags, payload,
+    )
 }
 
 /// A client → VIP UDP frame.

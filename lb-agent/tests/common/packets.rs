@@ -136,8 +136,14 @@ pub fn icmp_error(
     icmp.extend_from_slice(inner);
     let c = internet_checksum(&[&icmp]);
     icmp[2..4].copy_from_slice(&c.to_be_bytes());
-    let ip = Ipv4Header::new(icmp.len() as u16, 64, IpNumber::ICMP, src.octets(), dst.octets())
-        .unwrap();
+    let ip = Ipv4Header::new(
+        icmp.len() as u16,
+        64,
+        IpNumber::ICMP,
+        src.octets(),
+        dst.octets(),
+    )
+    .unwrap();
     let mut out = Vec::new();
     out.extend_from_slice(&dst_mac);
     out.extend_from_slice(&src_mac);

@@ -11,11 +11,11 @@ mod programs {
     use aya_ebpf::{
         bindings::xdp_action,
         macros::{map, xdp},
-        maps::Array,
+        maps::{Array, PerCpuArray},
         programs::XdpContext,
     };
     use lb_ebpf::{
-        ctx::{l4_csum_arith, ptr_at, Ctx},
+        ctx::{ptr_at, Xdp},
         hdr::EthHdr,
         nat::{process, Verdict},
     };
@@ -37,27 +37,6 @@ mod programs {
 
     #[map]
     static BENCH: Array<BenchPacket> = Array::with_max_entries(1, 0);
-
-    struct Xdp<'a>(&'a XdpContext);
-
-    impl Ctx for Xdp<'_> {
-        #[inline(always)]
-        fn data(&self) -> usize {
-            self.0.data()
-        }
-        #[inline(always)]
-        fn data_end(&self) -> usize {
-            self.0.data_end()
-        }
-        #[inline(always)]
-        fn len(&self) -> usize {
-            self.0.data_end() - self.0.data()
-        }
-        #[inline(always)]
-        fn l4_csum(&self, _off: usize, p: *mut u16, addr: u32, port: u32, udp: bool) {
-            l4_csum_arith(p, addr, port, udp)
-        }
-    }
 
     #[inline(always)]
     fn restore(ctx: &XdpContext) -> bool {
@@ -122,6 +101,135 @@ mod programs {
             Verdict::Drop => xdp_action::XDP_DROP,
             Verdict::Tx => xdp_action::XDP_TX,
         }
+    }
+
+    // ---- `cargo xtask bench pktgen`: live-frames generator, same-path forwarder, sink counter ----
+
+    /// Last 8 bytes of every generated frame: lets the forwarder and the sink tell benchmark frames from
+    /// real traffic (health checks, ARP) that must keep flowing.
+    const MAGIC: u64 = 0x4e45_4754_4b50_424c; // "LBPKTGEN" little-endian
+
+    /// The generator's template and options.
+    #[repr(C)]
+    pub struct GenPacket {
+        /// 0: cycle the source port over `mask + 1` ports from the template's; 1: a new flow every frame
+        /// (source port and third octet of the source address from a counter).
+        pub mode: u32,
+        /// Port mask for mode 0 (a power of two minus one).
+        pub mask: u32,
+        /// Frame counter.
+        pub counter: u32,
+        /// Padding.
+        pub _pad: u32,
+        /// The frame.
+        pub data: [u8; FRAME],
+    }
+
+    #[map]
+    static GEN: Array<GenPacket> = Array::with_max_entries(1, 0);
+
+    /// Live-frames generator (`BPF_F_TEST_XDP_LIVE_FRAMES`): the kernel recycles frames without resetting
+    /// them and the load balancer rewrites them downstream, so every run writes the whole frame from the
+    /// template, then varies the source. Checksums are not fixed up: the sink counts, nobody verifies.
+    #[xdp]
+    pub fn bench_gen(ctx: XdpContext) -> u32 {
+        let Some(t) = GEN.get_ptr_mut(0) else {
+            return xdp_action::XDP_ABORTED;
+        };
+        let Some(dst) = ptr_at::<Xdp, [u8; FRAME]>(&Xdp(&ctx), 0) else {
+            return xdp_action::XDP_ABORTED;
+        };
+        unsafe {
+            core::ptr::copy_nonoverlapping(&(*t).data, dst, 1);
+            let n = (*t).counter;
+            (*t).counter = n.wrapping_add(1);
+            let d = dst as *mut u8;
+            if (*t).mode == 1 {
+                *d.add(28) = (n >> 16) as u8;
+                *d.add(34) = (n >> 8) as u8;
+                *d.add(35) = n as u8;
+            } else {
+                let base = ((*d.add(34) as u32) << 8) | *d.add(35) as u32;
+                let port = base.wrapping_add(n & (*t).mask);
+                *d.add(34) = (port >> 8) as u8;
+                *d.add(35) = port as u8;
+            }
+        }
+        xdp_action::XDP_TX
+    }
+
+    #[inline(always)]
+    fn is_bench_frame(ctx: &XdpContext) -> bool {
+        if ctx.data_end() - ctx.data() != FRAME {
+            return false;
+        }
+        match ptr_at::<Xdp, [u8; 8]>(&Xdp(ctx), FRAME - 8) {
+            Some(p) => u64::from_le_bytes(unsafe { *p }) == MAGIC,
+            None => false,
+        }
+    }
+
+    /// Where the same-path forwarder sends frames.
+    #[repr(C)]
+    pub struct FwdCfg {
+        /// Number of destinations (1..=4).
+        pub n: u32,
+        /// Padding.
+        pub _pad: u32,
+        /// Source MAC (the forwarder's own), padded to 8 bytes.
+        pub src: [u8; 8],
+        /// Destination MACs, padded to 8 bytes.
+        pub dst: [[u8; 8]; 4],
+    }
+
+    #[map]
+    static FWD: Array<FwdCfg> = Array::with_max_entries(1, 0);
+
+    /// The reference for the packet-rate benchmark: on the load balancer's interface, send benchmark frames
+    /// back out to a backend chosen by source port, rewriting only the MACs (a bare `XDP_TX` forwarder on the
+    /// same path as the load balancer). Everything else passes.
+    #[xdp]
+    pub fn bench_fwd(ctx: XdpContext) -> u32 {
+        if !is_bench_frame(&ctx) {
+            return xdp_action::XDP_PASS;
+        }
+        let Some(c) = FWD.get_ptr(0) else {
+            return xdp_action::XDP_ABORTED;
+        };
+        let Some(eth) = ptr_at::<Xdp, EthHdr>(&Xdp(&ctx), 0) else {
+            return xdp_action::XDP_ABORTED;
+        };
+        let Some(sp) = ptr_at::<Xdp, [u8; 2]>(&Xdp(&ctx), 34) else {
+            return xdp_action::XDP_ABORTED;
+        };
+        unsafe {
+            let n = (*c).n;
+            if n == 0 {
+                return xdp_action::XDP_PASS;
+            }
+            let port = u16::from_be_bytes(*sp) as u32;
+            let i = ((port % n) & 3) as usize;
+            let m = &(*c).dst[i];
+            (*eth).dst = [m[0], m[1], m[2], m[3], m[4], m[5]];
+            let s = &(*c).src;
+            (*eth).src = [s[0], s[1], s[2], s[3], s[4], s[5]];
+        }
+        xdp_action::XDP_TX
+    }
+
+    #[map]
+    static SINK: PerCpuArray<u64> = PerCpuArray::with_max_entries(1, 0);
+
+    /// On a backend's interface: counts and drops benchmark frames, passes everything else.
+    #[xdp]
+    pub fn bench_sink(ctx: XdpContext) -> u32 {
+        if !is_bench_frame(&ctx) {
+            return xdp_action::XDP_PASS;
+        }
+        if let Some(c) = SINK.get_ptr_mut(0) {
+            unsafe { *c += 1 };
+        }
+        xdp_action::XDP_DROP
     }
 
     #[panic_handler]

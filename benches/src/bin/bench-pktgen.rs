@@ -1,0 +1,574 @@
+//! `cargo xtask bench pktgen`: packets per second forwarded by the load balancer on the netns topology,
+//! generated with `BPF_PROG_TEST_RUN` in XDP live-frames mode (this kernel has no pktgen module).
+//!
+//! ```text
+//!  client ns: bench_gen (live frames, XDP_TX out of eth0)
+//!     → bridge → lb ns eth0: [the load balancer | bench_fwd reference] XDP_TX
+//!     → bridge → backend ns eth0: bench_sink (counts frames carrying the magic trailer, drops them)
+//! ```
+//!
+//! The reference is `bench_fwd`: a bare `XDP_TX` forwarder on the same interface that only rewrites the
+//! MACs towards a backend. Both run through exactly the same veths and bridge, so the ratio isolates the
+//! load balancer. On veths every hop of the chain runs in the generating CPU's softirq, so the
+//! forwarded rate is "the whole chain on one core"; the in-program cost per packet on the LB's interface
+//! comes from `BPF_ENABLE_STATS` (run_time_ns / run_cnt) of the program attached there.
+
+#[path = "../../../lb-agent/tests/common/packets.rs"]
+mod packets;
+
+use anyhow::{bail, Context, Result};
+use aya::maps::{Array, PerCpuArray};
+use aya::programs::{TestRun, TestRunAttrs, TestRunOptions, Xdp, XdpMode};
+use aya::Ebpf;
+use clap::Parser;
+use lb_agent::dataplane::{Dataplane, MapSizes};
+use lb_benches::{fmt_num, in_netns, median, pin_cpu, print_table, write_json};
+use lb_testbed::rig::{Rig, RigConfig};
+use lb_testbed::{Host, Topology, TopologyConfig};
+use packets::*;
+use serde::Serialize;
+use std::net::Ipv4Addr;
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+#[derive(Parser)]
+struct Args {
+    /// The benchmark object (built by `cargo xtask build-ebpf`).
+    #[arg(long, default_value = "target/bpf/lb-bench.o")]
+    object: PathBuf,
+    /// `xdp-pass.o` for the bridge side of the reference forwarder's veth.
+    #[arg(long, default_value = "target/bpf/xdp-pass.o")]
+    xdp_pass: PathBuf,
+    /// Seconds of generation per measurement (≤ 20).
+    #[arg(long, default_value_t = 3.0)]
+    secs: f64,
+    /// Measurements per case (the median is reported).
+    #[arg(long, default_value_t = 3)]
+    runs: usize,
+    /// Live-frames batch size.
+    #[arg(long, default_value_t = 64)]
+    batch: u32,
+    /// Load-balancer attach modes to measure (besides the reference).
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "xdp-native,xdp-generic,tc"
+    )]
+    modes: Vec<String>,
+    /// CPU the generator (and with it the whole veth chain) runs on.
+    #[arg(long, default_value_t = 1)]
+    cpu: usize,
+}
+
+const FRAME: usize = 64;
+const MAGIC: &[u8; 8] = b"LBPKTGEN";
+/// Source ports cycled by the established/UDP cases (flows created once, then hit).
+const PORT_MASK: u32 = 1023;
+
+/// Mirror of `GenPacket` in lb-bench.rs.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct GenPacket {
+    mode: u32,
+    mask: u32,
+    counter: u32,
+    _pad: u32,
+    data: [u8; FRAME],
+}
+// SAFETY: repr(C), integers and bytes only, no padding.
+unsafe impl aya::Pod for GenPacket {}
+
+/// Mirror of `FwdCfg` in lb-bench.rs.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct FwdCfg {
+    n: u32,
+    _pad: u32,
+    src: [u8; 8],
+    dst: [[u8; 8]; 4],
+}
+// SAFETY: as above.
+unsafe impl aya::Pod for FwdCfg {}
+
+#[derive(Clone, Copy, PartialEq)]
+enum Kind {
+    SynNew,
+    TcpEstablished,
+    Udp,
+}
+
+impl Kind {
+    fn name(self) -> &'static str {
+        match self {
+            Kind::SynNew => "tcp_syn_new_flow",
+            Kind::TcpEstablished => "tcp_established",
+            Kind::Udp => "udp_1024_flows",
+        }
+    }
+}
+
+#[derive(Serialize, Clone)]
+struct Case {
+    path: String,
+    kind: &'static str,
+    generated_mpps: f64,
+    forwarded_mpps: f64,
+    delivered_pct: f64,
+    /// ns per packet inside the program on the LB's interface (BPF stats), when known.
+    lb_prog_ns: Option<f64>,
+    ratio_to_reference: f64,
+}
+
+#[derive(Serialize)]
+struct Report {
+    secs: f64,
+    runs: usize,
+    batch: u32,
+    frame_bytes: usize,
+    cpus: usize,
+    cases: Vec<Case>,
+    target_ratio: f64,
+    target_met: Option<bool>,
+}
+
+struct Gen {
+    /// Loaded lb-bench.o (generator, reference forwarder and sink share it).
+    dp: Dataplane,
+    client_ns: String,
+    client_if: String,
+    batch: u32,
+    cpu: usize,
+}
+
+impl Gen {
+    fn set_template(&mut self, frame: &[u8], mode: u32, mask: u32) -> Result<()> {
+        let mut data = [0u8; FRAME];
+        data.copy_from_slice(frame);
+        let mut a: Array<_, GenPacket> =
+            Array::try_from(self.dp.ebpf_mut().map_mut("GEN").context("GEN map")?)?;
+        a.set(
+            0,
+            GenPacket {
+                mode,
+                mask,
+                counter: 0,
+                _pad: 0,
+                data,
+            },
+            0,
+        )?;
+        Ok(())
+    }
+
+    fn sink_count(&mut self) -> Result<u64> {
+        let a: PerCpuArray<_, u64> =
+            PerCpuArray::try_from(self.dp.ebpf_mut().map("SINK").context("SINK map")?)?;
+        Ok(a.get(&0, 0)?.iter().sum())
+    }
+
+    /// Generates for `secs` seconds (or exactly `frames` frames when given); returns (frames, seconds).
+    fn generate(&mut self, secs: f64, frames: Option<u32>) -> Result<(u64, f64)> {
+        let frame = [0u8; FRAME];
+        let (ns, ifname, batch, cpu) = (
+            self.client_ns.clone(),
+            self.client_if.clone(),
+            self.batch,
+            self.cpu,
+        );
+        let prog: &mut Xdp = self.dp.xdp_program("bench_gen")?;
+        in_netns(&ns, || {
+            pin_cpu(cpu);
+            let ifindex = nix_ifindex(&ifname)?;
+            // struct xdp_md: data, data_end, data_meta, ingress_ifindex, rx_queue_index, egress_ifindex.
+            let mut ctx = [0u8; 24];
+            ctx[4..8].copy_from_slice(&(FRAME as u32).to_ne_bytes());
+            ctx[12..16].copy_from_slice(&ifindex.to_ne_bytes());
+            let start = Instant::now();
+            let mut sent = 0u64;
+            loop {
+                let repeat = frames.map(|f| f.min(1 << 20)).unwrap_or(1 << 18);
+                let mut opts = TestRunOptions::new();
+                opts.data_in = Some(&frame);
+                opts.ctx_in = Some(&ctx);
+                opts.repeat = repeat;
+                opts.attrs = TestRunAttrs::new().xdp_live_frames(batch);
+                prog.test_run(opts).context("live-frames test run")?;
+                sent += repeat as u64;
+                if frames.is_some() || start.elapsed().as_secs_f64() >= secs {
+                    break;
+                }
+            }
+            Ok((sent, start.elapsed().as_secs_f64()))
+        })
+    }
+}
+
+fn nix_ifindex(name: &str) -> Result<u32> {
+    let c = std::ffi::CString::new(name)?;
+    // SAFETY: valid NUL-terminated string.
+    let i = unsafe { libc::if_nametoindex(c.as_ptr()) };
+    if i == 0 {
+        bail!("no interface {name} in this namespace");
+    }
+    Ok(i)
+}
+
+fn frame(
+    kind: Kind,
+    client_mac: [u8; 6],
+    lb_mac: [u8; 6],
+    client: Ipv4Addr,
+    vip: Ipv4Addr,
+) -> Vec<u8> {
+    let mut f = match kind {
+        Kind::Udp => {
+            let mut p = vec![0u8; 14];
+            p.extend_from_slice(MAGIC);
+            udp(client_mac, lb_mac, client, 20000, vip, 53, &p)
+        }
+        k => {
+            let mut p = vec![0u8; 2];
+            p.extend_from_slice(MAGIC);
+            let flags = if k == Kind::SynNew { SYN } else { ACK };
+            tcp(client_mac, lb_mac, client, 20000, vip, 80, flags, &p)
+        }
+    };
+    assert_eq!(f.len(), FRAME, "benchmark frames are {FRAME} bytes");
+    f.truncate(FRAME);
+    f
+}
+
+/// Sum of run_time_ns and run_cnt of every loaded program called `name` (BPF stats must be on).
+fn prog_stats(name: &str) -> (u64, u64) {
+    let mut t = (0, 0);
+    for p in aya::programs::loaded_programs().flatten() {
+        if p.name_as_str() == Some(name) {
+            t.0 += p.run_time().as_nanos() as u64;
+            t.1 += p.run_count();
+        }
+    }
+    t
+}
+
+/// Measures every kind on a prepared path; `lb_prog` names the program on the LB's interface.
+fn measure_path(
+    g: &mut Gen,
+    path: &str,
+    lb_prog: &str,
+    topo: &Topology,
+    vip: Ipv4Addr,
+    args: &Args,
+) -> Result<Vec<Case>> {
+    let mut out = Vec::new();
+    for kind in [Kind::Udp, Kind::TcpEstablished, Kind::SynNew] {
+        let client = topo.ip(Host::Client);
+        let f = frame(
+            kind,
+            topo.mac(Host::Client),
+            topo.mac(Host::Lb),
+            client,
+            vip,
+        );
+        if kind == Kind::TcpEstablished {
+            // SYNs for the same 1024 ports first: only a SYN creates a TCP flow.
+            let syn = frame(
+                Kind::SynNew,
+                topo.mac(Host::Client),
+                topo.mac(Host::Lb),
+                client,
+                vip,
+            );
+            g.set_template(&syn, 0, PORT_MASK)?;
+            g.generate(0.0, Some(4 * (PORT_MASK + 1)))?;
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        let mode = if kind == Kind::SynNew { 1 } else { 0 };
+        g.set_template(&f, mode, PORT_MASK)?;
+        // Warm-up (flow creation for the cycled ports).
+        g.generate(0.2, None)?;
+        let (mut gen_v, mut fwd_v, mut ns_v) = (Vec::new(), Vec::new(), Vec::new());
+        for _ in 0..args.runs {
+            std::thread::sleep(Duration::from_millis(100));
+            let before = g.sink_count()?;
+            let st0 = prog_stats(lb_prog);
+            let (sent, secs) = g.generate(args.secs, None)?;
+            std::thread::sleep(Duration::from_millis(100));
+            let got = g.sink_count()? - before;
+            let st1 = prog_stats(lb_prog);
+            gen_v.push(sent as f64 / secs / 1e6);
+            fwd_v.push(got as f64 / secs / 1e6);
+            let cnt = st1.1.saturating_sub(st0.1);
+            if cnt > 0 {
+                ns_v.push(st1.0.saturating_sub(st0.0) as f64 / cnt as f64);
+            }
+        }
+        let generated = median(gen_v);
+        let forwarded = median(fwd_v);
+        let c = Case {
+            path: path.to_string(),
+            kind: kind.name(),
+            generated_mpps: generated,
+            forwarded_mpps: forwarded,
+            delivered_pct: if generated > 0.0 {
+                100.0 * forwarded / generated
+            } else {
+                0.0
+            },
+            lb_prog_ns: (!ns_v.is_empty()).then(|| median(ns_v)),
+            ratio_to_reference: f64::NAN,
+        };
+        eprintln!(
+            "  {path:<12} {:<18} gen {:.3} Mpps, forwarded {:.3} Mpps",
+            c.kind, c.generated_mpps, c.forwarded_mpps
+        );
+        out.push(c);
+    }
+    Ok(out)
+}
+
+/// Attaches the sink on every backend's interface; the returned links stay attached while `g` lives.
+fn attach_sinks(g: &mut Gen, topo: &Topology) -> Result<()> {
+    let prog: &mut Xdp = g.dp.xdp_program("bench_sink")?;
+    for b in topo.backends().collect::<Vec<_>>() {
+        let ifname = topo.ifname(b).to_string();
+        in_netns(topo.netns(b), || {
+            prog.attach(&ifname, XdpMode::Driver)
+                .with_context(|| format!("attaching bench_sink to {b}"))
+                .map(|_| ())
+        })?;
+    }
+    Ok(())
+}
+
+fn detach_all(g: &mut Gen, name: &str) -> Result<()> {
+    let prog: &mut Xdp = g.dp.xdp_program(name)?;
+    // Dropping the program's links detaches them: unload and reload the program.
+    prog.unload()?;
+    Ok(())
+}
+
+fn warm_bridge(topo: &Topology, from: Host) {
+    // Teach the bridge every MAC so that nothing is flooded to the wrong sink.
+    for h in topo.hosts().map(|h| h.host).collect::<Vec<_>>() {
+        if h != from {
+            let _ = topo.exec_unchecked(
+                from,
+                ["ping", "-c", "1", "-W", "1", &topo.ip(h).to_string()],
+            );
+        }
+    }
+}
+
+fn run_reference(args: &Args, obj: &[u8], sizes: &MapSizes) -> Result<Vec<Case>> {
+    let topo = Topology::new(TopologyConfig {
+        prefix: "lbb".into(),
+        ..TopologyConfig::default()
+    })?;
+    let vip = topo.addr(100);
+    let mut g = Gen {
+        dp: Dataplane::load_object(obj, sizes, None)?,
+        client_ns: topo.netns(Host::Client).to_string(),
+        client_if: topo.ifname(Host::Client).to_string(),
+        batch: args.batch,
+        cpu: args.cpu,
+    };
+    // The forwarder's config: its own MAC, the backends'.
+    let mut cfg = FwdCfg {
+        n: topo.backend_count().min(4) as u32,
+        _pad: 0,
+        src: [0; 8],
+        dst: [[0; 8]; 4],
+    };
+    cfg.src[..6].copy_from_slice(&topo.mac(Host::Lb));
+    for (i, b) in topo.backends().take(4).enumerate() {
+        cfg.dst[i][..6].copy_from_slice(&topo.mac(b));
+    }
+    {
+        let mut a: Array<_, FwdCfg> =
+            Array::try_from(g.dp.ebpf_mut().map_mut("FWD").context("FWD map")?)?;
+        a.set(0, cfg, 0)?;
+    }
+    // xdp_pass on the bridge side of the lb's veth (veth delivers XDP_TX frames only to a peer with NAPI).
+    let mut pass = Ebpf::load_file(&args.xdp_pass)
+        .with_context(|| format!("loading {}", args.xdp_pass.display()))?;
+    {
+        let p: &mut Xdp = pass
+            .program_mut("xdp_pass")
+            .context("xdp_pass")?
+            .try_into()?;
+        p.load()?;
+        let port = topo.switch_port(Host::Lb).to_string();
+        in_netns(topo.switch_netns(), || {
+            p.attach(&port, XdpMode::Driver)
+                .map(|_| ())
+                .context("xdp_pass on p-lb")
+        })?;
+    }
+    {
+        let lb_if = topo.ifname(Host::Lb).to_string();
+        let p: &mut Xdp = g.dp.xdp_program("bench_fwd")?;
+        in_netns(topo.netns(Host::Lb), || {
+            p.attach(&lb_if, XdpMode::Driver)
+                .map(|_| ())
+                .context("bench_fwd on lb")
+        })?;
+    }
+    attach_sinks(&mut g, &topo)?;
+    warm_bridge(&topo, Host::Lb);
+    warm_bridge(&topo, Host::Client);
+    let cases = measure_path(&mut g, "reference", "bench_fwd", &topo, vip, args);
+    detach_all(&mut g, "bench_fwd").ok();
+    detach_all(&mut g, "bench_sink").ok();
+    drop(pass);
+    drop(g);
+    drop(topo);
+    cases
+}
+
+fn run_lb(args: &Args, obj: &[u8], sizes: &MapSizes, mode: &str) -> Result<Vec<Case>> {
+    let mut cfg = RigConfig::new()?;
+    cfg.attach_mode = mode.to_string();
+    cfg.topology.prefix = "lbb".into();
+    let rig = Rig::start(cfg)?;
+    let topo = &rig.topo;
+    let mut g = Gen {
+        dp: Dataplane::load_object(obj, sizes, None)?,
+        client_ns: topo.netns(Host::Client).to_string(),
+        client_if: topo.ifname(Host::Client).to_string(),
+        batch: args.batch,
+        cpu: args.cpu,
+    };
+    attach_sinks(&mut g, topo)?;
+    warm_bridge(topo, Host::Lb);
+    warm_bridge(topo, Host::Client);
+    // One real connection through the VIP: next hops resolved, service answering.
+    let r = rig.load(&["--tcp", &format!("{}:80", rig.vip), "--connections", "20"])?;
+    if r.tcp.as_ref().map(|t| t.ok).unwrap_or(0) == 0 {
+        bail!(
+            "the load balancer does not forward ({mode}): {}",
+            rig.agent_log()
+        );
+    }
+    let prog = if mode == "tc" { "lb_tc" } else { "lb_xdp" };
+    let cases = measure_path(&mut g, &format!("lb {mode}"), prog, topo, rig.vip, args);
+    detach_all(&mut g, "bench_sink").ok();
+    drop(g);
+    drop(rig);
+    cases
+}
+
+fn main() -> Result<()> {
+    let args = Args::parse();
+    if args.secs > 20.0 {
+        bail!("--secs must be ≤ 20");
+    }
+    lb_testbed::topology::preflight()?;
+    Topology::cleanup_stale("lbb")?;
+    let obj = std::fs::read(&args.object).with_context(|| {
+        format!(
+            "reading {} (run `cargo xtask build-ebpf`)",
+            args.object.display()
+        )
+    })?;
+    // Only the bench programs are used: keep the load balancer's maps in this object small.
+    let sizes = MapSizes {
+        flows: 1024,
+        services: 16,
+        backends: 64,
+        maglev_slots: 1024,
+        nexthops: 16,
+        source_ranges: 16,
+    };
+    let _stats = aya::sys::enable_stats(aya::sys::Stats::RunTime).ok();
+    eprintln!(
+        "pktgen: reference forwarder, then the load balancer ({})",
+        args.modes.join(", ")
+    );
+    let mut cases = run_reference(&args, &obj, &sizes)?;
+    for mode in &args.modes {
+        match run_lb(&args, &obj, &sizes, mode) {
+            Ok(c) => cases.extend(c),
+            Err(e) => eprintln!("  lb {mode}: FAILED: {e:#}"),
+        }
+    }
+    // Ratios to the reference of the same kind.
+    let refs: Vec<(&'static str, f64)> = cases
+        .iter()
+        .filter(|c| c.path == "reference")
+        .map(|c| (c.kind, c.forwarded_mpps))
+        .collect();
+    for c in cases.iter_mut() {
+        if let Some((_, r)) = refs.iter().find(|(k, _)| *k == c.kind) {
+            c.ratio_to_reference = if *r > 0.0 {
+                c.forwarded_mpps / r
+            } else {
+                f64::NAN
+            };
+        }
+    }
+    let cpus = std::thread::available_parallelism()
+        .map(|n| n.get())
+        .unwrap_or(1);
+    println!(
+        "packet rate, XDP live frames ({FRAME}-byte IPv4 frames, batch {}), {} s x {} runs (median), generator + whole veth chain on CPU {} of {cpus}",
+        args.batch, args.secs, args.runs, args.cpu
+    );
+    let rows: Vec<Vec<String>> = cases
+        .iter()
+        .map(|c| {
+            vec![
+                c.path.clone(),
+                c.kind.to_string(),
+                fmt_num(c.generated_mpps),
+                fmt_num(c.forwarded_mpps),
+                format!("{:.0}%", c.delivered_pct),
+                c.lb_prog_ns.map(fmt_num).unwrap_or_else(|| "-".into()),
+                c.lb_prog_ns
+                    .map(|ns| fmt_num(1e3 / ns))
+                    .unwrap_or_else(|| "-".into()),
+                format!("{:.2}", c.ratio_to_reference),
+            ]
+        })
+        .collect();
+    print_table(
+        &[
+            "path",
+            "frames",
+            "generated Mpps",
+            "forwarded Mpps",
+            "delivered",
+            "prog ns/pkt",
+            "prog Mpps/core",
+            "x reference",
+        ],
+        &rows,
+    );
+    let native: Vec<f64> = cases
+        .iter()
+        .filter(|c| c.path == "lb xdp-native")
+        .map(|c| c.ratio_to_reference)
+        .collect();
+    let worst = native.iter().cloned().fold(f64::INFINITY, f64::min);
+    let met = (!native.is_empty()).then_some(worst >= 0.8);
+    println!(
+        "  target: forwarded ≥ 0.8x the bare XDP_TX forwarder (native XDP, every frame kind): {}",
+        match met {
+            Some(true) => format!("met (worst {worst:.2}x)"),
+            Some(false) => format!("NOT met (worst {worst:.2}x)"),
+            None => "not measured".into(),
+        }
+    );
+    let report = Report {
+        secs: args.secs,
+        runs: args.runs,
+        batch: args.batch,
+        frame_bytes: FRAME,
+        cpus,
+        cases,
+        target_ratio: 0.8,
+        target_met: met,
+    };
+    let path = write_json("pktgen", &report)?;
+    println!("  JSON: {}", path.display());
+    Ok(())
+}
