@@ -93,6 +93,11 @@ fn tcp_and_udp_through_native_xdp() {
 }
 
 #[test]
+fn tcp_and_udp_through_generic_xdp() {
+    check_tcp_and_udp("xdp-generic");
+}
+
+#[test]
 fn tcp_and_udp_through_tc() {
     check_tcp_and_udp("tc");
 }
