@@ -348,15 +348,20 @@ fn detach_all(g: &mut Gen, name: &str) -> Result<()> {
 }
 
 fn warm_bridge(topo: &Topology, from: Host) {
-    // Teach the bridge every MAC so that nothing is flooded to the wrong sink.
-    for h in topo.hosts().map(|h| h.host).collect::<Vec<_>>() {
-        if h != from {
-            let _ = topo.exec_unchecked(
-                from,
-                ["ping", "-c", "1", "-W", "1", &topo.ip(h).to_string()],
-            );
+    // Teach the bridge every MAC (ARP requests and replies) so that nothing is flooded to every sink.
+    let targets: Vec<Ipv4Addr> = topo
+        .hosts()
+        .filter(|h| h.host != from)
+        .map(|h| h.ip)
+        .collect();
+    let _ = in_netns(topo.netns(from), || {
+        let s = std::net::UdpSocket::bind("0.0.0.0:0")?;
+        for t in &targets {
+            let _ = s.send_to(b"warm", (*t, 9));
         }
-    }
+        std::thread::sleep(Duration::from_millis(300));
+        Ok(())
+    });
 }
 
 fn run_reference(args: &Args, obj: &[u8], sizes: &MapSizes) -> Result<Vec<Case>> {
