@@ -13,6 +13,13 @@ pub enum Which {
     Dataplane,
     /// 1000 Services → LoadBalancers and a node flap, against the in-memory API.
     Controller,
+    /// Packet rate on the netns topology with XDP live frames, next to a bare XDP_TX forwarder (root).
+    Pktgen,
+    /// Connection-level comparison: our modes vs HAProxy, nginx, Envoy, nftables DNAT and the direct path
+    /// (root; installs the peers from Debian and PyPI when missing).
+    Connections,
+    /// Map memory at 1M flows, 1000 x 100 apply time, config change to first packet (root).
+    Scale,
     /// Everything above.
     All,
 }
@@ -22,11 +29,42 @@ pub fn run_bench(which: Which) -> Result<()> {
     match which {
         Which::Dataplane => dataplane(),
         Which::Controller => controller(),
+        Which::Pktgen => netns_bench("bench-pktgen"),
+        Which::Connections => netns_bench("bench-connections"),
+        Which::Scale => netns_bench("bench-scale"),
         Which::All => {
             dataplane()?;
-            controller()
+            controller()?;
+            netns_bench("bench-pktgen")?;
+            netns_bench("bench-connections")?;
+            netns_bench("bench-scale")
         }
     }
+}
+
+/// Builds the eBPF objects, the agent (which embeds `lb.o`), the test bed and the benchmarks in release,
+/// then runs `target/release/<bin>` from the workspace root (the rig finds `lb-agent` and `lb-testbed` next
+/// to it). Every such benchmark creates its own namespaces and removes them, also after a failure.
+fn netns_bench(bin: &str) -> Result<()> {
+    crate::ebpf::build()?;
+    run(
+        Command::new("cargo").current_dir(root()).args([
+            "build",
+            "--release",
+            "--quiet",
+            "-p",
+            "lb-agent",
+            "-p",
+            "lb-testbed",
+            "-p",
+            "lb-benches",
+        ]),
+        "building the benchmarks",
+    )?;
+    run(
+        Command::new(root().join("target/release").join(bin)).current_dir(root()),
+        bin,
+    )
 }
 
 fn dataplane() -> Result<()> {

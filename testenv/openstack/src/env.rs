@@ -61,7 +61,11 @@ impl TestEnv {
     pub fn default_dir() -> PathBuf {
         match std::env::var_os(DIR_ENV) {
             Some(dir) => PathBuf::from(dir),
-            None => Path::new(env!("CARGO_MANIFEST_DIR")).join("../../target/openstack"),
+            None => Path::new(env!("CARGO_MANIFEST_DIR"))
+                .ancestors()
+                .nth(2)
+                .expect("testenv/openstack lives two levels below the workspace root")
+                .join("target/openstack"),
         }
     }
 

@@ -63,6 +63,8 @@ pub fn test_stage() -> Result<()> {
                     "test",
                     "-p",
                     "openstack-testenv",
+                    // Every test binary runs even if one fails: the report shows all failures at once.
+                    "--no-fail-fast",
                     "--",
                     "--ignored",
                     "--test-threads=1",
