@@ -247,3 +247,86 @@ async fn forward(ctx: &BackchannelContext, event: &Event) -> Result<(), kube::Er
     ctx.metrics.events_forwarded.inc();
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn lb(replicas: i32, status: serde_json::Value) -> LoadBalancer {
+        serde_json::from_value(json!({
+            "apiVersion": "yawol.stackit.cloud/v1beta1",
+            "kind": "LoadBalancer",
+            "metadata": {"name": "default--web", "namespace": "yawol",
+                         "annotations": {"yawol.stackit.cloud/serviceName": "default/web"}},
+            "spec": {"selector": {}, "replicas": replicas,
+                     "infrastructure": {"flavor": {}, "image": {}, "authSecretRef": {}}},
+            "status": status,
+        }))
+        .unwrap()
+    }
+
+    #[test]
+    fn ip_is_published_only_when_ready_or_scaled_to_zero() {
+        assert_eq!(publishable_ip(&lb(1, json!({}))), None);
+        assert_eq!(
+            publishable_ip(&lb(1, json!({"externalIP": "1.2.3.4"}))),
+            None
+        );
+        assert_eq!(
+            publishable_ip(&lb(1, json!({"externalIP": "1.2.3.4", "readyReplicas": 0}))),
+            None
+        );
+        assert_eq!(
+            publishable_ip(&lb(1, json!({"externalIP": "1.2.3.4", "readyReplicas": 1}))),
+            Some("1.2.3.4")
+        );
+        assert_eq!(
+            publishable_ip(&lb(0, json!({"externalIP": "1.2.3.4"}))),
+            Some("1.2.3.4")
+        );
+        let mut deleting = lb(0, json!({"externalIP": "1.2.3.4"}));
+        deleting.metadata.deletion_timestamp =
+            Some(k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(
+                k8s_openapi::jiff::Timestamp::UNIX_EPOCH,
+            ));
+        assert_eq!(publishable_ip(&deleting), None);
+        assert_eq!(
+            service_of(&lb(1, json!({}))),
+            Some(("default".into(), "web".into()))
+        );
+    }
+
+    #[test]
+    fn only_user_facing_loadbalancer_events_are_forwarded() {
+        let event = |kind: &str, component: Option<&str>, reporting: Option<&str>| -> Event {
+            serde_json::from_value(json!({
+                "metadata": {"name": "e"},
+                "involvedObject": {"kind": kind, "name": "default--web"},
+                "source": {"component": component},
+                "reportingComponent": reporting,
+            }))
+            .unwrap()
+        };
+        assert!(is_forwardable(&event(
+            "LoadBalancer",
+            Some("yawol-service"),
+            None
+        )));
+        assert!(is_forwardable(&event(
+            "LoadBalancer",
+            None,
+            Some("yawol-service")
+        )));
+        assert!(!is_forwardable(&event(
+            "LoadBalancer",
+            Some("yawol-controller"),
+            None
+        )));
+        assert!(!is_forwardable(&event(
+            "LoadBalancerSet",
+            Some("yawol-service"),
+            None
+        )));
+    }
+}

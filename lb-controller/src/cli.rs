@@ -25,8 +25,8 @@ pub struct Cli {
 /// Subcommands.
 #[derive(Debug, Subcommand)]
 pub enum Command {
-    /// Run the cloud controller.
-    Run,
+    /// Run the cloud controller (the default; options may also be given without `run`).
+    Run(Box<RunArgs>),
     /// Write the CRD manifests generated from the API types.
     Crds {
         /// Output directory.

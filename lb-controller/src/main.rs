@@ -16,11 +16,14 @@ fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     match cli.command {
         Some(Command::Crds { dir, check }) => crds(&dir, check),
-        Some(Command::Run) | None => {
-            init_logging(cli.run.log_format);
-            tokio::runtime::Runtime::new()?.block_on(run_controller(cli.run))
-        }
+        Some(Command::Run(args)) => run(*args),
+        None => run(cli.run),
     }
+}
+
+fn run(args: cli::RunArgs) -> anyhow::Result<()> {
+    init_logging(args.log_format);
+    tokio::runtime::Runtime::new()?.block_on(run_controller(args))
 }
 
 fn crds(dir: &std::path::Path, check: bool) -> anyhow::Result<()> {

@@ -61,30 +61,41 @@ pub struct ServiceContext {
     pub own_writes: OwnWrites,
 }
 
-/// resourceVersions produced by our own LoadBalancer writes, by LoadBalancer name. The watch
-/// event of such a write carries nothing new for us, so it does not re-trigger the Service
-/// (halves the work per change); writes by anybody else still do.
+/// The LoadBalancers as returned by our own last write, by name.
+///
+/// Two uses: the watch event of our own write carries nothing new, so it does not re-trigger
+/// the Service (halves the work per change; writes by anybody else still trigger); and a
+/// reconcile that runs before the cache has caught up with our last write diffs against that
+/// write's result instead of an older cached object (otherwise a field we added a moment ago
+/// and must now remove would be missed).
 #[derive(Clone, Default)]
-pub struct OwnWrites(Arc<std::sync::Mutex<HashMap<String, String>>>);
+pub struct OwnWrites(Arc<std::sync::Mutex<HashMap<String, Arc<LoadBalancer>>>>);
 
 impl OwnWrites {
-    /// Records the resourceVersion our write produced.
-    pub fn record(&self, lb: &LoadBalancer) {
-        if let Some(rv) = lb.resource_version() {
-            self.0.lock().unwrap().insert(lb.name_any(), rv);
-        }
+    /// Records the object our write produced.
+    pub fn record(&self, lb: LoadBalancer) -> Arc<LoadBalancer> {
+        let lb = Arc::new(lb);
+        self.0.lock().unwrap().insert(lb.name_any(), lb.clone());
+        lb
     }
 
-    /// Whether this version of the LoadBalancer is the result of our last write (consumes the
-    /// record).
+    /// Whether this version of the LoadBalancer is the result of our last write.
     pub fn is_own(&self, lb: &LoadBalancer) -> bool {
-        let mut writes = self.0.lock().unwrap();
-        match (writes.get(&lb.name_any()), lb.resource_version()) {
-            (Some(ours), Some(rv)) if *ours == rv => {
-                writes.remove(&lb.name_any());
-                true
+        let writes = self.0.lock().unwrap();
+        writes.get(&lb.name_any()).is_some_and(|ours| {
+            ours.resource_version().is_some() && ours.resource_version() == lb.resource_version()
+        })
+    }
+
+    /// The newer of the cached object and our last write (by resourceVersion; when versions
+    /// are not numeric the cache wins, as it would without this optimisation).
+    pub fn newest(&self, cached: Arc<LoadBalancer>) -> Arc<LoadBalancer> {
+        let version = |lb: &LoadBalancer| lb.resource_version().and_then(|v| v.parse::<u64>().ok());
+        match self.0.lock().unwrap().get(&cached.name_any()) {
+            Some(ours) if version(ours) > version(&cached) && version(&cached).is_some() => {
+                ours.clone()
             }
-            _ => false,
+            _ => cached,
         }
     }
 
@@ -249,14 +260,14 @@ async fn reconcile_inner(
         .loadbalancers
         .get(&ObjectRef::new(&lb_name).within(&ctx.config.defaults.namespace));
     let existing = match cached {
-        Some(lb) => lb,
+        Some(lb) => ctx.own_writes.newest(lb),
         None => {
             ctx.report_warnings(service, reference, "annotation", &warnings)
                 .await;
             let lb = desired::new_loadbalancer(service, desired.spec.clone(), &ctx.config.defaults);
             match ctx.lb_api().create(&PostParams::default(), &lb).await {
                 Ok(created) => {
-                    ctx.own_writes.record(&created);
+                    ctx.own_writes.record(created);
                     ctx.metrics.loadbalancer_write("create");
                     info!(service = %reference, loadbalancer = lb_name, "created LoadBalancer");
                     ctx.event(
@@ -323,7 +334,7 @@ async fn reconcile_inner(
         .patch(&lb_name, &PatchParams::default(), &Patch::Merge(&patch))
         .await
         .map_err(kube_err(format!("patching LoadBalancer {lb_name}")))?;
-    ctx.own_writes.record(&patched);
+    ctx.own_writes.record(patched);
     ctx.metrics.loadbalancer_write("patch");
     if !fields.is_empty() {
         info!(service = %reference, loadbalancer = lb_name, ?fields, "updated LoadBalancer");
@@ -450,4 +461,51 @@ async fn deletion(service: &Service, ctx: &ServiceContext, lb_name: &str) -> Res
         .unwrap()
         .remove(&ObjectRef::from_obj(service));
     Ok(Action::await_change())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn lb(rv: &str) -> LoadBalancer {
+        serde_json::from_value(serde_json::json!({
+            "apiVersion": "yawol.stackit.cloud/v1beta1",
+            "kind": "LoadBalancer",
+            "metadata": {"name": "x", "namespace": "ns", "resourceVersion": rv},
+            "spec": {"selector": {}, "infrastructure": {"flavor": {}, "image": {}, "authSecretRef": {}}},
+        }))
+        .unwrap()
+    }
+
+    #[test]
+    fn own_writes_pick_the_newest_version() {
+        let own = OwnWrites::default();
+        own.record(lb("10"));
+        assert!(own.is_own(&lb("10")));
+        assert!(!own.is_own(&lb("11")));
+        assert_eq!(
+            own.newest(Arc::new(lb("9"))).resource_version().as_deref(),
+            Some("10"),
+            "cache behind"
+        );
+        assert_eq!(
+            own.newest(Arc::new(lb("12"))).resource_version().as_deref(),
+            Some("12"),
+            "foreign write"
+        );
+        own.forget("x");
+        assert!(!own.is_own(&lb("10")));
+        assert_eq!(
+            own.newest(Arc::new(lb("9"))).resource_version().as_deref(),
+            Some("9")
+        );
+    }
+
+    #[test]
+    fn backoff_grows_and_caps() {
+        assert_eq!(backoff(1), Duration::from_secs(1));
+        assert_eq!(backoff(2), Duration::from_secs(2));
+        assert_eq!(backoff(5), Duration::from_secs(16));
+        assert_eq!(backoff(50), Duration::from_secs(300));
+    }
 }

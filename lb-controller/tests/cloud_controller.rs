@@ -574,7 +574,7 @@ async fn node_heartbeats_do_not_cause_writes() {
     h.wait_lb(LB, "created", |_| true).await;
     let writes = h.control.write_count();
     let before = h.metrics.reconcile_count("service");
-    for _ in 0..5 {
+    for _ in 0..25 {
         let mut node = h.target.get(&nodes(), "", "node-a").unwrap();
         node["metadata"]["labels"] = json!({"heartbeat": rand_label()});
         h.target.put(&nodes(), node);
@@ -588,7 +588,9 @@ async fn node_heartbeats_do_not_cause_writes() {
         writes + 1,
         "only the real change was written"
     );
-    assert!(h.metrics.reconcile_count("service") - before <= 3);
+    // The heartbeats themselves trigger nothing (a few reconciles come from the LoadBalancer's
+    // own events and the real node change).
+    assert!(h.metrics.reconcile_count("service") - before < 10);
     h.stop().await;
 }
 
