@@ -76,6 +76,57 @@ pub enum AttachMode {
 pub struct Dataplane {
     ebpf: Ebpf,
     pin_dir: Option<PathBuf>,
+    maglev: Option<MappedArray>,
+}
+
+/// A `BPF_F_MMAPABLE` array of `u32` mapped into this process (the Maglev arena). The kernel lays array
+/// elements out 8-byte aligned, so each `u32` slot is the low half of a `u64` in the mapping.
+struct MappedArray {
+    ptr: *mut u64,
+    entries: usize,
+    bytes: usize,
+}
+
+// SAFETY: the mapping is owned by this struct and only accessed through `&mut Dataplane`.
+unsafe impl Send for MappedArray {}
+
+impl MappedArray {
+    fn map(data: &MapData, entries: u32) -> Result<Self> {
+        use std::os::fd::{AsFd, AsRawFd};
+        let page = 4096usize;
+        let bytes = (entries as usize * 8).div_ceil(page) * page;
+        // SAFETY: mapping a map fd the kernel created with BPF_F_MMAPABLE; checked for MAP_FAILED.
+        let ptr = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                bytes,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                data.fd().as_fd().as_raw_fd(),
+                0,
+            )
+        };
+        if ptr == libc::MAP_FAILED {
+            bail!("mmap of the Maglev arena failed: {}", std::io::Error::last_os_error());
+        }
+        Ok(MappedArray {
+            ptr: ptr.cast(),
+            entries: entries as usize,
+            bytes,
+        })
+    }
+
+    fn slots(&mut self) -> &mut [u64] {
+        // SAFETY: `entries` 8-byte elements are mapped read-write for the lifetime of self.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.entries) }
+    }
+}
+
+impl Drop for MappedArray {
+    fn drop(&mut self) {
+        // SAFETY: unmapping exactly what `map` mapped.
+        unsafe { libc::munmap(self.ptr.cast(), self.bytes) };
+    }
 }
 
 /// Every map the agent programs, with the capacity setter's name.
@@ -130,7 +181,21 @@ impl Dataplane {
             "loading the eBPF object (map creation or pinned-map reuse failed; a pinned map with another size \
              must be removed from bpffs first)",
         )?;
-        Ok(Dataplane { ebpf, pin_dir })
+        let maglev = match ebpf.map(names::MAGLEV) {
+            Some(aya::maps::Map::Array(data)) => match MappedArray::map(data, sizes.maglev_slots) {
+                Ok(m) => Some(m),
+                Err(e) => {
+                    tracing::warn!(error = %e, "Maglev tables will be written slot by slot (slower)");
+                    None
+                }
+            },
+            _ => None,
+        };
+        Ok(Dataplane {
+            ebpf,
+            pin_dir,
+            maglev,
+        })
     }
 
     /// The directory holding pinned maps and links, if pinning.
@@ -303,6 +368,19 @@ impl Dataplane {
 
     /// Writes a Maglev table into the arena at `offset`.
     pub fn write_table(&mut self, offset: u32, table: &[u32]) -> Result<()> {
+        if let Some(m) = self.maglev.as_mut() {
+            let range = offset as usize..offset as usize + table.len();
+            let Some(dst) = m.slots().get_mut(range) else {
+                bail!("Maglev table [{offset}, +{}) is outside the arena", table.len());
+            };
+            for (d, id) in dst.iter_mut().zip(table) {
+                // Little-endian host: the low half of the element is the u32 the program reads.
+                *d = *id as u64;
+            }
+            // The service switch that makes packets use this slice is a later bpf() syscall, which orders
+            // these stores before it.
+            return Ok(());
+        }
         let mut m: Array<&mut MapData, u32> = Array::try_from(self.map(names::MAGLEV)?)?;
         for (i, id) in table.iter().enumerate() {
             m.set(offset + i as u32, id, 0)
@@ -313,6 +391,14 @@ impl Dataplane {
 
     /// Reads `len` arena slots from `offset`.
     pub fn read_table(&mut self, offset: u32, len: u32) -> Result<Vec<u32>> {
+        if let Some(m) = self.maglev.as_mut() {
+            let range = offset as usize..offset as usize + len as usize;
+            return m
+                .slots()
+                .get(range)
+                .map(|s| s.iter().map(|v| *v as u32).collect())
+                .with_context(|| format!("Maglev table [{offset}, +{len}) is outside the arena"));
+        }
         let m: Array<&mut MapData, u32> = Array::try_from(self.map(names::MAGLEV)?)?;
         (offset..offset + len)
             .map(|i| m.get(&i, 0).map_err(Into::into))

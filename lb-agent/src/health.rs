@@ -103,6 +103,7 @@ impl HealthChecker {
     /// A checker with no targets, and the receiver of its results.
     pub fn new() -> Result<(Self, watch::Receiver<HealthMap>)> {
         let (tx, rx) = watch::channel(HealthMap::new());
+        crate::tls::install_crypto_provider();
         let client = reqwest::Client::builder()
             .danger_accept_invalid_certs(true)
             .no_proxy()

@@ -128,6 +128,7 @@ impl std::fmt::Debug for KubeSettings {
 
 /// A kube client from `--kubeconfig`, else the usual inference ($KUBECONFIG, ~/.kube/config, in-cluster).
 pub async fn client(kubeconfig: Option<&Path>) -> Result<Client> {
+    crate::tls::install_crypto_provider();
     let config = match kubeconfig {
         Some(path) => {
             let kc = Kubeconfig::read_from(path)

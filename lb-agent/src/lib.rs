@@ -15,3 +15,12 @@ pub mod metrics;
 pub mod model;
 pub mod neighbor;
 pub mod programmer;
+
+/// TLS set-up shared by every client the agent builds.
+pub mod tls {
+    /// Installs ring as the process's rustls crypto provider (idempotent). Needed because a workspace build
+    /// can enable more than one provider through feature unification, and rustls then will not pick one.
+    pub fn install_crypto_provider() {
+        let _ = rustls::crypto::ring::default_provider().install_default();
+    }
+}

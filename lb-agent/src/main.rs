@@ -201,7 +201,7 @@ async fn main() -> Result<()> {
     // Kept alive for the whole run: dropping it stops the Kubernetes tasks.
     let mut _kube_mode = None;
     let config_rx = match (&cli.config, &cli.loadbalancer_name) {
-        (Some(path), None) => agent::watch_file(path.clone(), Duration::from_secs(1)),
+        (Some(path), None) => agent::watch_file(path.clone(), Duration::from_millis(50)),
         (None, Some(lb)) => {
             let settings = kube_settings(&cli, lb)?;
             tracing::info!(namespace = %settings.namespace, loadbalancer = %settings.loadbalancer,

@@ -2,6 +2,7 @@
 //! Capacities here are defaults; the agent sets the real ones at load time.
 
 use aya_ebpf::{
+    bindings::BPF_F_MMAPABLE,
     macros::map,
     maps::{lpm_trie::LpmTrie, Array, HashMap, LruHashMap, PerCpuArray},
 };
@@ -19,9 +20,10 @@ pub static SERVICES: HashMap<ServiceKey, Service> =
 #[map]
 pub static BACKENDS: Array<Backend> = Array::with_max_entries(defaults::MAX_BACKENDS, 0);
 
-/// Maglev tables of all services (backend ids), each service owning a slice.
+/// Maglev tables of all services (backend ids), each service owning a slice. Memory-mappable so user space
+/// writes a whole table with one copy instead of one syscall per slot.
 #[map]
-pub static MAGLEV: Array<u32> = Array::with_max_entries(defaults::MAGLEV_SLOTS, 0);
+pub static MAGLEV: Array<u32> = Array::with_max_entries(defaults::MAGLEV_SLOTS, BPF_F_MMAPABLE);
 
 /// Backend address → next-hop MAC, kept resolved by user space.
 #[map]
