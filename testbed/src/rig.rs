@@ -42,6 +42,9 @@ pub struct RigConfig {
     pub agent_args: Vec<String>,
     /// Topology settings.
     pub topology: TopologyConfig,
+    /// Keep GRO on the bridge ports even with native XDP on the lb (only to show what it breaks: the
+    /// bridge then hands the lb's veth super-packets, which single-buffer native XDP drops).
+    pub bridge_gro_with_native_xdp: bool,
 }
 
 impl RigConfig {
@@ -56,6 +59,7 @@ impl RigConfig {
             options: String::new(),
             agent_args: Vec::new(),
             topology: TopologyConfig::default(),
+            bridge_gro_with_native_xdp: false,
         })
     }
 }
@@ -108,9 +112,16 @@ impl Rig {
 
     /// [`Rig::start`], telling `on_topology` the topology id first (for cleanup from a signal handler).
     pub fn start_with(cfg: RigConfig, on_topology: impl FnOnce(&str)) -> Result<Self> {
+        let native_xdp = matches!(cfg.attach_mode.as_str(), "xdp" | "xdp-native");
+        let mut topology = cfg.topology.clone();
+        if native_xdp && !cfg.bridge_gro_with_native_xdp {
+            // Frames must reach the lb's veth at wire size, as from a real NIC; the lb's bridge port gets
+            // NAPI for XDP_TX from the xdp_pass program instead of GRO.
+            topology.switch_port_gro = Some(false);
+        }
         let topo = Topology::new(TopologyConfig {
             backends: cfg.backends,
-            ..cfg.topology.clone()
+            ..topology
         })?;
         on_topology(topo.id());
         let vip = topo.addr(100);
@@ -128,7 +139,7 @@ impl Rig {
             dir,
             pin_dir,
         };
-        if rig.cfg.attach_mode.starts_with("xdp") && rig.cfg.attach_mode != "xdp-generic" {
+        if native_xdp {
             rig.attach_xdp_pass()?;
         }
         for i in 1..=rig.cfg.backends {

@@ -196,12 +196,9 @@ fn run_lb(args: &Args, mode: &str) -> Result<Row> {
     let mut cfg = RigConfig::new()?;
     cfg.attach_mode = mode.into();
     cfg.topology.prefix = "lbc".into();
-    if mode == "xdp-native" && !args.bridge_gro {
-        // GRO on the bridge ports builds super-packets that the bridge hands to the lb's veth whole; native
-        // XDP there takes single-buffer frames only, so they are dropped (bulk TCP collapses to ~0). The
-        // lb's bridge port keeps NAPI for XDP_TX through the xdp_pass program the rig attaches.
-        cfg.topology.switch_port_gro = Some(false);
-    }
+    // The rig turns GRO off on the bridge ports for native XDP (see `RigConfig::bridge_gro_with_native_xdp`);
+    // `--bridge-gro` keeps it to show bulk TCP collapsing.
+    cfg.bridge_gro_with_native_xdp = args.bridge_gro;
     let rig = Rig::start(cfg)?;
     let b1 = rig.topo.ip(Host::Backend(1));
     let _iperf = start_iperf(&rig.topo)?;
