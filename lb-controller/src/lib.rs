@@ -5,15 +5,26 @@
 //! Layout: pure decisions in [`desired`] and [`endpoints`]; I/O in [`service_controller`],
 //! [`backchannel`], [`leader`]; wiring in [`run`]. The tests and the benchmark run
 //! the controllers against `lb_api::fake_api::FakeApiServer` (feature `fake-api-server`).
+//!
+//! OpenStack side (LoadBalancer → LoadBalancerSet → LoadBalancerMachine, in progress): the cloud behind the
+//! [`openstack::Cloud`] trait ([`openstack::sdk::SdkCloud`] on `openstack_sdk`, [`openstack::fake::FakeCloud`] for
+//! unit tests); the LoadBalancer's OpenStack steps in [`lb_openstack`]; the machine's in [`machine`] (with the
+//! health rules); pure builders for the VM's cloud-init ([`cloudinit`]) and its Kubernetes access ([`rbac`]).
 
 pub mod backchannel;
 pub mod cli;
+pub mod cloudinit;
 pub mod crds;
 pub mod desired;
 pub mod endpoints;
 pub mod events;
 pub mod http;
+pub mod lb_controller;
+pub mod lb_openstack;
 pub mod leader;
+pub mod machine;
 pub mod metrics;
+pub mod openstack;
+pub mod rbac;
 pub mod run;
 pub mod service_controller;

@@ -13,6 +13,8 @@ use lb_controller::service_controller::ServiceControllerConfig;
 use tracing::{error, info};
 
 fn main() -> anyhow::Result<()> {
+    // Before any TLS connection: two rustls providers are compiled in (see the function's docs).
+    lb_controller::openstack::install_crypto_provider();
     let cli = Cli::parse();
     match cli.command {
         Some(Command::Crds { dir, check }) => crds(&dir, check),

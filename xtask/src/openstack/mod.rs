@@ -71,6 +71,23 @@ pub fn test_stage() -> Result<()> {
                 ]),
             "openstack integration tests (cargo test -p openstack-testenv -- --ignored)",
         )
+        .and_then(|()| {
+            // The controllers' OpenStack logic against the same cloud (each test runs its own leak check).
+            crate::util::run(
+                Command::new("cargo")
+                    .current_dir(root())
+                    .env("LB_OPENSTACK_DIR", &layout.state)
+                    .args([
+                        "test",
+                        "-p",
+                        "lb-controller",
+                        "--",
+                        "--ignored",
+                        "--test-threads=1",
+                    ]),
+                "controller OpenStack integration tests (cargo test -p lb-controller -- --ignored)",
+            )
+        })
     });
     if !was_running {
         // Also after a failure: no stray services after CI. The logs stay in the state directory.

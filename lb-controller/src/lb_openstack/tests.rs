@@ -1,0 +1,303 @@
+use super::*;
+use crate::openstack::fake::FakeCloud;
+
+/// A LoadBalancer as the cloud controller writes it (YAML keeps the fixture readable).
+pub(crate) fn lb(extra_options: &str) -> LoadBalancer {
+    let yaml = format!(
+        r#"
+apiVersion: yawol.stackit.cloud/v1beta1
+kind: LoadBalancer
+metadata: {{name: default--web, namespace: yawol, uid: u1}}
+spec:
+  selector: {{matchLabels: {{yawol.stackit.cloud/loadbalancer: abc}}}}
+  replicas: 2
+  ports:
+  - {{name: http, port: 80, nodePort: 30080, protocol: TCP}}
+  - {{name: dns, port: 53, nodePort: 30053, protocol: UDP}}
+  infrastructure:
+    defaultNetwork: {{networkID: net-1, floatingNetID: ext-1}}
+    flavor: {{flavorID: f1}}
+    image: {{imageID: i1}}
+    authSecretRef: {{name: cloud, namespace: yawol}}
+  options: {{{extra_options}}}
+"#
+    );
+    serde_yaml::from_str(&yaml).expect("fixture parses")
+}
+
+async fn run(cloud: &FakeCloud, lb: &mut LoadBalancer) -> Result<(), StepError> {
+    let mut status = lb.status.clone().unwrap_or_default();
+    let mut warnings = Vec::new();
+    let r = reconcile(cloud, lb, &mut status, &mut DiscardStatus, &mut warnings).await;
+    lb.status = Some(status);
+    r
+}
+
+#[test]
+fn rules_cover_egress_vrrp_icmp_ports_and_ranges() {
+    let l = lb("loadBalancerSourceRanges: [10.1.2.3/16, 2001:db8::/32, nonsense]");
+    let (rules, warnings) = desired_rules(&l, "sg");
+    assert_eq!(warnings.len(), 1, "{warnings:?}");
+    // 2 egress + 2 vrrp + 2 icmp + 2 ports × 2 ranges.
+    assert_eq!(rules.len(), 10, "{rules:#?}");
+    assert!(rules.iter().any(
+        |r| r.protocol.as_deref() == Some("vrrp") && r.remote_group_id.as_deref() == Some("sg")
+    ));
+    assert!(rules.iter().any(|r| r.protocol.as_deref() == Some("udp")
+        && r.port_range_min == Some(53)
+        && r.remote_ip_prefix.as_deref() == Some("10.1.0.0/16")));
+    assert!(rules
+        .iter()
+        .any(|r| r.ethertype == EtherType::V6 && r.protocol.as_deref() == Some("tcp")));
+    assert!(!rules.iter().any(|r| r.port_range_min == Some(22)));
+}
+
+#[test]
+fn ssh_only_with_debug_and_not_twice() {
+    let mut l = lb("");
+    l.spec.debug_settings = Some(lb_api::LoadBalancerDebugSettings {
+        enabled: true,
+        sshkey_name: None,
+    });
+    let (rules, _) = desired_rules(&l, "sg");
+    assert_eq!(
+        rules
+            .iter()
+            .filter(|r| r.port_range_min == Some(22))
+            .count(),
+        2
+    );
+    // A service on port 22 already opens it (from the source ranges only).
+    l.spec.ports.as_mut().unwrap()[0].port = 22;
+    let (rules, _) = desired_rules(&l, "sg");
+    assert_eq!(
+        rules
+            .iter()
+            .filter(|r| r.port_range_min == Some(22))
+            .count(),
+        2
+    );
+}
+
+#[test]
+fn diff_treats_anywhere_and_protocol_numbers_as_neutron_does() {
+    let l = lb("");
+    let (desired, _) = desired_rules(&l, "sg");
+    let group = SecurityGroup {
+        id: "sg".into(),
+        name: "n".into(),
+        rules: desired
+            .iter()
+            .enumerate()
+            .map(|(i, r)| {
+                let mut spec = r.clone();
+                if spec.protocol.as_deref() == Some("vrrp") {
+                    spec.protocol = Some("112".into());
+                }
+                crate::openstack::SecurityGroupRule {
+                    id: format!("r{i}"),
+                    spec,
+                }
+            })
+            .chain(std::iter::once(crate::openstack::SecurityGroupRule {
+                id: "stale".into(),
+                spec: RuleSpec {
+                    port_range_min: Some(8080),
+                    port_range_max: Some(8080),
+                    protocol: Some("tcp".into()),
+                    ..desired[0].clone()
+                },
+            }))
+            .collect(),
+    };
+    let (delete, create) = rule_diff(&group, &desired);
+    assert_eq!(delete, ["stale"]);
+    assert!(create.is_empty(), "{create:#?}");
+}
+
+#[tokio::test]
+async fn create_records_everything_and_second_run_changes_nothing() {
+    let cloud = FakeCloud::new();
+    let mut l = lb("serverGroupPolicy: anti-affinity");
+    run(&cloud, &mut l).await.unwrap();
+    let st = l.status.clone().unwrap();
+    assert!(st.floating_id.is_some() && st.port_id.is_some() && st.security_group_id.is_some());
+    assert!(st.server_group_id.is_some());
+    assert_eq!(
+        st.security_group_name.as_deref(),
+        Some("yawol/default--web")
+    );
+    let fip = &cloud.floating_ips()[0];
+    assert_eq!(
+        fip.port_id, st.port_id,
+        "floating IP associated with the VIP port"
+    );
+    assert_eq!(st.external_ip.as_deref(), Some(fip.address.as_str()));
+    assert_eq!(cloud.counts(), (1, 1, 1, 1, 0));
+
+    cloud.clear_calls();
+    run(&cloud, &mut l).await.unwrap();
+    let writes: Vec<_> = cloud
+        .calls()
+        .into_iter()
+        .filter(|c| !c.starts_with("find_") && !c.starts_with("get_"))
+        .collect();
+    assert!(writes.is_empty(), "steady state must not write: {writes:?}");
+    assert_eq!(cloud.counts(), (1, 1, 1, 1, 0));
+}
+
+#[tokio::test]
+async fn outage_and_404_never_replace_the_floating_ip() {
+    let cloud = FakeCloud::new();
+    let mut l = lb("");
+    run(&cloud, &mut l).await.unwrap();
+    let before = l.status.clone().unwrap();
+
+    cloud.fail_next(
+        "get_floating_ip",
+        CloudErrorKind::Unavailable,
+        "503 Service Unavailable",
+    );
+    let err = run(&cloud, &mut l).await.unwrap_err();
+    assert_eq!(err.step, "floating IP");
+    assert!(
+        err.to_string().contains("503"),
+        "event text carries the cloud's message: {err}"
+    );
+    assert_eq!(l.status.as_ref().unwrap().floating_id, before.floating_id);
+
+    // A spurious 404 for the ID: found again by address.
+    cloud.fail_next("get_floating_ip", CloudErrorKind::NotFound, "not found");
+    run(&cloud, &mut l).await.unwrap();
+    assert_eq!(l.status.as_ref().unwrap().floating_id, before.floating_id);
+
+    // Really gone: an error, never a new address.
+    cloud
+        .delete_floating_ip(before.floating_id.as_deref().unwrap())
+        .await
+        .unwrap();
+    let err = run(&cloud, &mut l).await.unwrap_err();
+    assert!(err.to_string().contains("not allocating"), "{err}");
+    assert_eq!(cloud.floating_ips().len(), 0);
+    assert_eq!(l.status.as_ref().unwrap().external_ip, before.external_ip);
+}
+
+#[tokio::test]
+async fn adopts_by_description_and_existing_fip_is_renamed_and_kept() {
+    let cloud = FakeCloud::new();
+    let adopted = cloud.add_floating_ip("203.0.113.77", "yawol/default--web");
+    let mut l = lb("");
+    run(&cloud, &mut l).await.unwrap();
+    assert_eq!(
+        l.status.as_ref().unwrap().floating_id.as_deref(),
+        Some(adopted.id.as_str())
+    );
+    delete(&cloud, &l).await.unwrap();
+    assert_eq!(cloud.counts(), (0, 0, 0, 0, 0));
+
+    let user = cloud.add_floating_ip("203.0.113.99", "yawol/default--web");
+    let mut l = lb("");
+    l.spec.existing_floating_ip = Some("203.0.113.99".into());
+    run(&cloud, &mut l).await.unwrap();
+    assert_eq!(
+        l.status.as_ref().unwrap().external_ip.as_deref(),
+        Some("203.0.113.99")
+    );
+    assert!(cloud.floating_ips()[0]
+        .description
+        .ends_with(USER_MANAGED_SUFFIX));
+    delete(&cloud, &l).await.unwrap();
+    assert_eq!(
+        cloud.floating_ips()[0].id,
+        user.id,
+        "a user's floating IP survives deletion"
+    );
+}
+
+#[tokio::test]
+async fn internal_lb_has_no_fip_and_external_ip_is_the_vip() {
+    let cloud = FakeCloud::new();
+    let mut l = lb("internalLB: true");
+    run(&cloud, &mut l).await.unwrap();
+    let st = l.status.clone().unwrap();
+    assert!(st.floating_id.is_none());
+    assert_eq!(st.external_ip, st.port_ip);
+    assert_eq!(cloud.floating_ips().len(), 0);
+
+    // External → internal releases our floating IP.
+    let mut l = lb("");
+    run(&cloud, &mut l).await.unwrap();
+    l.spec.options.as_mut().unwrap().internal_lb = Some(true);
+    run(&cloud, &mut l).await.unwrap();
+    assert_eq!(cloud.floating_ips().len(), 0);
+}
+
+#[tokio::test]
+async fn keep_annotations_are_honoured_on_delete() {
+    let cloud = FakeCloud::new();
+    let mut l = lb("");
+    run(&cloud, &mut l).await.unwrap();
+    for key in [
+        annotations::KEEP_FLOATING_IP,
+        annotations::KEEP_PORT,
+        annotations::KEEP_SECURITY_GROUP,
+    ] {
+        l.metadata
+            .annotations
+            .get_or_insert_with(Default::default)
+            .insert(key.into(), "true".into());
+    }
+    delete(&cloud, &l).await.unwrap();
+    assert_eq!(cloud.counts(), (1, 1, 1, 0, 0));
+
+    // keepPort alone: the port stays, but without the (deleted) security group.
+    let cloud = FakeCloud::new();
+    let mut l = lb("");
+    run(&cloud, &mut l).await.unwrap();
+    l.metadata
+        .annotations
+        .get_or_insert_with(Default::default)
+        .insert(annotations::KEEP_PORT.into(), "true".into());
+    delete(&cloud, &l).await.unwrap();
+    assert_eq!(cloud.counts(), (0, 0, 1, 0, 0));
+    assert!(cloud.ports()[0].security_groups.is_empty());
+}
+
+#[tokio::test]
+async fn server_group_policy_change_recreates_and_empty_deletes() {
+    let cloud = FakeCloud::new();
+    let mut l = lb("serverGroupPolicy: affinity");
+    run(&cloud, &mut l).await.unwrap();
+    let first = l.status.as_ref().unwrap().server_group_id.clone();
+    l.spec.options.as_mut().unwrap().server_group_policy = Some("anti-affinity".into());
+    run(&cloud, &mut l).await.unwrap();
+    assert_ne!(l.status.as_ref().unwrap().server_group_id, first);
+    assert_eq!(cloud.counts().3, 1);
+    l.spec.options.as_mut().unwrap().server_group_policy = None;
+    run(&cloud, &mut l).await.unwrap();
+    assert_eq!(cloud.counts().3, 0);
+    assert!(l.status.as_ref().unwrap().server_group_id.is_none());
+}
+
+#[test]
+fn reconcile_needed_on_hash_change_and_resync() {
+    let mut l = lb("");
+    let now = jiff::Timestamp::now();
+    let resync = std::time::Duration::from_secs(300);
+    assert!(needs_openstack_reconcile(&l, now, resync));
+    l.status = Some(LoadBalancerStatus {
+        last_openstack_reconcile: Some(k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(now)),
+        openstack_reconcile_hash: Some(openstack_hash(&l)),
+        floating_id: Some("f".into()),
+        external_ip: Some("203.0.113.1".into()),
+        ..Default::default()
+    });
+    assert!(!needs_openstack_reconcile(&l, now, resync));
+    assert!(needs_openstack_reconcile(
+        &l,
+        now + std::time::Duration::from_secs(301),
+        resync
+    ));
+    l.spec.ports.as_mut().unwrap()[0].port = 8080;
+    assert!(needs_openstack_reconcile(&l, now, resync));
+}

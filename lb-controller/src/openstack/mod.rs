@@ -1,0 +1,201 @@
+//! OpenStack access for the LoadBalancer and LoadBalancerMachine controllers.
+//!
+//! The controllers talk to the cloud only through the [`Cloud`] trait: a small set of find/create/update/delete
+//! operations on the five resource kinds a load balancer needs (security groups and rules, floating IPs, ports,
+//! server groups, servers). The domain-level "ensure" steps (adopt by name, diff rules, never replace a floating IP)
+//! live in [`crate::lb_openstack`] and [`crate::machine`] and are written against the trait, so they are unit-tested
+//! with [`fake::FakeCloud`] and run against a real cloud with [`sdk::SdkCloud`] (`openstack_sdk`, async). Another
+//! cloud could plug in by implementing the trait.
+//!
+//! Every method is one API call (list calls may page internally); implementations count calls in the
+//! `yawol_openstack{api,object,operation}` metric ([`OpenStackCalls`]).
+
+pub mod config;
+pub mod fake;
+pub mod sdk;
+mod types;
+
+pub use config::{CloudProviderConf, Credentials};
+pub use types::*;
+
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::registry::Registry;
+use std::future::Future;
+
+/// Installs rustls' ring provider as the process default (idempotent).
+///
+/// `openstack_sdk` (through reqwest) enables rustls' aws-lc-rs provider and kube enables ring; with both compiled in,
+/// rustls will not choose, and kube's `ClientConfig::builder()` would panic on the first HTTPS connection. Called
+/// from `main` and from [`sdk::SdkCloud::connect`].
+pub fn install_crypto_provider() {
+    // Err only means a provider is already installed, which is what we want.
+    let _ = rustls::crypto::ring::default_provider().install_default();
+}
+
+/// Result of one cloud call.
+pub type CloudResult<T> = Result<T, CloudError>;
+
+/// The OpenStack operations the controllers need, one API call each.
+///
+/// Deleting something that is already gone is not an error (`Ok(())`): every delete path is idempotent. Lookups by
+/// name return every match, because names are not unique in OpenStack and the callers decide what to do with
+/// duplicates (adopt one, delete the rest).
+pub trait Cloud: Send + Sync {
+    /// Security groups named exactly `name`, with their rules.
+    fn find_security_groups(
+        &self,
+        name: &str,
+    ) -> impl Future<Output = CloudResult<Vec<SecurityGroup>>> + Send;
+    /// Creates a security group (Neutron adds its two default egress rules).
+    fn create_security_group(
+        &self,
+        name: &str,
+    ) -> impl Future<Output = CloudResult<SecurityGroup>> + Send;
+    /// Deletes a security group.
+    fn delete_security_group(&self, id: &str) -> impl Future<Output = CloudResult<()>> + Send;
+    /// Adds a rule to a security group.
+    fn create_security_group_rule(
+        &self,
+        security_group_id: &str,
+        rule: &RuleSpec,
+        description: &str,
+    ) -> impl Future<Output = CloudResult<SecurityGroupRule>> + Send;
+    /// Deletes a rule.
+    fn delete_security_group_rule(&self, id: &str) -> impl Future<Output = CloudResult<()>> + Send;
+
+    /// Floating IPs of the project matching the filter (an empty filter lists them all).
+    fn find_floating_ips(
+        &self,
+        filter: &FloatingIpFilter,
+    ) -> impl Future<Output = CloudResult<Vec<FloatingIp>>> + Send;
+    /// One floating IP by ID ([`CloudErrorKind::NotFound`] when it is gone).
+    fn get_floating_ip(&self, id: &str) -> impl Future<Output = CloudResult<FloatingIp>> + Send;
+    /// Allocates a floating IP from an external network.
+    fn create_floating_ip(
+        &self,
+        floating_network_id: &str,
+        description: &str,
+    ) -> impl Future<Output = CloudResult<FloatingIp>> + Send;
+    /// Associates a floating IP with a port (`Some`) or disassociates it (`None`).
+    fn set_floating_ip_port(
+        &self,
+        id: &str,
+        port_id: Option<&str>,
+    ) -> impl Future<Output = CloudResult<FloatingIp>> + Send;
+    /// Changes a floating IP's description.
+    fn set_floating_ip_description(
+        &self,
+        id: &str,
+        description: &str,
+    ) -> impl Future<Output = CloudResult<FloatingIp>> + Send;
+    /// Releases a floating IP.
+    fn delete_floating_ip(&self, id: &str) -> impl Future<Output = CloudResult<()>> + Send;
+
+    /// Ports named exactly `name`.
+    fn find_ports(&self, name: &str) -> impl Future<Output = CloudResult<Vec<Port>>> + Send;
+    /// One port by ID.
+    fn get_port(&self, id: &str) -> impl Future<Output = CloudResult<Port>> + Send;
+    /// Creates a port.
+    fn create_port(&self, spec: &PortSpec) -> impl Future<Output = CloudResult<Port>> + Send;
+    /// Replaces a port's security groups and/or allowed address pairs (`None` leaves a field as it is).
+    fn update_port(
+        &self,
+        id: &str,
+        update: &PortUpdate,
+    ) -> impl Future<Output = CloudResult<Port>> + Send;
+    /// Deletes a port.
+    fn delete_port(&self, id: &str) -> impl Future<Output = CloudResult<()>> + Send;
+
+    /// Server groups named exactly `name`.
+    fn find_server_groups(
+        &self,
+        name: &str,
+    ) -> impl Future<Output = CloudResult<Vec<ServerGroup>>> + Send;
+    /// Creates a server group with one policy.
+    fn create_server_group(
+        &self,
+        name: &str,
+        policy: &str,
+    ) -> impl Future<Output = CloudResult<ServerGroup>> + Send;
+    /// Deletes a server group.
+    fn delete_server_group(&self, id: &str) -> impl Future<Output = CloudResult<()>> + Send;
+
+    /// Servers named exactly `name` (Nova's name filter is a regex; implementations filter exactly).
+    fn find_servers(&self, name: &str) -> impl Future<Output = CloudResult<Vec<Server>>> + Send;
+    /// One server by ID.
+    fn get_server(&self, id: &str) -> impl Future<Output = CloudResult<Server>> + Send;
+    /// Boots a server.
+    fn create_server(&self, spec: &ServerSpec) -> impl Future<Output = CloudResult<Server>> + Send;
+    /// Deletes a server (asynchronous in Nova: it may still be listed for a while).
+    fn delete_server(&self, id: &str) -> impl Future<Output = CloudResult<()>> + Send;
+}
+
+/// Labels of `yawol_openstack`, as in yawol.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct OpenStackCallLabels {
+    /// `neutron` or `nova`.
+    pub api: String,
+    /// `floatingip`, `port`, `group`, `rule`, `server`, `servergroup`.
+    pub object: String,
+    /// `create`, `delete`, `get`, `list`, `update`.
+    pub operation: String,
+}
+
+/// The `yawol_openstack` counter: OpenStack calls by api, object and operation (failed ones included).
+#[derive(Clone, Default)]
+pub struct OpenStackCalls(pub Family<OpenStackCallLabels, Counter>);
+
+impl OpenStackCalls {
+    /// Registers the family as `yawol_openstack`.
+    pub fn register(&self, registry: &mut Registry) {
+        registry.register(
+            "yawol_openstack",
+            "OpenStack usage counter by api, object, operation",
+            self.0.clone(),
+        );
+    }
+
+    /// Counts one call.
+    pub fn inc(&self, api: &str, object: &str, operation: &str) {
+        self.0
+            .get_or_create(&OpenStackCallLabels {
+                api: api.into(),
+                object: object.into(),
+                operation: operation.into(),
+            })
+            .inc();
+    }
+
+    /// Sum over all series (tests and the steady-state benchmark: calls per reconcile).
+    pub fn total(&self) -> u64 {
+        let mut sum = 0;
+        // Family has no iterator; encode and sum the values instead of tracking a second counter.
+        let mut registry = Registry::default();
+        registry.register("c", "", self.0.clone());
+        let mut text = String::new();
+        if prometheus_client::encoding::text::encode(&mut text, &registry).is_ok() {
+            for line in text.lines().filter(|l| l.starts_with("c_total{")) {
+                sum += line
+                    .rsplit(' ')
+                    .next()
+                    .and_then(|v| v.parse::<u64>().ok())
+                    .unwrap_or(0);
+            }
+        }
+        sum
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn a_tls_client_config_can_be_built_with_both_providers_compiled_in() {
+        super::install_crypto_provider();
+        // What kube does for an HTTPS API server; panics without a process default provider.
+        let _ = rustls::ClientConfig::builder()
+            .with_root_certificates(rustls::RootCertStore::empty())
+            .with_no_client_auth();
+    }
+}

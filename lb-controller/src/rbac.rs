@@ -1,0 +1,205 @@
+//! Per-machine Kubernetes access: a ServiceAccount, its long-lived token Secret, a Role that reaches only the
+//! machine's own LoadBalancer and LoadBalancerMachine (+ status) and lets it write events, and the RoleBinding.
+//! All named after the machine and owned by it, so they go when it goes. Pure builders; the LBM controller applies
+//! them with server-side apply.
+
+use k8s_openapi::api::core::v1::{Secret, ServiceAccount};
+use k8s_openapi::api::rbac::v1::{PolicyRule, Role, RoleBinding, RoleRef, Subject};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
+use lb_api::constants::GROUP;
+use std::collections::BTreeMap;
+
+/// Who the objects are for.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct MachineIdentity {
+    /// Namespace of the LoadBalancer and the machine.
+    pub namespace: String,
+    /// LoadBalancerMachine name (also the name of all four objects).
+    pub machine: String,
+    /// LoadBalancerMachine UID (owner reference).
+    pub machine_uid: String,
+    /// LoadBalancer name.
+    pub loadbalancer: String,
+}
+
+fn meta(id: &MachineIdentity) -> ObjectMeta {
+    ObjectMeta {
+        name: Some(id.machine.clone()),
+        namespace: Some(id.namespace.clone()),
+        owner_references: Some(vec![OwnerReference {
+            api_version: lb_api::constants::API_VERSION.into(),
+            kind: "LoadBalancerMachine".into(),
+            name: id.machine.clone(),
+            uid: id.machine_uid.clone(),
+            controller: Some(true),
+            block_owner_deletion: Some(true),
+        }]),
+        ..Default::default()
+    }
+}
+
+/// The ServiceAccount.
+pub fn service_account(id: &MachineIdentity) -> ServiceAccount {
+    ServiceAccount {
+        metadata: meta(id),
+        automount_service_account_token: Some(false),
+        ..Default::default()
+    }
+}
+
+/// The token Secret (type `kubernetes.io/service-account-token`; Kubernetes ≥ 1.24 no longer creates one, and the
+/// token controller fills in `token` and `ca.crt`).
+pub fn token_secret(id: &MachineIdentity) -> Secret {
+    let mut m = meta(id);
+    m.annotations = Some(BTreeMap::from([(
+        "kubernetes.io/service-account.name".to_string(),
+        id.machine.clone(),
+    )]));
+    Secret {
+        metadata: m,
+        type_: Some("kubernetes.io/service-account-token".into()),
+        ..Default::default()
+    }
+}
+
+fn rule(groups: &[&str], resources: &[&str], names: Option<&str>, verbs: &[&str]) -> PolicyRule {
+    PolicyRule {
+        api_groups: Some(groups.iter().map(|s| s.to_string()).collect()),
+        resources: Some(resources.iter().map(|s| s.to_string()).collect()),
+        resource_names: names.map(|n| vec![n.to_string()]),
+        verbs: verbs.iter().map(|s| s.to_string()).collect(),
+        ..Default::default()
+    }
+}
+
+/// The Role. list/watch cannot be restricted by name in RBAC (a watch with a field selector on the name is still
+/// authorised as a list); get/update/patch are limited to the machine's own objects, as in yawol.
+pub fn role(id: &MachineIdentity) -> Role {
+    Role {
+        metadata: meta(id),
+        rules: Some(vec![
+            rule(
+                &["", "events.k8s.io"],
+                &["events"],
+                None,
+                &["create", "patch"],
+            ),
+            rule(&[GROUP], &["loadbalancers"], None, &["list", "watch"]),
+            rule(
+                &[GROUP],
+                &["loadbalancers"],
+                Some(&id.loadbalancer),
+                &["get"],
+            ),
+            rule(
+                &[GROUP],
+                &["loadbalancermachines"],
+                None,
+                &["list", "watch"],
+            ),
+            rule(
+                &[GROUP],
+                &["loadbalancermachines"],
+                Some(&id.machine),
+                &["get", "update", "patch"],
+            ),
+            rule(
+                &[GROUP],
+                &["loadbalancermachines/status"],
+                Some(&id.machine),
+                &["get", "update", "patch"],
+            ),
+        ]),
+    }
+}
+
+/// The RoleBinding of the Role to the ServiceAccount.
+pub fn role_binding(id: &MachineIdentity) -> RoleBinding {
+    RoleBinding {
+        metadata: meta(id),
+        role_ref: RoleRef {
+            api_group: "rbac.authorization.k8s.io".into(),
+            kind: "Role".into(),
+            name: id.machine.clone(),
+        },
+        subjects: Some(vec![Subject {
+            kind: "ServiceAccount".into(),
+            name: id.machine.clone(),
+            namespace: Some(id.namespace.clone()),
+            ..Default::default()
+        }]),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn id() -> MachineIdentity {
+        MachineIdentity {
+            namespace: "yawol".into(),
+            machine: "web-abc-x1".into(),
+            machine_uid: "uid-1".into(),
+            loadbalancer: "web".into(),
+        }
+    }
+
+    #[test]
+    fn role_reaches_only_its_own_objects() {
+        let r = role(&id());
+        let rules = r.rules.unwrap();
+        for rule in &rules {
+            let writes = rule
+                .verbs
+                .iter()
+                .any(|v| ["update", "patch", "get"].contains(&v.as_str()));
+            let events = rule
+                .resources
+                .as_ref()
+                .unwrap()
+                .contains(&"events".to_string());
+            if writes && !events {
+                let names = rule
+                    .resource_names
+                    .as_ref()
+                    .expect("get/update/patch are name-scoped");
+                assert!(names == &["web-abc-x1"] || names == &["web"], "{rule:?}");
+            }
+            assert!(
+                !rule
+                    .verbs
+                    .iter()
+                    .any(|v| v == "delete" || v == "create" && !events),
+                "{rule:?}"
+            );
+        }
+        assert!(rules
+            .iter()
+            .any(|r| r.resources.as_ref().unwrap() == &["loadbalancermachines/status"]));
+    }
+
+    #[test]
+    fn binding_secret_and_owner() {
+        let b = role_binding(&id());
+        assert_eq!(b.role_ref.name, "web-abc-x1");
+        let s = &b.subjects.unwrap()[0];
+        assert_eq!(
+            (s.kind.as_str(), s.name.as_str(), s.namespace.as_deref()),
+            ("ServiceAccount", "web-abc-x1", Some("yawol"))
+        );
+        let secret = token_secret(&id());
+        assert_eq!(
+            secret.type_.as_deref(),
+            Some("kubernetes.io/service-account-token")
+        );
+        assert_eq!(
+            secret.metadata.annotations.unwrap()["kubernetes.io/service-account.name"],
+            "web-abc-x1"
+        );
+        let owner = &service_account(&id()).metadata.owner_references.unwrap()[0];
+        assert_eq!(
+            (owner.kind.as_str(), owner.uid.as_str()),
+            ("LoadBalancerMachine", "uid-1")
+        );
+    }
+}
