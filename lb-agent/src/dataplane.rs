@@ -107,7 +107,10 @@ impl MappedArray {
             )
         };
         if ptr == libc::MAP_FAILED {
-            bail!("mmap of the Maglev arena failed: {}", std::io::Error::last_os_error());
+            bail!(
+                "mmap of the Maglev arena failed: {}",
+                std::io::Error::last_os_error()
+            );
         }
         Ok(MappedArray {
             ptr: ptr.cast(),
@@ -371,7 +374,10 @@ impl Dataplane {
         if let Some(m) = self.maglev.as_mut() {
             let range = offset as usize..offset as usize + table.len();
             let Some(dst) = m.slots().get_mut(range) else {
-                bail!("Maglev table [{offset}, +{}) is outside the arena", table.len());
+                bail!(
+                    "Maglev table [{offset}, +{}) is outside the arena",
+                    table.len()
+                );
             };
             for (d, id) in dst.iter_mut().zip(table) {
                 // Little-endian host: the low half of the element is the u32 the program reads.
