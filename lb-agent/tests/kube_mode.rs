@@ -662,6 +662,8 @@ async fn a_missing_machine_or_loadbalancer_is_retried_not_fatal() {
 #[tokio::test]
 async fn an_unreachable_api_server_is_retried_with_backoff() {
     // Nothing listens on the discard port: every request fails with "connection refused".
+    // A real client (rustls inside), so pick the crypto provider as the agent's main does.
+    lb_agent::tls::install_crypto_provider();
     let client =
         kube::Client::try_from(kube::Config::new("http://127.0.0.1:9".parse().unwrap())).unwrap();
     let (_status_tx, status_rx) = watch::channel(AgentStatus {
