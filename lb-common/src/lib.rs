@@ -194,8 +194,6 @@ pub struct FlowV4 {
     pub csum_addr: u32,
     /// One's-complement sum that turns the old ports into the new ones (L4 header only).
     pub csum_port: u32,
-    /// Reserved, zero.
-    pub _pad2: u32,
     /// Last time a packet used this entry, `bpf_ktime_get_coarse_ns` clock (CLOCK_MONOTONIC_COARSE), ns.
     pub last_seen_ns: u64,
 }

@@ -265,7 +265,6 @@ fn l4<C: Ctx>(
         timeout_s: svc.idle_timeout_s,
         csum_addr: csum::add(csum::diff32(node, key.dst), csum::diff32(snat, key.src)),
         csum_port: 0,
-        _pad2: 0,
         last_seen_ns: now,
     };
     let Some(snat_port) = alloc_snat_port(&cfg, hash, snat, node, node_port, proto, &mut rev)
@@ -290,7 +289,6 @@ fn l4<C: Ctx>(
             csum::diff16(key.sport, snat_port),
             csum::diff16(key.dport, node_port),
         ),
-        _pad2: 0,
         last_seen_ns: now,
     };
     let rkey = fwd.partner_key(proto);
