@@ -87,6 +87,9 @@ struct Row {
     udp_x_direct: f64,
     bulk_x_direct: f64,
     error: Option<String>,
+    /// Of 10k connections held idle (one message every 8 s for 12 s), how many were established and never
+    /// broke; measured for our data plane and the direct path.
+    idle_10k_answering: Option<usize>,
 }
 
 /// One path under test: where the client sends, and what to read CPU from.
@@ -97,6 +100,8 @@ struct Target {
     tcp: SocketAddr,
     udp: Option<SocketAddr>,
     bulk: SocketAddr,
+    /// Also hold 10k idle connections and check they still answer (our data plane and the direct path).
+    hold_idle: bool,
 }
 
 fn main() -> Result<()> {
@@ -209,6 +214,7 @@ fn run_lb(args: &Args, mode: &str) -> Result<Row> {
         tcp: SocketAddr::new(rig.vip.into(), 80),
         udp: Some(SocketAddr::new(rig.vip.into(), 53)),
         bulk: SocketAddr::new(rig.vip.into(), BULK_PORT),
+        hold_idle: true,
     };
     let mut row = measure(args, &format!("lb {mode}"), &t, || {
         // iperf3's control and data connections must reach the same server: backend-1 alone, with the bulk
@@ -378,6 +384,7 @@ fn run_plain(args: &Args, path: &str, threads: usize, envoy: Option<&Path>) -> R
         tcp,
         udp,
         bulk,
+        hold_idle: path == "direct",
     };
     let row = measure(args, path, &t, || Ok(()));
     if let (Err(_), Some(p)) = (&row, peer.as_ref()) {
@@ -419,6 +426,42 @@ fn bpf_run_time(name: Option<&str>) -> f64 {
         .filter(|p| p.name_as_str() == Some(name))
         .map(|p| p.run_time().as_secs_f64())
         .sum()
+}
+
+/// Opens 10k TCP connections, keeps them idle but for one message every 8 s, for 12 s; returns how many were
+/// established and never broke.
+fn hold_idle(client_ns: &str, tcp: SocketAddr) -> Result<usize> {
+    let bin = lb_testbed::binary_path()?;
+    let argv: Vec<String> = [
+        "ip",
+        "netns",
+        "exec",
+        client_ns,
+        &bin.display().to_string(),
+        "hold",
+        "--tcp",
+        &tcp.to_string(),
+        "--connections",
+        "10000",
+        "--interval-ms",
+        "8000",
+        "--duration-secs",
+        "12",
+        "--connect-concurrency",
+        "256",
+        "--brief",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    let out = ChildGuard::spawn(&argv, "hold")?.finish(Duration::from_secs(90))?;
+    let r: lb_testbed::hold::HoldReport = serde_json::from_str(&out.stdout).with_context(|| {
+        format!(
+            "hold output is not a report: {}\n{}",
+            out.stdout, out.stderr
+        )
+    })?;
+    Ok(r.established.saturating_sub(r.broken))
 }
 
 fn load(client_ns: &str, args: &[String]) -> Result<LoadReport> {
@@ -520,8 +563,14 @@ fn measure(
     for _ in 0..args.runs {
         bulk.push(iperf(&t.topo_client_ns, t.bulk, args.bulk_secs)?);
     }
+    let idle_10k_answering = if t.hold_idle {
+        Some(hold_idle(&t.topo_client_ns, t.tcp)?)
+    } else {
+        None
+    };
     let med = |v: Vec<f64>| if v.is_empty() { f64::NAN } else { median(v) };
     let row = Row {
+        idle_10k_answering,
         path: name.into(),
         cps: med(cps),
         cps_p50_ms: med(p50),
@@ -713,6 +762,13 @@ fn print_report(args: &Args, threads: usize, rows: &[Row]) {
         ],
         &table,
     );
+    for r in rows.iter().filter(|r| r.idle_10k_answering.is_some()) {
+        println!(
+            "  10k idle held connections still answering after 12 s: {:<16} {} of 10000",
+            r.path,
+            r.idle_10k_answering.unwrap_or(0)
+        );
+    }
     for r in rows.iter().filter(|r| r.error.is_some()) {
         println!("  {}: {}", r.path, r.error.as_deref().unwrap_or(""));
     }
