@@ -9,6 +9,8 @@ use clap::{Args, Parser, Subcommand, ValueEnum};
 use lb_api::{OpenstackFlavorRef, OpenstackImageRef};
 
 use crate::desired::{ClassFilter, InfrastructureDefaults};
+use crate::lb_controller::{FileClouds, LbControllerConfig, SdkClouds, SecretClouds};
+use crate::openstack::{CloudProviderConf, Credentials, OpenStackCalls};
 
 /// Cloud controller for yawol-compatible load balancers.
 #[derive(Debug, Parser)]
@@ -27,6 +29,8 @@ pub struct Cli {
 pub enum Command {
     /// Run the cloud controller (the default; options may also be given without `run`).
     Run(Box<RunArgs>),
+    /// Run the OpenStack-side controllers (yawol-controller's role: LoadBalancer -> OpenStack resources).
+    Controller(Box<ControllerArgs>),
     /// Write the CRD manifests generated from the API types.
     Crds {
         /// Output directory.
@@ -110,6 +114,124 @@ pub struct RunArgs {
     /// Infrastructure defaults (yawol's environment variables).
     #[command(flatten)]
     pub infra: InfraArgs,
+}
+
+/// Options of `lb-controller controller` (yawol-controller's flags that apply to the LoadBalancer controller).
+#[derive(Debug, Args)]
+pub struct ControllerArgs {
+    /// Namespace of the LoadBalancer objects (and of the Lease).
+    #[arg(long, env = "CLUSTER_NAMESPACE")]
+    pub namespace: String,
+    /// Kubeconfig of the control cluster ("inClusterConfig" for the pod's service account; else the usual
+    /// inference: $KUBECONFIG, ~/.kube/config, in-cluster).
+    #[arg(long, env = "KUBECONFIG")]
+    pub kubeconfig: Option<String>,
+    /// Address of /metrics ("0" disables).
+    #[arg(long, env = "METRICS_BIND_ADDRESS", default_value = ":8080")]
+    pub metrics_bind_address: String,
+    /// Address of /healthz and /readyz ("0" disables).
+    #[arg(long, env = "HEALTH_PROBE_BIND_ADDRESS", default_value = ":8081")]
+    pub health_probe_bind_address: String,
+    /// Use a Lease so only one instance acts.
+    #[arg(long, env = "LEADER_ELECT")]
+    pub leader_elect: bool,
+    /// Name of the Lease (in --namespace).
+    #[arg(
+        long,
+        env = "LEADER_ELECTION_ID",
+        default_value = "lb-openstack-controller"
+    )]
+    pub leader_election_id: String,
+    /// Lease duration in seconds.
+    #[arg(long, env = "LEASES_DURATION", default_value_t = 60)]
+    pub leases_duration: u64,
+    /// Renew deadline in seconds.
+    #[arg(long, env = "LEASES_RENEW_DEADLINE", default_value_t = 50)]
+    pub leases_renew_deadline: u64,
+    /// Retry period in seconds.
+    #[arg(long, env = "LEASES_RETRY_PERIOD", default_value_t = 10)]
+    pub leases_retry_period: u64,
+    /// Timeout of each OpenStack call ("20s", "1m" or seconds).
+    #[arg(long, env = "OPENSTACK_TIMEOUT", default_value = "20s", value_parser = parse_duration)]
+    pub openstack_timeout: Duration,
+    /// OpenStack resync of every LoadBalancer even without changes ("5m", or seconds).
+    #[arg(long, env = "LOADBALANCER_RESYNC_PERIOD", default_value = "5m", value_parser = parse_duration)]
+    pub resync_period: Duration,
+    /// One yawol `cloudprovider.conf` (INI) for every LoadBalancer instead of its `authSecretRef` Secret.
+    #[arg(long, env = "CLOUDPROVIDER_CONF", conflicts_with = "clouds_yaml")]
+    pub cloudprovider_conf: Option<PathBuf>,
+    /// A `clouds.yaml` for every LoadBalancer instead of its `authSecretRef` Secret (cloud: --os-cloud).
+    #[arg(long, env = "CLOUDS_YAML")]
+    pub clouds_yaml: Option<PathBuf>,
+    /// The cloud of --clouds-yaml.
+    #[arg(long, env = "OS_CLOUD", default_value = "openstack")]
+    pub os_cloud: String,
+    /// Log format.
+    #[arg(long, env = "LOG_FORMAT", value_enum, default_value = "text")]
+    pub log_format: LogFormat,
+}
+
+impl ControllerArgs {
+    /// Fixed credentials from --cloudprovider-conf / --clouds-yaml (read and checked now), or `None` for the
+    /// per-LoadBalancer Secrets.
+    pub fn credentials(&self) -> anyhow::Result<Option<Credentials>> {
+        if let Some(path) = &self.cloudprovider_conf {
+            let text = std::fs::read_to_string(path)
+                .with_context(|| format!("reading {}", path.display()))?;
+            let conf = CloudProviderConf::parse(&text)
+                .with_context(|| format!("parsing {}", path.display()))?;
+            return Ok(Some(Credentials::CloudProviderConf(conf)));
+        }
+        if let Some(path) = &self.clouds_yaml {
+            let credentials = Credentials::CloudsYaml {
+                path: path.clone(),
+                cloud: self.os_cloud.clone(),
+            };
+            credentials.cloud_config(None)?;
+            return Ok(Some(credentials));
+        }
+        Ok(None)
+    }
+
+    /// The clouds of the LoadBalancer controller, counting calls in `calls`.
+    pub fn clouds(
+        &self,
+        control: kube::Client,
+        calls: OpenStackCalls,
+    ) -> anyhow::Result<SdkClouds> {
+        Ok(match self.credentials()? {
+            Some(credentials) => {
+                SdkClouds::File(FileClouds::new(credentials, self.openstack_timeout, calls))
+            }
+            None => SdkClouds::Secrets(SecretClouds::new(control, self.openstack_timeout, calls)),
+        })
+    }
+
+    /// LoadBalancer controller settings.
+    pub fn loadbalancer_config(&self) -> LbControllerConfig {
+        LbControllerConfig {
+            resync: self.resync_period.max(Duration::from_secs(1)),
+            ..Default::default()
+        }
+    }
+}
+
+/// Parses "20s", "5m", "1h", "500ms" or plain seconds.
+pub fn parse_duration(text: &str) -> anyhow::Result<Duration> {
+    let t = text.trim();
+    let (number, unit) = t
+        .find(|c: char| !c.is_ascii_digit())
+        .map_or((t, ""), |i| t.split_at(i));
+    let n: u64 = number
+        .parse()
+        .with_context(|| format!("bad duration {text:?}"))?;
+    Ok(match unit {
+        "" | "s" => Duration::from_secs(n),
+        "ms" => Duration::from_millis(n),
+        "m" => Duration::from_secs(n * 60),
+        "h" => Duration::from_secs(n * 3600),
+        _ => bail!("bad duration {text:?} (use s, m, h or ms)"),
+    })
 }
 
 /// Infrastructure defaults, from yawol's environment variables.
@@ -289,6 +411,116 @@ mod tests {
         ] {
             assert!(err.contains(name), "{err}");
         }
+    }
+
+    #[test]
+    fn controller_subcommand() {
+        let cli = Cli::try_parse_from([
+            "lb-controller",
+            "controller",
+            "--namespace",
+            "yawol",
+            "--kubeconfig",
+            "inClusterConfig",
+            "--leader-elect",
+            "--leader-election-id",
+            "lease",
+            "--metrics-bind-address",
+            ":9090",
+            "--health-probe-bind-address",
+            "0",
+            "--openstack-timeout",
+            "30s",
+            "--resync-period",
+            "2m",
+            "--cloudprovider-conf",
+            "/etc/cloud/cloudprovider.conf",
+            "--log-format",
+            "json",
+        ])
+        .unwrap();
+        let Some(Command::Controller(args)) = cli.command else {
+            panic!("not the controller command: {:?}", cli.command);
+        };
+        assert_eq!(args.namespace, "yawol");
+        assert_eq!(args.kubeconfig.as_deref(), Some("inClusterConfig"));
+        assert!(args.leader_elect);
+        assert_eq!(args.leader_election_id, "lease");
+        assert_eq!(args.metrics_bind_address, ":9090");
+        assert_eq!(args.health_probe_bind_address, "0");
+        assert_eq!(args.openstack_timeout, Duration::from_secs(30));
+        assert_eq!(args.loadbalancer_config().resync, Duration::from_secs(120));
+        assert_eq!(
+            args.cloudprovider_conf.as_deref(),
+            Some(std::path::Path::new("/etc/cloud/cloudprovider.conf"))
+        );
+        assert_eq!(args.log_format, LogFormat::Json);
+    }
+
+    #[test]
+    fn controller_defaults_and_errors() {
+        let cli =
+            Cli::try_parse_from(["lb-controller", "controller", "--namespace", "ns"]).unwrap();
+        let Some(Command::Controller(args)) = cli.command else {
+            panic!("not the controller command");
+        };
+        assert_eq!(args.openstack_timeout, Duration::from_secs(20));
+        assert_eq!(args.resync_period, Duration::from_secs(300));
+        assert_eq!(args.leader_election_id, "lb-openstack-controller");
+        assert!(!args.leader_elect);
+        assert!(args.credentials().unwrap().is_none(), "Secrets by default");
+        // One source of fixed credentials at most; a bad timeout is rejected.
+        assert!(Cli::try_parse_from([
+            "lb-controller",
+            "controller",
+            "--namespace",
+            "ns",
+            "--cloudprovider-conf",
+            "a",
+            "--clouds-yaml",
+            "b",
+        ])
+        .is_err());
+        assert!(Cli::try_parse_from([
+            "lb-controller",
+            "controller",
+            "--namespace",
+            "ns",
+            "--openstack-timeout",
+            "soon",
+        ])
+        .is_err());
+        assert_eq!(parse_duration("500ms").unwrap(), Duration::from_millis(500));
+        assert_eq!(parse_duration("1h").unwrap(), Duration::from_secs(3600));
+    }
+
+    #[test]
+    fn cloudprovider_conf_file_is_read_at_start() {
+        let path = std::env::temp_dir().join(format!("lbc-conf-{}", std::process::id()));
+        std::fs::write(
+            &path,
+            "[Global]\nauth-url = http://127.0.0.1:5000/v3\nusername = u\npassword = p\n\
+             domain-name = Default\nproject-id = abc\n",
+        )
+        .unwrap();
+        let cli = Cli::try_parse_from([
+            "lb-controller",
+            "controller",
+            "--namespace",
+            "ns",
+            "--cloudprovider-conf",
+            path.to_str().unwrap(),
+        ])
+        .unwrap();
+        let Some(Command::Controller(args)) = cli.command else {
+            panic!("not the controller command");
+        };
+        assert!(matches!(
+            args.credentials().unwrap(),
+            Some(Credentials::CloudProviderConf(_))
+        ));
+        std::fs::remove_file(&path).unwrap();
+        assert!(args.credentials().is_err(), "a missing file fails at start");
     }
 
     #[test]

@@ -22,7 +22,9 @@ use tracing::{info, warn};
 use crate::events::{EventPublisher, EventType};
 use crate::lb_openstack::{self, StatusSink};
 use crate::openstack::sdk::SdkCloud;
-use crate::openstack::{Cloud, CloudError, CloudErrorKind, CloudProviderConf, OpenStackCalls};
+use crate::openstack::{
+    Cloud, CloudError, CloudErrorKind, CloudProviderConf, Credentials, OpenStackCalls,
+};
 
 /// Errors of one reconcile (logged, retried with backoff).
 #[derive(Debug, thiserror::Error)]
@@ -128,6 +130,70 @@ impl CloudFactory for SecretClouds {
         cache.retain(|k, _| !k.starts_with(&format!("{ns}/{name}@")) || k == &key);
         cache.insert(key, (Instant::now(), cloud.clone()));
         Ok(cloud)
+    }
+}
+
+/// Sessions from one credentials file (`--cloudprovider-conf` or a `clouds.yaml` cloud) for every LoadBalancer,
+/// connected on first use, one per project (the LoadBalancer's `projectID` override), renewed like
+/// [`SecretClouds`]. `spec.infrastructure.authSecretRef` is not read.
+pub struct FileClouds {
+    credentials: Credentials,
+    timeout: Duration,
+    calls: OpenStackCalls,
+    cache: tokio::sync::Mutex<HashMap<String, (Instant, Arc<SdkCloud>)>>,
+}
+
+impl FileClouds {
+    /// `timeout` per OpenStack call; calls counted in `calls`.
+    pub fn new(credentials: Credentials, timeout: Duration, calls: OpenStackCalls) -> Self {
+        FileClouds {
+            credentials,
+            timeout,
+            calls,
+            cache: Default::default(),
+        }
+    }
+}
+
+impl CloudFactory for FileClouds {
+    type Cloud = SdkCloud;
+    async fn cloud_for(&self, lb: &LoadBalancer) -> anyhow::Result<Arc<SdkCloud>> {
+        let project = lb
+            .spec
+            .infrastructure
+            .project_id
+            .clone()
+            .filter(|p| !p.is_empty());
+        let key = project.clone().unwrap_or_default();
+        let mut cache = self.cache.lock().await;
+        if let Some((at, cloud)) = cache.get(&key) {
+            if at.elapsed() < SecretClouds::MAX_SESSION_AGE {
+                return Ok(cloud.clone());
+            }
+        }
+        let config = self.credentials.cloud_config(project.as_deref())?;
+        let cloud = Arc::new(SdkCloud::connect(&config, self.timeout, self.calls.clone()).await?);
+        cache.insert(key, (Instant::now(), cloud.clone()));
+        Ok(cloud)
+    }
+}
+
+/// The real clouds the binary chooses between (`lb-controller controller`): per-LoadBalancer Secrets (default) or
+/// one credentials file.
+pub enum SdkClouds {
+    /// [`SecretClouds`].
+    Secrets(SecretClouds),
+    /// [`FileClouds`].
+    File(FileClouds),
+}
+
+impl CloudFactory for SdkClouds {
+    type Cloud = SdkCloud;
+    async fn cloud_for(&self, lb: &LoadBalancer) -> anyhow::Result<Arc<SdkCloud>> {
+        match self {
+            SdkClouds::Secrets(c) => c.cloud_for(lb).await,
+            SdkClouds::File(c) => c.cloud_for(lb).await,
+        }
     }
 }
 

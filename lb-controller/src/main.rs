@@ -1,4 +1,5 @@
-//! `lb-controller`: the cloud controller binary (`run`, default) and `crds` (manifest generator).
+//! `lb-controller`: the cloud controller binary (`run`, default), the OpenStack-side controllers (`controller`) and
+//! `crds` (manifest generator).
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -6,11 +7,11 @@ use std::time::Duration;
 use anyhow::Context;
 use clap::Parser;
 use lb_controller::cli::{self, Cli, Command, LogFormat};
-use lb_controller::leader::{self, LeaderElectionConfig};
+use lb_controller::leader::LeaderElectionConfig;
 use lb_controller::metrics::Metrics;
-use lb_controller::run::{self, Health, RunConfig};
+use lb_controller::run::{self, Health, OpenStackRunConfig, RunConfig, Supervision};
 use lb_controller::service_controller::ServiceControllerConfig;
-use tracing::{error, info};
+use tracing::info;
 
 fn main() -> anyhow::Result<()> {
     // Before any TLS connection: two rustls providers are compiled in (see the function's docs).
@@ -19,6 +20,7 @@ fn main() -> anyhow::Result<()> {
     match cli.command {
         Some(Command::Crds { dir, check }) => crds(&dir, check),
         Some(Command::Run(args)) => run(*args),
+        Some(Command::Controller(args)) => controller(*args),
         None => run(cli.run),
     }
 }
@@ -26,6 +28,11 @@ fn main() -> anyhow::Result<()> {
 fn run(args: cli::RunArgs) -> anyhow::Result<()> {
     init_logging(args.log_format);
     tokio::runtime::Runtime::new()?.block_on(run_controller(args))
+}
+
+fn controller(args: cli::ControllerArgs) -> anyhow::Result<()> {
+    init_logging(args.log_format);
+    tokio::runtime::Runtime::new()?.block_on(run_openstack(args))
 }
 
 fn crds(dir: &std::path::Path, check: bool) -> anyhow::Result<()> {
@@ -67,18 +74,6 @@ async fn run_controller(args: cli::RunArgs) -> anyhow::Result<()> {
         .context("control cluster")?;
     let metrics = Arc::new(Metrics::new());
     let health = Arc::new(Health::default());
-    let router = lb_controller::http::router(metrics.clone(), health.clone(), args.leader_elect);
-    for address in [&args.metrics_bind_address, &args.health_probe_bind_address] {
-        if let Some(addr) = cli::parse_bind_address(address)? {
-            let router = router.clone();
-            tokio::spawn(async move {
-                if let Err(e) = lb_controller::http::serve(addr, router).await {
-                    error!(error = %e, "http server failed");
-                    std::process::exit(1);
-                }
-            });
-        }
-    }
     let instance = std::env::var("POD_NAME").unwrap_or_else(|_| hostname());
     let config = RunConfig {
         service: ServiceControllerConfig {
@@ -92,39 +87,72 @@ async fn run_controller(args: cli::RunArgs) -> anyhow::Result<()> {
         instance: instance.clone(),
         concurrency: args.concurrency.max(1),
     };
-    let shutdown = async {
-        let _ = tokio::signal::ctrl_c().await;
-        info!("shutting down");
-    };
     let controllers = run::run_controllers(
         target,
         control.clone(),
         config,
         metrics.clone(),
         health.clone(),
-        shutdown,
+        shutdown(),
     );
-    if args.leader_elect {
-        let election = LeaderElectionConfig {
-            namespace: args
-                .leader_election_namespace
-                .clone()
-                .unwrap_or(defaults.namespace),
-            name: args.leader_election_id.clone(),
-            identity: format!("{instance}_{:08x}", std::process::id() ^ rand_suffix()),
-            lease_duration: Duration::from_secs(args.leases_duration),
-            renew_deadline: Duration::from_secs(args.leases_renew_deadline),
-            retry_period: Duration::from_secs(args.leases_retry_period.max(1)),
-        };
-        leader::run_as_leader(control, election, metrics, controllers).await?;
-    } else {
-        controllers.await;
-    }
-    anyhow::ensure!(
-        !health.failed.load(std::sync::atomic::Ordering::SeqCst),
-        "a controller loop failed"
-    );
-    Ok(())
+    let election = args.leader_elect.then(|| LeaderElectionConfig {
+        namespace: args
+            .leader_election_namespace
+            .clone()
+            .unwrap_or(defaults.namespace),
+        name: args.leader_election_id.clone(),
+        identity: identity(&instance),
+        lease_duration: Duration::from_secs(args.leases_duration),
+        renew_deadline: Duration::from_secs(args.leases_renew_deadline),
+        retry_period: Duration::from_secs(args.leases_retry_period.max(1)),
+    });
+    let supervision = Supervision {
+        metrics_bind_address: args.metrics_bind_address.clone(),
+        health_probe_bind_address: args.health_probe_bind_address.clone(),
+        election,
+    };
+    run::supervise(control, supervision, metrics, health, controllers).await
+}
+
+async fn run_openstack(args: cli::ControllerArgs) -> anyhow::Result<()> {
+    let control = cli::client_for(args.kubeconfig.as_deref())
+        .await
+        .context("control cluster")?;
+    let metrics = Arc::new(Metrics::new());
+    let health = Arc::new(Health::default());
+    let clouds = args.clouds(control.clone(), metrics.openstack_calls.clone())?;
+    let instance = std::env::var("POD_NAME").unwrap_or_else(|_| hostname());
+    let config = OpenStackRunConfig {
+        namespace: args.namespace.clone(),
+        loadbalancer: args.loadbalancer_config(),
+        instance: instance.clone(),
+    };
+    let controllers =
+        run::run_openstack_controllers(control.clone(), clouds, config, health.clone(), shutdown());
+    let election = args.leader_elect.then(|| LeaderElectionConfig {
+        namespace: args.namespace.clone(),
+        name: args.leader_election_id.clone(),
+        identity: identity(&instance),
+        lease_duration: Duration::from_secs(args.leases_duration),
+        renew_deadline: Duration::from_secs(args.leases_renew_deadline),
+        retry_period: Duration::from_secs(args.leases_retry_period.max(1)),
+    });
+    let supervision = Supervision {
+        metrics_bind_address: args.metrics_bind_address.clone(),
+        health_probe_bind_address: args.health_probe_bind_address.clone(),
+        election,
+    };
+    run::supervise(control, supervision, metrics, health, controllers).await
+}
+
+/// Resolves on Ctrl-C / SIGINT.
+async fn shutdown() {
+    let _ = tokio::signal::ctrl_c().await;
+    info!("shutting down");
+}
+
+fn identity(instance: &str) -> String {
+    format!("{instance}_{:08x}", std::process::id() ^ rand_suffix())
 }
 
 fn hostname() -> String {

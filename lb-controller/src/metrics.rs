@@ -10,6 +10,8 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::Registry;
 
+use crate::openstack::OpenStackCalls;
+
 /// Labels of per-controller series.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct ControllerLabels {
@@ -51,6 +53,8 @@ pub struct Metrics {
     pub ingress_updates: Counter,
     /// 1 while this instance holds the leader lease.
     pub leader: Gauge<i64, AtomicI64>,
+    /// `yawol_openstack{api,object,operation}` (unprefixed, as in yawol): pass it to the OpenStack sessions.
+    pub openstack_calls: OpenStackCalls,
     registry: Registry,
 }
 
@@ -61,9 +65,12 @@ impl Default for Metrics {
 }
 
 impl Metrics {
-    /// Creates and registers all metrics (prefix `lb_cloud_controller`).
+    /// Creates and registers all metrics (prefix `lb_cloud_controller`, except `yawol_openstack`).
     pub fn new() -> Self {
-        let mut registry = Registry::with_prefix("lb_cloud_controller");
+        let mut root = Registry::default();
+        let openstack_calls = OpenStackCalls::default();
+        openstack_calls.register(&mut root);
+        let registry = root.sub_registry_with_prefix("lb_cloud_controller");
         let reconciles = Family::<ResultLabels, Counter>::default();
         let reconcile_duration = Family::<ControllerLabels, Histogram>::new_with_constructor(
             (|| Histogram::new(exponential_buckets(0.0005, 2.0, 16))) as fn() -> Histogram,
@@ -123,7 +130,8 @@ impl Metrics {
             events_forwarded,
             ingress_updates,
             leader,
-            registry,
+            openstack_calls,
+            registry: root,
         }
     }
 

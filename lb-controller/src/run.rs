@@ -1,5 +1,6 @@
 //! Wiring: caches, triggers and the three loops (Service controller, back-channel controller,
-//! event forwarder) over a target and a control client.
+//! event forwarder) over a target and a control client; the OpenStack-side controllers
+//! ([`run_openstack_controllers`]); and the process around either ([`supervise`]: probes, metrics, leader election).
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -18,6 +19,8 @@ use tracing::{debug, info, warn};
 use crate::backchannel::{self, BackchannelContext};
 use crate::endpoints::NodeFingerprint;
 use crate::events::EventPublisher;
+use crate::lb_controller::{self, CloudFactory, LbContext, LbControllerConfig};
+use crate::leader::{self, LeaderElectionConfig};
 use crate::metrics::Metrics;
 use crate::service_controller::{self, OwnWrites, ServiceContext, ServiceControllerConfig};
 
@@ -277,4 +280,97 @@ where
             }
         }
     }
+}
+
+/// Settings of the OpenStack-side controllers (`lb-controller controller`, yawol-controller's role).
+#[derive(Clone, Debug)]
+pub struct OpenStackRunConfig {
+    /// Namespace of the LoadBalancer objects.
+    pub namespace: String,
+    /// LoadBalancer controller settings (resync, deletion poll).
+    pub loadbalancer: LbControllerConfig,
+    /// Instance name on the Events (pod name).
+    pub instance: String,
+}
+
+/// Runs the OpenStack-side controllers (so far the LoadBalancer controller) over `client` with the clouds of
+/// `clouds` until `shutdown` resolves. The binary and the tests both start them through this function. Events use
+/// yawol's `yawol-service` component, so the back channel forwards them to the Services.
+pub async fn run_openstack_controllers<F: CloudFactory>(
+    client: Client,
+    clouds: F,
+    config: OpenStackRunConfig,
+    health: Arc<Health>,
+    shutdown: impl std::future::Future<Output = ()> + Send + Sync + 'static,
+) {
+    let ctx = Arc::new(LbContext {
+        client: client.clone(),
+        clouds,
+        events: Arc::new(EventPublisher::new(
+            client,
+            lb_api::constants::defaults::USER_EVENT_COMPONENT,
+            &config.instance,
+        )),
+        config: config.loadbalancer,
+    });
+    // kube-runtime's controller waits for its own caches; there is no earlier point to report.
+    health.ready.store(true, Ordering::SeqCst);
+    info!(
+        namespace = config.namespace,
+        "LoadBalancer controller running"
+    );
+    lb_controller::run(ctx, &config.namespace, shutdown).await;
+    health.ready.store(false, Ordering::SeqCst);
+    info!("LoadBalancer controller stopped");
+}
+
+/// The process around the controllers: where /metrics and the probes are served, and the leader Lease.
+#[derive(Clone, Debug)]
+pub struct Supervision {
+    /// Address of /metrics (`cli::parse_bind_address`; "0" disables).
+    pub metrics_bind_address: String,
+    /// Address of /healthz and /readyz ("0" disables).
+    pub health_probe_bind_address: String,
+    /// Leader election through a Lease in the control cluster, if enabled.
+    pub election: Option<LeaderElectionConfig>,
+}
+
+/// Serves /metrics, /healthz and /readyz, then runs `controllers` (as the leader when an election is configured)
+/// until they finish. Both commands of the binary run through this. Fails when the lease is lost or a controller
+/// loop failed; a server that cannot bind ends the process.
+pub async fn supervise(
+    control: Client,
+    supervision: Supervision,
+    metrics: Arc<Metrics>,
+    health: Arc<Health>,
+    controllers: impl std::future::Future<Output = ()>,
+) -> anyhow::Result<()> {
+    let router = crate::http::router(
+        metrics.clone(),
+        health.clone(),
+        supervision.election.is_some(),
+    );
+    for address in [
+        &supervision.metrics_bind_address,
+        &supervision.health_probe_bind_address,
+    ] {
+        if let Some(addr) = crate::cli::parse_bind_address(address)? {
+            let router = router.clone();
+            tokio::spawn(async move {
+                if let Err(e) = crate::http::serve(addr, router).await {
+                    tracing::error!(error = %e, "http server failed");
+                    std::process::exit(1);
+                }
+            });
+        }
+    }
+    match supervision.election {
+        Some(election) => leader::run_as_leader(control, election, metrics, controllers).await?,
+        None => controllers.await,
+    }
+    anyhow::ensure!(
+        !health.failed.load(Ordering::SeqCst),
+        "a controller loop failed"
+    );
+    Ok(())
 }

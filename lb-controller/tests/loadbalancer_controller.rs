@@ -199,3 +199,78 @@ async fn keep_annotations_survive_deletion() {
     assert_eq!(h.cloud.counts(), (0, 1, 1, 0, 0));
     h.task.abort();
 }
+
+/// The binary's `controller` command starts the controllers through `run::run_openstack_controllers`; the same
+/// function here (with the fake cloud instead of `SdkClouds`) reconciles a LoadBalancer and reports readiness.
+#[tokio::test]
+async fn the_binarys_entry_point_reconciles_a_loadbalancer() {
+    use lb_controller::run::{run_openstack_controllers, Health, OpenStackRunConfig};
+    use std::sync::atomic::Ordering;
+
+    let server = FakeApiServer::new();
+    for (_, crd) in lb_api::crds() {
+        server.install_crd(&crd);
+    }
+    let cloud = Arc::new(FakeCloud::new());
+    let health = Arc::new(Health::default());
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let task = tokio::spawn(run_openstack_controllers(
+        server.client(),
+        FixedCloud(cloud.clone()),
+        OpenStackRunConfig {
+            namespace: NS.into(),
+            loadbalancer: LbControllerConfig::default(),
+            instance: "test".into(),
+        },
+        health.clone(),
+        async move {
+            let _ = stop_rx.await;
+        },
+    ));
+    wait_for("ready", || health.ready.load(Ordering::SeqCst)).await;
+    let api: Api<LoadBalancer> = Api::namespaced(server.client(), NS);
+    api.create(
+        &PostParams::default(),
+        &serde_json::from_value(lb_json("bin")).unwrap(),
+    )
+    .await
+    .unwrap();
+    wait_for("external IP", || {
+        server
+            .get(&lbs(), NS, "bin")
+            .is_some_and(|l| l["status"]["externalIP"].is_string())
+    })
+    .await;
+    assert_eq!(cloud.counts(), (1, 1, 1, 0, 0));
+    // yawol's component, so the cloud controller's back channel forwards the event to the Service.
+    wait_for("ExternalIPAssigned event from yawol-service", || {
+        server.count(&events(), |e| {
+            e["reason"] == "ExternalIPAssigned" && e["source"]["component"] == "yawol-service"
+        }) == 1
+    })
+    .await;
+    stop_tx.send(()).unwrap();
+    tokio::time::timeout(Duration::from_secs(10), task)
+        .await
+        .expect("stops on shutdown")
+        .unwrap();
+    assert!(!health.ready.load(Ordering::SeqCst));
+}
+
+/// `yawol_openstack` is served unprefixed on the binary's /metrics next to the `lb_cloud_controller_*` families.
+#[test]
+fn yawol_openstack_is_on_the_metrics_registry() {
+    let metrics = lb_controller::metrics::Metrics::new();
+    metrics
+        .openstack_calls
+        .inc("neutron", "floatingip", "create");
+    let text = metrics.encode();
+    assert!(
+        text.contains(
+            r#"yawol_openstack_total{api="neutron",object="floatingip",operation="create"} 1"#
+        ),
+        "{text}"
+    );
+    assert!(text.contains("lb_cloud_controller_leader"), "{text}");
+    assert!(!text.contains("lb_cloud_controller_yawol"), "{text}");
+}
