@@ -86,6 +86,9 @@ struct Row {
     cps_x_direct: f64,
     udp_x_direct: f64,
     bulk_x_direct: f64,
+    /// Requests (64-byte echo round trips) per second over 32 kept-alive connections, back to back.
+    keepalive_rps: f64,
+    keepalive_x_direct: f64,
     error: Option<String>,
     /// Of 10k connections held idle (one message every 8 s for 12 s), how many were established and never
     /// broke; measured for our data plane and the direct path.
@@ -151,6 +154,7 @@ fn main() -> Result<()> {
         r.cps_x_direct = r.cps / d.cps;
         r.udp_x_direct = r.udp_flows_per_s / d.udp_flows_per_s;
         r.bulk_x_direct = r.bulk_gbps / d.bulk_gbps;
+        r.keepalive_x_direct = r.keepalive_rps / d.keepalive_rps;
     }
     print_report(&args, threads, &rows);
     let targets = targets(&rows);
@@ -428,6 +432,45 @@ fn bpf_run_time(name: Option<&str>) -> f64 {
         .sum()
 }
 
+/// Requests per second on 32 kept-alive connections, each sending a 64-byte request and awaiting its echo
+/// back to back (a 1 ms tick that bursts when behind) for 5 s.
+fn keepalive_rps(client_ns: &str, tcp: SocketAddr) -> Result<f64> {
+    let bin = lb_testbed::binary_path()?;
+    let argv: Vec<String> = [
+        "ip",
+        "netns",
+        "exec",
+        client_ns,
+        &bin.display().to_string(),
+        "hold",
+        "--tcp",
+        &tcp.to_string(),
+        "--connections",
+        "32",
+        "--interval-ms",
+        "1",
+        "--duration-secs",
+        "5",
+        "--message-size",
+        "64",
+        "--brief",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    let out = ChildGuard::spawn(&argv, "hold")?.finish(Duration::from_secs(60))?;
+    let r: lb_testbed::hold::HoldReport = serde_json::from_str(&out.stdout).with_context(|| {
+        format!(
+            "hold output is not a report: {}\n{}",
+            out.stdout, out.stderr
+        )
+    })?;
+    if r.broken > 0 {
+        anyhow::bail!("{} kept-alive connections broke", r.broken);
+    }
+    Ok(r.round_trips as f64 / r.elapsed_s.max(1e-9))
+}
+
 /// Opens 10k TCP connections, keeps them idle but for one message every 8 s, for 12 s; returns how many were
 /// established and never broke.
 fn hold_idle(client_ns: &str, tcp: SocketAddr) -> Result<usize> {
@@ -563,6 +606,10 @@ fn measure(
     for _ in 0..args.runs {
         bulk.push(iperf(&t.topo_client_ns, t.bulk, args.bulk_secs)?);
     }
+    let mut rps = Vec::new();
+    for _ in 0..args.runs {
+        rps.push(keepalive_rps(&t.topo_client_ns, t.tcp)?);
+    }
     let idle_10k_answering = if t.hold_idle {
         Some(hold_idle(&t.topo_client_ns, t.tcp)?)
     } else {
@@ -571,6 +618,7 @@ fn measure(
     let med = |v: Vec<f64>| if v.is_empty() { f64::NAN } else { median(v) };
     let row = Row {
         idle_10k_answering,
+        keepalive_rps: med(rps),
         path: name.into(),
         cps: med(cps),
         cps_p50_ms: med(p50),
@@ -733,6 +781,8 @@ fn print_report(args: &Args, threads: usize, rows: &[Row]) {
                 format!("{}/{}", fmt_num(r.udp_p50_ms), fmt_num(r.udp_p99_ms)),
                 fmt_num(r.bulk_gbps),
                 x(r.bulk_x_direct),
+                fmt_num(r.keepalive_rps),
+                x(r.keepalive_x_direct),
                 r.lb_cpu_ms_per_kconn
                     .map(fmt_num)
                     .unwrap_or_else(|| "-".into()),
@@ -755,6 +805,8 @@ fn print_report(args: &Args, threads: usize, rows: &[Row]) {
             "x direct",
             "p50/p99 ms",
             "bulk Gbit/s",
+            "x direct",
+            "keep-alive req/s",
             "x direct",
             "LB cpu ms/kconn",
             "machine cpu ms/kconn",
