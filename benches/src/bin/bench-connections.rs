@@ -432,12 +432,14 @@ fn bpf_run_time(name: Option<&str>) -> f64 {
         .sum()
 }
 
-/// Requests per second on 256 kept-alive connections, each sending a 64-byte request and awaiting its echo
-/// back to back for 5 s (a 1 ms tick that bursts when behind: the cap, 256k requests/s, is far above what
-/// this machine reaches).
-fn keepalive_rps(client_ns: &str, tcp: SocketAddr) -> Result<f64> {
+/// Runs `lb-testbed hold` against `tcp` from the client namespace with extra `args`.
+fn run_hold(
+    client_ns: &str,
+    tcp: SocketAddr,
+    args: &[&str],
+) -> Result<lb_testbed::hold::HoldReport> {
     let bin = lb_testbed::binary_path()?;
-    let argv: Vec<String> = [
+    let mut argv: Vec<String> = [
         "ip",
         "netns",
         "exec",
@@ -445,27 +447,40 @@ fn keepalive_rps(client_ns: &str, tcp: SocketAddr) -> Result<f64> {
         &bin.display().to_string(),
         "hold",
         "--tcp",
-        &tcp.to_string(),
-        "--connections",
-        "32",
-        "--interval-ms",
-        "1",
-        "--duration-secs",
-        "5",
-        "--message-size",
-        "64",
-        "--brief",
     ]
     .iter()
     .map(|s| s.to_string())
     .collect();
-    let out = ChildGuard::spawn(&argv, "hold")?.finish(Duration::from_secs(60))?;
-    let r: lb_testbed::hold::HoldReport = serde_json::from_str(&out.stdout).with_context(|| {
+    argv.push(tcp.to_string());
+    argv.extend(args.iter().map(|s| s.to_string()));
+    argv.push("--brief".into());
+    let out = ChildGuard::spawn(&argv, "hold")?.finish(Duration::from_secs(90))?;
+    serde_json::from_str(&out.stdout).with_context(|| {
         format!(
             "hold output is not a report: {}\n{}",
             out.stdout, out.stderr
         )
-    })?;
+    })
+}
+
+/// Requests per second on 256 kept-alive connections, each sending a 64-byte request and awaiting its echo
+/// back to back for 5 s (a 1 ms tick that bursts when behind: the cap, 256k requests/s, is far above what
+/// this machine reaches).
+fn keepalive_rps(client_ns: &str, tcp: SocketAddr) -> Result<f64> {
+    let r = run_hold(
+        client_ns,
+        tcp,
+        &[
+            "--connections",
+            "256",
+            "--interval-ms",
+            "1",
+            "--duration-secs",
+            "5",
+            "--message-size",
+            "64",
+        ],
+    )?;
     if r.broken > 0 {
         anyhow::bail!("{} kept-alive connections broke", r.broken);
     }
@@ -475,36 +490,20 @@ fn keepalive_rps(client_ns: &str, tcp: SocketAddr) -> Result<f64> {
 /// Opens 10k TCP connections, keeps them idle but for one message every 8 s, for 12 s; returns how many were
 /// established and never broke.
 fn hold_idle(client_ns: &str, tcp: SocketAddr) -> Result<usize> {
-    let bin = lb_testbed::binary_path()?;
-    let argv: Vec<String> = [
-        "ip",
-        "netns",
-        "exec",
+    let r = run_hold(
         client_ns,
-        &bin.display().to_string(),
-        "hold",
-        "--tcp",
-        &tcp.to_string(),
-        "--connections",
-        "10000",
-        "--interval-ms",
-        "8000",
-        "--duration-secs",
-        "12",
-        "--connect-concurrency",
-        "256",
-        "--brief",
-    ]
-    .iter()
-    .map(|s| s.to_string())
-    .collect();
-    let out = ChildGuard::spawn(&argv, "hold")?.finish(Duration::from_secs(90))?;
-    let r: lb_testbed::hold::HoldReport = serde_json::from_str(&out.stdout).with_context(|| {
-        format!(
-            "hold output is not a report: {}\n{}",
-            out.stdout, out.stderr
-        )
-    })?;
+        tcp,
+        &[
+            "--connections",
+            "10000",
+            "--interval-ms",
+            "8000",
+            "--duration-secs",
+            "12",
+            "--connect-concurrency",
+            "256",
+        ],
+    )?;
     Ok(r.established.saturating_sub(r.broken))
 }
 
