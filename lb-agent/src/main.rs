@@ -187,6 +187,7 @@ async fn main() -> Result<()> {
             snat_port_min: min,
             snat_port_max: max,
             hash_seed: cli.hash_seed,
+            ..Default::default()
         },
         snat_override: cli.snat_address,
         gc_interval: Duration::from_secs(cli.gc_interval.max(1)),

@@ -277,7 +277,7 @@ both_hooks! {
     }
 
     fn snat_ports_avoid_service_ports_and_existing_flows(h) {
-        h.dp.set_config(&lb_common::Config { snat_port_min: 40000, snat_port_max: 40003, hash_seed: 7 }).unwrap();
+        h.dp.set_config(&lb_common::Config { snat_port_min: 40000, snat_port_max: 40003, hash_seed: 7, ..Default::default() }).unwrap();
         // A service on port 40001 of the VIP: replies to that port would look like new connections.
         h.apply(&[web(&[1]), spec(Protocol::Tcp, 40001, 31000, &[1])]);
         let mut ports = Vec::new();

@@ -11,7 +11,7 @@
 
 /// Bumped whenever a pinned map's key or value layout changes. The agent pins maps under a directory named
 /// after it, so an upgrade with a new layout starts with fresh maps instead of misreading old ones.
-pub const LAYOUT_VERSION: u32 = 1;
+pub const LAYOUT_VERSION: u32 = 2;
 
 /// IP protocol number of TCP.
 pub const PROTO_TCP: u8 = 6;
@@ -213,6 +213,30 @@ impl FlowV4 {
     }
 }
 
+/// [`FlowEvent::kind`]: a flow was created (`key` is the forward entry, `rev` the reverse one).
+pub const FLOW_EV_NEW: u8 = 1;
+/// [`FlowEvent::kind`]: an entry saw its first FIN or RST (`key`/`fwd` are that entry, `rev` is zero).
+pub const FLOW_EV_CLOSE: u8 = 2;
+/// [`FlowEvent::kind`]: (user space only) the flow at `key` was used recently; only the age matters.
+pub const FLOW_EV_REFRESH: u8 = 3;
+
+/// A change of the connection-tracking table, published by the data plane on the `FLOW_EVENTS` ring buffer
+/// (when [`CFG_F_SYNC_EVENTS`] is set) and replicated by the agents to their peers.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct FlowEvent {
+    /// `FLOW_EV_*`.
+    pub kind: u8,
+    /// Reserved, zero.
+    pub _pad: [u8; 7],
+    /// The entry's key.
+    pub key: FlowKeyV4,
+    /// The entry's value.
+    pub fwd: FlowV4,
+    /// [`FLOW_EV_NEW`]: the reverse entry, keyed by `fwd.partner_key(key.proto)`.
+    pub rev: FlowV4,
+}
+
 /// Per-CPU, per-service counters (`SERVICE_STATS`, index = service id). User space sums the CPUs.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -315,7 +339,19 @@ pub struct Config {
     pub snat_port_max: u16,
     /// Seed mixed into the flow hash; equal on every replica so they pick the same backends.
     pub hash_seed: u32,
+    /// `CFG_F_*` bits.
+    pub flags: u32,
+    /// The attached interface's MAC, checked against frames' destination when [`CFG_F_CHECK_DST_MAC`] is set.
+    pub local_mac: [u8; 6],
+    /// Reserved, zero.
+    pub _pad: [u8; 2],
 }
+
+/// Publish new and closing flows on the `FLOW_EVENTS` ring buffer (connection-state sync between replicas).
+pub const CFG_F_SYNC_EVENTS: u32 = 1 << 0;
+/// Only frames addressed to [`Config::local_mac`] are load-balanced; others (flooded unicast on a shared L2
+/// segment, meant for the replica that holds the VIP) go to the kernel, which drops them as not ours.
+pub const CFG_F_CHECK_DST_MAC: u32 = 1 << 1;
 
 impl Default for Config {
     fn default() -> Self {
@@ -323,6 +359,9 @@ impl Default for Config {
             snat_port_min: 1024,
             snat_port_max: 65535,
             hash_seed: 0x5eed_1b01,
+            flags: 0,
+            local_mac: [0; 6],
+            _pad: [0; 2],
         }
     }
 }
@@ -352,6 +391,8 @@ pub mod map_names {
     pub const STATS: &str = "STATS";
     /// `Array<Config>`, one element.
     pub const CONFIG: &str = "CONFIG";
+    /// `RingBuf` of [`super::FlowEvent`]s.
+    pub const FLOW_EVENTS: &str = "FLOW_EVENTS";
 }
 
 /// Default capacities, overridable by the agent at load time.
@@ -383,6 +424,7 @@ mod pod {
     unsafe impl aya::Pod for super::FlowV4 {}
     unsafe impl aya::Pod for super::ServiceStats {}
     unsafe impl aya::Pod for super::Config {}
+    unsafe impl aya::Pod for super::FlowEvent {}
 }
 
 #[cfg(test)]
@@ -401,7 +443,8 @@ mod tests {
         assert_eq!(size_of::<SourceRangeKey>(), 20);
         assert_eq!(size_of::<FlowKeyV4>(), 16);
         assert_eq!(size_of::<FlowV4>(), 48);
-        assert_eq!(size_of::<Config>(), 8);
+        assert_eq!(size_of::<Config>(), 20);
+        assert_eq!(size_of::<FlowEvent>(), 120);
         assert_eq!(stat::NAMES.len(), stat::COUNT as usize);
     }
 
