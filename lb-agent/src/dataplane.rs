@@ -5,7 +5,7 @@ use anyhow::{anyhow, bail, Context, Result};
 use aya::{
     maps::{
         lpm_trie::{Key as LpmKey, LpmTrie},
-        Array, HashMap, MapData, PerCpuArray, PerCpuValues,
+        Array, HashMap, Map, MapData, PerCpuArray, PerCpuValues, RingBuf,
     },
     programs::{
         links::{FdLink, PinnedLink},
@@ -485,6 +485,27 @@ impl Dataplane {
         Ok(m.keys().filter_map(|k| k.ok()).collect())
     }
 
+    /// Takes the flow-event ring buffer (`lb_common::FlowEvent`s for connection-state sync); it has one consumer,
+    /// so this succeeds once.
+    pub fn take_flow_events(&mut self) -> Result<RingBuf<MapData>> {
+        let m = self
+            .ebpf
+            .take_map(names::FLOW_EVENTS)
+            .ok_or_else(|| anyhow!("map {} missing or already taken", names::FLOW_EVENTS))?;
+        Ok(RingBuf::try_from(m)?)
+    }
+
+    /// A second, independent handle on one of the maps, for a task that must not borrow the data plane (the sync
+    /// receiver writes flows while the main loop owns `self`).
+    pub fn open_map(&mut self, name: &str) -> Result<Map> {
+        let data = match self.map(name)? {
+            Map::HashMap(d) | Map::LruHashMap(d) | Map::Array(d) | Map::PerCpuArray(d) => d,
+            _ => bail!("map {name}: no second handle for this map type"),
+        };
+        let id = data.info()?.id();
+        Ok(Map::from_map_data(MapData::from_id(id)?)?)
+    }
+
     /// A snapshot of every IPv4 flow entry.
     pub fn flows(&mut self) -> Result<Vec<(FlowKeyV4, FlowV4)>> {
         let m: HashMap<&mut MapData, FlowKeyV4, FlowV4> =
@@ -546,6 +567,21 @@ impl Dataplane {
         )?;
         Ok(())
     }
+}
+
+/// The MAC address of `iface` (for `Config::local_mac`).
+pub fn interface_mac(iface: &str) -> Result<[u8; 6]> {
+    let path = format!("/sys/class/net/{iface}/address");
+    let text = std::fs::read_to_string(&path).with_context(|| format!("reading {path}"))?;
+    let mut mac = [0u8; 6];
+    let parts: Vec<&str> = text.trim().split(':').collect();
+    if parts.len() != 6 {
+        bail!("{path}: not a MAC address: {}", text.trim());
+    }
+    for (b, p) in mac.iter_mut().zip(parts) {
+        *b = u8::from_str_radix(p, 16).with_context(|| format!("{path}: bad MAC {}", text.trim()))?;
+    }
+    Ok(mac)
 }
 
 fn mode_tag(mode: AttachMode) -> &'static str {

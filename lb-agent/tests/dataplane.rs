@@ -552,3 +552,78 @@ both_hooks! {
         assert!(h.try_run(&[0u8; 13]).is_err());
     }
 }
+
+/// Frames the check applies to: addressed to `dst_mac`, otherwise the client's SYN.
+fn client_syn_to(dst_mac: [u8; 6], sport: u16) -> Vec<u8> {
+    tcp(CLIENT_MAC, dst_mac, CLIENT, sport, VIP, WEB_PORT, SYN, b"")
+}
+
+fn set_flags(h: &mut Harness, flags: u32) {
+    h.dp.set_config(&lb_common::Config { flags, local_mac: LB_MAC, ..Default::default() }).unwrap();
+}
+
+both_hooks! {
+    fn frames_for_another_hosts_mac_go_to_the_kernel_when_checked(h) {
+        h.apply(&[web(&[1, 2])]);
+        let other = [0x02, 0, 0, 0, 0, 0x99];
+        // Unchecked (single machine): the MAC does not matter.
+        assert_eq!(h.run(&client_syn_to(other, 41000)).0, Verdict::Tx);
+        set_flags(h, lb_common::CFG_F_CHECK_DST_MAC);
+        assert_eq!(h.run(&client_syn_to(other, 41001)).0, Verdict::Pass, "another replica's frame");
+        assert_eq!(h.stat(stat::PASS_OTHER_HOST), 1);
+        assert!(h.dp.flow(&fwd_key(41001, 6, WEB_PORT)).unwrap().is_none(), "no flow for it");
+        assert_eq!(h.run(&client_syn_to(LB_MAC, 41002)).0, Verdict::Tx, "ours");
+    }
+}
+
+both_hooks! {
+    fn new_and_closing_flows_are_published_for_sync(h) {
+        h.apply(&[web(&[1, 2])]);
+        let mut events = h.dp.take_flow_events().unwrap();
+        open(h, 42000);
+        assert!(events.next().is_none(), "nothing published while sync is off");
+        set_flags(h, lb_common::CFG_F_SYNC_EVENTS);
+        let p = open(h, 42001);
+        let key = fwd_key(42001, 6, WEB_PORT);
+        let ev = read_event(&mut events).expect("a new-flow event");
+        assert_eq!(ev.kind, lb_common::FLOW_EV_NEW);
+        assert_eq!(ev.key, key);
+        let fwd = h.dp.flow(&key).unwrap().unwrap();
+        assert_eq!(ev.fwd, fwd);
+        assert_eq!(ev.rev, h.dp.flow(&fwd.partner_key(6)).unwrap().unwrap());
+        // Established traffic publishes nothing; the first FIN of a direction does.
+        h.run(&client_tcp(42001, ACK, b"x"));
+        assert!(read_event(&mut events).is_none());
+        h.run(&reply_tcp(&p, FIN_ACK, b""));
+        let ev = read_event(&mut events).expect("a close event");
+        assert_eq!(ev.kind, lb_common::FLOW_EV_CLOSE);
+        assert_eq!(ev.key, fwd.partner_key(6), "the entry that saw the FIN");
+        assert_eq!(ev.fwd.flags & FLOW_F_FIN, FLOW_F_FIN);
+        h.run(&reply_tcp(&p, FIN_ACK, b""));
+        assert!(read_event(&mut events).is_none(), "only the first FIN");
+    }
+}
+
+both_hooks! {
+    fn traffic_clears_the_synced_mark(h) {
+        h.apply(&[web(&[1, 2])]);
+        open(h, 43000);
+        let key = fwd_key(43000, 6, WEB_PORT);
+        let mut f = h.dp.flow(&key).unwrap().unwrap();
+        f.flags |= lb_common::FLOW_F_SYNCED;
+        f.last_seen_ns = 1;
+        f.timeout_s = 0;
+        h.dp.set_flow(&key, &f).unwrap();
+        assert_eq!(h.run(&client_tcp(43000, ACK, b"x")).0, Verdict::Tx);
+        let f = h.dp.flow(&key).unwrap().unwrap();
+        assert_eq!(f.flags & lb_common::FLOW_F_SYNCED, 0, "used here now: refreshed by this replica");
+        assert!(f.last_seen_ns > 1);
+    }
+}
+
+fn read_event(rb: &mut aya::maps::RingBuf<aya::maps::MapData>) -> Option<lb_common::FlowEvent> {
+    let item = rb.next()?;
+    assert_eq!(item.len(), std::mem::size_of::<lb_common::FlowEvent>());
+    // SAFETY: the data plane writes whole `FlowEvent`s; read_unaligned copes with any alignment.
+    Some(unsafe { std::ptr::read_unaligned(item.as_ptr().cast::<lb_common::FlowEvent>()) })
+}

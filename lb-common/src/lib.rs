@@ -156,6 +156,9 @@ pub const FLOW_F_REVERSE: u8 = 1 << 1;
 pub const FLOW_F_FIN: u8 = 1 << 2;
 /// A RST was seen in this entry's direction.
 pub const FLOW_F_RST: u8 = 1 << 3;
+/// The entry was written by connection-state sync from a peer and has not carried a packet here since (the data
+/// plane clears the bit when it refreshes `last_seen_ns`), so the periodic refresh does not echo it back.
+pub const FLOW_F_SYNCED: u8 = 1 << 4;
 
 /// Idle timeout of a TCP flow once FIN or RST was seen (seconds): long enough for the last ACKs and
 /// retransmissions, short enough to release the SNAT port soon.
@@ -302,8 +305,12 @@ pub mod stat {
     pub const DROP_BAD_BACKEND: u32 = 14;
     /// Passed: ICMP error whose inner packet is not one of our flows.
     pub const PASS_ICMP_UNKNOWN: u32 = 15;
+    /// Passed: addressed to another host's MAC (flooded on a shared segment; `CFG_F_CHECK_DST_MAC`).
+    pub const PASS_OTHER_HOST: u32 = 16;
+    /// Flow events not published because the ring buffer was full (the periodic refresh repairs them).
+    pub const SYNC_EVENTS_LOST: u32 = 17;
     /// Number of counters.
-    pub const COUNT: u32 = 16;
+    pub const COUNT: u32 = 18;
 
     /// Names for metrics and logs, by index.
     pub const NAMES: [&str; COUNT as usize] = [
@@ -323,6 +330,8 @@ pub mod stat {
         "new_flows",
         "drop_bad_backend",
         "pass_icmp_unknown",
+        "pass_other_host",
+        "sync_events_lost",
     ];
 }
 

@@ -4,7 +4,7 @@
 use aya_ebpf::{
     bindings::BPF_F_MMAPABLE,
     macros::map,
-    maps::{lpm_trie::LpmTrie, Array, HashMap, LruHashMap, PerCpuArray},
+    maps::{lpm_trie::LpmTrie, Array, HashMap, LruHashMap, PerCpuArray, RingBuf},
 };
 use lb_common::{
     defaults, Addr, Backend, Config, FlowKeyV4, FlowV4, NextHop, Service, ServiceKey, ServiceStats,
@@ -52,6 +52,10 @@ pub static SERVICE_STATS: PerCpuArray<ServiceStats> =
 /// Global counters, indices in `lb_common::stat`.
 #[map]
 pub static STATS: PerCpuArray<u64> = PerCpuArray::with_max_entries(lb_common::stat::COUNT, 0);
+
+/// New and closing flows for the agent's connection-state sync (`CFG_F_SYNC_EVENTS`); 2 MiB ≈ 17k events.
+#[map]
+pub static FLOW_EVENTS: RingBuf = RingBuf::with_byte_size(1 << 21, 0);
 
 /// Global settings.
 #[map]

@@ -3,8 +3,9 @@
 
 use aya_ebpf::{bindings::BPF_NOEXIST, helpers::bpf_ktime_get_coarse_ns, maps::lpm_trie::Key};
 use lb_common::{
-    stat, Addr, Config, FlowKeyV4, FlowV4, ServiceKey, SourceRangeKey, FAMILY_V4, FLOW_F_FIN,
-    FLOW_F_FORWARD, FLOW_F_REVERSE, FLOW_F_RST, PROTO_ICMP, PROTO_TCP, PROTO_UDP, SNAT_PORT_TRIES,
+    stat, Addr, Config, FlowEvent, FlowKeyV4, FlowV4, ServiceKey, SourceRangeKey,
+    CFG_F_CHECK_DST_MAC, CFG_F_SYNC_EVENTS, FAMILY_V4, FLOW_EV_CLOSE, FLOW_EV_NEW, FLOW_F_FIN,
+    FLOW_F_FORWARD, FLOW_F_REVERSE, FLOW_F_RST, FLOW_F_SYNCED, PROTO_ICMP, PROTO_TCP, PROTO_UDP, SNAT_PORT_TRIES,
     SOURCE_RANGE_ID_BITS, SVC_F_SOURCE_RANGES, TCP_CLOSING_TIMEOUT_S,
 };
 
@@ -13,8 +14,8 @@ use crate::{
     ctx::{ptr_at, Ctx},
     hdr::*,
     maps::{
-        count, with_service_stats, BACKENDS, CONFIG, FLOWS_V4, MAGLEV, NEXTHOPS, SERVICES,
-        SOURCE_RANGES, VIPS,
+        count, with_service_stats, BACKENDS, CONFIG, FLOWS_V4, FLOW_EVENTS, MAGLEV, NEXTHOPS,
+        SERVICES, SOURCE_RANGES, VIPS,
     },
 };
 
@@ -41,6 +42,12 @@ pub fn process<C: Ctx>(c: &C) -> Verdict {
     // SAFETY (all header dereferences below): pointers come from `ptr_at`, which checked the bounds.
     if unsafe { (*eth).proto } != ETH_P_IP_BE {
         count(stat::PASS_NOT_IPV4);
+        return Verdict::Pass;
+    }
+    let cfg = config();
+    if cfg.flags & CFG_F_CHECK_DST_MAC != 0 && !same_mac(unsafe { &(*eth).dst }, &cfg.local_mac) {
+        // Another replica's frame, flooded by the segment: forwarding it too would duplicate it.
+        count(stat::PASS_OTHER_HOST);
         return Verdict::Pass;
     }
     let Some(ip) = ptr_at::<C, Ipv4Hdr>(c, ETH_LEN) else {
@@ -93,6 +100,7 @@ pub fn process<C: Ctx>(c: &C) -> Verdict {
             let csum_p = (tcp as usize + TCP_CSUM_OFF) as *mut u16;
             l4(
                 c,
+                &cfg,
                 eth,
                 ip,
                 tcp as *mut Ports,
@@ -115,6 +123,7 @@ pub fn process<C: Ctx>(c: &C) -> Verdict {
             let csum_p = (udp as usize + UDP_CSUM_OFF) as *mut u16;
             l4(
                 c,
+                &cfg,
                 eth,
                 ip,
                 udp as *mut Ports,
@@ -138,6 +147,7 @@ pub fn process<C: Ctx>(c: &C) -> Verdict {
 #[inline(always)]
 fn l4<C: Ctx>(
     c: &C,
+    cfg: &Config,
     eth: *mut EthHdr,
     ip: *mut Ipv4Hdr,
     ports: *mut Ports,
@@ -170,7 +180,7 @@ fn l4<C: Ctx>(
         let closing_syn = syn && fl.flags & (FLOW_F_FIN | FLOW_F_RST) != 0;
         let usable = !forward || !(closing_syn || expired(fl, proto, now));
         if usable {
-            track(fl, proto, tcp_flags, now);
+            track(cfg, &key, fl, proto, tcp_flags, now);
             let fwd_dir = forward;
             let flow = *fl;
             with_service_stats(flow.svc_id, |s| {
@@ -225,7 +235,6 @@ fn l4<C: Ctx>(
         with_service_stats(svc.id, |s| s.drop_no_backend += 1);
         return Verdict::Drop;
     }
-    let cfg = config();
     let hash = flow_hash(&key, cfg.hash_seed);
     let slot = svc.table_offset + rem(hash, svc.table_size);
     let Some(&backend_id) = MAGLEV.get(slot) else {
@@ -267,7 +276,7 @@ fn l4<C: Ctx>(
         csum_port: 0,
         last_seen_ns: now,
     };
-    let Some(snat_port) = alloc_snat_port(&cfg, hash, snat, node, node_port, proto, &mut rev)
+    let Some(snat_port) = alloc_snat_port(cfg, hash, snat, node, node_port, proto, &mut rev)
     else {
         count(stat::DROP_SNAT_EXHAUSTED);
         with_service_stats(svc.id, |s| s.drop_snat_exhausted += 1);
@@ -302,6 +311,9 @@ fn l4<C: Ctx>(
         return Verdict::Drop;
     }
     count(stat::NEW_FLOWS);
+    if cfg.flags & CFG_F_SYNC_EVENTS != 0 {
+        publish(FLOW_EV_NEW, &key, &fwd, Some(&rev));
+    }
     with_service_stats(svc.id, |s| {
         s.new_flows += 1;
         s.rx_packets += 1;
@@ -360,11 +372,42 @@ fn alloc_snat_port(
     None
 }
 
+/// Puts a flow event on the sync ring buffer; a full buffer only costs a counter (the agent's periodic refresh
+/// carries the flow to the peers later).
+#[inline(always)]
+fn publish(kind: u8, key: &FlowKeyV4, fl: &FlowV4, rev: Option<&FlowV4>) {
+    let Some(mut e) = FLOW_EVENTS.reserve::<FlowEvent>(0) else {
+        count(stat::SYNC_EVENTS_LOST);
+        return;
+    };
+    let p = e.as_mut_ptr();
+    // SAFETY: `p` points at a reserved, exclusively owned ring-buffer slot of the right size; every field is
+    // written before submit.
+    unsafe {
+        (*p).kind = kind;
+        (*p)._pad = [0; 7];
+        (*p).key = *key;
+        (*p).fwd = *fl;
+        (*p).rev = match rev {
+            Some(r) => *r,
+            None => FlowV4::default(),
+        };
+    }
+    e.submit(0);
+}
+
+/// Byte-wise MAC comparison without `memcmp` (not available to BPF programs).
+#[inline(always)]
+fn same_mac(a: &[u8; 6], b: &[u8; 6]) -> bool {
+    (a[0] ^ b[0]) | (a[1] ^ b[1]) | (a[2] ^ b[2]) | (a[3] ^ b[3]) | (a[4] ^ b[4]) | (a[5] ^ b[5]) == 0
+}
+
 /// Updates a flow entry's timestamp (at most once a second, to spare the shared cache line) and TCP state.
 #[inline(always)]
-fn track(fl: &mut FlowV4, proto: u8, tcp_flags: u8, now: u64) {
+fn track(cfg: &Config, key: &FlowKeyV4, fl: &mut FlowV4, proto: u8, tcp_flags: u8, now: u64) {
     if now.wrapping_sub(fl.last_seen_ns) > NS_PER_S {
         fl.last_seen_ns = now;
+        fl.flags &= !FLOW_F_SYNCED;
     }
     if proto != PROTO_TCP || tcp_flags & (TCP_FIN | TCP_RST) == 0 {
         return;
@@ -384,6 +427,9 @@ fn track(fl: &mut FlowV4, proto: u8, tcp_flags: u8, now: u64) {
     fl.last_seen_ns = now;
     if fl.timeout_s == 0 || fl.timeout_s > TCP_CLOSING_TIMEOUT_S {
         fl.timeout_s = TCP_CLOSING_TIMEOUT_S;
+    }
+    if cfg.flags & CFG_F_SYNC_EVENTS != 0 {
+        publish(FLOW_EV_CLOSE, key, fl, None);
     }
     if bit == FLOW_F_RST {
         // A reset ends both directions; the other side may never send again.
