@@ -201,7 +201,7 @@ pub async fn run(
                 let mut active = None;
                 if last_gc.elapsed() >= opts.gc_interval {
                     last_gc = Instant::now();
-                    let r = gc::collect(&mut dp, gc::now_ns())?;
+                    let r = gc::collect(&mut dp, gc::now_ns(), None)?;
                     for (svc, n) in &r.expired {
                         *state.idle_expired.entry(*svc).or_default() += n;
                     }

@@ -29,6 +29,8 @@ pub struct GcReport {
     pub entries: u64,
     /// Entries deleted.
     pub deleted: u64,
+    /// Connections this replica carried recently, for the peers' refresh (only when asked for).
+    pub refresh: Vec<(lb_common::FlowEvent, u32)>,
 }
 
 /// A TCP connection that was reset, or saw FIN both ways, only lingers for late segments.
@@ -45,10 +47,16 @@ fn stale(f: &FlowV4, now: u64) -> bool {
 /// Walks the flow table once. A connection is expired when both of its entries are idle past their
 /// timeouts (the rule the data plane applies); both entries are then deleted. Reverse entries whose forward
 /// entry is gone (replaced by a new connection on the same client port, or evicted) go when idle.
-pub fn collect(dp: &mut Dataplane, now: u64) -> Result<GcReport> {
+///
+/// With `refresh_window_ns`, the same walk also lists the connections used here within that window
+/// ([`crate::flowstore::refresh_events`]): state sync sends them so the peers' copies stay fresh.
+pub fn collect(dp: &mut Dataplane, now: u64, refresh_window_ns: Option<u64>) -> Result<GcReport> {
     let flows: HashMap<FlowKeyV4, FlowV4> = dp.flows()?.into_iter().collect();
     let mut r = GcReport {
         entries: flows.len() as u64,
+        refresh: refresh_window_ns
+            .map(|w| crate::flowstore::refresh_events(&flows, now, w))
+            .unwrap_or_default(),
         ..Default::default()
     };
     let mut delete: Vec<FlowKeyV4> = Vec::new();

@@ -627,3 +627,87 @@ fn read_event(rb: &mut aya::maps::RingBuf<aya::maps::MapData>) -> Option<lb_comm
     // SAFETY: the data plane writes whole `FlowEvent`s; read_unaligned copes with any alignment.
     Some(unsafe { std::ptr::read_unaligned(item.as_ptr().cast::<lb_common::FlowEvent>()) })
 }
+
+mod state_sync {
+    //! Two independent data planes: flows created on one and applied to the other through
+    //! `BpfFlowStore` are translated identically by both.
+    use super::*;
+    use lb_agent::flowstore::{Applied, BpfFlowStore};
+    use std::sync::atomic::AtomicBool;
+    use std::sync::Arc;
+
+    fn pair() -> (Harness, Harness, BpfFlowStore) {
+        let mut a = Harness::new(Hook::Xdp);
+        let mut b = Harness::new(Hook::Xdp);
+        // Different service-id history on the two replicas: ids must be translated.
+        a.apply(&[web(&[1, 2, 3]), dns(&[1, 2])]);
+        b.apply(&[dns(&[1, 2])]);
+        b.apply(&[dns(&[1, 2]), web(&[1, 2, 3])]);
+        let store = BpfFlowStore::open(&mut b.dp, Arc::new(AtomicBool::new(false))).unwrap();
+        (a, b, store)
+    }
+
+    #[test]
+    fn a_synced_flow_is_translated_like_on_its_origin() {
+        let (mut a, mut b, mut store) = pair();
+        a.dp.set_config(&lb_common::Config { flags: lb_common::CFG_F_SYNC_EVENTS, ..Default::default() }).unwrap();
+        let mut events = a.dp.take_flow_events().unwrap();
+        let p = open(&mut a, 44000);
+        let ev = read_event(&mut events).unwrap();
+        assert_eq!(store.apply(&ev, 250).unwrap(), Applied::Written);
+        assert_eq!(store.apply(&ev, 250).unwrap(), Applied::Unchanged, "idempotent");
+
+        // Client data and the backend's reply through B: exactly A's rewrite, no SYN needed.
+        let data = client_tcp(44000, ACK, b"hello");
+        let (va, oa) = a.run(&data);
+        let (vb, ob) = b.run(&data);
+        assert_eq!((va, vb), (Verdict::Tx, Verdict::Tx));
+        assert_eq!(parse(&oa), parse(&ob));
+        let reply = reply_tcp(&p, ACK, b"world");
+        let (va, oa) = a.run(&reply);
+        let (vb, ob) = b.run(&reply);
+        assert_eq!((va, vb), (Verdict::Tx, Verdict::Tx));
+        assert_eq!(parse(&oa), parse(&ob));
+        // B counts the flow under its own id for the service.
+        let key = fwd_key(44000, 6, WEB_PORT);
+        let fb = b.dp.flow(&key).unwrap().unwrap();
+        let svc_b = b.dp.services().unwrap().into_iter().find(|(k, _)| k.port_be == WEB_PORT.to_be()).unwrap().1;
+        assert_eq!(fb.svc_id, svc_b.id);
+        assert_eq!(b.svc_stats(&web(&[]).id).rx_packets, 1);
+    }
+
+    #[test]
+    fn closes_and_unknown_services_and_conflicts() {
+        let (mut a, mut b, mut store) = pair();
+        a.dp.set_config(&lb_common::Config { flags: lb_common::CFG_F_SYNC_EVENTS, ..Default::default() }).unwrap();
+        let mut events = a.dp.take_flow_events().unwrap();
+        let p = open(&mut a, 45000);
+        let new = read_event(&mut events).unwrap();
+        store.apply(&new, 0).unwrap();
+        a.run(&reply_tcp(&p, RST, b""));
+        let close = read_event(&mut events).unwrap();
+        assert_eq!(store.apply(&close, 0).unwrap(), Applied::Written);
+        let key = fwd_key(45000, 6, WEB_PORT);
+        let fb = b.dp.flow(&key).unwrap().unwrap();
+        assert_eq!(fb.flags & FLOW_F_RST, FLOW_F_RST, "a reset closes both entries");
+        assert_eq!(fb.timeout_s, lb_common::TCP_CLOSING_TIMEOUT_S);
+
+        // A flow for a service B does not have.
+        let mut other = new;
+        other.key.dport = 9999u16.to_be();
+        assert_eq!(store.apply(&other, 0).unwrap(), Applied::UnknownService);
+
+        // Same client tuple, another backend: a conflict; a backup takes the peer's view.
+        let mut moved = new;
+        moved.key.sport = 45001u16.to_be();
+        moved.fwd.new_sport = 50001u16.to_be();
+        moved.rev.new_dport = 45001u16.to_be();
+        store.apply(&moved, 0).unwrap();
+        let mut conflicting = moved;
+        conflicting.fwd.new_sport = 50002u16.to_be();
+        assert_eq!(store.apply(&conflicting, 0).unwrap(), Applied::Conflict);
+        let k = conflicting.key;
+        assert_eq!(b.dp.flow(&k).unwrap().unwrap().new_sport, 50002u16.to_be());
+        assert!(b.dp.flow(&moved.fwd.partner_key(6)).unwrap().is_none(), "the replaced SNAT port is freed");
+    }
+}
