@@ -49,6 +49,9 @@ pub struct HoldConfig {
     pub connect_concurrency: usize,
     /// Optional source address.
     pub bind: Option<IpAddr>,
+    /// UDP: resend an unanswered message after this long (like a DNS client), until `op_timeout`; `None`
+    /// sends once, so a single lost datagram breaks the flow.
+    pub udp_retry: Option<Duration>,
 }
 
 impl Default for HoldConfig {
@@ -66,6 +69,7 @@ impl Default for HoldConfig {
             ready_file: None,
             connect_concurrency: 64,
             bind: None,
+            udp_retry: None,
         }
     }
 }
@@ -302,9 +306,22 @@ async fn hold_udp(
     while next_tick(&mut tick, &mut stop).await {
         seq += 1;
         let msg = message("u", index, seq, cfg.message_size);
+        let retry = cfg.udp_retry.unwrap_or(cfg.op_timeout);
+        let current = format!("u{index}:{seq}:").into_bytes();
         let rt = async {
-            sock.send(&msg).await?;
-            sock.recv(&mut buf).await
+            'send: loop {
+                sock.send(&msg).await?;
+                let resend_at = tokio::time::Instant::now() + retry;
+                loop {
+                    match tokio::time::timeout_at(resend_at, sock.recv(&mut buf)).await {
+                        Err(_) => continue 'send,
+                        Ok(Err(e)) => return Err(e),
+                        // A late echo of an earlier, resent message: not an answer to this one.
+                        Ok(Ok(len)) if is_older_echo(&buf[..len], index, &current) => continue,
+                        Ok(Ok(len)) => return Ok(len),
+                    }
+                }
+            }
         };
         match timeout(cfg.op_timeout, rt).await {
             Err(_) => fail(&mut rec, "echo_timeout".into()),
@@ -338,6 +355,15 @@ async fn hold_udp(
     rec.round_trips = gaps.round_trips;
     rec.max_gap_ms = gaps.max_gap.as_secs_f64() * 1000.0;
     rec
+}
+
+/// Whether a UDP reply echoes an earlier message of flow `index` than the one starting with `current`.
+fn is_older_echo(reply: &[u8], index: usize, current: &[u8]) -> bool {
+    let Some((_, echoed)) = split_udp_reply(reply) else {
+        return false;
+    };
+    let prefix = format!("u{index}:").into_bytes();
+    echoed.starts_with(&prefix) && !echoed.starts_with(current)
 }
 
 /// Holds the connections until `cfg.duration` has passed after establishment, `cfg.stop_file` appears or

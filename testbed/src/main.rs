@@ -156,6 +156,9 @@ struct HoldArgs {
     /// Connects in flight at once while establishing.
     #[arg(long, default_value_t = 64)]
     connect_concurrency: usize,
+    /// UDP: resend an unanswered message after this many ms (0 = never; one lost datagram breaks the flow).
+    #[arg(long, default_value_t = 0)]
+    udp_retry_ms: u64,
     /// Source address to bind to.
     #[arg(long)]
     bind: Option<IpAddr>,
@@ -333,6 +336,7 @@ async fn run(cli: Cli) -> Result<i32> {
                 ready_file: a.ready_file,
                 connect_concurrency: a.connect_concurrency,
                 bind: a.bind,
+                udp_retry: (a.udp_retry_ms > 0).then(|| Duration::from_millis(a.udp_retry_ms)),
             };
             let report = hold::run(cfg, terminated(), a.brief).await;
             print_json(&report)?;

@@ -158,24 +158,11 @@ impl Rig {
 
     /// A LoadBalancer-shaped config with the given backends (1-based) and extra `options:` lines.
     pub fn config_yaml(&self, backends: &[usize], options: &str) -> String {
-        let mut y = format!(
-            "vip: {}\nports:\n  - {{name: web, protocol: TCP, port: {TCP_PORT}, nodePort: {TCP_NODE_PORT}}}\n  - {{name: dns, protocol: UDP, port: {UDP_PORT}, nodePort: {UDP_NODE_PORT}}}\nendpoints:\n",
-            self.vip
-        );
-        for i in backends {
-            y += &format!(
-                "  - {{name: node-{i}, addresses: [{}]}}\n",
-                self.topo.ip(Host::Backend(*i))
-            );
-        }
-        y += "options:\n";
-        y += if options.is_empty() {
-            "  {}\n"
-        } else {
-            options
-        };
-        y += "healthCheck: {interval: 1s, timeout: 1s, unhealthyThreshold: 2, healthyThreshold: 1}\n";
-        y
+        let ips: Vec<Ipv4Addr> = backends
+            .iter()
+            .map(|i| self.topo.ip(Host::Backend(*i)))
+            .collect();
+        lb_config_yaml(self.vip, &ips, options)
     }
 
     /// Replaces the config file (atomically: the agent never reads half a file).
@@ -331,54 +318,78 @@ impl Rig {
         })
     }
 
-    /// Starts `lb-testbed hold` in the client namespace; stop it with [`Rig::stop_hold`].
+    /// Starts `lb-testbed hold` in the client namespace; stop it with [`Hold::stop`].
     pub fn start_hold(&self, args: &[&str]) -> Result<Hold> {
-        let bin = crate::binary_path()?;
-        let stop = self.dir.join(format!("hold-stop-{}", rand_suffix()));
-        let ready = self.dir.join(format!("hold-ready-{}", rand_suffix()));
-        let mut argv = vec![
-            bin.display().to_string(),
-            "hold".into(),
-            "--duration-secs".into(),
-            "0".into(),
-            "--stop-file".into(),
-            stop.display().to_string(),
-            "--ready-file".into(),
-            ready.display().to_string(),
-        ];
-        argv.extend(args.iter().map(|s| s.to_string()));
-        let child = self.topo.spawn(Host::Client, &argv)?;
-        let deadline = Instant::now() + Duration::from_secs(60);
-        while !ready.exists() {
-            if Instant::now() > deadline {
-                bail!("hold never became ready: {}", child.stderr());
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        Ok(Hold { child, stop })
+        spawn_hold(&self.topo, &self.dir, args)
     }
 
     /// Attaches `xdp_pass` to the bridge side of the lb's veth (veth needs it for `XDP_TX`).
     fn attach_xdp_pass(&mut self) -> Result<()> {
-        let bin = crate::binary_path()?;
-        let port = self.topo.switch_port(Host::Lb).to_string();
-        let argv = vec![
-            "ip".to_string(),
-            "netns".into(),
-            "exec".into(),
-            self.topo.switch_netns().to_string(),
-            bin.display().to_string(),
-            "xdp-pass".into(),
-            "--object".into(),
-            self.cfg.xdp_pass_obj.display().to_string(),
-            "--iface".into(),
-            port,
-        ];
-        let mut c = ChildGuard::spawn(&argv, "xdp-pass@switch")?;
-        c.wait_for_stdout("attached", Duration::from_secs(10))?;
-        self.xdp_pass = Some(c);
+        self.xdp_pass = Some(attach_xdp_pass(&self.topo, &self.cfg.xdp_pass_obj, Host::Lb)?);
         Ok(())
     }
+}
+
+/// A LoadBalancer-shaped config file: TCP [`TCP_PORT`] and UDP [`UDP_PORT`] on `vip` to the NodePorts of
+/// `backends`, extra `options:` lines (YAML, indented by two spaces), fast health checks.
+pub fn lb_config_yaml(vip: Ipv4Addr, backends: &[Ipv4Addr], options: &str) -> String {
+    let mut y = format!(
+        "vip: {vip}\nports:\n  - {{name: web, protocol: TCP, port: {TCP_PORT}, nodePort: {TCP_NODE_PORT}}}\n  - {{name: dns, protocol: UDP, port: {UDP_PORT}, nodePort: {UDP_NODE_PORT}}}\nendpoints:\n"
+    );
+    for (i, ip) in backends.iter().enumerate() {
+        y += &format!("  - {{name: node-{}, addresses: [{ip}]}}\n", i + 1);
+    }
+    y += "options:\n";
+    y += if options.is_empty() { "  {}\n" } else { options };
+    y += "healthCheck: {interval: 1s, timeout: 1s, unhealthyThreshold: 2, healthyThreshold: 1}\n";
+    y
+}
+
+/// Starts `lb-testbed hold` in the client namespace of `topo` (stop and ready files under `dir`).
+pub fn spawn_hold(topo: &Topology, dir: &Path, args: &[&str]) -> Result<Hold> {
+    let bin = crate::binary_path()?;
+    let stop = dir.join(format!("hold-stop-{}", rand_suffix()));
+    let ready = dir.join(format!("hold-ready-{}", rand_suffix()));
+    let mut argv = vec![
+        bin.display().to_string(),
+        "hold".into(),
+        "--duration-secs".into(),
+        "0".into(),
+        "--stop-file".into(),
+        stop.display().to_string(),
+        "--ready-file".into(),
+        ready.display().to_string(),
+    ];
+    argv.extend(args.iter().map(|s| s.to_string()));
+    let child = topo.spawn(Host::Client, &argv)?;
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !ready.exists() {
+        if Instant::now() > deadline {
+            bail!("hold never became ready: {}", child.stderr());
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    Ok(Hold { child, stop })
+}
+
+/// Attaches `xdp_pass` to the bridge side of `host`'s veth (a veth needs it to receive `XDP_TX` frames).
+pub fn attach_xdp_pass(topo: &Topology, obj: &Path, host: Host) -> Result<ChildGuard> {
+    let bin = crate::binary_path()?;
+    let argv = vec![
+        "ip".to_string(),
+        "netns".into(),
+        "exec".into(),
+        topo.switch_netns().to_string(),
+        bin.display().to_string(),
+        "xdp-pass".into(),
+        "--object".into(),
+        obj.display().to_string(),
+        "--iface".into(),
+        topo.switch_port(host).to_string(),
+    ];
+    let mut c = ChildGuard::spawn(&argv, "xdp-pass@switch")?;
+    c.wait_for_stdout("attached", Duration::from_secs(10))?;
+    Ok(c)
 }
 
 impl Drop for Rig {
@@ -415,7 +426,7 @@ impl Hold {
 
 /// A bpffs mount for the rigs' pinned state. `ip netns exec` remounts /sys, hiding /sys/fs/bpf, so the
 /// agent pins under /run instead, which every namespace sees.
-fn pin_root() -> Result<PathBuf> {
+pub(crate) fn pin_root() -> Result<PathBuf> {
     let root = PathBuf::from("/run/lb-testbed-bpf");
     let mounts = std::fs::read_to_string("/proc/mounts")?;
     let mounted = mounts.lines().any(|l| {
@@ -430,7 +441,7 @@ fn pin_root() -> Result<PathBuf> {
     Ok(root)
 }
 
-fn rand_suffix() -> u64 {
+pub(crate) fn rand_suffix() -> u64 {
     use std::time::SystemTime;
     SystemTime::now()
         .duration_since(SystemTime::UNIX_EPOCH)

@@ -47,6 +47,9 @@ pub enum Host {
     Lb,
     /// Backend `i`, 1-based (`Backend(1)` is `backend-1`, 10.200.0.11 by default).
     Backend(usize),
+    /// Load-balancer replica `i` (2-based: [`Host::Lb`] is the first), 10.200.0.(1+i) by default, for
+    /// high-availability setups sharing a VIP ([`TopologyConfig::lb_replicas`]).
+    LbReplica(usize),
 }
 
 impl Host {
@@ -56,6 +59,7 @@ impl Host {
             Host::Client => "client".into(),
             Host::Lb => "lb".into(),
             Host::Backend(i) => format!("backend-{i}"),
+            Host::LbReplica(i) => format!("lb-{i}"),
         }
     }
 
@@ -65,6 +69,7 @@ impl Host {
             Host::Client => 10,
             Host::Lb => 2,
             Host::Backend(i) => 10 + *i as u8,
+            Host::LbReplica(i) => 1 + *i as u8,
         }
     }
 
@@ -74,6 +79,7 @@ impl Host {
             Host::Client => "p-client".into(),
             Host::Lb => "p-lb".into(),
             Host::Backend(i) => format!("p-b{i}"),
+            Host::LbReplica(i) => format!("p-lb{i}"),
         }
     }
 }
@@ -104,6 +110,8 @@ pub struct TopologyConfig {
     /// Widen the client's ephemeral port range and allow TIME_WAIT reuse, so connection benchmarks that open
     /// tens of thousands of short connections are not limited by the client's port space.
     pub tune_client: bool,
+    /// Load-balancer hosts: [`Host::Lb`] plus [`Host::LbReplica`] 2..=n (1..=5).
+    pub lb_replicas: usize,
     /// Keep IPv6 on (off by default): with it, every interface emits router solicitations, MLD reports and DAD
     /// probes that land in the load balancer's counters and make "exactly N dropped" assertions flaky.
     pub ipv6: bool,
@@ -119,6 +127,7 @@ impl Default for TopologyConfig {
             host_gro: None,
             switch_port_gro: Some(true),
             tune_client: true,
+            lb_replicas: 1,
             ipv6: false,
         }
     }
@@ -192,7 +201,11 @@ impl Topology {
         let id = format!("{}-{}-{}", cfg.prefix, std::process::id(), n);
         let switch_ns = format!("{id}-sw");
         let base = cfg.subnet.octets();
+        if cfg.lb_replicas == 0 || cfg.lb_replicas > 5 {
+            bail!("lb_replicas must be in 1..=5, got {}", cfg.lb_replicas);
+        }
         let mut all = vec![Host::Client, Host::Lb];
+        all.extend((2..=cfg.lb_replicas).map(Host::LbReplica));
         all.extend((1..=cfg.backends).map(Host::Backend));
         let hosts: BTreeMap<Host, HostInfo> = all
             .into_iter()
@@ -396,6 +409,18 @@ impl Topology {
             .keys()
             .copied()
             .filter(|h| matches!(h, Host::Backend(_)))
+    }
+
+    /// The load-balancer hosts: [`Host::Lb`] first, then the replicas.
+    pub fn lbs(&self) -> Vec<Host> {
+        let mut v = vec![Host::Lb];
+        v.extend(
+            self.hosts
+                .keys()
+                .copied()
+                .filter(|h| matches!(h, Host::LbReplica(_))),
+        );
+        v
     }
 
     /// Number of backends.

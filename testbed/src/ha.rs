@@ -1,0 +1,352 @@
+//! A highly available load balancer under test: two or three load-balancer namespaces on one L2 segment, each
+//! running the real agent with VRRP (keepalived) and connection-state sync, sharing a VIP that only the VRRP
+//! master holds; backends and client on the same segment, so the VIP moves by gratuitous ARP exactly as on an
+//! OpenStack network.
+//!
+//! ```text
+//!                   switch namespace (bridge br0)
+//!   p-client ─┬─ p-lb ─┬─ p-lb2 ─┬─ [p-lb3] ─┬─ p-b1 ─┬─ p-b2 …
+//!   client .10   lb .2    lb-2 .3    lb-3 .4     backend-1 .11 …
+//!                  └──── VIP .100 on the VRRP master ────┘
+//! ```
+
+use crate::hold::HoldReport;
+use crate::rig::{
+    attach_xdp_pass, find_artifact, lb_config_yaml, parse_metric, pin_root, spawn_hold, Hold,
+    METRICS, TCP_NODE_PORT, UDP_NODE_PORT,
+};
+use crate::{ChildGuard, Host, Topology, TopologyConfig};
+use anyhow::{bail, Context, Result};
+use std::collections::BTreeMap;
+use std::io::{Read, Write};
+use std::net::{Ipv4Addr, TcpStream};
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+/// Port of the connection-state sync on every replica.
+pub const SYNC_PORT: u16 = 9190;
+
+/// How to build the HA rig.
+#[derive(Clone, Debug)]
+pub struct HaRigConfig {
+    /// Load-balancer replicas (2 or 3).
+    pub replicas: usize,
+    /// Backends.
+    pub backends: usize,
+    /// VRRP router id of the load balancer.
+    pub router_id: u8,
+    /// VRRP advertisement interval.
+    pub advert_interval: Duration,
+    /// The `lb-agent` binary.
+    pub agent_bin: PathBuf,
+    /// The `xdp-pass.o` test program.
+    pub xdp_pass_obj: PathBuf,
+    /// Extra agent flags (all replicas).
+    pub agent_args: Vec<String>,
+    /// Start every replica's agent at once (`false`: the caller starts them with [`HaRig::start_agent`]).
+    pub start_agents: bool,
+}
+
+impl HaRigConfig {
+    /// Defaults: 2 replicas, 3 backends, router id 51, 200 ms adverts, binaries found like [`crate::rig`].
+    pub fn new() -> Result<Self> {
+        Ok(HaRigConfig {
+            replicas: 2,
+            backends: 3,
+            router_id: 51,
+            advert_interval: Duration::from_millis(200),
+            agent_bin: find_artifact("LB_AGENT_BIN", "lb-agent")?,
+            xdp_pass_obj: find_artifact("LB_XDP_PASS_OBJ", "bpf/xdp-pass.o")?,
+            agent_args: Vec::new(),
+            start_agents: true,
+        })
+    }
+}
+
+/// The running HA rig. Dropping it stops everything and removes the namespaces.
+pub struct HaRig {
+    /// The namespaces.
+    pub topo: Topology,
+    /// The shared virtual IP.
+    pub vip: Ipv4Addr,
+    /// Settings it was built with.
+    pub cfg: HaRigConfig,
+    agents: BTreeMap<Host, ChildGuard>,
+    echo: Vec<ChildGuard>,
+    xdp_pass: Vec<ChildGuard>,
+    dir: PathBuf,
+    pin_dir: PathBuf,
+}
+
+impl HaRig {
+    /// Builds the topology, starts echo servers and (unless told otherwise) every replica's agent, with
+    /// priorities 100, 99, 98 in replica order, and waits until one of them holds the VIP.
+    pub fn start(cfg: HaRigConfig) -> Result<Self> {
+        let topo = Topology::new(TopologyConfig {
+            backends: cfg.backends,
+            lb_replicas: cfg.replicas,
+            // Native XDP: frames reach the replicas at wire size; their bridge ports get NAPI from xdp_pass.
+            switch_port_gro: Some(false),
+            ..TopologyConfig::default()
+        })?;
+        let vip = topo.addr(100);
+        let dir = std::env::temp_dir().join(format!("{}-ha", topo.id()));
+        std::fs::create_dir_all(&dir)?;
+        std::fs::write(dir.join("sync-secret"), "testbed-sync-secret-0123456789abcdef\n")?;
+        let pin_dir = pin_root()?.join(topo.id());
+        let mut rig = HaRig {
+            topo,
+            vip,
+            cfg,
+            agents: BTreeMap::new(),
+            echo: Vec::new(),
+            xdp_pass: Vec::new(),
+            dir,
+            pin_dir,
+        };
+        for h in rig.topo.lbs() {
+            rig.xdp_pass
+                .push(attach_xdp_pass(&rig.topo, &rig.cfg.xdp_pass_obj, h)?);
+        }
+        let bin = crate::binary_path()?;
+        for b in rig.topo.backends().collect::<Vec<_>>() {
+            let mut c = rig.topo.spawn(
+                b,
+                [
+                    bin.display().to_string(),
+                    "echo".into(),
+                    "--id".into(),
+                    b.name(),
+                    "--tcp".into(),
+                    format!("0.0.0.0:{TCP_NODE_PORT}"),
+                    "--udp".into(),
+                    format!("0.0.0.0:{UDP_NODE_PORT}"),
+                ],
+            )?;
+            c.wait_for_stdout("\"ready\":true", Duration::from_secs(10))?;
+            rig.echo.push(c);
+        }
+        let ips: Vec<Ipv4Addr> = rig.topo.backends().map(|b| rig.topo.ip(b)).collect();
+        std::fs::write(rig.config_path(), lb_config_yaml(vip, &ips, ""))?;
+        if rig.cfg.start_agents {
+            for (i, h) in rig.topo.lbs().into_iter().enumerate() {
+                rig.start_agent(h, 100 - i as u8)?;
+            }
+            rig.wait_master(Duration::from_secs(20))?;
+        }
+        Ok(rig)
+    }
+
+    /// The config file every replica reads.
+    pub fn config_path(&self) -> PathBuf {
+        self.dir.join("lb.yaml")
+    }
+
+    /// The agent's command line for replica `host` with VRRP priority `priority`.
+    pub fn agent_argv(&self, host: Host, priority: u8) -> Vec<String> {
+        let me = self.topo.ip(host);
+        let mut argv: Vec<String> = vec![
+            self.cfg.agent_bin.display().to_string(),
+            "--interface".into(),
+            self.topo.ifname(host).into(),
+            "--config".into(),
+            self.config_path().display().to_string(),
+            "--attach-mode".into(),
+            "xdp".into(),
+            "--pin-dir".into(),
+            self.pin_dir.join(host.name()).display().to_string(),
+            "--max-flows".into(),
+            "131072".into(),
+            "--gc-interval".into(),
+            "1".into(),
+            "--metrics-address".into(),
+            METRICS.into(),
+            "--vrrp-router-id".into(),
+            self.cfg.router_id.to_string(),
+            "--vrrp-priority".into(),
+            priority.to_string(),
+            "--vrrp-advert-interval".into(),
+            format!("{}ms", self.cfg.advert_interval.as_millis()),
+            "--vrrp-run-dir".into(),
+            self.dir.join(format!("{}-vrrp", host.name())).display().to_string(),
+            "--sync-listen".into(),
+            format!("{me}:{SYNC_PORT}"),
+            "--sync-secret-file".into(),
+            self.dir.join("sync-secret").display().to_string(),
+        ];
+        for peer in self.topo.lbs().into_iter().filter(|p| *p != host) {
+            argv.push("--sync-peer".into());
+            argv.push(format!("{}:{SYNC_PORT}", self.topo.ip(peer)));
+        }
+        argv.extend(self.cfg.agent_args.iter().cloned());
+        argv
+    }
+
+    /// Starts replica `host`'s agent and waits for its `/readyz`.
+    pub fn start_agent(&mut self, host: Host, priority: u8) -> Result<()> {
+        let argv = self.agent_argv(host, priority);
+        let child = self.topo.spawn(host, &argv)?;
+        self.agents.insert(host, child);
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            if let Some(a) = self.agents.get_mut(&host) {
+                if let Some(status) = a.try_wait()? {
+                    bail!("agent {host} exited ({status}):\n{}", self.agent_log(host));
+                }
+            }
+            if self
+                .http_get(host, "/readyz")
+                .is_ok_and(|b| b.starts_with("ready"))
+            {
+                return Ok(());
+            }
+            if Instant::now() > deadline {
+                bail!("agent {host} not ready:\n{}", self.agent_log(host));
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
+    /// Stops replica `host`'s agent with `signal` (SIGTERM: graceful, stops its keepalived too; SIGKILL: the
+    /// agent dies, its keepalived and data plane stay).
+    pub fn stop_agent(&mut self, host: Host, signal: i32) -> Result<String> {
+        let mut a = self.agents.remove(&host).context("agent not running")?;
+        a.signal(signal)?;
+        a.wait_timeout(Duration::from_secs(15))?;
+        Ok(a.stderr() + &a.stdout())
+    }
+
+    /// Kills every process of replica `host` (agent, keepalived) — the VIP stays configured on its interface
+    /// and its data plane stays attached, like a machine whose processes all crashed.
+    pub fn kill_all(&mut self, host: Host) -> Result<()> {
+        if let Some(mut a) = self.agents.remove(&host) {
+            a.kill();
+        }
+        let ns = self.topo.netns(host).to_string();
+        let pids = crate::process::run_cmd(["ip", "netns", "pids", &ns])?;
+        for pid in String::from_utf8_lossy(&pids.stdout).split_whitespace() {
+            if let Ok(pid) = pid.parse::<i32>() {
+                // SAFETY: plain kill(2) on a pid listed for the namespace.
+                unsafe { libc::kill(pid, libc::SIGKILL) };
+            }
+        }
+        Ok(())
+    }
+
+    /// Cuts replica `host` off the segment (its bridge port down), like a machine or hypervisor dying.
+    pub fn cut_link(&self, host: Host, down: bool) -> Result<()> {
+        let port = self.topo.switch_port(host).to_string();
+        let state = if down { "down" } else { "up" };
+        self.topo
+            .exec_switch(["ip", "link", "set", port.as_str(), state])?;
+        Ok(())
+    }
+
+    /// The replica whose interface carries the VIP, if exactly one does (VRRP's ground truth).
+    pub fn master(&self) -> Result<Option<Host>> {
+        let mut holders = Vec::new();
+        for h in self.topo.lbs() {
+            let out = self.topo.exec(h, ["ip", "-4", "-o", "addr", "show"])?;
+            if String::from_utf8_lossy(&out.stdout).contains(&format!(" {}/", self.vip)) {
+                holders.push(h);
+            }
+        }
+        Ok(match holders.as_slice() {
+            [one] => Some(*one),
+            _ => None,
+        })
+    }
+
+    /// Waits until exactly one replica holds the VIP and returns it.
+    pub fn wait_master(&self, timeout: Duration) -> Result<Host> {
+        self.wait_master_where(timeout, |_| true)
+    }
+
+    /// Waits until exactly one replica holds the VIP and it satisfies `ok`.
+    pub fn wait_master_where(&self, timeout: Duration, ok: impl Fn(Host) -> bool) -> Result<Host> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Some(m) = self.master()? {
+                if ok(m) {
+                    return Ok(m);
+                }
+            }
+            if Instant::now() > deadline {
+                bail!(
+                    "no (suitable) VRRP master after {timeout:?}; logs:\n{}",
+                    self.all_logs()
+                );
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// GET on replica `host`'s metrics listener; returns the body.
+    pub fn http_get(&self, host: Host, path: &str) -> Result<String> {
+        let path = path.to_string();
+        self.topo.run_in(host, move || -> Result<String> {
+            let mut s = TcpStream::connect_timeout(&METRICS.parse()?, Duration::from_secs(2))?;
+            s.set_read_timeout(Some(Duration::from_secs(5)))?;
+            write!(s, "GET {path} HTTP/1.0\r\nHost: lb\r\n\r\n")?;
+            let mut out = String::new();
+            s.read_to_string(&mut out)?;
+            let body = out.split_once("\r\n\r\n").map(|(_, b)| b.to_string());
+            body.context("no HTTP body")
+        })?
+    }
+
+    /// The sum of the samples of metric `name` on replica `host` whose labels contain `labels`.
+    pub fn metric(&self, host: Host, name: &str, labels: &str) -> Result<f64> {
+        Ok(parse_metric(&self.http_get(host, "/metrics")?, name, labels))
+    }
+
+    /// Replica `host`'s agent log so far.
+    pub fn agent_log(&self, host: Host) -> String {
+        self.agents
+            .get(&host)
+            .map(|a| a.stderr() + &a.stdout())
+            .unwrap_or_default()
+    }
+
+    /// Every running agent's log, labelled.
+    pub fn all_logs(&self) -> String {
+        self.agents
+            .iter()
+            .map(|(h, a)| format!("--- {h}\n{}{}", a.stderr(), a.stdout()))
+            .collect()
+    }
+
+    /// Starts `lb-testbed hold` in the client namespace.
+    pub fn start_hold(&self, args: &[&str]) -> Result<Hold> {
+        spawn_hold(&self.topo, &self.dir, args)
+    }
+
+    /// Every forward flow entry of replica `host` as (client tuple → rewritten tuple), from its pinned map via
+    /// `bpftool`-free means: the agent's debug endpoint `/debug/flows`.
+    pub fn flows(&self, host: Host) -> Result<BTreeMap<String, String>> {
+        let body = self.http_get(host, "/debug/flows")?;
+        Ok(body
+            .lines()
+            .filter_map(|l| l.split_once(" -> "))
+            .map(|(a, b)| (a.to_string(), b.to_string()))
+            .collect())
+    }
+}
+
+impl Drop for HaRig {
+    fn drop(&mut self) {
+        for (_, mut a) in std::mem::take(&mut self.agents) {
+            a.kill();
+        }
+        self.echo.clear();
+        self.xdp_pass.clear();
+        let _ = std::fs::remove_dir_all(&self.pin_dir);
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// Surviving share of a hold run's connections and flows (0..=1).
+pub fn survival(r: &HoldReport) -> f64 {
+    let total = (r.tcp_connections + r.udp_flows).max(1);
+    (total - r.broken.min(total)) as f64 / total as f64
+}
