@@ -17,6 +17,7 @@ use crate::rig::{
 };
 use crate::{ChildGuard, Host, Topology, TopologyConfig};
 use anyhow::{bail, Context, Result};
+use lb_common::{FlowKeyV4, FlowV4};
 use std::collections::BTreeMap;
 use std::io::{Read, Write};
 use std::net::{Ipv4Addr, TcpStream};
@@ -242,8 +243,8 @@ impl HaRig {
         Ok(())
     }
 
-    /// The replica whose interface carries the VIP, if exactly one does (VRRP's ground truth).
-    pub fn master(&self) -> Result<Option<Host>> {
+    /// The replicas whose interface carries the VIP (a cut-off old master still has it configured).
+    pub fn vip_holders(&self) -> Result<Vec<Host>> {
         let mut holders = Vec::new();
         for h in self.topo.lbs() {
             let out = self.topo.exec(h, ["ip", "-4", "-o", "addr", "show"])?;
@@ -251,7 +252,12 @@ impl HaRig {
                 holders.push(h);
             }
         }
-        Ok(match holders.as_slice() {
+        Ok(holders)
+    }
+
+    /// The replica whose interface carries the VIP, if exactly one does (VRRP's ground truth).
+    pub fn master(&self) -> Result<Option<Host>> {
+        Ok(match self.vip_holders()?.as_slice() {
             [one] => Some(*one),
             _ => None,
         })
@@ -321,14 +327,26 @@ impl HaRig {
         spawn_hold(&self.topo, &self.dir, args)
     }
 
-    /// Every forward flow entry of replica `host` as (client tuple → rewritten tuple), from its pinned map via
-    /// `bpftool`-free means: the agent's debug endpoint `/debug/flows`.
-    pub fn flows(&self, host: Host) -> Result<BTreeMap<String, String>> {
-        let body = self.http_get(host, "/debug/flows")?;
-        Ok(body
-            .lines()
-            .filter_map(|l| l.split_once(" -> "))
-            .map(|(a, b)| (a.to_string(), b.to_string()))
+    /// Every forward flow entry of replica `host` (client tuple → rewritten tuple), read from its pinned
+    /// connection-tracking map.
+    pub fn forward_flows(
+        &self,
+        host: Host,
+    ) -> Result<std::collections::HashMap<FlowKeyV4, (u32, u32, u16, u16)>> {
+        let path = self
+            .pin_dir
+            .join(host.name())
+            .join(format!("v{}", lb_common::LAYOUT_VERSION))
+            .join(lb_common::map_names::FLOWS_V4);
+        let data = aya::maps::MapData::from_pin(&path)
+            .with_context(|| format!("opening {}", path.display()))?;
+        let map: aya::maps::HashMap<_, FlowKeyV4, FlowV4> =
+            aya::maps::HashMap::try_from(aya::maps::Map::LruHashMap(data))?;
+        Ok(map
+            .iter()
+            .filter_map(|r| r.ok())
+            .filter(|(_, f)| f.flags & lb_common::FLOW_F_FORWARD != 0)
+            .map(|(k, f)| (k, (f.new_src, f.new_dst, f.new_sport, f.new_dport)))
             .collect())
     }
 }

@@ -1,0 +1,180 @@
+//! High availability end to end: two or three load-balancer replicas on one L2 segment sharing a VIP through
+//! VRRP (real keepalived supervised by the real agent), with connection-state sync between the agents. A
+//! client holds hundreds of TCP connections exchanging data every 50 ms plus UDP flows while the master dies,
+//! a new revision takes over, or a peer restarts. Needs root, keepalived, `lb-agent` and the eBPF objects
+//! (`cargo xtask test` provides all of them).
+//!
+//! Times are printed, not asserted (benchmarks measure them: `cargo xtask bench failover`); what is asserted
+//! is that connections survive and that the replicas never translate one flow differently.
+
+use lb_testbed::ha::{survival, HaRig, HaRigConfig};
+use lb_testbed::hold::HoldReport;
+use lb_testbed::rig::{TCP_PORT, UDP_PORT};
+use lb_testbed::Host;
+use std::time::{Duration, Instant};
+
+fn rig(f: impl FnOnce(&mut HaRigConfig)) -> HaRig {
+    assert!(lb_testbed::is_root(), "HA tests need root");
+    let mut cfg = HaRigConfig::new().expect("artifacts built");
+    f(&mut cfg);
+    HaRig::start(cfg).expect("HA rig starts")
+}
+
+fn hold_args(r: &HaRig, conns: usize, udp: usize) -> Vec<String> {
+    [
+        "--tcp".to_string(),
+        format!("{}:{TCP_PORT}", r.vip),
+        "--connections".into(),
+        conns.to_string(),
+        "--udp".into(),
+        format!("{}:{UDP_PORT}", r.vip),
+        "--udp-flows".into(),
+        udp.to_string(),
+        "--udp-retry-ms".into(),
+        "200".into(),
+        "--interval-ms".into(),
+        "50".into(),
+        "--timeout-ms".into(),
+        "5000".into(),
+        "--brief".into(),
+    ]
+    .into()
+}
+
+fn wait_until(what: &str, timeout: Duration, mut f: impl FnMut() -> bool) {
+    let t = Instant::now();
+    while !f() {
+        assert!(t.elapsed() < timeout, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// Waits until replica `to` has every forward flow `from` has (sync caught up).
+fn wait_synced(r: &HaRig, from: Host, to: Host) {
+    wait_until(&format!("{to} to hold {from}'s flows"), Duration::from_secs(20), || {
+        let a = r.forward_flows(from).unwrap();
+        let b = r.forward_flows(to).unwrap();
+        a.keys().all(|k| b.contains_key(k))
+    });
+}
+
+/// Split-brain guard: every flow both replicas know is translated identically, and no sync conflict was
+/// counted anywhere.
+fn assert_consistent(r: &HaRig, hosts: &[Host]) {
+    for (i, a) in hosts.iter().enumerate() {
+        for b in &hosts[i + 1..] {
+            let fa = r.forward_flows(*a).unwrap();
+            let fb = r.forward_flows(*b).unwrap();
+            let differ = fa
+                .iter()
+                .filter(|(k, v)| fb.get(k).is_some_and(|w| w != *v))
+                .count();
+            assert_eq!(differ, 0, "{a} and {b} translate {differ} flows differently");
+        }
+        let conflicts = r.metric(*a, "lb_sync_conflicts_total", "").unwrap();
+        assert_eq!(conflicts, 0.0, "sync conflicts on {a}");
+    }
+}
+
+fn report(what: &str, rep: &HoldReport) {
+    println!(
+        "{what}: {} TCP + {} UDP, broken {}, survival {:.2} %, longest gap {:.0} ms, round trips {}",
+        rep.tcp_connections,
+        rep.udp_flows,
+        rep.broken,
+        survival(rep) * 100.0,
+        rep.max_gap_ms,
+        rep.round_trips
+    );
+}
+
+#[test]
+fn master_dies_and_connections_survive() {
+    let r = rig(|_| {});
+    let master = r.wait_master(Duration::from_secs(20)).unwrap();
+    let backup = *r.topo.lbs().iter().find(|h| **h != master).unwrap();
+    let args = hold_args(&r, 300, 20);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let hold = r.start_hold(&args).unwrap();
+    wait_synced(&r, master, backup);
+    assert_consistent(&r, &[master, backup]);
+
+    let t0 = Instant::now();
+    r.cut_link(master, true).unwrap();
+    wait_until("the backup to take the VIP", Duration::from_secs(10), || {
+        r.vip_holders().unwrap().contains(&backup)
+    });
+    let takeover = t0.elapsed();
+    std::thread::sleep(Duration::from_secs(4));
+    let rep = hold.stop().unwrap();
+    report("master link cut", &rep);
+    println!("VRRP takeover after {} ms", takeover.as_millis());
+    assert!(
+        survival(&rep) >= 0.99,
+        "only {:.2} % survived: {:?}",
+        survival(&rep) * 100.0,
+        rep.connections.iter().take(5).collect::<Vec<_>>()
+    );
+    assert_consistent(&r, &[backup]);
+}
+
+#[test]
+fn planned_rollover_to_a_new_revision_breaks_nothing() {
+    let r = rig(|c| {
+        c.replicas = 3;
+        c.start_agents = false;
+    });
+    let mut r = r;
+    let [old1, old2, new] = r.topo.lbs()[..] else {
+        panic!("three replicas")
+    };
+    r.start_agent(old1, 100).unwrap();
+    r.start_agent(old2, 99).unwrap();
+    assert_eq!(r.wait_master(Duration::from_secs(20)).unwrap(), old1);
+    let args = hold_args(&r, 200, 20);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let hold = r.start_hold(&args).unwrap();
+    wait_synced(&r, old1, old2);
+
+    // The new revision's machine: higher priority, takes the VIP only once it has the flows.
+    r.start_agent(new, 150).unwrap();
+    let t0 = Instant::now();
+    r.wait_master_where(Duration::from_secs(30), |m| m == new).unwrap();
+    println!("new revision took the VIP {} ms after its agent was ready", t0.elapsed().as_millis());
+    std::thread::sleep(Duration::from_secs(2));
+    // The old machines go, gracefully, one at a time.
+    r.stop_agent(old2, libc::SIGTERM).unwrap();
+    r.stop_agent(old1, libc::SIGTERM).unwrap();
+    std::thread::sleep(Duration::from_secs(2));
+    let rep = hold.stop().unwrap();
+    report("planned rollover", &rep);
+    assert_eq!(rep.broken, 0, "{:?}", rep.connections);
+    assert_consistent(&r, &[new]);
+}
+
+#[test]
+fn a_restarted_peer_resyncs_and_can_take_over() {
+    let mut r = rig(|_| {});
+    let master = r.wait_master(Duration::from_secs(20)).unwrap();
+    let backup = *r.topo.lbs().iter().find(|h| **h != master).unwrap();
+    r.stop_agent(backup, libc::SIGTERM).unwrap();
+    // Connections opened while the backup is away only reach it through the resync on rejoin.
+    let args = hold_args(&r, 150, 10);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let hold = r.start_hold(&args).unwrap();
+    r.start_agent(backup, 99).unwrap();
+    wait_synced(&r, master, backup);
+    assert!(
+        r.metric(backup, "lb_sync_resyncs_received_total", "").unwrap() >= 1.0,
+        "the rejoining peer got a full dump"
+    );
+    assert_consistent(&r, &[master, backup]);
+    r.cut_link(master, true).unwrap();
+    wait_until("the backup to take the VIP", Duration::from_secs(10), || {
+        r.vip_holders().unwrap().contains(&backup)
+    });
+    std::thread::sleep(Duration::from_secs(4));
+    let rep = hold.stop().unwrap();
+    report("takeover by a resynced peer", &rep);
+    assert!(survival(&rep) >= 0.99, "{:?}", rep.connections.iter().take(5).collect::<Vec<_>>());
+}
