@@ -5,6 +5,7 @@
 use crate::config::DesiredConfig;
 use crate::dataplane::{AttachMode, Dataplane, MapSizes};
 use crate::gc;
+use crate::ha::{Ha, HaOptions, HaSnapshot};
 use crate::health::{HealthChecker, HealthMap};
 use crate::metrics::{ServiceMetrics, SharedSnapshot, Snapshot};
 use crate::model::ServiceSpec;
@@ -73,9 +74,15 @@ pub struct AgentOptions {
     pub gc_interval: Duration,
     /// Next-hop refresh period.
     pub neighbor_interval: Duration,
-    /// Detach the program on exit even when pinned (default: leave it, so a restart keeps flows).
+    /// Detach the program on exit even when pinned (default: leave it, so a restart keeps flows). Also stops
+    /// keepalived on exit (by default it keeps running, so an agent restart does not move the VIP).
     pub detach_on_exit: bool,
+    /// VRRP and connection-state sync between replicas.
+    pub ha: HaOptions,
 }
+
+/// VRRP priority bonus of a machine of the newest revision: with preemption it takes the VIP from older ones.
+const NEWEST_REVISION_BONUS: u8 = 100;
 
 /// Runs until `shutdown` resolves.
 pub async fn run(
@@ -86,7 +93,13 @@ pub async fn run(
     shutdown: impl std::future::Future<Output = ()>,
 ) -> Result<()> {
     let mut dp = Dataplane::load(&opts.sizes, opts.pin_dir.as_deref())?;
-    dp.set_config(&opts.dataplane)?;
+    let mut ha = Ha::start(opts.ha.clone(), &mut dp).await?;
+    let (flags, local_mac) = ha.dataplane_settings(&opts.interface)?;
+    dp.set_config(&lb_common::Config {
+        flags,
+        local_mac,
+        ..opts.dataplane
+    })?;
     let mut programmer = if opts.pin_dir.is_some() {
         Programmer::adopt(
             &mut dp,
@@ -160,6 +173,7 @@ pub async fn run(
                         &opts,
                         &status_tx,
                     );
+                    update_ha(&mut ha, &state, &opts, &status_tx).await;
                 }
                 ConfigState::Invalid(msg, generation) => {
                     tracing::error!(error = %msg, "configuration rejected; the last valid one keeps forwarding");
@@ -201,7 +215,10 @@ pub async fn run(
                 let mut active = None;
                 if last_gc.elapsed() >= opts.gc_interval {
                     last_gc = Instant::now();
-                    let r = gc::collect(&mut dp, gc::now_ns(), None)?;
+                    // Connections used since the last pass (plus slack: data-plane timestamps move once a second).
+                    let window = ha.syncing().then(|| (opts.gc_interval * 2 + Duration::from_secs(1)).as_nanos() as u64);
+                    let r = gc::collect(&mut dp, gc::now_ns(), window)?;
+                    ha.publish_refresh(&r.refresh);
                     for (svc, n) in &r.expired {
                         *state.idle_expired.entry(*svc).or_default() += n;
                     }
@@ -211,10 +228,13 @@ pub async fn run(
                     }
                     active = Some(r);
                 }
-                update_snapshot(&mut dp, &programmer, &state, &health_rx.borrow(), &opts, &snapshot, active, &stats);
+                update_ha(&mut ha, &state, &opts, &status_tx).await;
+                let ha_snap = opts.ha.enabled().then_some(ha.snapshot().await);
+                update_snapshot(&mut dp, &programmer, &state, &health_rx.borrow(), &opts, &snapshot, active, &stats, ha_snap);
             }
         }
     }
+    ha.stop(opts.detach_on_exit).await;
     if opts.detach_on_exit || opts.pin_dir.is_none() {
         tracing::info!("detaching the data plane");
     } else {
@@ -415,6 +435,36 @@ fn refresh_nexthops(
 }
 
 #[allow(clippy::too_many_arguments)]
+/// Keeps VRRP and sync in line with the loop: VIPs and eligibility, peers and revision from the config source.
+async fn update_ha(
+    ha: &mut Ha,
+    state: &LoopState,
+    opts: &AgentOptions,
+    status_tx: &watch::Sender<AgentStatus>,
+) {
+    if !opts.ha.enabled() {
+        return;
+    }
+    let ready = status_tx.borrow().up_to_date();
+    let vips = state.current.as_ref().map(|c| c.vips()).unwrap_or_default();
+    ha.update(ready, vips).await;
+    if let Some(cfg) = &state.current {
+        if let (Some(peers), Some(sync)) = (&cfg.sync_peers, &opts.ha.sync) {
+            let port = sync.listen.port();
+            ha.set_peers(
+                peers
+                    .iter()
+                    .map(|ip| std::net::SocketAddr::new(*ip, port))
+                    .collect(),
+            );
+        }
+        if let Some(newest) = cfg.newest_revision {
+            ha.set_priority_bonus(if newest { NEWEST_REVISION_BONUS } else { 0 });
+        }
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
 fn update_snapshot(
     dp: &mut Dataplane,
     programmer: &Programmer,
@@ -424,6 +474,7 @@ fn update_snapshot(
     snapshot: &SharedSnapshot,
     gc: Option<gc::GcReport>,
     stats: &[u64],
+    ha: Option<HaSnapshot>,
 ) {
     let mut services = Vec::new();
     let prev: HashMap<_, _> = snapshot
@@ -463,6 +514,7 @@ fn update_snapshot(
         config_generation: state.applied_generation.unwrap_or(0),
         config_errors: state.errors,
         ready: state.applied > 0,
+        ha,
     };
 }
 

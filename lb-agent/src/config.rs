@@ -55,9 +55,21 @@ pub struct DesiredConfig {
     pub services: Vec<ServiceSpec>,
     /// Health checking.
     pub health_check: HealthCheckSpec,
+    /// Sync peers' addresses from the source (Kubernetes: the LoadBalancer's `syncPeers` annotation); `None`:
+    /// the agent's `--sync-peer` flags stay in force.
+    pub sync_peers: Option<Vec<IpAddr>>,
+    /// Whether this machine belongs to the newest revision of the load balancer (its VRRP priority gets a
+    /// bonus); `None`: unknown (file mode).
+    pub newest_revision: Option<bool>,
 }
 
 impl DesiredConfig {
+    /// The VIPs of all services (sorted, unique): what VRRP moves.
+    pub fn vips(&self) -> Vec<IpAddr> {
+        let v: BTreeSet<IpAddr> = self.services.iter().map(|s| s.id.vip).collect();
+        v.into_iter().collect()
+    }
+
     /// Every backend (all services).
     pub fn backends(&self) -> BTreeSet<SocketAddr> {
         self.services
@@ -223,6 +235,8 @@ pub fn desired(
     Ok(DesiredConfig {
         services,
         health_check,
+        sync_peers: None,
+        newest_revision: None,
     })
 }
 

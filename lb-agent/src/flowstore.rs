@@ -17,8 +17,8 @@ use anyhow::{Context, Result};
 use aya::maps::{HashMap, MapData};
 use lb_common::{
     map_names as names, Addr, FlowEvent, FlowKeyV4, FlowV4, NextHop, Service, ServiceKey,
-    FAMILY_V4, FLOW_EV_CLOSE, FLOW_EV_NEW, FLOW_EV_REFRESH, FLOW_F_FIN, FLOW_F_FORWARD,
-    FLOW_F_RST, FLOW_F_SYNCED, TCP_CLOSING_TIMEOUT_S,
+    FAMILY_V4, FLOW_EV_CLOSE, FLOW_EV_NEW, FLOW_EV_REFRESH, FLOW_F_FIN, FLOW_F_FORWARD, FLOW_F_RST,
+    FLOW_F_SYNCED, TCP_CLOSING_TIMEOUT_S,
 };
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -54,8 +54,7 @@ impl BpfFlowStore {
     /// VIP (it wins conflicts).
     pub fn open(dp: &mut Dataplane, master: Arc<AtomicBool>) -> Result<Self> {
         Ok(BpfFlowStore {
-            flows: HashMap::try_from(dp.open_map(names::FLOWS_V4)?)
-                .context("flow map handle")?,
+            flows: HashMap::try_from(dp.open_map(names::FLOWS_V4)?).context("flow map handle")?,
             services: HashMap::try_from(dp.open_map(names::SERVICES)?)
                 .context("service map handle")?,
             nexthops: HashMap::try_from(dp.open_map(names::NEXTHOPS)?)
@@ -183,7 +182,8 @@ fn close(e: &mut FlowV4, bits: u8, seen: u64) {
 
 /// Whether two entries rewrite packets the same way (ids, ages and marks aside).
 fn same_translation(a: &FlowV4, b: &FlowV4) -> bool {
-    (a.new_src, a.new_dst, a.new_sport, a.new_dport) == (b.new_src, b.new_dst, b.new_sport, b.new_dport)
+    (a.new_src, a.new_dst, a.new_sport, a.new_dport)
+        == (b.new_src, b.new_dst, b.new_sport, b.new_dport)
 }
 
 /// Connections (forward entry + its reverse entry) of a table snapshot selected by `pick`, as events of `kind`
@@ -228,8 +228,9 @@ pub fn refresh_events(
     now: u64,
     window_ns: u64,
 ) -> Vec<(FlowEvent, u32)> {
-    let local_recent =
-        |e: &FlowV4| e.flags & FLOW_F_SYNCED == 0 && now.saturating_sub(e.last_seen_ns) <= window_ns;
+    let local_recent = |e: &FlowV4| {
+        e.flags & FLOW_F_SYNCED == 0 && now.saturating_sub(e.last_seen_ns) <= window_ns
+    };
     connections(
         flows,
         now,
@@ -254,7 +255,11 @@ mod tests {
         }
     }
 
-    fn table(fwd_flags: u8, rev_flags: u8, seen: u64) -> std::collections::HashMap<FlowKeyV4, FlowV4> {
+    fn table(
+        fwd_flags: u8,
+        rev_flags: u8,
+        seen: u64,
+    ) -> std::collections::HashMap<FlowKeyV4, FlowV4> {
         let key = FlowKeyV4 {
             src: 1,
             dst: 2,
@@ -264,12 +269,10 @@ mod tests {
             _pad: [0; 3],
         };
         let fwd = entry(FLOW_F_FORWARD | fwd_flags, seen, (2, 3, 5000, 30080));
-        let rev = entry(
-            lb_common::FLOW_F_REVERSE | rev_flags,
-            seen,
-            (2, 1, 80, 10),
-        );
-        [(key, fwd), (fwd.partner_key(6), rev)].into_iter().collect()
+        let rev = entry(lb_common::FLOW_F_REVERSE | rev_flags, seen, (2, 1, 80, 10));
+        [(key, fwd), (fwd.partner_key(6), rev)]
+            .into_iter()
+            .collect()
     }
 
     #[test]
@@ -278,17 +281,26 @@ mod tests {
         let c = connections(&t, 3_500 * NS_PER_MS, |_, _| true, FLOW_EV_NEW);
         assert_eq!(c.len(), 1);
         assert_eq!(c[0].1, 2_500);
-        assert_eq!(c[0].0.rev.flags & lb_common::FLOW_F_REVERSE, lb_common::FLOW_F_REVERSE);
+        assert_eq!(
+            c[0].0.rev.flags & lb_common::FLOW_F_REVERSE,
+            lb_common::FLOW_F_REVERSE
+        );
     }
 
     #[test]
     fn refresh_skips_idle_and_merely_synced_connections() {
         let now = 100_000 * NS_PER_MS;
         let window = 10_000 * NS_PER_MS;
-        assert_eq!(refresh_events(&table(0, 0, now - NS_PER_MS), now, window).len(), 1);
+        assert_eq!(
+            refresh_events(&table(0, 0, now - NS_PER_MS), now, window).len(),
+            1
+        );
         assert!(refresh_events(&table(0, 0, now - 20_000 * NS_PER_MS), now, window).is_empty());
         let synced = table(FLOW_F_SYNCED, FLOW_F_SYNCED, now - NS_PER_MS);
-        assert!(refresh_events(&synced, now, window).is_empty(), "no echo back to the peer");
+        assert!(
+            refresh_events(&synced, now, window).is_empty(),
+            "no echo back to the peer"
+        );
     }
 
     #[test]

@@ -112,6 +112,8 @@ pub struct KubeSettings {
     pub requeue: Duration,
     /// Time source of heartbeats and metric timestamps.
     pub clock: Clock,
+    /// Revision of this machine's LoadBalancerSet (`--machine-revision`), compared with the LoadBalancer's.
+    pub machine_revision: Option<String>,
 }
 
 impl std::fmt::Debug for KubeSettings {
@@ -237,6 +239,46 @@ pub fn config_from_lb(lb: &LoadBalancer, health_check: &HealthCheckSpec) -> Conf
         Ok(c) => ConfigState::Valid(Arc::new(c), generation),
         Err(e) => ConfigState::Invalid(format!("{e:#}"), generation),
     }
+}
+
+/// Adds what HA needs from the LoadBalancer's annotations to a valid config: the sync peers (machines'
+/// addresses, written by the controller) and whether this machine is of the newest revision. A malformed peer
+/// is skipped with a warning; the others still sync.
+pub fn with_ha_hints(
+    state: ConfigState,
+    lb: &LoadBalancer,
+    machine_revision: Option<&str>,
+) -> ConfigState {
+    let ConfigState::Valid(cfg, generation) = state else {
+        return state;
+    };
+    let ann = lb.metadata.annotations.as_ref();
+    let peers = ann
+        .and_then(|a| a.get(lb_api::constants::lb_annotations::SYNC_PEERS))
+        .map(|v| {
+            v.split(',')
+                .map(str::trim)
+                .filter(|p| !p.is_empty())
+                .filter_map(|p| match p.parse::<IpAddr>() {
+                    Ok(ip) => Some(ip),
+                    Err(_) => {
+                        tracing::warn!(
+                            peer = p,
+                            "ignoring a malformed sync peer in the LoadBalancer annotation"
+                        );
+                        None
+                    }
+                })
+                .collect::<Vec<_>>()
+        });
+    let newest = machine_revision.map(|mine| {
+        ann.and_then(|a| a.get(lb_api::constants::lb_annotations::REVISION))
+            .is_some_and(|current| current.trim() == mine.trim())
+    });
+    let mut c = (*cfg).clone();
+    c.sync_peers = peers;
+    c.newest_revision = newest;
+    ConfigState::Valid(Arc::new(c), generation)
 }
 
 /// Whether two states would make the agent do the same thing (no need to wake it).
@@ -605,7 +647,11 @@ async fn publish(
     tx: &watch::Sender<ConfigState>,
     recorder: &Recorder,
 ) {
-    let state = config_from_lb(lb, &settings.health_check);
+    let state = with_ha_hints(
+        config_from_lb(lb, &settings.health_check),
+        lb,
+        settings.machine_revision.as_deref(),
+    );
     // Status-only updates (replica counts, reconcile timestamps) must not wake the agent.
     if same_config(&tx.borrow(), &state) {
         return;

@@ -8,6 +8,7 @@ pub mod config;
 pub mod dataplane;
 pub mod flowstore;
 pub mod gc;
+pub mod ha;
 pub mod health;
 pub mod hostmetrics;
 pub mod kube;
@@ -16,6 +17,8 @@ pub mod metrics;
 pub mod model;
 pub mod neighbor;
 pub mod programmer;
+pub mod sync;
+pub mod vrrp;
 
 /// TLS set-up shared by every client the agent builds.
 pub mod tls {

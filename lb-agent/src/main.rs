@@ -5,9 +5,11 @@ use anyhow::{bail, Context, Result};
 use clap::{Parser, ValueEnum};
 use lb_agent::agent::{self, AgentOptions, AgentStatus};
 use lb_agent::dataplane::{AttachMode, MapSizes};
+use lb_agent::ha::{HaOptions, SyncSettings};
 use lb_agent::health::{HealthCheckSpec, HttpCheck};
 use lb_agent::kube::KubeSettings;
 use lb_agent::metrics::SharedSnapshot;
+use lb_agent::vrrp::VrrpOptions;
 use std::net::{IpAddr, SocketAddr};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -118,6 +120,68 @@ struct Cli {
     /// Log format.
     #[arg(long, env = "LB_LOG_FORMAT", value_enum, default_value = "text")]
     log_format: LogFormat,
+    /// VRRP virtual router id (1..=255, distinct per load balancer on the network); enables VRRP through
+    /// keepalived, which moves the VIPs between the replicas.
+    #[arg(long, env = "LB_VRRP_ROUTER_ID", value_parser = clap::value_parser!(u8).range(1..))]
+    vrrp_router_id: Option<u8>,
+    /// VRRP base priority (1..=254); the newest revision's machines get a bonus on top (Kubernetes mode).
+    #[arg(long, env = "LB_VRRP_PRIORITY", default_value_t = lb_agent::vrrp::DEFAULT_BASE_PRIORITY,
+          value_parser = clap::value_parser!(u8).range(1..=254))]
+    vrrp_priority: u8,
+    /// VRRP advertisement interval (VRRPv3, multiple of 10 ms); a dead master is replaced after ~3 intervals.
+    #[arg(long, env = "LB_VRRP_ADVERT_INTERVAL", default_value = "200ms", value_parser = go_duration)]
+    vrrp_advert_interval: Duration,
+    /// Unicast VRRP peer (repeatable); none = multicast.
+    #[arg(long = "vrrp-peer", env = "LB_VRRP_PEERS", value_delimiter = ',')]
+    vrrp_peers: Vec<IpAddr>,
+    /// Directory of keepalived's generated config, pid files and FIFOs.
+    #[arg(long, env = "LB_VRRP_RUN_DIR", default_value = "/run/lb-agent/vrrp")]
+    vrrp_run_dir: PathBuf,
+    /// The keepalived binary.
+    #[arg(long, env = "LB_KEEPALIVED_BINARY", default_value = lb_agent::vrrp::DEFAULT_KEEPALIVED_BIN)]
+    keepalived_binary: PathBuf,
+    /// Listen address of connection-state sync (this machine's address on the VIP network and the sync port);
+    /// enables sync with the peers.
+    #[arg(long, env = "LB_SYNC_LISTEN", requires = "sync_secret_file")]
+    sync_listen: Option<SocketAddr>,
+    /// A peer replica's sync address (repeatable); in Kubernetes mode the LoadBalancer's `syncPeers`
+    /// annotation replaces the list.
+    #[arg(long = "sync-peer", env = "LB_SYNC_PEERS", value_delimiter = ',')]
+    sync_peers: Vec<SocketAddr>,
+    /// File with the replicas' pre-shared sync key (at least 16 bytes; surrounding whitespace ignored).
+    #[arg(long, env = "LB_SYNC_SECRET_FILE")]
+    sync_secret_file: Option<PathBuf>,
+    /// Revision of this machine's LoadBalancerSet (Kubernetes mode): equal to the LoadBalancer's revision
+    /// gives the VRRP priority bonus, so a rollout's new machines take the VIP once they are ready.
+    #[arg(long, env = "LB_MACHINE_REVISION")]
+    machine_revision: Option<String>,
+}
+
+impl Cli {
+    /// VRRP and sync settings.
+    fn ha(&self) -> Result<HaOptions> {
+        let vrrp = self.vrrp_router_id.map(|id| {
+            let mut v = VrrpOptions::new(self.interface.clone(), id, self.vrrp_run_dir.clone());
+            v.base_priority = self.vrrp_priority;
+            v.advert_interval = self.vrrp_advert_interval;
+            v.unicast_peers = self.vrrp_peers.clone();
+            v.keepalived_bin = self.keepalived_binary.clone();
+            v
+        });
+        let sync = match (&self.sync_listen, &self.sync_secret_file) {
+            (Some(listen), Some(file)) => {
+                let secret = std::fs::read_to_string(file)
+                    .with_context(|| format!("reading the sync secret {}", file.display()))?;
+                Some(SyncSettings {
+                    listen: *listen,
+                    peers: self.sync_peers.clone(),
+                    secret: secret.trim().as_bytes().to_vec(),
+                })
+            }
+            _ => None,
+        };
+        Ok(HaOptions { vrrp, sync })
+    }
 }
 
 /// Go-style duration (`30s`, `1m30s`, `500ms`), as in the LoadBalancer objects.
@@ -193,6 +257,7 @@ async fn main() -> Result<()> {
         gc_interval: Duration::from_secs(cli.gc_interval.max(1)),
         neighbor_interval: Duration::from_secs(5),
         detach_on_exit: false,
+        ha: cli.ha()?,
     };
     if let Some(dir) = &opts.pin_dir {
         ensure_bpffs(dir)?;
@@ -259,6 +324,7 @@ fn kube_settings(cli: &Cli, loadbalancer: &str) -> Result<KubeSettings> {
         health_check,
         requeue,
         clock: lb_agent::kube::system_clock(),
+        machine_revision: cli.machine_revision.clone(),
     })
 }
 

@@ -50,6 +50,8 @@ pub struct Snapshot {
     pub config_errors: u64,
     /// The data plane is attached and the first configuration is applied.
     pub ready: bool,
+    /// VRRP and flow sync, when enabled.
+    pub ha: Option<crate::ha::HaSnapshot>,
 }
 
 impl Snapshot {
@@ -85,8 +87,159 @@ impl Snapshot {
         for (k, val) in &self.host {
             v.push((k.to_string(), format!("{val}")));
         }
+        if let Some(stats) = self.ha.as_ref().and_then(|h| h.vrrp_stats.as_ref()) {
+            v.extend(stats.yawol_metrics());
+        }
         v
     }
+}
+
+/// VRRP and sync families (only when HA is enabled).
+fn encode_ha(enc: &mut DescriptorEncoder, h: &crate::ha::HaSnapshot) -> std::fmt::Result {
+    let one = |v: u64| [(Vec::<(&'static str, String)>::new(), v)];
+    if let Some(state) = h.vrrp_state {
+        let states = ["init", "backup", "master", "fault", "stopped"];
+        let rows: Vec<_> = states
+            .iter()
+            .map(|s| {
+                (
+                    vec![("state", s.to_string())],
+                    u64::from(state.as_str() == *s),
+                )
+            })
+            .collect();
+        gauge(
+            enc,
+            "lb_vrrp_state",
+            "1 for the machine's current VRRP state.",
+            &rows,
+        )?;
+        gauge(
+            enc,
+            "lb_vrrp_eligible",
+            "1 when the machine offers itself for the VIP (data plane attached, config current, flows synced).",
+            &one(u64::from(h.eligible)),
+        )?;
+        counter(
+            enc,
+            "lb_keepalived_restarts",
+            "keepalived processes restarted by the agent.",
+            &one(h.keepalived_restarts),
+        )?;
+        if let Some(st) = &h.vrrp_stats {
+            counter(
+                enc,
+                "lb_vrrp_became_master",
+                "Times this machine became VRRP master.",
+                &one(st.became_master),
+            )?;
+            counter(
+                enc,
+                "lb_vrrp_released_master",
+                "Times this machine released VRRP master.",
+                &one(st.released_master),
+            )?;
+            counter(
+                enc,
+                "lb_vrrp_adverts_sent",
+                "VRRP advertisements sent.",
+                &one(st.advertisements_sent),
+            )?;
+            counter(
+                enc,
+                "lb_vrrp_adverts_received",
+                "VRRP advertisements received.",
+                &one(st.advertisements_received),
+            )?;
+        }
+    }
+    if let Some(c) = &h.sync {
+        counter(
+            enc,
+            "lb_sync_records_sent",
+            "Flow records sent to peers.",
+            &one(c.records_sent),
+        )?;
+        counter(
+            enc,
+            "lb_sync_records_received",
+            "Flow records received from peers.",
+            &one(c.records_received),
+        )?;
+        counter(
+            enc,
+            "lb_sync_records_applied",
+            "Received records that changed the flow table.",
+            &one(c.records_applied),
+        )?;
+        counter(
+            enc,
+            "lb_sync_records_unchanged",
+            "Received records the flow table already had.",
+            &one(c.records_unchanged),
+        )?;
+        let d = &c.dropped;
+        let rows: Vec<_> = [
+            ("auth", d.auth),
+            ("decode", d.decode),
+            ("conflict", d.conflict),
+            ("unknown_service", d.unknown_service),
+            ("queue_full", d.queue_full),
+            ("store_error", d.store_error),
+        ]
+        .into_iter()
+        .map(|(r, v)| (vec![("reason", r.to_string())], v))
+        .collect();
+        counter(
+            enc,
+            "lb_sync_records_dropped",
+            "Records not applied or not sent, by reason.",
+            &rows,
+        )?;
+        counter(
+            enc,
+            "lb_sync_conflicts",
+            "Peer records that translate a flow differently from this machine (split-brain guard; should stay 0).",
+            &one(d.conflict),
+        )?;
+        counter(
+            enc,
+            "lb_sync_resyncs_sent",
+            "Full flow-table dumps sent to peers.",
+            &one(c.full_resyncs_sent),
+        )?;
+        counter(
+            enc,
+            "lb_sync_resyncs_received",
+            "Full flow-table dumps received from peers.",
+            &one(c.full_resyncs_received),
+        )?;
+        counter(
+            enc,
+            "lb_sync_frames_rejected",
+            "Sync frames rejected (authentication, sequence, format).",
+            &one(c.frames_rejected),
+        )?;
+        gauge(
+            enc,
+            "lb_sync_peers_connected",
+            "Peers this machine sends its flows to.",
+            &one(c.peers_connected),
+        )?;
+        gauge(
+            enc,
+            "lb_sync_synced",
+            "1 once the flow table caught up with every reachable peer.",
+            &one(u64::from(h.synced)),
+        )?;
+        gauge(
+            enc,
+            "lb_sync_apply_lag_ms",
+            "Age of the last applied record when it was applied (ms).",
+            &one(c.last_apply_lag_ms),
+        )?;
+    }
+    Ok(())
 }
 
 /// New flows that could not be sent to a backend (Envoy's `upstream_cx_connect_fail` equivalent).
@@ -281,6 +434,9 @@ impl Collector for SnapshotCollector {
             "Host metrics of the load-balancer VM (yawol's names).",
             &host,
         )?;
+        if let Some(h) = &s.ha {
+            encode_ha(&mut enc, h)?;
+        }
         Ok(())
     }
 }

@@ -114,6 +114,7 @@ impl Harness {
             health_check: HealthCheckSpec::default(),
             requeue: REQUEUE,
             clock: Arc::new(move || Time(Timestamp::from_second(*c.lock().unwrap()).unwrap())),
+            machine_revision: None,
         };
         let (status_tx, status_rx) = watch::channel(AgentStatus::default());
         let snapshot: SharedSnapshot = Arc::new(std::sync::RwLock::new(sample_snapshot()));
@@ -677,6 +678,7 @@ async fn an_unreachable_api_server_is_retried_with_backoff() {
         health_check: HealthCheckSpec::default(),
         requeue: REQUEUE,
         clock: kube_mode::system_clock(),
+            machine_revision: None,
     };
     let mode = kube_mode::start(client, settings, status_rx, SharedSnapshot::default());
     tokio::time::sleep(Duration::from_millis(700)).await;

@@ -81,6 +81,22 @@ pub mod lb_annotations {
     pub const SERVICE_NAME: &str = "yawol.stackit.cloud/serviceName";
     /// Current LoadBalancerSet revision (LoadBalancer, LoadBalancerSet and LoadBalancerMachine).
     pub const REVISION: &str = "loadbalancer.yawol.stackit.cloud/revision";
+    /// VRRP virtual router ID (1..=255) of the load balancer's machines, allocated by the controller once and
+    /// distinct among the LoadBalancers on the same network.
+    pub const VRRP_ROUTER_ID: &str = "loadbalancer.yawol.stackit.cloud/vrrpRouterID";
+    /// Comma-separated, sorted `status.defaultPortIP`s of the load balancer's live machines (all sets), written by
+    /// the controller; the agents find their state-sync peers here.
+    pub const SYNC_PEERS: &str = "loadbalancer.yawol.stackit.cloud/syncPeers";
+}
+
+/// State sync between the machines of one load balancer.
+pub mod sync {
+    /// TCP port the agents sync on; the security group admits it from members of the same group.
+    pub const PORT: u16 = 9190;
+    /// The shared secret lives in the Secret `<loadbalancer><SECRET_SUFFIX>` (owned by the LoadBalancer).
+    pub const SECRET_SUFFIX: &str = "-sync";
+    /// Key of the shared secret in that Secret.
+    pub const SECRET_KEY: &str = "secret";
 }
 
 /// Annotation keys on LoadBalancerMachine objects.

@@ -15,6 +15,7 @@ pub mod constants;
 pub mod duration;
 #[cfg(feature = "fake-api-server")]
 pub mod fake_api;
+pub mod ha;
 pub mod loadbalancer;
 pub mod loadbalancermachine;
 pub mod loadbalancerset;

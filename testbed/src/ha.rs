@@ -80,8 +80,9 @@ pub struct HaRig {
 }
 
 impl HaRig {
-    /// Builds the topology, starts echo servers and (unless told otherwise) every replica's agent, with
-    /// priorities 100, 99, 98 in replica order, and waits until one of them holds the VIP.
+    /// Builds the topology, starts echo servers and (unless told otherwise) every replica's agent, all with
+    /// priority 100 (one revision: a restarted machine must not preempt), and waits until one of them holds the
+    /// VIP.
     pub fn start(cfg: HaRigConfig) -> Result<Self> {
         let topo = Topology::new(TopologyConfig {
             backends: cfg.backends,
@@ -93,7 +94,10 @@ impl HaRig {
         let vip = topo.addr(100);
         let dir = std::env::temp_dir().join(format!("{}-ha", topo.id()));
         std::fs::create_dir_all(&dir)?;
-        std::fs::write(dir.join("sync-secret"), "testbed-sync-secret-0123456789abcdef\n")?;
+        std::fs::write(
+            dir.join("sync-secret"),
+            "testbed-sync-secret-0123456789abcdef\n",
+        )?;
         let pin_dir = pin_root()?.join(topo.id());
         let mut rig = HaRig {
             topo,
@@ -130,8 +134,8 @@ impl HaRig {
         let ips: Vec<Ipv4Addr> = rig.topo.backends().map(|b| rig.topo.ip(b)).collect();
         std::fs::write(rig.config_path(), lb_config_yaml(vip, &ips, ""))?;
         if rig.cfg.start_agents {
-            for (i, h) in rig.topo.lbs().into_iter().enumerate() {
-                rig.start_agent(h, 100 - i as u8)?;
+            for h in rig.topo.lbs() {
+                rig.start_agent(h, 100)?;
             }
             rig.wait_master(Duration::from_secs(20))?;
         }
@@ -169,7 +173,10 @@ impl HaRig {
             "--vrrp-advert-interval".into(),
             format!("{}ms", self.cfg.advert_interval.as_millis()),
             "--vrrp-run-dir".into(),
-            self.dir.join(format!("{}-vrrp", host.name())).display().to_string(),
+            self.dir
+                .join(format!("{}-vrrp", host.name()))
+                .display()
+                .to_string(),
             "--sync-listen".into(),
             format!("{me}:{SYNC_PORT}"),
             "--sync-secret-file".into(),
@@ -303,7 +310,11 @@ impl HaRig {
 
     /// The sum of the samples of metric `name` on replica `host` whose labels contain `labels`.
     pub fn metric(&self, host: Host, name: &str, labels: &str) -> Result<f64> {
-        Ok(parse_metric(&self.http_get(host, "/metrics")?, name, labels))
+        Ok(parse_metric(
+            &self.http_get(host, "/metrics")?,
+            name,
+            labels,
+        ))
     }
 
     /// Replica `host`'s agent log so far.
@@ -336,6 +347,7 @@ impl HaRig {
         let path = self
             .pin_dir
             .join(host.name())
+            .join(self.topo.ifname(host))
             .join(format!("v{}", lb_common::LAYOUT_VERSION))
             .join(lb_common::map_names::FLOWS_V4);
         let data = aya::maps::MapData::from_pin(&path)

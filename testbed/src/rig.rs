@@ -325,7 +325,11 @@ impl Rig {
 
     /// Attaches `xdp_pass` to the bridge side of the lb's veth (veth needs it for `XDP_TX`).
     fn attach_xdp_pass(&mut self) -> Result<()> {
-        self.xdp_pass = Some(attach_xdp_pass(&self.topo, &self.cfg.xdp_pass_obj, Host::Lb)?);
+        self.xdp_pass = Some(attach_xdp_pass(
+            &self.topo,
+            &self.cfg.xdp_pass_obj,
+            Host::Lb,
+        )?);
         Ok(())
     }
 }
@@ -340,7 +344,11 @@ pub fn lb_config_yaml(vip: Ipv4Addr, backends: &[Ipv4Addr], options: &str) -> St
         y += &format!("  - {{name: node-{}, addresses: [{ip}]}}\n", i + 1);
     }
     y += "options:\n";
-    y += if options.is_empty() { "  {}\n" } else { options };
+    y += if options.is_empty() {
+        "  {}\n"
+    } else {
+        options
+    };
     y += "healthCheck: {interval: 1s, timeout: 1s, unhealthyThreshold: 2, healthyThreshold: 1}\n";
     y
 }

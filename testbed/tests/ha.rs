@@ -51,11 +51,15 @@ fn wait_until(what: &str, timeout: Duration, mut f: impl FnMut() -> bool) {
 
 /// Waits until replica `to` has every forward flow `from` has (sync caught up).
 fn wait_synced(r: &HaRig, from: Host, to: Host) {
-    wait_until(&format!("{to} to hold {from}'s flows"), Duration::from_secs(20), || {
-        let a = r.forward_flows(from).unwrap();
-        let b = r.forward_flows(to).unwrap();
-        a.keys().all(|k| b.contains_key(k))
-    });
+    wait_until(
+        &format!("{to} to hold {from}'s flows"),
+        Duration::from_secs(20),
+        || {
+            let a = r.forward_flows(from).unwrap();
+            let b = r.forward_flows(to).unwrap();
+            a.keys().all(|k| b.contains_key(k))
+        },
+    );
 }
 
 /// Split-brain guard: every flow both replicas know is translated identically, and no sync conflict was
@@ -69,7 +73,10 @@ fn assert_consistent(r: &HaRig, hosts: &[Host]) {
                 .iter()
                 .filter(|(k, v)| fb.get(k).is_some_and(|w| w != *v))
                 .count();
-            assert_eq!(differ, 0, "{a} and {b} translate {differ} flows differently");
+            assert_eq!(
+                differ, 0,
+                "{a} and {b} translate {differ} flows differently"
+            );
         }
         let conflicts = r.metric(*a, "lb_sync_conflicts_total", "").unwrap();
         assert_eq!(conflicts, 0.0, "sync conflicts on {a}");
@@ -101,9 +108,11 @@ fn master_dies_and_connections_survive() {
 
     let t0 = Instant::now();
     r.cut_link(master, true).unwrap();
-    wait_until("the backup to take the VIP", Duration::from_secs(10), || {
-        r.vip_holders().unwrap().contains(&backup)
-    });
+    wait_until(
+        "the backup to take the VIP",
+        Duration::from_secs(10),
+        || r.vip_holders().unwrap().contains(&backup),
+    );
     let takeover = t0.elapsed();
     std::thread::sleep(Duration::from_secs(4));
     let rep = hold.stop().unwrap();
@@ -129,22 +138,29 @@ fn planned_rollover_to_a_new_revision_breaks_nothing() {
         panic!("three replicas")
     };
     r.start_agent(old1, 100).unwrap();
-    r.start_agent(old2, 99).unwrap();
-    assert_eq!(r.wait_master(Duration::from_secs(20)).unwrap(), old1);
+    r.start_agent(old2, 100).unwrap();
+    let master = r.wait_master(Duration::from_secs(20)).unwrap();
+    let standby = if master == old1 { old2 } else { old1 };
     let args = hold_args(&r, 200, 20);
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
     let hold = r.start_hold(&args).unwrap();
-    wait_synced(&r, old1, old2);
+    wait_synced(&r, master, standby);
 
     // The new revision's machine: higher priority, takes the VIP only once it has the flows.
     r.start_agent(new, 150).unwrap();
     let t0 = Instant::now();
-    r.wait_master_where(Duration::from_secs(30), |m| m == new).unwrap();
-    println!("new revision took the VIP {} ms after its agent was ready", t0.elapsed().as_millis());
+    r.wait_master_where(Duration::from_secs(30), |m| m == new)
+        .unwrap();
+    println!(
+        "new revision took the VIP {} ms after its agent was ready",
+        t0.elapsed().as_millis()
+    );
     std::thread::sleep(Duration::from_secs(2));
-    // The old machines go, gracefully, one at a time.
-    r.stop_agent(old2, libc::SIGTERM).unwrap();
-    r.stop_agent(old1, libc::SIGTERM).unwrap();
+    // The old machines are deleted, one at a time.
+    for old in [standby, master] {
+        r.kill_all(old).unwrap();
+        r.cut_link(old, true).unwrap();
+    }
     std::thread::sleep(Duration::from_secs(2));
     let rep = hold.stop().unwrap();
     report("planned rollover", &rep);
@@ -162,19 +178,32 @@ fn a_restarted_peer_resyncs_and_can_take_over() {
     let args = hold_args(&r, 150, 10);
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
     let hold = r.start_hold(&args).unwrap();
-    r.start_agent(backup, 99).unwrap();
+    r.start_agent(backup, 100).unwrap();
     wait_synced(&r, master, backup);
     assert!(
-        r.metric(backup, "lb_sync_resyncs_received_total", "").unwrap() >= 1.0,
+        r.metric(backup, "lb_sync_resyncs_received_total", "")
+            .unwrap()
+            >= 1.0,
         "the rejoining peer got a full dump"
     );
     assert_consistent(&r, &[master, backup]);
+    assert_eq!(
+        r.master().unwrap(),
+        Some(master),
+        "a rejoining peer must not take the VIP"
+    );
     r.cut_link(master, true).unwrap();
-    wait_until("the backup to take the VIP", Duration::from_secs(10), || {
-        r.vip_holders().unwrap().contains(&backup)
-    });
+    wait_until(
+        "the backup to take the VIP",
+        Duration::from_secs(10),
+        || r.vip_holders().unwrap().contains(&backup),
+    );
     std::thread::sleep(Duration::from_secs(4));
     let rep = hold.stop().unwrap();
     report("takeover by a resynced peer", &rep);
-    assert!(survival(&rep) >= 0.99, "{:?}", rep.connections.iter().take(5).collect::<Vec<_>>());
+    assert!(
+        survival(&rep) >= 0.99,
+        "{:?}",
+        rep.connections.iter().take(5).collect::<Vec<_>>()
+    );
 }

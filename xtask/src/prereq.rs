@@ -5,8 +5,9 @@ use anyhow::{Context, Result};
 use std::process::Command;
 
 /// Debian packages the network-namespace tests and the demo use: `ip` (iproute2) and `ethtool` (to turn
-/// off TX checksum offload on test veths, so frames carry real checksums as on a wire).
-pub const NETNS_PACKAGES: &[&str] = &["iproute2", "ethtool"];
+/// off TX checksum offload on test veths, so frames carry real checksums as on a wire), and `keepalived` (VRRP
+/// of the HA tests, supervised by the agent as on the load-balancer VMs).
+pub const NETNS_PACKAGES: &[&str] = &["iproute2", "ethtool", "keepalived"];
 
 /// Installs the Debian packages that are missing (one `apt-get update` first).
 pub fn debian_packages(pkgs: &[&str]) -> Result<()> {

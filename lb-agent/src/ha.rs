@@ -1,0 +1,319 @@
+//! High availability on one replica: VRRP ([`crate::vrrp`], keepalived) decides who holds the VIP, and
+//! connection-state sync ([`crate::sync`]) gives every replica the flows of the others, so a new master
+//! translates established connections exactly like the old one.
+//!
+//! The glue here: the data plane's flow events (ring buffer) go to the peers as they happen; the periodic GC
+//! pass sends refreshes; the peers' records land in the BPF maps through [`BpfFlowStore`]; and the machine is
+//! only eligible for the VIP ([`Keepalived::set_healthy`]) while its data plane is attached, its config is the
+//! latest and its flow table has caught up with every reachable peer.
+
+use crate::dataplane::{interface_mac, Dataplane};
+use crate::flowstore::{Applied, BpfFlowStore};
+use crate::sync::{
+    self, ApplyOutcome, FlowRecord, FlowStore, SyncCounters, SyncHandle, SyncOptions,
+};
+use crate::vrrp::{Keepalived, VrrpOptions, VrrpState, VrrpStats};
+use anyhow::{Context, Result};
+use aya::maps::{MapData, RingBuf};
+use lb_common::{FlowEvent, CFG_F_CHECK_DST_MAC, CFG_F_SYNC_EVENTS};
+use std::net::{IpAddr, SocketAddr};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use tokio::io::unix::AsyncFd;
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+
+/// Flow sync settings.
+#[derive(Clone, Debug)]
+pub struct SyncSettings {
+    /// Listen address (the machine's own address on the VIP network, sync port).
+    pub listen: SocketAddr,
+    /// The other replicas' sync addresses (may include this one's; it is ignored).
+    pub peers: Vec<SocketAddr>,
+    /// Pre-shared key of the load balancer's replicas.
+    pub secret: Vec<u8>,
+}
+
+/// What HA runs on this machine; both parts are optional (a single machine runs neither).
+#[derive(Clone, Debug, Default)]
+pub struct HaOptions {
+    /// VRRP through keepalived.
+    pub vrrp: Option<VrrpOptions>,
+    /// Connection-state sync.
+    pub sync: Option<SyncSettings>,
+}
+
+impl HaOptions {
+    /// Whether anything is enabled.
+    pub fn enabled(&self) -> bool {
+        self.vrrp.is_some() || self.sync.is_some()
+    }
+}
+
+/// A snapshot for metrics and status.
+#[derive(Clone, Debug, Default)]
+pub struct HaSnapshot {
+    /// VRRP state, when VRRP runs.
+    pub vrrp_state: Option<VrrpState>,
+    /// keepalived's counters (when readable).
+    pub vrrp_stats: Option<VrrpStats>,
+    /// keepalived restarts by the supervisor.
+    pub keepalived_restarts: u64,
+    /// Whether this machine currently offers itself for the VIP.
+    pub eligible: bool,
+    /// Sync counters, when sync runs.
+    pub sync: Option<SyncCounters>,
+    /// Sync caught up with the reachable peers.
+    pub synced: bool,
+}
+
+/// The running HA parts of one agent.
+pub struct Ha {
+    vrrp_opts: Option<VrrpOptions>,
+    keepalived: Option<Keepalived>,
+    sync: Option<SyncHandle>,
+    tasks: Vec<JoinHandle<()>>,
+    peers_tx: Option<watch::Sender<Vec<SocketAddr>>>,
+    master: Arc<AtomicBool>,
+    eligible: bool,
+    /// Set while an adopted keepalived (agent restart) must keep the previous agent's health verdict: the
+    /// pinned data plane kept forwarding, so demoting the master until this agent has caught up would only
+    /// cause a needless failover.
+    adopted_until: Option<std::time::Instant>,
+}
+
+/// How long an adopted keepalived keeps the previous agent's verdict while this one starts up.
+const ADOPTION_GRACE: std::time::Duration = std::time::Duration::from_secs(30);
+
+/// [`BpfFlowStore`] behind the sync's store interface.
+struct SyncStore(BpfFlowStore);
+
+impl FlowStore for SyncStore {
+    fn dump(&mut self) -> Result<Vec<FlowRecord>> {
+        Ok(self
+            .0
+            .dump()?
+            .into_iter()
+            .map(|(event, age_ms)| FlowRecord { event, age_ms })
+            .collect())
+    }
+
+    fn apply(&mut self, rec: &FlowRecord) -> ApplyOutcome {
+        match self.0.apply(&rec.event, rec.age_ms) {
+            Ok(Applied::Written) => ApplyOutcome::Applied,
+            Ok(Applied::Unchanged) => ApplyOutcome::Unchanged,
+            Ok(Applied::Conflict) => ApplyOutcome::Conflict,
+            Ok(Applied::UnknownService) => ApplyOutcome::UnknownService,
+            Err(e) => {
+                tracing::debug!(error = %format!("{e:#}"), "applying a synced flow failed");
+                ApplyOutcome::Error
+            }
+        }
+    }
+}
+
+impl Ha {
+    /// Starts sync (listener, peers, ring-buffer reader) right away; keepalived starts with the first VIPs
+    /// ([`Self::update`]), because it refuses an instance without one.
+    pub async fn start(opts: HaOptions, dp: &mut Dataplane) -> Result<Ha> {
+        let master = Arc::new(AtomicBool::new(false));
+        let mut ha = Ha {
+            vrrp_opts: opts.vrrp,
+            keepalived: None,
+            sync: None,
+            tasks: Vec::new(),
+            peers_tx: None,
+            master: master.clone(),
+            eligible: false,
+            adopted_until: None,
+        };
+        if let Some(s) = opts.sync {
+            let store = SyncStore(BpfFlowStore::open(dp, master)?);
+            let (peers_tx, peers_rx) = watch::channel(s.peers);
+            let (handle, task) = sync::start(SyncOptions::new(s.listen, peers_rx, s.secret), store)
+                .await
+                .context("starting flow sync")?;
+            tracing::info!(listen = %handle.local_addr(), "flow sync running");
+            let events = dp.take_flow_events()?;
+            ha.tasks.push(task);
+            ha.tasks
+                .push(tokio::spawn(forward_events(events, handle.clone())));
+            ha.sync = Some(handle);
+            ha.peers_tx = Some(peers_tx);
+        }
+        Ok(ha)
+    }
+
+    /// `lb_common::Config` flags the data plane needs for this setup, and the interface MAC for the check.
+    pub fn dataplane_settings(&self, interface: &str) -> Result<(u32, [u8; 6])> {
+        let mut flags = 0;
+        if self.sync.is_some() {
+            flags |= CFG_F_SYNC_EVENTS;
+        }
+        if self.vrrp_opts.is_some() {
+            // Several replicas on one segment: flooded frames for the master must not be forwarded twice.
+            flags |= CFG_F_CHECK_DST_MAC;
+        }
+        let mac = if flags & CFG_F_CHECK_DST_MAC != 0 {
+            interface_mac(interface)?
+        } else {
+            [0; 6]
+        };
+        Ok((flags, mac))
+    }
+
+    /// Called every loop tick and after config changes: `ready` says the data plane is attached and runs the
+    /// latest config. Starts keepalived once there are VIPs, keeps its VIPs in line, and offers the machine
+    /// for the VIP only when ready and synced.
+    pub async fn update(&mut self, ready: bool, vips: Vec<IpAddr>) {
+        if self.keepalived.is_none() && !vips.is_empty() {
+            if let Some(opts) = self.vrrp_opts.clone() {
+                match Keepalived::start(opts, vips.clone()).await {
+                    Ok(k) => {
+                        tracing::info!(adopted = k.adopted(), "keepalived running");
+                        if k.adopted() {
+                            self.adopted_until = Some(std::time::Instant::now() + ADOPTION_GRACE);
+                        }
+                        self.keepalived = Some(k);
+                    }
+                    Err(e) => {
+                        tracing::error!(error = %format!("{e:#}"), "starting keepalived failed; retrying")
+                    }
+                }
+            }
+        }
+        let synced = self.sync.as_ref().is_none_or(|s| s.synced());
+        let eligible = ready && synced;
+        if eligible != self.eligible {
+            tracing::info!(eligible, ready, synced, "VRRP eligibility changed");
+            self.eligible = eligible;
+        }
+        let hold_verdict = match self.adopted_until {
+            Some(until) if !eligible && std::time::Instant::now() < until => true,
+            _ => {
+                self.adopted_until = None;
+                false
+            }
+        };
+        if let Some(k) = &self.keepalived {
+            if !hold_verdict {
+                if let Err(e) = k.set_healthy(eligible) {
+                    tracing::warn!(error = %e, "writing the VRRP health file failed");
+                }
+            }
+            if !vips.is_empty() {
+                if let Err(e) = k.set_vips(vips) {
+                    tracing::warn!(error = %format!("{e:#}"), "updating keepalived's VIPs failed");
+                }
+            }
+            let master = *k.state().borrow() == VrrpState::Master;
+            self.master.store(master, Ordering::Relaxed);
+        }
+    }
+
+    /// Priority bonus for "this machine belongs to the newest revision" (Kubernetes mode).
+    pub fn set_priority_bonus(&self, bonus: u8) {
+        if let Some(k) = &self.keepalived {
+            if let Err(e) = k.set_priority_bonus(bonus) {
+                tracing::warn!(error = %e, "writing the VRRP priority file failed");
+            }
+        }
+    }
+
+    /// Replaces the sync peers (Kubernetes mode reads them from the LoadBalancer).
+    pub fn set_peers(&self, peers: Vec<SocketAddr>) {
+        if let Some(tx) = &self.peers_tx {
+            tx.send_if_modified(|p| {
+                let changed = *p != peers;
+                *p = peers;
+                changed
+            });
+        }
+    }
+
+    /// Sends the periodic refresh of the connections this machine carried (from the GC pass).
+    pub fn publish_refresh(&self, events: &[(FlowEvent, u32)]) {
+        if let Some(s) = &self.sync {
+            let records: Vec<FlowRecord> = events
+                .iter()
+                .map(|(event, age_ms)| FlowRecord {
+                    event: *event,
+                    age_ms: *age_ms,
+                })
+                .collect();
+            s.publish(&records);
+        }
+    }
+
+    /// Whether sync runs (the GC pass then collects refreshes).
+    pub fn syncing(&self) -> bool {
+        self.sync.is_some()
+    }
+
+    /// Current numbers.
+    pub async fn snapshot(&self) -> HaSnapshot {
+        let mut s = HaSnapshot {
+            eligible: self.eligible,
+            synced: self.sync.as_ref().is_none_or(|s| s.synced()),
+            sync: self.sync.as_ref().map(|s| s.counters()),
+            ..Default::default()
+        };
+        if let Some(k) = &self.keepalived {
+            s.vrrp_state = Some(*k.state().borrow());
+            s.keepalived_restarts = k.restarts();
+            s.vrrp_stats = k.stats().await.ok();
+        } else if self.vrrp_opts.is_some() {
+            s.vrrp_state = Some(VrrpState::Stopped);
+        }
+        s
+    }
+
+    /// Stops sync. keepalived is stopped only with `stop_keepalived` (the VIP then moves to a peer); otherwise it
+    /// keeps running with the data plane, and the next agent adopts it without a failover.
+    pub async fn stop(mut self, stop_keepalived: bool) {
+        if let Some(k) = self.keepalived.take().filter(|_| stop_keepalived) {
+            if let Err(e) = k.stop().await {
+                tracing::warn!(error = %format!("{e:#}"), "stopping keepalived");
+            }
+        }
+        for t in self.tasks.drain(..) {
+            t.abort();
+        }
+    }
+}
+
+/// Reads the data plane's flow events as they come and hands them to the sync in batches.
+async fn forward_events(events: RingBuf<MapData>, sync: SyncHandle) {
+    // SAFETY: the ring buffer owns its map fd for as long as the AsyncFd owns the ring buffer, and its
+    // `as_raw_fd` always returns that fd.
+    let mut fd = match unsafe { AsyncFd::register(events) } {
+        Ok(fd) => fd,
+        Err(e) => {
+            tracing::error!(error = %e, "polling the flow-event ring buffer failed; flows sync only by refresh");
+            return;
+        }
+    };
+    let mut batch: Vec<FlowRecord> = Vec::with_capacity(256);
+    loop {
+        let mut guard = match fd.readable_mut().await {
+            Ok(g) => g,
+            Err(e) => {
+                tracing::error!(error = %e, "flow-event ring buffer");
+                return;
+            }
+        };
+        let rb = guard.get_inner_mut();
+        while let Some(item) = rb.next() {
+            if item.len() >= size_of::<FlowEvent>() {
+                // SAFETY: the data plane writes whole `FlowEvent`s; read_unaligned copes with any alignment.
+                let event = unsafe { std::ptr::read_unaligned(item.as_ptr().cast::<FlowEvent>()) };
+                batch.push(FlowRecord { event, age_ms: 0 });
+            }
+        }
+        if !batch.is_empty() {
+            sync.publish(&batch);
+            batch.clear();
+        }
+        guard.clear_ready();
+    }
+}

@@ -1,0 +1,818 @@
+//! The sync protocol on the wire: handshake messages, authenticated frames and the record encoding.
+//!
+//! Everything is encoded field by field. Integers are little-endian, except addresses and ports, which
+//! travel as the bytes the data plane stores (network byte order), so no replica ever converts them.
+//!
+//! ```text
+//! handshake (initiator I = the side that pushes its records, responder R = the side that applies them)
+//!   prefix     magic "LBSY" | version u8 | message type u8 | reserved [2] = 0          (8 bytes)
+//!   I → R  Hello      prefix | node id u64 | nonce_i [32]                               (48 bytes)
+//!   R → I  Challenge  prefix | node id u64 | nonce_r [32] | proof_r [32]                (80 bytes)
+//!   I → R  Auth       prefix | proof_i [32]                                             (40 bytes)
+//!   R → I  Reject     prefix only, carrying R's version, when it cannot speak I's      (8 bytes)
+//!   transcript = Hello || Challenge without its proof;  proof_x = HMAC-SHA256(psk, label_x || transcript);
+//!   one session key per direction: HMAC-SHA256(psk, label_dir || transcript)
+//! frame (both directions after the handshake)
+//!   version u8 | kind u8 | reserved u16 = 0 | payload length u32 | sequence u64         (16 bytes)
+//!   payload | HMAC-SHA256(direction key, header || payload)                            (32 bytes)
+//!   sequence numbers start at 0 in each direction and grow by one per frame
+//! payloads: Records = count u32 | count × record (96 bytes); DumpDone = records in the dump u64;
+//!           Ack = sequence of the last applied Records frame u64; Heartbeat = empty
+//! ```
+
+use super::FlowRecord;
+use hmac::{Hmac, Mac};
+use lb_common::{FlowEvent, FlowKeyV4, FlowV4, FLOW_EV_CLOSE, FLOW_EV_NEW, FLOW_EV_REFRESH};
+use sha2::Sha256;
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+
+type HmacSha256 = Hmac<Sha256>;
+
+/// Protocol version spoken by this build; a peer with another one is rejected during the handshake.
+pub const VERSION: u8 = 1;
+/// First bytes of every handshake message.
+pub const MAGIC: [u8; 4] = *b"LBSY";
+/// Length of an HMAC-SHA256 tag.
+pub const MAC_LEN: usize = 32;
+/// Length of a handshake nonce.
+pub const NONCE_LEN: usize = 32;
+/// Length of the prefix shared by all handshake messages.
+pub const PREFIX_LEN: usize = 8;
+/// Length of the Hello message (initiator → responder).
+pub const HELLO_LEN: usize = PREFIX_LEN + 8 + NONCE_LEN;
+/// Length of the Challenge message (responder → initiator).
+pub const CHALLENGE_LEN: usize = PREFIX_LEN + 8 + NONCE_LEN + MAC_LEN;
+/// Length of the Auth message (initiator → responder).
+pub const AUTH_LEN: usize = PREFIX_LEN + MAC_LEN;
+/// Length of a frame header.
+pub const FRAME_HEADER_LEN: usize = 16;
+/// Largest frame payload accepted (and produced): bounds memory per connection and the lag of one batch.
+pub const MAX_PAYLOAD: usize = 64 * 1024;
+/// Length of one encoded [`FlowRecord`].
+pub const RECORD_LEN: usize = 96;
+/// Records that fit one frame.
+pub const RECORDS_PER_FRAME: usize = (MAX_PAYLOAD - 4) / RECORD_LEN;
+/// Encoded length of a [`FlowV4`] (its `last_seen_ns` and padding are not sent).
+const FLOW_LEN: usize = 39;
+const _: () = assert!(RECORD_LEN == 1 + 13 + 2 * FLOW_LEN + 4);
+
+const MSG_HELLO: u8 = 1;
+const MSG_CHALLENGE: u8 = 2;
+const MSG_AUTH: u8 = 3;
+const MSG_REJECT: u8 = 4;
+
+// Distinct fixed labels in front of a fixed-length transcript, so no output can stand in for another.
+const LABEL_PROOF_R: &[u8] = b"lb-sync v1 responder proof";
+const LABEL_PROOF_I: &[u8] = b"lb-sync v1 initiator proof";
+const LABEL_KEY_IR: &[u8] = b"lb-sync v1 key initiator to responder";
+const LABEL_KEY_RI: &[u8] = b"lb-sync v1 key responder to initiator";
+
+/// Why a message or connection was refused. Every error ends its connection.
+#[derive(Debug, thiserror::Error)]
+pub enum WireError {
+    /// Socket error.
+    #[error("{0}")]
+    Io(std::io::Error),
+    /// The peer closed the connection.
+    #[error("connection closed by the peer")]
+    Closed,
+    /// Nothing arrived for three heartbeat intervals (or the handshake took as long).
+    #[error("peer silent for too long")]
+    Timeout,
+    /// The handshake failed: the peers do not share the secret (or someone without it tried).
+    #[error("authentication failed: {0}")]
+    Auth(&'static str),
+    /// A frame failed its HMAC or came out of sequence: forged, tampered with, replayed or reordered.
+    #[error("frame rejected: {0}")]
+    Rejected(&'static str),
+    /// The peer speaks another protocol version.
+    #[error("unsupported sync protocol version {0} (this node speaks version {v})", v = VERSION)]
+    Version(u8),
+    /// A well-authenticated message that does not decode (or a handshake message that is not one).
+    #[error("malformed message: {0}")]
+    Decode(String),
+    /// The connection loops back to this very node (its own address is in the peer list).
+    #[error("connected to itself")]
+    SelfConnection,
+}
+
+impl From<std::io::Error> for WireError {
+    fn from(e: std::io::Error) -> Self {
+        if e.kind() == std::io::ErrorKind::UnexpectedEof {
+            WireError::Closed
+        } else {
+            WireError::Io(e)
+        }
+    }
+}
+
+/// Frame kinds. Initiator → responder: `Records`, `DumpDone`, `Heartbeat`; responder → initiator: `Ack`,
+/// `Heartbeat`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u8)]
+pub enum FrameKind {
+    /// A batch of records, applied in order.
+    Records = 1,
+    /// The full dump that opens every connection is complete; live records follow.
+    DumpDone = 2,
+    /// Keeps an idle connection alive.
+    Heartbeat = 3,
+    /// The receiver applied every Records frame up to this sequence number (measures the apply lag).
+    Ack = 4,
+}
+
+impl FrameKind {
+    fn from_u8(v: u8) -> Option<Self> {
+        Some(match v {
+            1 => FrameKind::Records,
+            2 => FrameKind::DumpDone,
+            3 => FrameKind::Heartbeat,
+            4 => FrameKind::Ack,
+            _ => return None,
+        })
+    }
+}
+
+fn keyed(key: &[u8]) -> HmacSha256 {
+    // HMAC accepts keys of any length; this cannot fail.
+    HmacSha256::new_from_slice(key).expect("HMAC takes any key length")
+}
+
+fn prf(psk: &[u8], label: &[u8], transcript: &[u8]) -> [u8; 32] {
+    let mut m = keyed(psk);
+    m.update(label);
+    m.update(transcript);
+    m.finalize().into_bytes().into()
+}
+
+/// Adds sequence numbers and HMACs to outgoing frames of one direction of one connection.
+pub struct Sealer {
+    mac: HmacSha256,
+    seq: u64,
+}
+
+impl Sealer {
+    /// A sealer with the direction's session key, starting at sequence 0.
+    pub fn new(key: &[u8]) -> Self {
+        Sealer {
+            mac: keyed(key),
+            seq: 0,
+        }
+    }
+
+    /// The sequence number the next frame will carry.
+    pub fn next_seq(&self) -> u64 {
+        self.seq
+    }
+
+    /// Appends one sealed frame to `out`. `payload` must not exceed [`MAX_PAYLOAD`].
+    pub fn seal(&mut self, kind: FrameKind, payload: &[u8], out: &mut Vec<u8>) {
+        assert!(payload.len() <= MAX_PAYLOAD, "frame payload too large");
+        let start = out.len();
+        out.push(VERSION);
+        out.push(kind as u8);
+        out.extend_from_slice(&0u16.to_le_bytes());
+        out.extend_from_slice(&(payload.len() as u32).to_le_bytes());
+        out.extend_from_slice(&self.seq.to_le_bytes());
+        out.extend_from_slice(payload);
+        let mut m = self.mac.clone();
+        m.update(&out[start..]);
+        out.extend_from_slice(&m.finalize().into_bytes());
+        self.seq += 1;
+    }
+}
+
+/// Checks incoming frames of one direction of one connection: HMAC first, then the sequence number, then
+/// the contents.
+pub struct Opener {
+    mac: HmacSha256,
+    seq: u64,
+}
+
+impl Opener {
+    /// An opener with the direction's session key, expecting sequence 0 first.
+    pub fn new(key: &[u8]) -> Self {
+        Opener {
+            mac: keyed(key),
+            seq: 0,
+        }
+    }
+
+    /// How many bytes follow `header` (payload and MAC). Refuses oversized frames before reading them.
+    pub fn body_len(header: &[u8; FRAME_HEADER_LEN]) -> Result<usize, WireError> {
+        let len = u32::from_le_bytes(header[4..8].try_into().unwrap()) as usize;
+        if len > MAX_PAYLOAD {
+            return Err(WireError::Decode(format!(
+                "frame payload of {len} bytes exceeds {MAX_PAYLOAD}"
+            )));
+        }
+        Ok(len + MAC_LEN)
+    }
+
+    /// Verifies one frame (`body` = payload and MAC, of [`Opener::body_len`] bytes) and returns its kind,
+    /// sequence number and payload.
+    pub fn open<'a>(
+        &mut self,
+        header: &[u8; FRAME_HEADER_LEN],
+        body: &'a [u8],
+    ) -> Result<(FrameKind, u64, &'a [u8]), WireError> {
+        let len = Self::body_len(header)?;
+        if body.len() != len {
+            return Err(WireError::Decode("frame body length mismatch".into()));
+        }
+        let (payload, tag) = body.split_at(len - MAC_LEN);
+        let mut m = self.mac.clone();
+        m.update(header);
+        m.update(payload);
+        m.verify_slice(tag)
+            .map_err(|_| WireError::Rejected("bad HMAC"))?;
+        let seq = u64::from_le_bytes(header[8..16].try_into().unwrap());
+        if seq != self.seq {
+            return Err(WireError::Rejected(
+                "sequence number out of order (replayed, reordered or dropped frame)",
+            ));
+        }
+        self.seq += 1;
+        if header[0] != VERSION {
+            return Err(WireError::Version(header[0]));
+        }
+        if header[2..4] != [0, 0] {
+            return Err(WireError::Decode("reserved header bits set".into()));
+        }
+        let kind = FrameKind::from_u8(header[1])
+            .ok_or_else(|| WireError::Decode(format!("unknown frame kind {}", header[1])))?;
+        Ok((kind, seq, payload))
+    }
+}
+
+/// Reads and verifies one frame into `buf`; returns its kind, sequence number and payload (inside `buf`).
+pub async fn read_frame<'a, R: AsyncRead + Unpin>(
+    r: &mut R,
+    opener: &mut Opener,
+    buf: &'a mut Vec<u8>,
+) -> Result<(FrameKind, u64, &'a [u8]), WireError> {
+    let mut header = [0u8; FRAME_HEADER_LEN];
+    r.read_exact(&mut header).await?;
+    let len = Opener::body_len(&header)?;
+    buf.resize(len, 0);
+    r.read_exact(buf).await?;
+    opener.open(&header, buf)
+}
+
+/// A `u64` payload (DumpDone, Ack).
+pub fn decode_u64(payload: &[u8]) -> Result<u64, WireError> {
+    let b: [u8; 8] = payload
+        .try_into()
+        .map_err(|_| WireError::Decode(format!("{}-byte payload, want 8", payload.len())))?;
+    Ok(u64::from_le_bytes(b))
+}
+
+fn put_flow(f: &FlowV4, out: &mut Vec<u8>) {
+    out.extend_from_slice(&f.new_src.to_ne_bytes());
+    out.extend_from_slice(&f.new_dst.to_ne_bytes());
+    out.extend_from_slice(&f.new_sport.to_ne_bytes());
+    out.extend_from_slice(&f.new_dport.to_ne_bytes());
+    out.extend_from_slice(&f.mac);
+    out.push(f.flags);
+    out.extend_from_slice(&f.svc_id.to_le_bytes());
+    out.extend_from_slice(&f.backend_id.to_le_bytes());
+    out.extend_from_slice(&f.timeout_s.to_le_bytes());
+    out.extend_from_slice(&f.csum_addr.to_le_bytes());
+    out.extend_from_slice(&f.csum_port.to_le_bytes());
+}
+
+/// A cursor over a fixed-size record; lengths are checked once by the caller.
+struct Rd<'a>(&'a [u8]);
+
+impl Rd<'_> {
+    fn take<const N: usize>(&mut self) -> [u8; N] {
+        let (h, t) = self.0.split_at(N);
+        self.0 = t;
+        h.try_into().unwrap()
+    }
+    fn u8(&mut self) -> u8 {
+        self.take::<1>()[0]
+    }
+    fn ne16(&mut self) -> u16 {
+        u16::from_ne_bytes(self.take())
+    }
+    fn ne32(&mut self) -> u32 {
+        u32::from_ne_bytes(self.take())
+    }
+    fn le32(&mut self) -> u32 {
+        u32::from_le_bytes(self.take())
+    }
+    fn flow(&mut self) -> FlowV4 {
+        FlowV4 {
+            new_src: self.ne32(),
+            new_dst: self.ne32(),
+            new_sport: self.ne16(),
+            new_dport: self.ne16(),
+            mac: self.take(),
+            flags: self.u8(),
+            _pad: 0,
+            svc_id: self.le32(),
+            backend_id: self.le32(),
+            timeout_s: self.le32(),
+            csum_addr: self.le32(),
+            csum_port: self.le32(),
+            // A monotonic timestamp means nothing on another machine; the age travels instead.
+            last_seen_ns: 0,
+        }
+    }
+}
+
+/// Appends one record ([`RECORD_LEN`] bytes). `last_seen_ns` and padding are not sent: the receiver gets
+/// `age_ms` (the replicas' clocks differ) and zeroed padding.
+pub fn encode_record(rec: &FlowRecord, out: &mut Vec<u8>) {
+    let ev = &rec.event;
+    out.push(ev.kind);
+    out.extend_from_slice(&ev.key.src.to_ne_bytes());
+    out.extend_from_slice(&ev.key.dst.to_ne_bytes());
+    out.extend_from_slice(&ev.key.sport.to_ne_bytes());
+    out.extend_from_slice(&ev.key.dport.to_ne_bytes());
+    out.push(ev.key.proto);
+    put_flow(&ev.fwd, out);
+    put_flow(&ev.rev, out);
+    out.extend_from_slice(&rec.age_ms.to_le_bytes());
+}
+
+/// Decodes one record; unknown event kinds are refused.
+pub fn decode_record(b: &[u8; RECORD_LEN]) -> Result<FlowRecord, WireError> {
+    let mut r = Rd(b);
+    let kind = r.u8();
+    if !matches!(kind, FLOW_EV_NEW | FLOW_EV_CLOSE | FLOW_EV_REFRESH) {
+        return Err(WireError::Decode(format!("unknown flow event kind {kind}")));
+    }
+    let key = FlowKeyV4 {
+        src: r.ne32(),
+        dst: r.ne32(),
+        sport: r.ne16(),
+        dport: r.ne16(),
+        proto: r.u8(),
+        _pad: [0; 3],
+    };
+    let fwd = r.flow();
+    let rev = r.flow();
+    let age_ms = r.le32();
+    Ok(FlowRecord {
+        event: FlowEvent {
+            kind,
+            _pad: [0; 7],
+            key,
+            fwd,
+            rev,
+        },
+        age_ms,
+    })
+}
+
+/// Encodes a Records payload (at most [`RECORDS_PER_FRAME`] records).
+pub fn encode_records(recs: impl ExactSizeIterator<Item = FlowRecord>, out: &mut Vec<u8>) {
+    assert!(
+        recs.len() <= RECORDS_PER_FRAME,
+        "too many records for one frame"
+    );
+    out.extend_from_slice(&(recs.len() as u32).to_le_bytes());
+    for r in recs {
+        encode_record(&r, out);
+    }
+}
+
+/// Decodes a Records payload.
+pub fn decode_records(payload: &[u8]) -> Result<Vec<FlowRecord>, WireError> {
+    if payload.len() < 4 {
+        return Err(WireError::Decode("records payload without count".into()));
+    }
+    let n = u32::from_le_bytes(payload[..4].try_into().unwrap()) as usize;
+    let body = &payload[4..];
+    if body.len() != n.saturating_mul(RECORD_LEN) {
+        return Err(WireError::Decode(format!(
+            "{} bytes for {n} records",
+            body.len()
+        )));
+    }
+    body.chunks_exact(RECORD_LEN)
+        .map(|c| decode_record(c.try_into().unwrap()))
+        .collect()
+}
+
+/// The outcome of a handshake: the peer's node id and the two directions' frame keys.
+pub struct Established {
+    /// Random id the peer drew at start (changes when it restarts).
+    pub peer_node: u64,
+    /// Seals this side's frames.
+    pub sealer: Sealer,
+    /// Opens the peer's frames.
+    pub opener: Opener,
+}
+
+fn prefix(msg: u8) -> [u8; PREFIX_LEN] {
+    [MAGIC[0], MAGIC[1], MAGIC[2], MAGIC[3], VERSION, msg, 0, 0]
+}
+
+fn nonce() -> Result<[u8; NONCE_LEN], WireError> {
+    let mut n = [0u8; NONCE_LEN];
+    getrandom::fill(&mut n)
+        .map_err(|e| WireError::Io(std::io::Error::other(format!("getrandom: {e}"))))?;
+    Ok(n)
+}
+
+/// Reads a handshake message of type `want` (`len` bytes in all) into `out`, checking magic and version.
+async fn read_msg<S: AsyncRead + Unpin>(
+    s: &mut S,
+    want: u8,
+    out: &mut [u8],
+) -> Result<(), WireError> {
+    s.read_exact(&mut out[..PREFIX_LEN]).await?;
+    if out[..4] != MAGIC {
+        return Err(WireError::Decode("not a sync peer (bad magic)".into()));
+    }
+    if out[4] != VERSION {
+        return Err(WireError::Version(out[4]));
+    }
+    if out[5] == MSG_REJECT {
+        return Err(WireError::Decode("peer rejected the handshake".into()));
+    }
+    if out[5] != want || out[6..8] != [0, 0] {
+        return Err(WireError::Decode(format!(
+            "unexpected handshake message type {}",
+            out[5]
+        )));
+    }
+    s.read_exact(&mut out[PREFIX_LEN..]).await?;
+    Ok(())
+}
+
+/// Runs the handshake as the connecting side (the one that will push its records).
+pub async fn initiate<S: AsyncRead + AsyncWrite + Unpin>(
+    s: &mut S,
+    psk: &[u8],
+    node_id: u64,
+) -> Result<Established, WireError> {
+    let mut hello = [0u8; HELLO_LEN];
+    hello[..PREFIX_LEN].copy_from_slice(&prefix(MSG_HELLO));
+    hello[8..16].copy_from_slice(&node_id.to_le_bytes());
+    hello[16..].copy_from_slice(&nonce()?);
+    s.write_all(&hello).await?;
+
+    let mut ch = [0u8; CHALLENGE_LEN];
+    read_msg(s, MSG_CHALLENGE, &mut ch).await?;
+    let peer_node = u64::from_le_bytes(ch[8..16].try_into().unwrap());
+    if peer_node == node_id {
+        return Err(WireError::SelfConnection);
+    }
+    let split = CHALLENGE_LEN - MAC_LEN;
+    let mut transcript = [0u8; HELLO_LEN + CHALLENGE_LEN - MAC_LEN];
+    transcript[..HELLO_LEN].copy_from_slice(&hello);
+    transcript[HELLO_LEN..].copy_from_slice(&ch[..split]);
+    let mut m = keyed(psk);
+    m.update(LABEL_PROOF_R);
+    m.update(&transcript);
+    m.verify_slice(&ch[split..])
+        .map_err(|_| WireError::Auth("the peer's proof does not match our secret"))?;
+
+    let mut auth = [0u8; AUTH_LEN];
+    auth[..PREFIX_LEN].copy_from_slice(&prefix(MSG_AUTH));
+    auth[PREFIX_LEN..].copy_from_slice(&prf(psk, LABEL_PROOF_I, &transcript));
+    s.write_all(&auth).await?;
+    Ok(Established {
+        peer_node,
+        sealer: Sealer::new(&prf(psk, LABEL_KEY_IR, &transcript)),
+        opener: Opener::new(&prf(psk, LABEL_KEY_RI, &transcript)),
+    })
+}
+
+/// Runs the handshake as the accepting side (the one that will apply the peer's records).
+pub async fn respond<S: AsyncRead + AsyncWrite + Unpin>(
+    s: &mut S,
+    psk: &[u8],
+    node_id: u64,
+) -> Result<Established, WireError> {
+    let mut hello = [0u8; HELLO_LEN];
+    match read_msg(s, MSG_HELLO, &mut hello).await {
+        Err(WireError::Version(v)) => {
+            // Tell the initiator which version we speak, so both sides log the mismatch clearly. Then drain
+            // the rest of its Hello briefly: closing with unread input would reset the connection and could
+            // destroy the reply before it is read.
+            let _ = s.write_all(&prefix(MSG_REJECT)).await;
+            let _ = s.shutdown().await;
+            let drain = async {
+                let mut sink = [0u8; 512];
+                while let Ok(1..) = s.read(&mut sink).await {}
+            };
+            let _ = tokio::time::timeout(std::time::Duration::from_millis(500), drain).await;
+            return Err(WireError::Version(v));
+        }
+        r => r?,
+    }
+    let peer_node = u64::from_le_bytes(hello[8..16].try_into().unwrap());
+
+    let mut ch = [0u8; CHALLENGE_LEN];
+    ch[..PREFIX_LEN].copy_from_slice(&prefix(MSG_CHALLENGE));
+    ch[8..16].copy_from_slice(&node_id.to_le_bytes());
+    ch[16..48].copy_from_slice(&nonce()?);
+    let split = CHALLENGE_LEN - MAC_LEN;
+    let mut transcript = [0u8; HELLO_LEN + CHALLENGE_LEN - MAC_LEN];
+    transcript[..HELLO_LEN].copy_from_slice(&hello);
+    transcript[HELLO_LEN..].copy_from_slice(&ch[..split]);
+    ch[split..].copy_from_slice(&prf(psk, LABEL_PROOF_R, &transcript));
+    s.write_all(&ch).await?;
+    // Answered even to ourselves: the initiator learns from our node id that it dialled itself.
+    if peer_node == node_id {
+        return Err(WireError::SelfConnection);
+    }
+
+    let mut auth = [0u8; AUTH_LEN];
+    match read_msg(s, MSG_AUTH, &mut auth).await {
+        // An initiator closes here when our proof did not check out: the secrets differ.
+        Err(WireError::Closed) => {
+            return Err(WireError::Auth(
+                "the peer left before proving the secret (secrets differ?)",
+            ))
+        }
+        r => r?,
+    }
+    let mut m = keyed(psk);
+    m.update(LABEL_PROOF_I);
+    m.update(&transcript);
+    m.verify_slice(&auth[PREFIX_LEN..])
+        .map_err(|_| WireError::Auth("the peer's proof does not match our secret"))?;
+    Ok(Established {
+        peer_node,
+        sealer: Sealer::new(&prf(psk, LABEL_KEY_RI, &transcript)),
+        opener: Opener::new(&prf(psk, LABEL_KEY_IR, &transcript)),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use lb_common::{FLOW_F_FIN, FLOW_F_FORWARD, PROTO_TCP};
+
+    fn sample() -> FlowRecord {
+        FlowRecord {
+            event: FlowEvent {
+                kind: FLOW_EV_NEW,
+                _pad: [0; 7],
+                key: FlowKeyV4 {
+                    src: u32::from_ne_bytes([10, 0, 0, 1]),
+                    dst: u32::from_ne_bytes([10, 200, 0, 100]),
+                    sport: 40000u16.to_be(),
+                    dport: 80u16.to_be(),
+                    proto: PROTO_TCP,
+                    _pad: [0; 3],
+                },
+                fwd: FlowV4 {
+                    new_src: u32::from_ne_bytes([10, 200, 0, 100]),
+                    new_dst: u32::from_ne_bytes([10, 0, 1, 11]),
+                    new_sport: 2000u16.to_be(),
+                    new_dport: 30080u16.to_be(),
+                    mac: [2, 3, 4, 5, 6, 7],
+                    flags: FLOW_F_FORWARD | FLOW_F_FIN,
+                    _pad: 0,
+                    svc_id: 7,
+                    backend_id: 0x0102_0304,
+                    timeout_s: 3600,
+                    csum_addr: 0xdead_beef,
+                    csum_port: 0x1234_5678,
+                    last_seen_ns: 0,
+                },
+                rev: FlowV4 {
+                    new_src: 9,
+                    new_dst: 8,
+                    new_sport: 7,
+                    new_dport: 6,
+                    mac: [0xff; 6],
+                    flags: 2,
+                    svc_id: u32::MAX,
+                    backend_id: 1,
+                    timeout_s: 0,
+                    csum_addr: 5,
+                    csum_port: 4,
+                    ..Default::default()
+                },
+            },
+            age_ms: 123_456,
+        }
+    }
+
+    #[test]
+    fn records_round_trip_field_by_field() {
+        let a = sample();
+        let mut b = sample();
+        b.event.kind = FLOW_EV_CLOSE;
+        b.event.rev = FlowV4::default();
+        b.age_ms = u32::MAX;
+        let mut payload = Vec::new();
+        encode_records([a, b].into_iter(), &mut payload);
+        assert_eq!(payload.len(), 4 + 2 * RECORD_LEN);
+        // Network-order fields keep their on-wire bytes; little-endian integers are little-endian.
+        assert_eq!(&payload[5..9], &[10, 0, 0, 1]);
+        assert_eq!(&payload[13..15], &40000u16.to_be_bytes());
+        assert_eq!(&payload[4 + 92..4 + 96], &123_456u32.to_le_bytes());
+        assert_eq!(decode_records(&payload).unwrap(), vec![a, b]);
+    }
+
+    #[test]
+    fn last_seen_and_padding_are_not_sent() {
+        let mut a = sample();
+        a.event.fwd.last_seen_ns = 99;
+        a.event._pad = [1; 7];
+        a.event.key._pad = [1; 3];
+        a.event.fwd._pad = 1;
+        let mut buf = Vec::new();
+        encode_record(&a, &mut buf);
+        let d = decode_record(buf.as_slice().try_into().unwrap()).unwrap();
+        assert_eq!(d, sample());
+    }
+
+    #[test]
+    fn malformed_records_are_refused() {
+        let mut buf = Vec::new();
+        encode_records([sample()].into_iter(), &mut buf);
+        assert!(matches!(
+            decode_records(&buf[..buf.len() - 1]),
+            Err(WireError::Decode(_))
+        ));
+        assert!(matches!(
+            decode_records(&buf[..3]),
+            Err(WireError::Decode(_))
+        ));
+        buf[4] = 9; // event kind
+        assert!(matches!(decode_records(&buf), Err(WireError::Decode(_))));
+    }
+
+    #[test]
+    fn frames_round_trip_in_sequence() {
+        let key = [7u8; 32];
+        let (mut s, mut o) = (Sealer::new(&key), Opener::new(&key));
+        let mut wire = Vec::new();
+        s.seal(FrameKind::Ack, &42u64.to_le_bytes(), &mut wire);
+        s.seal(FrameKind::Heartbeat, &[], &mut wire);
+        let (h1, rest) = wire.split_at(FRAME_HEADER_LEN);
+        let h1: [u8; FRAME_HEADER_LEN] = h1.try_into().unwrap();
+        let n = Opener::body_len(&h1).unwrap();
+        let (kind, seq, p) = o.open(&h1, &rest[..n]).unwrap();
+        assert_eq!((kind, seq, decode_u64(p).unwrap()), (FrameKind::Ack, 0, 42));
+        let rest = &rest[n..];
+        let h2: [u8; FRAME_HEADER_LEN] = rest[..FRAME_HEADER_LEN].try_into().unwrap();
+        let (kind, seq, p) = o.open(&h2, &rest[FRAME_HEADER_LEN..]).unwrap();
+        assert_eq!((kind, seq, p.len()), (FrameKind::Heartbeat, 1, 0));
+    }
+
+    fn one_frame(s: &mut Sealer, kind: FrameKind) -> ([u8; FRAME_HEADER_LEN], Vec<u8>) {
+        let mut w = Vec::new();
+        s.seal(kind, &1u64.to_le_bytes(), &mut w);
+        (
+            w[..FRAME_HEADER_LEN].try_into().unwrap(),
+            w[FRAME_HEADER_LEN..].to_vec(),
+        )
+    }
+
+    #[test]
+    fn tampered_replayed_reordered_and_foreign_frames_are_rejected() {
+        let key = [7u8; 32];
+        let mut s = Sealer::new(&key);
+        let f0 = one_frame(&mut s, FrameKind::Ack);
+        let f1 = one_frame(&mut s, FrameKind::Ack);
+        // Any flipped bit, in header, payload or tag.
+        for i in 0..FRAME_HEADER_LEN + f0.1.len() {
+            let (mut h, mut b) = f0.clone();
+            if i < FRAME_HEADER_LEN {
+                h[i] ^= 0x01;
+            } else {
+                b[i - FRAME_HEADER_LEN] ^= 0x01;
+            }
+            let r = Opener::new(&key).open(&h, &b);
+            assert!(
+                matches!(r, Err(WireError::Rejected(_)) | Err(WireError::Decode(_))),
+                "byte {i}: {r:?}"
+            );
+        }
+        // Reordered: frame 1 before frame 0.
+        assert!(matches!(
+            Opener::new(&key).open(&f1.0, &f1.1),
+            Err(WireError::Rejected(_))
+        ));
+        // Replayed: frame 0 twice.
+        let mut o = Opener::new(&key);
+        o.open(&f0.0, &f0.1).unwrap();
+        assert!(matches!(o.open(&f0.0, &f0.1), Err(WireError::Rejected(_))));
+        // Another key (another session or direction).
+        assert!(matches!(
+            Opener::new(&[8u8; 32]).open(&f0.0, &f0.1),
+            Err(WireError::Rejected(_))
+        ));
+    }
+
+    #[test]
+    fn unknown_versions_and_kinds_are_refused() {
+        // A frame that authenticates but carries another version (sealed by hand as a newer peer would).
+        let key = [7u8; 32];
+        let mut s = Sealer::new(&key);
+        let mut w = Vec::new();
+        s.seal(FrameKind::Heartbeat, &[], &mut w);
+        w[0] = VERSION + 1;
+        let mut m = keyed(&key);
+        m.update(&w[..FRAME_HEADER_LEN]);
+        let tag = m.finalize().into_bytes();
+        let h: [u8; FRAME_HEADER_LEN] = w[..FRAME_HEADER_LEN].try_into().unwrap();
+        let r = Opener::new(&key).open(&h, &tag);
+        assert!(matches!(r, Err(WireError::Version(2))), "{r:?}");
+        assert!(r.unwrap_err().to_string().contains("version 2"));
+        let mut h2 = h;
+        h2[0] = VERSION;
+        h2[1] = 99;
+        let mut m = keyed(&key);
+        m.update(&h2);
+        let tag = m.finalize().into_bytes();
+        assert!(matches!(
+            Opener::new(&key).open(&h2, &tag),
+            Err(WireError::Decode(_))
+        ));
+        // Oversized frames are refused from the header alone.
+        let mut h3 = h2;
+        h3[4..8].copy_from_slice(&(MAX_PAYLOAD as u32 + 1).to_le_bytes());
+        assert!(matches!(Opener::body_len(&h3), Err(WireError::Decode(_))));
+    }
+
+    #[tokio::test]
+    async fn handshake_derives_matching_keys() {
+        let (mut a, mut b) = tokio::io::duplex(4096);
+        let psk = b"0123456789abcdef".to_vec();
+        let p2 = psk.clone();
+        let resp = tokio::spawn(async move { respond(&mut b, &p2, 2).await });
+        let mut i = initiate(&mut a, &psk, 1).await.unwrap();
+        let mut r = resp.await.unwrap().unwrap();
+        assert_eq!((i.peer_node, r.peer_node), (2, 1));
+        let mut w = Vec::new();
+        i.sealer.seal(FrameKind::Heartbeat, &[], &mut w);
+        let h = w[..FRAME_HEADER_LEN].try_into().unwrap();
+        r.opener.open(&h, &w[FRAME_HEADER_LEN..]).unwrap();
+        w.clear();
+        r.sealer.seal(FrameKind::Ack, &0u64.to_le_bytes(), &mut w);
+        let h = w[..FRAME_HEADER_LEN].try_into().unwrap();
+        i.opener.open(&h, &w[FRAME_HEADER_LEN..]).unwrap();
+        // The directions have different keys: a frame cannot be reflected back to its sender.
+        w.clear();
+        i.sealer.seal(FrameKind::Heartbeat, &[], &mut w);
+        let h = w[..FRAME_HEADER_LEN].try_into().unwrap();
+        assert!(i.opener.open(&h, &w[FRAME_HEADER_LEN..]).is_err());
+    }
+
+    #[tokio::test]
+    async fn handshake_with_different_secrets_fails_on_both_sides() {
+        let (mut a, mut b) = tokio::io::duplex(4096);
+        let resp = tokio::spawn(async move {
+            let r = respond(&mut b, b"0123456789abcdef", 2).await;
+            drop(b);
+            r
+        });
+        let r = initiate(&mut a, b"fedcba9876543210", 1).await;
+        assert!(matches!(r, Err(WireError::Auth(_))), "{:?}", r.err());
+        drop(a);
+        assert!(matches!(resp.await.unwrap(), Err(WireError::Auth(_))));
+    }
+
+    #[tokio::test]
+    async fn handshake_rejects_other_versions_clearly() {
+        let (mut a, mut b) = tokio::io::duplex(4096);
+        let resp = tokio::spawn(async move { respond(&mut b, b"0123456789abcdef", 2).await });
+        let mut hello = [0u8; HELLO_LEN];
+        hello[..PREFIX_LEN].copy_from_slice(&prefix(MSG_HELLO));
+        hello[4] = VERSION + 1;
+        a.write_all(&hello).await.unwrap();
+        // The initiator is told which version the responder speaks.
+        let mut reject = [0u8; PREFIX_LEN];
+        a.read_exact(&mut reject).await.unwrap();
+        assert_eq!((reject[4], reject[5]), (VERSION, MSG_REJECT));
+        drop(a);
+        let e = resp.await.unwrap().err().unwrap();
+        assert!(
+            matches!(e, WireError::Version(v) if v == VERSION + 1),
+            "{e}"
+        );
+        // And an initiator reading a reply of another version says so.
+        let (mut a, mut b) = tokio::io::duplex(4096);
+        let init = tokio::spawn(async move { initiate(&mut a, b"0123456789abcdef", 1).await });
+        let mut hello = [0u8; HELLO_LEN];
+        b.read_exact(&mut hello).await.unwrap();
+        let mut reply = prefix(MSG_REJECT);
+        reply[4] = 7;
+        b.write_all(&reply).await.unwrap();
+        assert!(matches!(init.await.unwrap(), Err(WireError::Version(7))));
+    }
+
+    #[tokio::test]
+    async fn a_node_dialling_itself_is_told_so() {
+        let (mut a, mut b) = tokio::io::duplex(4096);
+        let resp = tokio::spawn(async move { respond(&mut b, b"0123456789abcdef", 5).await });
+        let r = initiate(&mut a, b"0123456789abcdef", 5).await;
+        assert!(matches!(r, Err(WireError::SelfConnection)));
+        assert!(matches!(
+            resp.await.unwrap(),
+            Err(WireError::SelfConnection)
+        ));
+    }
+}
