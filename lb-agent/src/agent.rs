@@ -43,6 +43,8 @@ pub struct AgentStatus {
     pub desired_generation: Option<u64>,
     /// Generation of the config now in the maps.
     pub applied_generation: Option<u64>,
+    /// VRRP state, when this machine runs VRRP (`KeepalivedMaster`/`KeepalivedProcess` conditions).
+    pub vrrp: Option<crate::vrrp::VrrpState>,
 }
 
 impl AgentStatus {
@@ -448,6 +450,12 @@ async fn update_ha(
     let ready = status_tx.borrow().up_to_date();
     let vips = state.current.as_ref().map(|c| c.vips()).unwrap_or_default();
     ha.update(ready, vips).await;
+    let vrrp = ha.vrrp_state();
+    status_tx.send_if_modified(|s| {
+        let changed = s.vrrp != vrrp;
+        s.vrrp = vrrp;
+        changed
+    });
     if let Some(cfg) = &state.current {
         if let (Some(peers), Some(sync)) = (&cfg.sync_peers, &opts.ha.sync) {
             let port = sync.listen.port();

@@ -245,6 +245,16 @@ impl Ha {
         }
     }
 
+    /// The VRRP state, when VRRP is configured (`Stopped` until keepalived runs).
+    pub fn vrrp_state(&self) -> Option<VrrpState> {
+        self.vrrp_opts.as_ref()?;
+        Some(
+            self.keepalived
+                .as_ref()
+                .map_or(VrrpState::Stopped, |k| *k.state().borrow()),
+        )
+    }
+
     /// Whether sync runs (the GC pass then collects refreshes).
     pub fn syncing(&self) -> bool {
         self.sync.is_some()

@@ -71,6 +71,12 @@ pub mod reasons {
     pub const ENVOY_UP_TO_DATE: &str = "EnvoySnapshotUpToDate";
     /// `EnvoyUpToDate=False`.
     pub const ENVOY_NOT_UP_TO_DATE: &str = "EnvoySnapshotNotUpToDate";
+    /// `KeepalivedMaster` (yawol's reason, both statuses).
+    pub const KEEPALIVED_STATUS: &str = "KeepalivedStatus";
+    /// `KeepalivedProcess=True` (yawol's reason).
+    pub const KEEPALIVED_RUNNING: &str = "KeepalivedIsRunning";
+    /// `KeepalivedProcess=False`.
+    pub const KEEPALIVED_NOT_RUNNING: &str = "KeepalivedNotRunning";
 }
 
 /// Event reasons.
@@ -324,7 +330,7 @@ fn truths(s: &AgentStatus) -> Vec<Truth> {
     let up_to_date = s.up_to_date();
     let up_msg = up_to_date_message(s);
     let pick = |ok: bool, yes: &'static str, no: &'static str| if ok { yes } else { no };
-    vec![
+    let mut v = vec![
         Truth {
             type_: cond::CONFIG_READY,
             ok: config_ok,
@@ -371,7 +377,27 @@ fn truths(s: &AgentStatus) -> Vec<Truth> {
             ),
             message: up_msg,
         },
-    ]
+    ];
+    if let Some(state) = s.vrrp {
+        let running = state.is_reported();
+        v.push(Truth {
+            type_: cond::KEEPALIVED_PROCESS,
+            ok: running,
+            reason: pick(
+                running,
+                reasons::KEEPALIVED_RUNNING,
+                reasons::KEEPALIVED_NOT_RUNNING,
+            ),
+            message: format!("keepalived state: {state}"),
+        });
+        v.push(Truth {
+            type_: cond::KEEPALIVED_MASTER,
+            ok: state == crate::vrrp::VrrpState::Master,
+            reason: reasons::KEEPALIVED_STATUS,
+            message: format!("VRRP state {state}"),
+        });
+    }
+    v
 }
 
 fn up_to_date_message(s: &AgentStatus) -> String {
@@ -811,7 +837,59 @@ mod tests {
             config_error: None,
             desired_generation: Some(generation),
             applied_generation: Some(generation),
+            vrrp: None,
         }
+    }
+
+    #[test]
+    fn vrrp_state_becomes_keepalived_conditions() {
+        let mut s = running(1);
+        let c = conditions(&[], &s, &t(0));
+        assert!(
+            c.iter().all(|c| !c.type_.starts_with("Keepalived")),
+            "no VRRP, no conditions"
+        );
+        s.vrrp = Some(crate::vrrp::VrrpState::Master);
+        let c = conditions(&[], &s, &t(0));
+        assert_eq!(find(&c, cond::KEEPALIVED_MASTER).status, cond::TRUE);
+        assert_eq!(find(&c, cond::KEEPALIVED_PROCESS).status, cond::TRUE);
+        s.vrrp = Some(crate::vrrp::VrrpState::Stopped);
+        let c = conditions(&c, &s, &t(1));
+        assert_eq!(find(&c, cond::KEEPALIVED_MASTER).status, cond::FALSE);
+        assert_eq!(find(&c, cond::KEEPALIVED_PROCESS).status, cond::FALSE);
+    }
+
+    #[test]
+    fn ha_hints_come_from_the_loadbalancer_annotations() {
+        use lb_api::constants::lb_annotations::{REVISION, SYNC_PEERS};
+        let mut l = lb(json!({
+            "spec": {"ports": [{"name": "web", "protocol": "TCP", "port": 80, "nodePort": 30080}]},
+            "status": {"portIP": "10.0.0.9"}
+        }));
+        let base = config_from_lb(&l, &HealthCheckSpec::default());
+        let ConfigState::Valid(c, _) = with_ha_hints(base.clone(), &l, Some("3")) else {
+            panic!("valid")
+        };
+        assert_eq!(
+            (c.sync_peers.clone(), c.newest_revision),
+            (None, Some(false))
+        );
+        l.metadata.annotations = Some(
+            [
+                (
+                    SYNC_PEERS.to_string(),
+                    "10.0.0.5, bogus,10.0.0.6".to_string(),
+                ),
+                (REVISION.to_string(), "3".to_string()),
+            ]
+            .into(),
+        );
+        let ConfigState::Valid(c, _) = with_ha_hints(base, &l, Some("3")) else {
+            panic!("valid")
+        };
+        let peers: Vec<IpAddr> = vec!["10.0.0.5".parse().unwrap(), "10.0.0.6".parse().unwrap()];
+        assert_eq!(c.sync_peers, Some(peers), "the malformed peer is skipped");
+        assert_eq!(c.newest_revision, Some(true));
     }
 
     fn find<'a>(c: &'a [NodeCondition], type_: &str) -> &'a NodeCondition {
