@@ -12,8 +12,8 @@
 
 use crate::hold::HoldReport;
 use crate::rig::{
-    attach_xdp_pass, find_artifact, lb_config_yaml, parse_metric, pin_root, spawn_hold, Hold,
-    METRICS, TCP_NODE_PORT, UDP_NODE_PORT,
+    attach_xdp_pass, find_artifact, lb_config_yaml, parse_metric, pin_root, run_load, spawn_hold,
+    Hold, METRICS, TCP_NODE_PORT, UDP_NODE_PORT,
 };
 use crate::{ChildGuard, Host, Topology, TopologyConfig};
 use anyhow::{bail, Context, Result};
@@ -46,6 +46,8 @@ pub struct HaRigConfig {
     pub agent_args: Vec<String>,
     /// Start every replica's agent at once (`false`: the caller starts them with [`HaRig::start_agent`]).
     pub start_agents: bool,
+    /// Connection-state sync between the agents (off: VRRP only, like yawol).
+    pub sync: bool,
 }
 
 impl HaRigConfig {
@@ -60,6 +62,7 @@ impl HaRigConfig {
             xdp_pass_obj: find_artifact("LB_XDP_PASS_OBJ", "bpf/xdp-pass.o")?,
             agent_args: Vec::new(),
             start_agents: true,
+            sync: true,
         })
     }
 }
@@ -336,6 +339,16 @@ impl HaRig {
     /// Starts `lb-testbed hold` in the client namespace.
     pub fn start_hold(&self, args: &[&str]) -> Result<Hold> {
         spawn_hold(&self.topo, &self.dir, args)
+    }
+
+    /// Runs `lb-testbed load` in the client namespace.
+    pub fn load(&self, args: &[&str]) -> Result<crate::load::LoadReport> {
+        run_load(&self.topo, args)
+    }
+
+    /// Process id of replica `host`'s agent, if running.
+    pub fn agent_pid(&self, host: Host) -> Option<u32> {
+        self.agents.get(&host).map(|a| a.pid())
     }
 
     /// Every forward flow entry of replica `host` (client tuple → rewritten tuple), read from its pinned

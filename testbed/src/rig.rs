@@ -303,19 +303,7 @@ impl Rig {
 
     /// Runs `lb-testbed load` in the client namespace with `args` (targets default to the VIP services).
     pub fn load(&self, args: &[&str]) -> Result<LoadReport> {
-        let bin = crate::binary_path()?;
-        let mut argv = vec![bin.display().to_string(), "load".into()];
-        argv.extend(args.iter().map(|s| s.to_string()));
-        let out = self
-            .topo
-            .spawn(Host::Client, &argv)?
-            .finish(Duration::from_secs(120))?;
-        serde_json::from_str(&out.stdout).with_context(|| {
-            format!(
-                "load output is not a report: {}\n{}",
-                out.stdout, out.stderr
-            )
-        })
+        run_load(&self.topo, args)
     }
 
     /// Starts `lb-testbed hold` in the client namespace; stop it with [`Hold::stop`].
@@ -351,6 +339,22 @@ pub fn lb_config_yaml(vip: Ipv4Addr, backends: &[Ipv4Addr], options: &str) -> St
     };
     y += "healthCheck: {interval: 1s, timeout: 1s, unhealthyThreshold: 2, healthyThreshold: 1}\n";
     y
+}
+
+/// Runs `lb-testbed load` in the client namespace of `topo` with `args`; returns its report.
+pub fn run_load(topo: &Topology, args: &[&str]) -> Result<LoadReport> {
+    let bin = crate::binary_path()?;
+    let mut argv = vec![bin.display().to_string(), "load".into()];
+    argv.extend(args.iter().map(|s| s.to_string()));
+    let out = topo
+        .spawn(Host::Client, &argv)?
+        .finish(Duration::from_secs(120))?;
+    serde_json::from_str(&out.stdout).with_context(|| {
+        format!(
+            "load output is not a report: {}\n{}",
+            out.stdout, out.stderr
+        )
+    })
 }
 
 /// Starts `lb-testbed hold` in the client namespace of `topo` (stop and ready files under `dir`).

@@ -20,6 +20,9 @@ pub enum Which {
     Connections,
     /// Map memory at 1M flows, 1000 x 100 apply time, config change to first packet (root).
     Scale,
+    /// VRRP failover between replicas: takeover time, traffic pause and surviving connections over 10
+    /// failovers, next to yawol's keepalived timing without sync; sync throughput and CPU (root).
+    Failover,
     /// Everything above.
     All,
 }
@@ -32,12 +35,14 @@ pub fn run_bench(which: Which) -> Result<()> {
         Which::Pktgen => netns_bench("bench-pktgen"),
         Which::Connections => netns_bench("bench-connections"),
         Which::Scale => netns_bench("bench-scale"),
+        Which::Failover => netns_bench("bench-failover"),
         Which::All => {
             dataplane()?;
             controller()?;
             netns_bench("bench-pktgen")?;
             netns_bench("bench-connections")?;
-            netns_bench("bench-scale")
+            netns_bench("bench-scale")?;
+            netns_bench("bench-failover")
         }
     }
 }

@@ -1,0 +1,328 @@
+//! `cargo xtask bench failover`: VRRP failover between load-balancer replicas on the netns segment.
+//!
+//! - Ours: two replicas, keepalived at 200 ms adverts driven by the agent, connection-state sync. Each round
+//!   holds TCP connections exchanging data every 50 ms plus UDP flows, cuts the master's link (a dead VM), and
+//!   measures the VRRP takeover time (until the backup has the VIP), the longest pause any connection saw
+//!   (time until traffic flows again) and the share of connections that survived; then the link comes back
+//!   and the pair settles before the next round.
+//! - Anchor: the same replicas with yawol's keepalived timing (4 s adverts) and no state sync.
+//! - Sync throughput: short connections through the master as fast as the client can open them; records
+//!   replicated per second and the agents' CPU time per 1000 flows.
+
+use anyhow::{bail, Result};
+use clap::Parser;
+use lb_benches::{median, print_table, process_cpu, write_json};
+use lb_testbed::ha::{survival, HaRig, HaRigConfig};
+use lb_testbed::rig::{TCP_PORT, UDP_PORT};
+use lb_testbed::Host;
+use serde::Serialize;
+use std::time::{Duration, Instant};
+
+#[derive(Parser)]
+struct Args {
+    /// Failovers with our settings.
+    #[arg(long, default_value_t = 10)]
+    failovers: usize,
+    /// Failovers of the anchor (each costs ~20 s).
+    #[arg(long, default_value_t = 3)]
+    anchor_failovers: usize,
+    /// Held TCP connections per round.
+    #[arg(long, default_value_t = 200)]
+    connections: usize,
+    /// Held UDP flows per round.
+    #[arg(long, default_value_t = 20)]
+    udp_flows: usize,
+    /// Short connections for the sync-throughput run.
+    #[arg(long, default_value_t = 20000)]
+    sync_connections: usize,
+}
+
+#[derive(Serialize, Clone)]
+struct Round {
+    takeover_ms: f64,
+    longest_gap_ms: f64,
+    survival: f64,
+    broken: usize,
+}
+
+#[derive(Serialize)]
+struct Setup {
+    name: String,
+    advert_ms: u64,
+    sync: bool,
+    rounds: Vec<Round>,
+    takeover_median_ms: f64,
+    takeover_max_ms: f64,
+    gap_median_ms: f64,
+    gap_max_ms: f64,
+    survival_min: f64,
+    survival_mean: f64,
+}
+
+#[derive(Serialize)]
+struct SyncRun {
+    connections: usize,
+    seconds: f64,
+    new_flows: f64,
+    records_sent: f64,
+    records_applied_on_peer: f64,
+    records_per_s: f64,
+    master_agent_cpu_s: f64,
+    backup_agent_cpu_s: f64,
+    cpu_ms_per_1000_flows: f64,
+    peer_missing_flows: usize,
+}
+
+#[derive(Serialize)]
+struct Report {
+    setups: Vec<Setup>,
+    sync: SyncRun,
+}
+
+fn hold_args(r: &HaRig, a: &Args, timeout_ms: u64) -> Vec<String> {
+    [
+        "--tcp".to_string(),
+        format!("{}:{TCP_PORT}", r.vip),
+        "--connections".into(),
+        a.connections.to_string(),
+        "--udp".into(),
+        format!("{}:{UDP_PORT}", r.vip),
+        "--udp-flows".into(),
+        a.udp_flows.to_string(),
+        "--udp-retry-ms".into(),
+        "200".into(),
+        "--interval-ms".into(),
+        "50".into(),
+        "--timeout-ms".into(),
+        timeout_ms.to_string(),
+        "--brief".into(),
+    ]
+    .into()
+}
+
+fn wait(what: &str, timeout: Duration, mut f: impl FnMut() -> Result<bool>) -> Result<()> {
+    let t = Instant::now();
+    while !f()? {
+        if t.elapsed() > timeout {
+            bail!("timed out waiting for {what}");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    Ok(())
+}
+
+/// One failover: hold, cut the master, measure, restore, settle. A connection that has not exchanged data
+/// for `timeout_ms` counts as broken, and the hold runs that long past the takeover, so every connection
+/// that the new master cannot carry is seen as broken.
+fn round(r: &HaRig, a: &Args, sync: bool, timeout_ms: u64) -> Result<Round> {
+    let master = r.wait_master(Duration::from_secs(60))?;
+    let backup = *r
+        .topo
+        .lbs()
+        .iter()
+        .find(|h| **h != master)
+        .expect("two replicas");
+    let args = hold_args(r, a, timeout_ms);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let hold = r.start_hold(&args)?;
+    std::thread::sleep(Duration::from_secs(1));
+    if sync {
+        wait(
+            "the backup to have the flows",
+            Duration::from_secs(20),
+            || {
+                let m = r.forward_flows(master)?;
+                let b = r.forward_flows(backup)?;
+                Ok(m.keys().all(|k| b.contains_key(k)))
+            },
+        )?;
+    }
+    let t0 = Instant::now();
+    r.cut_link(master, true)?;
+    wait(
+        "the backup to take the VIP",
+        Duration::from_secs(60),
+        || Ok(r.vip_holders()?.contains(&backup)),
+    )?;
+    let takeover_ms = t0.elapsed().as_secs_f64() * 1e3;
+    std::thread::sleep(Duration::from_millis(timeout_ms + 1000));
+    let rep = hold.stop()?;
+    r.cut_link(master, false)?;
+    // The old master comes back with a stale VIP: VRRP settles on one holder, sync repairs its table.
+    wait("one VIP holder", Duration::from_secs(60), || {
+        Ok(r.master()?.is_some())
+    })?;
+    std::thread::sleep(Duration::from_secs(3));
+    Ok(Round {
+        takeover_ms,
+        longest_gap_ms: rep.max_gap_ms,
+        survival: survival(&rep),
+        broken: rep.broken,
+    })
+}
+
+fn setup(name: &str, a: &Args, advert: Duration, sync: bool, n: usize) -> Result<Setup> {
+    let mut cfg = HaRigConfig::new()?;
+    cfg.advert_interval = advert;
+    cfg.sync = sync;
+    let r = HaRig::start(cfg)?;
+    // Broken = no data for the VRRP detection time (3 adverts) plus 5 s: long enough for TCP's retransmission
+    // backoff to reach a new master that has the flow, so "broken" is about lost state, not about timers.
+    let timeout_ms = 3 * advert.as_millis() as u64 + 5_000;
+    let mut rounds = Vec::new();
+    for i in 0..n {
+        let rd = round(&r, a, sync, timeout_ms)?;
+        eprintln!(
+            "{name} round {}: takeover {:.0} ms, longest gap {:.0} ms, survival {:.1} %",
+            i + 1,
+            rd.takeover_ms,
+            rd.longest_gap_ms,
+            rd.survival * 100.0
+        );
+        rounds.push(rd);
+    }
+    let col = |f: fn(&Round) -> f64| rounds.iter().map(f).collect::<Vec<_>>();
+    let max = |v: Vec<f64>| v.into_iter().fold(0.0, f64::max);
+    let surv = col(|r| r.survival);
+    Ok(Setup {
+        name: name.into(),
+        advert_ms: advert.as_millis() as u64,
+        sync,
+        takeover_median_ms: median(col(|r| r.takeover_ms)),
+        takeover_max_ms: max(col(|r| r.takeover_ms)),
+        gap_median_ms: median(col(|r| r.longest_gap_ms)),
+        gap_max_ms: max(col(|r| r.longest_gap_ms)),
+        survival_min: surv.iter().copied().fold(1.0, f64::min),
+        survival_mean: surv.iter().sum::<f64>() / surv.len().max(1) as f64,
+        rounds,
+    })
+}
+
+fn sync_throughput(a: &Args) -> Result<SyncRun> {
+    let r = HaRig::start(HaRigConfig::new()?)?;
+    let master = r.wait_master(Duration::from_secs(60))?;
+    let backup = *r
+        .topo
+        .lbs()
+        .iter()
+        .find(|h| **h != master)
+        .expect("two replicas");
+    let cpu = |h: Host| r.agent_pid(h).map_or(0.0, |p| process_cpu(p as i32));
+    let m = |h: Host, name: &str| r.metric(h, name, "").unwrap_or(0.0);
+    let (cm, cb) = (cpu(master), cpu(backup));
+    let flows0 = r.metric(master, "lb_dataplane_packets_total", "reason=\"new_flows\"")?;
+    let sent0 = m(master, "lb_sync_records_sent_total");
+    let applied0 =
+        m(backup, "lb_sync_records_applied_total") + m(backup, "lb_sync_records_unchanged_total");
+    let t = Instant::now();
+    let target = format!("{}:{TCP_PORT}", r.vip);
+    let n = a.sync_connections.to_string();
+    r.load(&[
+        "--tcp",
+        &target,
+        "--connections",
+        &n,
+        "--concurrency",
+        "128",
+    ])?;
+    // Until the backup has applied what the master sent.
+    let sent = m(master, "lb_sync_records_sent_total") - sent0;
+    wait(
+        "the peer to apply everything",
+        Duration::from_secs(60),
+        || {
+            Ok(m(backup, "lb_sync_records_applied_total")
+                + m(backup, "lb_sync_records_unchanged_total")
+                - applied0
+                >= sent)
+        },
+    )?;
+    let seconds = t.elapsed().as_secs_f64();
+    let new_flows =
+        r.metric(master, "lb_dataplane_packets_total", "reason=\"new_flows\"")? - flows0;
+    let applied = m(backup, "lb_sync_records_applied_total")
+        + m(backup, "lb_sync_records_unchanged_total")
+        - applied0;
+    let (dm, db) = (cpu(master) - cm, cpu(backup) - cb);
+    let fm = r.forward_flows(master)?;
+    let fb = r.forward_flows(backup)?;
+    Ok(SyncRun {
+        connections: a.sync_connections,
+        seconds,
+        new_flows,
+        records_sent: sent,
+        records_applied_on_peer: applied,
+        records_per_s: applied / seconds,
+        master_agent_cpu_s: dm,
+        backup_agent_cpu_s: db,
+        cpu_ms_per_1000_flows: (dm + db) * 1e6 / new_flows.max(1.0),
+        peer_missing_flows: fm.keys().filter(|k| !fb.contains_key(k)).count(),
+    })
+}
+
+fn main() -> Result<()> {
+    let a = Args::parse();
+    if !lb_testbed::is_root() {
+        bail!("bench failover needs root");
+    }
+    let ours = setup(
+        "ours (200 ms adverts, sync)",
+        &a,
+        Duration::from_millis(200),
+        true,
+        a.failovers,
+    )?;
+    let anchor = setup(
+        "yawol timing (4 s adverts, no sync)",
+        &a,
+        Duration::from_secs(4),
+        false,
+        a.anchor_failovers,
+    )?;
+    let sync = sync_throughput(&a)?;
+    let rows: Vec<Vec<String>> = [&ours, &anchor]
+        .iter()
+        .map(|s| {
+            vec![
+                s.name.clone(),
+                s.rounds.len().to_string(),
+                format!("{:.0} / {:.0}", s.takeover_median_ms, s.takeover_max_ms),
+                format!("{:.0} / {:.0}", s.gap_median_ms, s.gap_max_ms),
+                format!(
+                    "{:.1} / {:.1}",
+                    s.survival_mean * 100.0,
+                    s.survival_min * 100.0
+                ),
+            ]
+        })
+        .collect();
+    print_table(
+        &[
+            "setup",
+            "failovers",
+            "VRRP takeover ms (median / max)",
+            "traffic pause ms (median / max)",
+            "surviving % (mean / min)",
+        ],
+        &rows,
+    );
+    println!(
+        "sync: {} new flows in {:.1} s, {:.0} records/s applied on the peer, agents' CPU {:.2} + {:.2} s = {:.1} ms per 1000 flows, {} flows missing on the peer",
+        sync.new_flows,
+        sync.seconds,
+        sync.records_per_s,
+        sync.master_agent_cpu_s,
+        sync.backup_agent_cpu_s,
+        sync.cpu_ms_per_1000_flows,
+        sync.peer_missing_flows
+    );
+    let path = write_json(
+        "failover",
+        &Report {
+            setups: vec![ours, anchor],
+            sync,
+        },
+    )?;
+    println!("JSON: {}", path.display());
+    Ok(())
+}
