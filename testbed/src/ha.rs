@@ -180,14 +180,18 @@ impl HaRig {
                 .join(format!("{}-vrrp", host.name()))
                 .display()
                 .to_string(),
-            "--sync-listen".into(),
-            format!("{me}:{SYNC_PORT}"),
-            "--sync-secret-file".into(),
-            self.dir.join("sync-secret").display().to_string(),
         ];
-        for peer in self.topo.lbs().into_iter().filter(|p| *p != host) {
-            argv.push("--sync-peer".into());
-            argv.push(format!("{}:{SYNC_PORT}", self.topo.ip(peer)));
+        if self.cfg.sync {
+            argv.extend([
+                "--sync-listen".into(),
+                format!("{me}:{SYNC_PORT}"),
+                "--sync-secret-file".into(),
+                self.dir.join("sync-secret").display().to_string(),
+            ]);
+            for peer in self.topo.lbs().into_iter().filter(|p| *p != host) {
+                argv.push("--sync-peer".into());
+                argv.push(format!("{}:{SYNC_PORT}", self.topo.ip(peer)));
+            }
         }
         argv.extend(self.cfg.agent_args.iter().cloned());
         argv
