@@ -579,7 +579,8 @@ pub fn interface_mac(iface: &str) -> Result<[u8; 6]> {
         bail!("{path}: not a MAC address: {}", text.trim());
     }
     for (b, p) in mac.iter_mut().zip(parts) {
-        *b = u8::from_str_radix(p, 16).with_context(|| format!("{path}: bad MAC {}", text.trim()))?;
+        *b = u8::from_str_radix(p, 16)
+            .with_context(|| format!("{path}: bad MAC {}", text.trim()))?;
     }
     Ok(mac)
 }

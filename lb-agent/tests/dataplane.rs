@@ -559,7 +559,12 @@ fn client_syn_to(dst_mac: [u8; 6], sport: u16) -> Vec<u8> {
 }
 
 fn set_flags(h: &mut Harness, flags: u32) {
-    h.dp.set_config(&lb_common::Config { flags, local_mac: LB_MAC, ..Default::default() }).unwrap();
+    h.dp.set_config(&lb_common::Config {
+        flags,
+        local_mac: LB_MAC,
+        ..Default::default()
+    })
+    .unwrap();
 }
 
 both_hooks! {
@@ -650,12 +655,20 @@ mod state_sync {
     #[test]
     fn a_synced_flow_is_translated_like_on_its_origin() {
         let (mut a, mut b, mut store) = pair();
-        a.dp.set_config(&lb_common::Config { flags: lb_common::CFG_F_SYNC_EVENTS, ..Default::default() }).unwrap();
+        a.dp.set_config(&lb_common::Config {
+            flags: lb_common::CFG_F_SYNC_EVENTS,
+            ..Default::default()
+        })
+        .unwrap();
         let mut events = a.dp.take_flow_events().unwrap();
         let p = open(&mut a, 44000);
         let ev = read_event(&mut events).unwrap();
         assert_eq!(store.apply(&ev, 250).unwrap(), Applied::Written);
-        assert_eq!(store.apply(&ev, 250).unwrap(), Applied::Unchanged, "idempotent");
+        assert_eq!(
+            store.apply(&ev, 250).unwrap(),
+            Applied::Unchanged,
+            "idempotent"
+        );
 
         // Client data and the backend's reply through B: exactly A's rewrite, no SYN needed.
         let data = client_tcp(44000, ACK, b"hello");
@@ -671,7 +684,13 @@ mod state_sync {
         // B counts the flow under its own id for the service.
         let key = fwd_key(44000, 6, WEB_PORT);
         let fb = b.dp.flow(&key).unwrap().unwrap();
-        let svc_b = b.dp.services().unwrap().into_iter().find(|(k, _)| k.port_be == WEB_PORT.to_be()).unwrap().1;
+        let svc_b =
+            b.dp.services()
+                .unwrap()
+                .into_iter()
+                .find(|(k, _)| k.port_be == WEB_PORT.to_be())
+                .unwrap()
+                .1;
         assert_eq!(fb.svc_id, svc_b.id);
         assert_eq!(b.svc_stats(&web(&[]).id).rx_packets, 1);
     }
@@ -679,7 +698,11 @@ mod state_sync {
     #[test]
     fn closes_and_unknown_services_and_conflicts() {
         let (mut a, mut b, mut store) = pair();
-        a.dp.set_config(&lb_common::Config { flags: lb_common::CFG_F_SYNC_EVENTS, ..Default::default() }).unwrap();
+        a.dp.set_config(&lb_common::Config {
+            flags: lb_common::CFG_F_SYNC_EVENTS,
+            ..Default::default()
+        })
+        .unwrap();
         let mut events = a.dp.take_flow_events().unwrap();
         let p = open(&mut a, 45000);
         let new = read_event(&mut events).unwrap();
@@ -689,7 +712,11 @@ mod state_sync {
         assert_eq!(store.apply(&close, 0).unwrap(), Applied::Written);
         let key = fwd_key(45000, 6, WEB_PORT);
         let fb = b.dp.flow(&key).unwrap().unwrap();
-        assert_eq!(fb.flags & FLOW_F_RST, FLOW_F_RST, "a reset closes both entries");
+        assert_eq!(
+            fb.flags & FLOW_F_RST,
+            FLOW_F_RST,
+            "a reset closes both entries"
+        );
         assert_eq!(fb.timeout_s, lb_common::TCP_CLOSING_TIMEOUT_S);
 
         // A flow for a service B does not have.
@@ -708,6 +735,9 @@ mod state_sync {
         assert_eq!(store.apply(&conflicting, 0).unwrap(), Applied::Conflict);
         let k = conflicting.key;
         assert_eq!(b.dp.flow(&k).unwrap().unwrap().new_sport, 50002u16.to_be());
-        assert!(b.dp.flow(&moved.fwd.partner_key(6)).unwrap().is_none(), "the replaced SNAT port is freed");
+        assert!(
+            b.dp.flow(&moved.fwd.partner_key(6)).unwrap().is_none(),
+            "the replaced SNAT port is freed"
+        );
     }
 }

@@ -678,7 +678,7 @@ async fn an_unreachable_api_server_is_retried_with_backoff() {
         health_check: HealthCheckSpec::default(),
         requeue: REQUEUE,
         clock: kube_mode::system_clock(),
-            machine_revision: None,
+        machine_revision: None,
     };
     let mode = kube_mode::start(client, settings, status_rx, SharedSnapshot::default());
     tokio::time::sleep(Duration::from_millis(700)).await;

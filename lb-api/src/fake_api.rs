@@ -104,7 +104,8 @@ impl Default for FakeApiServer {
 
 impl FakeApiServer {
     /// An empty server knowing the core kinds the controllers use (services, nodes, events,
-    /// namespaces, secrets, leases, events.k8s.io events). Install CRDs with [`Self::install_crd`].
+    /// namespaces, secrets, configmaps, service accounts, roles, role bindings, leases,
+    /// events.k8s.io events). Install CRDs with [`Self::install_crd`].
     pub fn new() -> Self {
         let (events, _) = broadcast::channel(1 << 16);
         let server = Self {
@@ -124,6 +125,23 @@ impl FakeApiServer {
             ("", "v1", "namespaces", "Namespace", false, true),
             ("", "v1", "secrets", "Secret", true, false),
             ("", "v1", "configmaps", "ConfigMap", true, false),
+            ("", "v1", "serviceaccounts", "ServiceAccount", true, false),
+            (
+                "rbac.authorization.k8s.io",
+                "v1",
+                "roles",
+                "Role",
+                true,
+                false,
+            ),
+            (
+                "rbac.authorization.k8s.io",
+                "v1",
+                "rolebindings",
+                "RoleBinding",
+                true,
+                false,
+            ),
             ("coordination.k8s.io", "v1", "leases", "Lease", true, false),
             ("events.k8s.io", "v1", "events", "Event", true, false),
         ];

@@ -16,7 +16,7 @@ pub const DEFAULT_ADVERT_INTERVAL: Duration = Duration::from_millis(200);
 pub const DEFAULT_BASE_PRIORITY: u8 = 100;
 /// Default TCP port of the connection-state sync between replicas (the security group must allow it between
 /// the machines, like VRRP, IP protocol 112).
-pub const DEFAULT_SYNC_PORT: u16 = 9190;
+pub const DEFAULT_SYNC_PORT: u16 = crate::constants::sync::PORT;
 /// Where cloud-init writes the sync secret (mode 0600) and where [`agent_args`] points the agent.
 pub const SYNC_SECRET_FILE: &str = "/etc/lb-agent/sync-secret";
 /// Length of [`new_sync_secret`]: 32 random bytes, hex-encoded.

@@ -3,18 +3,26 @@
 //! `#cloud-config` with base64 `write_files` (so no content can break the YAML):
 //! - `/etc/lb-agent/kubeconfig` (0600): API server, CA, and the bearer token of the machine's own ServiceAccount
 //!   (scoped by [`crate::rbac`] to its LoadBalancer and LoadBalancerMachine), context namespace = the machine's;
-//! - `/etc/lb-agent/agent.env`: the agent's arguments in Kubernetes mode;
+//! - `/etc/lb-agent/agent.env` (0600): the agent's arguments in Kubernetes mode, then the VRRP and state-sync flags
+//!   of [`lb_api::ha::agent_args`];
+//! - `/etc/lb-agent/sync-secret` (0600): the state-sync secret of the load balancer (the machine's Role cannot read
+//!   Secrets, so the controller hands it over here);
 //! - `/etc/systemd/system/lb-agent.service`: runs the agent, restarts it when it dies;
 //! - `/etc/chrony/chrony.conf`: time sync (heartbeats are compared with the controller's clock), no command port;
 //!
 //! and `runcmd` restarting chrony and starting the agent (sshd only in debug mode).
 
 use base64::Engine as _;
+use lb_api::ha::HaSettings;
 
 /// Where the agent's binary lives in the image.
 pub const AGENT_BINARY: &str = "/usr/local/bin/lb-agent";
 /// The kubeconfig path on the VM.
 pub const KUBECONFIG_PATH: &str = "/etc/lb-agent/kubeconfig";
+/// The agent's environment file (its arguments) on the VM.
+pub const AGENT_ENV_PATH: &str = "/etc/lb-agent/agent.env";
+/// The state-sync secret on the VM (where [`lb_api::ha::agent_args`] points the agent).
+pub const SYNC_SECRET_PATH: &str = lb_api::ha::SYNC_SECRET_FILE;
 
 /// Everything the user data depends on.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -39,14 +47,25 @@ pub struct UserDataParams {
     pub ntp_servers: Vec<String>,
     /// Start sshd (debug settings).
     pub debug_ssh: bool,
+    /// VRRP and state sync: the agent gets [`lb_api::ha::agent_args`] after its Kubernetes-mode arguments and the
+    /// secret is written to [`SYNC_SECRET_PATH`] (0600). `None`: a machine without either.
+    pub ha: Option<HaSettings>,
+    /// Revision of the machine's LoadBalancerSet (`--machine-revision`): equal to the LoadBalancer's current
+    /// revision, the agent raises its VRRP priority, so a rollout's new machines take the VIP.
+    pub machine_revision: Option<String>,
 }
 
 /// The kubeconfig of the machine's ServiceAccount.
 pub fn kubeconfig(p: &UserDataParams) -> String {
+    let mut cluster = serde_json::json!({"server": p.api_server});
+    // An empty CA would be decoded (and fail) by the client; without one it uses the system roots.
+    if !p.ca_data_base64.is_empty() {
+        cluster["certificate-authority-data"] = p.ca_data_base64.clone().into();
+    }
     let doc = serde_json::json!({
         "apiVersion": "v1",
         "kind": "Config",
-        "clusters": [{"name": "control", "cluster": {"server": p.api_server, "certificate-authority-data": p.ca_data_base64}}],
+        "clusters": [{"name": "control", "cluster": cluster}],
         "users": [{"name": p.machine, "user": {"token": p.token}}],
         "contexts": [{"name": "lb-agent", "context": {"cluster": "control", "user": p.machine, "namespace": p.namespace}}],
         "current-context": "lb-agent",
@@ -54,15 +73,22 @@ pub fn kubeconfig(p: &UserDataParams) -> String {
     serde_yaml::to_string(&doc).expect("JSON value serialises as YAML")
 }
 
-/// The agent's command-line arguments (Kubernetes mode).
+/// The agent's command-line arguments (Kubernetes mode, then the HA ones).
 pub fn agent_args(p: &UserDataParams) -> Vec<String> {
-    vec![
+    let mut args = vec![
         format!("--namespace={}", p.namespace),
         format!("--loadbalancer-name={}", p.loadbalancer),
         format!("--loadbalancer-machine-name={}", p.machine),
         format!("--kubeconfig={KUBECONFIG_PATH}"),
         format!("--interface={}", p.interface),
-    ]
+    ];
+    if let Some(ha) = &p.ha {
+        args.extend(lb_api::ha::agent_args(ha));
+    }
+    if let Some(r) = &p.machine_revision {
+        args.push(format!("--machine-revision={r}"));
+    }
+    args
 }
 
 fn chrony(p: &UserDataParams) -> String {
@@ -79,8 +105,10 @@ fn chrony(p: &UserDataParams) -> String {
 fn unit() -> String {
     format!(
         "[Unit]\nDescription=lb-agent (XDP load balancer)\nAfter=network-online.target\nWants=network-online.target\n\n\
-         [Service]\nEnvironmentFile=/etc/lb-agent/agent.env\nExecStart={AGENT_BINARY} $LB_AGENT_ARGS\n\
-         Restart=always\nRestartSec=2\n\n[Install]\nWantedBy=multi-user.target\n"
+         [Service]\nEnvironmentFile={AGENT_ENV_PATH}\nExecStart={AGENT_BINARY} $LB_AGENT_ARGS\n\
+         Restart=always\nRestartSec=2\n\
+         # keepalived (started by the agent) and the pinned data plane outlive an agent restart: the VIP stays.\n\
+         KillMode=process\n\n[Install]\nWantedBy=multi-user.target\n"
     )
 }
 
@@ -92,12 +120,16 @@ pub fn user_data(p: &UserDataParams) -> String {
         agent_args(p).join(" "),
         p.vip
     );
-    let files = [
+    // 0600: the arguments may name secrets (the HA flags), and only root runs the agent.
+    let mut files = vec![
         (KUBECONFIG_PATH, "0600", kubeconfig(p)),
-        ("/etc/lb-agent/agent.env", "0644", env),
+        (AGENT_ENV_PATH, "0600", env),
         ("/etc/systemd/system/lb-agent.service", "0644", unit()),
         ("/etc/chrony/chrony.conf", "0644", chrony(p)),
     ];
+    if let Some(ha) = &p.ha {
+        files.push((SYNC_SECRET_PATH, "0600", ha.sync_secret.clone()));
+    }
     let mut runcmd = vec![
         serde_json::json!(["systemctl", "restart", "chrony"]),
         serde_json::json!(["systemctl", "daemon-reload"]),
@@ -135,20 +167,36 @@ mod tests {
             interface: "eth0".into(),
             ntp_servers: vec!["pool.ntp.org".into(), "10.0.0.5".into()],
             debug_ssh: false,
+            ha: Some(HaSettings {
+                router_id: 42,
+                base_priority: 100,
+                advert_interval: std::time::Duration::from_millis(200),
+                sync_port: 9190,
+                sync_secret: "0123456789abcdef0123456789abcdef-sync".into(),
+            }),
+            machine_revision: Some("3".into()),
         }
     }
 
-    fn file(doc: &Value, path: &str) -> String {
-        let f = doc["write_files"]
+    fn entry<'a>(doc: &'a Value, path: &str) -> Option<&'a Value> {
+        doc["write_files"]
             .as_sequence()
             .unwrap()
             .iter()
             .find(|f| f["path"].as_str() == Some(path))
-            .unwrap();
+    }
+
+    fn file(doc: &Value, path: &str) -> String {
+        let f = entry(doc, path).unwrap_or_else(|| panic!("{path} not written"));
+        assert_eq!(f["encoding"].as_str(), Some("b64"));
         let raw = base64::engine::general_purpose::STANDARD
             .decode(f["content"].as_str().unwrap())
             .unwrap();
         String::from_utf8(raw).unwrap()
+    }
+
+    fn perms<'a>(doc: &'a Value, path: &str) -> Option<&'a str> {
+        entry(doc, path)?["permissions"].as_str()
     }
 
     #[test]
@@ -156,42 +204,82 @@ mod tests {
         let text = user_data(&params());
         assert!(text.starts_with("#cloud-config\n"));
         let doc: Value = serde_yaml::from_str(&text).unwrap();
-        let kc: Value = serde_yaml::from_str(&file(&doc, KUBECONFIG_PATH)).unwrap();
-        assert_eq!(kc["current-context"].as_str(), Some("lb-agent"));
-        assert_eq!(
-            kc["clusters"][0]["cluster"]["server"].as_str(),
-            Some("https://10.0.0.1:6443")
-        );
-        assert_eq!(
-            kc["users"][0]["user"]["token"].as_str(),
-            Some("eyJhbGciOi.token")
-        );
-        assert_eq!(
-            kc["contexts"][0]["context"]["namespace"].as_str(),
-            Some("yawol")
-        );
-        // kube's own parser accepts it (what the agent uses).
-        let parsed: kube::config::Kubeconfig =
+        assert!(doc["write_files"].is_sequence() && doc["runcmd"].is_sequence());
+        // kube's own parser accepts it (what the agent uses) and it carries the machine's scoped token.
+        let kc: kube::config::Kubeconfig =
             serde_yaml::from_str(&file(&doc, KUBECONFIG_PATH)).unwrap();
-        assert_eq!(parsed.current_context.as_deref(), Some("lb-agent"));
-        let env = file(&doc, "/etc/lb-agent/agent.env");
+        assert_eq!(kc.current_context.as_deref(), Some("lb-agent"));
+        let ctx = kc.contexts[0].context.as_ref().unwrap();
+        assert_eq!(ctx.namespace.as_deref(), Some("yawol"));
+        let cluster = kc.clusters[0].cluster.as_ref().unwrap();
+        assert_eq!(cluster.server.as_deref(), Some("https://10.0.0.1:6443"));
+        assert_eq!(
+            cluster.certificate_authority_data.as_deref(),
+            Some("Q0FDRVJU")
+        );
+        // The token is a SecretString in kube's type; its serialisation shows it.
+        let user = serde_json::to_value(&kc.auth_infos[0]).unwrap();
+        assert_eq!(kc.auth_infos[0].name, "default--web-abc12-x1y2z");
+        assert_eq!(user["user"]["token"], "eyJhbGciOi.token");
+        let env = file(&doc, AGENT_ENV_PATH);
         for arg in [
             "--namespace=yawol",
             "--loadbalancer-name=default--web",
             "--loadbalancer-machine-name=default--web-abc12-x1y2z",
             "--kubeconfig=/etc/lb-agent/kubeconfig",
             "--interface=eth0",
+            "--vrrp-router-id=42",
+            "--vrrp-priority=100",
+            "--vrrp-advert-interval=200ms",
+            "--sync-listen=0.0.0.0:9190",
+            "--sync-secret-file=/etc/lb-agent/sync-secret",
+            "--machine-revision=3",
         ] {
             assert!(env.contains(arg), "{arg} missing in {env}");
         }
-        let perms = doc["write_files"][0]["permissions"].as_str();
-        assert_eq!(perms, Some("0600"), "the token is private");
+        assert!(
+            file(&doc, "/etc/systemd/system/lb-agent.service").contains("KillMode=process"),
+            "an agent restart leaves keepalived (and the VIP) alone"
+        );
+        // The env file is what the unit passes to the agent.
+        assert!(file(&doc, "/etc/systemd/system/lb-agent.service")
+            .contains("EnvironmentFile=/etc/lb-agent/agent.env"));
+        assert_eq!(
+            file(&doc, SYNC_SECRET_PATH),
+            "0123456789abcdef0123456789abcdef-sync"
+        );
+        for private in [KUBECONFIG_PATH, AGENT_ENV_PATH, SYNC_SECRET_PATH] {
+            assert_eq!(perms(&doc, private), Some("0600"), "{private} is private");
+        }
+        assert!(
+            !text.contains("0123456789abcdef") && !text.contains("eyJhbGciOi"),
+            "secrets only base64-encoded inside files"
+        );
         let chrony = file(&doc, "/etc/chrony/chrony.conf");
         assert!(
             chrony.contains("pool pool.ntp.org iburst")
                 && chrony.contains("server 10.0.0.5 iburst")
         );
         assert!(!text.contains("ssh"), "no sshd without debug");
+        // The flags come first from Kubernetes mode, then exactly lb_api::ha's, then the revision.
+        let args = agent_args(&params());
+        let ha = lb_api::ha::agent_args(params().ha.as_ref().unwrap());
+        assert_eq!(args[5..5 + ha.len()], ha[..]);
+        assert_eq!(args.last().unwrap(), "--machine-revision=3");
+    }
+
+    #[test]
+    fn without_ha_or_ca() {
+        let mut p = params();
+        p.ha = None;
+        p.ca_data_base64.clear();
+        let doc: Value = serde_yaml::from_str(&user_data(&p)).unwrap();
+        assert!(entry(&doc, SYNC_SECRET_PATH).is_none());
+        assert!(!file(&doc, AGENT_ENV_PATH).contains("--vrrp"));
+        let kc: kube::config::Kubeconfig =
+            serde_yaml::from_str(&file(&doc, KUBECONFIG_PATH)).unwrap();
+        let cluster = kc.clusters[0].cluster.as_ref().unwrap();
+        assert!(cluster.certificate_authority_data.is_none());
     }
 
     #[test]

@@ -1,26 +1,58 @@
 //! The LoadBalancer controller (control cluster): finalizer, the OpenStack steps of [`crate::lb_openstack`] with the
 //! status saved after each, throttled by [`lb_openstack::needs_openstack_reconcile`], Warning events with the
-//! cloud's error text, and deletion (child LoadBalancerSets first, then the cloud resources, then the finalizer).
+//! cloud's error text; then the LoadBalancer → LoadBalancerSet step (yawol's `reconcileLoadBalancerSet`), the
+//! per-LoadBalancer HA settings and the sync peers; and deletion (child LoadBalancerSets first, then the cloud
+//! resources, then the finalizer).
+//!
+//! **Sets.** The machine template ([`machine_template`]: infrastructure, VIP port, server group) and the settings
+//! that only take effect when a VM boots (debug, log forwarding, server-group policy) are hashed; the set named
+//! `<lb>-<hash>` is the current one. A new hash creates a new set with the next revision
+//! (`loadbalancer.yawol.stackit.cloud/revision` on the set, its machines and the LoadBalancer) and `spec.replicas`
+//! machines; ports, endpoints and options are not in the hash: the agents apply them from the LoadBalancer itself,
+//! in place. Older sets keep their machines until the current set is fully ready *and* holds the VIP
+//! ([`holds_vip`]: `HasKeepalivedMaster` True for 2 min, or False for 10 min — the agent may not report VRRP — or
+//! absent on a set older than 15 min); then they are scaled to 0 and deleted once empty. The pure decision is
+//! [`plan_sets`].
+//!
+//! **HA settings.** A VRRP router id in annotation `loadbalancer.yawol.stackit.cloud/vrrpRouterID`, distinct among the
+//! LoadBalancers on the same network, allocated once (under a lock, from a fresh list) and never changed while valid;
+//! a shared sync secret in the Secret `<lb>-sync` (key `secret`, owned by the LoadBalancer), created once and never
+//! replaced by the controller; annotation `loadbalancer.yawol.stackit.cloud/syncPeers` with the sorted
+//! `status.defaultPortIP`s of the live machines ([`sync_peers`]).
+//!
+//! Bad input (no image/flavor/network ID, an unparsable revision or router id) gets a Warning event and
+//! `lb_cloud_controller_invalid_input_total` once per distinct problem, and changes nothing that exists: no set is
+//! created, scaled or deleted on an invalid template.
 //!
 //! The cloud comes from a [`CloudFactory`]: [`SecretClouds`] reads yawol's `cloudprovider.conf` from the Secret named
 //! by `spec.infrastructure.authSecretRef` (with the `projectID` override); tests pass a fixed fake.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::future::Future;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use k8s_openapi::api::core::v1::{ObjectReference, Secret};
-use kube::api::{DeleteParams, ListParams, Patch, PatchParams};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, ObjectMeta, OwnerReference};
+use k8s_openapi::ByteString;
+use kube::api::{DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use kube::runtime::controller::Action;
+use kube::runtime::reflector::{self, ObjectRef, Store};
+use kube::runtime::{watcher, Controller, WatchStreamExt};
 use kube::{Api, Client, Resource, ResourceExt};
-use lb_api::constants::finalizers;
-use lb_api::{LoadBalancer, LoadBalancerSet, LoadBalancerStatus};
+use lb_api::constants::{conditions, finalizers, labels, lb_annotations, sync};
+use lb_api::{
+    LoadBalancer, LoadBalancerMachine, LoadBalancerMachineSpec, LoadBalancerMachineTemplateSpec,
+    LoadBalancerRef, LoadBalancerSet, LoadBalancerSetSpec, LoadBalancerStatus,
+};
 use serde_json::{json, Value};
-use tracing::{info, warn};
+use sha2::Digest;
+use tracing::{debug, info, warn};
 
 use crate::events::{EventPublisher, EventType};
 use crate::lb_openstack::{self, StatusSink};
+use crate::lbs_controller::{relevant_changes, Reported};
+use crate::metrics::Metrics;
 use crate::openstack::sdk::SdkCloud;
 use crate::openstack::{
     Cloud, CloudError, CloudErrorKind, CloudProviderConf, Credentials, OpenStackCalls,
@@ -38,6 +70,9 @@ pub enum Error {
     /// An OpenStack step.
     #[error("{0}")]
     Step(#[from] lb_openstack::StepError),
+    /// The set or machine cache never synced (its watch ended).
+    #[error("LoadBalancerSet/LoadBalancerMachine cache not ready")]
+    Cache,
 }
 
 /// Gives the cloud session for a LoadBalancer.
@@ -197,6 +232,33 @@ impl CloudFactory for SdkClouds {
     }
 }
 
+/// Controller name in `lb_cloud_controller_reconciles_total` and `..._invalid_input_total`.
+pub const CONTROLLER: &str = "loadbalancer";
+
+/// When the current LoadBalancerSet counts as holding the VIP (yawol's `LBSetHasKeepalivedMaster`), which lets the
+/// older sets go.
+#[derive(Clone, Debug)]
+pub struct RolloutGate {
+    /// `HasKeepalivedMaster` True at least this long (yawol: 2 min): the new master is stable.
+    pub master_for: Duration,
+    /// `HasKeepalivedMaster` False at least this long (yawol: 10 min): the agents do not report VRRP; readiness has to
+    /// do.
+    pub no_master_for: Duration,
+    /// No `HasKeepalivedMaster` condition and the set at least this old (yawol: 15 min): a set controller that does
+    /// not report the condition.
+    pub unknown_after: Duration,
+}
+
+impl Default for RolloutGate {
+    fn default() -> Self {
+        RolloutGate {
+            master_for: Duration::from_secs(120),
+            no_master_for: Duration::from_secs(600),
+            unknown_after: Duration::from_secs(900),
+        }
+    }
+}
+
 /// Settings of the LoadBalancer controller.
 #[derive(Clone, Debug)]
 pub struct LbControllerConfig {
@@ -204,6 +266,8 @@ pub struct LbControllerConfig {
     pub resync: Duration,
     /// Poll interval while child LoadBalancerSets go away.
     pub deletion_poll: Duration,
+    /// When old LoadBalancerSets may be scaled down.
+    pub rollout: RolloutGate,
 }
 
 impl Default for LbControllerConfig {
@@ -211,6 +275,7 @@ impl Default for LbControllerConfig {
         LbControllerConfig {
             resync: Duration::from_secs(300),
             deletion_poll: Duration::from_secs(2),
+            rollout: RolloutGate::default(),
         }
     }
 }
@@ -225,6 +290,8 @@ pub struct LbContext<F: CloudFactory> {
     pub events: Arc<EventPublisher>,
     /// Settings.
     pub config: LbControllerConfig,
+    /// `/metrics` (yawol's `loadbalancer_*` series, bad-input counts, reconciles).
+    pub metrics: Arc<Metrics>,
 }
 
 /// Merge-patches the OpenStack fields of the status, with explicit nulls for cleared ones (a merge patch without
@@ -270,21 +337,425 @@ fn object_ref(lb: &LoadBalancer) -> ObjectReference {
 }
 
 fn selector(lb: &LoadBalancer) -> String {
-    lb.spec
-        .selector
-        .match_labels
-        .iter()
-        .flatten()
-        .map(|(k, v)| format!("{k}={v}"))
-        .collect::<Vec<_>>()
-        .join(",")
+    crate::lbs_controller::label_selector(lb.spec.selector.match_labels.as_ref())
 }
 
-/// One reconcile of a LoadBalancer.
-pub async fn reconcile<F: CloudFactory>(
-    lb: Arc<LoadBalancer>,
+// ---------------------------------------------------------------------------------------------------------------
+// Pure decisions of the LoadBalancer → LoadBalancerSet step.
+
+/// Problems with the parts of the spec a machine needs (bad input: a set built from them could never boot).
+pub fn template_problems(lb: &LoadBalancer) -> Vec<String> {
+    let infra = &lb.spec.infrastructure;
+    let mut problems = Vec::new();
+    if infra.image.effective_id().is_none() {
+        problems.push(
+            "spec.infrastructure.image.imageID is not set (imageName/imageSearch are not supported); \
+             no LoadBalancerSet is created or changed"
+                .to_string(),
+        );
+    }
+    if infra.flavor.effective_id().is_none() {
+        problems.push(
+            "spec.infrastructure.flavor.flavorID is not set (flavorName/flavorSearch are not supported); \
+             no LoadBalancerSet is created or changed"
+                .to_string(),
+        );
+    }
+    if infra.effective_network_id().is_none() {
+        problems.push(
+            "spec.infrastructure.defaultNetwork.networkID is not set; no LoadBalancerSet is created or changed"
+                .to_string(),
+        );
+    }
+    problems
+}
+
+/// The machines' template and its hash (label `lbm-template-hash`, set name `<lb>-<hash>`).
+#[derive(Clone, Debug, PartialEq)]
+pub struct MachineTemplate {
+    /// Spec of every machine of the set.
+    pub spec: LoadBalancerMachineSpec,
+    /// 16 hex characters of SHA-256 over the spec and the boot-time settings.
+    pub hash: String,
+}
+
+/// The template for the LoadBalancer as it is now; `None` until the VIP port exists (the machines' ports need its
+/// address as allowed address pair). `status` is the newest status (the OpenStack step's).
+///
+/// The hash covers what only a new VM can apply: infrastructure (image, flavor, networks, AZ, project, credentials;
+/// deprecated fields migrated first, so the migration alone rolls nothing), VIP port, server group, debug settings,
+/// log forwarding, server-group policy. Ports, endpoints and the other options are read by the agents live.
+pub fn machine_template(lb: &LoadBalancer, status: &LoadBalancerStatus) -> Option<MachineTemplate> {
+    let port_id = status.port_id.clone().filter(|p| !p.is_empty())?;
+    let mut infrastructure = lb.spec.infrastructure.clone();
+    infrastructure.migrate_deprecated();
+    let spec = LoadBalancerMachineSpec {
+        infrastructure,
+        port_id,
+        server_group_id: status.server_group_id.clone(),
+        load_balancer_ref: LoadBalancerRef {
+            name: lb.name_any(),
+            namespace: lb.namespace().unwrap_or_default(),
+        },
+    };
+    let opts = lb.spec.options();
+    let input = json!({
+        "spec": spec,
+        "debugSettings": lb.spec.debug_settings,
+        "logForward": opts.log_forward,
+        "serverGroupPolicy": opts.server_group_policy(),
+    });
+    let digest = sha2::Sha256::digest(input.to_string().as_bytes());
+    let hash = digest.iter().take(8).map(|b| format!("{b:02x}")).collect();
+    Some(MachineTemplate { spec, hash })
+}
+
+/// Labels of the sets and machines of a template: the LoadBalancer's selector plus `lbm-template-hash`.
+pub fn template_labels(lb: &LoadBalancer, hash: &str) -> BTreeMap<String, String> {
+    let mut l = lb.spec.selector.match_labels.clone().unwrap_or_default();
+    l.insert(labels::LBM_TEMPLATE_HASH.to_string(), hash.to_string());
+    l
+}
+
+/// `<lb>-<hash>`.
+pub fn set_name(lb: &LoadBalancer, hash: &str) -> String {
+    format!("{}-{hash}", lb.name_any())
+}
+
+/// The revision annotation of an object: `None` when absent, an error text when it is not a number.
+pub fn revision_of(meta: &ObjectMeta) -> Result<Option<u64>, String> {
+    match meta
+        .annotations
+        .as_ref()
+        .and_then(|a| a.get(lb_annotations::REVISION))
+    {
+        None => Ok(None),
+        Some(v) => v.trim().parse::<u64>().map(Some).map_err(|_| {
+            format!(
+                "annotation {}={v:?} on {} is not a number; counting it as 0",
+                lb_annotations::REVISION,
+                meta.name.as_deref().unwrap_or("?")
+            )
+        }),
+    }
+}
+
+fn owner_reference<K: Resource<DynamicType = ()>>(owner: &K) -> OwnerReference {
+    OwnerReference {
+        api_version: K::api_version(&()).to_string(),
+        kind: K::kind(&()).to_string(),
+        name: owner.meta().name.clone().unwrap_or_default(),
+        uid: owner.meta().uid.clone().unwrap_or_default(),
+        controller: Some(true),
+        block_owner_deletion: Some(true),
+    }
+}
+
+/// A new set for `template` at `revision`, with `spec.replicas` of the LoadBalancer, owned by it.
+pub fn new_set(lb: &LoadBalancer, template: &MachineTemplate, revision: u64) -> LoadBalancerSet {
+    let l = template_labels(lb, &template.hash);
+    LoadBalancerSet {
+        metadata: ObjectMeta {
+            name: Some(set_name(lb, &template.hash)),
+            namespace: lb.namespace(),
+            labels: Some(l.clone()),
+            annotations: Some(BTreeMap::from([(
+                lb_annotations::REVISION.to_string(),
+                revision.to_string(),
+            )])),
+            owner_references: Some(vec![owner_reference(lb)]),
+            ..Default::default()
+        },
+        spec: LoadBalancerSetSpec {
+            selector: LabelSelector {
+                match_labels: Some(l.clone()),
+                match_expressions: None,
+            },
+            replicas: lb.spec.replicas,
+            template: LoadBalancerMachineTemplateSpec {
+                labels: Some(l),
+                spec: template.spec.clone(),
+            },
+        },
+        status: None,
+    }
+}
+
+/// Whether `set` belongs to `lb`: controlled by it (by UID), or — without owner references, e.g. restored from a
+/// backup — carrying the LoadBalancer's selector labels.
+pub fn set_of(set: &LoadBalancerSet, lb: &LoadBalancer) -> bool {
+    if set.namespace() != lb.namespace() {
+        return false;
+    }
+    if let Some(r) = set
+        .owner_references()
+        .iter()
+        .find(|r| r.controller == Some(true))
+    {
+        return r.kind == "LoadBalancer" && Some(&r.uid) == lb.metadata.uid.as_ref();
+    }
+    let Some(want) = lb
+        .spec
+        .selector
+        .match_labels
+        .as_ref()
+        .filter(|l| !l.is_empty())
+    else {
+        return false;
+    };
+    want.iter().all(|(k, v)| set.labels().get(k) == Some(v))
+}
+
+fn since(now: jiff::Timestamp, t: jiff::Timestamp) -> Duration {
+    Duration::from_secs_f64(now.duration_since(t).as_secs_f64().max(0.0))
+}
+
+/// How long until `set` holds the VIP by [`RolloutGate`]: zero when it does now, `None` when only a status change can
+/// make it (the condition is not counting towards anything).
+pub fn vip_wait(
+    set: &LoadBalancerSet,
+    now: jiff::Timestamp,
+    gate: &RolloutGate,
+) -> Option<Duration> {
+    let cond = set
+        .status
+        .as_ref()
+        .and_then(|s| s.conditions.as_ref())
+        .and_then(|c| {
+            c.iter()
+                .find(|c| c.type_ == conditions::HAS_KEEPALIVED_MASTER)
+        });
+    let (start, need) = match cond {
+        Some(c) if c.status == conditions::TRUE => (c.last_transition_time.0, gate.master_for),
+        Some(c) if c.status == conditions::FALSE => (c.last_transition_time.0, gate.no_master_for),
+        Some(_) => return None,
+        None => (
+            set.metadata
+                .creation_timestamp
+                .as_ref()
+                .map_or(now, |t| t.0),
+            gate.unknown_after,
+        ),
+    };
+    Some(need.saturating_sub(since(now, start)))
+}
+
+/// Whether the current set holds the VIP (see [`vip_wait`]).
+pub fn holds_vip(set: &LoadBalancerSet, now: jiff::Timestamp, gate: &RolloutGate) -> bool {
+    vip_wait(set, now, gate) == Some(Duration::ZERO)
+}
+
+/// What the set step does.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct SetsPlan {
+    /// A set to create (the template is new).
+    pub create: Option<LoadBalancerSet>,
+    /// `(set, replicas)` to patch.
+    pub scale: Vec<(String, i32)>,
+    /// Old, empty sets to delete.
+    pub delete: Vec<String>,
+    /// The LoadBalancer's revision annotation.
+    pub revision: u64,
+    /// Reconcile again after this long (the rollout gate is waiting on time, not on a change).
+    pub recheck: Option<Duration>,
+}
+
+/// The set step ([module docs](self)). `sets`: the LoadBalancer's sets, any order.
+pub fn plan_sets(
+    lb: &LoadBalancer,
+    template: &MachineTemplate,
+    sets: &[LoadBalancerSet],
+    now: jiff::Timestamp,
+    gate: &RolloutGate,
+) -> SetsPlan {
+    let mut plan = SetsPlan::default();
+    let rev = |s: &LoadBalancerSet| revision_of(&s.metadata).ok().flatten().unwrap_or(0);
+    let max_rev = sets
+        .iter()
+        .map(rev)
+        .chain(revision_of(&lb.metadata).ok().flatten())
+        .max()
+        .unwrap_or(0);
+    let alive: Vec<&LoadBalancerSet> = sets
+        .iter()
+        .filter(|s| s.metadata.deletion_timestamp.is_none())
+        .collect();
+    let current = alive
+        .iter()
+        .filter(|s| s.labels().get(labels::LBM_TEMPLATE_HASH) == Some(&template.hash))
+        .max_by_key(|s| (rev(s), s.name_any()))
+        .copied();
+    let want = lb.spec.replicas.max(0);
+    let retire = match current {
+        None => {
+            plan.revision = max_rev + 1;
+            plan.create = Some(new_set(lb, template, plan.revision));
+            false
+        }
+        Some(cur) => {
+            plan.revision = rev(cur).max(1);
+            if cur.spec.replicas != want {
+                plan.scale.push((cur.name_any(), want));
+            }
+            let ready = cur
+                .status
+                .as_ref()
+                .and_then(|s| s.ready_replicas)
+                .unwrap_or(0);
+            if want == 0 {
+                true
+            } else if cur.spec.replicas == want && ready >= want {
+                match vip_wait(cur, now, gate) {
+                    Some(d) if d.is_zero() => true,
+                    wait => {
+                        plan.recheck = wait;
+                        false
+                    }
+                }
+            } else {
+                false
+            }
+        }
+    };
+    let current_name = current.map(|c| c.name_any());
+    for s in alive {
+        if Some(s.name_any()) == current_name {
+            continue;
+        }
+        let has = s.status.as_ref().and_then(|st| st.replicas).unwrap_or(0);
+        if s.spec.replicas == 0 && has == 0 {
+            plan.delete.push(s.name_any());
+        } else if s.spec.replicas != 0 && retire {
+            plan.scale.push((s.name_any(), 0));
+        }
+    }
+    if !sets
+        .iter()
+        .any(|s| Some(s.name_any()) != current_name && s.spec.replicas > 0)
+    {
+        // Nothing old left to retire: no reason to look again before the resync.
+        plan.recheck = None;
+    }
+    plan
+}
+
+/// `(replicas, readyReplicas)` of the LoadBalancer: sums over its sets.
+pub fn replica_sums(sets: &[LoadBalancerSet]) -> (i32, i32) {
+    sets.iter().fold((0, 0), |(r, ready), s| {
+        let st = s.status.clone().unwrap_or_default();
+        (
+            r + st.replicas.unwrap_or(0),
+            ready + st.ready_replicas.unwrap_or(0),
+        )
+    })
+}
+
+/// Whether machine `m` serves `lb` (its `spec.loadBalancerRef`).
+pub fn machine_of(m: &LoadBalancerMachine, lb: &LoadBalancer) -> bool {
+    let r = &m.spec.load_balancer_ref;
+    let ns = if r.namespace.is_empty() {
+        m.namespace()
+    } else {
+        Some(r.namespace.clone())
+    };
+    r.name == lb.name_any() && ns == lb.namespace()
+}
+
+/// The sync peers: sorted, distinct `status.defaultPortIP`s of the LoadBalancer's machines that are not being
+/// deleted, comma-separated ("" when there are none).
+pub fn sync_peers<'a>(
+    lb: &LoadBalancer,
+    machines: impl IntoIterator<Item = &'a LoadBalancerMachine>,
+) -> String {
+    let ips: BTreeSet<String> = machines
+        .into_iter()
+        .filter(|m| machine_of(m, lb) && m.metadata.deletion_timestamp.is_none())
+        .filter_map(|m| m.status.as_ref()?.default_port_ip.clone())
+        .filter(|ip| !ip.is_empty())
+        .collect();
+    ips.into_iter().collect::<Vec<_>>().join(",")
+}
+
+/// The VRRP router id annotation: `None` when absent, an error text when it is not in 1..=255.
+pub fn router_id(lb: &LoadBalancer) -> Result<Option<u8>, String> {
+    match lb.annotations().get(lb_annotations::VRRP_ROUTER_ID) {
+        None => Ok(None),
+        Some(v) => match v.trim().parse::<u8>() {
+            Ok(id) if id > 0 => Ok(Some(id)),
+            _ => Err(format!(
+                "annotation {}={v:?} is not a VRRP router id (1..255); allocating a new one",
+                lb_annotations::VRRP_ROUTER_ID
+            )),
+        },
+    }
+}
+
+/// Router ids used by the other LoadBalancers on the same network (VRRP ids only need to differ per L2 segment).
+pub fn taken_router_ids(lb: &LoadBalancer, all: &[LoadBalancer]) -> BTreeSet<u8> {
+    let net = lb.spec.infrastructure.effective_network_id();
+    all.iter()
+        .filter(|o| !(o.name_any() == lb.name_any() && o.namespace() == lb.namespace()))
+        .filter(|o| o.spec.infrastructure.effective_network_id() == net)
+        .filter_map(|o| router_id(o).ok().flatten())
+        .collect()
+}
+
+/// Name of the sync Secret: `<lb>-sync`.
+pub fn sync_secret_name(lb: &LoadBalancer) -> String {
+    format!("{}{}", lb.name_any(), sync::SECRET_SUFFIX)
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// The controller.
+
+/// Shared by the reconciles of one running controller.
+struct Running<F: CloudFactory> {
     ctx: Arc<LbContext<F>>,
+    sets: Store<LoadBalancerSet>,
+    machines: Store<LoadBalancerMachine>,
+    /// Router ids are allocated one at a time (list, pick, write), so two LoadBalancers never pick the same.
+    router_ids: tokio::sync::Mutex<()>,
+    /// Bad input already reported (each problem once while it lasts).
+    reported: Reported,
+}
+
+fn is_status(e: &kube::Error, code: u16) -> bool {
+    matches!(e, kube::Error::Api(s) if s.code == code)
+}
+
+async fn reconcile<F: CloudFactory>(
+    lb: Arc<LoadBalancer>,
+    run: Arc<Running<F>>,
 ) -> Result<Action, Error> {
+    let started = Instant::now();
+    let mut problems = Vec::new();
+    let result = reconcile_inner(&lb, &run, &mut problems).await;
+    for p in run
+        .reported
+        .fresh(&lb.uid().unwrap_or_default(), &problems, result.is_ok())
+    {
+        run.ctx.metrics.invalid(CONTROLLER, "InvalidConfiguration");
+        publish(
+            &run.ctx,
+            &lb,
+            EventType::Warning,
+            "InvalidConfiguration",
+            &p,
+        )
+        .await;
+    }
+    run.ctx
+        .metrics
+        .observe_reconcile(CONTROLLER, result.is_ok(), started.elapsed());
+    result
+}
+
+async fn reconcile_inner<F: CloudFactory>(
+    lb: &LoadBalancer,
+    run: &Running<F>,
+    problems: &mut Vec<String>,
+) -> Result<Action, Error> {
+    let ctx = &run.ctx;
     let ns = lb.namespace().unwrap_or_default();
     let name = lb.name_any();
     let api: Api<LoadBalancer> = Api::namespaced(ctx.client.clone(), &ns);
@@ -294,17 +765,22 @@ pub async fn reconcile<F: CloudFactory>(
         .any(|f| f == finalizers::LOADBALANCER);
 
     if lb.meta().deletion_timestamp.is_some() {
+        ctx.metrics.objects.observe_loadbalancer(lb);
         if !has_finalizer {
+            ctx.metrics.objects.forget_loadbalancer(&ns, &name);
             return Ok(Action::await_change());
         }
         // Machines hold ports in our security group: the sets (and their machines) go first.
         let sets: Api<LoadBalancerSet> = Api::namespaced(ctx.client.clone(), &ns);
-        let children = sets
-            .list(&ListParams::default().labels(&selector(&lb)))
-            .await?;
-        if !children.items.is_empty() {
+        let children: Vec<LoadBalancerSet> = sets
+            .list(&ListParams::default().labels(&selector(lb)))
+            .await?
+            .items
+            .into_iter()
+            .filter(|s| set_of(s, lb))
+            .collect();
+        if !children.is_empty() {
             for s in children
-                .items
                 .iter()
                 .filter(|s| s.meta().deletion_timestamp.is_none())
             {
@@ -312,21 +788,26 @@ pub async fn reconcile<F: CloudFactory>(
             }
             return Ok(Action::requeue(ctx.config.deletion_poll));
         }
-        let cloud = ctx
-            .clouds
-            .cloud_for(&lb)
-            .await
-            .map_err(Error::Credentials)?;
-        if let Err(e) = lb_openstack::delete(cloud.as_ref(), &lb).await {
+        let cloud = ctx.clouds.cloud_for(lb).await.map_err(Error::Credentials)?;
+        if let Err(e) = lb_openstack::delete(cloud.as_ref(), lb).await {
             publish(
-                &ctx,
-                &lb,
+                ctx,
+                lb,
                 EventType::Warning,
                 "OpenStackDeletionFailed",
                 &e.to_string(),
             )
             .await;
             return Err(e.into());
+        }
+        // The owner reference lets the garbage collector do this too; explicit, so nothing depends on it.
+        let secrets: Api<Secret> = Api::namespaced(ctx.client.clone(), &ns);
+        match secrets
+            .delete(&sync_secret_name(lb), &DeleteParams::default())
+            .await
+        {
+            Err(e) if !is_status(&e, 404) => return Err(e.into()),
+            _ => {}
         }
         let rest: Vec<String> = lb
             .finalizers()
@@ -340,6 +821,8 @@ pub async fn reconcile<F: CloudFactory>(
             &Patch::Merge(json!({"metadata": {"finalizers": rest}})),
         )
         .await?;
+        ctx.metrics.objects.forget_loadbalancer(&ns, &name);
+        run.reported.forget(&lb.uid().unwrap_or_default());
         info!(lb = %name, "OpenStack resources deleted");
         return Ok(Action::await_change());
     }
@@ -356,54 +839,303 @@ pub async fn reconcile<F: CloudFactory>(
     }
 
     let now = jiff::Timestamp::now();
-    if lb_openstack::needs_openstack_reconcile(&lb, now, ctx.config.resync) {
-        let cloud = match ctx.clouds.cloud_for(&lb).await {
-            Ok(c) => c,
+    let mut status = lb.status.clone().unwrap_or_default();
+    // A failing cloud stops the OpenStack step, not the rest: sets, HA settings and peers only need what the status
+    // already records. The error is returned at the end (retry with backoff).
+    let mut openstack_error = None;
+    if lb_openstack::needs_openstack_reconcile(lb, now, ctx.config.resync) {
+        match ctx.clouds.cloud_for(lb).await {
             Err(e) => {
                 publish(
-                    &ctx,
-                    &lb,
+                    ctx,
+                    lb,
                     EventType::Warning,
                     "OpenStackCredentials",
                     &format!("{e:#}"),
                 )
                 .await;
-                return Err(Error::Credentials(e));
+                openstack_error = Some(Error::Credentials(e));
             }
-        };
-        let mut status = lb.status.clone().unwrap_or_default();
-        let had_ip = status.external_ip.clone();
-        let mut sink = KubeStatus {
-            api: api.clone(),
-            name: name.clone(),
-        };
-        let mut warnings = Vec::new();
-        let result =
-            lb_openstack::reconcile(cloud.as_ref(), &lb, &mut status, &mut sink, &mut warnings)
+            Ok(cloud) => {
+                let had_ip = status.external_ip.clone();
+                let mut sink = KubeStatus {
+                    api: api.clone(),
+                    name: name.clone(),
+                };
+                let mut warnings = Vec::new();
+                let result = lb_openstack::reconcile(
+                    cloud.as_ref(),
+                    lb,
+                    &mut status,
+                    &mut sink,
+                    &mut warnings,
+                )
                 .await;
-        for w in &warnings {
-            publish(&ctx, &lb, EventType::Warning, "InvalidConfiguration", w).await;
-        }
-        if let Err(e) = result {
-            publish(
-                &ctx,
-                &lb,
-                EventType::Warning,
-                "OpenStackError",
-                &e.to_string(),
-            )
-            .await;
-            return Err(e.into());
-        }
-        if status.external_ip != had_ip {
-            let msg = format!(
-                "external IP {}",
-                status.external_ip.as_deref().unwrap_or("-")
-            );
-            publish(&ctx, &lb, EventType::Normal, "ExternalIPAssigned", &msg).await;
+                for w in &warnings {
+                    publish(ctx, lb, EventType::Warning, "InvalidConfiguration", w).await;
+                }
+                match result {
+                    Err(e) => {
+                        publish(
+                            ctx,
+                            lb,
+                            EventType::Warning,
+                            "OpenStackError",
+                            &e.to_string(),
+                        )
+                        .await;
+                        openstack_error = Some(e.into());
+                    }
+                    Ok(()) if status.external_ip != had_ip => {
+                        let msg = format!(
+                            "external IP {}",
+                            status.external_ip.as_deref().unwrap_or("-")
+                        );
+                        publish(ctx, lb, EventType::Normal, "ExternalIPAssigned", &msg).await;
+                    }
+                    Ok(()) => {}
+                }
+            }
         }
     }
-    Ok(Action::requeue(ctx.config.resync))
+
+    ensure_router_id(lb, run, problems).await?;
+    ensure_sync_secret(lb, run, problems).await?;
+
+    // Both caches must have synced once, or an empty cache would read as "no sets, no machines".
+    run.sets
+        .wait_until_ready()
+        .await
+        .map_err(|_| Error::Cache)?;
+    run.machines
+        .wait_until_ready()
+        .await
+        .map_err(|_| Error::Cache)?;
+    let mut sets: Vec<LoadBalancerSet> = run
+        .sets
+        .state()
+        .iter()
+        .filter(|s| set_of(s, lb))
+        .map(|s| s.as_ref().clone())
+        .collect();
+    let mut annotations = serde_json::Map::new();
+    let mut requeue = ctx.config.resync;
+    if let Err(msg) = revision_of(&lb.metadata) {
+        problems.push(msg);
+    }
+    let invalid = template_problems(lb);
+    let template = if invalid.is_empty() {
+        machine_template(lb, &status)
+    } else {
+        problems.extend(invalid);
+        None
+    };
+    if let Some(template) = template {
+        let plan = plan_sets(lb, &template, &sets, now, &ctx.config.rollout);
+        let set_api: Api<LoadBalancerSet> = Api::namespaced(ctx.client.clone(), &ns);
+        // The LoadBalancer's revision names the set that exists for its template, never one that could not be made.
+        let mut revision = Some(plan.revision);
+        if let Some(new) = &plan.create {
+            match set_api.create(&PostParams::default(), new).await {
+                Ok(created) => {
+                    let msg = format!(
+                        "created LoadBalancerSet {} (revision {}, {} replicas)",
+                        created.name_any(),
+                        plan.revision,
+                        new.spec.replicas
+                    );
+                    info!(lb = %name, "{msg}");
+                    publish(ctx, lb, EventType::Normal, "LoadBalancerSetCreated", &msg).await;
+                    sets.push(created);
+                }
+                // Our cache is behind, or the old set of that name is still being deleted: look again shortly.
+                Err(e) if is_status(&e, 409) => {
+                    debug!(lb = %name, "set {} exists; retrying", new.name_any());
+                    requeue = requeue.min(ctx.config.deletion_poll);
+                    revision = None;
+                }
+                Err(e) => return Err(e.into()),
+            }
+        }
+        for (set, replicas) in &plan.scale {
+            set_api
+                .patch(
+                    set,
+                    &PatchParams::default(),
+                    &Patch::Merge(json!({"spec": {"replicas": replicas}})),
+                )
+                .await?;
+            if *replicas == 0 {
+                let msg = format!("scaling old LoadBalancerSet {set} to 0: the current set is ready and holds the VIP");
+                publish(
+                    ctx,
+                    lb,
+                    EventType::Normal,
+                    "LoadBalancerSetScaledDown",
+                    &msg,
+                )
+                .await;
+            }
+        }
+        for set in &plan.delete {
+            match set_api.delete(set, &DeleteParams::default()).await {
+                Err(e) if !is_status(&e, 404) => return Err(e.into()),
+                _ => {}
+            }
+            publish(
+                ctx,
+                lb,
+                EventType::Normal,
+                "LoadBalancerSetDeleted",
+                &format!("deleted old LoadBalancerSet {set}"),
+            )
+            .await;
+        }
+        if let Some(rev) = revision.filter(|r| revision_of(&lb.metadata).ok().flatten() != Some(*r))
+        {
+            annotations.insert(lb_annotations::REVISION.into(), json!(rev.to_string()));
+        }
+        if let Some(d) = plan.recheck {
+            requeue = requeue.min(d.max(Duration::from_millis(100)));
+        }
+    }
+
+    let peers = sync_peers(lb, run.machines.state().iter().map(|m| m.as_ref()));
+    if lb.annotations().get(lb_annotations::SYNC_PEERS) != Some(&peers) {
+        annotations.insert(lb_annotations::SYNC_PEERS.into(), json!(peers));
+    }
+    if !annotations.is_empty() {
+        api.patch(
+            &name,
+            &PatchParams::default(),
+            &Patch::Merge(json!({"metadata": {"annotations": annotations}})),
+        )
+        .await?;
+    }
+
+    let (replicas, ready) = replica_sums(&sets);
+    let old = lb.status.clone().unwrap_or_default();
+    if old.replicas != Some(replicas) || old.ready_replicas != Some(ready) {
+        api.patch_status(
+            &name,
+            &PatchParams::default(),
+            &Patch::Merge(json!({"status": {"replicas": replicas, "readyReplicas": ready}})),
+        )
+        .await?;
+    }
+    status.replicas = Some(replicas);
+    status.ready_replicas = Some(ready);
+    let mut observed = lb.clone();
+    observed.status = Some(status);
+    ctx.metrics.objects.observe_loadbalancer(&observed);
+
+    match openstack_error {
+        Some(e) => Err(e),
+        None => Ok(Action::requeue(requeue)),
+    }
+}
+
+/// Allocates the VRRP router id once (see the module docs); a valid one is never changed.
+async fn ensure_router_id<F: CloudFactory>(
+    lb: &LoadBalancer,
+    run: &Running<F>,
+    problems: &mut Vec<String>,
+) -> Result<(), Error> {
+    match router_id(lb) {
+        Ok(Some(_)) => return Ok(()),
+        Ok(None) => {}
+        Err(msg) => problems.push(msg),
+    }
+    let ctx = &run.ctx;
+    let ns = lb.namespace().unwrap_or_default();
+    let api: Api<LoadBalancer> = Api::namespaced(ctx.client.clone(), &ns);
+    let _one_at_a_time = run.router_ids.lock().await;
+    // A fresh list, not the cache: the previous allocation (under this lock) must be visible.
+    let all = api.list(&ListParams::default()).await?.items;
+    if let Some(me) = all.iter().find(|o| o.uid() == lb.uid()) {
+        if let Ok(Some(_)) = router_id(me) {
+            return Ok(());
+        }
+    }
+    let taken = taken_router_ids(lb, &all);
+    match lb_api::ha::router_id_for(&ns, &lb.name_any(), &taken) {
+        Some(id) => {
+            api.patch(
+                &lb.name_any(),
+                &PatchParams::default(),
+                &Patch::Merge(json!({"metadata": {"annotations": {
+                    lb_annotations::VRRP_ROUTER_ID: id.to_string()
+                }}})),
+            )
+            .await?;
+            info!(lb = %lb.name_any(), id, "VRRP router id allocated");
+        }
+        None => {
+            let msg = format!(
+                "no free VRRP router id on network {}: all 255 are used by other LoadBalancers",
+                lb.spec.infrastructure.effective_network_id().unwrap_or("?")
+            );
+            problems.push(msg);
+        }
+    }
+    Ok(())
+}
+
+/// Creates the sync Secret when it is missing. An existing Secret is never rewritten: a missing key is reported,
+/// not replaced (an operator may be rotating it; deleting the Secret gets a new one).
+async fn ensure_sync_secret<F: CloudFactory>(
+    lb: &LoadBalancer,
+    run: &Running<F>,
+    problems: &mut Vec<String>,
+) -> Result<(), Error> {
+    let ctx = &run.ctx;
+    let api: Api<Secret> = Api::namespaced(ctx.client.clone(), &lb.namespace().unwrap_or_default());
+    let name = sync_secret_name(lb);
+    if let Some(existing) = api.get_opt(&name).await? {
+        let ok = existing
+            .data
+            .as_ref()
+            .and_then(|d| d.get(sync::SECRET_KEY))
+            .is_some_and(|v| !v.0.is_empty());
+        if !ok {
+            let msg = format!(
+                "Secret {name} has no key {:?}; not replacing it (delete the Secret to get a new one)",
+                sync::SECRET_KEY
+            );
+            problems.push(msg);
+        }
+        return Ok(());
+    }
+    let secret = Secret {
+        metadata: ObjectMeta {
+            name: Some(name.clone()),
+            namespace: lb.namespace(),
+            labels: lb.spec.selector.match_labels.clone(),
+            owner_references: Some(vec![owner_reference(lb)]),
+            ..Default::default()
+        },
+        type_: Some("Opaque".into()),
+        data: Some(BTreeMap::from([(
+            sync::SECRET_KEY.to_string(),
+            ByteString(lb_api::ha::new_sync_secret().into_bytes()),
+        )])),
+        ..Default::default()
+    };
+    match api.create(&PostParams::default(), &secret).await {
+        Ok(_) => {
+            publish(
+                ctx,
+                lb,
+                EventType::Normal,
+                "SyncSecretCreated",
+                &format!("created Secret {name} for state sync between the machines"),
+            )
+            .await;
+            Ok(())
+        }
+        Err(e) if is_status(&e, 409) => Ok(()),
+        Err(e) => Err(e.into()),
+    }
 }
 
 async fn publish<F: CloudFactory>(
@@ -420,13 +1152,41 @@ async fn publish<F: CloudFactory>(
 
 /// Backoff on errors: the step is retried; the cloud's own backoff is not known, so a fixed 10 s keeps the call
 /// rate low during an outage without delaying recovery much.
-pub fn error_policy<F: CloudFactory>(
+fn error_policy<F: CloudFactory>(
     _lb: Arc<LoadBalancer>,
     error: &Error,
-    _ctx: Arc<LbContext<F>>,
+    _run: Arc<Running<F>>,
 ) -> Action {
     warn!(%error, "LoadBalancer reconcile failed");
     Action::requeue(Duration::from_secs(10))
+}
+
+fn hash_of(value: &impl std::hash::Hash) -> u64 {
+    use std::hash::Hasher;
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    value.hash(&mut h);
+    h.finish()
+}
+
+/// What of a set the LoadBalancer reacts to: replicas, status, deletion, labels, revision.
+fn set_fingerprint(s: &LoadBalancerSet) -> u64 {
+    hash_of(&(
+        s.metadata.deletion_timestamp.is_some(),
+        s.spec.replicas,
+        serde_json::to_string(&s.status).unwrap_or_default(),
+        s.labels(),
+        s.annotations().get(lb_annotations::REVISION),
+    ))
+}
+
+/// What of a machine the LoadBalancer reacts to: its address (sync peers), deletion, owner.
+fn machine_fingerprint(m: &LoadBalancerMachine) -> u64 {
+    hash_of(&(
+        m.metadata.deletion_timestamp.is_some(),
+        m.status.as_ref().and_then(|s| s.default_port_ip.clone()),
+        &m.spec.load_balancer_ref.name,
+        &m.spec.load_balancer_ref.namespace,
+    ))
 }
 
 /// Runs the LoadBalancer controller over the LoadBalancers of `namespace` until `shutdown`.
@@ -436,17 +1196,74 @@ pub async fn run<F: CloudFactory>(
     shutdown: impl Future<Output = ()> + Send + Sync + 'static,
 ) {
     use futures::StreamExt;
-    use kube::runtime::{watcher, Controller};
     let api: Api<LoadBalancer> = Api::namespaced(ctx.client.clone(), namespace);
     let sets: Api<LoadBalancerSet> = Api::namespaced(ctx.client.clone(), namespace);
-    Controller::new(api, watcher::Config::default())
-        .owns(sets, watcher::Config::default())
+    let machines: Api<LoadBalancerMachine> = Api::namespaced(ctx.client.clone(), namespace);
+    let (set_store, set_writer) = reflector::store();
+    let set_events = watcher(sets, watcher::Config::default())
+        .default_backoff()
+        .reflect(set_writer);
+    let (machine_store, machine_writer) = reflector::store();
+    let machine_events = watcher(machines, watcher::Config::default())
+        .default_backoff()
+        .reflect(machine_writer);
+    let running = Arc::new(Running {
+        ctx,
+        sets: set_store,
+        machines: machine_store,
+        router_ids: tokio::sync::Mutex::new(()),
+        reported: Reported::default(),
+    });
+    let controller = Controller::new(api, watcher::Config::default());
+    let gc = tokio::spawn(forget_vanished_loadbalancers(
+        controller.store(),
+        running.ctx.metrics.clone(),
+        running.ctx.config.resync,
+    ));
+    controller
+        .owns_stream(relevant_changes(set_events, set_fingerprint))
+        .watches_stream(
+            relevant_changes(machine_events, machine_fingerprint),
+            |m: LoadBalancerMachine| {
+                let ns = m.namespace().unwrap_or_default();
+                let r = m.spec.load_balancer_ref;
+                let ns = if r.namespace.is_empty() {
+                    ns
+                } else {
+                    r.namespace
+                };
+                Some(ObjectRef::new(&r.name).within(&ns))
+            },
+        )
         .graceful_shutdown_on(shutdown)
-        .run(reconcile, error_policy, ctx)
+        .run(reconcile, error_policy, running)
         .for_each(|r| async move {
             if let Err(e) = r {
                 tracing::debug!(error = %e, "loadbalancer controller");
             }
         })
         .await;
+    gc.abort();
 }
+
+/// Series of LoadBalancers that vanished without a reconcile seeing their deletion (finalizer removed by someone
+/// else).
+async fn forget_vanished_loadbalancers(
+    store: Store<LoadBalancer>,
+    metrics: Arc<Metrics>,
+    period: Duration,
+) {
+    if store.wait_until_ready().await.is_err() {
+        return;
+    }
+    let mut tick = tokio::time::interval(period);
+    loop {
+        tick.tick().await;
+        metrics
+            .objects
+            .retain_loadbalancers(|ns, name| store.get(&ObjectRef::new(name).within(ns)).is_some());
+    }
+}
+
+#[cfg(test)]
+mod tests;

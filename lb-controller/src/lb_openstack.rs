@@ -108,8 +108,9 @@ pub fn floating_network(lb: &LoadBalancer) -> Option<String> {
 
 /// The security-group rules a load balancer needs, and warnings for source ranges that are not CIDRs.
 ///
-/// Per IP version: egress to anywhere; VRRP (protocol 112) from members of the same group (the VIP moves between
-/// replicas); all ICMP (yawol restricts it to "type 1 code 8", which Neutron reads literally; path-MTU discovery
+/// Per IP version: egress to anywhere; VRRP (protocol 112) and the agents' state sync (TCP
+/// [`lb_api::constants::sync::PORT`]) from members of the same group (the VIP and the flows move between replicas);
+/// all ICMP (yawol restricts it to "type 1 code 8", which Neutron reads literally; path-MTU discovery
 /// and ping need more). Per service port × source range (empty = anywhere, both families): TCP or UDP on the
 /// *service* port (full NAT on the VM: clients talk to the service port, not the node port). SSH when debug is on,
 /// unless a service already uses port 22.
@@ -137,6 +138,14 @@ pub fn desired_rules(lb: &LoadBalancer, security_group_id: &str) -> (Vec<RuleSpe
             et,
             Some("vrrp"),
             None,
+            None,
+            Some(security_group_id),
+        ));
+        rules.insert(rule(
+            Direction::Ingress,
+            et,
+            Some("tcp"),
+            Some(lb_api::constants::sync::PORT),
             None,
             Some(security_group_id),
         ));

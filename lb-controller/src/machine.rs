@@ -12,8 +12,10 @@ use std::time::Duration;
 /// What a machine needs from the cloud.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct MachineSpec {
-    /// Server and port name (yawol: `<namespace>/<lbm>` for the port, `<lbm>` for the server).
+    /// Server name (yawol: `<lbm>`); also the port name when [`MachineSpec::port_name`] is empty.
     pub name: String,
+    /// VM port name (yawol: `<namespace>/<lbm>`, kept so that machines created by yawol are adopted); empty: `name`.
+    pub port_name: String,
     /// Default network of the VM port.
     pub network_id: String,
     /// Optional subnet of the VM port.
@@ -38,15 +40,41 @@ pub struct MachineSpec {
     pub server_group_id: Option<String>,
 }
 
+impl MachineSpec {
+    /// The VM port's name.
+    pub fn port_name(&self) -> &str {
+        if self.port_name.is_empty() {
+            &self.name
+        } else {
+            &self.port_name
+        }
+    }
+
+    /// What Nova is asked to boot.
+    pub fn server_spec(&self, port_id: &str) -> ServerSpec {
+        ServerSpec {
+            name: self.name.clone(),
+            flavor_id: self.flavor_id.clone(),
+            image_id: self.image_id.clone(),
+            availability_zone: self.availability_zone.clone(),
+            port_id: port_id.to_string(),
+            additional_networks: self.additional_networks.clone(),
+            user_data: self.user_data.clone(),
+            key_name: self.key_name.clone(),
+            server_group_id: self.server_group_id.clone(),
+        }
+    }
+}
+
 /// The VM port: adopted by name or created, with our security group and the VIP as allowed address pair (fixed
 /// up when either differs).
 pub async fn ensure_vm_port<C: Cloud>(cloud: &C, spec: &MachineSpec) -> Result<Port, CloudError> {
-    let mut found = cloud.find_ports(&spec.name).await?;
+    let mut found = cloud.find_ports(spec.port_name()).await?;
     found.sort_by(|a, b| a.id.cmp(&b.id));
     let Some(port) = found.into_iter().next() else {
         return cloud
             .create_port(&PortSpec {
-                name: spec.name.clone(),
+                name: spec.port_name().to_string(),
                 network_id: spec.network_id.clone(),
                 subnet_id: spec.subnet_id.clone(),
                 security_groups: vec![spec.security_group_id.clone()],
@@ -74,24 +102,27 @@ pub async fn ensure_server<C: Cloud>(
     spec: &MachineSpec,
     port_id: &str,
 ) -> Result<Server, CloudError> {
-    let mut found = cloud.find_servers(&spec.name).await?;
-    found.sort_by(|a, b| a.id.cmp(&b.id));
-    if let Some(s) = found.into_iter().next() {
+    if let Some(s) = find_server(cloud, &spec.name, &[]).await? {
         return Ok(s);
     }
-    cloud
-        .create_server(&ServerSpec {
-            name: spec.name.clone(),
-            flavor_id: spec.flavor_id.clone(),
-            image_id: spec.image_id.clone(),
-            availability_zone: spec.availability_zone.clone(),
-            port_id: port_id.to_string(),
-            additional_networks: spec.additional_networks.clone(),
-            user_data: spec.user_data.clone(),
-            key_name: spec.key_name.clone(),
-            server_group_id: spec.server_group_id.clone(),
-        })
-        .await
+    cloud.create_server(&spec.server_spec(port_id)).await
+}
+
+/// The server named `name` to adopt, if any: the lowest ID, skipping `exclude` (servers this controller already
+/// deleted: Nova lists them until they are gone, and adopting one would leave the machine without a VM).
+pub async fn find_server<C: Cloud>(
+    cloud: &C,
+    name: &str,
+    exclude: &[String],
+) -> Result<Option<Server>, CloudError> {
+    let mut found: Vec<Server> = cloud
+        .find_servers(name)
+        .await?
+        .into_iter()
+        .filter(|s| !exclude.contains(&s.id) && s.status != "DELETED")
+        .collect();
+    found.sort_by(|a, b| a.id.cmp(&b.id));
+    Ok(found.into_iter().next())
 }
 
 /// Where a server is in its life.
@@ -191,6 +222,57 @@ pub async fn delete_machine<C: Cloud>(
         cloud.delete_port(&p.id).await?;
     }
     Ok(())
+}
+
+/// Where a non-blocking deletion stands.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum DeletionProgress {
+    /// Servers and ports are gone.
+    Done,
+    /// Nova is still deleting these servers; call again later (the ports cannot go before them).
+    Waiting(Vec<String>),
+}
+
+/// One non-blocking deletion step for a machine: asks Nova to delete every server of the machine (the recorded ID
+/// and any with its name, so an interrupted create leaks nothing) that is still there, and once none is left deletes
+/// the VM ports named `port_name`. Idempotent; the controller calls it again until [`DeletionProgress::Done`]
+/// instead of sleeping in a worker like [`delete_machine`].
+pub async fn delete_machine_step<C: Cloud>(
+    cloud: &C,
+    server_name: &str,
+    port_name: &str,
+    server_id: Option<&str>,
+) -> Result<DeletionProgress, CloudError> {
+    let mut ids: Vec<String> = server_id.into_iter().map(str::to_string).collect();
+    ids.extend(
+        cloud
+            .find_servers(server_name)
+            .await?
+            .into_iter()
+            .map(|s| s.id),
+    );
+    ids.sort();
+    ids.dedup();
+    let mut pending = Vec::new();
+    for id in ids {
+        if server_state(cloud, &id).await? == ServerState::Gone {
+            continue;
+        }
+        match cloud.delete_server(&id).await {
+            // Nova may refuse a second delete while the first one runs; it is still going away.
+            Ok(()) => {}
+            Err(e) if e.kind == CloudErrorKind::Conflict => {}
+            Err(e) => return Err(e),
+        }
+        pending.push(id);
+    }
+    if !pending.is_empty() {
+        return Ok(DeletionProgress::Waiting(pending));
+    }
+    for p in cloud.find_ports(port_name).await? {
+        cloud.delete_port(&p.id).await?;
+    }
+    Ok(DeletionProgress::Done)
 }
 
 /// Conditions that must be True for a machine to be ready (our agent's names; yawol's Envoy* names are accepted
@@ -472,5 +554,65 @@ mod tests {
             .await
             .unwrap();
         assert_eq!(cloud.counts(), (0, 0, 0, 0, 0));
+    }
+
+    #[tokio::test]
+    async fn step_deletion_waits_for_nova_then_removes_ports() {
+        let cloud = FakeCloud::new();
+        let spec = MachineSpec {
+            name: "lb-abc-x1".into(),
+            port_name: "yawol/lb-abc-x1".into(),
+            network_id: "net".into(),
+            security_group_id: "sg".into(),
+            vip_addresses: vec!["198.51.100.10".into()],
+            ..Default::default()
+        };
+        let port = ensure_vm_port(&cloud, &spec).await.unwrap();
+        assert_eq!(port.name, "yawol/lb-abc-x1", "yawol's port name");
+        let server = ensure_server(&cloud, &spec, &port.id).await.unwrap();
+        assert_eq!(server.name, "lb-abc-x1");
+        // An orphan with the same name (an interrupted create) goes too.
+        let orphan = cloud
+            .create_server(&spec.server_spec(&port.id))
+            .await
+            .unwrap();
+        cloud.set_server_delete_lag(2);
+        let step = || delete_machine_step(&cloud, &spec.name, spec.port_name(), Some(&server.id));
+        let mut waits = 0;
+        while let DeletionProgress::Waiting(ids) = step().await.unwrap() {
+            assert!(ids.contains(&orphan.id) || ids.contains(&server.id));
+            assert_eq!(cloud.ports().len(), 1, "the port waits for the servers");
+            waits += 1;
+            assert!(waits < 10);
+        }
+        assert!(waits >= 1, "Nova's lag was observed");
+        assert_eq!(cloud.counts(), (0, 0, 0, 0, 0));
+        // Idempotent.
+        assert_eq!(step().await.unwrap(), DeletionProgress::Done);
+    }
+
+    #[tokio::test]
+    async fn find_server_skips_excluded_and_deleted() {
+        let cloud = FakeCloud::new();
+        let spec = MachineSpec {
+            name: "m".into(),
+            ..Default::default()
+        };
+        let a = cloud.create_server(&spec.server_spec("p")).await.unwrap();
+        let b = cloud.create_server(&spec.server_spec("p")).await.unwrap();
+        assert_eq!(
+            find_server(&cloud, "m", &[]).await.unwrap().unwrap().id,
+            a.id
+        );
+        assert_eq!(
+            find_server(&cloud, "m", std::slice::from_ref(&a.id))
+                .await
+                .unwrap()
+                .unwrap()
+                .id,
+            b.id
+        );
+        cloud.set_server_status(&b.id, "DELETED");
+        assert_eq!(find_server(&cloud, "m", &[a.id]).await.unwrap(), None);
     }
 }

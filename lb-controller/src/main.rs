@@ -127,8 +127,14 @@ async fn run_openstack(args: cli::ControllerArgs) -> anyhow::Result<()> {
         loadbalancer: args.loadbalancer_config(),
         instance: instance.clone(),
     };
-    let controllers =
-        run::run_openstack_controllers(control.clone(), clouds, config, health.clone(), shutdown());
+    let controllers = run::run_openstack_controllers(
+        control.clone(),
+        clouds,
+        config,
+        metrics.clone(),
+        health.clone(),
+        shutdown(),
+    );
     let election = args.leader_elect.then(|| LeaderElectionConfig {
         namespace: args.namespace.clone(),
         name: args.leader_election_id.clone(),

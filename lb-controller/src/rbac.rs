@@ -3,6 +3,7 @@
 //! All named after the machine and owned by it, so they go when it goes. Pure builders; the LBM controller applies
 //! them with server-side apply.
 
+use base64::Engine as _;
 use k8s_openapi::api::core::v1::{Secret, ServiceAccount};
 use k8s_openapi::api::rbac::v1::{PolicyRule, Role, RoleBinding, RoleRef, Subject};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
@@ -60,6 +61,33 @@ pub fn token_secret(id: &MachineIdentity) -> Secret {
         type_: Some("kubernetes.io/service-account-token".into()),
         ..Default::default()
     }
+}
+
+/// What the token controller writes into the token Secret.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TokenData {
+    /// The ServiceAccount's bearer token.
+    pub token: String,
+    /// The cluster CA (`ca.crt`, PEM) base64-encoded for a kubeconfig; empty when the Secret has none.
+    pub ca_base64: String,
+}
+
+/// The token and CA of a token Secret, once Kubernetes' token controller has filled it in (`None` before: the
+/// controller waits instead of booting a VM that cannot authenticate).
+pub fn token_data(secret: &Secret) -> Option<TokenData> {
+    let data = secret.data.as_ref()?;
+    let token = String::from_utf8(data.get("token")?.0.clone()).ok()?;
+    if token.trim().is_empty() {
+        return None;
+    }
+    let ca_base64 = data
+        .get("ca.crt")
+        .map(|ca| base64::engine::general_purpose::STANDARD.encode(&ca.0))
+        .unwrap_or_default();
+    Some(TokenData {
+        token: token.trim().to_string(),
+        ca_base64,
+    })
 }
 
 fn rule(groups: &[&str], resources: &[&str], names: Option<&str>, verbs: &[&str]) -> PolicyRule {
@@ -176,6 +204,29 @@ mod tests {
         assert!(rules
             .iter()
             .any(|r| r.resources.as_ref().unwrap() == &["loadbalancermachines/status"]));
+    }
+
+    #[test]
+    fn token_only_once_filled_in() {
+        use k8s_openapi::ByteString;
+        let mut secret = token_secret(&id());
+        assert_eq!(token_data(&secret), None);
+        secret.data = Some(BTreeMap::from([(
+            "token".to_string(),
+            ByteString(b"".to_vec()),
+        )]));
+        assert_eq!(token_data(&secret), None, "empty token");
+        secret.data = Some(BTreeMap::from([
+            ("token".to_string(), ByteString(b"tok\n".to_vec())),
+            ("ca.crt".to_string(), ByteString(b"PEM".to_vec())),
+        ]));
+        assert_eq!(
+            token_data(&secret),
+            Some(TokenData {
+                token: "tok".into(),
+                ca_base64: "UEVN".into()
+            })
+        );
     }
 
     #[test]

@@ -20,6 +20,8 @@ use crate::backchannel::{self, BackchannelContext};
 use crate::endpoints::NodeFingerprint;
 use crate::events::EventPublisher;
 use crate::lb_controller::{self, CloudFactory, LbContext, LbControllerConfig};
+use crate::lbm_controller;
+use crate::lbs_controller::{self, LbsContext, LbsControllerConfig};
 use crate::leader::{self, LeaderElectionConfig};
 use crate::metrics::Metrics;
 use crate::service_controller::{self, OwnWrites, ServiceContext, ServiceControllerConfig};
@@ -293,35 +295,72 @@ pub struct OpenStackRunConfig {
     pub instance: String,
 }
 
-/// Runs the OpenStack-side controllers (so far the LoadBalancer controller) over `client` with the clouds of
-/// `clouds` until `shutdown` resolves. The binary and the tests both start them through this function. Events use
-/// yawol's `yawol-service` component, so the back channel forwards them to the Services.
+/// Runs the OpenStack-side controllers (LoadBalancer and LoadBalancerSet) over `client` with the clouds of `clouds`
+/// until `shutdown` resolves, reporting on `metrics`. The binary and the tests both start them through this
+/// function. Events use yawol's `yawol-service` component, so the back channel forwards the LoadBalancer's to the
+/// Services.
 pub async fn run_openstack_controllers<F: CloudFactory>(
     client: Client,
     clouds: F,
     config: OpenStackRunConfig,
+    metrics: Arc<Metrics>,
     health: Arc<Health>,
     shutdown: impl std::future::Future<Output = ()> + Send + Sync + 'static,
 ) {
+    // The LoadBalancerMachine controller shares the cloud sessions (`CloudFactory for Arc<F>`) and /metrics.
+    let clouds = Arc::new(clouds);
+    let machines =
+        lbm_controller::prepare(client.clone(), clouds.clone(), &metrics, &config.instance);
+    let events = Arc::new(EventPublisher::new(
+        client.clone(),
+        lb_api::constants::defaults::USER_EVENT_COMPONENT,
+        &config.instance,
+    ));
     let ctx = Arc::new(LbContext {
         client: client.clone(),
         clouds,
-        events: Arc::new(EventPublisher::new(
-            client,
-            lb_api::constants::defaults::USER_EVENT_COMPONENT,
-            &config.instance,
-        )),
+        events: events.clone(),
         config: config.loadbalancer,
+        metrics: metrics.clone(),
     });
-    // kube-runtime's controller waits for its own caches; there is no earlier point to report.
+    let set_ctx = Arc::new(LbsContext {
+        client: client.clone(),
+        events,
+        metrics,
+        config: LbsControllerConfig::default(),
+    });
+    let (stop_tx, _) = tokio::sync::broadcast::channel::<()>(1);
+    let stop = |tx: &tokio::sync::broadcast::Sender<()>| {
+        let mut rx = tx.subscribe();
+        async move {
+            let _ = rx.recv().await;
+        }
+    };
+    let signal = {
+        let tx = stop_tx.clone();
+        async move {
+            shutdown.await;
+            let _ = tx.send(());
+        }
+    };
+    let machines = tokio::spawn({
+        let (namespace, stop) = (config.namespace.clone(), stop(&stop_tx));
+        async move { lbm_controller::run(machines, &namespace, stop).await }
+    });
+    // kube-runtime's controllers wait for their own caches; there is no earlier point to report.
     health.ready.store(true, Ordering::SeqCst);
     info!(
         namespace = config.namespace,
-        "LoadBalancer controller running"
+        "LoadBalancer and LoadBalancerSet controllers running"
     );
-    lb_controller::run(ctx, &config.namespace, shutdown).await;
+    tokio::join!(
+        lb_controller::run(ctx, &config.namespace, stop(&stop_tx)),
+        lbs_controller::run(set_ctx, &config.namespace, stop(&stop_tx)),
+        signal,
+    );
+    let _ = machines.await;
     health.ready.store(false, Ordering::SeqCst);
-    info!("LoadBalancer controller stopped");
+    info!("OpenStack-side controllers stopped");
 }
 
 /// The process around the controllers: where /metrics and the probes are served, and the leader Lease.

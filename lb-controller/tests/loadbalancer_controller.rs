@@ -66,7 +66,9 @@ async fn start() -> H {
         config: LbControllerConfig {
             resync: Duration::from_secs(300),
             deletion_poll: Duration::from_millis(20),
+            ..Default::default()
         },
+        metrics: Arc::new(lb_controller::metrics::Metrics::new()),
     });
     let task =
         tokio::spawn(async move { run_lb_controller(ctx, NS, std::future::pending()).await });
@@ -222,6 +224,7 @@ async fn the_binarys_entry_point_reconciles_a_loadbalancer() {
             loadbalancer: LbControllerConfig::default(),
             instance: "test".into(),
         },
+        Arc::new(lb_controller::metrics::Metrics::new()),
         health.clone(),
         async move {
             let _ = stop_rx.await;

@@ -77,6 +77,7 @@ fn machine_spec(env: &TestEnv, lb: &LoadBalancer, name: &str) -> MachineSpec {
         interface: "eth0".into(),
         ntp_servers: vec!["pool.ntp.org".into()],
         debug_ssh: false,
+        ..Default::default()
     };
     MachineSpec {
         name: name.into(),
@@ -91,6 +92,7 @@ fn machine_spec(env: &TestEnv, lb: &LoadBalancer, name: &str) -> MachineSpec {
         user_data: lb_controller::cloudinit::user_data(&params),
         key_name: None,
         server_group_id: st.server_group_id,
+        ..Default::default()
     }
 }
 
@@ -129,8 +131,8 @@ async fn openstack_lb_create_with_machines_then_delete_leaves_nothing() -> Resul
         ensure!(st.port_ip.is_some() && st.server_group_id.is_some(), "no port/server group: {st:?}");
         let sg = cloud.find_security_groups("itest/itest-create").await?;
         ensure!(sg.len() == 1, "one security group: {sg:?}");
-        // 2 egress + 2 VRRP + 2 ICMP + 2 ports × 1 source range.
-        ensure!(sg[0].rules.len() == 8, "rules: {:#?}", sg[0].rules);
+        // 2 egress + 2 VRRP + 2 flow sync + 2 ICMP + 2 ports × 1 source range.
+        ensure!(sg[0].rules.len() == 10, "rules: {:#?}", sg[0].rules);
         let fip = cloud.get_floating_ip(st.floating_id.as_deref().unwrap()).await?;
         ensure!(fip.port_id == st.port_id, "floating IP on the VIP port: {fip:?}");
 

@@ -5,8 +5,8 @@ use aya_ebpf::{bindings::BPF_NOEXIST, helpers::bpf_ktime_get_coarse_ns, maps::lp
 use lb_common::{
     stat, Addr, Config, FlowEvent, FlowKeyV4, FlowV4, ServiceKey, SourceRangeKey,
     CFG_F_CHECK_DST_MAC, CFG_F_SYNC_EVENTS, FAMILY_V4, FLOW_EV_CLOSE, FLOW_EV_NEW, FLOW_F_FIN,
-    FLOW_F_FORWARD, FLOW_F_REVERSE, FLOW_F_RST, FLOW_F_SYNCED, PROTO_ICMP, PROTO_TCP, PROTO_UDP, SNAT_PORT_TRIES,
-    SOURCE_RANGE_ID_BITS, SVC_F_SOURCE_RANGES, TCP_CLOSING_TIMEOUT_S,
+    FLOW_F_FORWARD, FLOW_F_REVERSE, FLOW_F_RST, FLOW_F_SYNCED, PROTO_ICMP, PROTO_TCP, PROTO_UDP,
+    SNAT_PORT_TRIES, SOURCE_RANGE_ID_BITS, SVC_F_SOURCE_RANGES, TCP_CLOSING_TIMEOUT_S,
 };
 
 use crate::{
@@ -276,8 +276,7 @@ fn l4<C: Ctx>(
         csum_port: 0,
         last_seen_ns: now,
     };
-    let Some(snat_port) = alloc_snat_port(cfg, hash, snat, node, node_port, proto, &mut rev)
-    else {
+    let Some(snat_port) = alloc_snat_port(cfg, hash, snat, node, node_port, proto, &mut rev) else {
         count(stat::DROP_SNAT_EXHAUSTED);
         with_service_stats(svc.id, |s| s.drop_snat_exhausted += 1);
         return Verdict::Drop;
@@ -399,7 +398,8 @@ fn publish(kind: u8, key: &FlowKeyV4, fl: &FlowV4, rev: Option<&FlowV4>) {
 /// Byte-wise MAC comparison without `memcmp` (not available to BPF programs).
 #[inline(always)]
 fn same_mac(a: &[u8; 6], b: &[u8; 6]) -> bool {
-    (a[0] ^ b[0]) | (a[1] ^ b[1]) | (a[2] ^ b[2]) | (a[3] ^ b[3]) | (a[4] ^ b[4]) | (a[5] ^ b[5]) == 0
+    (a[0] ^ b[0]) | (a[1] ^ b[1]) | (a[2] ^ b[2]) | (a[3] ^ b[3]) | (a[4] ^ b[4]) | (a[5] ^ b[5])
+        == 0
 }
 
 /// Updates a flow entry's timestamp (at most once a second, to spare the shared cache line) and TCP state.

@@ -38,8 +38,8 @@ fn rules_cover_egress_vrrp_icmp_ports_and_ranges() {
     let l = lb("loadBalancerSourceRanges: [10.1.2.3/16, 2001:db8::/32, nonsense]");
     let (rules, warnings) = desired_rules(&l, "sg");
     assert_eq!(warnings.len(), 1, "{warnings:?}");
-    // 2 egress + 2 vrrp + 2 icmp + 2 ports × 2 ranges.
-    assert_eq!(rules.len(), 10, "{rules:#?}");
+    // 2 egress + 2 vrrp + 2 sync + 2 icmp + 2 ports × 2 ranges.
+    assert_eq!(rules.len(), 12, "{rules:#?}");
     assert!(rules.iter().any(
         |r| r.protocol.as_deref() == Some("vrrp") && r.remote_group_id.as_deref() == Some("sg")
     ));
@@ -50,6 +50,35 @@ fn rules_cover_egress_vrrp_icmp_ports_and_ranges() {
         .iter()
         .any(|r| r.ethertype == EtherType::V6 && r.protocol.as_deref() == Some("tcp")));
     assert!(!rules.iter().any(|r| r.port_range_min == Some(22)));
+}
+
+#[test]
+fn sync_port_is_open_to_the_same_group_only() {
+    let l = lb("loadBalancerSourceRanges: [10.0.0.0/8]");
+    let (rules, _) = desired_rules(&l, "sg");
+    let sync: Vec<_> = rules
+        .iter()
+        .filter(|r| r.port_range_min == Some(lb_api::constants::sync::PORT))
+        .collect();
+    assert_eq!(sync.len(), 2, "one per IP version: {sync:#?}");
+    for r in sync {
+        assert_eq!(r.direction, Direction::Ingress);
+        assert_eq!(r.protocol.as_deref(), Some("tcp"));
+        assert_eq!(r.port_range_max, Some(9190));
+        assert_eq!(r.remote_group_id.as_deref(), Some("sg"));
+        assert_eq!(r.remote_ip_prefix, None, "never from a source range");
+    }
+    // A service on the same port still gets its own rule from the source ranges, next to the group rule.
+    let mut l = lb("loadBalancerSourceRanges: [10.0.0.0/8]");
+    l.spec.ports.as_mut().unwrap()[0].port = 9190;
+    let (rules, _) = desired_rules(&l, "sg");
+    assert_eq!(
+        rules
+            .iter()
+            .filter(|r| r.port_range_min == Some(9190))
+            .count(),
+        3
+    );
 }
 
 #[test]

@@ -1,6 +1,11 @@
 //! `FakeCloud`: an in-memory [`Cloud`] for unit tests of the reconcile logic (the integration tests use the real
 //! OpenStack of `cargo xtask openstack up`). It keeps just enough state to make the controllers' decisions
 //! observable (IDs, names, descriptions, associations) and lets tests inject errors per operation.
+//!
+//! For the machine controller it also keeps what servers were booted with ([`FakeCloud::server_spec`]), lets new
+//! servers start in a chosen state with Nova's fault text ([`FakeCloud::push_new_server_state`]), and can make
+//! deleted servers linger for a few reads the way Nova's asynchronous delete does
+//! ([`FakeCloud::set_server_delete_lag`]).
 
 use super::*;
 use std::collections::BTreeMap;
@@ -18,6 +23,14 @@ struct State {
     faults: BTreeMap<String, Vec<CloudError>>,
     /// Status new servers get (`ACTIVE` unless a test wants `ERROR`/`BUILD`).
     new_server_status: Option<String>,
+    /// (status, fault) for the next servers created, first first; then `new_server_status`.
+    next_server_states: std::collections::VecDeque<(String, Option<String>)>,
+    /// What each server was booted with.
+    server_specs: BTreeMap<String, ServerSpec>,
+    /// How many reads a deleted server stays visible for.
+    delete_lag: u32,
+    /// Deleted servers still visible: ID → reads left.
+    lingering: BTreeMap<String, u32>,
     calls: Vec<String>,
 }
 
@@ -54,6 +67,63 @@ impl FakeCloud {
         if let Some(s) = self.state.lock().unwrap().servers.get_mut(id) {
             s.status = status.to_string();
         }
+    }
+
+    /// Sets a server's status and Nova's fault message (`ERROR` with "No valid host was found").
+    pub fn set_server_fault(&self, id: &str, status: &str, fault: &str) {
+        if let Some(s) = self.state.lock().unwrap().servers.get_mut(id) {
+            s.status = status.to_string();
+            s.fault = Some(fault.to_string());
+        }
+    }
+
+    /// The next server created starts with `status` and `fault` (queued: one call per server).
+    pub fn push_new_server_state(&self, status: &str, fault: Option<&str>) {
+        self.state
+            .lock()
+            .unwrap()
+            .next_server_states
+            .push_back((status.to_string(), fault.map(str::to_string)));
+    }
+
+    /// The next `times` calls of `operation` fail with `kind` and `message`.
+    pub fn fail_times(&self, operation: &str, kind: CloudErrorKind, message: &str, times: usize) {
+        for _ in 0..times {
+            self.fail_next(operation, kind, message);
+        }
+    }
+
+    /// Deleted servers stay visible (listed and readable, unchanged) for `reads` more `get_server`/`find_servers`
+    /// calls each, like Nova finishing a delete asynchronously. 0 (default): gone at once.
+    pub fn set_server_delete_lag(&self, reads: u32) {
+        self.state.lock().unwrap().delete_lag = reads;
+    }
+
+    /// All servers.
+    pub fn servers(&self) -> Vec<Server> {
+        self.state
+            .lock()
+            .unwrap()
+            .servers
+            .values()
+            .cloned()
+            .collect()
+    }
+
+    /// What a server was booted with (user data, port, server-group hint, …).
+    pub fn server_spec(&self, id: &str) -> Option<ServerSpec> {
+        self.state.lock().unwrap().server_specs.get(id).cloned()
+    }
+
+    /// How often `operation` was called so far.
+    pub fn call_count(&self, operation: &str) -> usize {
+        self.state
+            .lock()
+            .unwrap()
+            .calls
+            .iter()
+            .filter(|c| *c == operation)
+            .count()
     }
 
     /// Adds a floating IP that someone else allocated.
@@ -129,6 +199,28 @@ impl FakeCloud {
             }
         }
         Ok(st)
+    }
+}
+
+/// One read of the lingering deleted servers: each loses a read; those out of reads are removed for good.
+fn age_lingering(st: &mut State) {
+    let mut gone = Vec::new();
+    for (id, left) in st.lingering.iter_mut() {
+        if *left == 0 {
+            gone.push(id.clone());
+        } else {
+            *left -= 1;
+        }
+    }
+    for id in gone {
+        st.lingering.remove(&id);
+        st.servers.remove(&id);
+        st.server_specs.remove(&id);
+        for p in st.ports.values_mut() {
+            if p.device_id == id {
+                p.device_id.clear();
+            }
+        }
     }
 }
 
@@ -404,7 +496,8 @@ impl Cloud for FakeCloud {
     }
 
     async fn find_servers(&self, name: &str) -> CloudResult<Vec<Server>> {
-        let st = self.enter("find_servers")?;
+        let mut st = self.enter("find_servers")?;
+        age_lingering(&mut st);
         Ok(st
             .servers
             .values()
@@ -414,7 +507,8 @@ impl Cloud for FakeCloud {
     }
 
     async fn get_server(&self, id: &str) -> CloudResult<Server> {
-        let st = self.enter("get_server")?;
+        let mut st = self.enter("get_server")?;
+        age_lingering(&mut st);
         st.servers
             .get(id)
             .cloned()
@@ -424,27 +518,41 @@ impl Cloud for FakeCloud {
     async fn create_server(&self, spec: &ServerSpec) -> CloudResult<Server> {
         let mut st = self.enter("create_server")?;
         let id = next(&mut st, "server");
-        let status = st
-            .new_server_status
-            .clone()
-            .unwrap_or_else(|| "ACTIVE".into());
+        let (status, fault) = st.next_server_states.pop_front().unwrap_or_else(|| {
+            (
+                st.new_server_status
+                    .clone()
+                    .unwrap_or_else(|| "ACTIVE".into()),
+                None,
+            )
+        });
         let server = Server {
             id: id.clone(),
             name: spec.name.clone(),
             status,
-            fault: None,
+            fault,
             created: Some("2026-01-01T00:00:00Z".into()),
         };
         if let Some(p) = st.ports.get_mut(&spec.port_id) {
             p.device_id = id.clone();
         }
-        st.servers.insert(id, server.clone());
+        st.servers.insert(id.clone(), server.clone());
+        st.server_specs.insert(id, spec.clone());
         Ok(server)
     }
 
     async fn delete_server(&self, id: &str) -> CloudResult<()> {
         let mut st = self.enter("delete_server")?;
+        if st.delete_lag > 0 && st.servers.contains_key(id) {
+            // Nova: accepted, still there for a while.
+            if !st.lingering.contains_key(id) {
+                let lag = st.delete_lag;
+                st.lingering.insert(id.to_string(), lag);
+            }
+            return Ok(());
+        }
         st.servers.remove(id);
+        st.server_specs.remove(id);
         for p in st.ports.values_mut() {
             if p.device_id == id {
                 p.device_id.clear();
