@@ -217,7 +217,7 @@ fn sync_throughput(a: &Args) -> Result<SyncRun> {
     let t = Instant::now();
     let target = format!("{}:{TCP_PORT}", r.vip);
     let n = a.sync_connections.to_string();
-    r.load(&[
+    let load = r.load(&[
         "--tcp",
         &target,
         "--connections",
@@ -225,24 +225,26 @@ fn sync_throughput(a: &Args) -> Result<SyncRun> {
         "--concurrency",
         "128",
     ])?;
-    // Until the backup has applied what the master sent.
+    if let Some(t) = &load.tcp {
+        eprintln!("sync run: {} connections ok, {} failed", t.ok, t.failed);
+    }
+    // The agents publish their counters once a second: let them catch up before reading.
+    let settle = Duration::from_millis(1500);
+    std::thread::sleep(settle);
     let sent = m(master, "lb_sync_records_sent_total") - sent0;
+    let applied = || {
+        m(backup, "lb_sync_records_applied_total") + m(backup, "lb_sync_records_unchanged_total")
+            - applied0
+    };
     wait(
         "the peer to apply everything",
         Duration::from_secs(60),
-        || {
-            Ok(m(backup, "lb_sync_records_applied_total")
-                + m(backup, "lb_sync_records_unchanged_total")
-                - applied0
-                >= sent)
-        },
+        || Ok(applied() >= sent),
     )?;
-    let seconds = t.elapsed().as_secs_f64();
+    let seconds = t.elapsed().as_secs_f64() - settle.as_secs_f64();
     let new_flows =
         r.metric(master, "lb_dataplane_packets_total", "reason=\"new_flows\"")? - flows0;
-    let applied = m(backup, "lb_sync_records_applied_total")
-        + m(backup, "lb_sync_records_unchanged_total")
-        - applied0;
+    let applied = applied();
     let (dm, db) = (cpu(master) - cm, cpu(backup) - cb);
     let fm = r.forward_flows(master)?;
     let fb = r.forward_flows(backup)?;
