@@ -175,7 +175,7 @@ pub async fn run(
                         &opts,
                         &status_tx,
                     );
-                    update_ha(&mut ha, &state, &opts, &status_tx).await;
+                    update_ha(&mut ha, &state, &opts, &status_tx).await?;
                 }
                 ConfigState::Invalid(msg, generation) => {
                     tracing::error!(error = %msg, "configuration rejected; the last valid one keeps forwarding");
@@ -230,7 +230,7 @@ pub async fn run(
                     }
                     active = Some(r);
                 }
-                update_ha(&mut ha, &state, &opts, &status_tx).await;
+                update_ha(&mut ha, &state, &opts, &status_tx).await?;
                 let ha_snap = opts.ha.enabled().then_some(ha.snapshot().await);
                 update_snapshot(&mut dp, &programmer, &state, &health_rx.borrow(), &opts, &snapshot, active, &stats, ha_snap);
             }
@@ -443,13 +443,13 @@ async fn update_ha(
     state: &LoopState,
     opts: &AgentOptions,
     status_tx: &watch::Sender<AgentStatus>,
-) {
+) -> Result<()> {
     if !opts.ha.enabled() {
-        return;
+        return Ok(());
     }
     let ready = status_tx.borrow().up_to_date();
     let vips = state.current.as_ref().map(|c| c.vips()).unwrap_or_default();
-    ha.update(ready, vips).await;
+    ha.update(ready, vips).await?;
     let vrrp = ha.vrrp_state();
     status_tx.send_if_modified(|s| {
         let changed = s.vrrp != vrrp;
@@ -470,6 +470,7 @@ async fn update_ha(
             ha.set_priority_bonus(if newest { NEWEST_REVISION_BONUS } else { 0 });
         }
     }
+    Ok(())
 }
 
 #[allow(clippy::too_many_arguments)]

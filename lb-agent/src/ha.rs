@@ -72,6 +72,9 @@ pub struct Ha {
     vrrp_opts: Option<VrrpOptions>,
     keepalived: Option<Keepalived>,
     sync: Option<SyncHandle>,
+    /// Sync waits for the first applied config: records for services this machine does not have yet would be
+    /// dropped, and a dump received then would mark it synced without the flows.
+    pending_sync: Option<PendingSync>,
     tasks: Vec<JoinHandle<()>>,
     peers_tx: Option<watch::Sender<Vec<SocketAddr>>>,
     master: Arc<AtomicBool>,
@@ -87,6 +90,14 @@ const ADOPTION_GRACE: std::time::Duration = std::time::Duration::from_secs(30);
 
 /// [`BpfFlowStore`] behind the sync's store interface.
 struct SyncStore(BpfFlowStore);
+
+/// What sync needs to start.
+struct PendingSync {
+    settings: SyncSettings,
+    store: SyncStore,
+    events: RingBuf<MapData>,
+    peers_rx: watch::Receiver<Vec<SocketAddr>>,
+}
 
 impl FlowStore for SyncStore {
     fn dump(&mut self) -> Result<Vec<FlowRecord>> {
@@ -113,14 +124,15 @@ impl FlowStore for SyncStore {
 }
 
 impl Ha {
-    /// Starts sync (listener, peers, ring-buffer reader) right away; keepalived starts with the first VIPs
-    /// ([`Self::update`]), because it refuses an instance without one.
+    /// Opens what sync needs; sync itself (listener, peers, ring-buffer reader) starts once the first config is
+    /// applied, keepalived with the first VIPs (it refuses an instance without one) — both in [`Self::update`].
     pub async fn start(opts: HaOptions, dp: &mut Dataplane) -> Result<Ha> {
         let master = Arc::new(AtomicBool::new(false));
         let mut ha = Ha {
             vrrp_opts: opts.vrrp,
             keepalived: None,
             sync: None,
+            pending_sync: None,
             tasks: Vec::new(),
             peers_tx: None,
             master: master.clone(),
@@ -129,25 +141,44 @@ impl Ha {
         };
         if let Some(s) = opts.sync {
             let store = SyncStore(BpfFlowStore::open(dp, master)?);
-            let (peers_tx, peers_rx) = watch::channel(s.peers);
-            let (handle, task) = sync::start(SyncOptions::new(s.listen, peers_rx, s.secret), store)
-                .await
-                .context("starting flow sync")?;
-            tracing::info!(listen = %handle.local_addr(), "flow sync running");
-            let events = dp.take_flow_events()?;
-            ha.tasks.push(task);
-            ha.tasks
-                .push(tokio::spawn(forward_events(events, handle.clone())));
-            ha.sync = Some(handle);
+            let (peers_tx, peers_rx) = watch::channel(s.peers.clone());
+            ha.pending_sync = Some(PendingSync {
+                settings: s,
+                store,
+                events: dp.take_flow_events()?,
+                peers_rx,
+            });
             ha.peers_tx = Some(peers_tx);
         }
         Ok(ha)
     }
 
+    async fn start_sync(&mut self, p: PendingSync) -> Result<()> {
+        let opts = SyncOptions::new(p.settings.listen, p.peers_rx, p.settings.secret);
+        let (handle, task) = sync::start(opts, p.store)
+            .await
+            .context("starting flow sync")?;
+        tracing::info!(listen = %handle.local_addr(), "flow sync running");
+        self.tasks.push(task);
+        self.tasks
+            .push(tokio::spawn(forward_events(p.events, handle.clone())));
+        self.sync = Some(handle);
+        Ok(())
+    }
+
+    /// Whether this machine has the flows of its peers (always, without sync).
+    fn synced(&self) -> bool {
+        match (&self.sync, &self.pending_sync) {
+            (Some(s), _) => s.synced(),
+            (None, Some(_)) => false,
+            (None, None) => true,
+        }
+    }
+
     /// `lb_common::Config` flags the data plane needs for this setup, and the interface MAC for the check.
     pub fn dataplane_settings(&self, interface: &str) -> Result<(u32, [u8; 6])> {
         let mut flags = 0;
-        if self.sync.is_some() {
+        if self.sync.is_some() || self.pending_sync.is_some() {
             flags |= CFG_F_SYNC_EVENTS;
         }
         if self.vrrp_opts.is_some() {
@@ -163,9 +194,15 @@ impl Ha {
     }
 
     /// Called every loop tick and after config changes: `ready` says the data plane is attached and runs the
-    /// latest config. Starts keepalived once there are VIPs, keeps its VIPs in line, and offers the machine
-    /// for the VIP only when ready and synced.
-    pub async fn update(&mut self, ready: bool, vips: Vec<IpAddr>) {
+    /// latest config. Starts sync once ready and keepalived once there are VIPs, keeps keepalived's VIPs in
+    /// line, and offers the machine for the VIP only when ready and synced. Fails only when sync cannot start
+    /// (its listen address cannot be bound): a replica that cannot sync must not run as if it could.
+    pub async fn update(&mut self, ready: bool, vips: Vec<IpAddr>) -> Result<()> {
+        if ready {
+            if let Some(p) = self.pending_sync.take() {
+                self.start_sync(p).await?;
+            }
+        }
         if self.keepalived.is_none() && !vips.is_empty() {
             if let Some(opts) = self.vrrp_opts.clone() {
                 match Keepalived::start(opts, vips.clone()).await {
@@ -182,7 +219,7 @@ impl Ha {
                 }
             }
         }
-        let synced = self.sync.as_ref().is_none_or(|s| s.synced());
+        let synced = self.synced();
         let eligible = ready && synced;
         if eligible != self.eligible {
             tracing::info!(eligible, ready, synced, "VRRP eligibility changed");
@@ -209,6 +246,7 @@ impl Ha {
             let master = *k.state().borrow() == VrrpState::Master;
             self.master.store(master, Ordering::Relaxed);
         }
+        Ok(())
     }
 
     /// Priority bonus for "this machine belongs to the newest revision" (Kubernetes mode).
@@ -264,7 +302,7 @@ impl Ha {
     pub async fn snapshot(&self) -> HaSnapshot {
         let mut s = HaSnapshot {
             eligible: self.eligible,
-            synced: self.sync.as_ref().is_none_or(|s| s.synced()),
+            synced: self.synced(),
             sync: self.sync.as_ref().map(|s| s.counters()),
             ..Default::default()
         };
