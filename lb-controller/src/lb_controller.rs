@@ -484,26 +484,12 @@ pub fn new_set(lb: &LoadBalancer, template: &MachineTemplate, revision: u64) -> 
 /// Whether `set` belongs to `lb`: controlled by it (by UID), or — without owner references, e.g. restored from a
 /// backup — carrying the LoadBalancer's selector labels.
 pub fn set_of(set: &LoadBalancerSet, lb: &LoadBalancer) -> bool {
-    if set.namespace() != lb.namespace() {
-        return false;
-    }
-    if let Some(r) = set
-        .owner_references()
-        .iter()
-        .find(|r| r.controller == Some(true))
-    {
-        return r.kind == "LoadBalancer" && Some(&r.uid) == lb.metadata.uid.as_ref();
-    }
-    let Some(want) = lb
-        .spec
-        .selector
-        .match_labels
-        .as_ref()
-        .filter(|l| !l.is_empty())
-    else {
-        return false;
-    };
-    want.iter().all(|(k, v)| set.labels().get(k) == Some(v))
+    crate::ownership::belongs_to(
+        &set.metadata,
+        "LoadBalancer",
+        &lb.metadata,
+        &lb.spec.selector,
+    )
 }
 
 fn since(now: jiff::Timestamp, t: jiff::Timestamp) -> Duration {

@@ -444,23 +444,12 @@ pub fn new_machine(set: &LoadBalancerSet, suffix: &str) -> LoadBalancerMachine {
 /// Whether `m` belongs to `set`: controlled by it (by UID), or — for objects without owner references — carrying the
 /// set's selector labels.
 pub fn owned_by(m: &LoadBalancerMachine, set: &LoadBalancerSet) -> bool {
-    if m.namespace() != set.namespace() {
-        return false;
-    }
-    let refs = m.owner_references();
-    if let Some(r) = refs.iter().find(|r| r.controller == Some(true)) {
-        return r.kind == "LoadBalancerSet" && Some(&r.uid) == set.metadata.uid.as_ref();
-    }
-    let Some(want) = set
-        .spec
-        .selector
-        .match_labels
-        .as_ref()
-        .filter(|l| !l.is_empty())
-    else {
-        return false;
-    };
-    want.iter().all(|(k, v)| m.labels().get(k) == Some(v))
+    crate::ownership::belongs_to(
+        &m.metadata,
+        "LoadBalancerSet",
+        &set.metadata,
+        &set.spec.selector,
+    )
 }
 
 /// `key=value,…` of a label map (list selector).

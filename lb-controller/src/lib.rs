@@ -28,6 +28,7 @@ pub mod leader;
 pub mod machine;
 pub mod metrics;
 pub mod openstack;
+pub mod ownership;
 pub mod rbac;
 pub mod run;
 pub mod service_controller;

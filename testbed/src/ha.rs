@@ -12,15 +12,14 @@
 
 use crate::hold::HoldReport;
 use crate::rig::{
-    attach_xdp_pass, find_artifact, lb_config_yaml, parse_metric, pin_root, run_load, spawn_hold,
-    Hold, METRICS, TCP_NODE_PORT, UDP_NODE_PORT,
+    agent_http_get, attach_xdp_pass, find_artifact, lb_config_yaml, parse_metric, pin_root,
+    run_load, spawn_echo, spawn_hold, Hold, METRICS,
 };
 use crate::{ChildGuard, Host, Topology, TopologyConfig};
 use anyhow::{bail, Context, Result};
 use lb_common::{FlowKeyV4, FlowV4};
 use std::collections::BTreeMap;
-use std::io::{Read, Write};
-use std::net::{Ipv4Addr, TcpStream};
+use std::net::Ipv4Addr;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
@@ -116,23 +115,8 @@ impl HaRig {
             rig.xdp_pass
                 .push(attach_xdp_pass(&rig.topo, &rig.cfg.xdp_pass_obj, h)?);
         }
-        let bin = crate::binary_path()?;
         for b in rig.topo.backends().collect::<Vec<_>>() {
-            let mut c = rig.topo.spawn(
-                b,
-                [
-                    bin.display().to_string(),
-                    "echo".into(),
-                    "--id".into(),
-                    b.name(),
-                    "--tcp".into(),
-                    format!("0.0.0.0:{TCP_NODE_PORT}"),
-                    "--udp".into(),
-                    format!("0.0.0.0:{UDP_NODE_PORT}"),
-                ],
-            )?;
-            c.wait_for_stdout("\"ready\":true", Duration::from_secs(10))?;
-            rig.echo.push(c);
+            rig.echo.push(spawn_echo(&rig.topo, b)?);
         }
         let ips: Vec<Ipv4Addr> = rig.topo.backends().map(|b| rig.topo.ip(b)).collect();
         std::fs::write(rig.config_path(), lb_config_yaml(vip, &ips, ""))?;
@@ -303,16 +287,7 @@ impl HaRig {
 
     /// GET on replica `host`'s metrics listener; returns the body.
     pub fn http_get(&self, host: Host, path: &str) -> Result<String> {
-        let path = path.to_string();
-        self.topo.run_in(host, move || -> Result<String> {
-            let mut s = TcpStream::connect_timeout(&METRICS.parse()?, Duration::from_secs(2))?;
-            s.set_read_timeout(Some(Duration::from_secs(5)))?;
-            write!(s, "GET {path} HTTP/1.0\r\nHost: lb\r\n\r\n")?;
-            let mut out = String::new();
-            s.read_to_string(&mut out)?;
-            let body = out.split_once("\r\n\r\n").map(|(_, b)| b.to_string());
-            body.context("no HTTP body")
-        })?
+        agent_http_get(&self.topo, host, path)
     }
 
     /// The sum of the samples of metric `name` on replica `host` whose labels contain `labels`.

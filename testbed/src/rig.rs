@@ -253,22 +253,7 @@ impl Rig {
 
     /// Starts the echo server of backend `i` (1-based).
     pub fn start_backend(&mut self, i: usize) -> Result<()> {
-        let bin = crate::binary_path()?;
-        let host = Host::Backend(i);
-        let mut c = self.topo.spawn(
-            host,
-            [
-                bin.display().to_string(),
-                "echo".into(),
-                "--id".into(),
-                host.name(),
-                "--tcp".into(),
-                format!("0.0.0.0:{TCP_NODE_PORT}"),
-                "--udp".into(),
-                format!("0.0.0.0:{UDP_NODE_PORT}"),
-            ],
-        )?;
-        c.wait_for_stdout("\"ready\":true", Duration::from_secs(10))?;
+        let c = spawn_echo(&self.topo, Host::Backend(i))?;
         self.echo.insert(i, c);
         Ok(())
     }
@@ -283,16 +268,7 @@ impl Rig {
 
     /// GET on the agent's metrics listener from inside the lb namespace; returns the body.
     pub fn http_get(&self, path: &str) -> Result<String> {
-        let path = path.to_string();
-        self.topo.run_in(Host::Lb, move || -> Result<String> {
-            let mut s = TcpStream::connect_timeout(&METRICS.parse()?, Duration::from_secs(2))?;
-            s.set_read_timeout(Some(Duration::from_secs(5)))?;
-            write!(s, "GET {path} HTTP/1.0\r\nHost: lb\r\n\r\n")?;
-            let mut out = String::new();
-            s.read_to_string(&mut out)?;
-            let body = out.split_once("\r\n\r\n").map(|(_, b)| b.to_string());
-            body.context("no HTTP body")
-        })?
+        agent_http_get(&self.topo, Host::Lb, path)
     }
 
     /// The sum of every sample of metric `name` whose label text contains `labels` (e.g. `port="80"`).
@@ -339,6 +315,40 @@ pub fn lb_config_yaml(vip: Ipv4Addr, backends: &[Ipv4Addr], options: &str) -> St
     };
     y += "healthCheck: {interval: 1s, timeout: 1s, unhealthyThreshold: 2, healthyThreshold: 1}\n";
     y
+}
+
+/// GET on the metrics listener ([`METRICS`]) of the agent in `host`'s namespace; returns the body.
+pub fn agent_http_get(topo: &Topology, host: Host, path: &str) -> Result<String> {
+    let path = path.to_string();
+    topo.run_in(host, move || -> Result<String> {
+        let mut s = TcpStream::connect_timeout(&METRICS.parse()?, Duration::from_secs(2))?;
+        s.set_read_timeout(Some(Duration::from_secs(5)))?;
+        write!(s, "GET {path} HTTP/1.0\r\nHost: lb\r\n\r\n")?;
+        let mut out = String::new();
+        s.read_to_string(&mut out)?;
+        let body = out.split_once("\r\n\r\n").map(|(_, b)| b.to_string());
+        body.context("no HTTP body")
+    })?
+}
+
+/// Starts an echo server on `host` (a backend) on the TCP and UDP NodePorts and waits until it listens.
+pub fn spawn_echo(topo: &Topology, host: Host) -> Result<ChildGuard> {
+    let bin = crate::binary_path()?;
+    let mut c = topo.spawn(
+        host,
+        [
+            bin.display().to_string(),
+            "echo".into(),
+            "--id".into(),
+            host.name(),
+            "--tcp".into(),
+            format!("0.0.0.0:{TCP_NODE_PORT}"),
+            "--udp".into(),
+            format!("0.0.0.0:{UDP_NODE_PORT}"),
+        ],
+    )?;
+    c.wait_for_stdout("\"ready\":true", Duration::from_secs(10))?;
+    Ok(c)
 }
 
 /// Runs `lb-testbed load` in the client namespace of `topo` with `args`; returns its report.

@@ -252,24 +252,9 @@ fn run_plain(args: &Args, path: &str, threads: usize, envoy: Option<&Path>) -> R
     })?;
     let vip = topo.addr(100);
     topo.add_addr(Host::Lb, vip)?;
-    let bin = lb_testbed::binary_path()?;
     let mut echo = Vec::new();
     for b in topo.backends().collect::<Vec<_>>() {
-        let mut c = topo.spawn(
-            b,
-            [
-                bin.display().to_string(),
-                "echo".into(),
-                "--id".into(),
-                b.name(),
-                "--tcp".into(),
-                format!("0.0.0.0:{TCP_NODE_PORT}"),
-                "--udp".into(),
-                format!("0.0.0.0:{UDP_NODE_PORT}"),
-            ],
-        )?;
-        c.wait_for_stdout("\"ready\":true", Duration::from_secs(10))?;
-        echo.push(c);
+        echo.push(lb_testbed::rig::spawn_echo(&topo, b)?);
     }
     let _iperf = start_iperf(&topo)?;
     let lb_ns = topo.netns(Host::Lb).to_string();

@@ -1,0 +1,32 @@
+//! Which parent a child object belongs to (LoadBalancer → LoadBalancerSet → LoadBalancerMachine).
+
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, ObjectMeta};
+
+/// Whether `child` belongs to the parent of `kind` with `meta` and `selector`: in the same namespace and
+/// controlled by it (by UID), or — for objects without a controller reference, e.g. restored from a backup or
+/// made by an older controller — carrying every label of the parent's selector (an empty selector matches
+/// nothing).
+pub fn belongs_to(
+    child: &ObjectMeta,
+    kind: &str,
+    parent: &ObjectMeta,
+    selector: &LabelSelector,
+) -> bool {
+    if child.namespace != parent.namespace {
+        return false;
+    }
+    let controller = child
+        .owner_references
+        .iter()
+        .flatten()
+        .find(|r| r.controller == Some(true));
+    if let Some(r) = controller {
+        return r.kind == kind && Some(&r.uid) == parent.uid.as_ref();
+    }
+    let Some(want) = selector.match_labels.as_ref().filter(|l| !l.is_empty()) else {
+        return false;
+    };
+    let labels = child.labels.as_ref();
+    want.iter()
+        .all(|(k, v)| labels.and_then(|l| l.get(k)) == Some(v))
+}
