@@ -156,6 +156,9 @@ pub struct LbmContext<F: CloudFactory> {
     pub metrics: Arc<LbmMetrics>,
     /// Settings.
     pub config: LbmControllerConfig,
+    /// Where reconciles are counted (`lb_cloud_controller_reconciles_total{controller="loadbalancermachine"}` and
+    /// the duration histogram), next to the other two controllers'; [`prepare`] sets it.
+    pub controller_metrics: Option<Arc<crate::metrics::Metrics>>,
     memory: Mutex<Memory>,
 }
 
@@ -174,6 +177,7 @@ impl<F: CloudFactory> LbmContext<F> {
             events,
             metrics,
             config,
+            controller_metrics: None,
             memory: Mutex::default(),
         }
     }
@@ -495,11 +499,15 @@ impl<F: CloudFactory> Scope<'_, F> {
     }
 }
 
+/// Controller name in `lb_cloud_controller_reconciles_total`.
+pub const CONTROLLER: &str = "loadbalancermachine";
+
 /// One reconcile of a LoadBalancerMachine.
 pub async fn reconcile<F: CloudFactory>(
     lbm: Arc<LoadBalancerMachine>,
     ctx: Arc<LbmContext<F>>,
 ) -> Result<Action, Error> {
+    let started = std::time::Instant::now();
     let key = qualified(&lbm.namespace().unwrap_or_default(), &lbm.name_any());
     let result = if lbm.meta().deletion_timestamp.is_some() {
         delete(&lbm, &ctx).await
@@ -508,6 +516,9 @@ pub async fn reconcile<F: CloudFactory>(
     };
     if result.is_ok() {
         ctx.mem(|m| m.failures.remove(&key));
+    }
+    if let Some(metrics) = &ctx.controller_metrics {
+        metrics.observe_reconcile(CONTROLLER, result.is_ok(), started.elapsed());
     }
     result
 }
@@ -1000,14 +1011,16 @@ pub fn error_policy<F: CloudFactory>(
     Action::requeue(delay)
 }
 
-/// The context `run::run_openstack_controllers` starts this controller with: settings from the environment
-/// ([`LbmControllerConfig::from_env`]), the `loadbalancermachine*` families on the binary's `/metrics`, the cloud
-/// sessions shared with the LoadBalancer controller, events as `yawol-service`.
+/// The context `run::run_openstack_controllers` starts this controller with: `config` (the binary's comes from
+/// the environment, [`LbmControllerConfig::from_env`]), the `loadbalancermachine*` families and the reconcile
+/// counts on the binary's `/metrics`, the cloud sessions shared with the LoadBalancer controller, events as
+/// `yawol-service`.
 pub fn prepare<F: CloudFactory>(
     client: Client,
     clouds: Arc<F>,
-    metrics: &crate::metrics::Metrics,
+    metrics: &Arc<crate::metrics::Metrics>,
     instance: &str,
+    config: LbmControllerConfig,
 ) -> Arc<LbmContext<Arc<F>>> {
     let lbm_metrics = Arc::new(LbmMetrics::default());
     metrics.register_more(|registry| lbm_metrics.register(registry));
@@ -1016,11 +1029,12 @@ pub fn prepare<F: CloudFactory>(
         lb_api::constants::defaults::USER_EVENT_COMPONENT,
         instance,
     ));
-    let config = LbmControllerConfig::from_env();
     if config.api_endpoint.is_none() {
         warn!("API_ENDPOINT is not set: LoadBalancerMachines get no servers until it is");
     }
-    Arc::new(LbmContext::new(client, clouds, events, lbm_metrics, config))
+    let mut ctx = LbmContext::new(client, clouds, events, lbm_metrics, config);
+    ctx.controller_metrics = Some(metrics.clone());
+    Arc::new(ctx)
 }
 
 /// Runs the LoadBalancerMachine controller over the machines of `namespace` until `shutdown`.

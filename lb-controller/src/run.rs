@@ -295,10 +295,32 @@ pub struct OpenStackRunConfig {
     pub instance: String,
 }
 
-/// Runs the OpenStack-side controllers (LoadBalancer and LoadBalancerSet) over `client` with the clouds of `clouds`
-/// until `shutdown` resolves, reporting on `metrics`. The binary and the tests both start them through this
-/// function. Events use yawol's `yawol-service` component, so the back channel forwards the LoadBalancer's to the
-/// Services.
+/// Settings of the LoadBalancerSet and LoadBalancerMachine controllers. The binary's come from
+/// [`OpenStackTuning::from_env`]; the real-OpenStack benchmark shortens the resync periods through
+/// [`run_openstack_controllers_with`].
+#[derive(Clone, Debug)]
+pub struct OpenStackTuning {
+    /// LoadBalancerSet controller.
+    pub sets: LbsControllerConfig,
+    /// LoadBalancerMachine controller.
+    pub machines: lbm_controller::LbmControllerConfig,
+}
+
+impl OpenStackTuning {
+    /// The defaults, with yawol's `API_ENDPOINT` and `NTP_SERVERS` from the environment
+    /// ([`lbm_controller::LbmControllerConfig::from_env`]).
+    pub fn from_env() -> Self {
+        OpenStackTuning {
+            sets: LbsControllerConfig::default(),
+            machines: lbm_controller::LbmControllerConfig::from_env(),
+        }
+    }
+}
+
+/// Runs the OpenStack-side controllers (LoadBalancer, LoadBalancerSet, LoadBalancerMachine) over `client` with the
+/// clouds of `clouds` until `shutdown` resolves, reporting on `metrics`; the set and machine controllers with
+/// [`OpenStackTuning::from_env`]. The binary and the tests start them through this function. Events use yawol's
+/// `yawol-service` component, so the back channel forwards the LoadBalancer's to the Services.
 pub async fn run_openstack_controllers<F: CloudFactory>(
     client: Client,
     clouds: F,
@@ -307,10 +329,37 @@ pub async fn run_openstack_controllers<F: CloudFactory>(
     health: Arc<Health>,
     shutdown: impl std::future::Future<Output = ()> + Send + Sync + 'static,
 ) {
+    run_openstack_controllers_with(
+        client,
+        clouds,
+        config,
+        OpenStackTuning::from_env(),
+        metrics,
+        health,
+        shutdown,
+    )
+    .await
+}
+
+/// [`run_openstack_controllers`] with explicit settings for the set and machine controllers.
+pub async fn run_openstack_controllers_with<F: CloudFactory>(
+    client: Client,
+    clouds: F,
+    config: OpenStackRunConfig,
+    tuning: OpenStackTuning,
+    metrics: Arc<Metrics>,
+    health: Arc<Health>,
+    shutdown: impl std::future::Future<Output = ()> + Send + Sync + 'static,
+) {
     // The LoadBalancerMachine controller shares the cloud sessions (`CloudFactory for Arc<F>`) and /metrics.
     let clouds = Arc::new(clouds);
-    let machines =
-        lbm_controller::prepare(client.clone(), clouds.clone(), &metrics, &config.instance);
+    let machines = lbm_controller::prepare(
+        client.clone(),
+        clouds.clone(),
+        &metrics,
+        &config.instance,
+        tuning.machines,
+    );
     let events = Arc::new(EventPublisher::new(
         client.clone(),
         lb_api::constants::defaults::USER_EVENT_COMPONENT,
@@ -327,7 +376,7 @@ pub async fn run_openstack_controllers<F: CloudFactory>(
         client: client.clone(),
         events,
         metrics,
-        config: LbsControllerConfig::default(),
+        config: tuning.sets,
     });
     let (stop_tx, _) = tokio::sync::broadcast::channel::<()>(1);
     let stop = |tx: &tokio::sync::broadcast::Sender<()>| {

@@ -8,11 +8,14 @@
 //! `#[ignore]`d like `tests/openstack_lb.rs`: the `openstack` stage of `cargo xtask test` runs them with
 //! `--ignored --test-threads=1` (the leak check sees the whole project).
 
+mod common;
+
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, ensure, Context, Result};
 use base64::Engine as _;
+use common::openstack::{connect, nova_group_members, nova_server, user_data_files};
 use kube::api::{DeleteParams, Patch, PatchParams, PostParams};
 use kube::Api;
 use lb_api::fake_api::{FakeApiServer, ResourceKey};
@@ -23,7 +26,7 @@ use lb_controller::lb_openstack::{self, DiscardStatus};
 use lb_controller::lbm_controller::{run, LbmContext, LbmControllerConfig};
 use lb_controller::lbm_metrics::LbmMetrics;
 use lb_controller::openstack::sdk::SdkCloud;
-use lb_controller::openstack::{Cloud, CloudProviderConf, OpenStackCalls};
+use lb_controller::openstack::Cloud;
 use openstack_sdk::api::QueryAsync;
 use openstack_sdk::AsyncOpenStack;
 use openstack_testenv::{Fault, FaultProxy, LeakCheck, Rule, TestEnv};
@@ -58,15 +61,6 @@ fn lb(env: &TestEnv, name: &str) -> LoadBalancer {
         }
     }))
     .expect("fixture parses")
-}
-
-async fn connect(env: &TestEnv, proxies: &[(&FaultProxy, &str, &str)]) -> Result<SdkCloud> {
-    let text = std::fs::read_to_string(env.cloudprovider_conf())?;
-    let mut config = CloudProviderConf::parse(&text)?.to_cloud_config(None)?;
-    for (proxy, service, version) in proxies {
-        proxy.route(&mut config, service, version);
-    }
-    SdkCloud::connect(&config, Duration::from_secs(20), OpenStackCalls::default()).await
 }
 
 /// The machine controller on an in-memory API server that holds the LoadBalancer (as the LoadBalancer controller
@@ -227,33 +221,6 @@ async fn teardown(cloud: &SdkCloud, lb: &LoadBalancer, machines: &[&str]) -> Res
     Ok(())
 }
 
-/// Nova's view of a server at a recent microversion (as admin: `OS-EXT-SRV-ATTR:user_data`, `server_groups`).
-async fn nova_server(admin: &AsyncOpenStack, id: &str) -> Result<Value> {
-    use openstack_sdk::api::compute::v2::server::get_20;
-    let mut req = get_20::Request::builder();
-    req.id(id).header(
-        axum::http::HeaderName::from_static("openstack-api-version"),
-        axum::http::HeaderValue::from_static("compute 2.79"),
-    );
-    let v: Value = req.build()?.query_async(admin).await?;
-    Ok(v)
-}
-
-async fn nova_group_members(admin: &AsyncOpenStack, id: &str) -> Result<Vec<String>> {
-    use openstack_sdk::api::compute::v2::server_group::get_21;
-    let v: Value = get_21::Request::builder()
-        .id(id)
-        .build()?
-        .query_async(admin)
-        .await?;
-    Ok(v["members"]
-        .as_array()
-        .into_iter()
-        .flatten()
-        .filter_map(|m| m.as_str().map(str::to_string))
-        .collect())
-}
-
 #[tokio::test]
 #[ignore = "needs the OpenStack test environment (cargo xtask openstack up); run by the openstack stage"]
 async fn openstack_machine_boots_with_user_data_in_the_group_and_deletion_leaves_nothing(
@@ -293,23 +260,9 @@ async fn openstack_machine_boots_with_user_data_in_the_group_and_deletion_leaves
             members.contains(&server_id),
             "not in the server group: {members:?}"
         );
-        let user_data = nova["OS-EXT-SRV-ATTR:user_data"]
-            .as_str()
-            .context("Nova returned no user_data (admin, microversion >= 2.3)")?;
-        let user_data =
-            String::from_utf8(base64::engine::general_purpose::STANDARD.decode(user_data)?)?;
-        ensure!(user_data.starts_with("#cloud-config\n"), "{user_data}");
-        let doc: serde_yaml::Value = serde_yaml::from_str(&user_data)?;
-        let files: Vec<String> = doc["write_files"]
-            .as_sequence()
-            .context("write_files")?
-            .iter()
-            .map(|f| {
-                let raw = base64::engine::general_purpose::STANDARD
-                    .decode(f["content"].as_str().unwrap_or(""))
-                    .unwrap_or_default();
-                String::from_utf8_lossy(&raw).into_owned()
-            })
+        let files: Vec<String> = user_data_files(&nova)?
+            .into_iter()
+            .map(|(_, content)| content)
             .collect();
         ensure!(
             files.iter().any(|f| f.contains(TOKEN)),

@@ -6,16 +6,17 @@
 //! `#[ignore]`d so a plain `cargo test` needs no cloud; the `openstack` stage of `cargo xtask test` runs them with
 //! `--ignored --test-threads=1`. Without the environment they fail (`TestEnv::load` names the command to run).
 
+mod common;
+
 use anyhow::{ensure, Context, Result};
+use common::openstack::connect;
 use lb_api::{LoadBalancer, LoadBalancerStatus};
 use lb_controller::lb_openstack::{self, DiscardStatus};
 use lb_controller::machine::{self, MachineSpec};
 use lb_controller::openstack::sdk::SdkCloud;
-use lb_controller::openstack::{Cloud, CloudErrorKind, CloudProviderConf, OpenStackCalls};
+use lb_controller::openstack::{Cloud, CloudErrorKind};
 use openstack_testenv::{Fault, FaultProxy, LeakCheck, Rule, TestEnv};
 use std::time::{Duration, Instant};
-
-const TIMEOUT: Duration = Duration::from_secs(20);
 
 fn lb(env: &TestEnv, name: &str, options: &str) -> LoadBalancer {
     let info = &env.info;
@@ -43,16 +44,6 @@ spec:
         image = info.image_id,
     );
     serde_yaml::from_str(&yaml).expect("fixture parses")
-}
-
-async fn connect(env: &TestEnv, neutron_proxy: Option<&FaultProxy>) -> Result<SdkCloud> {
-    // Through yawol's INI, as the controller reads it from the LoadBalancer's Secret.
-    let text = std::fs::read_to_string(env.cloudprovider_conf())?;
-    let mut config = CloudProviderConf::parse(&text)?.to_cloud_config(None)?;
-    if let Some(p) = neutron_proxy {
-        p.route(&mut config, "network", "v2.0");
-    }
-    SdkCloud::connect(&config, TIMEOUT, OpenStackCalls::default()).await
 }
 
 async fn reconcile(cloud: &SdkCloud, lb: &mut LoadBalancer) -> Result<(), lb_openstack::StepError> {
@@ -109,7 +100,7 @@ async fn teardown(cloud: &SdkCloud, lb: &LoadBalancer, machines: &[String]) -> R
 #[ignore = "needs the OpenStack test environment (cargo xtask openstack up); run by the openstack stage"]
 async fn openstack_lb_create_with_machines_then_delete_leaves_nothing() -> Result<()> {
     let env = TestEnv::load()?;
-    let cloud = connect(&env, None).await?;
+    let cloud = connect(&env, &[]).await?;
     let direct = env.connect().await?;
     LeakCheck::new(&env)
         .assert_clean(&direct)
@@ -174,7 +165,7 @@ async fn openstack_lb_create_with_machines_then_delete_leaves_nothing() -> Resul
 async fn openstack_lb_5xx_and_quota_keep_the_floating_ip_and_leak_nothing() -> Result<()> {
     let env = TestEnv::load()?;
     let proxy = FaultProxy::start("http://127.0.0.1:9696").await?;
-    let cloud = connect(&env, Some(&proxy)).await?;
+    let cloud = connect(&env, &[(&proxy, "network", "v2.0")]).await?;
     let direct = env.connect().await?;
     LeakCheck::new(&env)
         .assert_clean(&direct)
@@ -260,7 +251,7 @@ async fn openstack_lb_5xx_and_quota_keep_the_floating_ip_and_leak_nothing() -> R
 #[ignore = "needs the OpenStack test environment (cargo xtask openstack up); run by the openstack stage"]
 async fn openstack_internal_lb_existing_fip_and_keep_annotations() -> Result<()> {
     let env = TestEnv::load()?;
-    let cloud = connect(&env, None).await?;
+    let cloud = connect(&env, &[]).await?;
     let direct = env.connect().await?;
     LeakCheck::new(&env)
         .assert_clean(&direct)

@@ -23,6 +23,10 @@ pub enum Which {
     /// VRRP failover between replicas: takeover time, traffic pause and surviving connections over 10
     /// failovers, next to yawol's keepalived timing without sync; sync throughput and CPU (root).
     Failover,
+    /// The OpenStack-side controllers against the real OpenStack of `cargo xtask openstack up` (started if needed,
+    /// stopped again afterwards): new LoadBalancer to floating IP and to ACTIVE servers, deletion, OpenStack calls
+    /// per reconcile in steady state.
+    Openstack,
     /// Everything above.
     All,
 }
@@ -36,13 +40,15 @@ pub fn run_bench(which: Which) -> Result<()> {
         Which::Connections => netns_bench("bench-connections"),
         Which::Scale => netns_bench("bench-scale"),
         Which::Failover => netns_bench("bench-failover"),
+        Which::Openstack => openstack(),
         Which::All => {
             dataplane()?;
             controller()?;
             netns_bench("bench-pktgen")?;
             netns_bench("bench-connections")?;
             netns_bench("bench-scale")?;
-            netns_bench("bench-failover")
+            netns_bench("bench-failover")?;
+            openstack()
         }
     }
 }
@@ -111,4 +117,31 @@ fn controller() -> Result<()> {
             .arg(root().join("target/bench/controller.json")),
         "bench controller",
     )
+}
+
+/// `bench_openstack` (release) against the test OpenStack, which is started for it when it is not running.
+fn openstack() -> Result<()> {
+    // Built before the environment starts: the services and the compiler would share the 2 cores.
+    run(
+        Command::new("cargo").current_dir(root()).args([
+            "build",
+            "--release",
+            "--quiet",
+            "-p",
+            "lb-controller",
+            "--example",
+            "bench_openstack",
+        ]),
+        "building bench_openstack",
+    )?;
+    crate::openstack::with_environment(|state| {
+        run(
+            Command::new(root().join("target/release/examples/bench_openstack"))
+                .current_dir(root())
+                .env("LB_OPENSTACK_DIR", state)
+                .arg("--json")
+                .arg(root().join("target/bench/openstack.json")),
+            "bench openstack",
+        )
+    })
 }

@@ -4,8 +4,13 @@
 //! Waiting is event-driven on the controller side; the tests only poll the fake store for the
 //! expected state (every few milliseconds, bounded by a generous timeout), so they do not depend
 //! on timing.
+//!
+//! [`openstack`]: the helpers of the real-OpenStack tests (sessions, Nova's view, leak check and sweep, the whole
+//! OpenStack-side cascade on the in-memory API server with the agents played).
 
 #![allow(dead_code)]
+
+pub mod openstack;
 
 use std::future::Future;
 use std::sync::Arc;

@@ -101,6 +101,23 @@ pub fn test_stage() -> Result<()> {
     result
 }
 
+/// Runs `f` with the environment up (started like the test stage does, when needed) and its state directory, and
+/// stops the environment again if it was not running before, also after a failure (state kept). For
+/// `cargo xtask bench openstack`.
+pub fn with_environment(f: impl FnOnce(&std::path::Path) -> Result<()>) -> Result<()> {
+    let layout = Layout::from_env();
+    let was_running = services::all_running(&layout);
+    let result = up(&layout).and_then(|()| f(&layout.state));
+    if !was_running {
+        eprintln!(
+            "openstack: stopping the environment started for this run (state kept in {})",
+            layout.state.display()
+        );
+        services::stop_all(&layout)?;
+    }
+    result
+}
+
 /// Where everything lives.
 pub struct Layout {
     /// `testenv/openstack/` in the workspace: templates and Python support files.

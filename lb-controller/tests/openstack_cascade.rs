@@ -1,0 +1,819 @@
+//! The whole OpenStack side — LoadBalancer → LoadBalancerSet → LoadBalancerMachine — started through
+//! `run::run_openstack_controllers` (the binary's entry point) on the in-memory API server, against the real
+//! OpenStack of `cargo xtask openstack up` through the real `SdkCloud` (credentials from the LoadBalancer's
+//! `cloudprovider.conf` Secret via `SecretClouds`, except where Neutron sits behind the fault proxy).
+//!
+//! - `cascade_lifecycle_create_update_scale_heal_delete`: a LoadBalancer with 2 replicas ends with security group,
+//!   floating IP on the VIP port, server group and 2 ACTIVE servers in it, booted with our user data (token,
+//!   router ID, sync secret as Nova stores them); a port change is hot (rules change, same servers); a flavor change
+//!   rolls (new set, new servers with the new flavor, the old ones deleted once the new set is ready and holds the
+//!   VIP); scale 2 → 3 → 2; a machine whose agent reports unhealthy is marked, deleted and replaced with a new
+//!   server; deletion leaves nothing.
+//! - `cascade_internal_lb_and_keep_annotations`: an internal LoadBalancer (no floating IP, external IP = VIP)
+//!   with `keepSecurityGroup`, and an external one with `keepFloatingIP` + `keepPort`, each with a machine; deleting
+//!   them keeps exactly what the annotations say (the kept port loses the deleted group), the test removes it.
+//! - `cascade_existing_and_adopted_floating_ips`: `existingFloatingIP` is used (renamed "… (user managed)" because
+//!   it carried our description) and survives deletion; a floating IP with the LoadBalancer's description (left by
+//!   an interrupted create or by yawol) is adopted instead of allocating another, and released with it.
+//! - `cascade_neutron_5xx_during_create_is_retried_without_duplicates`: Neutron 500/503 injected by `FaultProxy`
+//!   into security group, floating IP, VIP lookup and VM port creation and into the VM port's deletion: Warning
+//!   events with Neutron's text, retries, and in the end exactly one of everything and nothing left.
+//!
+//! Every test starts and ends with the leak check over the test project (a failing check sweeps the project so the
+//! next test starts clean).
+//!
+//! What this OpenStack cannot do, and how the tests deal with it:
+//! - Nova's fake driver never boots a VM, so no agent runs: the harness plays the agents (ready conditions,
+//!   heartbeats, `KeepalivedMaster` on one machine per LoadBalancer, moving to the newest revision like the agents'
+//!   revision bonus does) and Kubernetes' token controller, once a machine's server is ACTIVE.
+//! - There is one image; the rolling update changes the flavor (a second flavor is created as admin and deleted at
+//!   the end). An image change takes the same path (both are in the machine template's hash).
+//! - 5xx are injected into Neutron only: Nova cannot sit behind the proxy with `SdkCloud` (openstack_sdk skips
+//!   version discovery with an endpoint override and sends microversion 2.0, which Nova rejects with 406).
+//!   `tests/machines_openstack.rs` covers Nova's real quota error.
+//! - The rollout gate is 1 s of VRRP mastership instead of 2 min (`LbControllerConfig::rollout`); an unhealthy
+//!   machine's 3-minute mark and 2-minute grace are passed by back-dating the condition times the agent and the
+//!   controller wrote, not by waiting.
+//!
+//! `#[ignore]`d like the other real-OpenStack tests: the `openstack` stage of `cargo xtask test` runs them with
+//! `--ignored --test-threads=1` (they share the project and its quota). By hand: `cargo xtask openstack up &&
+//! cargo test -p lb-controller --test openstack_cascade -- --ignored --test-threads=1 --nocapture` (prints timings).
+
+mod common;
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{ensure, Context, Result};
+use base64::Engine as _;
+use common::openstack::{
+    condition, connect, connect_counted, delete_flavor, ensure_flavor, finish, lb_json,
+    nova_group_members, nova_server, servers_named, user_data_files, wait_for, Cascade,
+    CascadeConfig, API_ENDPOINT, CALL_TIMEOUT, NS, TOKEN,
+};
+use lb_api::constants::{conditions, lb_annotations};
+use lb_controller::lb_controller::{FixedCloud, SecretClouds};
+use lb_controller::metrics::Metrics;
+use lb_controller::openstack::{Cloud, FloatingIpFilter};
+use openstack_testenv::{Fault, FaultProxy, LeakCheck, Rule, TestEnv};
+use serde_json::{json, Value};
+
+/// Bound of every wait: a step normally takes seconds (Nova's fake driver boots in about 2 s), but the shared
+/// 2-core machine can be slow.
+const STEP: Duration = Duration::from_secs(120);
+
+fn secs(d: Duration) -> f64 {
+    d.as_secs_f64()
+}
+
+/// The cascade with `SecretClouds`, as the binary runs by default.
+async fn start(env: &TestEnv) -> Result<Cascade> {
+    let metrics = Arc::new(Metrics::new());
+    let calls = metrics.openstack_calls.clone();
+    Cascade::start(env, metrics, CascadeConfig::default(), move |client| {
+        SecretClouds::new(client, CALL_TIMEOUT, calls)
+    })
+    .await
+}
+
+/// Waits until `lb` has `n` ready replicas, all in its set of revision `rev` with ACTIVE servers; returns the
+/// set's name and its `(machine, server)` pairs.
+async fn ready(
+    c: &Cascade,
+    lb: &str,
+    rev: u64,
+    n: usize,
+) -> Result<(String, Vec<(String, String)>)> {
+    c.wait(
+        &format!("{lb}: {n} ready machines of revision {rev}"),
+        STEP,
+        |c| {
+            let st = c.status(lb);
+            c.set_of_revision(lb, rev).is_some_and(|s| {
+                c.active_in_set(&s).len() == n && c.live_machines_of_set(&s).len() == n
+            }) && st["readyReplicas"] == n
+                && st["replicas"] == n
+        },
+    )
+    .await?;
+    let set = c.set_of_revision(lb, rev).context("set")?;
+    let active = c.active_in_set(&set);
+    Ok((set, active))
+}
+
+/// Waits until Nova lists exactly `ids` (in any order) among the servers named `<prefix>…`.
+async fn nova_servers_are(
+    env: &TestEnv,
+    direct: &openstack_sdk::AsyncOpenStack,
+    prefix: &str,
+    ids: &[String],
+) -> Result<()> {
+    let mut want: Vec<String> = ids.to_vec();
+    want.sort();
+    wait_for(
+        &format!("Nova's servers {prefix}* = {want:?}"),
+        STEP,
+        || {
+            let want = want.clone();
+            async move {
+                let mut have: Vec<String> = servers_named(env, direct, prefix)
+                    .await?
+                    .into_iter()
+                    .map(|(id, _, _)| id)
+                    .collect();
+                have.sort();
+                Ok(have == want)
+            }
+        },
+    )
+    .await
+    .map(|_| ())
+}
+
+fn server_ids(active: &[(String, String)]) -> Vec<String> {
+    active.iter().map(|(_, s)| s.clone()).collect()
+}
+
+#[tokio::test]
+#[ignore = "needs the OpenStack test environment (cargo xtask openstack up); run by the openstack stage"]
+async fn cascade_lifecycle_create_update_scale_heal_delete() -> Result<()> {
+    const LB: &str = "csc-life";
+    const FLAVOR2: &str = "lbtest-cascade.rolled";
+    let env = TestEnv::load()?;
+    let cloud = connect(&env, &[]).await?;
+    let direct = env.connect().await?;
+    let admin = env.connect_admin().await?;
+    LeakCheck::new(&env)
+        .assert_clean(&direct)
+        .await
+        .context("before the test")?;
+    let flavor2 = ensure_flavor(&admin, FLAVOR2).await?;
+    let c = start(&env).await?;
+    let prefix = format!("{LB}-");
+    let os_name = format!("{NS}/{LB}");
+    let scenario = async {
+        // Create.
+        let t0 = Instant::now();
+        c.create_lb(lb_json(
+            &env,
+            LB,
+            2,
+            json!({"serverGroupPolicy": "soft-anti-affinity"}),
+        ))
+        .await?;
+        c.wait("floating IP", STEP, |c| {
+            c.status(LB)["externalIP"].is_string() && c.status(LB)["floatingID"].is_string()
+        })
+        .await?;
+        let t_fip = t0.elapsed();
+        let (set1, active1) = ready(&c, LB, 1, 2).await?;
+        let t_active = t0.elapsed();
+        eprintln!(
+            "timing: floating IP after {:.2}s, 2 ACTIVE servers and 2/2 ready after {:.2}s",
+            secs(t_fip),
+            secs(t_active)
+        );
+
+        // Neutron and Nova agree with the status.
+        let st = c.status(LB);
+        let s = |k: &str| st[k].as_str().unwrap_or_default().to_string();
+        let groups = cloud.find_security_groups(&os_name).await?;
+        ensure!(
+            groups.len() == 1 && groups[0].id == s("securityGroupID"),
+            "one security group: {groups:?}"
+        );
+        let fip = cloud.get_floating_ip(&s("floatingID")).await?;
+        ensure!(
+            fip.address == s("externalIP") && fip.port_id.as_deref() == Some(&*s("portID")),
+            "floating IP on the VIP port: {fip:?}"
+        );
+        let vip = cloud.get_port(&s("portID")).await?;
+        ensure!(
+            vip.security_groups == [s("securityGroupID")]
+                && vip.primary_ip() == Some(&*s("portIP")),
+            "VIP port: {vip:?}"
+        );
+        let sgroups = cloud.find_server_groups(&os_name).await?;
+        ensure!(
+            sgroups.len() == 1
+                && sgroups[0].id == s("serverGroupID")
+                && sgroups[0].policy == "soft-anti-affinity",
+            "server group: {sgroups:?}"
+        );
+        let members = nova_group_members(&admin, &s("serverGroupID")).await?;
+        let router_id = c.lb(LB)["metadata"]["annotations"][lb_annotations::VRRP_ROUTER_ID]
+            .as_str()
+            .context("router id")?
+            .to_string();
+        let sync = c
+            .api
+            .get(&common::openstack::secrets(), NS, &format!("{LB}-sync"))
+            .context("sync Secret")?;
+        let sync = String::from_utf8(
+            base64::engine::general_purpose::STANDARD
+                .decode(sync["data"]["secret"].as_str().unwrap_or(""))?,
+        )?;
+        for (m, server) in &active1 {
+            let nova = nova_server(&admin, server).await?;
+            ensure!(
+                nova["status"] == "ACTIVE" && nova["name"] == m.as_str(),
+                "server of {m}: {nova}"
+            );
+            ensure!(members.contains(server), "{server} not in the server group");
+            let files = user_data_files(&nova)?;
+            let file = |p: &str| {
+                files
+                    .iter()
+                    .find(|(path, _)| path == p)
+                    .map(|(_, c)| c.clone())
+                    .unwrap_or_default()
+            };
+            let kubeconfig = file(lb_controller::cloudinit::KUBECONFIG_PATH);
+            ensure!(
+                kubeconfig.contains(TOKEN) && kubeconfig.contains(API_ENDPOINT),
+                "kubeconfig: {kubeconfig}"
+            );
+            let agent = file(lb_controller::cloudinit::AGENT_ENV_PATH);
+            ensure!(
+                agent.contains(&format!("--vrrp-router-id={router_id}"))
+                    && agent.contains(m.as_str()),
+                "agent settings: {agent}"
+            );
+            ensure!(file("/etc/lb-agent/sync-secret") == sync, "sync secret");
+            let ms = &c.machine(m)["status"];
+            let port = cloud
+                .get_port(ms["defaultPortID"].as_str().unwrap_or_default())
+                .await?;
+            ensure!(
+                port.device_id == *server
+                    && port.allowed_address_pairs == [s("portIP")]
+                    && port.security_groups == [s("securityGroupID")],
+                "VM port of {m}: {port:?}"
+            );
+        }
+        nova_servers_are(&env, &direct, &prefix, &server_ids(&active1)).await?;
+
+        // Hot: a new port changes the rules, not the machines.
+        let hash = st["openstackReconcileHash"].clone();
+        c.patch_lb(
+            LB,
+            json!({"spec": {"ports": [
+                {"name": "http", "port": 80, "nodePort": 30080, "protocol": "TCP"},
+                {"name": "https", "port": 443, "nodePort": 30443, "protocol": "TCP"}
+            ]}}),
+        )
+        .await?;
+        c.wait("OpenStack step after the port change", STEP, |c| {
+            c.status(LB)["openstackReconcileHash"] != hash
+        })
+        .await?;
+        let rules = cloud.find_security_groups(&os_name).await?[0].rules.clone();
+        ensure!(
+            rules
+                .iter()
+                .any(|r| r.spec.protocol.as_deref() == Some("tcp")
+                    && r.spec.port_range_min == Some(443)),
+            "TCP 443 admitted: {rules:#?}"
+        );
+        ensure!(c.sets_of(LB).len() == 1, "hot change: no new set");
+        ensure!(
+            c.active_in_set(&set1) == active1,
+            "hot change: same machines"
+        );
+        nova_servers_are(&env, &direct, &prefix, &server_ids(&active1)).await?;
+
+        // Rolling: a new flavor is a new set; the old one goes once the new one is ready and holds the VIP.
+        let t1 = Instant::now();
+        c.patch_lb(
+            LB,
+            json!({"spec": {"infrastructure": {"flavor": {"flavorID": flavor2}}}}),
+        )
+        .await?;
+        // Watched throughout: the old set keeps both machines until the new set has both ready.
+        let mut early = None;
+        c.wait("new set ready, old set deleted", STEP, |c| {
+            let old = c.set(&set1);
+            let new_ready = c
+                .set_of_revision(LB, 2)
+                .is_some_and(|s| c.set(&s)["status"]["readyReplicas"] == 2);
+            let old_shrunk = old.is_null()
+                || old["spec"]["replicas"] != 2
+                || c.live_machines_of_set(&set1).len() < 2;
+            if old_shrunk && !new_ready && early.is_none() {
+                early = Some(format!("old set {old} shrank before the new one was ready"));
+            }
+            old.is_null() && new_ready
+        })
+        .await?;
+        ensure!(early.is_none(), "{}", early.unwrap_or_default());
+        let (set2, active2) = ready(&c, LB, 2, 2).await?;
+        ensure!(set2 != set1, "a new set");
+        nova_servers_are(&env, &direct, &prefix, &server_ids(&active2)).await?;
+        eprintln!(
+            "timing: rolling update (2 new servers, 2 old deleted) {:.2}s",
+            secs(t1.elapsed())
+        );
+        for (_, server) in &active2 {
+            let nova = nova_server(&admin, server).await?;
+            ensure!(
+                nova["flavor"]["original_name"] == FLAVOR2,
+                "new flavor: {}",
+                nova["flavor"]
+            );
+        }
+        for reason in ["LoadBalancerSetScaledDown", "LoadBalancerSetDeleted"] {
+            ensure!(
+                c.lb_events(LB, reason).len() == 1,
+                "{reason}: {:?}",
+                c.lb_events(LB, reason)
+            );
+        }
+        let master = c.master(LB).context("a VRRP master")?;
+        ensure!(
+            active2.iter().any(|(m, _)| *m == master),
+            "the VIP moved to the new set"
+        );
+
+        // Scale up and down (the master stays).
+        c.patch_lb(LB, json!({"spec": {"replicas": 3}})).await?;
+        let (_, active3) = ready(&c, LB, 2, 3).await?;
+        nova_servers_are(&env, &direct, &prefix, &server_ids(&active3)).await?;
+        c.patch_lb(LB, json!({"spec": {"replicas": 2}})).await?;
+        let (_, active4) = ready(&c, LB, 2, 2).await?;
+        ensure!(
+            active4.iter().any(|(m, _)| *m == master),
+            "scale-down kept the master"
+        );
+        nova_servers_are(&env, &direct, &prefix, &server_ids(&active4)).await?;
+
+        // Unhealthy: the agent of a non-master reports its data plane down (for 4 minutes already).
+        let (sick, sick_server) = active4
+            .iter()
+            .find(|(m, _)| *m != master)
+            .cloned()
+            .context("a non-master")?;
+        let t2 = Instant::now();
+        c.set_sick(&sick, true);
+        c.report(
+            &sick,
+            vec![
+                condition(conditions::CONFIG_READY, "True", 1, 3600),
+                condition(conditions::DATAPLANE_READY, "False", 1, 240),
+                condition(conditions::DATAPLANE_UP_TO_DATE, "True", 1, 3600),
+                condition(conditions::KEEPALIVED_MASTER, "False", 1, 3600),
+            ],
+        )
+        .await?;
+        c.wait("MarkedForDeletion", STEP, |c| {
+            marked(&c.machine(&sick)).is_some()
+        })
+        .await?;
+        // The 2-minute grace passes.
+        let mut conds: Vec<Value> = c.machine(&sick)["status"]["conditions"]
+            .as_array()
+            .cloned()
+            .unwrap_or_default();
+        for cond in conds.iter_mut() {
+            if cond["type"] == conditions::MARKED_FOR_DELETION {
+                cond["lastTransitionTime"] = json!(common::openstack::ago(130));
+            }
+        }
+        c.report(&sick, conds).await?;
+        c.wait("unhealthy machine deleted", STEP, |c| {
+            c.machine(&sick).is_null()
+        })
+        .await?;
+        let (_, active5) = ready(&c, LB, 2, 2).await?;
+        ensure!(
+            !active5.iter().any(|(m, _)| *m == sick),
+            "replaced: {active5:?}"
+        );
+        ensure!(!server_ids(&active5).contains(&sick_server), "a new server");
+        nova_servers_are(&env, &direct, &prefix, &server_ids(&active5)).await?;
+        eprintln!(
+            "timing: unhealthy machine replaced by an ACTIVE one {:.2}s after its report",
+            secs(t2.elapsed())
+        );
+        ensure!(
+            c.metrics
+                .encode()
+                .contains(r#"lb_cloud_controller_machine_deletions_total{reason="unhealthy"} 1"#),
+            "counted as an unhealthy deletion"
+        );
+
+        // Delete: everything goes, down to the RBAC objects and the sync Secret.
+        let t_delete = c.delete_lb(LB, STEP).await?;
+        eprintln!("timing: full deletion {:.2}s", secs(t_delete));
+        ensure!(
+            servers_named(&env, &direct, &prefix).await?.is_empty(),
+            "servers left"
+        );
+        let left = LeakCheck::new(&env)
+            .only_prefixed(&os_name)
+            .find(&direct)
+            .await?;
+        ensure!(left.is_empty(), "left in OpenStack: {left:?}");
+        ensure!(
+            c.api.list(&common::openstack::machines()).is_empty()
+                && c.api.list(&common::openstack::sets()).is_empty(),
+            "sets or machines left"
+        );
+        ensure!(
+            c.api
+                .list(&common::openstack::secrets())
+                .iter()
+                .all(|s| s["metadata"]["name"] == "cloud"),
+            "token or sync Secrets left"
+        );
+        let calls = c.metrics.openstack_calls.total();
+        eprintln!("OpenStack calls of the whole scenario: {calls}");
+        anyhow::Ok(())
+    }
+    .await;
+    let stopped = c.stop().await;
+    let cleanup = stopped.and(delete_flavor(&admin, &flavor2).await);
+    finish(&env, &cloud, &direct, scenario, cleanup).await
+}
+
+/// The `MarkedForDeletion` condition of a machine, if set.
+fn marked(machine: &Value) -> Option<Value> {
+    machine["status"]["conditions"]
+        .as_array()?
+        .iter()
+        .find(|c| c["type"] == conditions::MARKED_FOR_DELETION && c["status"] == "True")
+        .cloned()
+}
+
+#[tokio::test]
+#[ignore = "needs the OpenStack test environment (cargo xtask openstack up); run by the openstack stage"]
+async fn cascade_internal_lb_and_keep_annotations() -> Result<()> {
+    const INTERNAL: &str = "csc-int";
+    const KEEP: &str = "csc-keep";
+    let env = TestEnv::load()?;
+    let cloud = connect(&env, &[]).await?;
+    let direct = env.connect().await?;
+    LeakCheck::new(&env)
+        .assert_clean(&direct)
+        .await
+        .context("before the test")?;
+    let c = start(&env).await?;
+    let mut kept = (None, None, None);
+    let scenario = async {
+        let mut internal = lb_json(&env, INTERNAL, 1, json!({"internalLB": true}));
+        internal["metadata"]["annotations"] = json!({lb_annotations::KEEP_SECURITY_GROUP: "true"});
+        let mut keep = lb_json(&env, KEEP, 1, json!({}));
+        keep["metadata"]["annotations"] = json!({
+            lb_annotations::KEEP_FLOATING_IP: "true", lb_annotations::KEEP_PORT: "true"
+        });
+        c.create_lb(internal).await?;
+        c.create_lb(keep).await?;
+        let (_, int_active) = ready(&c, INTERNAL, 1, 1).await?;
+        let (_, keep_active) = ready(&c, KEEP, 1, 1).await?;
+
+        // Internal: no floating IP anywhere; the external IP is the VIP.
+        let st = c.status(INTERNAL);
+        ensure!(
+            st["floatingID"].is_null()
+                && st["portIP"].is_string()
+                && st["externalIP"] == st["portIP"],
+            "internal status: {st}"
+        );
+        let fips = cloud
+            .find_floating_ips(&FloatingIpFilter {
+                address: None,
+                description: Some(format!("{NS}/{INTERNAL}")),
+            })
+            .await?;
+        ensure!(fips.is_empty(), "floating IP for an internal LB: {fips:?}");
+        let int_sg = st["securityGroupID"].as_str().context("group")?.to_string();
+        let keep_st = c.status(KEEP);
+        let fip_id = keep_st["floatingID"].as_str().context("fip")?.to_string();
+        let port_id = keep_st["portID"].as_str().context("port")?.to_string();
+        let keep_sg = keep_st["securityGroupID"]
+            .as_str()
+            .context("group")?
+            .to_string();
+        kept = (
+            Some(int_sg.clone()),
+            Some(fip_id.clone()),
+            Some(port_id.clone()),
+        );
+
+        let (a, b) = tokio::join!(c.delete_lb(INTERNAL, STEP), c.delete_lb(KEEP, STEP));
+        a?;
+        b?;
+        for (lb, active) in [(INTERNAL, &int_active), (KEEP, &keep_active)] {
+            ensure!(
+                servers_named(&env, &direct, &format!("{lb}-"))
+                    .await?
+                    .is_empty(),
+                "servers of {lb} left"
+            );
+            for (m, _) in active.iter() {
+                ensure!(
+                    cloud.find_ports(&format!("{NS}/{m}")).await?.is_empty(),
+                    "VM port of {m} left"
+                );
+            }
+        }
+        // keepSecurityGroup: only the group stays.
+        let groups = cloud
+            .find_security_groups(&format!("{NS}/{INTERNAL}"))
+            .await?;
+        ensure!(
+            groups.len() == 1 && groups[0].id == int_sg,
+            "kept group: {groups:?}"
+        );
+        ensure!(
+            cloud
+                .find_ports(&format!("{NS}/{INTERNAL}"))
+                .await?
+                .is_empty(),
+            "VIP port of the internal LB deleted"
+        );
+        // keepFloatingIP + keepPort: both stay, still associated; the group is gone and the port no longer uses it.
+        let fip = cloud.get_floating_ip(&fip_id).await?;
+        ensure!(
+            fip.port_id.as_deref() == Some(port_id.as_str()),
+            "kept floating IP: {fip:?}"
+        );
+        let port = cloud.get_port(&port_id).await?;
+        ensure!(port.security_groups.is_empty(), "kept port: {port:?}");
+        ensure!(
+            cloud
+                .find_security_groups(&format!("{NS}/{KEEP}"))
+                .await?
+                .is_empty()
+                && cloud.get_port(&port_id).await.is_ok(),
+            "group of {KEEP} deleted"
+        );
+        ensure!(
+            !cloud
+                .find_security_groups(&format!("{NS}/{KEEP}"))
+                .await?
+                .iter()
+                .any(|g| g.id == keep_sg),
+            "group deleted"
+        );
+        anyhow::Ok(())
+    }
+    .await;
+    let stopped = c.stop().await;
+    // What the annotations kept, the test removes.
+    let mut cleanup = stopped;
+    if let Some(id) = &kept.1 {
+        cleanup = cleanup.and(cloud.delete_floating_ip(id).await.map_err(Into::into));
+    }
+    if let Some(id) = &kept.2 {
+        cleanup = cleanup.and(cloud.delete_port(id).await.map_err(Into::into));
+    }
+    if let Some(id) = &kept.0 {
+        cleanup = cleanup.and(cloud.delete_security_group(id).await.map_err(Into::into));
+    }
+    finish(&env, &cloud, &direct, scenario, cleanup).await
+}
+
+#[tokio::test]
+#[ignore = "needs the OpenStack test environment (cargo xtask openstack up); run by the openstack stage"]
+async fn cascade_existing_and_adopted_floating_ips() -> Result<()> {
+    const EXISTING: &str = "csc-exist";
+    const ADOPT: &str = "csc-adopt";
+    let env = TestEnv::load()?;
+    let cloud = connect(&env, &[]).await?;
+    let direct = env.connect().await?;
+    LeakCheck::new(&env)
+        .assert_clean(&direct)
+        .await
+        .context("before the test")?;
+    let ext = env.info.external_network_id.clone();
+    // The user's address happens to carry our description (e.g. kept from an earlier LoadBalancer of that name).
+    let user = cloud
+        .create_floating_ip(&ext, &format!("{NS}/{EXISTING}"))
+        .await?;
+    // An address allocated for ADOPT whose create never got recorded (interrupted reconcile, or yawol's).
+    let orphan = cloud
+        .create_floating_ip(&ext, &format!("{NS}/{ADOPT}"))
+        .await?;
+    let c = start(&env).await?;
+    let scenario = async {
+        let mut existing = lb_json(&env, EXISTING, 0, json!({}));
+        existing["spec"]["existingFloatingIP"] = json!(user.address);
+        c.create_lb(existing).await?;
+        c.create_lb(lb_json(&env, ADOPT, 0, json!({}))).await?;
+        for lb in [EXISTING, ADOPT] {
+            c.wait(&format!("{lb}: OpenStack step done"), STEP, |c| {
+                c.status(lb)["lastOpenstackReconcile"].is_string()
+            })
+            .await?;
+        }
+        let st = c.status(EXISTING);
+        ensure!(
+            st["floatingID"] == user.id.as_str() && st["externalIP"] == user.address.as_str(),
+            "existing floating IP used: {st}"
+        );
+        let fip = cloud.get_floating_ip(&user.id).await?;
+        ensure!(
+            fip.description == format!("{NS}/{EXISTING} (user managed)")
+                && fip.port_id.as_deref() == st["portID"].as_str(),
+            "renamed and on the VIP port: {fip:?}"
+        );
+        let st = c.status(ADOPT);
+        ensure!(
+            st["floatingID"] == orphan.id.as_str(),
+            "adopted, not allocated: {st}"
+        );
+        let ours = cloud
+            .find_floating_ips(&FloatingIpFilter {
+                address: None,
+                description: Some(format!("{NS}/{ADOPT}")),
+            })
+            .await?;
+        ensure!(ours.len() == 1, "one floating IP: {ours:?}");
+
+        let (a, b) = tokio::join!(c.delete_lb(EXISTING, STEP), c.delete_lb(ADOPT, STEP));
+        a?;
+        b?;
+        let fip = cloud.get_floating_ip(&user.id).await?;
+        ensure!(
+            fip.address == user.address && fip.port_id.is_none(),
+            "the user's floating IP stays: {fip:?}"
+        );
+        ensure!(
+            cloud.get_floating_ip(&orphan.id).await.is_err(),
+            "the adopted floating IP is released with the LoadBalancer"
+        );
+        anyhow::Ok(())
+    }
+    .await;
+    let cleanup = c
+        .stop()
+        .await
+        .and(cloud.delete_floating_ip(&user.id).await.map_err(Into::into));
+    let orphan_gone = cloud.delete_floating_ip(&orphan.id).await;
+    finish(
+        &env,
+        &cloud,
+        &direct,
+        scenario,
+        cleanup.and(orphan_gone.map_err(Into::into)),
+    )
+    .await
+}
+
+#[tokio::test]
+#[ignore = "needs the OpenStack test environment (cargo xtask openstack up); run by the openstack stage"]
+async fn cascade_neutron_5xx_during_create_is_retried_without_duplicates() -> Result<()> {
+    const LB: &str = "csc-faults";
+    let env = TestEnv::load()?;
+    let neutron = FaultProxy::start("http://127.0.0.1:9696").await?;
+    // Checks and cleanup go around the proxy.
+    let cloud = connect(&env, &[]).await?;
+    let direct = env.connect().await?;
+    LeakCheck::new(&env)
+        .assert_clean(&direct)
+        .await
+        .context("before the test")?;
+    let metrics = Arc::new(Metrics::new());
+    let proxied = Arc::new(
+        connect_counted(
+            &env,
+            &[(&neutron, "network", "v2.0")],
+            metrics.openstack_calls.clone(),
+        )
+        .await?,
+    );
+    let c = Cascade::start(&env, metrics, CascadeConfig::default(), |_| {
+        FixedCloud(proxied.clone())
+    })
+    .await?;
+    let os_name = format!("{NS}/{LB}");
+    let scenario = async {
+        // The LoadBalancer's steps: the group's create fails, then the floating IP's.
+        neutron.inject(
+            Rule::new("POST", "/security-groups").times(1),
+            Fault::internal_error(),
+        );
+        neutron.inject(
+            Rule::new("POST", "/floatingips").times(1),
+            Fault::unavailable(),
+        );
+        let t0 = Instant::now();
+        c.create_lb(lb_json(
+            &env,
+            LB,
+            0,
+            json!({"serverGroupPolicy": "soft-anti-affinity"}),
+        ))
+        .await?;
+        c.wait("the LoadBalancer's resources", STEP, |c| {
+            let st = c.status(LB);
+            [
+                "floatingID",
+                "portID",
+                "serverGroupID",
+                "lastOpenstackReconcile",
+            ]
+            .iter()
+            .all(|k| st[*k].is_string())
+        })
+        .await?;
+        eprintln!(
+            "timing: LoadBalancer ready through 2 injected faults after {:.2}s",
+            secs(t0.elapsed())
+        );
+        let errors = c.lb_events(LB, "OpenStackError");
+        for text in [
+            "injected internal server error",
+            "injected: service unavailable",
+        ] {
+            ensure!(
+                errors.iter().any(|e| e.contains(text)),
+                "Neutron's text {text:?} in an event: {errors:?}"
+            );
+        }
+
+        // A machine: the VIP lookup and the VM port's create fail once each.
+        neutron.inject(
+            Rule::new("GET", "/ports/").times(1),
+            Fault::internal_error(),
+        );
+        neutron.inject(
+            Rule::new("POST", "/ports").times(1),
+            Fault::internal_error(),
+        );
+        c.patch_lb(LB, json!({"spec": {"replicas": 1}})).await?;
+        let (_, active) = ready(&c, LB, 1, 1).await?;
+        ensure!(
+            neutron.injected_count() == 4,
+            "faults injected: {:?}",
+            neutron.seen()
+        );
+        let machine_errors: Vec<String> = c
+            .lb_events(LB, "OpenStackError")
+            .into_iter()
+            .filter(|e| e.starts_with("LoadBalancerMachine "))
+            .collect();
+        for step in ["vip port: ", "port: "] {
+            ensure!(
+                machine_errors
+                    .iter()
+                    .any(|e| e.contains(step) && e.contains("injected internal server error")),
+                "the machine's {step:?} failure forwarded to the LoadBalancer: {machine_errors:?}"
+            );
+        }
+
+        // No duplicates anywhere.
+        ensure!(
+            cloud.find_security_groups(&os_name).await?.len() == 1,
+            "one security group"
+        );
+        let fips = cloud
+            .find_floating_ips(&FloatingIpFilter {
+                address: None,
+                description: Some(os_name.clone()),
+            })
+            .await?;
+        ensure!(fips.len() == 1, "one floating IP: {fips:?}");
+        ensure!(cloud.find_ports(&os_name).await?.len() == 1, "one VIP port");
+        ensure!(
+            cloud.find_server_groups(&os_name).await?.len() == 1,
+            "one server group"
+        );
+        let (m, server) = &active[0];
+        ensure!(
+            cloud.find_ports(&format!("{NS}/{m}")).await?.len() == 1,
+            "one VM port"
+        );
+        nova_servers_are(
+            &env,
+            &direct,
+            &format!("{LB}-"),
+            std::slice::from_ref(server),
+        )
+        .await?;
+
+        // Deletion through a 503 on the VM port's delete: reported on the machine, retried, nothing left.
+        neutron.inject(
+            Rule::new("DELETE", "/ports/").times(1),
+            Fault::unavailable(),
+        );
+        let t_delete = c.delete_lb(LB, STEP).await?;
+        eprintln!(
+            "timing: deletion through an injected 503 {:.2}s",
+            secs(t_delete)
+        );
+        ensure!(
+                c.events_of("LoadBalancerMachine", "OpenStackError")
+                    .iter()
+                    .any(|(_, msg)| msg.starts_with("deletion:")
+                        && msg.contains("service unavailable")),
+                "the failed deletion step was reported"
+            );
+        ensure!(neutron.injected_count() == 5, "the delete fault was hit");
+        anyhow::Ok(())
+    }
+    .await;
+    neutron.clear();
+    let cleanup = c.stop().await;
+    finish(&env, &cloud, &direct, scenario, cleanup).await
+}
