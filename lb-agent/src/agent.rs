@@ -436,7 +436,6 @@ fn refresh_nexthops(
     Ok(differs)
 }
 
-#[allow(clippy::too_many_arguments)]
 /// Keeps VRRP and sync in line with the loop: VIPs and eligibility, peers and revision from the config source.
 async fn update_ha(
     ha: &mut Ha,
