@@ -33,7 +33,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use k8s_openapi::api::core::v1::{ObjectReference, Secret};
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, ObjectMeta, OwnerReference};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, ObjectMeta};
 use k8s_openapi::ByteString;
 use kube::api::{DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use kube::runtime::controller::Action;
@@ -50,6 +50,7 @@ use sha2::Digest;
 use tracing::{debug, info, warn};
 
 use crate::events::{EventPublisher, EventType};
+use crate::finalizer;
 use crate::lb_openstack::{self, StatusSink};
 use crate::lbs_controller::{relevant_changes, Reported};
 use crate::metrics::Metrics;
@@ -440,17 +441,6 @@ pub fn revision_of(meta: &ObjectMeta) -> Result<Option<u64>, String> {
     }
 }
 
-fn owner_reference<K: Resource<DynamicType = ()>>(owner: &K) -> OwnerReference {
-    OwnerReference {
-        api_version: K::api_version(&()).to_string(),
-        kind: K::kind(&()).to_string(),
-        name: owner.meta().name.clone().unwrap_or_default(),
-        uid: owner.meta().uid.clone().unwrap_or_default(),
-        controller: Some(true),
-        block_owner_deletion: Some(true),
-    }
-}
-
 /// A new set for `template` at `revision`, with `spec.replicas` of the LoadBalancer, owned by it.
 pub fn new_set(lb: &LoadBalancer, template: &MachineTemplate, revision: u64) -> LoadBalancerSet {
     let l = template_labels(lb, &template.hash);
@@ -463,7 +453,7 @@ pub fn new_set(lb: &LoadBalancer, template: &MachineTemplate, revision: u64) -> 
                 lb_annotations::REVISION.to_string(),
                 revision.to_string(),
             )])),
-            owner_references: Some(vec![owner_reference(lb)]),
+            owner_references: Some(vec![crate::ownership::owner_reference(lb)]),
             ..Default::default()
         },
         spec: LoadBalancerSetSpec {
@@ -745,10 +735,7 @@ async fn reconcile_inner<F: CloudFactory>(
     let ns = lb.namespace().unwrap_or_default();
     let name = lb.name_any();
     let api: Api<LoadBalancer> = Api::namespaced(ctx.client.clone(), &ns);
-    let has_finalizer = lb
-        .finalizers()
-        .iter()
-        .any(|f| f == finalizers::LOADBALANCER);
+    let has_finalizer = finalizer::has(lb, finalizers::LOADBALANCER);
 
     if lb.meta().deletion_timestamp.is_some() {
         ctx.metrics.objects.observe_loadbalancer(lb);
@@ -795,34 +782,14 @@ async fn reconcile_inner<F: CloudFactory>(
             Err(e) if !is_status(&e, 404) => return Err(e.into()),
             _ => {}
         }
-        let rest: Vec<String> = lb
-            .finalizers()
-            .iter()
-            .filter(|f| *f != finalizers::LOADBALANCER)
-            .cloned()
-            .collect();
-        api.patch(
-            &name,
-            &PatchParams::default(),
-            &Patch::Merge(json!({"metadata": {"finalizers": rest}})),
-        )
-        .await?;
+        finalizer::remove(&api, lb, finalizers::LOADBALANCER).await?;
         ctx.metrics.objects.forget_loadbalancer(&ns, &name);
         run.reported.forget(&lb.uid().unwrap_or_default());
         info!(lb = %name, "OpenStack resources deleted");
         return Ok(Action::await_change());
     }
 
-    if !has_finalizer {
-        let mut all: Vec<String> = lb.finalizers().to_vec();
-        all.push(finalizers::LOADBALANCER.to_string());
-        api.patch(
-            &name,
-            &PatchParams::default(),
-            &Patch::Merge(json!({"metadata": {"finalizers": all}})),
-        )
-        .await?;
-    }
+    finalizer::add(&api, lb, finalizers::LOADBALANCER).await?;
 
     let now = jiff::Timestamp::now();
     let mut status = lb.status.clone().unwrap_or_default();
@@ -1097,7 +1064,7 @@ async fn ensure_sync_secret<F: CloudFactory>(
             name: Some(name.clone()),
             namespace: lb.namespace(),
             labels: lb.spec.selector.match_labels.clone(),
-            owner_references: Some(vec![owner_reference(lb)]),
+            owner_references: Some(vec![crate::ownership::owner_reference(lb)]),
             ..Default::default()
         },
         type_: Some("Opaque".into()),

@@ -34,6 +34,7 @@ use tracing::{debug, info, warn};
 
 use crate::cloudinit::{self, UserDataParams};
 use crate::events::{EventPublisher, EventType};
+use crate::finalizer;
 use crate::lb_controller::CloudFactory;
 use crate::lbm_metrics::LbmMetrics;
 use crate::machine::{self, DeletionProgress, MachineSpec, ServerState};
@@ -523,12 +524,6 @@ pub async fn reconcile<F: CloudFactory>(
     result
 }
 
-fn has_finalizer(lbm: &LoadBalancerMachine) -> bool {
-    lbm.finalizers()
-        .iter()
-        .any(|f| f == finalizers::LOADBALANCERMACHINE)
-}
-
 async fn apply<F: CloudFactory>(
     lbm: &LoadBalancerMachine,
     ctx: &LbmContext<F>,
@@ -538,16 +533,7 @@ async fn apply<F: CloudFactory>(
     let api: Api<LoadBalancerMachine> = Api::namespaced(ctx.client.clone(), &names.namespace);
     ctx.metrics.update(lbm);
 
-    if !has_finalizer(lbm) {
-        let mut all = lbm.finalizers().to_vec();
-        all.push(finalizers::LOADBALANCERMACHINE.to_string());
-        api.patch(
-            &names.machine,
-            &PatchParams::default(),
-            &Patch::Merge(json!({"metadata": {"finalizers": all}})),
-        )
-        .await?;
-    }
+    finalizer::add(&api, lbm, finalizers::LOADBALANCERMACHINE).await?;
 
     let mut scope = Scope {
         ctx,
@@ -922,7 +908,7 @@ async fn delete<F: CloudFactory>(
 ) -> Result<Action, Error> {
     let names = machine_names(lbm);
     let key = qualified(&names.namespace, &names.machine);
-    if !has_finalizer(lbm) {
+    if !finalizer::has(lbm, finalizers::LOADBALANCERMACHINE) {
         ctx.metrics.remove(&names.namespace, &names.machine);
         return Ok(Action::await_change());
     }
@@ -967,19 +953,8 @@ async fn delete<F: CloudFactory>(
         return Ok(Action::requeue(ctx.config.poll));
     }
     delete_rbac(&ctx.client, &names.namespace, &names.machine).await?;
-    let rest: Vec<String> = lbm
-        .finalizers()
-        .iter()
-        .filter(|f| *f != finalizers::LOADBALANCERMACHINE)
-        .cloned()
-        .collect();
-    Api::<LoadBalancerMachine>::namespaced(ctx.client.clone(), &names.namespace)
-        .patch(
-            &names.machine,
-            &PatchParams::default(),
-            &Patch::Merge(json!({"metadata": {"finalizers": rest}})),
-        )
-        .await?;
+    let api: Api<LoadBalancerMachine> = Api::namespaced(ctx.client.clone(), &names.namespace);
+    finalizer::remove(&api, lbm, finalizers::LOADBALANCERMACHINE).await?;
     ctx.mem(|m| {
         m.deleting.retain(|_, machine| *machine != key);
         m.applied.remove(&key);

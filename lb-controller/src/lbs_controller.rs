@@ -35,7 +35,7 @@ use std::time::Duration;
 
 use futures::{Stream, StreamExt};
 use k8s_openapi::api::core::v1::{NodeCondition, ObjectReference};
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, ObjectMeta, OwnerReference, Time};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, ObjectMeta, Time};
 use kube::api::{DeleteParams, ListParams, Patch, PatchParams, PostParams, Preconditions};
 use kube::runtime::controller::Action;
 use kube::runtime::reflector::{self, Store};
@@ -47,6 +47,7 @@ use serde_json::json;
 use tracing::{debug, info, warn};
 
 use crate::events::{EventPublisher, EventType};
+use crate::finalizer;
 use crate::machine::{self, Health, CREATION_TIMEOUT, HEARTBEAT_STALE};
 use crate::metrics::Metrics;
 
@@ -409,17 +410,6 @@ pub fn random_suffix() -> String {
         .collect()
 }
 
-fn owner_reference<K: Resource<DynamicType = ()>>(owner: &K) -> OwnerReference {
-    OwnerReference {
-        api_version: K::api_version(&()).to_string(),
-        kind: K::kind(&()).to_string(),
-        name: owner.meta().name.clone().unwrap_or_default(),
-        uid: owner.meta().uid.clone().unwrap_or_default(),
-        controller: Some(true),
-        block_owner_deletion: Some(true),
-    }
-}
-
 /// A new machine of `set`: `<set>-<suffix>`, the template's labels and spec, the set's revision annotation, the set
 /// as controlling owner.
 pub fn new_machine(set: &LoadBalancerSet, suffix: &str) -> LoadBalancerMachine {
@@ -433,7 +423,7 @@ pub fn new_machine(set: &LoadBalancerSet, suffix: &str) -> LoadBalancerMachine {
             namespace: set.namespace(),
             labels: set.spec.template.labels.clone(),
             annotations: Some(annotations),
-            owner_references: Some(vec![owner_reference(set)]),
+            owner_references: Some(vec![crate::ownership::owner_reference(set)]),
             ..Default::default()
         },
         spec: set.spec.template.spec.clone(),
@@ -625,10 +615,7 @@ async fn reconcile_inner(
     let name = set.name_any();
     let sets: Api<LoadBalancerSet> = Api::namespaced(ctx.client.clone(), &ns);
     let machines: Api<LoadBalancerMachine> = Api::namespaced(ctx.client.clone(), &ns);
-    let has_finalizer = set
-        .finalizers()
-        .iter()
-        .any(|f| f == finalizers::LOADBALANCERSET);
+    let has_finalizer = finalizer::has(set, finalizers::LOADBALANCERSET);
     let list_live = || async {
         let selector = label_selector(set.spec.selector.match_labels.as_ref());
         let list = machines
@@ -667,18 +654,7 @@ async fn reconcile_inner(
         if !live.is_empty() {
             return Ok(Action::requeue(ctx.config.deletion_poll));
         }
-        let rest: Vec<String> = set
-            .finalizers()
-            .iter()
-            .filter(|f| *f != finalizers::LOADBALANCERSET)
-            .cloned()
-            .collect();
-        sets.patch(
-            &name,
-            &PatchParams::default(),
-            &Patch::Merge(json!({"metadata": {"finalizers": rest}})),
-        )
-        .await?;
+        finalizer::remove(&sets, set, finalizers::LOADBALANCERSET).await?;
         ctx.metrics.objects.forget_set(set);
         let uid = set.uid().unwrap_or_default();
         run.reported.forget(&uid);
@@ -690,16 +666,7 @@ async fn reconcile_inner(
         return Ok(Action::await_change());
     }
 
-    if !has_finalizer {
-        let mut all = set.finalizers().to_vec();
-        all.push(finalizers::LOADBALANCERSET.to_string());
-        sets.patch(
-            &name,
-            &PatchParams::default(),
-            &Patch::Merge(json!({"metadata": {"finalizers": all}})),
-        )
-        .await?;
-    }
+    finalizer::add(&sets, set, finalizers::LOADBALANCERSET).await?;
 
     let now = jiff::Timestamp::now();
     let all = run.machines.state();

@@ -18,6 +18,7 @@ pub mod crds;
 pub mod desired;
 pub mod endpoints;
 pub mod events;
+pub mod finalizer;
 pub mod http;
 pub mod lb_controller;
 pub mod lb_openstack;

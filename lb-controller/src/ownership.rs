@@ -1,6 +1,7 @@
 //! Which parent a child object belongs to (LoadBalancer → LoadBalancerSet → LoadBalancerMachine).
 
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, ObjectMeta};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, ObjectMeta, OwnerReference};
+use kube::Resource;
 
 /// Whether `child` belongs to the parent of `kind` with `meta` and `selector`: in the same namespace and
 /// controlled by it (by UID), or — for objects without a controller reference, e.g. restored from a backup or
@@ -29,4 +30,17 @@ pub fn belongs_to(
     let labels = child.labels.as_ref();
     want.iter()
         .all(|(k, v)| labels.and_then(|l| l.get(k)) == Some(v))
+}
+
+/// The controller reference a child gets to its `owner` (garbage collection follows it, and [`belongs_to`]
+/// decides by it).
+pub fn owner_reference<K: Resource<DynamicType = ()>>(owner: &K) -> OwnerReference {
+    OwnerReference {
+        api_version: K::api_version(&()).to_string(),
+        kind: K::kind(&()).to_string(),
+        name: owner.meta().name.clone().unwrap_or_default(),
+        uid: owner.meta().uid.clone().unwrap_or_default(),
+        controller: Some(true),
+        block_owner_deletion: Some(true),
+    }
 }

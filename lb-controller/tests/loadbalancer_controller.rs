@@ -2,6 +2,8 @@
 //! (`FakeCloud`): finalizer, status after the OpenStack steps, Warning events with the cloud's text, throttling,
 //! deletion with keep-annotations. The same steps run against the real OpenStack in `tests/openstack_lb.rs`.
 
+mod common;
+
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -36,14 +38,8 @@ fn lb_json(name: &str) -> Value {
     })
 }
 
-async fn wait_for(what: &str, mut check: impl FnMut() -> bool) {
-    for _ in 0..1000 {
-        if check() {
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    panic!("timed out waiting for {what}");
+async fn wait_for(what: &str, check: impl FnMut() -> bool) {
+    common::wait_within(what, Duration::from_secs(10), check).await
 }
 
 struct H {

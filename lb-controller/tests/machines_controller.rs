@@ -6,6 +6,8 @@
 //! The in-memory API server has no token controller: the tests write the ServiceAccount token into the token Secret
 //! themselves, as Kubernetes would.
 
+mod common;
+
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -46,14 +48,8 @@ fn rbac_keys() -> [ResourceKey; 4] {
     ]
 }
 
-async fn wait_for(what: &str, mut check: impl FnMut() -> bool) {
-    for _ in 0..1000 {
-        if check() {
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    panic!("timed out waiting for {what}");
+async fn wait_for(what: &str, check: impl FnMut() -> bool) {
+    common::wait_within(what, Duration::from_secs(10), check).await
 }
 
 struct H {

@@ -2,6 +2,8 @@
 //! in-memory API server, with the fake cloud. No machine controller runs: the tests play the agents (conditions,
 //! `defaultPortIP`, `KeepalivedMaster`) and, where needed, let time pass by back-dating condition timestamps.
 
+mod common;
+
 use std::collections::BTreeSet;
 use std::sync::Arc;
 use std::time::Duration;
@@ -52,14 +54,8 @@ fn lb_json(name: &str, replicas: i32) -> Value {
     })
 }
 
-async fn wait_for(what: &str, mut check: impl FnMut() -> bool) {
-    for _ in 0..2000 {
-        if check() {
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    panic!("timed out waiting for {what}");
+async fn wait_for(what: &str, check: impl FnMut() -> bool) {
+    common::wait_within(what, Duration::from_secs(20), check).await
 }
 
 struct H {

@@ -293,8 +293,13 @@ impl Harness {
 }
 
 /// Polls `condition` until it holds (panics after 20 s with `what`).
-pub async fn wait_until(what: &str, mut condition: impl FnMut() -> bool) {
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+pub async fn wait_until(what: &str, condition: impl FnMut() -> bool) {
+    wait_within(what, Duration::from_secs(20), condition).await
+}
+
+/// Polls `condition` until it holds (panics after `timeout` with `what`).
+pub async fn wait_within(what: &str, timeout: Duration, mut condition: impl FnMut() -> bool) {
+    let deadline = tokio::time::Instant::now() + timeout;
     while !condition() {
         if tokio::time::Instant::now() > deadline {
             panic!("timed out waiting for {what}");
