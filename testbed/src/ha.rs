@@ -266,6 +266,21 @@ impl HaRig {
         self.wait_master_where(timeout, |_| true)
     }
 
+    /// Two replicas: waits for the VRRP master and returns it with the other one (the backup).
+    pub fn wait_master_and_backup(&self, timeout: Duration) -> Result<(Host, Host)> {
+        let master = self.wait_master(timeout)?;
+        let others: Vec<Host> = self
+            .topo
+            .lbs()
+            .into_iter()
+            .filter(|h| *h != master)
+            .collect();
+        match others[..] {
+            [backup] => Ok((master, backup)),
+            _ => bail!("{} replicas, not two", others.len() + 1),
+        }
+    }
+
     /// Waits until exactly one replica holds the VIP and it satisfies `ok`.
     pub fn wait_master_where(&self, timeout: Duration, ok: impl Fn(Host) -> bool) -> Result<Host> {
         let deadline = Instant::now() + timeout;

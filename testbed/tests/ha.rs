@@ -98,8 +98,7 @@ fn report(what: &str, rep: &HoldReport) {
 #[test]
 fn master_dies_and_connections_survive() {
     let r = rig(|_| {});
-    let master = r.wait_master(Duration::from_secs(20)).unwrap();
-    let backup = *r.topo.lbs().iter().find(|h| **h != master).unwrap();
+    let (master, backup) = r.wait_master_and_backup(Duration::from_secs(20)).unwrap();
     let args = hold_args(&r, 300, 20);
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
     let hold = r.start_hold(&args).unwrap();
@@ -171,8 +170,7 @@ fn planned_rollover_to_a_new_revision_breaks_nothing() {
 #[test]
 fn a_restarted_peer_resyncs_and_can_take_over() {
     let mut r = rig(|_| {});
-    let master = r.wait_master(Duration::from_secs(20)).unwrap();
-    let backup = *r.topo.lbs().iter().find(|h| **h != master).unwrap();
+    let (master, backup) = r.wait_master_and_backup(Duration::from_secs(20)).unwrap();
     r.stop_agent(backup, libc::SIGTERM).unwrap();
     // Connections opened while the backup is away only reach it through the resync on rejoin.
     let args = hold_args(&r, 150, 10);

@@ -115,13 +115,7 @@ fn wait(what: &str, timeout: Duration, mut f: impl FnMut() -> Result<bool>) -> R
 /// for `timeout_ms` counts as broken, and the hold runs that long past the takeover, so every connection
 /// that the new master cannot carry is seen as broken.
 fn round(r: &HaRig, a: &Args, sync: bool, timeout_ms: u64) -> Result<Round> {
-    let master = r.wait_master(Duration::from_secs(60))?;
-    let backup = *r
-        .topo
-        .lbs()
-        .iter()
-        .find(|h| **h != master)
-        .expect("two replicas");
+    let (master, backup) = r.wait_master_and_backup(Duration::from_secs(60))?;
     let args = hold_args(r, a, timeout_ms);
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
     let hold = r.start_hold(&args)?;
@@ -200,13 +194,7 @@ fn setup(name: &str, a: &Args, advert: Duration, sync: bool, n: usize) -> Result
 
 fn sync_throughput(a: &Args) -> Result<SyncRun> {
     let r = HaRig::start(HaRigConfig::new()?)?;
-    let master = r.wait_master(Duration::from_secs(60))?;
-    let backup = *r
-        .topo
-        .lbs()
-        .iter()
-        .find(|h| **h != master)
-        .expect("two replicas");
+    let (master, backup) = r.wait_master_and_backup(Duration::from_secs(60))?;
     let cpu = |h: Host| r.agent_pid(h).map_or(0.0, |p| process_cpu(p as i32));
     let m = |h: Host, name: &str| r.metric(h, name, "").unwrap_or(0.0);
     let (cm, cb) = (cpu(master), cpu(backup));
