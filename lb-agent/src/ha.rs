@@ -83,7 +83,15 @@ pub struct Ha {
     /// pinned data plane kept forwarding, so demoting the master until this agent has caught up would only
     /// cause a needless failover.
     adopted_until: Option<std::time::Instant>,
+    /// keepalived's counters and when they were read: reading makes keepalived write a file (SIGUSR2), so the
+    /// agent loop does it every [`STATS_PERIOD`], not on every tick.
+    stats: Option<(std::time::Instant, Option<VrrpStats>)>,
 }
+
+/// How often keepalived's counters are read for metrics and the LoadBalancerMachine status.
+const STATS_PERIOD: std::time::Duration = std::time::Duration::from_secs(10);
+/// How long the agent loop waits for keepalived to write them.
+const STATS_WAIT: std::time::Duration = std::time::Duration::from_millis(500);
 
 /// How long an adopted keepalived keeps the previous agent's verdict while this one starts up.
 const ADOPTION_GRACE: std::time::Duration = std::time::Duration::from_secs(30);
@@ -138,6 +146,7 @@ impl Ha {
             master: master.clone(),
             eligible: false,
             adopted_until: None,
+            stats: None,
         };
         if let Some(s) = opts.sync {
             let store = SyncStore(BpfFlowStore::open(dp, master)?);
@@ -298,8 +307,8 @@ impl Ha {
         self.sync.is_some()
     }
 
-    /// Current numbers.
-    pub async fn snapshot(&self) -> HaSnapshot {
+    /// Current numbers (keepalived's counters as of the last read, at most [`STATS_PERIOD`] old).
+    pub async fn snapshot(&mut self) -> HaSnapshot {
         let mut s = HaSnapshot {
             eligible: self.eligible,
             synced: self.synced(),
@@ -307,9 +316,22 @@ impl Ha {
             ..Default::default()
         };
         if let Some(k) = &self.keepalived {
-            s.vrrp_state = Some(*k.state().borrow());
+            let state = *k.state().borrow();
+            if self
+                .stats
+                .as_ref()
+                .is_none_or(|(at, _)| at.elapsed() >= STATS_PERIOD)
+            {
+                let read = tokio::time::timeout(STATS_WAIT, k.stats()).await;
+                self.stats = Some((std::time::Instant::now(), read.ok().and_then(|r| r.ok())));
+            }
+            s.vrrp_state = Some(state);
             s.keepalived_restarts = k.restarts();
-            s.vrrp_stats = k.stats().await.ok();
+            s.vrrp_stats = self.stats.as_ref().and_then(|(_, st)| *st).map(|mut st| {
+                // The counters may be a few seconds old; the role is not.
+                st.is_master = state == VrrpState::Master;
+                st
+            });
         } else if self.vrrp_opts.is_some() {
             s.vrrp_state = Some(VrrpState::Stopped);
         }
