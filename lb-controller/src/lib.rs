@@ -6,10 +6,12 @@
 //! [`backchannel`], [`leader`]; wiring in [`run`]. The tests and the benchmark run
 //! the controllers against `lb_api::fake_api::FakeApiServer` (feature `fake-api-server`).
 //!
-//! OpenStack side (LoadBalancer → LoadBalancerSet → LoadBalancerMachine, in progress): the cloud behind the
-//! [`openstack::Cloud`] trait ([`openstack::sdk::SdkCloud`] on `openstack_sdk`, [`openstack::fake::FakeCloud`] for
-//! unit tests); the LoadBalancer's OpenStack steps in [`lb_openstack`]; the machine's in [`machine`] (with the
-//! health rules); pure builders for the VM's cloud-init ([`cloudinit`]) and its Kubernetes access ([`rbac`]).
+//! OpenStack side (LoadBalancer → LoadBalancerSet → LoadBalancerMachine, `lb-controller controller`): the cloud
+//! behind the [`openstack::Cloud`] trait ([`openstack::sdk::SdkCloud`] on `openstack_sdk`,
+//! [`openstack::fake::FakeCloud`] for unit tests); the controllers [`lb_controller`], [`lbs_controller`] and
+//! [`lbm_controller`] with their shared [`finalizer`] and [`ownership`] rules; the LoadBalancer's OpenStack steps in
+//! [`lb_openstack`]; the machine's in [`machine`] (with the health rules); pure builders for the VM's cloud-init
+//! ([`cloudinit`]) and its Kubernetes access ([`rbac`]).
 
 pub mod backchannel;
 pub mod cli;
