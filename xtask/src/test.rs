@@ -1,7 +1,7 @@
 //! `cargo xtask test`: every suite, fast to slow. A stage that cannot run fails loudly; nothing is skipped.
 
 use crate::util::{root, run};
-use anyhow::Result;
+use anyhow::{Context, Result};
 use clap::Args;
 use std::process::Command;
 use std::time::Instant;
@@ -22,6 +22,16 @@ struct Stage {
 fn cargo(args: &[&str]) -> Command {
     let mut c = Command::new("cargo");
     c.current_dir(root()).args(args);
+    c
+}
+
+/// `cargo <subcommand> --workspace <rest>`. The test stages all select the whole workspace (narrowed with
+/// `--exclude` and `--test`, never `-p`) so that cargo resolves features once and every stage reuses the same
+/// artifacts: a `-p` selection unifies features differently and rebuilds the dependency graph, which doubled the
+/// disk used by `target/` and the CI time.
+pub fn workspace_cargo(args: &[&str]) -> Command {
+    let mut c = cargo(&args[..1]);
+    c.arg("--workspace").args(&args[1..]);
     c
 }
 
@@ -65,7 +75,7 @@ const STAGES: &[Stage] = &[
         name: "unit+dataplane",
         run: || {
             run(
-                &mut cargo(&["test", "--workspace", "--exclude", "lb-testbed"]),
+                &mut workspace_cargo(&["test", "--exclude", "lb-testbed"]),
                 "cargo test --workspace --exclude lb-testbed",
             )
         },
@@ -74,14 +84,16 @@ const STAGES: &[Stage] = &[
         // Real TCP/UDP between network namespaces through the real agent and programs.
         name: "netns-e2e",
         run: || {
+            // Builds the lb-agent binary the tests start, with the unit stage's features (a no-op after it).
             run(
-                &mut cargo(&["build", "-p", "lb-agent", "-p", "lb-testbed"]),
-                "building lb-agent and lb-testbed",
+                &mut workspace_cargo(&["test", "--no-run"]),
+                "building the test binaries",
             )?;
-            run(
-                &mut cargo(&["test", "-p", "lb-testbed"]),
-                "cargo test -p lb-testbed",
-            )
+            let mut cmd = workspace_cargo(&["test"]);
+            for target in test_targets("testbed", false)? {
+                cmd.args(["--test", &target]);
+            }
+            run(&mut cmd, "cargo test --workspace --test <lb-testbed tests>")
         },
     },
     Stage {
@@ -89,6 +101,36 @@ const STAGES: &[Stage] = &[
         run: crate::openstack::test_stage,
     },
 ];
+
+/// The integration-test targets of a workspace package (file stems of `<package>/tests/*.rs`), read from the
+/// directory so that a new test file cannot be left out of a stage; with `ignored_only`, only files that hold
+/// `#[ignore]`d tests.
+pub fn test_targets(package: &str, ignored_only: bool) -> Result<Vec<String>> {
+    let dir = root().join(package).join("tests");
+    let mut targets = Vec::new();
+    for entry in std::fs::read_dir(&dir).with_context(|| format!("reading {}", dir.display()))? {
+        let path = entry?.path();
+        if path.extension().is_none_or(|e| e != "rs") {
+            continue;
+        }
+        if ignored_only {
+            let text = std::fs::read_to_string(&path)
+                .with_context(|| format!("reading {}", path.display()))?;
+            if !text.contains("#[ignore") {
+                continue;
+            }
+        }
+        let stem = path.file_stem().expect("a .rs file has a stem");
+        targets.push(stem.to_string_lossy().into_owned());
+    }
+    targets.sort();
+    anyhow::ensure!(
+        !targets.is_empty(),
+        "no test files found in {}",
+        dir.display()
+    );
+    Ok(targets)
+}
 
 /// Runs the stages in order and stops at the first failure (entry point of `cargo xtask test`).
 pub fn run_all(args: TestArgs) -> Result<()> {

@@ -15,7 +15,6 @@ use crate::util::root;
 use anyhow::{Context, Result};
 use clap::Subcommand;
 use std::path::PathBuf;
-use std::process::Command;
 use std::time::Instant;
 
 /// OpenStack sub-commands.
@@ -48,46 +47,26 @@ pub fn run(cmd: OpenstackCmd) -> Result<()> {
 }
 
 /// The `openstack` stage of `cargo xtask test`: brings the environment up (idempotent), runs the ignored integration
-/// tests of `openstack-testenv` against it, and stops it again if it was not running before (state is kept, so the
-/// next start is quicker).
+/// tests of `openstack-testenv` and `lb-controller` against it, and stops it again if it was not running before
+/// (state is kept, so the next start is quicker).
 pub fn test_stage() -> Result<()> {
     let layout = Layout::from_env();
     let was_running = services::all_running(&layout);
     let result = up(&layout).and_then(|()| {
+        let mut cmd = crate::test::workspace_cargo(&["test", "--exclude", "lb-testbed"]);
+        // Every test binary runs even if one fails: the report shows all failures at once.
+        cmd.arg("--no-fail-fast");
+        for package in OPENSTACK_TEST_PACKAGES {
+            for target in crate::test::test_targets(package, true)? {
+                cmd.args(["--test", &target]);
+            }
+        }
         crate::util::run(
-            Command::new("cargo")
-                .current_dir(root())
-                .env("LB_OPENSTACK_DIR", &layout.state)
+            cmd.env("LB_OPENSTACK_DIR", &layout.state)
                 // One test at a time: the leak check after each test sees the whole project.
-                .args([
-                    "test",
-                    "-p",
-                    "openstack-testenv",
-                    // Every test binary runs even if one fails: the report shows all failures at once.
-                    "--no-fail-fast",
-                    "--",
-                    "--ignored",
-                    "--test-threads=1",
-                ]),
-            "openstack integration tests (cargo test -p openstack-testenv -- --ignored)",
+                .args(["--", "--ignored", "--test-threads=1"]),
+            "OpenStack integration tests (openstack-testenv and lb-controller, --ignored)",
         )
-        .and_then(|()| {
-            // The controllers' OpenStack logic against the same cloud (each test runs its own leak check).
-            crate::util::run(
-                Command::new("cargo")
-                    .current_dir(root())
-                    .env("LB_OPENSTACK_DIR", &layout.state)
-                    .args([
-                        "test",
-                        "-p",
-                        "lb-controller",
-                        "--",
-                        "--ignored",
-                        "--test-threads=1",
-                    ]),
-                "controller OpenStack integration tests (cargo test -p lb-controller -- --ignored)",
-            )
-        })
     });
     if !was_running {
         // Also after a failure: no stray services after CI. The logs stay in the state directory.
@@ -100,6 +79,11 @@ pub fn test_stage() -> Result<()> {
     }
     result
 }
+
+/// Packages whose `#[ignore]`d integration tests need the test OpenStack. Their targets are found by reading the
+/// files ([`crate::test::test_targets`]) and selected with `--test` within the workspace, so that cargo reuses the
+/// binaries of the unit stage (`-p <package>` resolves features differently and rebuilds everything).
+const OPENSTACK_TEST_PACKAGES: &[&str] = &["testenv/openstack", "lb-controller"];
 
 /// Runs `f` with the environment up (started like the test stage does, when needed) and its state directory, and
 /// stops the environment again if it was not running before, also after a failure (state kept). For
