@@ -9,8 +9,11 @@ use clap::{Args, Parser, Subcommand, ValueEnum};
 use lb_api::{OpenstackFlavorRef, OpenstackImageRef};
 
 use crate::desired::{ClassFilter, InfrastructureDefaults};
-use crate::lb_controller::{FileClouds, LbControllerConfig, SdkClouds, SecretClouds};
+use crate::lb_controller::{FileClouds, LbControllerConfig, RolloutGate, SdkClouds, SecretClouds};
+use crate::lbm_controller::LbmControllerConfig;
+use crate::lbs_controller::LbsControllerConfig;
 use crate::openstack::{CloudProviderConf, Credentials, OpenStackCalls};
+use crate::run::OpenStackTuning;
 
 /// Cloud controller for yawol-compatible load balancers.
 #[derive(Debug, Parser)]
@@ -169,6 +172,78 @@ pub struct ControllerArgs {
     /// Log format.
     #[arg(long, env = "LOG_FORMAT", value_enum, default_value = "text")]
     pub log_format: LogFormat,
+    /// How long a new LoadBalancerSet's `HasKeepalivedMaster` must have been True before older sets are scaled
+    /// to 0 (yawol: 2 min).
+    #[arg(long, env = "ROLLOUT_MASTER_FOR", default_value = "2m", value_parser = parse_duration)]
+    pub rollout_master_for: Duration,
+    /// …or False this long, for agents that do not report VRRP (yawol: 10 min).
+    #[arg(long, env = "ROLLOUT_NO_MASTER_FOR", default_value = "10m", value_parser = parse_duration)]
+    pub rollout_no_master_for: Duration,
+    /// …or missing while the set is at least this old (yawol: 15 min).
+    #[arg(long, env = "ROLLOUT_UNKNOWN_AFTER", default_value = "15m", value_parser = parse_duration)]
+    pub rollout_unknown_after: Duration,
+    /// LoadBalancerSet and LoadBalancerMachine settings.
+    #[command(flatten)]
+    pub machines: MachineArgs,
+}
+
+/// Settings of the LoadBalancerSet and LoadBalancerMachine controllers: flags of `lb-controller controller`, and
+/// the same names in the environment for [`crate::run::OpenStackTuning::from_env`] (yawol's `API_ENDPOINT` and
+/// `NTP_SERVERS` among them).
+#[derive(Debug, Parser)]
+pub struct MachineArgs {
+    /// API server URL as the VMs reach it, written into their kubeconfig. Without it no server is booted (a Warning
+    /// event says why).
+    #[arg(long, env = "API_ENDPOINT")]
+    pub api_endpoint: Option<String>,
+    /// NTP servers or pools for the VMs' chrony (comma-separated; names with "pool" are pools).
+    #[arg(
+        long,
+        env = "NTP_SERVERS",
+        value_delimiter = ',',
+        default_value = "pool.ntp.org"
+    )]
+    pub ntp_servers: Vec<String>,
+    /// The VM interface that carries the VIP and the data plane.
+    #[arg(long, env = "VM_INTERFACE", default_value = "eth0")]
+    pub vm_interface: String,
+    /// OpenStack resync of a machine whose server is ACTIVE (yawol: 5 min).
+    #[arg(long, env = "MACHINE_RESYNC_PERIOD", default_value = "5m", value_parser = parse_duration)]
+    pub machine_resync_period: Duration,
+    /// How long a new machine that is not ready yet holds back the creation of the next one.
+    #[arg(long, env = "SCALE_UP_TIMEOUT", default_value = "5m", value_parser = parse_duration)]
+    pub scale_up_timeout: Duration,
+}
+
+impl MachineArgs {
+    /// The settings from the environment alone (no command line).
+    pub fn from_env() -> anyhow::Result<Self> {
+        Ok(Self::try_parse_from(["lb-controller"])?)
+    }
+
+    /// The controllers' settings: these values over the defaults.
+    pub fn tuning(&self) -> OpenStackTuning {
+        let api_endpoint = self.api_endpoint.as_deref().map(str::trim);
+        OpenStackTuning {
+            sets: LbsControllerConfig {
+                scale_up_timeout: self.scale_up_timeout,
+                ..Default::default()
+            },
+            machines: LbmControllerConfig {
+                api_endpoint: api_endpoint.filter(|s| !s.is_empty()).map(str::to_string),
+                ntp_servers: self
+                    .ntp_servers
+                    .iter()
+                    .map(|s| s.trim())
+                    .filter(|s| !s.is_empty())
+                    .map(str::to_string)
+                    .collect(),
+                interface: self.vm_interface.clone(),
+                resync: self.machine_resync_period.max(Duration::from_secs(1)),
+                ..Default::default()
+            },
+        }
+    }
 }
 
 impl ControllerArgs {
@@ -211,6 +286,11 @@ impl ControllerArgs {
     pub fn loadbalancer_config(&self) -> LbControllerConfig {
         LbControllerConfig {
             resync: self.resync_period.max(Duration::from_secs(1)),
+            rollout: RolloutGate {
+                master_for: self.rollout_master_for,
+                no_master_for: self.rollout_no_master_for,
+                unknown_after: self.rollout_unknown_after,
+            },
             ..Default::default()
         }
     }
@@ -492,6 +572,64 @@ mod tests {
         .is_err());
         assert_eq!(parse_duration("500ms").unwrap(), Duration::from_millis(500));
         assert_eq!(parse_duration("1h").unwrap(), Duration::from_secs(3600));
+    }
+
+    #[test]
+    fn machine_and_rollout_settings() {
+        let cli = Cli::try_parse_from([
+            "lb-controller",
+            "controller",
+            "--namespace",
+            "ns",
+            "--api-endpoint",
+            " https://api.example:6443 ",
+            "--ntp-servers",
+            "ntp1.example, 2.pool.example",
+            "--vm-interface",
+            "ens3",
+            "--machine-resync-period",
+            "1m",
+            "--scale-up-timeout",
+            "90s",
+            "--rollout-master-for",
+            "30s",
+        ])
+        .unwrap();
+        let Some(Command::Controller(args)) = cli.command else {
+            panic!("not the controller command");
+        };
+        let tuning = args.machines.tuning();
+        let m = &tuning.machines;
+        assert_eq!(m.api_endpoint.as_deref(), Some("https://api.example:6443"));
+        assert_eq!(m.ntp_servers, ["ntp1.example", "2.pool.example"]);
+        assert_eq!(m.interface, "ens3");
+        assert_eq!(m.resync, Duration::from_secs(60));
+        assert_eq!(tuning.sets.scale_up_timeout, Duration::from_secs(90));
+        let gate = args.loadbalancer_config().rollout;
+        assert_eq!(gate.master_for, Duration::from_secs(30));
+        assert_eq!(gate.no_master_for, Duration::from_secs(600));
+        assert_eq!(gate.unknown_after, Duration::from_secs(900));
+
+        // Defaults: no endpoint (no servers are booted), the public NTP pool, yawol's periods.
+        let cli =
+            Cli::try_parse_from(["lb-controller", "controller", "--namespace", "ns"]).unwrap();
+        let Some(Command::Controller(args)) = cli.command else {
+            panic!("not the controller command");
+        };
+        let tuning = args.machines.tuning();
+        assert_eq!(tuning.machines.api_endpoint, None);
+        assert_eq!(tuning.machines.ntp_servers, ["pool.ntp.org"]);
+        assert_eq!(tuning.machines.resync, Duration::from_secs(300));
+        assert_eq!(tuning.sets.scale_up_timeout, Duration::from_secs(300));
+        assert!(Cli::try_parse_from([
+            "lb-controller",
+            "controller",
+            "--namespace",
+            "ns",
+            "--scale-up-timeout",
+            "later",
+        ])
+        .is_err());
     }
 
     #[test]

@@ -78,33 +78,6 @@ impl Default for LbmControllerConfig {
     }
 }
 
-impl LbmControllerConfig {
-    /// Defaults plus yawol's environment: `API_ENDPOINT`, and `NTP_SERVERS` (comma-separated; default
-    /// `pool.ntp.org`). The binary's flags do not cover the machine controller yet, so `run_openstack_controllers`
-    /// reads these.
-    pub fn from_env() -> Self {
-        let mut c = Self {
-            api_endpoint: std::env::var("API_ENDPOINT")
-                .ok()
-                .map(|s| s.trim().to_string())
-                .filter(|s| !s.is_empty()),
-            ..Self::default()
-        };
-        if let Ok(list) = std::env::var("NTP_SERVERS") {
-            let servers: Vec<String> = list
-                .split(',')
-                .map(str::trim)
-                .filter(|s| !s.is_empty())
-                .map(str::to_string)
-                .collect();
-            if !servers.is_empty() {
-                c.ntp_servers = servers;
-            }
-        }
-        c
-    }
-}
-
 /// Errors of one reconcile (logged, retried with [`backoff`]).
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
@@ -987,7 +960,7 @@ pub fn error_policy<F: CloudFactory>(
 }
 
 /// The context `run::run_openstack_controllers` starts this controller with: `config` (the binary's comes from
-/// the environment, [`LbmControllerConfig::from_env`]), the `loadbalancermachine*` families and the reconcile
+/// flags or the environment, [`crate::cli::MachineArgs`]), the `loadbalancermachine*` families and the reconcile
 /// counts on the binary's `/metrics`, the cloud sessions shared with the LoadBalancer controller, events as
 /// `yawol-service`.
 pub fn prepare<F: CloudFactory>(

@@ -127,10 +127,11 @@ async fn run_openstack(args: cli::ControllerArgs) -> anyhow::Result<()> {
         loadbalancer: args.loadbalancer_config(),
         instance: instance.clone(),
     };
-    let controllers = run::run_openstack_controllers(
+    let controllers = run::run_openstack_controllers_with(
         control.clone(),
         clouds,
         config,
+        args.machines.tuning(),
         metrics.clone(),
         health.clone(),
         shutdown(),

@@ -295,8 +295,9 @@ pub struct OpenStackRunConfig {
     pub instance: String,
 }
 
-/// Settings of the LoadBalancerSet and LoadBalancerMachine controllers. The binary's come from
-/// [`OpenStackTuning::from_env`]; the real-OpenStack benchmark shortens the resync periods through
+/// Settings of the LoadBalancerSet and LoadBalancerMachine controllers. The binary's come from its flags
+/// ([`crate::cli::MachineArgs`]); [`run_openstack_controllers`] reads the same names from the environment
+/// ([`OpenStackTuning::from_env`]); the real-OpenStack benchmark shortens the resync periods through
 /// [`run_openstack_controllers_with`].
 #[derive(Clone, Debug)]
 pub struct OpenStackTuning {
@@ -307,19 +308,16 @@ pub struct OpenStackTuning {
 }
 
 impl OpenStackTuning {
-    /// The defaults, with yawol's `API_ENDPOINT` and `NTP_SERVERS` from the environment
-    /// ([`lbm_controller::LbmControllerConfig::from_env`]).
-    pub fn from_env() -> Self {
-        OpenStackTuning {
-            sets: LbsControllerConfig::default(),
-            machines: lbm_controller::LbmControllerConfig::from_env(),
-        }
+    /// The settings of the binary's flags taken from their environment variables alone (yawol's `API_ENDPOINT`,
+    /// `NTP_SERVERS`, …; [`crate::cli::MachineArgs`]); an unparsable value is an error.
+    pub fn from_env() -> anyhow::Result<Self> {
+        Ok(crate::cli::MachineArgs::from_env()?.tuning())
     }
 }
 
 /// Runs the OpenStack-side controllers (LoadBalancer, LoadBalancerSet, LoadBalancerMachine) over `client` with the
 /// clouds of `clouds` until `shutdown` resolves, reporting on `metrics`; the set and machine controllers with
-/// [`OpenStackTuning::from_env`]. The binary and the tests start them through this function. Events use yawol's
+/// [`OpenStackTuning::from_env`] (a bad value there marks `health` failed and returns). Events use yawol's
 /// `yawol-service` component, so the back channel forwards the LoadBalancer's to the Services.
 pub async fn run_openstack_controllers<F: CloudFactory>(
     client: Client,
@@ -329,19 +327,22 @@ pub async fn run_openstack_controllers<F: CloudFactory>(
     health: Arc<Health>,
     shutdown: impl std::future::Future<Output = ()> + Send + Sync + 'static,
 ) {
-    run_openstack_controllers_with(
-        client,
-        clouds,
-        config,
-        OpenStackTuning::from_env(),
-        metrics,
-        health,
-        shutdown,
-    )
-    .await
+    let tuning = match OpenStackTuning::from_env() {
+        Ok(tuning) => tuning,
+        Err(e) => {
+            tracing::error!(
+                error = format!("{e:#}"),
+                "controller settings from the environment"
+            );
+            health.failed.store(true, Ordering::SeqCst);
+            return;
+        }
+    };
+    run_openstack_controllers_with(client, clouds, config, tuning, metrics, health, shutdown).await
 }
 
-/// [`run_openstack_controllers`] with explicit settings for the set and machine controllers.
+/// [`run_openstack_controllers`] with explicit settings for the set and machine controllers (the binary's, from its
+/// flags).
 pub async fn run_openstack_controllers_with<F: CloudFactory>(
     client: Client,
     clouds: F,

@@ -718,7 +718,7 @@ async fn the_binarys_entry_point_runs_the_machine_controller() {
     use lb_controller::lb_controller::LbControllerConfig;
     use lb_controller::run::{run_openstack_controllers, Health, OpenStackRunConfig};
 
-    // Only this test of the binary reads the environment (`LbmControllerConfig::from_env`).
+    // Only this test of the binary reads the environment (`OpenStackTuning::from_env`).
     std::env::set_var("API_ENDPOINT", "https://api.control.example:6443");
     let server = FakeApiServer::new();
     for (_, crd) in lb_api::crds() {
