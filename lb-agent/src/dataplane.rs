@@ -251,15 +251,8 @@ impl Dataplane {
         match mode {
             AttachMode::Tc => {
                 let prog = self.tc_program()?;
-                if let Some(pin) = &link_pin {
-                    if pin.exists() {
-                        let old = PinnedLink::from_pin(pin)
-                            .with_context(|| format!("opening pinned link {}", pin.display()))?;
-                        let link = tc::SchedClassifierLink::try_from(FdLink::from(old))?;
-                        prog.attach_to_link(link)
-                            .context("replacing the program on the pinned tcx link")?;
-                        return Ok(mode);
-                    }
+                if let Some(pin) = link_pin.as_deref().filter(|p| p.exists()) {
+                    return adopt_pinned_link(prog, pin).map(|()| mode);
                 }
                 let id = prog
                     .attach_with_options(
@@ -271,32 +264,20 @@ impl Dataplane {
                         format!("attaching the TC program to {iface} (tcx ingress)")
                     })?;
                 if let Some(pin) = &link_pin {
-                    let link = prog.take_link(id)?;
-                    let fd: FdLink = link.try_into().context("tcx link is not an fd link")?;
-                    let pinned = fd.pin(pin).context("pinning the tcx link")?;
-                    // Re-adopt the pinned link so it stays attached when this process exits.
-                    let link = tc::SchedClassifierLink::try_from(FdLink::from(pinned))?;
-                    prog.attach_to_link(link)?;
+                    pin_link(prog, id, pin)?;
                 }
                 Ok(mode)
             }
             AttachMode::Xdp | AttachMode::XdpNative | AttachMode::XdpGeneric => {
                 let prog = self.xdp_program(XDP_PROGRAM)?;
-                if let Some(pin) = &link_pin {
-                    if pin.exists() {
-                        let old = PinnedLink::from_pin(pin)
-                            .with_context(|| format!("opening pinned link {}", pin.display()))?;
-                        let link = aya::programs::xdp::XdpLink::try_from(FdLink::from(old))?;
-                        prog.attach_to_link(link)
-                            .context("replacing the program on the pinned XDP link")?;
-                        return Ok(mode);
-                    }
+                if let Some(pin) = link_pin.as_deref().filter(|p| p.exists()) {
+                    return adopt_pinned_link(prog, pin).map(|()| mode);
                 }
                 let (first, used) = match mode {
                     AttachMode::XdpGeneric => (XdpMode::Skb, AttachMode::XdpGeneric),
                     _ => (XdpMode::Driver, AttachMode::XdpNative),
                 };
-                let id = match prog.attach(iface, first) {
+                let (id, used) = match prog.attach(iface, first) {
                     Ok(id) => (id, used),
                     Err(e) if mode == AttachMode::Xdp => {
                         tracing::warn!(%iface, error = %e, "native XDP refused, falling back to generic XDP (slower)");
@@ -308,13 +289,9 @@ impl Dataplane {
                     Err(e) => return Err(e).with_context(|| format!("attaching XDP to {iface}")),
                 };
                 if let Some(pin) = &link_pin {
-                    let link = prog.take_link(id.0)?;
-                    let fd: FdLink = link.try_into().context("XDP link is not an fd link")?;
-                    let pinned = fd.pin(pin).context("pinning the XDP link")?;
-                    let link = aya::programs::xdp::XdpLink::try_from(FdLink::from(pinned))?;
-                    prog.attach_to_link(link)?;
+                    pin_link(prog, id, pin)?;
                 }
-                Ok(id.1)
+                Ok(used)
             }
         }
     }
@@ -583,6 +560,70 @@ pub fn interface_mac(iface: &str) -> Result<[u8; 6]> {
             .with_context(|| format!("{path}: bad MAC {}", text.trim()))?;
     }
     Ok(mac)
+}
+
+/// The programs the agent attaches through a pinned `bpf_link` (tcx and XDP): adopting a pinned link and pinning
+/// a new one are the same steps for both, only aya's link types differ.
+trait LinkedProgram {
+    type Link: TryFrom<FdLink, Error = aya::programs::links::LinkError> + TryInto<FdLink>;
+    type LinkId;
+    fn take_link(&mut self, id: Self::LinkId) -> Result<Self::Link, aya::programs::ProgramError>;
+    fn attach_to_link(
+        &mut self,
+        link: Self::Link,
+    ) -> Result<Self::LinkId, aya::programs::ProgramError>;
+}
+
+impl LinkedProgram for SchedClassifier {
+    type Link = tc::SchedClassifierLink;
+    type LinkId = tc::SchedClassifierLinkId;
+    fn take_link(&mut self, id: Self::LinkId) -> Result<Self::Link, aya::programs::ProgramError> {
+        SchedClassifier::take_link(self, id)
+    }
+    fn attach_to_link(
+        &mut self,
+        link: Self::Link,
+    ) -> Result<Self::LinkId, aya::programs::ProgramError> {
+        SchedClassifier::attach_to_link(self, link)
+    }
+}
+
+impl LinkedProgram for Xdp {
+    type Link = aya::programs::xdp::XdpLink;
+    type LinkId = aya::programs::xdp::XdpLinkId;
+    fn take_link(&mut self, id: Self::LinkId) -> Result<Self::Link, aya::programs::ProgramError> {
+        Xdp::take_link(self, id)
+    }
+    fn attach_to_link(
+        &mut self,
+        link: Self::Link,
+    ) -> Result<Self::LinkId, aya::programs::ProgramError> {
+        Xdp::attach_to_link(self, link)
+    }
+}
+
+/// Replaces the program on the link pinned at `pin` (left by an earlier agent): atomic for packets.
+fn adopt_pinned_link<P: LinkedProgram>(prog: &mut P, pin: &Path) -> Result<()> {
+    let old = PinnedLink::from_pin(pin)
+        .with_context(|| format!("opening pinned link {}", pin.display()))?;
+    let link = P::Link::try_from(FdLink::from(old))?;
+    prog.attach_to_link(link)
+        .with_context(|| format!("replacing the program on the pinned link {}", pin.display()))?;
+    Ok(())
+}
+
+/// Pins the link `id` just attached at `pin`, and re-adopts the pinned link so that it stays attached when this
+/// process exits.
+fn pin_link<P: LinkedProgram>(prog: &mut P, id: P::LinkId, pin: &Path) -> Result<()> {
+    let link = prog.take_link(id)?;
+    let fd: FdLink = link
+        .try_into()
+        .map_err(|_| anyhow!("the link is not an fd link"))?;
+    let pinned = fd
+        .pin(pin)
+        .with_context(|| format!("pinning the link at {}", pin.display()))?;
+    prog.attach_to_link(P::Link::try_from(FdLink::from(pinned))?)?;
+    Ok(())
 }
 
 fn mode_tag(mode: AttachMode) -> &'static str {
