@@ -381,25 +381,31 @@ pub struct MachineTemplate {
 }
 
 /// The template for the LoadBalancer as it is now; `None` until the VIP port exists (the machines' ports need its
-/// address as allowed address pair). `status` is the newest status (the OpenStack step's).
+/// address as allowed address pair) and, with a server-group policy, until the group exists (machines booted outside
+/// it would break the requested (anti-)affinity and be rolled over once it appears). `status` is the newest status
+/// (the OpenStack step's).
 ///
 /// The hash covers what only a new VM can apply: infrastructure (image, flavor, networks, AZ, project, credentials;
 /// deprecated fields migrated first, so the migration alone rolls nothing), VIP port, server group, debug settings,
 /// log forwarding, server-group policy. Ports, endpoints and the other options are read by the agents live.
 pub fn machine_template(lb: &LoadBalancer, status: &LoadBalancerStatus) -> Option<MachineTemplate> {
     let port_id = status.port_id.clone().filter(|p| !p.is_empty())?;
+    let opts = lb.spec.options();
+    let server_group_id = status.server_group_id.clone().filter(|g| !g.is_empty());
+    if opts.server_group_policy().is_some() && server_group_id.is_none() {
+        return None;
+    }
     let mut infrastructure = lb.spec.infrastructure.clone();
     infrastructure.migrate_deprecated();
     let spec = LoadBalancerMachineSpec {
         infrastructure,
         port_id,
-        server_group_id: status.server_group_id.clone(),
+        server_group_id,
         load_balancer_ref: LoadBalancerRef {
             name: lb.name_any(),
             namespace: lb.namespace().unwrap_or_default(),
         },
     };
-    let opts = lb.spec.options();
     let input = json!({
         "spec": spec,
         "debugSettings": lb.spec.debug_settings,

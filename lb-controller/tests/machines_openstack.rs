@@ -409,8 +409,7 @@ async fn set_instances_quota(admin: &AsyncOpenStack, project: &str, limit: i64) 
 }
 
 /// Nova's real quota error (the project's `instances` quota set to 0 for a moment) and Neutron 5xx errors injected
-/// by the fault proxy. (Nova itself cannot sit behind the proxy: with a `compute_endpoint_override` openstack_sdk
-/// skips version discovery and sends microversion 2.0, which Nova rejects.)
+/// by the fault proxy. (Nova 5xx are injected in `tests/openstack_cascade.rs`.)
 #[tokio::test]
 #[ignore = "needs the OpenStack test environment (cargo xtask openstack up); run by the openstack stage"]
 async fn openstack_machine_quota_and_5xx_are_retried_without_duplicates() -> Result<()> {

@@ -1,7 +1,7 @@
 //! The whole OpenStack side — LoadBalancer → LoadBalancerSet → LoadBalancerMachine — started through
 //! `run::run_openstack_controllers` (the binary's entry point) on the in-memory API server, against the real
 //! OpenStack of `cargo xtask openstack up` through the real `SdkCloud` (credentials from the LoadBalancer's
-//! `cloudprovider.conf` Secret via `SecretClouds`, except where Neutron sits behind the fault proxy).
+//! `cloudprovider.conf` Secret via `SecretClouds`, except where Neutron or Nova sits behind a fault proxy).
 //!
 //! - `cascade_lifecycle_create_update_scale_heal_delete`: a LoadBalancer with 2 replicas ends with security group,
 //!   floating IP on the VIP port, server group and 2 ACTIVE servers in it, booted with our user data (token,
@@ -18,6 +18,12 @@
 //! - `cascade_neutron_5xx_during_create_is_retried_without_duplicates`: Neutron 500/503 injected by `FaultProxy`
 //!   into security group, floating IP, VIP lookup and VM port creation and into the VM port's deletion: Warning
 //!   events with Neutron's text, retries, and in the end exactly one of everything and nothing left.
+//! - `cascade_nova_5xx_and_lost_answers_are_retried_without_duplicates`: Nova behind `FaultProxy` (found through the
+//!   catalog of a Keystone proxy, see `common::openstack::NovaProxy`) answers 503 to a server group's creation and
+//!   then 500 after creating it, 500 after booting the first machine's server, 503 to the second machine's server
+//!   create and to the read of its booting server, and 503 / 500-after-deleting to server deletes: Warning events
+//!   with Nova's text, retries, the group and the server that Nova made behind an error are adopted (one group, one
+//!   server per machine), deletion finishes and nothing is left.
 //!
 //! Every test starts and ends with the leak check over the test project (a failing check sweeps the project so the
 //! next test starts clean).
@@ -28,9 +34,10 @@
 //!   revision bonus does) and Kubernetes' token controller, once a machine's server is ACTIVE.
 //! - There is one image; the rolling update changes the flavor (a second flavor is created as admin and deleted at
 //!   the end). An image change takes the same path (both are in the machine template's hash).
-//! - 5xx are injected into Neutron only: Nova cannot sit behind the proxy with `SdkCloud` (openstack_sdk skips
-//!   version discovery with an endpoint override and sends microversion 2.0, which Nova rejects with 406).
-//!   `tests/machines_openstack.rs` covers Nova's real quota error.
+//! - Nova cannot sit behind the proxy through an endpoint override (openstack_sdk skips version discovery for it and
+//!   sends microversion 2.0, which Nova rejects with 406), so the session authenticates through a Keystone proxy
+//!   whose tokens point the catalog's compute endpoint at the Nova proxy. Nova's real quota error is covered by
+//!   `tests/machines_openstack.rs`.
 //! - The rollout gate is 1 s of VRRP mastership instead of 2 min (`LbControllerConfig::rollout`); an unhealthy
 //!   machine's 3-minute mark and 2-minute grace are passed by back-dating the condition times the agent and the
 //!   controller wrote, not by waiting.
@@ -47,9 +54,9 @@ use std::time::{Duration, Instant};
 use anyhow::{ensure, Context, Result};
 use base64::Engine as _;
 use common::openstack::{
-    condition, connect, connect_counted, delete_flavor, ensure_flavor, finish, lb_json,
-    nova_group_members, nova_server, servers_named, user_data_files, wait_for, Cascade,
-    CascadeConfig, API_ENDPOINT, CALL_TIMEOUT, NS, TOKEN,
+    condition, connect, connect_counted, connect_routed, delete_flavor, ensure_flavor, finish,
+    lb_json, nova_group_members, nova_server, revision, servers_named, user_data_files, wait_for,
+    Cascade, CascadeConfig, NovaProxy, API_ENDPOINT, CALL_TIMEOUT, NS, TOKEN,
 };
 use lb_api::constants::{conditions, lb_annotations};
 use lb_controller::lb_controller::{FixedCloud, SecretClouds};
@@ -814,6 +821,219 @@ async fn cascade_neutron_5xx_during_create_is_retried_without_duplicates() -> Re
     }
     .await;
     neutron.clear();
+    let cleanup = c.stop().await;
+    finish(&env, &cloud, &direct, scenario, cleanup).await
+}
+
+/// Messages of the `OpenStackError` events about LoadBalancerMachines.
+fn machine_errors(c: &Cascade) -> Vec<String> {
+    c.events_of("LoadBalancerMachine", "OpenStackError")
+        .into_iter()
+        .map(|(_, msg)| msg)
+        .collect()
+}
+
+#[tokio::test]
+#[ignore = "needs the OpenStack test environment (cargo xtask openstack up); run by the openstack stage"]
+async fn cascade_nova_5xx_and_lost_answers_are_retried_without_duplicates() -> Result<()> {
+    const LB: &str = "csc-nova";
+    // Each injected answer has its own text, so the events show which fault they report.
+    const GROUP_503: &str = "injected: server group create unavailable";
+    const GROUP_LOST: &str = "injected: server group created, answer lost";
+    const SERVER_LOST: &str = "injected: server created, answer lost";
+    const SERVER_503: &str = "injected: server create unavailable";
+    const READ_503: &str = "injected: server read unavailable";
+    const DELETE_503: &str = "injected: server delete unavailable";
+    const DELETE_LOST: &str = "injected: server deleted, answer lost";
+    let env = TestEnv::load()?;
+    let proxies = NovaProxy::start(&env).await?;
+    let nova = &proxies.nova;
+    // Checks and cleanup go around the proxies.
+    let cloud = connect(&env, &[]).await?;
+    let direct = env.connect().await?;
+    LeakCheck::new(&env)
+        .assert_clean(&direct)
+        .await
+        .context("before the test")?;
+    let metrics = Arc::new(Metrics::new());
+    let proxied =
+        Arc::new(connect_routed(&env, &[], Some(&proxies), metrics.openstack_calls.clone()).await?);
+    let c = Cascade::start(&env, metrics, CascadeConfig::default(), |_| {
+        FixedCloud(proxied.clone())
+    })
+    .await?;
+    let os_name = format!("{NS}/{LB}");
+    let prefix = format!("{LB}-");
+    let scenario = async {
+        // The LoadBalancer's server group: a 503 (nothing created), then a 500 after Nova created the group.
+        nova.inject(
+            Rule::new("POST", "/os-server-groups").times(1),
+            Fault::status(503, GROUP_503),
+        );
+        nova.inject(
+            Rule::new("POST", "/os-server-groups").times(1),
+            Fault::status(500, GROUP_LOST).after_forwarding(),
+        );
+        let t0 = Instant::now();
+        c.create_lb(lb_json(
+            &env,
+            LB,
+            0,
+            json!({"serverGroupPolicy": "soft-anti-affinity"}),
+        ))
+        .await?;
+        c.wait("the LoadBalancer's resources", STEP, |c| {
+            let st = c.status(LB);
+            ["serverGroupID", "lastOpenstackReconcile"]
+                .iter()
+                .all(|k| st[*k].is_string())
+        })
+        .await?;
+        eprintln!(
+            "timing: LoadBalancer ready through 2 Nova faults after {:.2}s",
+            secs(t0.elapsed())
+        );
+        let errors = c.lb_events(LB, "OpenStackError");
+        for text in [GROUP_503, GROUP_LOST] {
+            ensure!(
+                errors.iter().any(|e| e.contains(text)),
+                "Nova's text {text:?} in an event: {errors:?}"
+            );
+        }
+        let groups = cloud.find_server_groups(&os_name).await?;
+        ensure!(
+            groups.len() == 1 && c.status(LB)["serverGroupID"] == groups[0].id.as_str(),
+            "the group Nova created behind the 500 is adopted, not created again: {groups:?}"
+        );
+        // With a server-group policy no set is planned before the group exists: the first set carries it.
+        let group_id = groups[0].id.clone();
+        c.wait("one set, with the server group", STEP, |c| {
+            let sets = c.sets_of(LB);
+            sets.len() == 1
+                && sets[0]["spec"]["template"]["spec"]["serverGroupID"] == group_id.as_str()
+        })
+        .await?;
+        let rev = revision(&c.sets_of(LB)[0]);
+        ensure!(
+            rev == 1,
+            "a set was planned before the group existed (revision {rev})"
+        );
+
+        // The first machine: Nova boots its server but the answer is a 500; the controller must adopt that server
+        // (it looks for the machine's name before booting) instead of booting a second one.
+        nova.inject(
+            Rule::new("POST", "/servers").times(1),
+            Fault::status(500, SERVER_LOST).after_forwarding(),
+        );
+        c.patch_lb(LB, json!({"spec": {"replicas": 1}})).await?;
+        let (_, active1) = ready(&c, LB, rev, 1).await?;
+        let (m1, server1) = active1[0].clone();
+        ensure!(
+            machine_errors(&c)
+                .iter()
+                .any(|e| e.starts_with("server: ") && e.contains(SERVER_LOST)),
+            "the lost create reported on the machine: {:?}",
+            machine_errors(&c)
+        );
+        ensure!(
+            c.events_of("LoadBalancerMachine", "ServerCreated")
+                .iter()
+                .all(|(m, _)| *m != m1),
+            "{m1}'s server was adopted, not booted by a second create"
+        );
+        nova_servers_are(&env, &direct, &prefix, std::slice::from_ref(&server1)).await?;
+
+        // The second machine: its create fails (nothing booted), then the read of its booting server. Reads of the
+        // first machine's server and server lists pass.
+        nova.inject(
+            Rule::new("POST", "/servers").times(1),
+            Fault::status(503, SERVER_503),
+        );
+        nova.inject(
+            Rule::new("GET", "/servers/")
+                .except("/servers/detail")
+                .except(&server1)
+                .times(1),
+            Fault::status(503, READ_503),
+        );
+        c.patch_lb(LB, json!({"spec": {"replicas": 2}})).await?;
+        let (_, active2) = ready(&c, LB, rev, 2).await?;
+        ensure!(
+            nova.injected_count() == 5,
+            "faults injected: {:?}",
+            nova.seen()
+        );
+        let errors = machine_errors(&c);
+        for text in [SERVER_503, READ_503] {
+            ensure!(
+                errors
+                    .iter()
+                    .any(|e| e.starts_with("server: ") && e.contains(text)),
+                "Nova's text {text:?} in a machine event: {errors:?}"
+            );
+        }
+        let forwarded = c.lb_events(LB, "OpenStackError");
+        ensure!(
+            forwarded
+                .iter()
+                .any(|e| e.starts_with("LoadBalancerMachine ") && e.contains(READ_503)),
+            "the machine's failure forwarded to the LoadBalancer: {forwarded:?}"
+        );
+
+        // Exactly one server per machine, all in the one server group.
+        for (m, server) in &active2 {
+            let servers = cloud.find_servers(m).await?;
+            ensure!(
+                servers.len() == 1 && servers[0].id == *server,
+                "one server for {m}: {servers:?}"
+            );
+        }
+        nova_servers_are(&env, &direct, &prefix, &server_ids(&active2)).await?;
+        ensure!(
+            cloud.find_server_groups(&os_name).await?.len() == 1,
+            "one server group"
+        );
+
+        // Deletion: one server delete answered 503 (not done), one answered 500 after Nova started deleting.
+        nova.inject(
+            Rule::new("DELETE", "/servers/").times(1),
+            Fault::status(503, DELETE_503),
+        );
+        nova.inject(
+            Rule::new("DELETE", "/servers/").times(1),
+            Fault::status(500, DELETE_LOST).after_forwarding(),
+        );
+        let t_delete = c.delete_lb(LB, STEP).await?;
+        eprintln!(
+            "timing: deletion through 2 Nova faults {:.2}s",
+            secs(t_delete)
+        );
+        ensure!(
+            nova.injected_count() == 7,
+            "the delete faults were hit: {:?}",
+            nova.seen()
+        );
+        let errors = machine_errors(&c);
+        for text in [DELETE_503, DELETE_LOST] {
+            ensure!(
+                errors
+                    .iter()
+                    .any(|e| e.starts_with("deletion: ") && e.contains(text)),
+                "the failed deletion step {text:?} was reported: {errors:?}"
+            );
+        }
+        ensure!(
+            servers_named(&env, &direct, &prefix).await?.is_empty(),
+            "servers left"
+        );
+        ensure!(
+            cloud.find_server_groups(&os_name).await?.is_empty(),
+            "server group left"
+        );
+        anyhow::Ok(())
+    }
+    .await;
+    nova.clear();
     let cleanup = c.stop().await;
     finish(&env, &cloud, &direct, scenario, cleanup).await
 }

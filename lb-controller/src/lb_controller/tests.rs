@@ -88,6 +88,29 @@ fn no_template_before_the_vip_port_exists() {
 }
 
 #[test]
+fn no_template_while_a_requested_server_group_is_missing() {
+    let l = lb(json!({"spec": {"options": {"serverGroupPolicy": "anti-affinity"}}}));
+    let mut st = status();
+    st.server_group_id = None;
+    assert!(machine_template(&l, &st).is_none());
+    st.server_group_id = Some(String::new());
+    assert!(machine_template(&l, &st).is_none());
+    st.server_group_id = Some("sg-group".into());
+    assert_eq!(
+        machine_template(&l, &st)
+            .unwrap()
+            .spec
+            .server_group_id
+            .as_deref(),
+        Some("sg-group")
+    );
+    // Without a policy there is no group to wait for.
+    st.server_group_id = None;
+    let t = machine_template(&lb(json!({})), &st).expect("no policy, no group needed");
+    assert_eq!(t.spec.server_group_id, None);
+}
+
+#[test]
 fn template_carries_infrastructure_port_server_group_and_reference() {
     let l = lb(json!({}));
     let t = template(&l);

@@ -1,6 +1,15 @@
 //! A fault-injection HTTP proxy: sits in front of one OpenStack API on 127.0.0.1 and, on demand, answers matching
-//! requests with an error (5xx, 409, 413, quota errors), delays them, or drops the connection; everything else is
+//! requests with an error (5xx, 409, 413, quota errors), delays them, drops the connection, or forwards them and
+//! answers with an error anyway (a create that happened although the client saw a failure); everything else is
 //! forwarded unchanged. Controllers' error paths then meet the failures a real cloud produces.
+//!
+//! Two ways to put a service behind a proxy:
+//! - [`FaultProxy::route`] sets the SDK's `<service>_endpoint_override`. Enough for Neutron; not for Nova, because
+//!   `openstack_sdk` skips version discovery for an overridden endpoint, so it knows no microversion range and sends
+//!   e.g. `compute 2.0`, which Nova answers with 406.
+//! - Through the catalog: a second proxy in front of Keystone rewrites the service's catalog URL in the token to the
+//!   service's proxy ([`FaultProxy::rewrite_responses`]), and the client authenticates through it. The SDK then
+//!   discovers the service (and its microversions) through the proxy as it would on a real cloud.
 //!
 //! ```no_run
 //! # async fn demo(env: openstack_testenv::TestEnv) -> anyhow::Result<()> {
@@ -10,6 +19,18 @@
 //! proxy.inject(Rule::new("POST", "/floatingips").times(1), Fault::neutron_over_quota("floatingip"));
 //! let mut config = env.cloud_config(&env.info.cloud)?;
 //! proxy.route(&mut config, "network", "v2.0");
+//! let client = env.connect_with(&config).await?;
+//!
+//! // Nova through the catalog: authenticate through a Keystone proxy whose tokens name the Nova proxy.
+//! let nova = FaultProxy::start("http://127.0.0.1:8774").await?;
+//! let keystone = FaultProxy::start("http://127.0.0.1:5000").await?;
+//! keystone.rewrite_responses("http://127.0.0.1:8774", &nova.url());
+//! // A server create that Nova performs while the client gets a 500: duplicate protection is tested.
+//! nova.inject(Rule::new("POST", "/servers").times(1), Fault::internal_error().after_forwarding());
+//! let mut config = env.cloud_config(&env.info.cloud)?;
+//! if let Some(auth) = config.auth.as_mut() {
+//!     auth.auth_url = Some(format!("{}/v3", keystone.url()));
+//! }
 //! let client = env.connect_with(&config).await?;
 //! # Ok(()) }
 //! ```
@@ -45,6 +66,16 @@ pub enum Fault {
     Delay(Duration),
     /// Close the connection without an answer (a crashed API worker or a broken load balancer in front of it).
     Drop,
+    /// Forward the request (the API acts on it), discard the API's answer and answer this instead: a create that
+    /// succeeded although the client saw an error (the API or a load balancer failing after the commit), the case
+    /// that catches clients which retry a create without looking for what the first attempt made. Built with
+    /// [`Fault::after_forwarding`].
+    RespondAfterForwarding {
+        /// HTTP status.
+        status: u16,
+        /// JSON body.
+        body: String,
+    },
 }
 
 impl Fault {
@@ -95,6 +126,16 @@ impl Fault {
         }
     }
 
+    /// The same answer, given after the request was forwarded and carried out ([`Fault::RespondAfterForwarding`]),
+    /// e.g. `Fault::internal_error().after_forwarding()`. Only [`Fault::Respond`] changes; other faults are
+    /// returned as they are.
+    pub fn after_forwarding(self) -> Self {
+        match self {
+            Fault::Respond { status, body } => Fault::RespondAfterForwarding { status, body },
+            other => other,
+        }
+    }
+
     /// Nova's quota error when creating servers or server groups: 403 `Quota exceeded`.
     pub fn nova_over_quota(resource: &str) -> Self {
         let message = format!(
@@ -120,6 +161,8 @@ pub struct Rule {
     method: String,
     /// Matches when the request path contains this (e.g. `/floatingips`, `/servers/`, `/os-server-groups`).
     path_contains: String,
+    /// ... and contains none of these.
+    except: Vec<String>,
     /// Apply to the next N matching requests only; `None` = until cleared.
     times: Option<u32>,
 }
@@ -130,8 +173,16 @@ impl Rule {
         Rule {
             method: method.to_ascii_uppercase(),
             path_contains: path_contains.into(),
+            except: Vec::new(),
             times: None,
         }
+    }
+
+    /// Does not apply to paths that also contain `path_contains`, e.g. `Rule::new("GET", "/servers/")
+    /// .except("/servers/detail")` hits reads of one server but not the server list.
+    pub fn except(mut self, path_contains: &str) -> Self {
+        self.except.push(path_contains.into());
+        self
     }
 
     /// Applies to the next `n` matching requests, then the rule is gone.
@@ -141,7 +192,9 @@ impl Rule {
     }
 
     fn matches(&self, method: &str, path: &str) -> bool {
-        (self.method == "*" || self.method == method) && path.contains(&self.path_contains)
+        (self.method == "*" || self.method == method)
+            && path.contains(&self.path_contains)
+            && !self.except.iter().any(|e| path.contains(e))
     }
 }
 
@@ -162,6 +215,8 @@ pub struct Seen {
 struct State {
     rules: Vec<(Rule, Fault)>,
     seen: Vec<Seen>,
+    /// Extra `(from, to)` replacements in forwarded responses ([`FaultProxy::rewrite_responses`]).
+    rewrites: Vec<(String, String)>,
 }
 
 impl State {
@@ -248,6 +303,15 @@ impl FaultProxy {
     /// Removes every rule: all requests pass through again.
     pub fn clear(&self) {
         self.state().rules.clear();
+    }
+
+    /// From now on, replaces `from` by `to` in the bodies and `Location` headers of forwarded responses, after the
+    /// proxy's own rewrite of the upstream's origin to its own. Meant for a proxy in front of Keystone:
+    /// `rewrite_responses("http://127.0.0.1:8774", &nova_proxy.url())` makes the catalog in its tokens point compute
+    /// at `nova_proxy`, so a client authenticating through it reaches Nova through that proxy after the SDK's normal
+    /// version discovery (unlike [`FaultProxy::route`]). Injected answers are not rewritten.
+    pub fn rewrite_responses(&self, from: &str, to: &str) {
+        self.state().rewrites.push((from.into(), to.into()));
     }
 
     /// Every request seen so far, oldest first.
@@ -348,6 +412,12 @@ async fn handle(
             record(None, true);
             return Err(Dropped);
         }
+        Some(Fault::RespondAfterForwarding { status, body }) => {
+            // The upstream's answer (or failure) is what the client must not see.
+            let _ = forward(&shared, req, &path).await;
+            record(Some(status), true);
+            return Ok(json_response(status, body));
+        }
         Some(Fault::Delay(d)) => tokio::time::sleep(d).await,
         None => {}
     }
@@ -413,13 +483,27 @@ async fn forward(
         .await
         .context("reading the upstream response")?
         .to_bytes();
-    let body = rewrite(&body, &shared.upstream_origin, &shared.own_origin);
+    let mut rewrites = vec![(shared.upstream_origin.clone(), shared.own_origin.clone())];
+    rewrites.extend(
+        shared
+            .state
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .rewrites
+            .iter()
+            .cloned(),
+    );
+    let body = rewrites
+        .iter()
+        .fold(body, |body, (from, to)| rewrite(&body, from, to));
     if let Some(location) = parts
         .headers
         .get(hyper::header::LOCATION)
         .and_then(|v| v.to_str().ok())
     {
-        let location = location.replace(&shared.upstream_origin, &shared.own_origin);
+        let location = rewrites
+            .iter()
+            .fold(location.to_string(), |l, (from, to)| l.replace(from, to));
         parts
             .headers
             .insert(hyper::header::LOCATION, location.parse()?);
@@ -440,19 +524,30 @@ fn rewrite(body: &Bytes, from: &str, to: &str) -> Bytes {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::sync::atomic::{AtomicUsize, Ordering};
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
     /// A tiny upstream on 127.0.0.1 that answers every request with 200 and a body naming its own URL and the path.
     async fn upstream() -> (String, JoinHandle<()>) {
+        let (origin, task, _) = counted_upstream().await;
+        (origin, task)
+    }
+
+    /// [`upstream`], also counting the requests it answered.
+    async fn counted_upstream() -> (String, JoinHandle<()>, Arc<AtomicUsize>) {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let origin = format!("http://{}", listener.local_addr().unwrap());
         let me = origin.clone();
+        let count = Arc::new(AtomicUsize::new(0));
+        let counter = count.clone();
         let task = tokio::spawn(async move {
             loop {
                 let (stream, _) = listener.accept().await.unwrap();
                 let me = me.clone();
+                let counter = counter.clone();
                 tokio::spawn(async move {
                     let service = service_fn(move |req: Request<Incoming>| {
+                        counter.fetch_add(1, Ordering::SeqCst);
                         let body = format!(r#"{{"self": "{me}{}"}}"#, req.uri().path());
                         async move { Ok::<_, std::convert::Infallible>(json_response(200, body)) }
                     });
@@ -462,7 +557,7 @@ mod tests {
                 });
             }
         });
-        (origin, task)
+        (origin, task, count)
     }
 
     /// A bare HTTP/1.0 GET, so the tests do not depend on any client's retry behaviour.
@@ -578,6 +673,73 @@ mod tests {
         assert_eq!(get(proxy.addr(), "GET", "/c").await.unwrap().0, 503);
         let (s, body) = get(proxy.addr(), "GET", "/d").await.unwrap();
         assert_eq!((s, body.contains("Quota exceeded")), (403, true), "{body}");
+    }
+
+    #[tokio::test]
+    async fn extra_rewrites_apply_to_forwarded_answers_only() {
+        let (origin, _up) = upstream().await;
+        let proxy = FaultProxy::start(&origin).await.unwrap();
+        proxy.rewrite_responses("/v2.0/", "/v9/");
+        proxy.inject(
+            Rule::new("GET", "/injected").times(1),
+            Fault::internal_error(),
+        );
+        let (status, body) = get(proxy.addr(), "GET", "/v2.0/ports").await.unwrap();
+        assert_eq!(status, 200);
+        // After the origin rewrite: the upstream's URL became the proxy's, then the path changed.
+        assert_eq!(body, format!(r#"{{"self": "{}/v9/ports"}}"#, proxy.url()));
+        let (status, body) = get(proxy.addr(), "GET", "/v2.0/injected").await.unwrap();
+        assert_eq!(status, 500);
+        assert!(!body.contains("/v9/"), "{body}");
+    }
+
+    #[tokio::test]
+    async fn respond_after_forwarding_reaches_the_upstream_and_hides_its_answer() {
+        let (origin, _up, count) = counted_upstream().await;
+        let proxy = FaultProxy::start(&origin).await.unwrap();
+        proxy.inject(
+            Rule::new("POST", "/servers").times(1),
+            Fault::internal_error().after_forwarding(),
+        );
+        let (status, body) = get(proxy.addr(), "POST", "/v2.1/servers").await.unwrap();
+        assert_eq!(status, 500);
+        assert!(body.contains("injected internal server error"), "{body}");
+        assert_eq!(
+            count.load(Ordering::SeqCst),
+            1,
+            "the request was carried out"
+        );
+        assert_eq!(
+            get(proxy.addr(), "POST", "/v2.1/servers").await.unwrap().0,
+            200
+        );
+        assert_eq!(count.load(Ordering::SeqCst), 2);
+        assert_eq!(proxy.injected_count(), 1);
+        assert!(matches!(Fault::Drop.after_forwarding(), Fault::Drop));
+    }
+
+    #[tokio::test]
+    async fn except_narrows_a_rule() {
+        let (origin, _up) = upstream().await;
+        let proxy = FaultProxy::start(&origin).await.unwrap();
+        proxy.inject(
+            Rule::new("GET", "/servers/").except("/servers/detail"),
+            Fault::unavailable(),
+        );
+        assert_eq!(
+            get(proxy.addr(), "GET", "/v2.1/servers/detail?name=x")
+                .await
+                .unwrap()
+                .0,
+            200
+        );
+        assert_eq!(
+            get(proxy.addr(), "GET", "/v2.1/servers/0b5c")
+                .await
+                .unwrap()
+                .0,
+            503
+        );
     }
 
     #[tokio::test]
