@@ -644,7 +644,7 @@ async fn run_config_source(
     let what = format!("LoadBalancer {}/{name}", settings.namespace);
     let cfg = watcher::Config::default().fields(&format!("metadata.name={name}"));
     // The backoff turns list/watch errors (API down, RBAC, network) into delayed retries.
-    let mut stream = std::pin::pin!(watcher(lbs, cfg).default_backoff());
+    let mut stream = std::pin::pin!(watcher(lbs, cfg).backoff(WatchBackoff::default()));
     // A relist (Init … InitDone) is buffered so a LoadBalancer missing after the relist is noticed.
     let mut relisted: Option<LoadBalancer> = None;
     while let Some(event) = stream.next().await {
@@ -664,6 +664,41 @@ async fn run_config_source(
             }
         }
     }
+}
+
+/// kube-runtime's default watch backoff (0.8 s doubling to 30 s, jitter, back to the start after 120 s without
+/// errors) minus its reset on every successful event: the watcher emits `Init` before each list attempt, and that
+/// reset kept an agent whose API server is unreachable retrying about once a second forever — every LB VM at once
+/// during a control-plane outage. Seen on the VM image's boot test.
+struct WatchBackoff(
+    ::kube::runtime::utils::ResetTimerBackoff<::kube::runtime::watcher::ExponentialBackoff>,
+);
+
+impl Default for WatchBackoff {
+    fn default() -> Self {
+        WatchBackoff(::kube::runtime::utils::ResetTimerBackoff::new(
+            backon::ExponentialBuilder::default()
+                .with_min_delay(Duration::from_millis(800))
+                .with_max_delay(Duration::from_secs(30))
+                .with_factor(2.0)
+                .with_jitter()
+                .without_max_times()
+                .into(),
+            Duration::from_secs(120),
+        ))
+    }
+}
+
+impl Iterator for WatchBackoff {
+    type Item = Duration;
+    fn next(&mut self) -> Option<Duration> {
+        self.0.next()
+    }
+}
+
+impl ::kube::runtime::utils::Backoff for WatchBackoff {
+    /// Only the timer resets it (120 s after the last error), not the stream's successful events.
+    fn reset(&mut self) {}
 }
 
 /// Sends the LoadBalancer's configuration to the agent if it changed; reports rejections.
@@ -1197,6 +1232,20 @@ mod tests {
         assert!(cut.len() <= MAX_MESSAGE);
         assert!(cut.ends_with('…'));
         assert_eq!(truncate("short"), "short");
+    }
+
+    #[tokio::test]
+    async fn watch_backoff_is_not_reset_by_successful_events() {
+        use ::kube::runtime::utils::Backoff as _;
+        let mut b = WatchBackoff::default();
+        let mut last = Duration::ZERO;
+        for _ in 0..6 {
+            // What the watcher's `Init` before every list attempt does to the stream's backoff.
+            b.reset();
+            last = b.next().expect("never gives up");
+        }
+        // 0.8 s doubled five times (at least, with jitter; capped at 30 s): growing, not stuck near 1 s.
+        assert!(last >= Duration::from_secs(20), "{last:?}");
     }
 
     #[test]
