@@ -4,6 +4,7 @@
 mod bench;
 mod demo;
 mod ebpf;
+mod image;
 mod openstack;
 mod prereq;
 mod test;
@@ -42,6 +43,11 @@ enum Cmd {
         #[command(subcommand)]
         cmd: openstack::OpenstackCmd,
     },
+    /// The load-balancer VM image: build target/image/lb-vm.qcow2, boot-test it in QEMU.
+    Image {
+        #[command(subcommand)]
+        cmd: image::ImageCmd,
+    },
 }
 
 fn main() -> Result<()> {
@@ -51,5 +57,6 @@ fn main() -> Result<()> {
         Cmd::Test(args) => test::run_all(args),
         Cmd::Bench { which } => bench::run_bench(which),
         Cmd::Openstack { cmd } => openstack::run(cmd),
+        Cmd::Image { cmd } => image::run(cmd),
     }
 }

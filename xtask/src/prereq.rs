@@ -9,6 +9,33 @@ use std::process::Command;
 /// of the HA tests, supervised by the agent as on the load-balancer VMs).
 pub const NETNS_PACKAGES: &[&str] = &["iproute2", "ethtool", "keepalived"];
 
+/// Debian packages `cargo xtask image build` uses: mmdebstrap (the root filesystem), sfdisk (fdisk), mkfs.vfat
+/// (dosfstools) and mtools (the ESP without mounting it), GRUB's BIOS and UEFI images (grub-pc-bin,
+/// grub-efi-amd64-bin: only the binaries, nothing is installed on this machine's boot path), mkfs.ext4 -d
+/// (e2fsprogs), strip (binutils), qemu-img (qemu-utils).
+pub const IMAGE_BUILD_PACKAGES: &[&str] = &[
+    "mmdebstrap",
+    "fdisk",
+    "dosfstools",
+    "mtools",
+    "grub-pc-bin",
+    "grub-efi-amd64-bin",
+    "e2fsprogs",
+    "binutils",
+    "qemu-utils",
+];
+
+/// Debian packages `cargo xtask image boot-test` uses: QEMU, OVMF (UEFI firmware), mtools and dosfstools (the
+/// NoCloud seed), openssl (the test CA).
+pub const IMAGE_TEST_PACKAGES: &[&str] = &[
+    "qemu-system-x86",
+    "ovmf",
+    "qemu-utils",
+    "mtools",
+    "dosfstools",
+    "openssl",
+];
+
 /// Installs the Debian packages that are missing (one `apt-get update` first).
 pub fn debian_packages(pkgs: &[&str]) -> Result<()> {
     let missing: Vec<&str> = pkgs

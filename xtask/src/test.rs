@@ -100,6 +100,11 @@ const STAGES: &[Stage] = &[
         name: "openstack",
         run: crate::openstack::test_stage,
     },
+    Stage {
+        // The LB VM image built from Debian packages and booted in QEMU with lb-controller's user data.
+        name: "vm-image",
+        run: crate::image::test_stage,
+    },
 ];
 
 /// The integration-test targets of a workspace package (file stems of `<package>/tests/*.rs`), read from the

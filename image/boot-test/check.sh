@@ -1,0 +1,125 @@
+#!/bin/sh
+# In-VM half of `cargo xtask image boot-test` (never part of the image: the test's NoCloud vendor-data
+# installs it under /run and starts it once cloud-init is done). Prints `LB-IMAGE-CHECK key=value` lines on
+# the serial console; the xtask judges them. Then powers the VM off.
+#
+# Environment (set by the xtask): FILE_VIP, ECHO_PORT, TRAFFIC_FLOWS — the file-mode data-plane check on eth1.
+set -u
+out() { printf 'LB-IMAGE-CHECK %s=%s\n' "$1" "$2" >/dev/ttyS0; }
+info() { printf 'LB-IMAGE-INFO %s\n' "$*" >/dev/ttyS0; }
+uptime_s() { cut -d' ' -f1 /proc/uptime; }
+# GET http://127.0.0.1:PORT/PATH: "<status> <first line of the body>", "0 <error>" when nothing answers.
+http_get() {
+    python3 - "$1" "$2" <<'EOF'
+import sys, urllib.request, urllib.error
+try:
+    r = urllib.request.urlopen(f"http://127.0.0.1:{sys.argv[1]}{sys.argv[2]}", timeout=3)
+    print(r.status, r.read().decode(errors="replace"))
+except urllib.error.HTTPError as e:
+    print(e.code, e.read().decode(errors="replace"))
+except Exception as e:
+    print(0, e)
+EOF
+}
+# A unit's log this boot, without the colours of the agent's text log format.
+log_of() { journalctl -b -u "$1" --no-pager 2>/dev/null | sed 's/\x1b\[[0-9;]*m//g'; }
+# Seconds since boot of the first journal line of UNIT matching PATTERN (empty if none).
+journal_mono() {
+    journalctl -b -u "$1" -o short-monotonic --no-pager 2>/dev/null | sed 's/\x1b\[[0-9;]*m//g' | grep -m1 -- "$2" |
+        sed -n 's/^\[ *\([0-9.]*\)\].*/\1/p'
+}
+
+out stage start
+out uptime_at_start "$(uptime_s)"
+cloud-init status --wait >/dev/null 2>&1
+out kernel "$(uname -r)"
+
+# cloud-init: finished, no errors, from the NoCloud seed.
+out cloud_init_status "$(cloud-init status 2>/dev/null | sed -n 's/^status: //p')"
+python3 - >/dev/ttyS0 <<'EOF'
+import json
+r = json.load(open("/run/cloud-init/result.json"))["v1"]
+print(f"LB-IMAGE-CHECK cloud_init_errors={len(r.get('errors', []))}")
+print(f"LB-IMAGE-CHECK cloud_init_datasource={(r.get('datasource') or 'none').split()[0]}")
+for e in r.get("errors", [])[:10]:
+    print(f"LB-IMAGE-INFO cloud-init error: {e}")
+EOF
+out cloud_init_warnings "$(grep -c 'WARNING' /var/log/cloud-init.log)"
+grep 'WARNING' /var/log/cloud-init.log | head -5 | while IFS= read -r l; do info "cloud-init: $l"; done
+
+# The files of lb-controller's user data (cloudinit.rs), with mode and owner.
+for f in /etc/lb-agent/kubeconfig /etc/lb-agent/agent.env /etc/lb-agent/sync-secret \
+    /etc/systemd/system/lb-agent.service /etc/chrony/chrony.conf; do
+    out "file:$f" "$(stat -c '%a:%U:%G' "$f" 2>/dev/null || echo missing)"
+done
+out kubeconfig_server "$(sed -n 's/^ *server: *//p' /etc/lb-agent/kubeconfig)"
+
+# Image properties.
+out nic_eth0 "$(test -e /sys/class/net/eth0 && echo 1 || echo 0)"
+out btf "$(test -s /sys/kernel/btf/vmlinux && echo 1 || echo 0)"
+out bpffs "$(findmnt -n -t bpf -o TARGET /sys/fs/bpf >/dev/null && echo 1 || echo 0)"
+out keepalived "$(command -v keepalived >/dev/null && keepalived --version 2>&1 | sed -n '1s/^Keepalived v\{0,1\}\([^ ]*\).*/\1/p' || echo missing)"
+out keepalived_unit "$(systemctl is-enabled keepalived.service 2>/dev/null)"
+out sshd_active "$(systemctl is-active ssh.service 2>/dev/null)"
+out sshd_enabled "$(systemctl is-enabled ssh.service 2>/dev/null)"
+out sshd_processes "$(pgrep -c -x sshd)"
+out ssh_host_keys "$(ls /etc/ssh/ssh_host_*_key 2>/dev/null | wc -l)"
+out root_password "$(passwd -S root | cut -d' ' -f2)"
+out machine_id "$(test -s /etc/machine-id && echo generated || echo empty)"
+out chrony "$(systemctl is-active chrony.service)"
+out root_fs_mib "$(df -m --output=size / | tail -1 | tr -d ' ')"
+out failed_units "$(systemctl --failed --no-legend --plain | cut -d' ' -f1 | paste -sd, -)"
+
+# The data plane for real: a second agent in file mode on eth1, a TCP service whose backend is the host (the
+# xtask's echo server behind QEMU's user network). The xtask opens TRAFFIC_FLOWS connections through it when it
+# reads traffic=go; they must show up as flows in this agent's counters.
+ip link set eth1 up && ip addr add "$FILE_VIP/24" dev eth1
+mkdir -p /run/lb-image-check
+cat >/run/lb-image-check/dataplane.yaml <<EOF
+vip: $FILE_VIP
+ports:
+  - {name: echo, protocol: TCP, port: 80, nodePort: $ECHO_PORT}
+endpoints:
+  - {name: host, addresses: [${FILE_VIP%.*}.2]}
+healthCheck: {interval: 1s, timeout: 1s, unhealthyThreshold: 2, healthyThreshold: 1}
+EOF
+systemd-run --quiet --unit=lb-agent-file /usr/local/bin/lb-agent --interface eth1 \
+    --config /run/lb-image-check/dataplane.yaml --metrics-address 127.0.0.1:9101 --max-flows 65536
+ready=0
+for _ in $(seq 60); do
+    [ "$(http_get 9101 /readyz | cut -d' ' -f1)" = 200 ] && { ready=1; break; }
+    sleep 0.5
+done
+out file_agent_ready "$ready"
+out file_agent_mode "$(log_of lb-agent-file | sed -n 's/.*data plane attached.*mode=\([A-Za-z]*\).*/\1/p' | head -1)"
+out xdp_on_eth1 "$(ip -d link show eth1 | grep -q 'prog/xdp' && echo 1 || echo 0)"
+out traffic go
+flows=0
+for _ in $(seq 120); do
+    flows=$(http_get 9101 /metrics | sed -n 's/^lb_upstream_cx_total{.*} \([0-9]*\)$/\1/p' | head -1)
+    flows=${flows:-0}
+    [ "$flows" -ge "$TRAFFIC_FLOWS" ] && break
+    sleep 0.5
+done
+out file_agent_flows "$flows"
+log_of lb-agent-file | tail -5 | while IFS= read -r l; do info "lb-agent-file: $l"; done
+
+# lb-agent.service as cloud-init started it: the API server does not exist, so it must be up, attached to eth0
+# and retrying the API — not restarting. Give it 20 s of running first.
+while [ "$(cut -d. -f1 /proc/uptime)" -lt "$(($(journal_mono lb-agent.service 'Kubernetes mode' | cut -d. -f1) + 20))" ]; do
+    sleep 1
+done
+out agent_active "$(systemctl is-active lb-agent.service)"
+out agent_restarts "$(systemctl show -p NRestarts --value lb-agent.service)"
+out agent_started_at "$(journal_mono lb-agent.service 'Kubernetes mode')"
+out agent_dataplane_at "$(journal_mono lb-agent.service 'data plane attached')"
+out agent_mode "$(log_of lb-agent.service | sed -n 's/.*data plane attached.*mode=\([A-Za-z]*\).*/\1/p' | head -1)"
+out agent_api_retrying "$(log_of lb-agent.service | grep -c -e 'watch failed; retrying' -e 'writing the status failed')"
+out xdp_on_eth0 "$(ip -d link show eth0 | grep -q 'prog/xdp' && echo 1 || echo 0)"
+out agent_pinned "$(test -d /sys/fs/bpf/lb/eth0 && echo 1 || echo 0)"
+out agent_healthz "$(http_get 9100 /healthz)"
+out agent_readyz "$(http_get 9100 /readyz | cut -d' ' -f1)"
+log_of lb-agent.service | tail -5 | while IFS= read -r l; do info "lb-agent: $l"; done
+
+out done 1
+systemctl poweroff
