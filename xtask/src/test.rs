@@ -84,10 +84,12 @@ const STAGES: &[Stage] = &[
         // Real TCP/UDP between network namespaces through the real agent and programs.
         name: "netns-e2e",
         run: || {
-            // Builds the lb-agent binary the tests start, with the unit stage's features (a no-op after it).
+            // Builds the lb-agent binary the tests start, with the unit stage's features (a no-op after it), and
+            // runs lb-testbed's own unit tests, which the unit stage's `--exclude lb-testbed` left out.
+            let unit = unit_test_binary("lb-testbed")?;
             run(
-                &mut workspace_cargo(&["test", "--no-run"]),
-                "building the test binaries",
+                Command::new(&unit).current_dir(root().join("testbed")),
+                "lb-testbed unit tests",
             )?;
             let mut cmd = workspace_cargo(&["test"]);
             for target in test_targets("testbed", false)? {
@@ -135,6 +137,33 @@ pub fn test_targets(package: &str, ignored_only: bool) -> Result<Vec<String>> {
         dir.display()
     );
     Ok(targets)
+}
+
+/// Builds every test binary of the workspace (`cargo test --workspace --no-run`) and returns the path of
+/// `package`'s library unit-test binary: a way to run one package's unit tests with the workspace's artifacts,
+/// which `cargo test -p <package>` would rebuild with other features.
+fn unit_test_binary(package: &str) -> Result<std::path::PathBuf> {
+    let json = crate::util::output(
+        &mut workspace_cargo(&[
+            "test",
+            "--no-run",
+            "--message-format=json-render-diagnostics",
+        ]),
+        "building the test binaries",
+    )?;
+    let lib_name = package.replace('-', "_");
+    json.lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .find(|m| {
+            m["reason"] == "compiler-artifact"
+                && m["profile"]["test"] == true
+                && m["target"]["name"] == lib_name.as_str()
+                && m["target"]["kind"]
+                    .as_array()
+                    .is_some_and(|k| k.iter().any(|k| k == "lib"))
+        })
+        .and_then(|m| m["executable"].as_str().map(Into::into))
+        .with_context(|| format!("no unit-test binary of {package} in cargo's output"))
 }
 
 /// Runs the stages in order and stops at the first failure (entry point of `cargo xtask test`).
