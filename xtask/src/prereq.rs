@@ -91,5 +91,58 @@ pub fn all() -> Result<()> {
         );
     }
     debian_packages(NETNS_PACKAGES)?;
-    bpffs()
+    bpffs()?;
+    target_hygiene()
+}
+
+/// Keeps `target/debug` from filling the disk (it did, on CI): when the `[profile.dev]` section of the workspace
+/// manifest changed since the last build, every debug artifact is stale and is removed before the new ones are
+/// built (cargo keeps the old ones otherwise); and `target/debug/incremental`, which only grows, is dropped when
+/// it passes 10 GiB. Both cost one rebuild of what they remove, nothing else.
+fn target_hygiene() -> Result<()> {
+    let debug = crate::util::root().join("target/debug");
+    let manifest = std::fs::read_to_string(crate::util::root().join("Cargo.toml"))?;
+    let profile: String = manifest
+        .lines()
+        .skip_while(|l| l.trim() != "[profile.dev]")
+        .take_while({
+            let mut first = true;
+            move |l| std::mem::take(&mut first) || !l.trim_start().starts_with('[')
+        })
+        .filter(|l| !l.trim_start().starts_with('#'))
+        .collect::<Vec<_>>()
+        .join("\n");
+    let stamp = debug.join(".xtask-profile");
+    let built_with = std::fs::read_to_string(&stamp).ok();
+    if debug.exists() && built_with.as_deref() != Some(profile.as_str()) {
+        eprintln!(
+            "prerequisites: [profile.dev] changed since target/debug was built; removing the stale artifacts"
+        );
+        std::fs::remove_dir_all(&debug).context("removing target/debug")?;
+    }
+    let incremental = debug.join("incremental");
+    let size = dir_size(&incremental);
+    if size > 10 << 30 {
+        eprintln!(
+            "prerequisites: target/debug/incremental holds {:.1} GiB; removing it",
+            size as f64 / (1u64 << 30) as f64
+        );
+        std::fs::remove_dir_all(&incremental).context("removing target/debug/incremental")?;
+    }
+    std::fs::create_dir_all(&debug)?;
+    std::fs::write(&stamp, profile).context("writing target/debug/.xtask-profile")
+}
+
+/// Bytes in the files below `dir` (0 when it does not exist).
+fn dir_size(dir: &std::path::Path) -> u64 {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return 0;
+    };
+    entries
+        .filter_map(|e| e.ok())
+        .map(|e| match e.file_type() {
+            Ok(t) if t.is_dir() => dir_size(&e.path()),
+            _ => e.metadata().map(|m| m.len()).unwrap_or(0),
+        })
+        .sum()
 }
