@@ -811,7 +811,7 @@ async fn sets_bad_input_is_reported_and_changes_nothing() {
     );
 }
 
-/// `run_openstack_controllers` (the binary's entry point) runs the set controller too.
+/// `run_openstack_controllers` (the binary's path, settings from the environment) runs the set controller too.
 #[tokio::test]
 async fn sets_the_binarys_entry_point_creates_sets_and_machines() {
     use lb_controller::run::{run_openstack_controllers, Health, OpenStackRunConfig};

@@ -340,7 +340,7 @@ pub struct CascadeConfig {
     /// LoadBalancer controller: the rollout gate is 1 s of VRRP mastership instead of 2 min, so a rolling update
     /// finishes within a test; everything else as in production.
     pub loadbalancer: LbControllerConfig,
-    /// `None`: `run_openstack_controllers` (the binary's entry point) with its settings from the environment;
+    /// `None`: `run_openstack_controllers` (the binary's path, with its settings from the environment);
     /// `Some`: `run_openstack_controllers_with` these (the benchmark shortens the resync periods).
     pub tuning: Option<OpenStackTuning>,
     /// How often the simulated agents rewrite their conditions (the agent's `--requeue-period`, 30 s).
