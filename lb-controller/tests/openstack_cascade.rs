@@ -1,7 +1,8 @@
 //! The whole OpenStack side — LoadBalancer → LoadBalancerSet → LoadBalancerMachine — started through
 //! `run::run_openstack_controllers` (the binary's path, settings from the environment) on the in-memory API
-//! server, against the real OpenStack of `cargo xtask openstack up` through the real `SdkCloud` (credentials from the LoadBalancer's
-//! `cloudprovider.conf` Secret via `SecretClouds`, except where Neutron or Nova sits behind a fault proxy).
+//! server, against the real OpenStack of `cargo xtask openstack up` through the real `SdkCloud` (credentials from
+//! the LoadBalancer's `cloudprovider.conf` Secret via `SecretClouds`, except where Neutron or Nova sits behind a
+//! fault proxy).
 //!
 //! - `cascade_lifecycle_create_update_scale_heal_delete`: a LoadBalancer with 2 replicas ends with security group,
 //!   floating IP on the VIP port, server group and 2 ACTIVE servers in it, booted with our user data (token,
