@@ -641,7 +641,13 @@ mod state_sync {
     use std::sync::atomic::AtomicBool;
     use std::sync::Arc;
 
-    fn pair() -> (Harness, Harness, BpfFlowStore) {
+    /// Replica A publishing its flow events (returned), replica B with a store to apply them to.
+    fn pair() -> (
+        Harness,
+        Harness,
+        BpfFlowStore,
+        aya::maps::RingBuf<aya::maps::MapData>,
+    ) {
         let mut a = Harness::new(Hook::Xdp);
         let mut b = Harness::new(Hook::Xdp);
         // Different service-id history on the two replicas: ids must be translated.
@@ -649,18 +655,18 @@ mod state_sync {
         b.apply(&[dns(&[1, 2])]);
         b.apply(&[dns(&[1, 2]), web(&[1, 2, 3])]);
         let store = BpfFlowStore::open(&mut b.dp, Arc::new(AtomicBool::new(false))).unwrap();
-        (a, b, store)
-    }
-
-    #[test]
-    fn a_synced_flow_is_translated_like_on_its_origin() {
-        let (mut a, mut b, mut store) = pair();
         a.dp.set_config(&lb_common::Config {
             flags: lb_common::CFG_F_SYNC_EVENTS,
             ..Default::default()
         })
         .unwrap();
-        let mut events = a.dp.take_flow_events().unwrap();
+        let events = a.dp.take_flow_events().unwrap();
+        (a, b, store, events)
+    }
+
+    #[test]
+    fn a_synced_flow_is_translated_like_on_its_origin() {
+        let (mut a, mut b, mut store, mut events) = pair();
         let p = open(&mut a, 44000);
         let ev = read_event(&mut events).unwrap();
         assert_eq!(store.apply(&ev, 250).unwrap(), Applied::Written);
@@ -697,13 +703,7 @@ mod state_sync {
 
     #[test]
     fn closes_and_unknown_services_and_conflicts() {
-        let (mut a, mut b, mut store) = pair();
-        a.dp.set_config(&lb_common::Config {
-            flags: lb_common::CFG_F_SYNC_EVENTS,
-            ..Default::default()
-        })
-        .unwrap();
-        let mut events = a.dp.take_flow_events().unwrap();
+        let (mut a, mut b, mut store, mut events) = pair();
         let p = open(&mut a, 45000);
         let new = read_event(&mut events).unwrap();
         store.apply(&new, 0).unwrap();

@@ -167,6 +167,21 @@ fn alive(pid: u32) -> bool {
 
 const T: Duration = Duration::from_secs(10);
 
+/// Two healthy keepalived on `net`: n0 (priority 100) MASTER, n1 (90) BACKUP.
+async fn master_and_backup(net: &Net) -> (Keepalived, Keepalived) {
+    let k0 = Keepalived::start(net.opts(0, 100), vec![vip()])
+        .await
+        .unwrap();
+    let k1 = Keepalived::start(net.opts(1, 90), vec![vip()])
+        .await
+        .unwrap();
+    k0.set_healthy(true).unwrap();
+    k1.set_healthy(true).unwrap();
+    wait_state(&k0, VrrpState::Master, T, "n0 master").await;
+    wait_state(&k1, VrrpState::Backup, T, "n1 backup").await;
+    (k0, k1)
+}
+
 /// keepalived's forwarded log and the supervisor's messages, shown with `--nocapture`.
 fn init_tracing() {
     let _ = tracing_subscriber::fmt().with_test_writer().try_init();
@@ -300,16 +315,7 @@ async fn election_health_bonus_vips_and_stats() {
 async fn crashed_keepalived_fails_over_and_is_restarted() {
     init_tracing();
     let net = Net::new(2);
-    let k0 = Keepalived::start(net.opts(0, 100), vec![vip()])
-        .await
-        .unwrap();
-    let k1 = Keepalived::start(net.opts(1, 90), vec![vip()])
-        .await
-        .unwrap();
-    k0.set_healthy(true).unwrap();
-    k1.set_healthy(true).unwrap();
-    wait_state(&k0, VrrpState::Master, T, "n0 master").await;
-    wait_state(&k1, VrrpState::Backup, T, "n1 backup").await;
+    let (k0, k1) = master_and_backup(&net).await;
 
     // A crash: SIGKILL to keepalived's process group (parent and VRRP child), so no priority-0 advert is sent.
     let pid = k0.pid().unwrap();
@@ -342,16 +348,7 @@ async fn crashed_keepalived_fails_over_and_is_restarted() {
 async fn restarted_agent_adopts_keepalived_without_moving_the_vip() {
     init_tracing();
     let net = Net::new(2);
-    let k0 = Keepalived::start(net.opts(0, 100), vec![vip()])
-        .await
-        .unwrap();
-    let k1 = Keepalived::start(net.opts(1, 90), vec![vip()])
-        .await
-        .unwrap();
-    k0.set_healthy(true).unwrap();
-    k1.set_healthy(true).unwrap();
-    wait_state(&k0, VrrpState::Master, T, "n0 master").await;
-    wait_state(&k1, VrrpState::Backup, T, "n1 backup").await;
+    let (k0, k1) = master_and_backup(&net).await;
     wait_until("VIP on n0", T, || net.vip_holders(VIP) == [0]).await;
     let pid = k0.pid().unwrap();
     let mut n1_state = k1.state();
