@@ -499,14 +499,7 @@ pub fn vip_wait(
     now: jiff::Timestamp,
     gate: &RolloutGate,
 ) -> Option<Duration> {
-    let cond = set
-        .status
-        .as_ref()
-        .and_then(|s| s.conditions.as_ref())
-        .and_then(|c| {
-            c.iter()
-                .find(|c| c.type_ == conditions::HAS_KEEPALIVED_MASTER)
-        });
+    let cond = crate::lbs_controller::keepalived_master(set);
     let (start, need) = match cond {
         Some(c) if c.status == conditions::TRUE => (c.last_transition_time.0, gate.master_for),
         Some(c) if c.status == conditions::FALSE => (c.last_transition_time.0, gate.no_master_for),

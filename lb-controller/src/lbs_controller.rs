@@ -275,6 +275,17 @@ impl SetPlan {
     }
 }
 
+/// The set's `HasKeepalivedMaster` condition, if it has one (written by this controller, read by the rollout gate).
+pub fn keepalived_master(set: &LoadBalancerSet) -> Option<&Condition> {
+    set.status
+        .as_ref()
+        .and_then(|s| s.conditions.as_ref())
+        .and_then(|c| {
+            c.iter()
+                .find(|c| c.type_ == conditions::HAS_KEEPALIVED_MASTER)
+        })
+}
+
 /// `HasKeepalivedMaster` for the new state; the transition time survives an unchanged status (so the LoadBalancer's
 /// rollout gate can measure how long it has held).
 pub fn master_condition(
@@ -373,14 +384,7 @@ pub fn plan_set(
     let ready = staying.iter().filter(|m| m.ready()).count();
     let available = staying.iter().filter(|m| m.ready() && !m.marked).count();
     let master = staying.iter().find(|m| m.master).map(|m| m.name.as_str());
-    let prev = set
-        .status
-        .as_ref()
-        .and_then(|s| s.conditions.as_ref())
-        .and_then(|c| {
-            c.iter()
-                .find(|c| c.type_ == conditions::HAS_KEEPALIVED_MASTER)
-        });
+    let prev = keepalived_master(set);
     let count = |n: usize| i32::try_from(n).unwrap_or(i32::MAX);
     plan.status = LoadBalancerSetStatus {
         replicas: Some(count(staying.len() + usize::from(plan.create))),

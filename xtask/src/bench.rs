@@ -59,7 +59,7 @@ pub fn run_bench(which: Which) -> Result<()> {
 fn netns_bench(bin: &str) -> Result<()> {
     crate::ebpf::build()?;
     run(
-        Command::new("cargo").current_dir(root()).args([
+        &mut crate::util::cargo(&[
             "build",
             "--release",
             "--quiet",
@@ -81,40 +81,36 @@ fn netns_bench(bin: &str) -> Result<()> {
 fn dataplane() -> Result<()> {
     let out = crate::ebpf::build()?;
     run(
-        Command::new("cargo")
-            .current_dir(root())
-            .args([
-                "run",
-                "--release",
-                "--quiet",
-                "-p",
-                "lb-benches",
-                "--bin",
-                "bench-dataplane",
-                "--",
-            ])
-            .arg("--object")
-            .arg(out.join("lb-bench.o")),
+        crate::util::cargo(&[
+            "run",
+            "--release",
+            "--quiet",
+            "-p",
+            "lb-benches",
+            "--bin",
+            "bench-dataplane",
+            "--",
+        ])
+        .arg("--object")
+        .arg(out.join("lb-bench.o")),
         "bench dataplane",
     )
 }
 
 fn controller() -> Result<()> {
     run(
-        Command::new("cargo")
-            .current_dir(root())
-            .args([
-                "run",
-                "--release",
-                "--quiet",
-                "-p",
-                "lb-controller",
-                "--example",
-                "bench_controller",
-                "--",
-            ])
-            .arg("--json")
-            .arg(root().join("target/bench/controller.json")),
+        crate::util::cargo(&[
+            "run",
+            "--release",
+            "--quiet",
+            "-p",
+            "lb-controller",
+            "--example",
+            "bench_controller",
+            "--",
+        ])
+        .arg("--json")
+        .arg(root().join("target/bench/controller.json")),
         "bench controller",
     )
 }
@@ -123,7 +119,7 @@ fn controller() -> Result<()> {
 fn openstack() -> Result<()> {
     // Built before the environment starts: the services and the compiler would share the 2 cores.
     run(
-        Command::new("cargo").current_dir(root()).args([
+        &mut crate::util::cargo(&[
             "build",
             "--release",
             "--quiet",

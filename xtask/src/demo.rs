@@ -9,14 +9,7 @@ pub fn demo(attach_mode: &str) -> Result<()> {
     crate::prereq::all()?;
     let bpf = crate::ebpf::build()?;
     run(
-        Command::new("cargo").current_dir(root()).args([
-            "build",
-            "--release",
-            "-p",
-            "lb-agent",
-            "-p",
-            "lb-testbed",
-        ]),
+        &mut crate::util::cargo(&["build", "--release", "-p", "lb-agent", "-p", "lb-testbed"]),
         "building lb-agent and lb-testbed",
     )?;
     let bin = root().join("target/debug");

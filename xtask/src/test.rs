@@ -1,6 +1,6 @@
 //! `cargo xtask test`: every suite, fast to slow. A stage that cannot run fails loudly; nothing is skipped.
 
-use crate::util::{root, run};
+use crate::util::{cargo, root, run};
 use anyhow::{Context, Result};
 use clap::Args;
 use std::process::Command;
@@ -17,12 +17,6 @@ pub struct TestArgs {
 struct Stage {
     name: &'static str,
     run: fn() -> Result<()>,
-}
-
-fn cargo(args: &[&str]) -> Command {
-    let mut c = Command::new("cargo");
-    c.current_dir(root()).args(args);
-    c
 }
 
 /// `cargo <subcommand> --workspace <rest>`. The test stages all select the whole workspace (narrowed with

@@ -12,6 +12,13 @@ pub fn root() -> PathBuf {
         .to_path_buf()
 }
 
+/// `cargo <args>` run from the workspace root.
+pub fn cargo(args: &[&str]) -> Command {
+    let mut c = Command::new("cargo");
+    c.current_dir(root()).args(args);
+    c
+}
+
 /// Runs a command, inheriting stdio; `what` names the step in the error message.
 pub fn run(cmd: &mut Command, what: &str) -> Result<()> {
     let status = cmd

@@ -238,7 +238,7 @@ fn make_seed(dir: &Path, echo_port: u16) -> Result<PathBuf> {
         "openssl (test CA)",
     )?;
     run(
-        Command::new("cargo").current_dir(root()).args([
+        &mut crate::util::cargo(&[
             "build",
             "--quiet",
             "-p",

@@ -288,13 +288,7 @@ pub fn build_agent() -> Result<Agent> {
     let t = Instant::now();
     crate::ebpf::build()?;
     run(
-        Command::new("cargo").current_dir(root()).args([
-            "build",
-            "--release",
-            "--quiet",
-            "-p",
-            "lb-agent",
-        ]),
+        &mut crate::util::cargo(&["build", "--release", "--quiet", "-p", "lb-agent"]),
         "building lb-agent (release)",
     )?;
     Ok(Agent {
