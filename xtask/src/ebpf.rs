@@ -5,7 +5,7 @@
 //! Why not `aya-build` from a build script (the aya template's way): it cannot install the linker, and a nested
 //! cargo inside a build script hides which step failed. Here every step names itself when it fails.
 
-use crate::util::{output, root, run};
+use crate::util::{output, root, run, Steps};
 use anyhow::{bail, Context, Result};
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -22,8 +22,17 @@ pub fn out_dir() -> PathBuf {
 
 /// Builds the eBPF objects and returns the output directory.
 pub fn build() -> Result<PathBuf> {
-    ensure_rust_src()?;
-    let linker = ensure_bpf_linker()?;
+    build_timed(&mut Steps::default())
+}
+
+/// [`build`], recording its three steps (rust-src, bpf-linker, the programs) in `steps`.
+pub fn build_timed(steps: &mut Steps) -> Result<PathBuf> {
+    steps.time("nightly rust-src", ensure_rust_src)?;
+    let linker = steps.time("bpf-linker", ensure_bpf_linker)?;
+    steps.time("eBPF programs", || build_programs(&linker))
+}
+
+fn build_programs(linker: &Path) -> Result<PathBuf> {
     let root = root();
     let target_dir = root.join("target").join("ebpf");
     let mut cmd = Command::new("cargo");
@@ -39,7 +48,7 @@ pub fn build() -> Result<PathBuf> {
         .args(["--target", "bpfel-unknown-none", "-Z", "build-std=core"])
         .arg("--target-dir")
         .arg(&target_dir)
-        .env("CARGO_TARGET_BPFEL_UNKNOWN_NONE_LINKER", &linker)
+        .env("CARGO_TARGET_BPFEL_UNKNOWN_NONE_LINKER", linker)
         // BTF for map and program introspection; v3 for 32-bit sub-registers and jumps (kernel >= 5.1).
         .env(
             "CARGO_TARGET_BPFEL_UNKNOWN_NONE_RUSTFLAGS",

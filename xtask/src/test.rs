@@ -35,6 +35,13 @@ const STAGES: &[Stage] = &[
         run: crate::prereq::all,
     },
     Stage {
+        // The README's first command exactly as a newcomer types it, before any other stage has built anything:
+        // on a fresh clone (which CI always is) this is the newcomer's situation, so a demo that only works on a
+        // warm `target/` fails here.
+        name: "demo",
+        run: || run(&mut cargo(&["xtask", "demo"]), "cargo xtask demo"),
+    },
+    Stage {
         name: "format",
         run: || {
             run(
@@ -137,26 +144,15 @@ pub fn test_targets(package: &str, ignored_only: bool) -> Result<Vec<String>> {
 /// `package`'s library unit-test binary: a way to run one package's unit tests with the workspace's artifacts,
 /// which `cargo test -p <package>` would rebuild with other features.
 fn unit_test_binary(package: &str) -> Result<std::path::PathBuf> {
-    let json = crate::util::output(
-        &mut workspace_cargo(&[
-            "test",
-            "--no-run",
-            "--message-format=json-render-diagnostics",
-        ]),
+    let built = crate::util::cargo_executables(
+        &mut workspace_cargo(&["test", "--no-run"]),
         "building the test binaries",
     )?;
     let lib_name = package.replace('-', "_");
-    json.lines()
-        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
-        .find(|m| {
-            m["reason"] == "compiler-artifact"
-                && m["profile"]["test"] == true
-                && m["target"]["name"] == lib_name.as_str()
-                && m["target"]["kind"]
-                    .as_array()
-                    .is_some_and(|k| k.iter().any(|k| k == "lib"))
-        })
-        .and_then(|m| m["executable"].as_str().map(Into::into))
+    built
+        .into_iter()
+        .find(|b| b.test && b.target == lib_name && b.kinds.iter().any(|k| k == "lib"))
+        .map(|b| b.executable)
         .with_context(|| format!("no unit-test binary of {package} in cargo's output"))
 }
 
