@@ -7,6 +7,13 @@ use crate::Host;
 use anyhow::{bail, Result};
 use std::time::{Duration, Instant};
 
+/// First UDP source port of the demo's flows: below the kernel's ephemeral range (32768-60999), so no socket
+/// of the kernel's choosing can take one of them.
+const UDP_FIRST_PORT: u16 = 20000;
+/// The round after a backend left.
+const SECOND_ROUND_CONNECTIONS: usize = 1000;
+const SECOND_ROUND_UDP_FLOWS: usize = 300;
+
 /// Demo settings.
 #[derive(Clone, Debug)]
 pub struct DemoConfig {
@@ -48,11 +55,15 @@ pub fn run(cfg: &DemoConfig, on_topology: impl FnOnce(&str)) -> Result<()> {
         &udp,
         "--udp-flows",
         &flows,
+        // Distinct source ports: with ephemeral ports the kernel hands a port freed by a finished flow to a later
+        // one, which the load balancer rightly counts as the same flow (≈ 8 of 1000 did).
+        "--udp-first-port",
+        &UDP_FIRST_PORT.to_string(),
     ])?;
     print_report(&r);
-    print_agent(&rig)?;
-    let (t, u) = (r.tcp.as_ref().unwrap(), r.udp.as_ref().unwrap());
     let mut problems = Vec::new();
+    check_flow_counts(&rig, cfg.connections, cfg.udp_flows, &mut problems)?;
+    let (t, u) = (r.tcp.as_ref().unwrap(), r.udp.as_ref().unwrap());
     if t.failed > 0 || u.failed > 0 {
         problems.push(format!("{} TCP and {} UDP failures", t.failed, u.failed));
     }
@@ -83,13 +94,15 @@ pub fn run(cfg: &DemoConfig, on_topology: impl FnOnce(&str)) -> Result<()> {
         "--tcp",
         &tcp,
         "--connections",
-        "1000",
+        &SECOND_ROUND_CONNECTIONS.to_string(),
         "--payload",
         "1024",
         "--udp",
         &udp,
         "--udp-flows",
-        "300",
+        &SECOND_ROUND_UDP_FLOWS.to_string(),
+        "--udp-first-port",
+        &(UDP_FIRST_PORT as usize + cfg.udp_flows).to_string(),
     ])?;
     print_report(&r2);
     let (t2, u2) = (r2.tcp.as_ref().unwrap(), r2.udp.as_ref().unwrap());
@@ -102,7 +115,12 @@ pub fn run(cfg: &DemoConfig, on_topology: impl FnOnce(&str)) -> Result<()> {
     if t2.per_backend.contains_key("backend-2") || u2.per_backend.contains_key("backend-2") {
         problems.push("backend-2 still got new flows after leaving".into());
     }
-    print_agent(&rig)?;
+    check_flow_counts(
+        &rig,
+        cfg.connections + SECOND_ROUND_CONNECTIONS,
+        cfg.udp_flows + SECOND_ROUND_UDP_FLOWS,
+        &mut problems,
+    )?;
     drop(rig);
     println!(
         "==> torn down; demo took {:.1}s",
@@ -142,6 +160,27 @@ fn print_report(r: &LoadReport) {
             u.ok, u.failed, u.rtt_ms.p50, u.rtt_ms.p99
         );
     }
+}
+
+/// Prints the agent's counters and checks that it counted exactly the flows the client made so far: every TCP
+/// connection and every UDP flow is a distinct 5-tuple, so each must be one new flow on the load balancer.
+fn check_flow_counts(
+    rig: &Rig,
+    tcp_flows: usize,
+    udp_flows: usize,
+    problems: &mut Vec<String>,
+) -> Result<()> {
+    print_agent(rig)?;
+    for (proto, port, made) in [("TCP", TCP_PORT, tcp_flows), ("UDP", UDP_PORT, udp_flows)] {
+        let l = format!("protocol=\"{proto}\",port=\"{port}\"");
+        let counted = rig.metric("lb_upstream_cx_total", &l)?;
+        if counted != made as f64 {
+            problems.push(format!(
+                "the agent counted {counted} {proto} flows where the client made {made}"
+            ));
+        }
+    }
+    Ok(())
 }
 
 fn print_agent(rig: &Rig) -> Result<()> {

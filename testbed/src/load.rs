@@ -5,7 +5,7 @@
 
 use std::collections::BTreeMap;
 use std::io::ErrorKind;
-use std::net::{IpAddr, SocketAddr};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -54,8 +54,13 @@ impl TcpLoadConfig {
 pub struct UdpLoadConfig {
     /// Where to send.
     pub target: SocketAddr,
-    /// Number of flows; each uses its own freshly bound socket (distinct source port) and sends one datagram.
+    /// Number of flows; each uses its own freshly bound socket and sends one datagram.
     pub flows: usize,
+    /// Source port of flow `i` is `first_port + i`, so every flow of a run (and of runs given disjoint ranges) is
+    /// a distinct 5-tuple. `None`: the kernel picks an ephemeral port, and a port freed by a finished flow may be
+    /// handed out again within the same run — the load balancer then rightly sees the later datagram as the same
+    /// flow (about 8 of 1000 flows in the demo did that).
+    pub first_port: Option<u16>,
     /// Flows in flight at once.
     pub concurrency: usize,
     /// Datagram size (keep it ≤ 1400 to avoid IP fragmentation).
@@ -79,6 +84,7 @@ impl UdpLoadConfig {
             op_timeout: Duration::from_secs(1),
             retries: 2,
             deadline: Duration::from_secs(60),
+            first_port: None,
         }
     }
 }
@@ -471,14 +477,19 @@ struct UdpOk {
     retransmits: u64,
 }
 
-async fn one_udp(cfg: &UdpLoadConfig, payload: Vec<u8>) -> Result<UdpOk, String> {
-    let local: SocketAddr = if cfg.target.is_ipv4() {
-        "0.0.0.0:0"
-    } else {
-        "[::]:0"
-    }
-    .parse()
-    .expect("valid literal");
+async fn one_udp(cfg: &UdpLoadConfig, i: usize, payload: Vec<u8>) -> Result<UdpOk, String> {
+    let port = match cfg.first_port {
+        None => 0,
+        Some(first) => u16::try_from(first as usize + i).map_err(|_| "source_port_range")?,
+    };
+    let local = SocketAddr::new(
+        if cfg.target.is_ipv4() {
+            Ipv4Addr::UNSPECIFIED.into()
+        } else {
+            Ipv6Addr::UNSPECIFIED.into()
+        },
+        port,
+    );
     let sock = UdpSocket::bind(local)
         .await
         .map_err(|e| io_kind("udp", &e))?;
@@ -530,7 +541,7 @@ pub async fn run_udp(cfg: UdpLoadConfig) -> UdpReport {
         let cfg = c.clone();
         async move {
             let payload = Rng::new(i as u64 ^ 0x5555).bytes(cfg.payload);
-            match timeout_at(deadline, one_udp(&cfg, payload)).await {
+            match timeout_at(deadline, one_udp(&cfg, i, payload)).await {
                 Err(_) => t.fail("deadline".into()),
                 Ok(Err(kind)) => t.fail(kind),
                 Ok(Ok(r)) => {

@@ -104,6 +104,10 @@ struct LoadArgs {
     /// UDP retransmissions after a reply timeout.
     #[arg(long, default_value_t = 2)]
     udp_retries: u32,
+    /// Bind UDP flow i to source port FIRST+i (distinct flows even when the kernel would reuse a freed
+    /// ephemeral port); default: ephemeral ports.
+    #[arg(long)]
+    udp_first_port: Option<u16>,
     /// Timeout of each TCP operation (connect, greeting, echo, close), ms.
     #[arg(long, default_value_t = 5000)]
     timeout_ms: u64,
@@ -310,6 +314,7 @@ async fn run(cli: Cli) -> Result<i32> {
                         op_timeout: Duration::from_millis(a.udp_timeout_ms),
                         retries: a.udp_retries,
                         deadline,
+                        first_port: a.udp_first_port,
                     })
                     .await,
                 );

@@ -1,69 +1,247 @@
 //! Machine prerequisites the project installs itself (a fresh Debian machine has none of them).
 
-use crate::util::run;
-use anyhow::{Context, Result};
+use crate::util::{output, run};
+use anyhow::{bail, Context, Result};
 use std::process::Command;
+
+/// A Debian package and what the commands use from it: programs looked up on `PATH`, or absolute file paths.
+/// After every install step each one is checked, so a missing or removed package is named, not discovered later
+/// as "could not start …".
+pub struct Pkg {
+    pub name: &'static str,
+    pub provides: &'static [&'static str],
+}
+
+const fn pkg(name: &'static str, provides: &'static [&'static str]) -> Pkg {
+    Pkg { name, provides }
+}
 
 /// Debian packages the network-namespace tests and the demo use: `ip` (iproute2) and `ethtool` (to turn
 /// off TX checksum offload on test veths, so frames carry real checksums as on a wire), and `keepalived` (VRRP
 /// of the HA tests, supervised by the agent as on the load-balancer VMs).
-pub const NETNS_PACKAGES: &[&str] = &["iproute2", "ethtool", "keepalived"];
+pub const NETNS_PACKAGES: &[Pkg] = &[
+    pkg("iproute2", &["ip"]),
+    pkg("ethtool", &["ethtool"]),
+    pkg("keepalived", &["keepalived"]),
+];
 
 /// Debian packages `cargo xtask image build` uses: mmdebstrap (the root filesystem), sfdisk (fdisk), mkfs.vfat
 /// (dosfstools) and mtools (the ESP without mounting it), GRUB's BIOS and UEFI images (grub-pc-bin,
 /// grub-efi-amd64-bin: only the binaries, nothing is installed on this machine's boot path), mkfs.ext4 -d
-/// (e2fsprogs), strip (binutils), qemu-img (qemu-utils).
-pub const IMAGE_BUILD_PACKAGES: &[&str] = &[
-    "mmdebstrap",
-    "fdisk",
-    "dosfstools",
-    "mtools",
-    "grub-pc-bin",
-    "grub-efi-amd64-bin",
-    "e2fsprogs",
-    "binutils",
-    "qemu-utils",
+/// (e2fsprogs), strip (binutils), qemu-img (qemu-utils, a member of the QEMU family below).
+pub const IMAGE_BUILD_PACKAGES: &[Pkg] = &[
+    pkg("mmdebstrap", &["mmdebstrap"]),
+    pkg("fdisk", &["sfdisk"]),
+    pkg("dosfstools", &["mkfs.vfat"]),
+    pkg("mtools", &["mcopy", "mmd"]),
+    pkg("grub-pc-bin", &["/usr/lib/grub/i386-pc/boot.img"]),
+    pkg("grub-efi-amd64-bin", &["/usr/lib/grub/x86_64-efi"]),
+    pkg("e2fsprogs", &["mkfs.ext4"]),
+    pkg("binutils", &["strip"]),
+    pkg("qemu-utils", &["qemu-img"]),
 ];
 
 /// Debian packages `cargo xtask image boot-test` uses: QEMU, OVMF (UEFI firmware), mtools and dosfstools (the
 /// NoCloud seed), openssl (the test CA).
-pub const IMAGE_TEST_PACKAGES: &[&str] = &[
-    "qemu-system-x86",
-    "ovmf",
-    "qemu-utils",
-    "mtools",
-    "dosfstools",
-    "openssl",
+pub const IMAGE_TEST_PACKAGES: &[Pkg] = &[
+    pkg("qemu-system-x86", &["qemu-system-x86_64"]),
+    pkg("qemu-utils", &["qemu-img"]),
+    pkg(
+        "ovmf",
+        &[
+            "/usr/share/OVMF/OVMF_CODE_4M.fd",
+            "/usr/share/OVMF/OVMF_VARS_4M.fd",
+        ],
+    ),
+    pkg("mtools", &["mcopy"]),
+    pkg("dosfstools", &["mkfs.vfat"]),
+    pkg("openssl", &["openssl"]),
 ];
 
-/// Installs the Debian packages that are missing (one `apt-get update` first).
-pub fn debian_packages(pkgs: &[&str]) -> Result<()> {
+/// Packages built from one QEMU source that must be installed at one version: Debian's qemu-system-x86 7.2 and
+/// the backports qemu-utils 10.0 that machines of this kind ship conflict, and apt resolves that by removing
+/// qemu-utils. A missing member is installed at the version of the member already installed (from backports when
+/// that is where it came from), and every apt call runs with `--no-remove`, so apt never removes a package to make
+/// room: it fails and says why instead.
+const QEMU_FAMILY: &[&str] = &[
+    "qemu-system-x86",
+    "qemu-utils",
+    "qemu-system-common",
+    "qemu-system-data",
+    "qemu-system-gui",
+    "qemu-block-extra",
+];
+
+/// Installs the packages that are missing (one `apt-get update` first), then checks that every program and file
+/// they provide is there.
+pub fn debian_packages(pkgs: &[Pkg]) -> Result<()> {
     let missing: Vec<&str> = pkgs
         .iter()
-        .copied()
-        .filter(|p| {
-            !Command::new("dpkg-query")
-                .args(["-W", "-f=${Status}", p])
-                .output()
-                .map(|o| String::from_utf8_lossy(&o.stdout).contains("install ok installed"))
-                .unwrap_or(false)
-        })
+        .map(|p| p.name)
+        .filter(|p| installed_version(p).is_none())
         .collect();
-    if missing.is_empty() {
-        return Ok(());
+    if !missing.is_empty() {
+        eprintln!("installing Debian packages: {}", missing.join(" "));
+        apt(
+            &["update", "-qq"],
+            "apt-get update (are Debian's package mirrors reachable?)",
+        )?;
+        let (qemu, other): (Vec<&str>, Vec<&str>) =
+            missing.iter().partition(|p| QEMU_FAMILY.contains(p));
+        if !other.is_empty() {
+            apt_install(&other, None)?;
+        }
+        if !qemu.is_empty() {
+            install_qemu_family(&qemu)?;
+        }
     }
-    eprintln!("installing Debian packages: {}", missing.join(" "));
-    run(
-        Command::new("apt-get").args(["update", "-qq"]),
-        "apt-get update (are Debian's package mirrors reachable?)",
-    )?;
+    check_provided(pkgs)
+}
+
+/// Installs missing members of the QEMU family at the version of the installed ones (or, with none installed, at
+/// apt's candidate for all of them together).
+fn install_qemu_family(missing: &[&str]) -> Result<()> {
+    let installed = QEMU_FAMILY
+        .iter()
+        .find_map(|p| installed_version(p).map(|v| (*p, v)));
+    let Some((from, version)) = installed else {
+        return apt_install(missing, None);
+    };
+    let mut release = None;
+    if version.contains("~bpo") {
+        // A backports build: the rest of the family comes from the same backports suite, which may not be in the
+        // machine's sources (the image that shipped qemu-utils 10.0 did not keep it).
+        let suite = format!("{}-backports", os_codename()?);
+        ensure_suite(&suite)?;
+        release = Some(suite);
+    }
+    eprintln!(
+        "installing {} at {version}, the version of the installed {from} (QEMU packages must match)",
+        missing.join(" ")
+    );
+    let pinned: Vec<String> = missing.iter().map(|p| format!("{p}={version}")).collect();
+    let pinned: Vec<&str> = pinned.iter().map(String::as_str).collect();
+    apt_install(&pinned, release.as_deref())?;
+    let versions: Vec<(&str, String)> = QEMU_FAMILY
+        .iter()
+        .filter_map(|p| installed_version(p).map(|v| (*p, v)))
+        .collect();
+    if let Some((p, v)) = versions.iter().find(|(_, v)| *v != version) {
+        bail!("after installing the QEMU packages, {p} is at {v} but {from} at {version}: install them at one version");
+    }
+    Ok(())
+}
+
+/// `apt-get install`, never removing a package (see [`QEMU_FAMILY`]); `release` selects a suite (`-t`).
+fn apt_install(pkgs: &[&str], release: Option<&str>) -> Result<()> {
+    let mut args = vec![
+        "install",
+        "-y",
+        "-qq",
+        "--no-install-recommends",
+        "--no-remove",
+    ];
+    if let Some(r) = release {
+        args.extend(["-t", r]);
+    }
+    args.extend(pkgs);
+    apt(&args, &format!("apt-get install {}", pkgs.join(" ")))
+}
+
+fn apt(args: &[&str], what: &str) -> Result<()> {
     run(
         Command::new("apt-get")
-            .args(["install", "-y", "-qq", "--no-install-recommends"])
-            .args(&missing)
-            .env("DEBIAN_FRONTEND", "noninteractive"),
-        "apt-get install",
+            .args(args)
+            .env("DEBIAN_FRONTEND", "noninteractive")
+            .stdin(std::process::Stdio::null()),
+        what,
     )
+}
+
+/// The installed version of a package, `None` unless dpkg has it fully installed.
+fn installed_version(pkg: &str) -> Option<String> {
+    let out = Command::new("dpkg-query")
+        .args(["-W", "-f=${Status}\t${Version}", pkg])
+        .output()
+        .ok()?;
+    let out = String::from_utf8_lossy(&out.stdout);
+    let (status, version) = out.split_once('\t')?;
+    (status == "install ok installed").then(|| version.to_owned())
+}
+
+/// The Debian release's code name (`bookworm`).
+fn os_codename() -> Result<String> {
+    let release = std::fs::read_to_string("/etc/os-release").context("reading /etc/os-release")?;
+    release
+        .lines()
+        .find_map(|l| l.strip_prefix("VERSION_CODENAME="))
+        .map(|v| v.trim_matches('"').to_owned())
+        .context("no VERSION_CODENAME in /etc/os-release")
+}
+
+/// Makes `suite` (e.g. `bookworm-backports`) one of apt's sources when it is not, from the mirror the machine's
+/// Debian sources already use, and refreshes the lists. Backports are never preferred by apt on their own
+/// (priority 100), so this changes nothing but what `-t <suite>` can reach.
+fn ensure_suite(suite: &str) -> Result<()> {
+    let policy = output(Command::new("apt-cache").arg("policy"), "apt-cache policy")?;
+    if policy.contains(&format!(" {suite}/")) || policy.contains(&format!("a={suite},")) {
+        return Ok(());
+    }
+    let sources = std::fs::read_to_string("/etc/apt/sources.list.d/debian.sources")
+        .or_else(|_| std::fs::read_to_string("/etc/apt/sources.list"))
+        .unwrap_or_default();
+    let mirror = sources
+        .lines()
+        .filter_map(|l| {
+            l.strip_prefix("URIs:").or_else(|| {
+                l.strip_prefix("deb ")
+                    .and_then(|r| r.split_whitespace().next())
+            })
+        })
+        .map(str::trim)
+        .find(|u| !u.contains("security"))
+        .unwrap_or("http://deb.debian.org/debian")
+        .to_owned();
+    let file = format!("/etc/apt/sources.list.d/{suite}.sources");
+    eprintln!("adding {suite} from {mirror} to apt's sources ({file})");
+    std::fs::write(
+        &file,
+        format!(
+            "# Written by cargo xtask: the QEMU packages must come from the suite the installed ones came from.\n\
+             Types: deb\nURIs: {mirror}\nSuites: {suite}\nComponents: main\n\
+             Signed-By: /usr/share/keyrings/debian-archive-keyring.gpg\n"
+        ),
+    )
+    .with_context(|| format!("writing {file}"))?;
+    apt(&["update", "-qq"], &format!("apt-get update with {suite}"))
+}
+
+/// Checks that every program (on `PATH`) and file the packages provide is there, naming the package if not.
+fn check_provided(pkgs: &[Pkg]) -> Result<()> {
+    let path = std::env::var_os("PATH").unwrap_or_default();
+    let found = |thing: &str| {
+        if thing.starts_with('/') {
+            std::path::Path::new(thing).exists()
+        } else {
+            std::env::split_paths(&path).any(|d| d.join(thing).is_file())
+        }
+    };
+    let missing: Vec<String> = pkgs
+        .iter()
+        .flat_map(|p| {
+            p.provides
+                .iter()
+                .filter(|t| !found(t))
+                .map(move |t| format!("{t} (from Debian package {})", p.name))
+        })
+        .collect();
+    if !missing.is_empty() {
+        bail!(
+            "not found after installing packages: {} — is the package installed (`dpkg -s`), or did another install remove it?",
+            missing.join(", ")
+        );
+    }
+    Ok(())
 }
 
 /// Mounts bpffs at /sys/fs/bpf when it is not (pinning needs it).
@@ -96,7 +274,7 @@ pub fn all() -> Result<()> {
 }
 
 /// Keeps `target/debug` from filling the disk (it did, on CI): when the `[profile.dev]` section of the workspace
-/// manifest changed since the last build, every debug artifact is stale and is removed before the new ones are
+/// manifest changed since the last build (recorded in a stamp file), every debug artifact is stale and is removed before the new ones are
 /// built (cargo keeps the old ones otherwise); and `target/debug/incremental`, which only grows, is dropped when
 /// it passes 10 GiB. Both cost one rebuild of what they remove, nothing else.
 fn target_hygiene() -> Result<()> {
@@ -114,7 +292,9 @@ fn target_hygiene() -> Result<()> {
         .join("\n");
     let stamp = debug.join(".xtask-profile");
     let built_with = std::fs::read_to_string(&stamp).ok();
-    if debug.exists() && built_with.as_deref() != Some(profile.as_str()) {
+    // No stamp: a fresh clone, where target/debug holds only the xtask binary that is running now (built with this
+    // manifest); adopt it rather than remove it.
+    if built_with.as_ref().is_some_and(|p| *p != profile) {
         eprintln!(
             "prerequisites: [profile.dev] changed since target/debug was built; removing the stale artifacts"
         );
