@@ -86,11 +86,14 @@ EOF
 systemd-run --quiet --unit=lb-agent-file /usr/local/bin/lb-agent --interface eth1 \
     --config /run/lb-image-check/dataplane.yaml --metrics-address 127.0.0.1:9101 --max-flows 65536
 ready=0
-for _ in $(seq 60); do
+started=$(uptime_s)
+for _ in $(seq 120); do
     [ "$(http_get 9101 /readyz | cut -d' ' -f1)" = 200 ] && { ready=1; break; }
     sleep 0.5
 done
 out file_agent_ready "$ready"
+info "file-mode agent: ready=$ready after $(awk "BEGIN{print $(uptime_s) - $started}")s of polling"
+[ "$ready" = 1 ] || log_of lb-agent-file | tail -15 | while IFS= read -r l; do info "lb-agent-file: $l"; done
 out file_agent_mode "$(log_of lb-agent-file | sed -n 's/.*data plane attached.*mode=\([A-Za-z]*\).*/\1/p' | head -1)"
 out xdp_on_eth1 "$(ip -d link show eth1 | grep -q 'prog/xdp' && echo 1 || echo 0)"
 out traffic go

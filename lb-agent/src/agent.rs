@@ -507,6 +507,9 @@ fn update_snapshot(
     }
     let mut s = snapshot.write().unwrap();
     let flow_entries = gc.as_ref().map_or(s.flow_entries, |r| r.entries);
+    let transient_entries = gc
+        .as_ref()
+        .map_or(s.transient_entries, |r| r.transient_entries);
     *s = Snapshot {
         services,
         dataplane: stat::NAMES
@@ -517,6 +520,8 @@ fn update_snapshot(
         backends: health.iter().map(|(a, h)| (*a, *h)).collect(),
         flow_entries,
         flow_capacity: opts.sizes.flows as u64,
+        transient_entries,
+        transient_capacity: opts.sizes.transient as u64,
         host: crate::hostmetrics::read(),
         config_applied: state.applied,
         config_generation: state.applied_generation.unwrap_or(0),

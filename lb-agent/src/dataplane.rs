@@ -16,7 +16,7 @@ use aya::{
 };
 use lb_common::{
     map_names as names, stat, Addr, Backend, Config, FlowKeyV4, FlowV4, NextHop, Service,
-    ServiceKey, ServiceStats, SourceRangeKey, CONFIG_INDEX, LAYOUT_VERSION,
+    ServiceKey, ServiceStats, SourceRangeKey, TransientV4, CONFIG_INDEX, LAYOUT_VERSION,
 };
 use std::path::{Path, PathBuf};
 
@@ -33,6 +33,8 @@ pub const TC_PROGRAM: &str = "lb_tc";
 pub struct MapSizes {
     /// Connection-tracking entries (two per connection).
     pub flows: u32,
+    /// Entries for TCP handshakes and closed connections (two per connection; `TRANSIENT_V4`).
+    pub transient: u32,
     /// Services.
     pub services: u32,
     /// Backend slots.
@@ -50,6 +52,7 @@ impl Default for MapSizes {
         use lb_common::defaults as d;
         MapSizes {
             flows: d::MAX_FLOWS,
+            transient: d::MAX_TRANSIENT,
             services: d::MAX_SERVICES,
             backends: d::MAX_BACKENDS,
             maglev_slots: d::MAGLEV_SLOTS,
@@ -133,7 +136,7 @@ impl Drop for MappedArray {
 }
 
 /// Every map the agent programs, with the capacity setter's name.
-const MAPS: [&str; 10] = [
+const MAPS: [&str; 11] = [
     names::SERVICES,
     names::BACKENDS,
     names::MAGLEV,
@@ -141,6 +144,7 @@ const MAPS: [&str; 10] = [
     names::SOURCE_RANGES,
     names::VIPS,
     names::FLOWS_V4,
+    names::TRANSIENT_V4,
     names::SERVICE_STATS,
     names::STATS,
     names::CONFIG,
@@ -166,6 +170,7 @@ impl Dataplane {
         let mut loader = EbpfLoader::new();
         loader
             .map_max_entries(names::FLOWS_V4, sizes.flows)
+            .map_max_entries(names::TRANSIENT_V4, sizes.transient)
             .map_max_entries(names::SERVICES, sizes.services)
             .map_max_entries(names::SERVICE_STATS, sizes.services)
             .map_max_entries(names::VIPS, sizes.services)
@@ -516,6 +521,39 @@ impl Dataplane {
         ignore_missing(m.remove(key))
     }
 
+    /// A snapshot of every entry of `TRANSIENT_V4` (TCP handshakes and closed connections).
+    pub fn transient_flows(&mut self) -> Result<Vec<(FlowKeyV4, TransientV4)>> {
+        let m: HashMap<&mut MapData, FlowKeyV4, TransientV4> =
+            HashMap::try_from(self.map(names::TRANSIENT_V4)?)?;
+        Ok(m.iter().filter_map(|r| r.ok()).collect())
+    }
+
+    /// One entry of `TRANSIENT_V4`.
+    pub fn transient_flow(&mut self, key: &FlowKeyV4) -> Result<Option<TransientV4>> {
+        let m: HashMap<&mut MapData, FlowKeyV4, TransientV4> =
+            HashMap::try_from(self.map(names::TRANSIENT_V4)?)?;
+        match m.get(key, 0) {
+            Ok(v) => Ok(Some(v)),
+            Err(aya::maps::MapError::KeyNotFound) => Ok(None),
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    /// Writes an entry of `TRANSIENT_V4` (tests).
+    pub fn set_transient_flow(&mut self, key: &FlowKeyV4, v: &TransientV4) -> Result<()> {
+        let mut m: HashMap<&mut MapData, FlowKeyV4, TransientV4> =
+            HashMap::try_from(self.map(names::TRANSIENT_V4)?)?;
+        m.insert(key, v, 0)?;
+        Ok(())
+    }
+
+    /// Deletes an entry of `TRANSIENT_V4`.
+    pub fn remove_transient_flow(&mut self, key: &FlowKeyV4) -> Result<()> {
+        let mut m: HashMap<&mut MapData, FlowKeyV4, TransientV4> =
+            HashMap::try_from(self.map(names::TRANSIENT_V4)?)?;
+        ignore_missing(m.remove(key))
+    }
+
     /// Global counters summed over CPUs, indexed like `lb_common::stat`.
     pub fn stats(&mut self) -> Result<Vec<u64>> {
         let m: PerCpuArray<&mut MapData, u64> = PerCpuArray::try_from(self.map(names::STATS)?)?;
@@ -671,6 +709,8 @@ pub fn sum_service_stats<'a>(it: impl Iterator<Item = &'a ServiceStats>) -> Serv
         t.drop_no_flow += s.drop_no_flow;
         t.pass_no_nexthop += s.pass_no_nexthop;
         t.icmp_translated += s.icmp_translated;
+        t.handshakes += s.handshakes;
+        t.drop_handshake += s.drop_handshake;
     }
     t
 }

@@ -27,7 +27,9 @@ pub struct GcReport {
     pub expired: HashMap<u32, u64>,
     /// Entries left in the table after the pass.
     pub entries: u64,
-    /// Entries deleted.
+    /// Entries left in `TRANSIENT_V4` (TCP handshakes and closed connections) after the pass.
+    pub transient_entries: u64,
+    /// Entries deleted (both tables).
     pub deleted: u64,
     /// Connections this replica carried recently, for the peers' refresh (only when asked for).
     pub refresh: Vec<(lb_common::FlowEvent, u32)>,
@@ -38,10 +40,6 @@ fn closed(f: &FlowV4, partner: Option<&FlowV4>) -> bool {
     let flags = f.flags | partner.map_or(0, |p| p.flags);
     flags & FLOW_F_RST != 0
         || (f.flags & FLOW_F_FIN != 0 && partner.is_some_and(|p| p.flags & FLOW_F_FIN != 0))
-}
-
-fn stale(f: &FlowV4, now: u64) -> bool {
-    f.timeout_s != 0 && now.saturating_sub(f.last_seen_ns) > f.timeout_s as u64 * 1_000_000_000
 }
 
 /// Walks the flow table once. A connection is expired when both of its entries are idle past their
@@ -68,7 +66,7 @@ pub fn collect(dp: &mut Dataplane, now: u64, refresh_window_ns: Option<u64>) -> 
         let pk = f.partner_key(k.proto);
         let partner = flows.get(&pk);
         partnered.insert(pk);
-        let expired = stale(f, now) && partner.is_none_or(|p| stale(p, now));
+        let expired = f.idle(now) && partner.is_none_or(|p| p.idle(now));
         if expired {
             delete.push(*k);
             if partner.is_some() {
@@ -80,7 +78,7 @@ pub fn collect(dp: &mut Dataplane, now: u64, refresh_window_ns: Option<u64>) -> 
         }
     }
     for (k, f) in &flows {
-        if f.flags & FLOW_F_FORWARD == 0 && !partnered.contains(k) && stale(f, now) {
+        if f.flags & FLOW_F_FORWARD == 0 && !partnered.contains(k) && f.idle(now) {
             delete.push(*k);
         }
     }
@@ -89,6 +87,18 @@ pub fn collect(dp: &mut Dataplane, now: u64, refresh_window_ns: Option<u64>) -> 
     }
     r.deleted = delete.len() as u64;
     r.entries = r.entries.saturating_sub(r.deleted);
+    // Handshakes that never completed and closed connections past their time: the data plane already ignores
+    // them and the LRU would recycle them; deleting them keeps the table's fill level honest.
+    let transient = dp.transient_flows()?;
+    let mut stale = 0;
+    for (k, t) in &transient {
+        if t.stale(now) {
+            dp.remove_transient_flow(k)?;
+            stale += 1;
+        }
+    }
+    r.deleted += stale;
+    r.transient_entries = transient.len() as u64 - stale;
     Ok(r)
 }
 

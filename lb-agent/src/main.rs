@@ -99,9 +99,14 @@ struct Cli {
     /// Do not pin: the data plane and its flows end with the process (tests, experiments).
     #[arg(long, env = "LB_NO_PIN")]
     no_pin: bool,
-    /// Connection-tracking entries (two per connection; ~120 bytes each).
+    /// Connection-tracking entries of established connections and UDP flows (two per connection; ~120 bytes
+    /// each).
     #[arg(long, env = "LB_MAX_FLOWS", default_value_t = lb_common::defaults::MAX_FLOWS)]
     max_flows: u32,
+    /// Entries for TCP handshakes and closed connections (two per connection): a SYN flood or churn of short
+    /// connections recycles these, never the established ones.
+    #[arg(long, env = "LB_MAX_TRANSIENT_FLOWS", default_value_t = lb_common::defaults::MAX_TRANSIENT)]
+    max_transient_flows: u32,
     /// Services (VIP, port, protocol).
     #[arg(long, env = "LB_MAX_SERVICES", default_value_t = lb_common::defaults::MAX_SERVICES)]
     max_services: u32,
@@ -242,6 +247,7 @@ async fn main() -> Result<()> {
         pin_dir: (!cli.no_pin).then(|| cli.pin_dir.join(&cli.interface)),
         sizes: MapSizes {
             flows: cli.max_flows,
+            transient: cli.max_transient_flows,
             services: cli.max_services,
             backends: cli.max_backends,
             maglev_slots: cli.maglev_slots,

@@ -39,6 +39,9 @@ pub struct Snapshot {
     pub flow_entries: u64,
     /// Capacity of the connection-tracking map.
     pub flow_capacity: u64,
+    /// Entries of TCP handshakes and closed connections in use, and their capacity.
+    pub transient_entries: u64,
+    pub transient_capacity: u64,
     /// Host numbers (load1, memAvailable, …).
     pub host: BTreeMap<&'static str, f64>,
     /// Configurations applied successfully.
@@ -308,7 +311,7 @@ impl Collector for SnapshotCollector {
         counter(
             &mut enc,
             "lb_upstream_cx",
-            "Connections (flows) created.",
+            "Connections established (TCP handshakes completed) and UDP flows created.",
             &svc(&|m| m.stats.new_flows),
         )?;
         counter(
@@ -367,6 +370,18 @@ impl Collector for SnapshotCollector {
         )?;
         counter(
             &mut enc,
+            "lb_tcp_handshakes",
+            "TCP handshakes started (client SYNs that opened a flow); established ones count in lb_upstream_cx.",
+            &svc(&|m| m.stats.handshakes),
+        )?;
+        counter(
+            &mut enc,
+            "lb_drop_handshake",
+            "Client segments that did not complete a handshake (an ACK not acknowledging the backend's SYN-ACK).",
+            &svc(&|m| m.stats.drop_handshake),
+        )?;
+        counter(
+            &mut enc,
             "lb_icmp_translated",
             "ICMP errors translated for this service's flows.",
             &svc(&|m| m.stats.icmp_translated),
@@ -404,6 +419,18 @@ impl Collector for SnapshotCollector {
             "lb_flow_table_capacity",
             "Connection-tracking capacity (entries).",
             &[(vec![], s.flow_capacity)],
+        )?;
+        gauge(
+            &mut enc,
+            "lb_transient_table_entries",
+            "Entries of TCP handshakes and closed connections in use (two per connection).",
+            &[(vec![], s.transient_entries)],
+        )?;
+        gauge(
+            &mut enc,
+            "lb_transient_table_capacity",
+            "Capacity for TCP handshakes and closed connections (entries).",
+            &[(vec![], s.transient_capacity)],
         )?;
         counter(
             &mut enc,

@@ -21,7 +21,9 @@ both_hooks! {
 }
 
 use lb_agent::model::Protocol;
-use lb_common::{stat, FlowKeyV4, FLOW_F_FIN, FLOW_F_FORWARD, FLOW_F_REVERSE, FLOW_F_RST};
+use lb_common::{
+    stat, FlowKeyV4, FLOW_F_FIN, FLOW_F_FORWARD, FLOW_F_REVERSE, FLOW_F_RST, FLOW_F_SYN_ACK,
+};
 use std::net::{IpAddr, Ipv4Addr};
 
 /// The forward flow key of a client connection.
@@ -36,11 +38,22 @@ fn fwd_key(sport: u16, proto: u8, dport: u16) -> FlowKeyV4 {
     }
 }
 
-/// Opens a TCP flow with a SYN and returns the forwarded SYN.
-fn open(h: &mut Harness, sport: u16) -> Parsed {
+/// Sends a client's SYN and returns it as forwarded (the handshake is then in `TRANSIENT_V4`).
+fn syn(h: &mut Harness, sport: u16) -> Parsed {
     let (v, out) = h.run(&client_tcp(sport, SYN, b""));
     assert_eq!(v, Verdict::Tx, "SYN from port {sport} forwarded");
     parse(&out)
+}
+
+/// Opens a TCP connection — the client's SYN, the backend's SYN-ACK, the client's ACK, each forwarded — and
+/// returns the forwarded SYN.
+fn open(h: &mut Harness, sport: u16) -> Parsed {
+    let p = syn(h, sport);
+    let (v, _) = h.run(&reply_tcp(&p, SYN_ACK, b""));
+    assert_eq!(v, Verdict::Tx, "SYN-ACK to port {sport} forwarded");
+    let (v, _) = h.run(&client_tcp(sport, ACK, b""));
+    assert_eq!(v, Verdict::Tx, "handshake ACK from port {sport} forwarded");
+    p
 }
 
 /// The reply of the backend to a forwarded packet `p`.
@@ -63,22 +76,165 @@ fn age(h: &mut Harness, key: &FlowKeyV4) {
 }
 
 both_hooks! {
-    fn syn_leaves_forward_and_reverse_entries_and_counters(h) {
+    fn a_syn_waits_in_the_transient_table_until_the_handshake_completes(h) {
         h.apply(&[web(&[1, 2, 3])]);
-        let p = open(h, 40001);
+        let p = syn(h, 40001);
         let key = fwd_key(40001, 6, WEB_PORT);
-        let f = h.dp.flow(&key).unwrap().expect("forward entry");
-        assert_eq!(f.flags & FLOW_F_FORWARD, FLOW_F_FORWARD);
-        assert_eq!(f.new_dst, u32::from_ne_bytes(p.dst.octets()));
-        assert_eq!(u16::from_be(f.new_sport), p.sport);
-        assert_eq!(f.timeout_s, 3600, "TCP default idle timeout");
-        let r = h.dp.flow(&f.partner_key(6)).unwrap().expect("reverse entry");
-        assert_eq!(r.flags & FLOW_F_REVERSE, FLOW_F_REVERSE);
-        assert_eq!(r.new_dst, u32::from_ne_bytes(CLIENT.octets()));
-        assert_eq!(r.mac, CLIENT_MAC, "replies go back where the client's frames came from");
+        assert_eq!(h.dp.flow(&key).unwrap(), None, "no established entry for a SYN");
+        let t = h.dp.transient_flow(&key).unwrap().expect("forward entry of the handshake");
+        assert_eq!(t.flow.flags & FLOW_F_FORWARD, FLOW_F_FORWARD);
+        assert_eq!(t.flow.new_dst, u32::from_ne_bytes(p.dst.octets()));
+        assert_eq!(u16::from_be(t.flow.new_sport), p.sport);
+        assert_eq!(t.flow.timeout_s, 3600, "the service's idle timeout, for later");
+        let rkey = t.flow.partner_key(6);
+        let r = h.dp.transient_flow(&rkey).unwrap().expect("reverse entry of the handshake");
+        assert_eq!(r.flow.flags & FLOW_F_REVERSE, FLOW_F_REVERSE);
+        assert_eq!(r.flow.new_dst, u32::from_ne_bytes(CLIENT.octets()));
+        assert_eq!(r.flow.mac, CLIENT_MAC, "replies go back where the client's frames came from");
         let s = h.svc_stats(&web(&[]).id);
-        assert_eq!((s.new_flows, s.rx_packets), (1, 1));
+        assert_eq!((s.handshakes, s.new_flows, s.rx_packets), (1, 0, 1));
+        assert_eq!((h.stat(stat::NEW_HANDSHAKES), h.stat(stat::NEW_FLOWS)), (1, 0));
+
+        // The backend's SYN-ACK records what the client must acknowledge; the client's ACK completes it.
+        assert_eq!(h.run(&reply_tcp(&p, SYN_ACK, b"")).0, Verdict::Tx);
+        let r = h.dp.transient_flow(&rkey).unwrap().unwrap();
+        assert_eq!(r.flow.flags & FLOW_F_SYN_ACK, FLOW_F_SYN_ACK);
+        assert_eq!(u32::from_be(r.ack_be), SEQ + 1);
+        let (v, out) = h.run(&client_tcp(40001, ACK, b""));
+        assert_eq!(v, Verdict::Tx);
+        assert_eq!(parse(&out).dst, p.dst);
+        let f = h.dp.flow(&key).unwrap().expect("established forward entry");
+        assert_eq!((f.new_dst, f.new_sport, f.timeout_s), (t.flow.new_dst, t.flow.new_sport, 3600));
+        let r = h.dp.flow(&rkey).unwrap().expect("established reverse entry");
+        assert_eq!(r.flags & (FLOW_F_REVERSE | FLOW_F_SYN_ACK), FLOW_F_REVERSE);
+        assert_eq!(h.dp.transient_flows().unwrap(), vec![], "the handshake's entries are gone");
+        let s = h.svc_stats(&web(&[]).id);
+        assert_eq!((s.handshakes, s.new_flows, s.rx_packets, s.tx_packets), (1, 1, 2, 1));
         assert_eq!(h.stat(stat::NEW_FLOWS), 1);
+    }
+
+    fn only_an_ack_of_the_backends_syn_ack_completes_a_handshake(h) {
+        h.apply(&[web(&[1])]);
+        let p = syn(h, 40005);
+        let key = fwd_key(40005, 6, WEB_PORT);
+        // Before the SYN-ACK, nothing can be acknowledged: a blind ACK (spoofed source) is dropped.
+        assert_eq!(h.run(&client_tcp(40005, ACK, b"")).0, Verdict::Drop);
+        h.run(&reply_tcp(&p, SYN_ACK, b""));
+        // An ACK with another number, a segment without ACK: dropped, counted, nothing established.
+        let wrong = tcp_seq(
+            CLIENT_MAC, LB_MAC, (CLIENT, 40005), (VIP, WEB_PORT), ACK, (SEQ, SEQ + 7), b"",
+        );
+        assert_eq!(h.run(&wrong).0, Verdict::Drop);
+        let bare = tcp_seq(
+            CLIENT_MAC, LB_MAC, (CLIENT, 40005), (VIP, WEB_PORT), Flags::default(), (SEQ, 0), b"",
+        );
+        assert_eq!(h.run(&bare).0, Verdict::Drop);
+        assert_eq!(h.dp.flow(&key).unwrap(), None);
+        assert_eq!(h.stat(stat::DROP_HANDSHAKE), 3);
+        assert_eq!(h.svc_stats(&web(&[]).id).drop_handshake, 3);
+        // The real ACK still completes it.
+        assert_eq!(h.run(&client_tcp(40005, ACK, b"")).0, Verdict::Tx);
+        assert!(h.dp.flow(&key).unwrap().is_some());
+    }
+
+    fn a_syn_flood_never_touches_established_connections(h) {
+        h.apply(&[web(&[1, 2, 3])]);
+        let held = open(h, 40006);
+        // Three times the transient table's capacity (1024 entries in tests) of SYNs from spoofed sources.
+        for i in 0..1536u32 {
+            let src = Ipv4Addr::from(0x0a80_0000 + i);
+            let frame = tcp(CLIENT_MAC, LB_MAC, src, 1024 + (i % 60000) as u16, VIP, WEB_PORT, SYN, b"");
+            assert_eq!(h.run(&frame).0, Verdict::Tx);
+        }
+        assert_eq!(h.dp.flows().unwrap().len(), 2, "only the established connection's two entries");
+        assert!(h.dp.transient_flows().unwrap().len() <= 1024);
+        let (v, out) = h.run(&client_tcp(40006, ACK, b"still here"));
+        assert_eq!(v, Verdict::Tx);
+        assert_eq!(parse(&out).dst, held.dst);
+        let s = h.svc_stats(&web(&[]).id);
+        assert_eq!((s.handshakes, s.new_flows), (1537, 1));
+    }
+
+    fn a_stale_handshake_no_longer_counts(h) {
+        h.apply(&[web(&[1])]);
+        let p = syn(h, 40007);
+        h.run(&reply_tcp(&p, SYN_ACK, b""));
+        let key = fwd_key(40007, 6, WEB_PORT);
+        for k in [key, h.dp.transient_flow(&key).unwrap().unwrap().flow.partner_key(6)] {
+            let mut t = h.dp.transient_flow(&k).unwrap().unwrap();
+            t.flow.last_seen_ns = 1;
+            h.dp.set_transient_flow(&k, &t).unwrap();
+        }
+        // Past the handshake timeout the ACK finds nothing; a SYN starts over.
+        assert_eq!(h.run(&client_tcp(40007, ACK, b"")).0, Verdict::Drop);
+        assert_eq!(h.stat(stat::DROP_NO_FLOW), 1);
+        syn(h, 40007);
+        let t = h.dp.transient_flow(&key).unwrap().unwrap();
+        assert!(t.flow.last_seen_ns > 1);
+        assert_eq!(h.svc_stats(&web(&[]).id).handshakes, 2);
+    }
+
+    fn a_client_reset_during_the_handshake_reaches_the_backend(h) {
+        h.apply(&[web(&[1])]);
+        let p = syn(h, 40008);
+        let (v, out) = h.run(&client_tcp(40008, RST, b""));
+        assert_eq!(v, Verdict::Tx);
+        assert_eq!((parse(&out).dst, parse(&out).sport), (p.dst, p.sport));
+        let key = fwd_key(40008, 6, WEB_PORT);
+        let t = h.dp.transient_flow(&key).unwrap().unwrap();
+        let r = h.dp.transient_flow(&t.flow.partner_key(6)).unwrap().unwrap();
+        assert_eq!((t.flow.flags & FLOW_F_RST, r.flow.flags & FLOW_F_RST), (FLOW_F_RST, FLOW_F_RST));
+        assert_eq!(h.dp.flow(&key).unwrap(), None);
+        // A new SYN on the port is a new handshake.
+        syn(h, 40008);
+        assert_eq!(h.svc_stats(&web(&[]).id).handshakes, 2);
+    }
+
+    fn a_closed_connection_leaves_the_flow_table_and_its_last_ack_passes(h) {
+        h.apply(&[web(&[1])]);
+        let p = open(h, 40009);
+        let key = fwd_key(40009, 6, WEB_PORT);
+        assert_eq!(h.run(&client_tcp(40009, FIN_ACK, b"")).0, Verdict::Tx);
+        assert!(h.dp.flow(&key).unwrap().is_some(), "half closed: the backend may still send");
+        assert_eq!(h.run(&reply_tcp(&p, FIN_ACK, b"")).0, Verdict::Tx);
+        assert_eq!(h.dp.flows().unwrap(), vec![], "closed both ways: out of the flow table");
+        let t = h.dp.transient_flow(&key).unwrap().expect("moved to the transient table");
+        assert_eq!((t.flow.flags & FLOW_F_FIN, t.flow.timeout_s), (FLOW_F_FIN, 10));
+        let (v, out) = h.run(&client_tcp(40009, ACK, b""));
+        assert_eq!(v, Verdict::Tx, "the last ACK");
+        assert_eq!(parse(&out).dst, p.dst);
+        assert_eq!(h.svc_stats(&web(&[]).id).closed_flows, 2);
+    }
+
+    fn a_syn_from_the_backend_side_follows_only_an_existing_flow(h) {
+        // No simultaneous open through a full NAT: a backend's SYN towards a SNAT port is forwarded only as
+        // part of a flow that exists; without one it is not a service packet and goes to the kernel.
+        h.apply(&[web(&[1])]);
+        let p = open(h, 40010);
+        let (v, out) = h.run(&reply_tcp(&p, SYN, b""));
+        assert_eq!(v, Verdict::Tx);
+        assert_eq!(parse(&out).dst, CLIENT);
+        let stray = tcp(node_mac(1), LB_MAC, node(1), WEB_NODE_PORT, VIP, 50123, SYN, b"");
+        assert_eq!(h.run(&stray).0, Verdict::Pass);
+    }
+
+    fn a_connection_a_peer_established_is_followed(h) {
+        // State sync writes both entries straight into the flow table; no handshake is seen here.
+        h.apply(&[web(&[1])]);
+        let p = open(h, 40011);
+        let key = fwd_key(40011, 6, WEB_PORT);
+        let (f, r) = {
+            let f = h.dp.flow(&key).unwrap().unwrap();
+            (f, h.dp.flow(&f.partner_key(6)).unwrap().unwrap())
+        };
+        let mut fresh = Harness::new(h.hook);
+        fresh.apply(&[web(&[1])]);
+        fresh.dp.set_flow(&key, &f).unwrap();
+        fresh.dp.set_flow(&f.partner_key(6), &r).unwrap();
+        let (v, out) = fresh.run(&client_tcp(40011, ACK, b"after failover"));
+        assert_eq!(v, Verdict::Tx);
+        assert_eq!((parse(&out).dst, parse(&out).sport), (p.dst, p.sport));
+        assert_eq!(fresh.run(&reply_tcp(&p, ACK, b"reply")).0, Verdict::Tx);
     }
 
     fn established_segment_follows_its_flow(h) {
@@ -97,7 +253,7 @@ both_hooks! {
 
     fn reply_is_translated_back_to_the_client(h) {
         h.apply(&[web(&[1, 2, 3])]);
-        let syn = open(h, 40003);
+        let syn = syn(h, 40003);
         let (v, out) = h.run(&reply_tcp(&syn, SYN_ACK, b""));
         assert_eq!(v, Verdict::Tx);
         let p = parse(&out);
@@ -368,10 +524,12 @@ both_hooks! {
         assert_eq!(f.timeout_s, 10);
         let r = h.dp.flow(&f.partner_key(6)).unwrap().unwrap();
         assert_eq!(r.timeout_s, 3600, "the other direction may still send (half close)");
-        // A reset from the backend ends both directions.
+        // A reset from the backend ends both directions (and moves them to the transient table).
         h.run(&reply_tcp(&p, RST, b""));
-        let r = h.dp.flow(&f.partner_key(6)).unwrap().unwrap();
+        let r = h.dp.transient_flow(&f.partner_key(6)).unwrap().unwrap().flow;
         assert_eq!((r.flags & FLOW_F_RST, r.timeout_s), (FLOW_F_RST, 10));
+        let f = h.dp.transient_flow(&key).unwrap().unwrap().flow;
+        assert_eq!(f.flags & FLOW_F_RST, FLOW_F_RST);
         assert_eq!(h.svc_stats(&web(&[]).id).closed_flows, 2);
     }
 

@@ -11,7 +11,7 @@
 
 /// Bumped whenever a pinned map's key or value layout changes. The agent pins maps under a directory named
 /// after it, so an upgrade with a new layout starts with fresh maps instead of misreading old ones.
-pub const LAYOUT_VERSION: u32 = 2;
+pub const LAYOUT_VERSION: u32 = 3;
 
 /// IP protocol number of TCP.
 pub const PROTO_TCP: u8 = 6;
@@ -160,9 +160,17 @@ pub const FLOW_F_RST: u8 = 1 << 3;
 /// plane clears the bit when it refreshes `last_seen_ns`), so the periodic refresh does not echo it back.
 pub const FLOW_F_SYNCED: u8 = 1 << 4;
 
+/// Reverse entry of a TCP handshake in `TRANSIENT_V4`: the backend's SYN-ACK passed, and
+/// [`TransientV4::ack_be`] holds the acknowledgement number the client's ACK must carry.
+pub const FLOW_F_SYN_ACK: u8 = 1 << 5;
+
 /// Idle timeout of a TCP flow once FIN or RST was seen (seconds): long enough for the last ACKs and
 /// retransmissions, short enough to release the SNAT port soon.
 pub const TCP_CLOSING_TIMEOUT_S: u32 = 10;
+
+/// How long a TCP handshake may stay incomplete (seconds): covers a client's SYN retransmissions at 1, 3, 7 and
+/// 15 s; after that a SYN from the same port starts over.
+pub const TCP_HANDSHAKE_TIMEOUT_S: u32 = 30;
 
 /// Value of the IPv4 connection-tracking map: how to rewrite a packet whose 5-tuple is the key.
 ///
@@ -202,6 +210,14 @@ pub struct FlowV4 {
 }
 
 impl FlowV4 {
+    /// Whether the entry has been idle past its timeout at `now` (0 = never). A connection is idle only when both
+    /// of its entries are; the data plane and the agent's GC both apply this rule.
+    #[inline(always)]
+    pub fn idle(&self, now_ns: u64) -> bool {
+        self.timeout_s != 0
+            && now_ns.saturating_sub(self.last_seen_ns) > self.timeout_s as u64 * 1_000_000_000
+    }
+
     /// The key of the partner entry (the other direction of the same connection).
     #[inline(always)]
     pub const fn partner_key(&self, proto: u8) -> FlowKeyV4 {
@@ -212,6 +228,44 @@ impl FlowV4 {
             dport: self.new_sport,
             proto,
             _pad: [0; 3],
+        }
+    }
+}
+
+/// Value of `TRANSIENT_V4`: a TCP flow that is not established. From the client's SYN until the client acknowledges
+/// the backend's SYN-ACK (a handshake), and after it closed (FIN both ways, or RST), both entries of a connection
+/// live in this small LRU table of their own instead of `FLOWS_V4`. So a flood of SYNs from spoofed sources, and the
+/// churn of short connections, recycle this table and never evict an established connection: only a completed
+/// handshake — an ACK that acknowledges the SYN-ACK the backend sent, which a spoofing sender never sees — enters
+/// `FLOWS_V4`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct TransientV4 {
+    /// The entry as it will be in `FLOWS_V4` (handshake: `timeout_s` is the service's idle timeout) or as it was
+    /// there (closed: `timeout_s` is the closing timeout).
+    pub flow: FlowV4,
+    /// Reverse entry of a handshake with [`FLOW_F_SYN_ACK`]: the SYN-ACK's sequence number + 1, network order.
+    pub ack_be: u32,
+    /// Reserved, zero.
+    pub _pad: u32,
+}
+
+impl TransientV4 {
+    /// A closed flow (FIN or RST seen), as opposed to a handshake.
+    #[inline(always)]
+    pub fn closed(&self) -> bool {
+        self.flow.flags & (FLOW_F_FIN | FLOW_F_RST) != 0
+    }
+
+    /// Past its lifetime at `now`: a handshake after [`TCP_HANDSHAKE_TIMEOUT_S`], a closed flow after its
+    /// (closing) timeout.
+    #[inline(always)]
+    pub fn stale(&self, now_ns: u64) -> bool {
+        if self.closed() {
+            self.flow.idle(now_ns)
+        } else {
+            now_ns.saturating_sub(self.flow.last_seen_ns)
+                > TCP_HANDSHAKE_TIMEOUT_S as u64 * 1_000_000_000
         }
     }
 }
@@ -252,7 +306,7 @@ pub struct ServiceStats {
     pub tx_packets: u64,
     /// IP bytes backend → client.
     pub tx_bytes: u64,
-    /// Flows created.
+    /// Flows established: TCP handshakes completed, UDP flows created.
     pub new_flows: u64,
     /// TCP flows that saw FIN or RST (first time per direction entry).
     pub closed_flows: u64,
@@ -268,6 +322,11 @@ pub struct ServiceStats {
     pub pass_no_nexthop: u64,
     /// ICMP errors translated for this service's flows.
     pub icmp_translated: u64,
+    /// TCP handshakes started (a SYN that opened a flow in `TRANSIENT_V4`).
+    pub handshakes: u64,
+    /// Client segments dropped because they did not complete the handshake: an ACK that does not acknowledge
+    /// the backend's SYN-ACK (blind or spoofed), or a segment without ACK.
+    pub drop_handshake: u64,
 }
 
 /// Indices of the global per-CPU `STATS` array (`u64` each). Forwarded packets and bytes are counted per
@@ -309,8 +368,12 @@ pub mod stat {
     pub const PASS_OTHER_HOST: u32 = 16;
     /// Flow events not published because the ring buffer was full (the periodic refresh repairs them).
     pub const SYNC_EVENTS_LOST: u32 = 17;
+    /// TCP handshakes started (SYNs that opened a flow in `TRANSIENT_V4`).
+    pub const NEW_HANDSHAKES: u32 = 18;
+    /// Dropped: a client segment that did not complete the handshake (see `ServiceStats::drop_handshake`).
+    pub const DROP_HANDSHAKE: u32 = 19;
     /// Number of counters.
-    pub const COUNT: u32 = 18;
+    pub const COUNT: u32 = 20;
 
     /// Names for metrics and logs, by index.
     pub const NAMES: [&str; COUNT as usize] = [
@@ -332,6 +395,8 @@ pub mod stat {
         "pass_icmp_unknown",
         "pass_other_host",
         "sync_events_lost",
+        "new_handshakes",
+        "drop_handshake",
     ];
 }
 
@@ -392,8 +457,10 @@ pub mod map_names {
     pub const SOURCE_RANGES: &str = "SOURCE_RANGES";
     /// `HashMap<Addr, u32>`: every address that carries at least one service (fragment policy).
     pub const VIPS: &str = "VIPS";
-    /// `LruHashMap<FlowKeyV4, FlowV4>`.
+    /// `LruHashMap<FlowKeyV4, FlowV4>`: established connections and UDP flows.
     pub const FLOWS_V4: &str = "FLOWS_V4";
+    /// `LruHashMap<FlowKeyV4, TransientV4>`: TCP handshakes and closed connections.
+    pub const TRANSIENT_V4: &str = "TRANSIENT_V4";
     /// `PerCpuArray<ServiceStats>`.
     pub const SERVICE_STATS: &str = "SERVICE_STATS";
     /// `PerCpuArray<u64>`, indices in [`super::stat`].
@@ -414,6 +481,8 @@ pub mod defaults {
     pub const MAGLEV_SLOTS: u32 = 1 << 20;
     /// Connection-tracking entries (two per connection).
     pub const MAX_FLOWS: u32 = 1 << 20;
+    /// Entries for TCP handshakes and closed connections (two per connection).
+    pub const MAX_TRANSIENT: u32 = 1 << 17;
     /// Next-hop entries.
     pub const MAX_NEXTHOPS: u32 = 4096;
     /// Source-range prefixes over all services.
@@ -431,6 +500,7 @@ mod pod {
     unsafe impl aya::Pod for super::SourceRangeKey {}
     unsafe impl aya::Pod for super::FlowKeyV4 {}
     unsafe impl aya::Pod for super::FlowV4 {}
+    unsafe impl aya::Pod for super::TransientV4 {}
     unsafe impl aya::Pod for super::ServiceStats {}
     unsafe impl aya::Pod for super::Config {}
     unsafe impl aya::Pod for super::FlowEvent {}
@@ -452,6 +522,8 @@ mod tests {
         assert_eq!(size_of::<SourceRangeKey>(), 20);
         assert_eq!(size_of::<FlowKeyV4>(), 16);
         assert_eq!(size_of::<FlowV4>(), 48);
+        assert_eq!(size_of::<TransientV4>(), 56);
+        assert_eq!(size_of::<ServiceStats>(), 112);
         assert_eq!(size_of::<Config>(), 20);
         assert_eq!(size_of::<FlowEvent>(), 120);
         assert_eq!(stat::NAMES.len(), stat::COUNT as usize);

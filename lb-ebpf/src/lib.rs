@@ -12,3 +12,4 @@ pub mod ctx;
 pub mod hdr;
 pub mod maps;
 pub mod nat;
+pub mod transient;

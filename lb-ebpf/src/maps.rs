@@ -8,7 +8,7 @@ use aya_ebpf::{
 };
 use lb_common::{
     defaults, Addr, Backend, Config, FlowKeyV4, FlowV4, NextHop, Service, ServiceKey, ServiceStats,
-    SourceRangeKey,
+    SourceRangeKey, TransientV4,
 };
 
 /// (VIP, port, protocol) → service.
@@ -43,6 +43,18 @@ pub static VIPS: HashMap<Addr, u32> = HashMap::with_max_entries(defaults::MAX_SE
 #[map]
 pub static FLOWS_V4: LruHashMap<FlowKeyV4, FlowV4> =
     LruHashMap::with_max_entries(defaults::MAX_FLOWS, 0);
+
+/// TCP handshakes in progress and closed connections, both directions (see `lb_common::TransientV4`): a small
+/// LRU of their own, so SYN floods and the churn of short connections never evict an established connection
+/// from `FLOWS_V4`.
+#[map]
+pub static TRANSIENT_V4: LruHashMap<FlowKeyV4, TransientV4> =
+    LruHashMap::with_max_entries(defaults::MAX_TRANSIENT, 0);
+
+/// Per-CPU scratch space for transient entries under construction: the BPF stack (512 bytes) cannot hold them
+/// next to everything else on the new-flow path. Slot 0: reverse entry, slot 1: forward entry.
+#[map]
+pub static SCRATCH: PerCpuArray<TransientV4> = PerCpuArray::with_max_entries(2, 0);
 
 /// Per-service counters.
 #[map]

@@ -3,7 +3,7 @@
 
 use aya_ebpf::{bindings::BPF_NOEXIST, helpers::bpf_ktime_get_coarse_ns, maps::lpm_trie::Key};
 use lb_common::{
-    stat, Addr, Config, FlowEvent, FlowKeyV4, FlowV4, ServiceKey, SourceRangeKey,
+    stat, Addr, Config, FlowEvent, FlowKeyV4, FlowV4, Service, ServiceKey, SourceRangeKey,
     CFG_F_CHECK_DST_MAC, CFG_F_SYNC_EVENTS, FAMILY_V4, FLOW_EV_CLOSE, FLOW_EV_NEW, FLOW_F_FIN,
     FLOW_F_FORWARD, FLOW_F_REVERSE, FLOW_F_RST, FLOW_F_SYNCED, PROTO_ICMP, PROTO_TCP, PROTO_UDP,
     SNAT_PORT_TRIES, SOURCE_RANGE_ID_BITS, SVC_F_SOURCE_RANGES, TCP_CLOSING_TIMEOUT_S,
@@ -15,8 +15,9 @@ use crate::{
     hdr::*,
     maps::{
         count, with_service_stats, BACKENDS, CONFIG, FLOWS_V4, FLOW_EVENTS, MAGLEV, NEXTHOPS,
-        SERVICES, SOURCE_RANGES, VIPS,
+        SERVICES, SOURCE_RANGES, TRANSIENT_V4, VIPS,
     },
+    transient,
 };
 
 /// What to do with the packet; each hook maps it to its own return code.
@@ -96,20 +97,21 @@ pub fn process<C: Ctx>(c: &C) -> Verdict {
                 count(stat::DROP_MALFORMED);
                 return Verdict::Drop;
             }
-            let flags = unsafe { (*tcp).flags };
-            let csum_p = (tcp as usize + TCP_CSUM_OFF) as *mut u16;
-            l4(
-                c,
-                &cfg,
-                eth,
-                ip,
-                tcp as *mut Ports,
-                csum_p,
-                l4_off + TCP_CSUM_OFF,
-                PROTO_TCP,
-                flags,
-                tot,
-            )
+            let p = unsafe {
+                L4Pkt {
+                    eth,
+                    ip,
+                    ports: tcp as *mut Ports,
+                    csum_p: (tcp as usize + TCP_CSUM_OFF) as *mut u16,
+                    csum_off: l4_off + TCP_CSUM_OFF,
+                    key: flow_key(ip, tcp as *mut Ports, PROTO_TCP),
+                    tcp_flags: (*tcp).flags,
+                    seq_be: (*tcp).seq,
+                    ack_be: (*tcp).ack,
+                    tot,
+                }
+            };
+            l4(c, &cfg, &p)
         }
         PROTO_UDP => {
             let Some(udp) = ptr_at::<C, UdpHdr>(c, l4_off) else {
@@ -120,19 +122,19 @@ pub fn process<C: Ctx>(c: &C) -> Verdict {
                 count(stat::DROP_MALFORMED);
                 return Verdict::Drop;
             }
-            let csum_p = (udp as usize + UDP_CSUM_OFF) as *mut u16;
-            l4(
-                c,
-                &cfg,
+            let p = L4Pkt {
                 eth,
                 ip,
-                udp as *mut Ports,
-                csum_p,
-                l4_off + UDP_CSUM_OFF,
-                PROTO_UDP,
-                0,
+                ports: udp as *mut Ports,
+                csum_p: (udp as usize + UDP_CSUM_OFF) as *mut u16,
+                csum_off: l4_off + UDP_CSUM_OFF,
+                key: flow_key(ip, udp as *mut Ports, PROTO_UDP),
+                tcp_flags: 0,
+                seq_be: 0,
+                ack_be: 0,
                 tot,
-            )
+            };
+            l4(c, &cfg, &p)
         }
         PROTO_ICMP => icmp(c, eth, ip, l4_off),
         _ => {
@@ -142,22 +144,42 @@ pub fn process<C: Ctx>(c: &C) -> Verdict {
     }
 }
 
-/// TCP or UDP: follow a flow, or create one for a service.
-#[allow(clippy::too_many_arguments)]
+/// A TCP or UDP packet, parsed once: the headers it is rewritten through and what the flow rules read.
+pub struct L4Pkt {
+    pub eth: *mut EthHdr,
+    pub ip: *mut Ipv4Hdr,
+    pub ports: *mut Ports,
+    /// The L4 checksum field and its offset in the packet (TC's helpers take the offset).
+    pub csum_p: *mut u16,
+    pub csum_off: usize,
+    /// The 5-tuple as it arrived.
+    pub key: FlowKeyV4,
+    /// TCP flags (0 for UDP).
+    pub tcp_flags: u8,
+    /// TCP sequence and acknowledgement numbers as on the wire (0 for UDP).
+    pub seq_be: u32,
+    pub ack_be: u32,
+    /// IP total length.
+    pub tot: usize,
+}
+
+impl L4Pkt {
+    #[inline(always)]
+    fn is_tcp(&self) -> bool {
+        self.key.proto == PROTO_TCP
+    }
+
+    /// A TCP SYN without ACK: the only segment that starts a connection.
+    #[inline(always)]
+    pub fn syn(&self) -> bool {
+        self.is_tcp() && self.tcp_flags & (TCP_SYN | TCP_ACK) == TCP_SYN
+    }
+}
+
 #[inline(always)]
-fn l4<C: Ctx>(
-    c: &C,
-    cfg: &Config,
-    eth: *mut EthHdr,
-    ip: *mut Ipv4Hdr,
-    ports: *mut Ports,
-    csum_p: *mut u16,
-    csum_off: usize,
-    proto: u8,
-    tcp_flags: u8,
-    tot: usize,
-) -> Verdict {
-    let key = unsafe {
+fn flow_key(ip: *mut Ipv4Hdr, ports: *mut Ports, proto: u8) -> FlowKeyV4 {
+    // SAFETY: both pointers were bounds-checked by the caller.
+    unsafe {
         FlowKeyV4 {
             src: (*ip).src,
             dst: (*ip).dst,
@@ -166,10 +188,18 @@ fn l4<C: Ctx>(
             proto,
             _pad: [0; 3],
         }
-    };
-    let is_tcp = proto == PROTO_TCP;
-    let syn = is_tcp && tcp_flags & (TCP_SYN | TCP_ACK) == TCP_SYN;
+    }
+}
+
+/// TCP or UDP: follow an established flow, a TCP handshake or a closed connection, or open a flow for a
+/// service.
+#[inline(always)]
+fn l4<C: Ctx>(c: &C, cfg: &Config, p: &L4Pkt) -> Verdict {
+    let key = p.key;
+    let proto = key.proto;
+    let syn = p.syn();
     let now = unsafe { bpf_ktime_get_coarse_ns() };
+    // The flow this packet's client port had before, released when a new one is made on it.
     let mut reopen: Option<FlowKeyV4> = None;
 
     if let Some(fp) = FLOWS_V4.get_ptr_mut(key) {
@@ -178,23 +208,17 @@ fn l4<C: Ctx>(
         // A SYN on a closing flow opens a new connection on a reused client port; an idle-expired forward
         // entry no longer counts. Reverse entries never decide: replies follow whatever state exists.
         let closing_syn = syn && fl.flags & (FLOW_F_FIN | FLOW_F_RST) != 0;
-        let usable = !forward || !(closing_syn || expired(fl, proto, now));
-        if usable {
-            track(cfg, &key, fl, proto, tcp_flags, now);
-            let fwd_dir = forward;
-            let flow = *fl;
-            with_service_stats(flow.svc_id, |s| {
-                if fwd_dir {
-                    s.rx_packets += 1;
-                    s.rx_bytes += tot as u64;
-                } else {
-                    s.tx_packets += 1;
-                    s.tx_bytes += tot as u64;
-                }
-            });
-            return rewrite(c, eth, ip, ports, csum_p, csum_off, &flow, proto);
+        if !forward || !(closing_syn || expired(fl, proto, now)) {
+            return established(c, cfg, p, fl, now);
         }
         reopen = Some(fl.partner_key(proto));
+    }
+    if p.is_tcp() {
+        if let Some(tp) = TRANSIENT_V4.get_ptr_mut(key) {
+            if let Some(v) = transient::segment(c, cfg, p, unsafe { &mut *tp }, reopen, now) {
+                return v;
+            }
+        }
     }
 
     // No usable flow: is it for a service?
@@ -209,13 +233,157 @@ fn l4<C: Ctx>(
         return Verdict::Pass;
     };
     let svc = unsafe { *svc };
-    if is_tcp && !syn {
+    if p.is_tcp() && !syn {
         // Only a SYN creates a TCP flow. A stray segment (state lost, port scan, ACK flood) is dropped:
         // the kernel would answer with a RST, which kills connections a peer replica may still carry.
         count(stat::DROP_NO_FLOW);
         with_service_stats(svc.id, |s| s.drop_no_flow += 1);
         return Verdict::Drop;
     }
+    let t = match pick_backend(cfg, p, &svc) {
+        Ok(t) => t,
+        Err(v) => return v,
+    };
+    if p.is_tcp() {
+        if let Some(old) = reopen {
+            // The previous connection on this client port is over: its entries go now, so that the new one's
+            // segments cannot follow them.
+            let _ = FLOWS_V4.remove(old);
+            let _ = FLOWS_V4.remove(key);
+        }
+        // The handshake waits in TRANSIENT_V4; FLOWS_V4 gets the connection when the client completes it.
+        return transient::open(c, cfg, p, &svc, &t, now);
+    }
+    let mut rev = t.reverse(p, &svc, now);
+    let Some(snat_port) = alloc_snat_port(cfg, &t, p, |rkey, csum_port| {
+        rev.csum_port = csum_port;
+        FLOWS_V4.insert(rkey, rev, BPF_NOEXIST as u64).is_ok()
+    }) else {
+        count(stat::DROP_SNAT_EXHAUSTED);
+        with_service_stats(svc.id, |s| s.drop_snat_exhausted += 1);
+        return Verdict::Drop;
+    };
+    let fwd = t.forward(p, &svc, snat_port, now);
+    let rkey = fwd.partner_key(proto);
+    if let Some(old) = reopen {
+        // The previous connection on this client port is over: release its reverse entry (and port).
+        let _ = FLOWS_V4.remove(old);
+    }
+    if FLOWS_V4.insert(key, fwd, 0).is_err() {
+        let _ = FLOWS_V4.remove(rkey);
+        count(stat::DROP_FLOW_INSERT);
+        return Verdict::Drop;
+    }
+    established_new(cfg, &key, &fwd, &rev);
+    with_service_stats(svc.id, |s| {
+        s.rx_packets += 1;
+        s.rx_bytes += p.tot as u64;
+    });
+    rewrite(c, p, &fwd)
+}
+
+/// A packet of an established flow (or of a reply direction, which follows whatever state exists): counted,
+/// tracked, rewritten. A connection that this packet closes (RST, or the second FIN) leaves `FLOWS_V4` for
+/// `TRANSIENT_V4`, where its last segments still find it.
+#[inline(always)]
+fn established<C: Ctx>(c: &C, cfg: &Config, p: &L4Pkt, fl: &mut FlowV4, now: u64) -> Verdict {
+    let closed = track(cfg, &p.key, fl, p.key.proto, p.tcp_flags, now);
+    let fwd_dir = fl.flags & FLOW_F_FORWARD != 0;
+    with_service_stats(fl.svc_id, |s| {
+        if fwd_dir {
+            s.rx_packets += 1;
+            s.rx_bytes += p.tot as u64;
+        } else {
+            s.tx_packets += 1;
+            s.tx_bytes += p.tot as u64;
+        }
+    });
+    let v = rewrite(c, p, fl);
+    if closed {
+        transient::retire(&p.key, fl);
+    }
+    v
+}
+
+/// Counts a flow that entered `FLOWS_V4` (a completed TCP handshake or a new UDP flow) and publishes it for the
+/// peers' connection-state sync.
+#[inline(always)]
+pub fn established_new(cfg: &Config, key: &FlowKeyV4, fwd: &FlowV4, rev: &FlowV4) {
+    count(stat::NEW_FLOWS);
+    with_service_stats(fwd.svc_id, |s| s.new_flows += 1);
+    if cfg.flags & CFG_F_SYNC_EVENTS != 0 {
+        publish(FLOW_EV_NEW, key, fwd, Some(rev));
+    }
+}
+
+/// The backend a new flow goes to, and how to reach it.
+pub struct Target {
+    pub backend_id: u32,
+    pub node: u32,
+    pub node_port: u16,
+    pub mac: [u8; 6],
+    pub snat: u32,
+    /// The flow's hash (also seeds the SNAT port search).
+    pub hash: u32,
+}
+
+impl Target {
+    /// The reverse entry (backend → SNAT) of a new flow; its port fields are completed by the SNAT search.
+    #[inline(always)]
+    pub fn reverse(&self, p: &L4Pkt, svc: &Service, now: u64) -> FlowV4 {
+        let key = &p.key;
+        FlowV4 {
+            new_src: key.dst,
+            new_dst: key.src,
+            new_sport: key.dport,
+            new_dport: key.sport,
+            mac: unsafe { (*p.eth).src },
+            flags: FLOW_F_REVERSE,
+            _pad: 0,
+            svc_id: svc.id,
+            backend_id: self.backend_id,
+            timeout_s: svc.idle_timeout_s,
+            csum_addr: csum::add(
+                csum::diff32(self.node, key.dst),
+                csum::diff32(self.snat, key.src),
+            ),
+            csum_port: 0,
+            last_seen_ns: now,
+        }
+    }
+
+    /// The forward entry (client → backend) of a new flow with SNAT port `snat_port`.
+    #[inline(always)]
+    pub fn forward(&self, p: &L4Pkt, svc: &Service, snat_port: u16, now: u64) -> FlowV4 {
+        let key = &p.key;
+        FlowV4 {
+            new_src: self.snat,
+            new_dst: self.node,
+            new_sport: snat_port,
+            new_dport: self.node_port,
+            mac: self.mac,
+            flags: FLOW_F_FORWARD,
+            _pad: 0,
+            svc_id: svc.id,
+            backend_id: self.backend_id,
+            timeout_s: svc.idle_timeout_s,
+            csum_addr: csum::add(
+                csum::diff32(key.src, self.snat),
+                csum::diff32(key.dst, self.node),
+            ),
+            csum_port: csum::add(
+                csum::diff16(key.sport, snat_port),
+                csum::diff16(key.dport, self.node_port),
+            ),
+            last_seen_ns: now,
+        }
+    }
+}
+
+/// Source ranges, Maglev, backend and next hop for a new flow of `svc`; the verdict after counting why not.
+#[inline(always)]
+fn pick_backend(cfg: &Config, p: &L4Pkt, svc: &Service) -> Result<Target, Verdict> {
+    let key = &p.key;
     if svc.flags & SVC_F_SOURCE_RANGES != 0 {
         let k = Key::new(
             SOURCE_RANGE_ID_BITS + 32,
@@ -227,124 +395,68 @@ fn l4<C: Ctx>(
         if SOURCE_RANGES.get(&k).is_none() {
             count(stat::DROP_SOURCE_RANGE);
             with_service_stats(svc.id, |s| s.drop_source_range += 1);
-            return Verdict::Drop;
+            return Err(Verdict::Drop);
         }
     }
     if svc.table_size == 0 {
         count(stat::DROP_NO_BACKEND);
         with_service_stats(svc.id, |s| s.drop_no_backend += 1);
-        return Verdict::Drop;
+        return Err(Verdict::Drop);
     }
-    let hash = flow_hash(&key, cfg.hash_seed);
+    let hash = flow_hash(key, cfg.hash_seed);
     let slot = svc.table_offset + rem(hash, svc.table_size);
     let Some(&backend_id) = MAGLEV.get(slot) else {
         count(stat::DROP_BAD_BACKEND);
-        return Verdict::Drop;
+        return Err(Verdict::Drop);
     };
     let Some(backend) = BACKENDS.get(backend_id) else {
         count(stat::DROP_BAD_BACKEND);
-        return Verdict::Drop;
+        return Err(Verdict::Drop);
     };
     if backend.family != FAMILY_V4 {
         count(stat::DROP_BAD_BACKEND);
-        return Verdict::Drop;
+        return Err(Verdict::Drop);
     }
     let Some(nh) = NEXTHOPS.get_ptr(backend.addr) else {
         // The kernel gets the packet unchanged and resolves the neighbour; the agent notices the counter
         // and refreshes the table. The client retransmits.
         count(stat::PASS_NO_NEXTHOP);
         with_service_stats(svc.id, |s| s.pass_no_nexthop += 1);
-        return Verdict::Pass;
+        return Err(Verdict::Pass);
     };
-    let nh_mac = unsafe { (*nh).mac };
-    let node = backend.addr.v4_raw();
-    let node_port = backend.port_be;
-    let snat = svc.snat_addr.v4_raw();
-
-    let mut rev = FlowV4 {
-        new_src: key.dst,
-        new_dst: key.src,
-        new_sport: key.dport,
-        new_dport: key.sport,
-        mac: unsafe { (*eth).src },
-        flags: FLOW_F_REVERSE,
-        _pad: 0,
-        svc_id: svc.id,
+    Ok(Target {
         backend_id,
-        timeout_s: svc.idle_timeout_s,
-        csum_addr: csum::add(csum::diff32(node, key.dst), csum::diff32(snat, key.src)),
-        csum_port: 0,
-        last_seen_ns: now,
-    };
-    let Some(snat_port) = alloc_snat_port(cfg, hash, snat, node, node_port, proto, &mut rev) else {
-        count(stat::DROP_SNAT_EXHAUSTED);
-        with_service_stats(svc.id, |s| s.drop_snat_exhausted += 1);
-        return Verdict::Drop;
-    };
-    let fwd = FlowV4 {
-        new_src: snat,
-        new_dst: node,
-        new_sport: snat_port,
-        new_dport: node_port,
-        mac: nh_mac,
-        flags: FLOW_F_FORWARD,
-        _pad: 0,
-        svc_id: svc.id,
-        backend_id,
-        timeout_s: svc.idle_timeout_s,
-        csum_addr: csum::add(csum::diff32(key.src, snat), csum::diff32(key.dst, node)),
-        csum_port: csum::add(
-            csum::diff16(key.sport, snat_port),
-            csum::diff16(key.dport, node_port),
-        ),
-        last_seen_ns: now,
-    };
-    let rkey = fwd.partner_key(proto);
-    if let Some(old) = reopen {
-        // The previous connection on this client port is over: release its reverse entry (and port).
-        let _ = FLOWS_V4.remove(old);
-    }
-    if FLOWS_V4.insert(key, fwd, 0).is_err() {
-        let _ = FLOWS_V4.remove(rkey);
-        count(stat::DROP_FLOW_INSERT);
-        return Verdict::Drop;
-    }
-    count(stat::NEW_FLOWS);
-    if cfg.flags & CFG_F_SYNC_EVENTS != 0 {
-        publish(FLOW_EV_NEW, &key, &fwd, Some(&rev));
-    }
-    with_service_stats(svc.id, |s| {
-        s.new_flows += 1;
-        s.rx_packets += 1;
-        s.rx_bytes += tot as u64;
-    });
-    rewrite(c, eth, ip, ports, csum_p, csum_off, &fwd, proto)
+        node: backend.addr.v4_raw(),
+        node_port: backend.port_be,
+        mac: unsafe { (*nh).mac },
+        snat: svc.snat_addr.v4_raw(),
+        hash,
+    })
 }
 
-/// Claims a free SNAT source port for a new flow by inserting its reverse entry with `BPF_NOEXIST` (atomic
-/// against other CPUs). Ports that are service ports on the SNAT address are skipped, so a reply can never be
-/// mistaken for a new client connection. Returns the port in network order.
+/// Claims a free SNAT source port for a new flow: for each candidate port, `claim(reverse key, csum_port)` must
+/// store the reverse entry (with that port checksum delta) only if the key is free — atomically against other
+/// CPUs — so a port is never handed out twice. Ports that are service ports on the SNAT address are skipped, so a
+/// reply can never be mistaken for a new client connection. Returns the port in network order.
 #[inline(always)]
-fn alloc_snat_port(
+pub fn alloc_snat_port(
     cfg: &Config,
-    hash: u32,
-    snat: u32,
-    node: u32,
-    node_port: u16,
-    proto: u8,
-    rev: &mut FlowV4,
+    t: &Target,
+    p: &L4Pkt,
+    mut claim: impl FnMut(FlowKeyV4, u32) -> bool,
 ) -> Option<u16> {
+    let proto = p.key.proto;
     let min = cfg.snat_port_min as u32;
     let range = cfg.snat_port_max as u32 - min + 1;
-    let start = rem(fmix(hash ^ 0x9e37_79b9), range);
-    let client_port = rev.new_dport;
-    let svc_port = rev.new_sport;
+    let start = rem(fmix(t.hash ^ 0x9e37_79b9), range);
+    // The reverse entry rewrites node:NodePort → VIP:service port and SNAT port → client port.
+    let (svc_port, client_port) = (p.key.dport, p.key.sport);
     let mut i = 0;
     while i < SNAT_PORT_TRIES {
         let port = ((min + rem(start + i, range)) as u16).to_be();
         i += 1;
         let skey = ServiceKey {
-            addr: Addr::from_v4_raw(snat),
+            addr: Addr::from_v4_raw(t.snat),
             port_be: port,
             proto,
             family: FAMILY_V4,
@@ -353,18 +465,18 @@ fn alloc_snat_port(
             continue;
         }
         let rkey = FlowKeyV4 {
-            src: node,
-            dst: snat,
-            sport: node_port,
+            src: t.node,
+            dst: t.snat,
+            sport: t.node_port,
             dport: port,
             proto,
             _pad: [0; 3],
         };
-        rev.csum_port = csum::add(
-            csum::diff16(node_port, svc_port),
+        let csum_port = csum::add(
+            csum::diff16(t.node_port, svc_port),
             csum::diff16(port, client_port),
         );
-        if FLOWS_V4.insert(rkey, *rev, BPF_NOEXIST as u64).is_ok() {
+        if claim(rkey, csum_port) {
             return Some(port);
         }
     }
@@ -374,7 +486,7 @@ fn alloc_snat_port(
 /// Puts a flow event on the sync ring buffer; a full buffer only costs a counter (the agent's periodic refresh
 /// carries the flow to the peers later).
 #[inline(always)]
-fn publish(kind: u8, key: &FlowKeyV4, fl: &FlowV4, rev: Option<&FlowV4>) {
+pub fn publish(kind: u8, key: &FlowKeyV4, fl: &FlowV4, rev: Option<&FlowV4>) {
     let Some(mut e) = FLOW_EVENTS.reserve::<FlowEvent>(0) else {
         count(stat::SYNC_EVENTS_LOST);
         return;
@@ -403,22 +515,56 @@ fn same_mac(a: &[u8; 6], b: &[u8; 6]) -> bool {
 }
 
 /// Updates a flow entry's timestamp (at most once a second, to spare the shared cache line) and TCP state.
+/// Returns whether this packet closed the connection: a RST, or a FIN when the other direction already sent one.
 #[inline(always)]
-fn track(cfg: &Config, key: &FlowKeyV4, fl: &mut FlowV4, proto: u8, tcp_flags: u8, now: u64) {
+fn track(
+    cfg: &Config,
+    key: &FlowKeyV4,
+    fl: &mut FlowV4,
+    proto: u8,
+    tcp_flags: u8,
+    now: u64,
+) -> bool {
     if now.wrapping_sub(fl.last_seen_ns) > NS_PER_S {
         fl.last_seen_ns = now;
         fl.flags &= !FLOW_F_SYNCED;
     }
     if proto != PROTO_TCP || tcp_flags & (TCP_FIN | TCP_RST) == 0 {
-        return;
+        return false;
     }
+    let Some(bit) = close_bit(fl, tcp_flags, now) else {
+        return false;
+    };
+    if cfg.flags & CFG_F_SYNC_EVENTS != 0 {
+        publish(FLOW_EV_CLOSE, key, fl, None);
+    }
+    let Some(p) = FLOWS_V4.get_ptr_mut(fl.partner_key(proto)) else {
+        // The other direction is gone (evicted, or a peer's flow without it): nothing else will close it.
+        return true;
+    };
+    let partner = unsafe { &mut *p };
+    if bit == FLOW_F_RST {
+        // A reset ends both directions; the other side may never send again.
+        partner.flags |= FLOW_F_RST;
+        partner.timeout_s = TCP_CLOSING_TIMEOUT_S;
+        return true;
+    }
+    partner.flags & (FLOW_F_FIN | FLOW_F_RST) != 0
+}
+
+/// Records a FIN or RST (from `tcp_flags`) on an entry the first time one arrives in its direction: the flag
+/// bit, the service's closed-flow counter, and the closing timeout. Returns the bit that was newly set.
+#[inline(always)]
+pub fn close_bit(fl: &mut FlowV4, tcp_flags: u8, now: u64) -> Option<u8> {
     let bit = if tcp_flags & TCP_RST != 0 {
         FLOW_F_RST
-    } else {
+    } else if tcp_flags & TCP_FIN != 0 {
         FLOW_F_FIN
+    } else {
+        return None;
     };
     if fl.flags & bit != 0 {
-        return;
+        return None;
     }
     if fl.flags & (FLOW_F_FIN | FLOW_F_RST) == 0 {
         with_service_stats(fl.svc_id, |s| s.closed_flows += 1);
@@ -428,65 +574,40 @@ fn track(cfg: &Config, key: &FlowKeyV4, fl: &mut FlowV4, proto: u8, tcp_flags: u
     if fl.timeout_s == 0 || fl.timeout_s > TCP_CLOSING_TIMEOUT_S {
         fl.timeout_s = TCP_CLOSING_TIMEOUT_S;
     }
-    if cfg.flags & CFG_F_SYNC_EVENTS != 0 {
-        publish(FLOW_EV_CLOSE, key, fl, None);
-    }
-    if bit == FLOW_F_RST {
-        // A reset ends both directions; the other side may never send again.
-        if let Some(p) = FLOWS_V4.get_ptr_mut(fl.partner_key(proto)) {
-            let partner = unsafe { &mut *p };
-            partner.flags |= FLOW_F_RST;
-            partner.timeout_s = TCP_CLOSING_TIMEOUT_S;
-        }
-    }
+    Some(bit)
 }
 
 /// Whether a forward entry has been idle past its timeout, in both directions (a one-way stream keeps
 /// its flow alive through either entry).
 #[inline(always)]
 fn expired(fl: &FlowV4, proto: u8, now: u64) -> bool {
-    if !stale(fl, now) {
+    if !fl.idle(now) {
         return false;
     }
     match FLOWS_V4.get_ptr(fl.partner_key(proto)) {
-        Some(p) => stale(unsafe { &*p }, now),
+        Some(p) => unsafe { &*p }.idle(now),
         None => true,
     }
 }
 
-#[inline(always)]
-fn stale(fl: &FlowV4, now: u64) -> bool {
-    fl.timeout_s != 0 && now.saturating_sub(fl.last_seen_ns) > fl.timeout_s as u64 * NS_PER_S
-}
-
 /// Applies a flow's rewrite to the packet: MACs, addresses, ports, checksums.
-#[allow(clippy::too_many_arguments)]
 #[inline(always)]
-fn rewrite<C: Ctx>(
-    c: &C,
-    eth: *mut EthHdr,
-    ip: *mut Ipv4Hdr,
-    ports: *mut Ports,
-    csum_p: *mut u16,
-    csum_off: usize,
-    fl: &FlowV4,
-    proto: u8,
-) -> Verdict {
+pub fn rewrite<C: Ctx>(c: &C, p: &L4Pkt, fl: &FlowV4) -> Verdict {
     unsafe {
-        (*eth).src = (*eth).dst;
-        (*eth).dst = fl.mac;
-        (*ip).src = fl.new_src;
-        (*ip).dst = fl.new_dst;
-        (*ip).check = csum::apply((*ip).check, fl.csum_addr);
-        (*ports).sport = fl.new_sport;
-        (*ports).dport = fl.new_dport;
+        (*p.eth).src = (*p.eth).dst;
+        (*p.eth).dst = fl.mac;
+        (*p.ip).src = fl.new_src;
+        (*p.ip).dst = fl.new_dst;
+        (*p.ip).check = csum::apply((*p.ip).check, fl.csum_addr);
+        (*p.ports).sport = fl.new_sport;
+        (*p.ports).dport = fl.new_dport;
     }
     c.l4_csum(
-        csum_off,
-        csum_p,
+        p.csum_off,
+        p.csum_p,
         fl.csum_addr,
         fl.csum_port,
-        proto == PROTO_UDP,
+        p.key.proto == PROTO_UDP,
     );
     Verdict::Tx
 }
@@ -531,11 +652,17 @@ fn icmp<C: Ctx>(c: &C, eth: *mut EthHdr, ip: *mut Ipv4Hdr, l4_off: usize) -> Ver
             _pad: [0; 3],
         }
     };
-    let Some(fp) = FLOWS_V4.get_ptr(key) else {
-        count(stat::PASS_ICMP_UNKNOWN);
-        return Verdict::Pass;
+    // Established flows first, then handshakes and closed connections (a host unreachable for a SYN).
+    let fl = match FLOWS_V4.get_ptr(key) {
+        Some(fp) => unsafe { *fp },
+        None => match TRANSIENT_V4.get_ptr(key) {
+            Some(tp) if iproto == PROTO_TCP => unsafe { (*tp).flow },
+            _ => {
+                count(stat::PASS_ICMP_UNKNOWN);
+                return Verdict::Pass;
+            }
+        },
     };
-    let fl = unsafe { *fp };
     unsafe {
         // Outer header: from us, to the far side of the flow.
         let d_outer = csum::add(

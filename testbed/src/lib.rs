@@ -7,6 +7,7 @@
 //! - [`load`]: many short TCP connections / UDP flows, every byte verified, latency percentiles.
 //! - [`hold`]: long-lived connections that must never break.
 //! - [`rawsend`]: malformed Ethernet frames through AF_PACKET.
+//! - [`synflood`]: SYNs from spoofed sources through AF_PACKET.
 //! - [`ha`]: two or three load-balancer replicas with VRRP and state sync sharing one VIP.
 //! - [`rig`]: the load balancer under test (topology + echo servers + the real agent); [`demo`] uses it.
 //! - [`process`]: command runner with clear errors, [`ChildGuard`], tool/root checks, [`binary_path`].
@@ -22,6 +23,7 @@ pub mod load;
 pub mod process;
 pub mod rawsend;
 pub mod rig;
+pub mod synflood;
 pub mod topology;
 
 pub use topology::{

@@ -36,6 +36,8 @@ enum Cmd {
     Hold(HoldArgs),
     /// Sends malformed Ethernet frames on an interface via AF_PACKET; prints counts as JSON.
     Rawsend(RawsendArgs),
+    /// SYNs from spoofed sources to VIP:port, as fast as one socket sends, for a while; prints JSON.
+    Synflood(SynfloodArgs),
     /// Creates a topology for manual experiments, prints it as JSON, tears it down on SIGINT/SIGTERM.
     Up(UpArgs),
     /// Attaches the test-only `xdp_pass` program to an interface until killed (veth peers of a natively
@@ -172,6 +174,34 @@ struct HoldArgs {
     /// Exit with status 1 when any connection broke.
     #[arg(long)]
     strict: bool,
+}
+
+#[derive(clap::Args)]
+struct SynfloodArgs {
+    /// Interface to send on (in the current namespace).
+    #[arg(long)]
+    iface: String,
+    /// Destination MAC (the load balancer's interface).
+    #[arg(long)]
+    dst_mac: String,
+    /// Destination IPv4 (the VIP).
+    #[arg(long)]
+    dst_ip: Ipv4Addr,
+    /// Destination port.
+    #[arg(long, default_value_t = 80)]
+    dst_port: u16,
+    /// How long to flood, seconds.
+    #[arg(long, default_value_t = 5.0)]
+    seconds: f64,
+    /// Stop after this many SYNs (0: only the time counts).
+    #[arg(long, default_value_t = 0)]
+    max_frames: u64,
+    /// SYNs per second at most (0: as fast as one socket sends).
+    #[arg(long, default_value_t = 0)]
+    rate: u64,
+    /// Seed of the spoofed sources.
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
 }
 
 #[derive(clap::Args)]
@@ -370,6 +400,21 @@ async fn run(cli: Cli) -> Result<i32> {
             let report = rawsend::send(&a.iface, &kinds, a.count, &params)?;
             print_json(&report)?;
             Ok(if report.errors.is_empty() { 0 } else { 1 })
+        }
+        Cmd::Synflood(a) => {
+            let report = lb_testbed::synflood::flood(&lb_testbed::synflood::FloodConfig {
+                src_mac: rawsend::iface_mac(&a.iface)?,
+                dst_mac: parse_mac(&a.dst_mac)?,
+                iface: a.iface,
+                dst: a.dst_ip,
+                dst_port: a.dst_port,
+                duration: Duration::from_secs_f64(a.seconds),
+                max_frames: a.max_frames,
+                rate: a.rate,
+                seed: a.seed,
+            })?;
+            print_json(&report)?;
+            Ok(0)
         }
         Cmd::Up(a) => {
             let topo = Topology::new(TopologyConfig {

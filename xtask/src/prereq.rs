@@ -58,11 +58,12 @@ pub const IMAGE_TEST_PACKAGES: &[Pkg] = &[
     pkg("openssl", &["openssl"]),
 ];
 
-/// Packages built from one QEMU source that must be installed at one version: Debian's qemu-system-x86 7.2 and
-/// the backports qemu-utils 10.0 that machines of this kind ship conflict, and apt resolves that by removing
-/// qemu-utils. A missing member is installed at the version of the member already installed (from backports when
-/// that is where it came from), and every apt call runs with `--no-remove`, so apt never removes a package to make
-/// room: it fails and says why instead.
+/// Packages built from one QEMU source, which must be installed at one version: machines of this kind ship
+/// `qemu-utils` 10.0 from bookworm-backports (without backports in apt's sources), Debian's `qemu-system-x86` 7.2
+/// conflicts with it, and apt resolved that by removing `qemu-utils`. The whole family is therefore installed
+/// together at the Debian release's own version (7.2 on Debian 12, what the boot test was built and proven
+/// with), replacing a member from elsewhere (`--allow-downgrades`, announced on the terminal) rather than adding
+/// a backports source to the machine's apt configuration.
 const QEMU_FAMILY: &[&str] = &[
     "qemu-system-x86",
     "qemu-utils",
@@ -89,51 +90,75 @@ pub fn debian_packages(pkgs: &[Pkg]) -> Result<()> {
         let (qemu, other): (Vec<&str>, Vec<&str>) =
             missing.iter().partition(|p| QEMU_FAMILY.contains(p));
         if !other.is_empty() {
-            apt_install(&other, None)?;
+            apt_install(&other, &[])?;
         }
         if !qemu.is_empty() {
             install_qemu_family(&qemu)?;
         }
     }
+    if pkgs.iter().any(|p| QEMU_FAMILY.contains(&p.name)) {
+        // Also when nothing is missing: a member may be at another version than the rest.
+        install_qemu_family(&[])?;
+    }
     check_provided(pkgs)
 }
 
-/// Installs missing members of the QEMU family at the version of the installed ones (or, with none installed, at
-/// apt's candidate for all of them together).
-fn install_qemu_family(missing: &[&str]) -> Result<()> {
-    let installed = QEMU_FAMILY
-        .iter()
-        .find_map(|p| installed_version(p).map(|v| (*p, v)));
-    let Some((from, version)) = installed else {
-        return apt_install(missing, None);
-    };
-    let mut release = None;
-    if version.contains("~bpo") {
-        // A backports build: the rest of the family comes from the same backports suite, which may not be in the
-        // machine's sources (the image that shipped qemu-utils 10.0 did not keep it).
-        let suite = format!("{}-backports", os_codename()?);
-        ensure_suite(&suite)?;
-        release = Some(suite);
+/// Installs the QEMU packages `wanted`, and reinstalls the installed members of the family, each at the
+/// release's version when it is not already.
+fn install_qemu_family(wanted: &[&str]) -> Result<()> {
+    let mut pinned = Vec::new();
+    for &p in QEMU_FAMILY {
+        let installed = installed_version(p);
+        if installed.is_none() && !wanted.contains(&p) {
+            continue;
+        }
+        let release = match release_version(p) {
+            Ok(v) => v,
+            Err(_) => {
+                // Nothing listed yet (a fresh machine's apt lists are empty): refresh once, then ask again.
+                apt(
+                    &["update", "-qq"],
+                    "apt-get update (are Debian's package mirrors reachable?)",
+                )?;
+                release_version(p)?
+            }
+        };
+        if installed.as_deref() != Some(release.as_str()) {
+            if let Some(v) = &installed {
+                eprintln!(
+                    "{p} {v} is not Debian's {release}: replacing it so the QEMU packages match"
+                );
+            }
+            pinned.push(format!("{p}={release}"));
+        }
     }
-    eprintln!(
-        "installing {} at {version}, the version of the installed {from} (QEMU packages must match)",
-        missing.join(" ")
-    );
-    let pinned: Vec<String> = missing.iter().map(|p| format!("{p}={version}")).collect();
+    if pinned.is_empty() {
+        return Ok(());
+    }
     let pinned: Vec<&str> = pinned.iter().map(String::as_str).collect();
-    apt_install(&pinned, release.as_deref())?;
-    let versions: Vec<(&str, String)> = QEMU_FAMILY
-        .iter()
-        .filter_map(|p| installed_version(p).map(|v| (*p, v)))
-        .collect();
-    if let Some((p, v)) = versions.iter().find(|(_, v)| *v != version) {
-        bail!("after installing the QEMU packages, {p} is at {v} but {from} at {version}: install them at one version");
-    }
-    Ok(())
+    apt_install(&pinned, &["--allow-downgrades"])
 }
 
-/// `apt-get install`, never removing a package (see [`QEMU_FAMILY`]); `release` selects a suite (`-t`).
-fn apt_install(pkgs: &[&str], release: Option<&str>) -> Result<()> {
+/// The newest version of `pkg` in the Debian release's own suites (not backports), from `apt-cache madison`
+/// (newest first).
+fn release_version(pkg: &str) -> Result<String> {
+    let table = output(
+        Command::new("apt-cache").args(["madison", pkg]),
+        "apt-cache madison",
+    )?;
+    table
+        .lines()
+        .filter_map(|l| {
+            let mut cols = l.split('|').map(str::trim);
+            let (_, version, source) = (cols.next()?, cols.next()?, cols.next()?);
+            (!source.contains("backports")).then(|| version.to_owned())
+        })
+        .next()
+        .with_context(|| format!("no Debian release version of {pkg} in apt's sources"))
+}
+
+/// `apt-get install`, never removing a package (see [`QEMU_FAMILY`]).
+fn apt_install(pkgs: &[&str], extra: &[&str]) -> Result<()> {
     let mut args = vec![
         "install",
         "-y",
@@ -141,9 +166,7 @@ fn apt_install(pkgs: &[&str], release: Option<&str>) -> Result<()> {
         "--no-install-recommends",
         "--no-remove",
     ];
-    if let Some(r) = release {
-        args.extend(["-t", r]);
-    }
+    args.extend(extra);
     args.extend(pkgs);
     apt(&args, &format!("apt-get install {}", pkgs.join(" ")))
 }
@@ -167,53 +190,6 @@ fn installed_version(pkg: &str) -> Option<String> {
     let out = String::from_utf8_lossy(&out.stdout);
     let (status, version) = out.split_once('\t')?;
     (status == "install ok installed").then(|| version.to_owned())
-}
-
-/// The Debian release's code name (`bookworm`).
-fn os_codename() -> Result<String> {
-    let release = std::fs::read_to_string("/etc/os-release").context("reading /etc/os-release")?;
-    release
-        .lines()
-        .find_map(|l| l.strip_prefix("VERSION_CODENAME="))
-        .map(|v| v.trim_matches('"').to_owned())
-        .context("no VERSION_CODENAME in /etc/os-release")
-}
-
-/// Makes `suite` (e.g. `bookworm-backports`) one of apt's sources when it is not, from the mirror the machine's
-/// Debian sources already use, and refreshes the lists. Backports are never preferred by apt on their own
-/// (priority 100), so this changes nothing but what `-t <suite>` can reach.
-fn ensure_suite(suite: &str) -> Result<()> {
-    let policy = output(Command::new("apt-cache").arg("policy"), "apt-cache policy")?;
-    if policy.contains(&format!(" {suite}/")) || policy.contains(&format!("a={suite},")) {
-        return Ok(());
-    }
-    let sources = std::fs::read_to_string("/etc/apt/sources.list.d/debian.sources")
-        .or_else(|_| std::fs::read_to_string("/etc/apt/sources.list"))
-        .unwrap_or_default();
-    let mirror = sources
-        .lines()
-        .filter_map(|l| {
-            l.strip_prefix("URIs:").or_else(|| {
-                l.strip_prefix("deb ")
-                    .and_then(|r| r.split_whitespace().next())
-            })
-        })
-        .map(str::trim)
-        .find(|u| !u.contains("security"))
-        .unwrap_or("http://deb.debian.org/debian")
-        .to_owned();
-    let file = format!("/etc/apt/sources.list.d/{suite}.sources");
-    eprintln!("adding {suite} from {mirror} to apt's sources ({file})");
-    std::fs::write(
-        &file,
-        format!(
-            "# Written by cargo xtask: the QEMU packages must come from the suite the installed ones came from.\n\
-             Types: deb\nURIs: {mirror}\nSuites: {suite}\nComponents: main\n\
-             Signed-By: /usr/share/keyrings/debian-archive-keyring.gpg\n"
-        ),
-    )
-    .with_context(|| format!("writing {file}"))?;
-    apt(&["update", "-qq"], &format!("apt-get update with {suite}"))
 }
 
 /// Checks that every program (on `PATH`) and file the packages provide is there, naming the package if not.

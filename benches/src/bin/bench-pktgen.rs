@@ -269,24 +269,19 @@ fn measure_path(
             client,
             vip,
         );
-        if kind == Kind::TcpEstablished {
-            // SYNs for the same 1024 ports first: only a SYN creates a TCP flow.
-            let syn = frame(
-                Kind::SynNew,
-                topo.mac(Host::Client),
-                topo.mac(Host::Lb),
-                client,
-                vip,
-            );
-            g.set_template(&syn, 0, PORT_MASK)?;
-            g.generate(0.0, Some(4 * (PORT_MASK + 1)))?;
-            std::thread::sleep(Duration::from_millis(100));
-        }
+        // TCP flows exist only after a completed handshake (a flood of SYNs no longer creates them): real
+        // connections from the cycled ports, held open while their tuples are generated.
+        let _held = if kind == Kind::TcpEstablished && lb_prog != "bench_fwd" {
+            Some(connect_cycled_ports(&g.client_ns, vip)?)
+        } else {
+            None
+        };
         let mode = if kind == Kind::SynNew { 1 } else { 0 };
         g.set_template(&f, mode, PORT_MASK)?;
         // Warm-up (flow creation for the cycled ports).
         g.generate(0.2, None)?;
         let (mut gen_v, mut fwd_v, mut ns_v) = (Vec::new(), Vec::new(), Vec::new());
+        let (mut sent_total, mut ran_total) = (0u64, 0u64);
         for _ in 0..args.runs {
             std::thread::sleep(Duration::from_millis(100));
             let before = g.sink_count()?;
@@ -298,12 +293,27 @@ fn measure_path(
             gen_v.push(sent as f64 / secs / 1e6);
             fwd_v.push(got as f64 / secs / 1e6);
             let cnt = st1.1.saturating_sub(st0.1);
+            sent_total += sent;
+            ran_total += cnt;
             if cnt > 0 {
                 ns_v.push(st1.0.saturating_sub(st0.0) as f64 / cnt as f64);
             }
         }
         let generated = median(gen_v);
         let forwarded = median(fwd_v);
+        // A path that delivers nothing, or whose program never saw the frames, is a broken rig, not a result.
+        if forwarded == 0.0 {
+            bail!(
+                "{path} {}: 0 of {sent_total} generated frames reached the sink ({lb_prog} ran {ran_total} times)",
+                kind.name()
+            );
+        }
+        if (ran_total as f64) < 0.9 * sent_total as f64 {
+            bail!(
+                "{path} {}: {lb_prog} ran {ran_total} times for {sent_total} generated frames: the frames do not reach it",
+                kind.name()
+            );
+        }
         let c = Case {
             path: path.to_string(),
             kind: kind.name(),
@@ -324,6 +334,31 @@ fn measure_path(
         out.push(c);
     }
     Ok(out)
+}
+
+/// Opens one real TCP connection to VIP:80 from each source port the established case cycles through (20000 +
+/// 0..=PORT_MASK), in the client's namespace; they stay open while the returned sockets live.
+fn connect_cycled_ports(client_ns: &str, vip: Ipv4Addr) -> Result<Vec<std::net::TcpStream>> {
+    in_netns(client_ns, || {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()?;
+        rt.block_on(async {
+            let mut held = Vec::new();
+            for i in 0..=PORT_MASK {
+                let sock = tokio::net::TcpSocket::new_v4()?;
+                sock.set_reuseaddr(true)?;
+                sock.bind((Ipv4Addr::UNSPECIFIED, 20000 + i as u16).into())?;
+                let s =
+                    tokio::time::timeout(Duration::from_secs(5), sock.connect((vip, 80).into()))
+                        .await
+                        .context("connecting through the VIP timed out")?
+                        .with_context(|| format!("connecting from port {}", 20000 + i))?;
+                held.push(s.into_std()?);
+            }
+            anyhow::Ok(held)
+        })
+    })
 }
 
 /// Attaches the sink on every backend's interface; the returned links stay attached while `g` lives.
@@ -478,6 +513,7 @@ fn main() -> Result<()> {
     // Only the bench programs are used: keep the load balancer's maps in this object small.
     let sizes = MapSizes {
         flows: 1024,
+        transient: 1024,
         services: 16,
         backends: 64,
         maglev_slots: 1024,
@@ -490,10 +526,14 @@ fn main() -> Result<()> {
         args.modes.join(", ")
     );
     let mut cases = run_reference(&args, &obj, &sizes)?;
+    let mut failed = Vec::new();
     for mode in &args.modes {
         match run_lb(&args, &obj, &sizes, mode) {
             Ok(c) => cases.extend(c),
-            Err(e) => eprintln!("  lb {mode}: FAILED: {e:#}"),
+            Err(e) => {
+                eprintln!("  lb {mode}: FAILED: {e:#}");
+                failed.push(format!("lb {mode}: {e:#}"));
+            }
         }
     }
     // Ratios to the reference of the same kind.
@@ -575,5 +615,8 @@ fn main() -> Result<()> {
     };
     let path = write_json("pktgen", &report)?;
     println!("  JSON: {}", path.display());
+    if !failed.is_empty() {
+        bail!("{} path(s) failed: {}", failed.len(), failed.join("; "));
+    }
     Ok(())
 }

@@ -55,6 +55,7 @@ pub struct Harness {
 pub fn test_sizes() -> MapSizes {
     MapSizes {
         flows: 4096,
+        transient: 1024,
         services: 64,
         backends: 256,
         maglev_slots: 1 << 16,

@@ -66,7 +66,11 @@ pub const RST: Flags = Flags {
     psh: false,
 };
 
-/// An Ethernet + IPv4 + TCP frame.
+/// Sequence number of every frame [`tcp`] builds; its acknowledgement number is this + 1, so a client's ACK
+/// acknowledges a backend's SYN-ACK built the same way (the handshake the data plane checks).
+pub const SEQ: u32 = 1000;
+
+/// An Ethernet + IPv4 + TCP frame with sequence number [`SEQ`] and (with ACK) acknowledgement `SEQ + 1`.
 #[allow(clippy::too_many_arguments)]
 pub fn tcp(
     src_mac: [u8; 6],
@@ -78,14 +82,35 @@ pub fn tcp(
     flags: Flags,
     payload: &[u8],
 ) -> Vec<u8> {
+    tcp_seq(
+        src_mac,
+        dst_mac,
+        (src, sport),
+        (dst, dport),
+        flags,
+        (SEQ, SEQ + 1),
+        payload,
+    )
+}
+
+/// An Ethernet + IPv4 + TCP frame with explicit (sequence, acknowledgement) numbers.
+pub fn tcp_seq(
+    src_mac: [u8; 6],
+    dst_mac: [u8; 6],
+    (src, sport): (Ipv4Addr, u16),
+    (dst, dport): (Ipv4Addr, u16),
+    flags: Flags,
+    (seq, ack): (u32, u32),
+    payload: &[u8],
+) -> Vec<u8> {
     let mut b = PacketBuilder::ethernet2(src_mac, dst_mac)
         .ipv4(src.octets(), dst.octets(), 64)
-        .tcp(sport, dport, 1000, 64240);
+        .tcp(sport, dport, seq, 64240);
     if flags.syn {
         b = b.syn();
     }
     if flags.ack {
-        b = b.ack(1);
+        b = b.ack(ack);
     }
     if flags.fin {
         b = b.fin();
