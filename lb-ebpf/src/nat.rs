@@ -106,8 +106,7 @@ pub fn process<C: Ctx>(c: &C) -> Verdict {
                     csum_off: l4_off + TCP_CSUM_OFF,
                     key: flow_key(ip, tcp as *mut Ports, PROTO_TCP),
                     tcp_flags: (*tcp).flags,
-                    seq_be: (*tcp).seq,
-                    ack_be: (*tcp).ack,
+                    tcp,
                     tot,
                 }
             };
@@ -130,8 +129,7 @@ pub fn process<C: Ctx>(c: &C) -> Verdict {
                 csum_off: l4_off + UDP_CSUM_OFF,
                 key: flow_key(ip, udp as *mut Ports, PROTO_UDP),
                 tcp_flags: 0,
-                seq_be: 0,
-                ack_be: 0,
+                tcp: core::ptr::null_mut(),
                 tot,
             };
             l4(c, &cfg, &p)
@@ -156,9 +154,9 @@ pub struct L4Pkt {
     pub key: FlowKeyV4,
     /// TCP flags (0 for UDP).
     pub tcp_flags: u8,
-    /// TCP sequence and acknowledgement numbers as on the wire (0 for UDP).
-    pub seq_be: u32,
-    pub ack_be: u32,
+    /// The TCP header (null for UDP): sequence and acknowledgement numbers are read only where the handshake
+    /// rules need them, off the established path.
+    pub tcp: *mut TcpHdr,
     /// IP total length.
     pub tot: usize,
 }
@@ -167,6 +165,20 @@ impl L4Pkt {
     #[inline(always)]
     fn is_tcp(&self) -> bool {
         self.key.proto == PROTO_TCP
+    }
+
+    /// TCP sequence number as on the wire. Only for TCP packets.
+    #[inline(always)]
+    pub fn seq_be(&self) -> u32 {
+        // SAFETY: `tcp` was bounds-checked when the packet was parsed and is read before any rewrite.
+        unsafe { (*self.tcp).seq }
+    }
+
+    /// TCP acknowledgement number as on the wire. Only for TCP packets.
+    #[inline(always)]
+    pub fn ack_be(&self) -> u32 {
+        // SAFETY: as for `seq_be`.
+        unsafe { (*self.tcp).ack }
     }
 
     /// A TCP SYN without ACK: the only segment that starts a connection.
@@ -213,22 +225,25 @@ fn l4<C: Ctx>(c: &C, cfg: &Config, p: &L4Pkt) -> Verdict {
         }
         reopen = Some(fl.partner_key(proto));
     }
-    if p.is_tcp() {
-        if let Some(tp) = TRANSIENT_V4.get_ptr_mut(key) {
-            if let Some(v) = transient::segment(c, cfg, p, unsafe { &mut *tp }, reopen, now) {
-                return v;
-            }
-        }
-    }
-
-    // No usable flow: is it for a service?
     let skey = ServiceKey {
         addr: Addr::from_v4_raw(key.dst),
         port_be: key.dport,
         proto,
         family: FAMILY_V4,
     };
-    let Some(svc) = SERVICES.get_ptr(skey) else {
+    let svc = SERVICES.get_ptr(skey);
+    // Handshakes and closed connections: a client's segment to a service, or a backend's to a SNAT port. (Other
+    // traffic — SSH to the VM, a low port on the VIP — skips the lookup.)
+    let dport = u16::from_be(key.dport);
+    if p.is_tcp() && (svc.is_some() || (cfg.snat_port_min..=cfg.snat_port_max).contains(&dport)) {
+        if let Some(tp) = TRANSIENT_V4.get_ptr_mut(key) {
+            if let Some(v) = transient::segment(c, cfg, p, unsafe { &mut *tp }, reopen, now) {
+                return v;
+            }
+        }
+    }
+    // No usable flow: is it for a service?
+    let Some(svc) = svc else {
         count(stat::PASS_NOT_SERVICE);
         return Verdict::Pass;
     };

@@ -103,7 +103,7 @@ pub fn segment<C: Ctx>(
         }
         if !t.closed() && p.tcp_flags & (TCP_SYN | TCP_ACK) == TCP_SYN | TCP_ACK {
             t.flow.flags |= FLOW_F_SYN_ACK;
-            t.ack_be = u32::from_be(p.seq_be).wrapping_add(1).to_be();
+            t.ack_be = u32::from_be(p.seq_be()).wrapping_add(1).to_be();
         }
         track(t, p, partner, now);
         return Some(forward(c, p, &t.flow));
@@ -127,7 +127,7 @@ pub fn segment<C: Ctx>(
         if let Some(rp) = TRANSIENT_V4.get_ptr_mut(partner) {
             // SAFETY: a value of the map, valid until its entry is removed (promote removes it last).
             let rev = unsafe { &mut *rp };
-            if rev.flow.flags & FLOW_F_SYN_ACK != 0 && rev.ack_be == p.ack_be {
+            if rev.flow.flags & FLOW_F_SYN_ACK != 0 && rev.ack_be == p.ack_be() {
                 return Some(promote(c, cfg, p, t, rev, reopen, now));
             }
         }

@@ -15,6 +15,9 @@ pub enum Which {
     Controller,
     /// Packet rate on the netns topology with XDP live frames, next to a bare XDP_TX forwarder (root).
     Pktgen,
+    /// SYN flood from spoofed sources against the real agent while 10 000 connections are held and new ones
+    /// are made: surviving and succeeding shares, program cost per frame (root).
+    Synflood,
     /// Connection-level comparison: our modes vs HAProxy, nginx, Envoy, nftables DNAT and the direct path
     /// (root; installs the peers from Debian and PyPI when missing).
     Connections,
@@ -38,6 +41,7 @@ pub fn run_bench(which: Which) -> Result<()> {
         Which::Controller => controller(),
         Which::Pktgen => netns_bench("bench-pktgen"),
         Which::Connections => netns_bench("bench-connections"),
+        Which::Synflood => netns_bench("bench-synflood"),
         Which::Scale => netns_bench("bench-scale"),
         Which::Failover => netns_bench("bench-failover"),
         Which::Openstack => openstack(),
@@ -45,6 +49,7 @@ pub fn run_bench(which: Which) -> Result<()> {
             dataplane()?;
             controller()?;
             netns_bench("bench-pktgen")?;
+            netns_bench("bench-synflood")?;
             netns_bench("bench-connections")?;
             netns_bench("bench-scale")?;
             netns_bench("bench-failover")?;

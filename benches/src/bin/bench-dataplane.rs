@@ -148,10 +148,10 @@ fn fill(dp: &mut Dataplane, capacity: u32) -> Result<u32> {
         let client = u32::from_ne_bytes(Ipv4Addr::from(0x6400_0000 + (i >> 8)).octets());
         let node = u32::from_ne_bytes(node_ip((i % NODES as u32) as u8).octets());
         let vip = u32::from_ne_bytes(VIP.octets());
-        let (cport, sport) = (
-            (1024 + (i & 0xff) as u16).to_be(),
-            (1024 + (i >> 6) as u16 % 60000).to_be(),
-        );
+        // SNAT ports scattered over the range as the data plane's hash-seeded search leaves them (a contiguous
+        // block would make every search that starts inside it walk the whole block).
+        let scattered = 1024 + ((i >> 6) as u64 * 40499 % 64512) as u16;
+        let (cport, sport) = ((1024 + (i & 0xff) as u16).to_be(), scattered.to_be());
         let fwd_key = FlowKeyV4 {
             src: client,
             dst: vip,
@@ -248,7 +248,7 @@ fn seg_full(b: &mut Bench) -> Result<Vec<u8>> {
     let port = 40001;
     let syn = pad(tcp(CLIENT_MAC, LB_MAC, CLIENT, port, VIP, 80, SYN, b""));
     b.set_template(&syn, false)?;
-    b.run("bench_lb", &syn, 1)?;
+    let (_, verdict) = b.run("bench_lb", &syn, 1)?;
     let key = FlowKeyV4 {
         src: u32::from_ne_bytes(CLIENT.octets()),
         dst: u32::from_ne_bytes(VIP.octets()),
@@ -259,7 +259,13 @@ fn seg_full(b: &mut Bench) -> Result<Vec<u8>> {
     };
     let f =
         b.dp.transient_flow(&key)?
-            .context("no handshake in the full table")?
+            .with_context(|| {
+                format!(
+                    "no handshake in the full table (verdict {}, counters {:?})",
+                    verdict_name(verdict),
+                    b.dp.stats().unwrap_or_default()
+                )
+            })?
             .flow;
     let node = Ipv4Addr::from(f.new_dst.to_ne_bytes());
     let syn_ack = pad(tcp(
