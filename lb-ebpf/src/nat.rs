@@ -15,7 +15,7 @@ use crate::{
     hdr::*,
     maps::{
         count, with_service_stats, BACKENDS, CONFIG, FLOWS_V4, FLOW_EVENTS, MAGLEV, NEXTHOPS,
-        SERVICES, SOURCE_RANGES, TRANSIENT_V4, VIPS,
+        SCRATCH, SERVICES, SOURCE_RANGES, TRANSIENT_V4, VIPS,
     },
     transient,
 };
@@ -102,12 +102,10 @@ pub fn process<C: Ctx>(c: &C) -> Verdict {
                     eth,
                     ip,
                     ports: tcp as *mut Ports,
-                    csum_p: (tcp as usize + TCP_CSUM_OFF) as *mut u16,
-                    csum_off: l4_off + TCP_CSUM_OFF,
                     key: flow_key(ip, tcp as *mut Ports, PROTO_TCP),
                     tcp_flags: (*tcp).flags,
                     tcp,
-                    tot,
+                    tot: tot as u16,
                 }
             };
             l4(c, &cfg, &p)
@@ -125,12 +123,10 @@ pub fn process<C: Ctx>(c: &C) -> Verdict {
                 eth,
                 ip,
                 ports: udp as *mut Ports,
-                csum_p: (udp as usize + UDP_CSUM_OFF) as *mut u16,
-                csum_off: l4_off + UDP_CSUM_OFF,
                 key: flow_key(ip, udp as *mut Ports, PROTO_UDP),
                 tcp_flags: 0,
                 tcp: core::ptr::null_mut(),
-                tot,
+                tot: tot as u16,
             };
             l4(c, &cfg, &p)
         }
@@ -142,23 +138,24 @@ pub fn process<C: Ctx>(c: &C) -> Verdict {
     }
 }
 
-/// A TCP or UDP packet, parsed once: the headers it is rewritten through and what the flow rules read.
+/// A TCP or UDP packet, parsed once: the headers it is rewritten through and what the flow rules read. Kept
+/// small: it lives on the BPF stack for the whole path (older kernels' verifiers refuse a program whose call
+/// frames add up to more than 512 bytes; the build checks the main frame against 448).
 pub struct L4Pkt {
+    /// Start of the frame (Ethernet header).
     pub eth: *mut EthHdr,
     pub ip: *mut Ipv4Hdr,
+    /// The L4 header's ports (TCP or UDP).
     pub ports: *mut Ports,
-    /// The L4 checksum field and its offset in the packet (TC's helpers take the offset).
-    pub csum_p: *mut u16,
-    pub csum_off: usize,
-    /// The 5-tuple as it arrived.
-    pub key: FlowKeyV4,
-    /// TCP flags (0 for UDP).
-    pub tcp_flags: u8,
     /// The TCP header (null for UDP): sequence and acknowledgement numbers are read only where the handshake
     /// rules need them, off the established path.
     pub tcp: *mut TcpHdr,
+    /// The 5-tuple as it arrived.
+    pub key: FlowKeyV4,
     /// IP total length.
-    pub tot: usize,
+    pub tot: u16,
+    /// TCP flags (0 for UDP).
+    pub tcp_flags: u8,
 }
 
 impl L4Pkt {
@@ -179,6 +176,18 @@ impl L4Pkt {
     pub fn ack_be(&self) -> u32 {
         // SAFETY: as for `seq_be`.
         unsafe { (*self.tcp).ack }
+    }
+
+    /// The L4 checksum field and its offset in the frame (TC's helpers take the offset).
+    #[inline(always)]
+    fn csum(&self) -> (*mut u16, usize) {
+        let off = if self.is_tcp() {
+            TCP_CSUM_OFF
+        } else {
+            UDP_CSUM_OFF
+        };
+        let at = self.ports as usize + off;
+        (at as *mut u16, at - self.eth as usize)
     }
 
     /// A TCP SYN without ACK: the only segment that starts a connection.
@@ -212,7 +221,8 @@ fn l4<C: Ctx>(c: &C, cfg: &Config, p: &L4Pkt) -> Verdict {
     let syn = p.syn();
     let now = unsafe { bpf_ktime_get_coarse_ns() };
     // The flow this packet's client port had before, released when a new one is made on it.
-    let mut reopen: Option<FlowKeyV4> = None;
+    // (The entry itself, not its partner's key: 8 bytes of stack instead of 20.)
+    let mut reopen: Option<*const FlowV4> = None;
 
     if let Some(fp) = FLOWS_V4.get_ptr_mut(key) {
         let fl = unsafe { &mut *fp };
@@ -223,7 +233,7 @@ fn l4<C: Ctx>(c: &C, cfg: &Config, p: &L4Pkt) -> Verdict {
         if !forward || !(closing_syn || expired(fl, proto, now)) {
             return established(c, cfg, p, fl, now);
         }
-        reopen = Some(fl.partner_key(proto));
+        reopen = Some(fp);
     }
     let skey = ServiceKey {
         addr: Addr::from_v4_raw(key.dst),
@@ -247,7 +257,8 @@ fn l4<C: Ctx>(c: &C, cfg: &Config, p: &L4Pkt) -> Verdict {
         count(stat::PASS_NOT_SERVICE);
         return Verdict::Pass;
     };
-    let svc = unsafe { *svc };
+    // A reference into the map: a copy would take 40 bytes of the BPF stack.
+    let svc = unsafe { &*svc };
     if p.is_tcp() && !syn {
         // Only a SYN creates a TCP flow. A stray segment (state lost, port scan, ACK flood) is dropped:
         // the kernel would answer with a RST, which kills connections a peer replica may still carry.
@@ -255,7 +266,7 @@ fn l4<C: Ctx>(c: &C, cfg: &Config, p: &L4Pkt) -> Verdict {
         with_service_stats(svc.id, |s| s.drop_no_flow += 1);
         return Verdict::Drop;
     }
-    let t = match pick_backend(cfg, p, &svc) {
+    let t = match pick_backend(cfg, p, svc) {
         Ok(t) => t,
         Err(v) => return v,
     };
@@ -263,38 +274,48 @@ fn l4<C: Ctx>(c: &C, cfg: &Config, p: &L4Pkt) -> Verdict {
         if let Some(old) = reopen {
             // The previous connection on this client port is over: its entries go now, so that the new one's
             // segments cannot follow them.
-            let _ = FLOWS_V4.remove(old);
+            let _ = FLOWS_V4.remove(unsafe { &*old }.partner_key(proto));
             let _ = FLOWS_V4.remove(key);
         }
         // The handshake waits in TRANSIENT_V4; FLOWS_V4 gets the connection when the client completes it.
-        return transient::open(c, cfg, p, &svc, &t, now);
+        return transient::open(c, cfg, p, svc, &t, now);
     }
-    let mut rev = t.reverse(p, &svc, now);
+    // Both entries are built in per-CPU scratch space: on the stack they would push the program past what older
+    // kernels' verifiers accept (see `maps::SCRATCH`).
+    let (Some(rs), Some(fs)) = (SCRATCH.get_ptr_mut(0), SCRATCH.get_ptr_mut(1)) else {
+        count(stat::DROP_FLOW_INSERT);
+        return Verdict::Drop;
+    };
+    // SAFETY (`rs`, `fs`): this CPU's scratch slots; nothing else runs on this CPU meanwhile.
+    unsafe { (*rs).flow = t.reverse(p, svc, now) };
     let Some(snat_port) = alloc_snat_port(cfg, &t, p, |rkey, csum_port| {
-        rev.csum_port = csum_port;
-        FLOWS_V4.insert(rkey, rev, BPF_NOEXIST as u64).is_ok()
+        unsafe { (*rs).flow.csum_port = csum_port };
+        FLOWS_V4
+            .insert(rkey, unsafe { &(*rs).flow }, BPF_NOEXIST as u64)
+            .is_ok()
     }) else {
         count(stat::DROP_SNAT_EXHAUSTED);
         with_service_stats(svc.id, |s| s.drop_snat_exhausted += 1);
         return Verdict::Drop;
     };
-    let fwd = t.forward(p, &svc, snat_port, now);
+    unsafe { (*fs).flow = t.forward(p, svc, snat_port, now) };
+    let (fwd, rev) = unsafe { (&(*fs).flow, &(*rs).flow) };
     let rkey = fwd.partner_key(proto);
     if let Some(old) = reopen {
         // The previous connection on this client port is over: release its reverse entry (and port).
-        let _ = FLOWS_V4.remove(old);
+        let _ = FLOWS_V4.remove(unsafe { &*old }.partner_key(proto));
     }
     if FLOWS_V4.insert(key, fwd, 0).is_err() {
         let _ = FLOWS_V4.remove(rkey);
         count(stat::DROP_FLOW_INSERT);
         return Verdict::Drop;
     }
-    established_new(cfg, &key, &fwd, &rev);
+    established_new(cfg, &key, fwd, rev);
     with_service_stats(svc.id, |s| {
         s.rx_packets += 1;
         s.rx_bytes += p.tot as u64;
     });
-    rewrite(c, p, &fwd)
+    rewrite(c, p, fwd)
 }
 
 /// A packet of an established flow (or of a reply direction, which follows whatever state exists): counted,
@@ -617,9 +638,10 @@ pub fn rewrite<C: Ctx>(c: &C, p: &L4Pkt, fl: &FlowV4) -> Verdict {
         (*p.ports).sport = fl.new_sport;
         (*p.ports).dport = fl.new_dport;
     }
+    let (csum_p, csum_off) = p.csum();
     c.l4_csum(
-        p.csum_off,
-        p.csum_p,
+        csum_off,
+        csum_p,
         fl.csum_addr,
         fl.csum_port,
         p.key.proto == PROTO_UDP,

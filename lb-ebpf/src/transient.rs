@@ -92,7 +92,7 @@ pub fn segment<C: Ctx>(
     cfg: &Config,
     p: &L4Pkt,
     t: &mut TransientV4,
-    reopen: Option<FlowKeyV4>,
+    reopen: Option<*const FlowV4>,
     now: u64,
 ) -> Option<Verdict> {
     let partner = t.flow.partner_key(PROTO_TCP);
@@ -149,7 +149,7 @@ fn promote<C: Ctx>(
     p: &L4Pkt,
     fwd: &mut TransientV4,
     rev: &mut TransientV4,
-    reopen: Option<FlowKeyV4>,
+    reopen: Option<*const FlowV4>,
     now: u64,
 ) -> Verdict {
     fwd.flow.last_seen_ns = now;
@@ -158,6 +158,8 @@ fn promote<C: Ctx>(
     let rkey = fwd.flow.partner_key(PROTO_TCP);
     if let Some(old) = reopen {
         // An idle-expired connection on the same client port is replaced: release its reverse entry.
+        // SAFETY: an entry of FLOWS_V4 found by this packet's lookup (map values stay valid under RCU).
+        let old = unsafe { &*old }.partner_key(PROTO_TCP);
         if old != rkey {
             let _ = FLOWS_V4.remove(old);
         }
