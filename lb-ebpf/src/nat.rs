@@ -214,6 +214,8 @@ fn flow_key(ip: *mut Ipv4Hdr, ports: *mut Ports, proto: u8) -> FlowKeyV4 {
 
 /// TCP or UDP: follow an established flow, a TCP handshake or a closed connection, or open a flow for a
 /// service.
+// New entries go into the map by reference to their scratch slot: a copy would land on the BPF stack.
+#[allow(clippy::needless_borrows_for_generic_args)]
 #[inline(always)]
 fn l4<C: Ctx>(c: &C, cfg: &Config, p: &L4Pkt) -> Verdict {
     let key = p.key;
