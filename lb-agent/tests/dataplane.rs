@@ -206,6 +206,15 @@ both_hooks! {
         assert_eq!(h.svc_stats(&web(&[]).id).closed_flows, 2);
     }
 
+    fn a_fin_on_the_completing_ack_is_recorded(h) {
+        h.apply(&[web(&[1])]);
+        let p = syn(h, 40012);
+        h.run(&reply_tcp(&p, SYN_ACK, b""));
+        assert_eq!(h.run(&client_tcp(40012, FIN_ACK, b"GET / HTTP/1.0\r\n\r\n")).0, Verdict::Tx);
+        let f = h.dp.flow(&fwd_key(40012, 6, WEB_PORT)).unwrap().expect("established");
+        assert_eq!((f.flags & FLOW_F_FIN, f.timeout_s), (FLOW_F_FIN, 10));
+    }
+
     fn a_syn_from_the_backend_side_follows_only_an_existing_flow(h) {
         // No simultaneous open through a full NAT: a backend's SYN towards a SNAT port is forwarded only as
         // part of a flow that exists; without one it is not a service packet and goes to the kernel.

@@ -155,6 +155,8 @@ fn promote<C: Ctx>(
     fwd.flow.last_seen_ns = now;
     rev.flow.last_seen_ns = now;
     rev.flow.flags &= !FLOW_F_SYN_ACK;
+    // The completing ACK may carry the client's FIN already.
+    let _ = close_bit(&mut fwd.flow, p.tcp_flags, now);
     let rkey = fwd.flow.partner_key(PROTO_TCP);
     if let Some(old) = reopen {
         // An idle-expired connection on the same client port is replaced: release its reverse entry.
