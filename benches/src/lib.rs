@@ -20,6 +20,19 @@ pub fn write_json<T: Serialize>(name: &str, value: &T) -> anyhow::Result<PathBuf
     Ok(path)
 }
 
+/// Sum of run_time_ns and run_cnt of every loaded program called `name` (BPF stats must be on:
+/// `aya::sys::enable_stats`).
+pub fn prog_stats(name: &str) -> (u64, u64) {
+    let mut t = (0, 0);
+    for p in aya::programs::loaded_programs().flatten() {
+        if p.name_as_str() == Some(name) {
+            t.0 += p.run_time().as_nanos() as u64;
+            t.1 += p.run_count();
+        }
+    }
+    t
+}
+
 /// Median of a non-empty sample.
 pub fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(|a, b| a.partial_cmp(b).unwrap());

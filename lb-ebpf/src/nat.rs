@@ -313,11 +313,7 @@ fn l4<C: Ctx>(c: &C, cfg: &Config, p: &L4Pkt) -> Verdict {
         return Verdict::Drop;
     }
     established_new(cfg, &key, fwd, rev);
-    with_service_stats(svc.id, |s| {
-        s.rx_packets += 1;
-        s.rx_bytes += p.tot as u64;
-    });
-    rewrite(c, p, fwd)
+    forward(c, p, fwd)
 }
 
 /// A packet of an established flow (or of a reply direction, which follows whatever state exists): counted,
@@ -326,6 +322,16 @@ fn l4<C: Ctx>(c: &C, cfg: &Config, p: &L4Pkt) -> Verdict {
 #[inline(always)]
 fn established<C: Ctx>(c: &C, cfg: &Config, p: &L4Pkt, fl: &mut FlowV4, now: u64) -> Verdict {
     let closed = track(cfg, &p.key, fl, p.key.proto, p.tcp_flags, now);
+    let v = forward(c, p, fl);
+    if closed {
+        transient::retire(&p.key, fl);
+    }
+    v
+}
+
+/// Counts a packet of a flow (established or transient) in its direction and rewrites it.
+#[inline(always)]
+pub fn forward<C: Ctx>(c: &C, p: &L4Pkt, fl: &FlowV4) -> Verdict {
     let fwd_dir = fl.flags & FLOW_F_FORWARD != 0;
     with_service_stats(fl.svc_id, |s| {
         if fwd_dir {
@@ -336,11 +342,7 @@ fn established<C: Ctx>(c: &C, cfg: &Config, p: &L4Pkt, fl: &mut FlowV4, now: u64
             s.tx_bytes += p.tot as u64;
         }
     });
-    let v = rewrite(c, p, fl);
-    if closed {
-        transient::retire(&p.key, fl);
-    }
-    v
+    rewrite(c, p, fl)
 }
 
 /// Counts a flow that entered `FLOWS_V4` (a completed TCP handshake or a new UDP flow) and publishes it for the

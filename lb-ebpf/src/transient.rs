@@ -16,7 +16,7 @@ use crate::{
     ctx::Ctx,
     hdr::{TCP_ACK, TCP_RST, TCP_SYN},
     maps::{count, with_service_stats, FLOWS_V4, SCRATCH, TRANSIENT_V4},
-    nat::{alloc_snat_port, close_bit, established_new, rewrite, L4Pkt, Target, Verdict},
+    nat::{alloc_snat_port, close_bit, established_new, forward, rewrite, L4Pkt, Target, Verdict},
 };
 
 /// Per-CPU scratch slot `i` holding `flow` as a transient entry (see `maps::SCRATCH`).
@@ -209,20 +209,4 @@ fn track(t: &mut TransientV4, p: &L4Pkt, partner: FlowKeyV4, now: u64) {
             pe.flow.timeout_s = TCP_CLOSING_TIMEOUT_S;
         }
     }
-}
-
-/// Counts a packet of a transient flow by direction and rewrites it.
-#[inline(always)]
-fn forward<C: Ctx>(c: &C, p: &L4Pkt, fl: &FlowV4) -> Verdict {
-    let fwd_dir = fl.flags & FLOW_F_FORWARD != 0;
-    with_service_stats(fl.svc_id, |s| {
-        if fwd_dir {
-            s.rx_packets += 1;
-            s.rx_bytes += p.tot as u64;
-        } else {
-            s.tx_packets += 1;
-            s.tx_bytes += p.tot as u64;
-        }
-    });
-    rewrite(c, p, fl)
 }

@@ -4,6 +4,7 @@
 
 use crate::hold::HoldReport;
 use crate::load::LoadReport;
+use crate::synflood::FloodReport;
 use crate::{ChildGuard, Host, Topology, TopologyConfig};
 use anyhow::{anyhow, bail, Context, Result};
 use std::collections::BTreeMap;
@@ -282,6 +283,36 @@ impl Rig {
         run_load(&self.topo, args)
     }
 
+    /// Starts `lb-testbed synflood` in the client namespace: SYNs from spoofed sources to VIP:`port` for
+    /// `seconds`, at most `rate` per second (0: as fast as one socket sends); [`Flood::finish`] waits for its
+    /// report.
+    pub fn start_synflood(&self, port: u16, seconds: f64, rate: u64) -> Result<Flood> {
+        let bin = crate::binary_path()?;
+        let child = self.topo.spawn(
+            Host::Client,
+            [
+                bin.display().to_string(),
+                "synflood".into(),
+                "--iface".into(),
+                self.topo.ifname(Host::Client).into(),
+                "--dst-mac".into(),
+                crate::topology::mac_string(&self.topo.mac(Host::Lb)),
+                "--dst-ip".into(),
+                self.vip.to_string(),
+                "--dst-port".into(),
+                port.to_string(),
+                "--seconds".into(),
+                seconds.to_string(),
+                "--rate".into(),
+                rate.to_string(),
+            ],
+        )?;
+        Ok(Flood {
+            child,
+            timeout: Duration::from_secs_f64(seconds + 30.0),
+        })
+    }
+
     /// Starts `lb-testbed hold` in the client namespace; stop it with [`Hold::stop`].
     pub fn start_hold(&self, args: &[&str]) -> Result<Hold> {
         spawn_hold(&self.topo, &self.dir, args)
@@ -440,6 +471,26 @@ impl Hold {
         serde_json::from_str(&out.stdout).with_context(|| {
             format!(
                 "hold output is not a report: {}\n{}",
+                out.stdout, out.stderr
+            )
+        })
+    }
+}
+
+/// A running `synflood`.
+pub struct Flood {
+    child: ChildGuard,
+    /// How long it may still take: its duration and a margin.
+    timeout: Duration,
+}
+
+impl Flood {
+    /// Waits for the flood to end and returns its report.
+    pub fn finish(self) -> Result<FloodReport> {
+        let out = self.child.finish(self.timeout)?;
+        serde_json::from_str(&out.stdout).with_context(|| {
+            format!(
+                "synflood output is not a report: {}\n{}",
                 out.stdout, out.stderr
             )
         })

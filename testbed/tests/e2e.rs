@@ -466,37 +466,13 @@ fn syn_flood_breaks_no_connection(mode: &str) {
             "500",
         ])
         .unwrap();
-    let bin = lb_testbed::binary_path().unwrap();
-    let flood = r
-        .topo
-        .spawn(
-            Host::Client,
-            [
-                bin.display().to_string(),
-                "synflood".into(),
-                "--iface".into(),
-                r.topo.ifname(Host::Client).into(),
-                "--dst-mac".into(),
-                lb_testbed::topology::mac_string(&r.topo.mac(Host::Lb)),
-                "--dst-ip".into(),
-                r.vip.to_string(),
-                "--dst-port".into(),
-                TCP_PORT.to_string(),
-                "--seconds".into(),
-                "8".into(),
-                "--rate".into(),
-                "50000".into(),
-            ],
-        )
-        .unwrap();
+    let flood = r.start_synflood(TCP_PORT, 8.0, 50_000).unwrap();
     std::thread::sleep(Duration::from_secs(1));
     // Legitimate connections made while the flood runs.
     let rep = r
         .load(&["--tcp", &tcp, "--connections", "300", "--concurrency", "16"])
         .unwrap();
-    let out = flood.finish(Duration::from_secs(30)).unwrap();
-    let report: lb_testbed::synflood::FloodReport =
-        serde_json::from_str(&out.stdout).expect("synflood report");
+    let report = flood.finish().unwrap();
     let held = hold.stop().unwrap();
     std::thread::sleep(Duration::from_millis(1500));
     let handshakes = r.metric("lb_tcp_handshakes_total", "").unwrap();

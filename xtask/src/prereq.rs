@@ -87,18 +87,15 @@ pub fn debian_packages(pkgs: &[Pkg]) -> Result<()> {
             &["update", "-qq"],
             "apt-get update (are Debian's package mirrors reachable?)",
         )?;
-        let (qemu, other): (Vec<&str>, Vec<&str>) =
-            missing.iter().partition(|p| QEMU_FAMILY.contains(p));
-        if !other.is_empty() {
-            apt_install(&other, &[])?;
-        }
-        if !qemu.is_empty() {
-            install_qemu_family(&qemu)?;
-        }
+    }
+    let (qemu, other): (Vec<&str>, Vec<&str>) =
+        missing.iter().partition(|p| QEMU_FAMILY.contains(p));
+    if !other.is_empty() {
+        apt_install(&other, &[])?;
     }
     if pkgs.iter().any(|p| QEMU_FAMILY.contains(&p.name)) {
         // Also when nothing is missing: a member may be at another version than the rest.
-        install_qemu_family(&[])?;
+        install_qemu_family(&qemu)?;
     }
     check_provided(pkgs)
 }

@@ -242,10 +242,9 @@ impl Bench {
     }
 }
 
-/// Opens the benchmark connection on the current data plane (SYN, SYN-ACK, ACK) and returns its established
-/// segment.
-fn seg_full(b: &mut Bench) -> Result<Vec<u8>> {
-    let port = 40001;
+/// Opens a connection from CLIENT:`port` to VIP:80 on the current data plane — the client's SYN, the backend's
+/// SYN-ACK, the client's ACK — and returns its established segment and a reply from its backend.
+fn open_connection(b: &mut Bench, port: u16) -> Result<(Vec<u8>, Vec<u8>)> {
     let syn = pad(tcp(CLIENT_MAC, LB_MAC, CLIENT, port, VIP, 80, SYN, b""));
     b.set_template(&syn, false)?;
     let (_, verdict) = b.run("bench_lb", &syn, 1)?;
@@ -261,23 +260,25 @@ fn seg_full(b: &mut Bench) -> Result<Vec<u8>> {
         b.dp.transient_flow(&key)?
             .with_context(|| {
                 format!(
-                    "no handshake in the full table (verdict {}, counters {:?})",
+                    "the SYN from port {port} opened no handshake (verdict {}, counters {:?})",
                     verdict_name(verdict),
                     b.dp.stats().unwrap_or_default()
                 )
             })?
             .flow;
     let node = Ipv4Addr::from(f.new_dst.to_ne_bytes());
-    let syn_ack = pad(tcp(
-        node_mac(node.octets()[3] - 9),
-        LB_MAC,
-        node,
-        u16::from_be(f.new_dport),
-        VIP,
-        u16::from_be(f.new_sport),
-        SYN_ACK,
-        b"",
-    ));
+    let from_node = |flags, payload: &[u8]| {
+        pad(tcp(
+            node_mac(node.octets()[3] - 9),
+            LB_MAC,
+            node,
+            u16::from_be(f.new_dport),
+            VIP,
+            u16::from_be(f.new_sport),
+            flags,
+            payload,
+        ))
+    };
     let seg = pad(tcp(
         CLIENT_MAC,
         LB_MAC,
@@ -288,13 +289,13 @@ fn seg_full(b: &mut Bench) -> Result<Vec<u8>> {
         ACK,
         b"0123456789",
     ));
-    for frame in [&syn_ack, &seg] {
+    for frame in [&from_node(SYN_ACK, b""), &seg] {
         b.set_template(frame, false)?;
         b.run("bench_lb", frame, 1)?;
     }
     b.dp.flow(&key)?
-        .context("the connection was not established in the full table")?;
-    Ok(seg)
+        .with_context(|| format!("the connection from port {port} was not established"))?;
+    Ok((seg, from_node(ACK, b"0123456789")))
 }
 
 fn duration_ns(d: Duration) -> f64 {
@@ -341,16 +342,6 @@ fn main() -> Result<()> {
         args,
     };
     let syn = pad(tcp(CLIENT_MAC, LB_MAC, CLIENT, 40000, VIP, 80, SYN, b""));
-    let seg = pad(tcp(
-        CLIENT_MAC,
-        LB_MAC,
-        CLIENT,
-        40000,
-        VIP,
-        80,
-        ACK,
-        b"0123456789",
-    ));
     let dgram = pad(udp(
         CLIENT_MAC,
         LB_MAC,
@@ -370,44 +361,10 @@ fn main() -> Result<()> {
     let (restore, _) = b.measure("bench_restore", &syn)?;
     let wrapper = (restore - bare_tx).max(0.0);
 
-    // Establish the TCP connection (SYN, the backend's SYN-ACK, the client's ACK) and the UDP flow once.
-    b.set_template(&syn, false)?;
-    b.run("bench_lb", &syn, 1)?;
-    let key = FlowKeyV4 {
-        src: u32::from_ne_bytes(CLIENT.octets()),
-        dst: u32::from_ne_bytes(VIP.octets()),
-        sport: 40000u16.to_be(),
-        dport: 80u16.to_be(),
-        proto: 6,
-        _pad: [0; 3],
-    };
-    let f =
-        b.dp.transient_flow(&key)?
-            .context("the benchmark SYN opened no handshake")?
-            .flow;
-    let node = Ipv4Addr::from(f.new_dst.to_ne_bytes());
-    let node_i = node.octets()[3] - 10;
-    let from_node = |flags, payload: &[u8]| {
-        pad(tcp(
-            node_mac(node_i + 1),
-            LB_MAC,
-            node,
-            u16::from_be(f.new_dport),
-            VIP,
-            u16::from_be(f.new_sport),
-            flags,
-            payload,
-        ))
-    };
-    for frame in [from_node(SYN_ACK, b""), seg.clone()] {
-        b.set_template(&frame, false)?;
-        b.run("bench_lb", &frame, 1)?;
-    }
-    b.dp.flow(&key)?
-        .context("the benchmark connection was not established")?;
+    // Establish the TCP connection and the UDP flow once.
+    let (seg, reply) = open_connection(&mut b, 40000)?;
     b.set_template(&dgram, false)?;
     b.run("bench_lb", &dgram, 1)?;
-    let reply = from_node(ACK, b"0123456789");
 
     let cases: [(&'static str, &Vec<u8>, bool); 6] = [
         ("tcp_established", &seg, false),
@@ -440,7 +397,7 @@ fn main() -> Result<()> {
     b.dp = load(&obj, &production)?;
     let filled = fill(&mut b.dp, production.flows)?;
     case(&mut b, "tcp_new_flow_syn_full", &syn, true)?;
-    let seg = seg_full(&mut b)?;
+    let (seg, _) = open_connection(&mut b, 40001)?;
     case(&mut b, "tcp_established_full", &seg, false)?;
 
     println!(

@@ -22,7 +22,7 @@ use aya::programs::{TestRun, TestRunAttrs, TestRunOptions, Xdp, XdpMode};
 use aya::Ebpf;
 use clap::Parser;
 use lb_agent::dataplane::{Dataplane, MapSizes};
-use lb_benches::{fmt_num, in_netns, median, pin_cpu, print_table, write_json};
+use lb_benches::{fmt_num, in_netns, median, pin_cpu, print_table, prog_stats, write_json};
 use lb_testbed::rig::{Rig, RigConfig};
 use lb_testbed::{Host, Topology, TopologyConfig};
 use packets::*;
@@ -236,18 +236,6 @@ fn frame(
     assert_eq!(f.len(), FRAME, "benchmark frames are {FRAME} bytes");
     f.truncate(FRAME);
     f
-}
-
-/// Sum of run_time_ns and run_cnt of every loaded program called `name` (BPF stats must be on).
-fn prog_stats(name: &str) -> (u64, u64) {
-    let mut t = (0, 0);
-    for p in aya::programs::loaded_programs().flatten() {
-        if p.name_as_str() == Some(name) {
-            t.0 += p.run_time().as_nanos() as u64;
-            t.1 += p.run_count();
-        }
-    }
-    t
 }
 
 /// Measures every kind on a prepared path; `lb_prog` names the program on the LB's interface.

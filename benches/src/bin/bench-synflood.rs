@@ -7,10 +7,8 @@
 
 use anyhow::{bail, Context, Result};
 use clap::Parser;
-use lb_benches::{fmt_num, print_table, write_json};
+use lb_benches::{fmt_num, print_table, prog_stats, write_json};
 use lb_testbed::rig::{Rig, RigConfig, TCP_PORT};
-use lb_testbed::synflood::FloodReport;
-use lb_testbed::Host;
 use serde::Serialize;
 use std::time::Duration;
 
@@ -50,18 +48,6 @@ struct Case {
     drop_no_flow: f64,
 }
 
-/// Sum of run time and run count of the loaded programs called `name`.
-fn prog_stats(name: &str) -> (u64, u64) {
-    let mut t = (0, 0);
-    for p in aya::programs::loaded_programs().flatten() {
-        if p.name_as_str() == Some(name) {
-            t.0 += p.run_time().as_nanos() as u64;
-            t.1 += p.run_count();
-        }
-    }
-    t
-}
-
 fn run(args: &Args, mode: &str) -> Result<Case> {
     let mut cfg = RigConfig::new()?;
     cfg.attach_mode = mode.into();
@@ -80,26 +66,7 @@ fn run(args: &Args, mode: &str) -> Result<Case> {
     ])?;
     let prog = if mode == "tc" { "lb_tc" } else { "lb_xdp" };
     let before = prog_stats(prog);
-    let bin = lb_testbed::binary_path()?;
-    let flood = r.topo.spawn(
-        Host::Client,
-        [
-            bin.display().to_string(),
-            "synflood".into(),
-            "--iface".into(),
-            r.topo.ifname(Host::Client).into(),
-            "--dst-mac".into(),
-            lb_testbed::topology::mac_string(&r.topo.mac(Host::Lb)),
-            "--dst-ip".into(),
-            r.vip.to_string(),
-            "--dst-port".into(),
-            TCP_PORT.to_string(),
-            "--seconds".into(),
-            args.secs.to_string(),
-            "--rate".into(),
-            args.rate.to_string(),
-        ],
-    )?;
+    let flood = r.start_synflood(TCP_PORT, args.secs, args.rate)?;
     std::thread::sleep(Duration::from_secs(2));
     // New connections while the flood lasts: rounds of 200 until it ends.
     let (mut new_ok, mut new_tried) = (0, 0);
@@ -110,9 +77,8 @@ fn run(args: &Args, mode: &str) -> Result<Case> {
         new_ok += t.ok;
         new_tried += t.ok + t.failed;
     }
-    let out = flood.finish(Duration::from_secs(args.secs as u64 + 30))?;
+    let report = flood.finish()?;
     let after = prog_stats(prog);
-    let report: FloodReport = serde_json::from_str(&out.stdout).context("synflood report")?;
     let held = hold.stop()?;
     std::thread::sleep(Duration::from_millis(1500));
     let runs = after.1.saturating_sub(before.1);
