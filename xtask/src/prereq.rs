@@ -18,11 +18,13 @@ const fn pkg(name: &'static str, provides: &'static [&'static str]) -> Pkg {
 
 /// Debian packages the network-namespace tests and the demo use: `ip` (iproute2) and `ethtool` (to turn
 /// off TX checksum offload on test veths, so frames carry real checksums as on a wire), and `keepalived` (VRRP
-/// of the HA tests, supervised by the agent as on the load-balancer VMs).
+/// of the HA tests, supervised by the agent as on the load-balancer VMs), and `etcd` (etcd-server: the store of
+/// the real kube-apiserver the Kubernetes-side tests start, see `kube-testenv`).
 pub const NETNS_PACKAGES: &[Pkg] = &[
     pkg("iproute2", &["ip"]),
     pkg("ethtool", &["ethtool"]),
     pkg("keepalived", &["keepalived"]),
+    pkg("etcd-server", &["etcd"]),
 ];
 
 /// Debian packages `cargo xtask image build` uses: mmdebstrap (the root filesystem), sfdisk (fdisk), mkfs.vfat
@@ -244,6 +246,30 @@ pub fn all() -> Result<()> {
     debian_packages(NETNS_PACKAGES)?;
     bpffs()?;
     target_hygiene()
+}
+
+/// The directory of the real kube-apiserver (and kube-controller-manager) the Kubernetes-side tests run against:
+/// `KUBEBUILDER_ASSETS` as controller-runtime's envtest names it (so `setup-envtest` assets work), defaulting to
+/// this workplace's `../shared/envtest`. Set before the stages run (they are children of this process), so
+/// `--only <stage>` gets it too.
+pub fn kube_assets() -> Result<()> {
+    let dir = match std::env::var_os("KUBEBUILDER_ASSETS") {
+        Some(dir) => std::path::PathBuf::from(dir),
+        None => crate::util::root().join("../shared/envtest"),
+    };
+    for binary in ["kube-apiserver", "kube-controller-manager"] {
+        let path = dir.join(binary);
+        anyhow::ensure!(
+            path.is_file(),
+            "{} not found: point KUBEBUILDER_ASSETS at a directory holding kube-apiserver and kube-controller-manager \
+             (controller-runtime's setup-envtest provides them; this workplace has them in ../shared/envtest)",
+            path.display()
+        );
+    }
+    let dir = dir.canonicalize().context("resolving KUBEBUILDER_ASSETS")?;
+    // SAFETY: xtask is single-threaded when the stages start.
+    unsafe { std::env::set_var("KUBEBUILDER_ASSETS", &dir) };
+    Ok(())
 }
 
 /// Keeps `target/debug` from filling the disk (it did, on CI): when the `[profile.dev]` section of the workspace

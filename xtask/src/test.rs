@@ -159,6 +159,7 @@ fn unit_test_binary(package: &str) -> Result<std::path::PathBuf> {
 /// Runs the stages in order and stops at the first failure (entry point of `cargo xtask test`).
 pub fn run_all(args: TestArgs) -> Result<()> {
     let total = Instant::now();
+    crate::prereq::kube_assets()?;
     let mut passed = 0;
     for stage in STAGES {
         if let Some(only) = &args.only {
