@@ -37,6 +37,8 @@ pub enum ConfigState {
 pub struct AgentStatus {
     /// The data plane is loaded and attached.
     pub dataplane_ready: bool,
+    /// The hook it is attached at (for the status message), once attached.
+    pub attached: Option<crate::dataplane::AttachMode>,
     /// The latest config was invalid (message), or `None`.
     pub config_error: Option<String>,
     /// Generation of the latest input seen from the source.
@@ -45,12 +47,17 @@ pub struct AgentStatus {
     pub applied_generation: Option<u64>,
     /// VRRP state, when this machine runs VRRP (`KeepalivedMaster`/`KeepalivedProcess` conditions).
     pub vrrp: Option<crate::vrrp::VrrpState>,
+    /// Why the configuration source cannot confirm that `desired_generation` is the latest input (Kubernetes mode:
+    /// its watch of the LoadBalancer failed and has not relisted since); `None` when it can. Set by the status
+    /// reporter, not by the agent loop.
+    pub source_stale: Option<String>,
 }
 
 impl AgentStatus {
-    /// The maps match the latest valid input.
+    /// The maps match the latest valid input, and the source is known to have given the latest input.
     pub fn up_to_date(&self) -> bool {
-        self.dataplane_ready
+        self.source_stale.is_none()
+            && self.dataplane_ready
             && self.config_error.is_none()
             && self.applied_generation.is_some()
             && self.applied_generation == self.desired_generation
@@ -125,7 +132,10 @@ pub async fn run(
     }
     let mode = dp.attach(&opts.interface, opts.attach_mode)?;
     tracing::info!(interface = %opts.interface, ?mode, "data plane attached");
-    status_tx.send_modify(|s| s.dataplane_ready = true);
+    status_tx.send_modify(|s| {
+        s.dataplane_ready = true;
+        s.attached = Some(mode);
+    });
 
     let (mut hc, mut health_rx) = HealthChecker::new()?;
     let mut state = LoopState {

@@ -664,6 +664,17 @@ fn pin_link<P: LinkedProgram>(prog: &mut P, id: P::LinkId, pin: &Path) -> Result
     Ok(())
 }
 
+impl AttachMode {
+    /// How the status message names the hook the programs run at.
+    pub fn describe(self) -> &'static str {
+        match self {
+            AttachMode::Xdp | AttachMode::XdpNative => "XDP",
+            AttachMode::XdpGeneric => "generic XDP",
+            AttachMode::Tc => "TC (tcx)",
+        }
+    }
+}
+
 fn mode_tag(mode: AttachMode) -> &'static str {
     match mode {
         AttachMode::Tc => "tc",

@@ -21,7 +21,7 @@ use crate::health::HealthCheckSpec;
 use crate::metrics::SharedSnapshot;
 use ::kube::api::{Api, Patch, PatchParams, PostParams};
 use ::kube::config::{KubeConfigOptions, Kubeconfig};
-use ::kube::runtime::{watcher, WatchStreamExt};
+use ::kube::runtime::watcher;
 use ::kube::{Client, Config};
 use anyhow::{Context, Result};
 use futures::StreamExt;
@@ -29,6 +29,7 @@ use k8s_openapi::api::core::v1::{Event, EventSource, NodeCondition, ObjectRefere
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, Time};
 use k8s_openapi::jiff::Timestamp;
 use lb_api::constants::{conditions as cond, API_VERSION};
+use lb_api::watch::{is_gone, WatchBackoff};
 use lb_api::{set_condition, LoadBalancer, LoadBalancerMachine, LoadBalancerMachineMetric};
 use serde_json::json;
 use std::net::IpAddr;
@@ -183,6 +184,7 @@ pub fn start(
     snapshot: SharedSnapshot,
 ) -> KubeMode {
     let (tx, rx) = watch::channel(ConfigState::Pending);
+    let (stale_tx, stale_rx) = watch::channel(Some("not listed yet".to_string()));
     let recorder = Arc::new(Recorder::new(client.clone(), &settings));
     let lbs: Api<LoadBalancer> = Api::namespaced(client.clone(), &settings.namespace);
     let machines: Api<LoadBalancerMachine> = Api::namespaced(client, &settings.namespace);
@@ -190,6 +192,7 @@ pub fn start(
         lbs,
         settings.clone(),
         tx,
+        stale_tx,
         recorder.clone(),
     ));
     let reporter = tokio::spawn(run_status_reporter(
@@ -198,6 +201,7 @@ pub fn start(
         recorder,
         rx.clone(),
         status,
+        stale_rx,
         snapshot,
     ));
     KubeMode {
@@ -322,10 +326,10 @@ fn truths(s: &AgentStatus) -> Vec<Truth> {
             "waiting for the LoadBalancer and its status.portIP (VIP)".to_string(),
         ),
     };
-    let ready_msg = if s.dataplane_ready {
-        "the XDP data plane is attached"
-    } else {
-        "the XDP data plane is not attached"
+    let ready_msg = match (s.dataplane_ready, s.attached) {
+        (true, Some(mode)) => format!("the data plane is attached ({})", mode.describe()),
+        (true, None) => "the data plane is attached".to_string(),
+        (false, _) => "the data plane is not attached".to_string(),
     };
     let up_to_date = s.up_to_date();
     let up_msg = up_to_date_message(s);
@@ -403,7 +407,13 @@ fn truths(s: &AgentStatus) -> Vec<Truth> {
 fn up_to_date_message(s: &AgentStatus) -> String {
     let generation = |g: Option<u64>| g.map_or_else(|| "none".to_string(), |g| g.to_string());
     if !s.dataplane_ready {
-        "the XDP data plane is not attached".to_string()
+        "the data plane is not attached".to_string()
+    } else if let Some(why) = &s.source_stale {
+        format!(
+            "not confirmed: the LoadBalancer watch is not in sync with the API server ({why}); the data plane runs \
+             generation {}",
+            generation(s.applied_generation)
+        )
     } else if s.config_error.is_some() {
         format!(
             "the latest configuration (generation {}) is not in the data plane; generation {} keeps forwarding",
@@ -499,7 +509,7 @@ pub fn status_events(
         events.push(MachineEvent {
             warning: true,
             reason: event_reasons::DATAPLANE_NOT_READY,
-            message: "the XDP data plane is no longer attached".to_string(),
+            message: "the data plane is no longer attached".to_string(),
         });
     }
     if let Some(g) = cur.applied_generation {
@@ -633,72 +643,63 @@ impl Recorder {
     }
 }
 
-/// Watches the LoadBalancer and publishes its configuration; runs until aborted.
+/// Watches the LoadBalancer and publishes its configuration; runs until aborted. `stale` says whether what was
+/// published is known to be the latest: from a watch error until a fresh list has completed it names the error.
+///
+/// Every error starts a fresh watcher (a list, then a watch): kube-runtime's watcher resumes a broken watch from
+/// its last resourceVersion without a list, and nothing then tells when it has caught up, while a completed list
+/// is a definite "in sync" (one object, by name: the list is cheap). A 410 Gone (the resourceVersion was
+/// compacted away, typically after an API-server restart) is retried at once: it says the server is back, and the
+/// backoff grown during the outage would delay the relist by up to its cap.
 async fn run_config_source(
     lbs: Api<LoadBalancer>,
     settings: KubeSettings,
     tx: watch::Sender<ConfigState>,
+    stale: watch::Sender<Option<String>>,
     recorder: Arc<Recorder>,
 ) {
     let name = &settings.loadbalancer;
     let what = format!("LoadBalancer {}/{name}", settings.namespace);
+    // The name as a field selector also makes the list and watch authorised by the per-machine Role's
+    // resourceNames (a namespace-wide list is Forbidden to the machine's token).
     let cfg = watcher::Config::default().fields(&format!("metadata.name={name}"));
-    // The backoff turns list/watch errors (API down, RBAC, network) into delayed retries.
-    let mut stream = std::pin::pin!(watcher(lbs, cfg).backoff(WatchBackoff::default()));
-    // A relist (Init … InitDone) is buffered so a LoadBalancer missing after the relist is noticed.
-    let mut relisted: Option<LoadBalancer> = None;
-    while let Some(event) = stream.next().await {
-        match event {
-            Ok(watcher::Event::Init) => relisted = None,
-            Ok(watcher::Event::InitApply(lb)) => relisted = Some(lb),
-            Ok(watcher::Event::InitDone) => match relisted.take() {
-                Some(lb) => publish(&lb, &settings, &tx, &recorder).await,
-                None => tracing::warn!(object = %what,
-                    "not found; waiting for it (a configuration already in the data plane keeps forwarding)"),
-            },
-            Ok(watcher::Event::Apply(lb)) => publish(&lb, &settings, &tx, &recorder).await,
-            Ok(watcher::Event::Delete(_)) => tracing::warn!(object = %what,
-                "deleted; the configuration in the data plane keeps forwarding until the machine is removed"),
-            Err(e) => {
-                tracing::warn!(object = %what, error = %e, "watch failed; retrying with backoff")
+    let mut backoff = WatchBackoff::default();
+    loop {
+        let mut stream = std::pin::pin!(watcher(lbs.clone(), cfg.clone()));
+        // A relist (Init … InitDone) is buffered so a LoadBalancer missing after the relist is noticed.
+        let mut relisted: Option<LoadBalancer> = None;
+        let error = loop {
+            let Some(event) = stream.next().await else {
+                break None;
+            };
+            match event {
+                Ok(watcher::Event::Init) => relisted = None,
+                Ok(watcher::Event::InitApply(lb)) => relisted = Some(lb),
+                Ok(watcher::Event::InitDone) => {
+                    match relisted.take() {
+                        Some(lb) => publish(&lb, &settings, &tx, &recorder).await,
+                        None => tracing::warn!(object = %what,
+                            "not found; waiting for it (a configuration already in the data plane keeps forwarding)"),
+                    }
+                    if stale.send_replace(None).is_some() {
+                        tracing::info!(object = %what, "listed again; the configuration source is in sync");
+                    }
+                }
+                Ok(watcher::Event::Apply(lb)) => publish(&lb, &settings, &tx, &recorder).await,
+                Ok(watcher::Event::Delete(_)) => tracing::warn!(object = %what,
+                    "deleted; the configuration in the data plane keeps forwarding until the machine is removed"),
+                Err(e) => break Some(e),
             }
-        }
+        };
+        let delay = match &error {
+            Some(e) if is_gone(e) => Duration::ZERO,
+            _ => backoff.next().unwrap_or(Duration::from_secs(30)),
+        };
+        let message = error.map_or_else(|| "the watch ended".to_string(), |e| e.to_string());
+        tracing::warn!(object = %what, error = %message, retry_in = ?delay, "watch failed; listing again");
+        stale.send_replace(Some(truncate(&message)));
+        tokio::time::sleep(delay).await;
     }
-}
-
-/// kube-runtime's default watch backoff (0.8 s doubling to 30 s, jitter, back to the start after 120 s without
-/// errors) minus its reset on every successful event: the watcher emits `Init` before each list attempt, and that
-/// reset kept an agent whose API server is unreachable retrying about once a second forever — every LB VM at once
-/// during a control-plane outage. Seen on the VM image's boot test.
-struct WatchBackoff(
-    ::kube::runtime::utils::ResetTimerBackoff<::kube::runtime::watcher::ExponentialBackoff>,
-);
-
-impl Default for WatchBackoff {
-    fn default() -> Self {
-        WatchBackoff(::kube::runtime::utils::ResetTimerBackoff::new(
-            backon::ExponentialBuilder::default()
-                .with_min_delay(Duration::from_millis(800))
-                .with_max_delay(Duration::from_secs(30))
-                .with_factor(2.0)
-                .with_jitter()
-                .without_max_times()
-                .into(),
-            Duration::from_secs(120),
-        ))
-    }
-}
-
-impl Iterator for WatchBackoff {
-    type Item = Duration;
-    fn next(&mut self) -> Option<Duration> {
-        self.0.next()
-    }
-}
-
-impl ::kube::runtime::utils::Backoff for WatchBackoff {
-    /// Only the timer resets it (120 s after the last error), not the stream's successful events.
-    fn reset(&mut self) {}
 }
 
 /// Sends the LoadBalancer's configuration to the agent if it changed; reports rejections.
@@ -753,6 +754,7 @@ async fn run_status_reporter(
     recorder: Arc<Recorder>,
     config: watch::Receiver<ConfigState>,
     mut status: watch::Receiver<AgentStatus>,
+    mut stale: watch::Receiver<Option<String>>,
     snapshot: SharedSnapshot,
 ) {
     let what = format!(
@@ -766,6 +768,14 @@ async fn run_status_reporter(
     // churn (which re-sends the same status) does not turn into API writes.
     let mut written: Option<AgentStatus> = None;
     let mut deadline = Instant::now();
+    // The agent's own status plus whether the configuration source is in sync.
+    let current_status = |status: &mut watch::Receiver<AgentStatus>,
+                          stale: &mut watch::Receiver<Option<String>>| {
+        AgentStatus {
+            source_stale: stale.borrow_and_update().clone(),
+            ..status.borrow_and_update().clone()
+        }
+    };
     loop {
         tokio::select! {
             r = status.changed() => {
@@ -773,13 +783,15 @@ async fn run_status_reporter(
                     tracing::info!("the agent stopped; status reporting ends");
                     return;
                 }
-                if written.as_ref() == Some(&*status.borrow()) {
-                    continue;
-                }
             }
+            // The source ends only with the agent; then the branch above ends the loop.
+            Ok(()) = stale.changed() => {}
             _ = tokio::time::sleep_until(deadline) => {}
         }
-        let current = status.borrow_and_update().clone();
+        let current = current_status(&mut status, &mut stale);
+        if written.as_ref() == Some(&current) && Instant::now() < deadline {
+            continue;
+        }
         let events = status_events(&seen, &current, &config.borrow());
         for e in &events {
             recorder.publish(e).await;
@@ -1232,20 +1244,6 @@ mod tests {
         assert!(cut.len() <= MAX_MESSAGE);
         assert!(cut.ends_with('…'));
         assert_eq!(truncate("short"), "short");
-    }
-
-    #[tokio::test]
-    async fn watch_backoff_is_not_reset_by_successful_events() {
-        use ::kube::runtime::utils::Backoff as _;
-        let mut b = WatchBackoff::default();
-        let mut last = Duration::ZERO;
-        for _ in 0..6 {
-            // What the watcher's `Init` before every list attempt does to the stream's backoff.
-            b.reset();
-            last = b.next().expect("never gives up");
-        }
-        // 0.8 s doubled five times (at least, with jitter; capped at 30 s): growing, not stuck near 1 s.
-        assert!(last >= Duration::from_secs(20), "{last:?}");
     }
 
     #[test]

@@ -20,6 +20,8 @@ pub mod loadbalancer;
 pub mod loadbalancermachine;
 pub mod loadbalancerset;
 pub mod naming;
+#[cfg(feature = "runtime")]
+pub mod watch;
 
 pub use k8s_openapi;
 pub use kube;

@@ -14,6 +14,7 @@ use kube::runtime::reflector::{ObjectRef, Store};
 use kube::runtime::{watcher, WatchStreamExt};
 use kube::{Api, Client, Resource, ResourceExt};
 use lb_api::constants::{defaults, lb_annotations};
+use lb_api::watch::WatchBackoff;
 use lb_api::{naming, LoadBalancer};
 use serde_json::json;
 use tracing::{debug, info, warn};
@@ -164,7 +165,9 @@ pub async fn forward_events(ctx: Arc<BackchannelContext>) {
     let api: Api<Event> = Api::namespaced(ctx.control.clone(), &ctx.namespace);
     let config = watcher::Config::default().fields("involvedObject.kind=LoadBalancer");
     let mut forwarded: HashMap<String, i32> = HashMap::new();
-    let stream = watcher(api, config).default_backoff().applied_objects();
+    let stream = watcher(api, config)
+        .backoff(WatchBackoff::default())
+        .applied_objects();
     futures::pin_mut!(stream);
     while let Some(item) = stream.next().await {
         let event = match item {

@@ -32,6 +32,7 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use crate::stop::{drive, Stop};
 use k8s_openapi::api::core::v1::{ObjectReference, Secret};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, ObjectMeta};
 use k8s_openapi::ByteString;
@@ -41,6 +42,7 @@ use kube::runtime::reflector::{self, ObjectRef, Store};
 use kube::runtime::{watcher, Controller, WatchStreamExt};
 use kube::{Api, Client, Resource, ResourceExt};
 use lb_api::constants::{conditions, finalizers, labels, lb_annotations, sync};
+use lb_api::watch::WatchBackoff;
 use lb_api::{
     LoadBalancer, LoadBalancerMachine, LoadBalancerMachineSpec, LoadBalancerMachineTemplateSpec,
     LoadBalancerRef, LoadBalancerSet, LoadBalancerSetSpec, LoadBalancerStatus,
@@ -1142,22 +1144,18 @@ fn machine_fingerprint(m: &LoadBalancerMachine) -> u64 {
 }
 
 /// Runs the LoadBalancer controller over the LoadBalancers of `namespace` until `shutdown`.
-pub async fn run<F: CloudFactory>(
-    ctx: Arc<LbContext<F>>,
-    namespace: &str,
-    shutdown: impl Future<Output = ()> + Send + Sync + 'static,
-) {
+pub async fn run<F: CloudFactory>(ctx: Arc<LbContext<F>>, namespace: &str, stop: Stop) {
     use futures::StreamExt;
     let api: Api<LoadBalancer> = Api::namespaced(ctx.client.clone(), namespace);
     let sets: Api<LoadBalancerSet> = Api::namespaced(ctx.client.clone(), namespace);
     let machines: Api<LoadBalancerMachine> = Api::namespaced(ctx.client.clone(), namespace);
     let (set_store, set_writer) = reflector::store();
     let set_events = watcher(sets, watcher::Config::default())
-        .default_backoff()
+        .backoff(WatchBackoff::default())
         .reflect(set_writer);
     let (machine_store, machine_writer) = reflector::store();
     let machine_events = watcher(machines, watcher::Config::default())
-        .default_backoff()
+        .backoff(WatchBackoff::default())
         .reflect(machine_writer);
     let running = Arc::new(Running {
         ctx,
@@ -1166,13 +1164,15 @@ pub async fn run<F: CloudFactory>(
         router_ids: tokio::sync::Mutex::new(()),
         reported: Reported::default(),
     });
-    let controller = Controller::new(api, watcher::Config::default());
+    let controller =
+        Controller::new(api, watcher::Config::default()).trigger_backoff(WatchBackoff::default());
+    let store = controller.store();
     let gc = tokio::spawn(forget_vanished_loadbalancers(
-        controller.store(),
+        store.clone(),
         running.ctx.metrics.clone(),
         running.ctx.config.resync,
     ));
-    controller
+    let run = controller
         .owns_stream(relevant_changes(set_events, set_fingerprint))
         .watches_stream(
             relevant_changes(machine_events, machine_fingerprint),
@@ -1187,14 +1187,14 @@ pub async fn run<F: CloudFactory>(
                 Some(ObjectRef::new(&r.name).within(&ns))
             },
         )
-        .graceful_shutdown_on(shutdown)
+        .graceful_shutdown_on(stop.clone().wait())
         .run(reconcile, error_policy, running)
         .for_each(|r| async move {
             if let Err(e) = r {
                 tracing::debug!(error = %e, "loadbalancer controller");
             }
-        })
-        .await;
+        });
+    drive(store, run, stop).await;
     gc.abort();
 }
 

@@ -28,6 +28,7 @@ use kube::runtime::controller::Action;
 use kube::{Api, Client, Resource, ResourceExt};
 use lb_api::constants::{finalizers, lb_annotations, sync};
 use lb_api::ha::HaSettings;
+use lb_api::watch::WatchBackoff;
 use lb_api::{LoadBalancer, LoadBalancerMachine, LoadBalancerMachineStatus};
 use serde_json::{json, Value};
 use tracing::{debug, info, warn};
@@ -989,36 +990,40 @@ pub fn prepare<F: CloudFactory>(
 pub async fn run<F: CloudFactory>(
     ctx: Arc<LbmContext<F>>,
     namespace: &str,
-    shutdown: impl Future<Output = ()> + Send + Sync + 'static,
+    stop: crate::stop::Stop,
 ) {
     use futures::StreamExt;
     use kube::runtime::reflector::ObjectRef;
     use kube::runtime::{watcher, Controller};
     let api: Api<LoadBalancerMachine> = Api::namespaced(ctx.client.clone(), namespace);
-    let controller = Controller::new(api, watcher::Config::default());
+    let controller =
+        Controller::new(api, watcher::Config::default()).trigger_backoff(WatchBackoff::default());
     // Series of machines that vanished without a reconcile seeing their deletion (finalizer removed by hand).
     let store = controller.store();
     let metrics = ctx.metrics.clone();
     let period = ctx.config.resync;
-    let gc = tokio::spawn(async move {
-        if store.wait_until_ready().await.is_err() {
-            return;
-        }
-        let mut tick = tokio::time::interval(period);
-        loop {
-            tick.tick().await;
-            metrics.retain(|ns, name| store.get(&ObjectRef::new(name).within(ns)).is_some());
+    let gc = tokio::spawn({
+        let store = store.clone();
+        async move {
+            if store.wait_until_ready().await.is_err() {
+                return;
+            }
+            let mut tick = tokio::time::interval(period);
+            loop {
+                tick.tick().await;
+                metrics.retain(|ns, name| store.get(&ObjectRef::new(name).within(ns)).is_some());
+            }
         }
     });
-    controller
-        .graceful_shutdown_on(shutdown)
+    let run = controller
+        .graceful_shutdown_on(stop.clone().wait())
         .run(reconcile, error_policy, ctx)
         .for_each(|r| async move {
             if let Err(e) = r {
                 debug!(error = %e, "loadbalancermachine controller");
             }
-        })
-        .await;
+        });
+    crate::stop::drive(store, run, stop).await;
     gc.abort();
 }
 

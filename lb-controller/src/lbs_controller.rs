@@ -27,12 +27,12 @@
 
 use std::collections::hash_map::RandomState;
 use std::collections::{HashMap, HashSet};
-use std::future::Future;
 use std::hash::{BuildHasher, Hash, Hasher};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use crate::stop::{drive, Stop};
 use futures::{Stream, StreamExt};
 use k8s_openapi::api::core::v1::{NodeCondition, ObjectReference};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, ObjectMeta, Time};
@@ -42,6 +42,7 @@ use kube::runtime::reflector::{self, Store};
 use kube::runtime::{watcher, Controller, WatchStreamExt};
 use kube::{Api, Client, Resource, ResourceExt};
 use lb_api::constants::{conditions, finalizers, lb_annotations, lbm_annotations};
+use lb_api::watch::WatchBackoff;
 use lb_api::{LoadBalancerMachine, LoadBalancerSet, LoadBalancerSetStatus};
 use serde_json::json;
 use tracing::{debug, info, warn};
@@ -878,16 +879,12 @@ fn error_policy(_set: Arc<LoadBalancerSet>, error: &Error, _run: Arc<Running>) -
 }
 
 /// Runs the LoadBalancerSet controller over the sets of `namespace` until `shutdown`.
-pub async fn run(
-    ctx: Arc<LbsContext>,
-    namespace: &str,
-    shutdown: impl Future<Output = ()> + Send + Sync + 'static,
-) {
+pub async fn run(ctx: Arc<LbsContext>, namespace: &str, stop: Stop) {
     let sets: Api<LoadBalancerSet> = Api::namespaced(ctx.client.clone(), namespace);
     let machines: Api<LoadBalancerMachine> = Api::namespaced(ctx.client.clone(), namespace);
     let (store, writer) = reflector::store();
     let machine_events = watcher(machines, watcher::Config::default())
-        .default_backoff()
+        .backoff(WatchBackoff::default())
         .reflect(writer);
     let metrics = ctx.metrics.clone();
     let running = Arc::new(Running {
@@ -896,18 +893,20 @@ pub async fn run(
         reported: Reported::default(),
         held: Mutex::default(),
     });
-    let controller = Controller::new(sets, watcher::Config::default());
-    let gc = tokio::spawn(forget_vanished_sets(controller.store(), metrics));
-    controller
+    let controller =
+        Controller::new(sets, watcher::Config::default()).trigger_backoff(WatchBackoff::default());
+    let store = controller.store();
+    let gc = tokio::spawn(forget_vanished_sets(store.clone(), metrics));
+    let run = controller
         .owns_stream(relevant_changes(machine_events, machine_fingerprint))
-        .graceful_shutdown_on(shutdown)
+        .graceful_shutdown_on(stop.clone().wait())
         .run(reconcile, error_policy, running)
         .for_each(|r| async move {
             if let Err(e) = r {
                 debug!(error = %e, "loadbalancerset controller");
             }
-        })
-        .await;
+        });
+    drive(store, run, stop).await;
     gc.abort();
 }
 

@@ -173,16 +173,19 @@ impl Elector {
     }
 }
 
-/// Waits until this instance holds the lease, then runs `work` while renewing it. Returns
-/// `Ok` when `work` finishes (the lease is then released) and an error when the lease is lost.
-pub async fn run_as_leader<F>(
+/// Waits until this instance holds the lease, then runs `work` while renewing it. Returns `Ok` when `work`
+/// finishes (it watches the shutdown signal itself; the lease is then released, so a standby takes over within one
+/// retry period) or when `shutdown` resolves before leadership was won, and an error when the lease is lost.
+pub async fn run_as_leader<F, S>(
     client: Client,
     config: LeaderElectionConfig,
     metrics: Arc<Metrics>,
     work: F,
+    shutdown: S,
 ) -> Result<(), LeaderError>
 where
     F: Future<Output = ()>,
+    S: Future<Output = ()>,
 {
     let elector = Elector {
         api: Api::namespaced(client, &config.namespace),
@@ -193,13 +196,22 @@ where
         identity = config.identity,
         "waiting for leadership"
     );
-    loop {
-        match elector.try_acquire_or_renew().await {
-            Ok(true) => break,
-            Ok(false) => {}
-            Err(e) => warn!(error = %e, "leader election attempt failed"),
+    let acquire = async {
+        loop {
+            match elector.try_acquire_or_renew().await {
+                Ok(true) => break,
+                Ok(false) => {}
+                Err(e) => warn!(error = %e, "leader election attempt failed"),
+            }
+            tokio::time::sleep(config.retry_period).await;
         }
-        tokio::time::sleep(config.retry_period).await;
+    };
+    tokio::select! {
+        () = acquire => {}
+        () = shutdown => {
+            info!(lease = config.name, "shut down while waiting for leadership");
+            return Ok(());
+        }
     }
     info!(
         lease = config.name,

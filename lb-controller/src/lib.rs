@@ -35,3 +35,4 @@ pub mod ownership;
 pub mod rbac;
 pub mod run;
 pub mod service_controller;
+pub mod stop;

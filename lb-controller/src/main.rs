@@ -64,6 +64,7 @@ fn init_logging(format: LogFormat) {
 }
 
 async fn run_controller(args: cli::RunArgs) -> anyhow::Result<()> {
+    listen_for_shutdown();
     let defaults = args.infra.defaults()?;
     let fallback = args.kubeconfig.as_deref();
     let target = cli::client_for(args.target_kubeconfig.as_deref().or(fallback))
@@ -111,10 +112,19 @@ async fn run_controller(args: cli::RunArgs) -> anyhow::Result<()> {
         health_probe_bind_address: args.health_probe_bind_address.clone(),
         election,
     };
-    run::supervise(control, supervision, metrics, health, controllers).await
+    run::supervise(
+        control,
+        supervision,
+        metrics,
+        health,
+        controllers,
+        shutdown(),
+    )
+    .await
 }
 
 async fn run_openstack(args: cli::ControllerArgs) -> anyhow::Result<()> {
+    listen_for_shutdown();
     let control = cli::client_for(args.kubeconfig.as_deref())
         .await
         .context("control cluster")?;
@@ -149,13 +159,47 @@ async fn run_openstack(args: cli::ControllerArgs) -> anyhow::Result<()> {
         health_probe_bind_address: args.health_probe_bind_address.clone(),
         election,
     };
-    run::supervise(control, supervision, metrics, health, controllers).await
+    run::supervise(
+        control,
+        supervision,
+        metrics,
+        health,
+        controllers,
+        shutdown(),
+    )
+    .await
 }
 
-/// Resolves on Ctrl-C / SIGINT.
+/// Resolves once SIGTERM (what Kubernetes sends a pod) or SIGINT (Ctrl-C) has arrived. Without the SIGTERM
+/// handler the process died at once and a leader never released its Lease: the standby waited out the lease
+/// (~60–70 s). The signals are listened for from the start ([`listen_for_shutdown`]) and kept as a state, not an
+/// event: a future that first polls after the signal (the controllers' shutdown hook is polled only once the
+/// caches are synced) still sees it.
 async fn shutdown() {
-    let _ = tokio::signal::ctrl_c().await;
-    info!("shutting down");
+    let mut rx = SHUTDOWN.get().expect("listen_for_shutdown ran").clone();
+    let _ = rx.wait_for(|stopping| *stopping).await;
+}
+
+static SHUTDOWN: std::sync::OnceLock<tokio::sync::watch::Receiver<bool>> =
+    std::sync::OnceLock::new();
+
+/// Starts listening for SIGTERM and SIGINT; called first thing inside the runtime.
+fn listen_for_shutdown() {
+    use tokio::signal::unix::{signal, SignalKind};
+    let (tx, rx) = tokio::sync::watch::channel(false);
+    let mut term = signal(SignalKind::terminate()).expect("installing the SIGTERM handler");
+    let mut int = signal(SignalKind::interrupt()).expect("installing the SIGINT handler");
+    tokio::spawn(async move {
+        tokio::select! {
+            _ = term.recv() => {}
+            _ = int.recv() => {}
+        }
+        info!("shutting down");
+        tx.send_replace(true);
+        // Kept alive so the receivers' `wait_for` sees the value, not a closed channel.
+        std::future::pending::<()>().await;
+    });
+    let _ = SHUTDOWN.set(rx);
 }
 
 fn identity(instance: &str) -> String {

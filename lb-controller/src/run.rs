@@ -13,6 +13,7 @@ use k8s_openapi::api::core::v1::{Node, Service};
 use kube::runtime::reflector::{self, ObjectRef, Store};
 use kube::runtime::{controller, watcher, Controller, WatchStreamExt};
 use kube::{Api, Client, ResourceExt};
+use lb_api::watch::WatchBackoff;
 use lb_api::LoadBalancer;
 use tracing::{debug, info, warn};
 
@@ -25,6 +26,7 @@ use crate::lbs_controller::{self, LbsContext, LbsControllerConfig};
 use crate::leader::{self, LeaderElectionConfig};
 use crate::metrics::Metrics;
 use crate::service_controller::{self, OwnWrites, ServiceContext, ServiceControllerConfig};
+use crate::stop::{drive, Stop};
 
 /// Everything configurable about the running controllers.
 #[derive(Clone, Debug)]
@@ -64,7 +66,8 @@ pub async fn run_controllers(
     let (nodes, node_writer) = reflector::store::<Node>();
     let node_stream = reflector::reflector(
         node_writer,
-        watcher(Api::<Node>::all(target.clone()), watcher::Config::default()).default_backoff(),
+        watcher(Api::<Node>::all(target.clone()), watcher::Config::default())
+            .backoff(WatchBackoff::default()),
     );
     let node_task = tokio::spawn(node_triggers(node_stream, node_trigger_tx));
 
@@ -72,7 +75,7 @@ pub async fn run_controllers(
     let (loadbalancers, lb_writer) = reflector::store::<LoadBalancer>();
     let lb_stream = reflector::reflector(
         lb_writer,
-        watcher(lb_api.clone(), watcher::Config::default()).default_backoff(),
+        watcher(lb_api.clone(), watcher::Config::default()).backoff(WatchBackoff::default()),
     );
     let (lb_trigger_tx, lb_trigger_rx) = mpsc::unbounded::<ObjectRef<Service>>();
     let own_writes = OwnWrites::default();
@@ -82,10 +85,21 @@ pub async fn run_controllers(
         own_writes.clone(),
     ));
 
+    let stop = Stop::on(shutdown);
     info!("waiting for node and LoadBalancer caches");
-    if wait_ready(&nodes).await.is_err() || wait_ready(&loadbalancers).await.is_err() {
-        health.failed.store(true, Ordering::SeqCst);
-        return;
+    let caches =
+        async { wait_ready(&nodes).await.is_ok() && wait_ready(&loadbalancers).await.is_ok() };
+    tokio::select! {
+        synced = caches => if !synced {
+            health.failed.store(true, Ordering::SeqCst);
+            return;
+        },
+        () = stop.clone().wait() => {
+            node_task.abort();
+            lb_task.abort();
+            info!("stopped before the caches were synced");
+            return;
+        }
     }
     info!(
         nodes = nodes.state().len(),
@@ -120,43 +134,34 @@ pub async fn run_controllers(
         event_max_age: config.event_max_age,
     });
 
-    let (shutdown_tx, _) = tokio::sync::broadcast::channel::<()>(1);
-    let shutdown_signal = {
-        let tx = shutdown_tx.clone();
-        async move {
-            shutdown.await;
-            let _ = tx.send(());
-        }
-    };
-    let on_shutdown = |tx: &tokio::sync::broadcast::Sender<()>| {
-        let mut rx = tx.subscribe();
-        async move {
-            let _ = rx.recv().await;
-        }
-    };
-
     let controller_config = controller::Config::default().concurrency(config.concurrency);
     let services = Controller::new(
         Api::<Service>::all(target.clone()),
         watcher::Config::default(),
     )
-    .with_config(controller_config.clone())
-    .reconcile_on(lb_trigger_rx)
-    .reconcile_all_on(node_trigger_rx)
-    .graceful_shutdown_on(on_shutdown(&shutdown_tx))
-    .run(
-        service_controller::reconcile,
-        service_controller::error_policy,
-        service_ctx,
-    )
-    .for_each(|result| async move {
-        if let Err(e) = result {
-            debug!(error = %e, "service controller");
-        }
-    });
+    .trigger_backoff(WatchBackoff::default());
+    let services_store = services.store();
+    let services = services
+        .with_config(controller_config.clone())
+        .reconcile_on(lb_trigger_rx)
+        .reconcile_all_on(node_trigger_rx)
+        .graceful_shutdown_on(stop.clone().wait())
+        .run(
+            service_controller::reconcile,
+            service_controller::error_policy,
+            service_ctx,
+        )
+        .for_each(|result| async move {
+            if let Err(e) = result {
+                debug!(error = %e, "service controller");
+            }
+        });
     let backchannel = Controller::new(lb_api, watcher::Config::default())
+        .trigger_backoff(WatchBackoff::default());
+    let backchannel_store = backchannel.store();
+    let backchannel = backchannel
         .with_config(controller_config)
-        .graceful_shutdown_on(on_shutdown(&shutdown_tx))
+        .graceful_shutdown_on(stop.clone().wait())
         .run(
             backchannel::reconcile,
             backchannel::error_policy,
@@ -167,17 +172,21 @@ pub async fn run_controllers(
                 debug!(error = %e, "back channel controller");
             }
         });
-    let mut forwarder_shutdown = shutdown_tx.subscribe();
+    let forwarder_stop = stop.clone().wait();
     let forwarder = async move {
         tokio::select! {
             () = backchannel::forward_events(backchannel_ctx) => {}
-            _ = forwarder_shutdown.recv() => {}
+            () = forwarder_stop => {}
         }
     };
 
     health.ready.store(true, Ordering::SeqCst);
     info!("controllers running");
-    tokio::join!(services, backchannel, forwarder, shutdown_signal);
+    tokio::join!(
+        drive(services_store, services, stop.clone()),
+        drive(backchannel_store, backchannel, stop),
+        forwarder
+    );
     health.ready.store(false, Ordering::SeqCst);
     node_task.abort();
     lb_task.abort();
@@ -379,22 +388,9 @@ pub async fn run_openstack_controllers_with<F: CloudFactory>(
         metrics,
         config: tuning.sets,
     });
-    let (stop_tx, _) = tokio::sync::broadcast::channel::<()>(1);
-    let stop = |tx: &tokio::sync::broadcast::Sender<()>| {
-        let mut rx = tx.subscribe();
-        async move {
-            let _ = rx.recv().await;
-        }
-    };
-    let signal = {
-        let tx = stop_tx.clone();
-        async move {
-            shutdown.await;
-            let _ = tx.send(());
-        }
-    };
+    let stop = Stop::on(shutdown);
     let machines = tokio::spawn({
-        let (namespace, stop) = (config.namespace.clone(), stop(&stop_tx));
+        let (namespace, stop) = (config.namespace.clone(), stop.clone());
         async move { lbm_controller::run(machines, &namespace, stop).await }
     });
     // kube-runtime's controllers wait for their own caches; there is no earlier point to report.
@@ -404,9 +400,8 @@ pub async fn run_openstack_controllers_with<F: CloudFactory>(
         "LoadBalancer and LoadBalancerSet controllers running"
     );
     tokio::join!(
-        lb_controller::run(ctx, &config.namespace, stop(&stop_tx)),
-        lbs_controller::run(set_ctx, &config.namespace, stop(&stop_tx)),
-        signal,
+        lb_controller::run(ctx, &config.namespace, stop.clone()),
+        lbs_controller::run(set_ctx, &config.namespace, stop),
     );
     let _ = machines.await;
     health.ready.store(false, Ordering::SeqCst);
@@ -433,6 +428,7 @@ pub async fn supervise(
     metrics: Arc<Metrics>,
     health: Arc<Health>,
     controllers: impl std::future::Future<Output = ()>,
+    shutdown: impl std::future::Future<Output = ()>,
 ) -> anyhow::Result<()> {
     let router = crate::http::router(
         metrics.clone(),
@@ -454,7 +450,9 @@ pub async fn supervise(
         }
     }
     match supervision.election {
-        Some(election) => leader::run_as_leader(control, election, metrics, controllers).await?,
+        Some(election) => {
+            leader::run_as_leader(control, election, metrics, controllers, shutdown).await?
+        }
         None => controllers.await,
     }
     anyhow::ensure!(

@@ -120,10 +120,20 @@ async fn start_with(set_config: LbsControllerConfig) -> H {
     });
     let tasks = vec![
         tokio::spawn(async move {
-            lb_controller::lb_controller::run(ctx, NS, std::future::pending()).await
+            lb_controller::lb_controller::run(
+                ctx,
+                NS,
+                lb_controller::stop::Stop::on(std::future::pending()),
+            )
+            .await
         }),
         tokio::spawn(async move {
-            lb_controller::lbs_controller::run(set_ctx, NS, std::future::pending()).await
+            lb_controller::lbs_controller::run(
+                set_ctx,
+                NS,
+                lb_controller::stop::Stop::on(std::future::pending()),
+            )
+            .await
         }),
     ];
     H {

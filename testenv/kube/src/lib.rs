@@ -177,12 +177,7 @@ impl KubeEnv {
         };
         let api: Api<ServiceAccount> = Api::namespaced(client.clone(), namespace);
         let response: TokenRequest = api
-            .create_subresource(
-                "token",
-                name,
-                &PostParams::default(),
-                &request,
-            )
+            .create_subresource("token", name, &PostParams::default(), &request)
             .await
             .with_context(|| format!("TokenRequest for ServiceAccount {namespace}/{name}"))?;
         response
@@ -309,23 +304,32 @@ impl KubeEnv {
     async fn start_apiserver(&self) -> Result<()> {
         let mut cmd = Command::new(self.assets.join("kube-apiserver"));
         let p = |path: &Path| path.display().to_string();
-        cmd.arg(format!("--etcd-servers=http://127.0.0.1:{}", self.etcd_port))
-            .arg("--bind-address=127.0.0.1")
-            .arg("--advertise-address=127.0.0.1")
-            .arg(format!("--secure-port={}", self.api_port))
-            .arg(format!("--cert-dir={}", p(&self.dir)))
-            .arg(format!("--tls-cert-file={}", p(&self.pki.serving_cert)))
-            .arg(format!("--tls-private-key-file={}", p(&self.pki.serving_key)))
-            .arg(format!("--client-ca-file={}", p(&self.pki.ca_cert)))
-            .arg(format!("--service-account-key-file={}", p(&self.pki.sa_pub)))
-            .arg(format!(
-                "--service-account-signing-key-file={}",
-                p(&self.pki.sa_key)
-            ))
-            .arg("--service-account-issuer=https://kubernetes.default.svc")
-            .arg("--authorization-mode=RBAC")
-            .arg("--anonymous-auth=false")
-            .arg("--service-cluster-ip-range=10.96.0.0/16");
+        cmd.arg(format!(
+            "--etcd-servers=http://127.0.0.1:{}",
+            self.etcd_port
+        ))
+        .arg("--bind-address=127.0.0.1")
+        .arg("--advertise-address=127.0.0.1")
+        .arg(format!("--secure-port={}", self.api_port))
+        .arg(format!("--cert-dir={}", p(&self.dir)))
+        .arg(format!("--tls-cert-file={}", p(&self.pki.serving_cert)))
+        .arg(format!(
+            "--tls-private-key-file={}",
+            p(&self.pki.serving_key)
+        ))
+        .arg(format!("--client-ca-file={}", p(&self.pki.ca_cert)))
+        .arg(format!(
+            "--service-account-key-file={}",
+            p(&self.pki.sa_pub)
+        ))
+        .arg(format!(
+            "--service-account-signing-key-file={}",
+            p(&self.pki.sa_key)
+        ))
+        .arg("--service-account-issuer=https://kubernetes.default.svc")
+        .arg("--authorization-mode=RBAC")
+        .arg("--anonymous-auth=false")
+        .arg("--service-cluster-ip-range=10.96.0.0/16");
         let proc = Proc::spawn("kube-apiserver", cmd, &self.dir)?;
         self.procs.lock().unwrap().apiserver = Some(proc);
         let client = self.client().await?;
@@ -427,6 +431,9 @@ impl Drop for KubeEnv {
 
 /// A client from a kubeconfig's text.
 pub async fn client_from(kubeconfig: &str) -> Result<Client> {
+    // Feature unification can enable both of rustls' providers in a test binary, and rustls then refuses to
+    // guess: choose the workspace's (see lb_agent::tls). Already installed (by us or the code under test) is fine.
+    let _ = rustls::crypto::ring::default_provider().install_default();
     let kubeconfig = Kubeconfig::from_yaml(kubeconfig)?;
     let config =
         kube::Config::from_custom_kubeconfig(kubeconfig, &KubeConfigOptions::default()).await?;

@@ -53,7 +53,11 @@ async fn restart_keeps_data_and_compaction_expires_old_versions() {
     env.compact_etcd().await.unwrap();
     let old = first.metadata.resource_version.unwrap();
     let err = api
-        .list(&ListParams::default().at(&old).matching(kube::api::VersionMatch::Exact))
+        .list(
+            &ListParams::default()
+                .at(&old)
+                .matching(kube::api::VersionMatch::Exact),
+        )
         .await
         .unwrap_err();
     assert!(
