@@ -176,6 +176,8 @@ pub mod defaults {
     pub const UDP_IDLE_TIMEOUT: Duration = Duration::from_secs(60);
     /// Default replica count of a LoadBalancer / LoadBalancerSet.
     pub const REPLICAS: i32 = 1;
+    /// Protocol of a load-balancer port without `protocol` (also the CRD schema's default).
+    pub const PORT_PROTOCOL: &str = "TCP";
     /// Key of the OpenStack credentials in the auth secret.
     pub const CLOUDPROVIDER_CONF_KEY: &str = "cloudprovider.conf";
 }

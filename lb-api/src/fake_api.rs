@@ -12,7 +12,8 @@
 //! - finalizers: delete sets `deletionTimestamp`, the object goes away once its last finalizer is
 //!   removed;
 //! - installed CRDs: structural-schema defaults are applied and simple validation (type, required,
-//!   minimum/maximum, pattern, enum) rejects invalid objects with 422, like the real server.
+//!   minimum/maximum, minLength/maxLength, pattern, enum) rejects invalid objects with 422, like
+//!   the real server.
 //!
 //! Not supported: JSON patch, pagination (lists return everything), garbage collection through
 //! owner references, admission, RBAC.
@@ -1190,6 +1191,15 @@ pub fn validate(schema: &Value, value: &Value, path: &str, errors: &mut Vec<Stri
                 "{}: should be less than or equal to {max}",
                 at(path)
             ));
+        }
+    }
+    if let Some(s) = value.as_str() {
+        let len = s.chars().count() as u64;
+        if let Some(min) = schema["minLength"].as_u64().filter(|min| len < *min) {
+            errors.push(format!("{}: should be at least {min} chars long", at(path)));
+        }
+        if let Some(max) = schema["maxLength"].as_u64().filter(|max| len > *max) {
+            errors.push(format!("{}: may not be more than {max} chars", at(path)));
         }
     }
     if let (Some(pattern), Some(s)) = (schema["pattern"].as_str(), value.as_str()) {

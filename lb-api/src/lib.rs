@@ -20,6 +20,7 @@ pub mod loadbalancer;
 pub mod loadbalancermachine;
 pub mod loadbalancerset;
 pub mod naming;
+pub mod schema;
 #[cfg(feature = "runtime")]
 pub mod watch;
 
@@ -27,6 +28,7 @@ pub use k8s_openapi;
 pub use kube;
 
 pub use duration::{format_go_duration, parse_go_duration, DurationError, GoDuration};
+pub use loadbalancer::port_protocol;
 pub use loadbalancer::{
     LoadBalancer, LoadBalancerAdditionalNetwork, LoadBalancerDebugSettings,
     LoadBalancerDefaultNetwork, LoadBalancerEndpoint, LoadBalancerInfrastructure,
@@ -64,10 +66,10 @@ pub fn crds() -> Vec<(&'static str, CustomResourceDefinition)> {
     .collect()
 }
 
-/// Schema properties that carry a server-side default in yawol's CRDs. Every other `default`
-/// that schemars derives from `#[serde(default)]` is removed, so the API server does not add
-/// fields yawol would not add.
-const SCHEMA_DEFAULTS: &[&str] = &["replicas", "internalLB"];
+/// Schema properties that carry a server-side default in yawol's CRDs (`replicas`,
+/// `options.internalLB`, `ports[].protocol`). Every other `default` that schemars derives from
+/// `#[serde(default)]` is removed, so the API server does not add fields yawol would not add.
+const SCHEMA_DEFAULTS: &[&str] = &["replicas", "internalLB", "protocol"];
 
 /// Adjusts a derived CRD to yawol's (controller-gen) semantics:
 /// - no `nullable: true`: the API server then prunes explicit `null`s like it does for yawol,

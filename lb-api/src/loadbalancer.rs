@@ -59,6 +59,7 @@ pub(crate) fn default_replicas() -> i32 {
 #[serde(rename_all = "camelCase")]
 pub struct LoadBalancerSpec {
     /// This label selector matches the load balancer sets deriving from the load balancer.
+    #[schemars(transform = crate::schema::atomic_label_selector)]
     pub selector: LabelSelector,
     /// Replicas defines the number of load-balancer machines that should run.
     #[serde(default = "default_replicas")]
@@ -74,8 +75,9 @@ pub struct LoadBalancerSpec {
     /// Endpoints (one per node) traffic is balanced to.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub endpoints: Option<Vec<LoadBalancerEndpoint>>,
-    /// Ports of the load balancer (copy of the Service's ports).
+    /// Ports of the load balancer (copy of the Service's ports); `protocol` defaults to TCP.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(transform = crate::schema::service_ports_protocol_default)]
     pub ports: Option<Vec<ServicePort>>,
     /// Infrastructure (OpenStack placement) parameters.
     pub infrastructure: LoadBalancerInfrastructure,
@@ -108,6 +110,12 @@ impl LoadBalancerSpec {
     pub fn ports(&self) -> &[ServicePort] {
         self.ports.as_deref().unwrap_or_default()
     }
+}
+
+/// The protocol of a load-balancer port: its `protocol`, TCP when absent (the schema default,
+/// like for a Service's ports).
+pub fn port_protocol(port: &ServicePort) -> &str {
+    port.protocol.as_deref().unwrap_or(defaults::PORT_PROTOCOL)
 }
 
 /// Additional load-balancer settings.
@@ -269,6 +277,7 @@ pub struct LoadBalancerInfrastructure {
     #[serde(default)]
     pub availability_zone: String,
     /// Secret holding `cloudprovider.conf`.
+    #[schemars(extend("x-kubernetes-map-type" = "atomic"))]
     pub auth_secret_ref: SecretReference,
     /// OpenStack project overriding the secret's project (immutable).
     #[serde(default, skip_serializing_if = "Option::is_none")]

@@ -46,6 +46,7 @@ use crate::loadbalancermachine::LoadBalancerMachineSpec;
 #[serde(rename_all = "camelCase")]
 pub struct LoadBalancerSetSpec {
     /// Label query over the machines of this set.
+    #[schemars(transform = crate::schema::atomic_label_selector)]
     pub selector: LabelSelector,
     /// Number of machines. Defaults to 1.
     #[serde(default = "default_replicas")]
@@ -80,5 +81,6 @@ pub struct LoadBalancerSetStatus {
     pub replicas: Option<i32>,
     /// Conditions; only `HasKeepalivedMaster` is used.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(transform = crate::schema::metav1_conditions)]
     pub conditions: Option<Vec<Condition>>,
 }

@@ -8,7 +8,7 @@
 use std::collections::BTreeMap;
 use std::net::IpAddr;
 
-use k8s_openapi::api::core::v1::{SecretReference, Service};
+use k8s_openapi::api::core::v1::{SecretReference, Service, ServicePort};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, ObjectMeta};
 use lb_api::constants::service_annotations as ann;
 use lb_api::constants::{defaults, lb_annotations};
@@ -106,7 +106,7 @@ pub fn validate_service(service: &Service) -> Vec<String> {
     }
     for port in spec.ports.iter().flatten() {
         let label = port.name.clone().unwrap_or_else(|| port.port.to_string());
-        let protocol = port.protocol.as_deref().unwrap_or("TCP");
+        let protocol = lb_api::port_protocol(port);
         if protocol != "TCP" && protocol != "UDP" {
             errors.push(format!(
                 "port {label}: unsupported protocol {protocol} (only TCP and UDP)"
@@ -187,12 +187,23 @@ pub fn desired_spec(
                 .map(str::to_string),
             debug_settings: Some(debug_settings),
             endpoints: (!endpoints.is_empty()).then_some(endpoints),
-            ports: spec.ports.filter(|p| !p.is_empty()),
+            ports: spec.ports.filter(|p| !p.is_empty()).map(with_protocol),
             infrastructure,
             options: Some(options),
         },
         warnings,
     }
+}
+
+/// The ports with `protocol` filled in (TCP when absent), as the LoadBalancer CRD's schema
+/// default stores them: the desired spec then equals the stored one.
+fn with_protocol(mut ports: Vec<ServicePort>) -> Vec<ServicePort> {
+    for port in &mut ports {
+        if port.protocol.is_none() {
+            port.protocol = Some(lb_api::port_protocol(port).to_string());
+        }
+    }
+    ports
 }
 
 fn infrastructure(
@@ -733,6 +744,20 @@ mod tests {
             accept_empty: false,
         };
         assert!(!strict.accepts(&service(json!({}))));
+    }
+
+    #[test]
+    fn ports_get_the_schema_default_protocol() {
+        let mut svc = service(json!({}));
+        let ports = svc.spec.as_mut().unwrap().ports.as_mut().unwrap();
+        ports[0].protocol = None;
+        ports.push(
+            serde_json::from_value(json!({"port": 53, "protocol": "UDP", "nodePort": 30053}))
+                .unwrap(),
+        );
+        let spec = desired_spec(&svc, vec![], &defaults()).spec;
+        let protocols: Vec<_> = spec.ports().iter().map(|p| p.protocol.as_deref()).collect();
+        assert_eq!(protocols, [Some("TCP"), Some("UDP")]);
     }
 
     #[test]

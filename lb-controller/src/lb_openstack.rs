@@ -180,7 +180,7 @@ pub fn desired_rules(lb: &LoadBalancer, security_group_id: &str) -> (Vec<RuleSpe
     }
     let ports = lb.spec.ports.clone().unwrap_or_default();
     for p in &ports {
-        let proto = match p.protocol.as_deref().unwrap_or("TCP") {
+        let proto = match lb_api::port_protocol(p) {
             "TCP" => "tcp",
             "UDP" => "udp",
             other => {

@@ -410,3 +410,41 @@ fn problems_are_reported_once_while_they_last() {
     r.forget("u");
     assert_eq!(r.fresh("u", &p(&["a"]), true), p(&["a"]));
 }
+
+#[test]
+fn master_conditions_satisfy_the_crd_schema() {
+    let crd = lb_api::crds()
+        .into_iter()
+        .find(|(stem, _)| stem.ends_with("_loadbalancersets"))
+        .unwrap()
+        .1;
+    let schema = serde_json::to_value(
+        crd.spec.versions[0]
+            .schema
+            .as_ref()
+            .unwrap()
+            .open_api_v3_schema
+            .as_ref()
+            .unwrap(),
+    )
+    .unwrap();
+    let item = &schema["properties"]["status"]["properties"]["conditions"]["items"];
+    assert!(item["properties"]["reason"]["pattern"].is_string());
+    let long_name = "m".repeat(253);
+    for master in [Some("lbm-abcde"), Some(long_name.as_str()), None] {
+        let condition = master_condition(None, master, now());
+        let value = serde_json::to_value(&condition).unwrap();
+        let mut errors = Vec::new();
+        lb_api::fake_api::validate(item, &value, "condition", &mut errors);
+        assert!(errors.is_empty(), "{value}: {errors:?}");
+        assert!(!condition.reason.is_empty() && !condition.message.is_empty());
+    }
+    // The validation itself rejects what the schema forbids.
+    let mut bad = serde_json::to_value(master_condition(None, None, now())).unwrap();
+    bad["reason"] = json!("");
+    bad["status"] = json!("Maybe");
+    bad.as_object_mut().unwrap().remove("message");
+    let mut errors = Vec::new();
+    lb_api::fake_api::validate(item, &bad, "condition", &mut errors);
+    assert_eq!(errors.len(), 4, "{errors:?}");
+}
