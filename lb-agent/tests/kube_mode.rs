@@ -1,39 +1,52 @@
-//! Kubernetes mode against `FakeApiServer` (an in-memory kube-apiserver that a real `kube::Client` talks
-//! to). No root, no BPF: a fake agent stands in for the data-plane loop, turning `ConfigState` into
-//! `AgentStatus` the way `agent::run` does.
+//! Kubernetes mode against a real kube-apiserver (kube-testenv: etcd + kube-apiserver with TLS, ServiceAccount
+//! tokens, RBAC and the default admission chain). The agent runs with exactly the identity the controller gives a
+//! machine: a ServiceAccount token bound to the Role of `lb_controller::rbac`. The test reads through the admin.
+//! No root, no BPF: a fake agent stands in for the data-plane loop, turning `ConfigState` into `AgentStatus` the
+//! way `agent::run` does.
+//!
+//! One cluster for the binary ([`KubeEnv::shared`], a namespace per test); the tests that stop the API server or
+//! compact etcd start their own ([`KubeEnv::start`]).
 
-use k8s_openapi::api::core::v1::NodeCondition;
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+use futures::StreamExt;
+use k8s_openapi::api::core::v1::{Event, NodeCondition, ObjectReference, Secret, ServiceAccount};
+use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, Time};
 use k8s_openapi::jiff::Timestamp;
-use kube::api::{Api, Patch, PatchParams, PostParams};
+use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams, WatchEvent, WatchParams};
+
+use kube::runtime::watcher;
+use kube::Client;
+use kube_testenv::{wait_for, KubeEnv};
 use lb_agent::agent::{AgentStatus, ConfigState};
 use lb_agent::config::DesiredConfig;
 use lb_agent::health::HealthCheckSpec;
 use lb_agent::kube::{self as kube_mode, KubeMode, KubeSettings};
 use lb_agent::metrics::{ServiceMetrics, SharedSnapshot, Snapshot};
 use lb_agent::model::{Protocol, ServiceId};
-use lb_api::fake_api::{FakeApiServer, ResourceKey};
 use lb_api::{LoadBalancer, LoadBalancerMachine};
+use lb_controller::rbac::{self, MachineIdentity};
 use serde_json::{json, Value};
+use std::future::Future;
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 use tokio::sync::watch;
 
-const NS: &str = "yawol";
 const LB: &str = "lb-1";
 const LBM: &str = "lb-1-abcde-xyz12";
-/// Heartbeat period in these tests: short, so the tests are fast without controlling tokio time (the
-/// fake API server and kube-runtime run on real time).
+const VIP: &str = "192.0.2.10";
+/// Heartbeat period in these tests: short, so the tests are fast without controlling tokio time (the API server
+/// and kube-runtime run on real time).
 const REQUEUE: Duration = Duration::from_millis(150);
-/// Upper bound for anything to happen.
-const WITHIN: Duration = Duration::from_secs(5);
+/// Upper bound for anything to happen (a real API server on a busy 2-core machine: generous; the bound only turns
+/// a hang into a failure).
+const WITHIN: Duration = Duration::from_secs(30);
 /// Start of the fake clock (seconds since the epoch).
 const T0: i64 = 1_700_000_000;
 
-fn lb_json(ports: Value, endpoints: Value, options: Value) -> Value {
+fn lb_json(ns: &str, ports: Value, endpoints: Value, options: Value) -> Value {
     json!({
         "apiVersion": "yawol.stackit.cloud/v1beta1", "kind": "LoadBalancer",
-        "metadata": {"name": LB, "namespace": NS},
+        "metadata": {"name": LB, "namespace": ns},
         "spec": {
             "selector": {"matchLabels": {"yawol.stackit.cloud/loadbalancer": "abc"}},
             "replicas": 1,
@@ -43,14 +56,15 @@ fn lb_json(ports: Value, endpoints: Value, options: Value) -> Value {
             "infrastructure": {
                 "defaultNetwork": {"networkID": "net-1"},
                 "flavor": {"flavorID": "flavor-1"}, "image": {"imageID": "image-1"},
-                "availabilityZone": "az-1", "authSecretRef": {"name": "cloud", "namespace": NS}
+                "availabilityZone": "az-1", "authSecretRef": {"name": "cloud", "namespace": ns}
             }
         }
     })
 }
 
-fn good_lb() -> Value {
+fn good_lb(ns: &str) -> Value {
     lb_json(
+        ns,
         json!([{"name": "http", "protocol": "TCP", "port": 80, "nodePort": 30080},
                {"name": "dns", "protocol": "UDP", "port": 53, "nodePort": 30053}]),
         json!([{"name": "node-1", "addresses": ["10.0.0.11"]},
@@ -59,17 +73,17 @@ fn good_lb() -> Value {
     )
 }
 
-fn lbm_json() -> Value {
+fn lbm_json(ns: &str, name: &str, loadbalancer: &str) -> Value {
     json!({
         "apiVersion": "yawol.stackit.cloud/v1beta1", "kind": "LoadBalancerMachine",
-        "metadata": {"name": LBM, "namespace": NS},
+        "metadata": {"name": name, "namespace": ns},
         "spec": {
             "portID": "port-1",
-            "loadBalancerRef": {"name": LB, "namespace": NS},
+            "loadBalancerRef": {"name": loadbalancer, "namespace": ns},
             "infrastructure": {
                 "defaultNetwork": {"networkID": "net-1"},
                 "flavor": {"flavorID": "flavor-1"}, "image": {"imageID": "image-1"},
-                "availabilityZone": "az-1", "authSecretRef": {"name": "cloud", "namespace": NS}
+                "availabilityZone": "az-1", "authSecretRef": {"name": "cloud", "namespace": ns}
             }
         }
     })
@@ -78,10 +92,108 @@ fn lbm_json() -> Value {
 /// The config in effect in the fake data plane (what `agent::run` would have in its maps).
 type InEffect = Arc<Mutex<Option<(Arc<DesiredConfig>, u64)>>>;
 
-struct Harness {
-    server: FakeApiServer,
+/// The cluster side of a test: its namespace and admin views.
+struct Cluster {
+    ns: String,
+    admin: Client,
+    /// Admin views of the namespace (the test's reads and writes).
     lbs: Api<LoadBalancer>,
     lbms: Api<LoadBalancerMachine>,
+}
+
+impl Cluster {
+    /// A fresh namespace (the CRDs applied) on `env`.
+    async fn new(env: &KubeEnv) -> Self {
+        if std::env::var_os("TEST_LOG").is_some() {
+            let _ = tracing_subscriber::fmt()
+                .with_env_filter("debug,hyper=info,tower=info,rustls=info")
+                .with_test_writer()
+                .try_init();
+        }
+        let admin = env.client().await.expect("admin client");
+        env.apply_crds(&admin, lb_api::crds().into_iter().map(|(_, c)| c))
+            .await
+            .expect("CRDs applied");
+        let ns = env
+            .namespace(&admin, "kube-mode")
+            .await
+            .expect("namespace created");
+        Cluster {
+            lbs: Api::namespaced(admin.clone(), &ns),
+            lbms: Api::namespaced(admin.clone(), &ns),
+            ns,
+            admin,
+        }
+    }
+
+    /// Creates the machine's ServiceAccount, Role and RoleBinding as the controller builds them
+    /// (`lb_controller::rbac`), mints a token for the ServiceAccount and returns a client that uses it, once the
+    /// Role is in effect.
+    ///
+    /// The controller creates them once the LoadBalancerMachine exists, owned by it. When it does not exist (yet),
+    /// they are created without the owner reference: the garbage collector deletes objects whose owner is gone,
+    /// and the ServiceAccount's token with them.
+    async fn machine_client(&self, env: &KubeEnv) -> Client {
+        let uid = self
+            .lbms
+            .get_opt(LBM)
+            .await
+            .expect("reading the LoadBalancerMachine")
+            .and_then(|m| m.metadata.uid);
+        let id = MachineIdentity {
+            namespace: self.ns.clone(),
+            machine: LBM.into(),
+            machine_uid: uid.clone().unwrap_or_default(),
+            loadbalancer: LB.into(),
+        };
+        let mut sa = rbac::service_account(&id);
+        let mut role = rbac::role(&id);
+        let mut binding = rbac::role_binding(&id);
+        if uid.is_none() {
+            sa.metadata.owner_references = None;
+            role.metadata.owner_references = None;
+            binding.metadata.owner_references = None;
+        }
+        let pp = PostParams::default();
+        Api::<ServiceAccount>::namespaced(self.admin.clone(), &self.ns)
+            .create(&pp, &sa)
+            .await
+            .expect("ServiceAccount created");
+        Api::<Role>::namespaced(self.admin.clone(), &self.ns)
+            .create(&pp, &role)
+            .await
+            .expect("Role created");
+        Api::<RoleBinding>::namespaced(self.admin.clone(), &self.ns)
+            .create(&pp, &binding)
+            .await
+            .expect("RoleBinding created");
+        let token = env
+            .token(&self.admin, &self.ns, LBM)
+            .await
+            .expect("a token for the machine's ServiceAccount");
+        let client = env
+            .token_client(&token)
+            .await
+            .expect("a client with the machine's token");
+        // RBAC takes effect once the API server's informers have the Role and the binding: until then the agent
+        // would be Forbidden and back off.
+        let own: Api<LoadBalancerMachine> = Api::namespaced(client.clone(), &self.ns);
+        wait_for("the machine's Role in effect", || async {
+            Ok(!matches!(own.get(LBM).await, Err(kube::Error::Api(s)) if s.code == 403))
+        })
+        .await
+        .unwrap();
+        client
+    }
+}
+
+struct Harness {
+    ns: String,
+    lbs: Api<LoadBalancer>,
+    lbms: Api<LoadBalancerMachine>,
+    events: Api<Event>,
+    /// The client with the machine's token (what the agent uses).
+    machine_client: Client,
     clock: Arc<Mutex<i64>>,
     in_effect: InEffect,
     mode: KubeMode,
@@ -89,26 +201,19 @@ struct Harness {
 }
 
 impl Harness {
-    /// Starts Kubernetes mode against a fresh fake API server; `seed` creates objects first.
-    async fn start(seed: impl AsyncFnOnce(&Api<LoadBalancer>, &Api<LoadBalancerMachine>)) -> Self {
-        if std::env::var_os("TEST_LOG").is_some() {
-            let _ = tracing_subscriber::fmt()
-                .with_env_filter("debug,hyper=info,tower=info")
-                .with_test_writer()
-                .try_init();
-        }
-        let server = FakeApiServer::new();
-        for (_, crd) in lb_api::crds() {
-            server.install_crd(&crd);
-        }
-        let client = server.client();
-        let lbs: Api<LoadBalancer> = Api::namespaced(client.clone(), NS);
-        let lbms: Api<LoadBalancerMachine> = Api::namespaced(client.clone(), NS);
-        seed(&lbs, &lbms).await;
+    /// Starts Kubernetes mode with the machine's identity in a fresh namespace of `env`; `seed` creates objects
+    /// first (admin views of the namespace, and its name).
+    async fn start(
+        env: &KubeEnv,
+        seed: impl AsyncFnOnce(&Api<LoadBalancer>, &Api<LoadBalancerMachine>, &str),
+    ) -> Self {
+        let cluster = Cluster::new(env).await;
+        seed(&cluster.lbs, &cluster.lbms, &cluster.ns).await;
+        let machine_client = cluster.machine_client(env).await;
         let clock = Arc::new(Mutex::new(T0));
         let c = clock.clone();
         let settings = KubeSettings {
-            namespace: NS.into(),
+            namespace: cluster.ns.clone(),
             loadbalancer: LB.into(),
             machine: LBM.into(),
             health_check: HealthCheckSpec::default(),
@@ -118,7 +223,7 @@ impl Harness {
         };
         let (status_tx, status_rx) = watch::channel(AgentStatus::default());
         let snapshot: SharedSnapshot = Arc::new(std::sync::RwLock::new(sample_snapshot()));
-        let mode = kube_mode::start(client, settings, status_rx, snapshot);
+        let mode = kube_mode::start(machine_client.clone(), settings, status_rx, snapshot);
         let in_effect = InEffect::default();
         tokio::spawn(fake_agent(
             mode.config.clone(),
@@ -126,9 +231,11 @@ impl Harness {
             in_effect.clone(),
         ));
         Harness {
-            server,
-            lbs,
-            lbms,
+            events: Api::namespaced(cluster.admin.clone(), &cluster.ns),
+            ns: cluster.ns,
+            lbs: cluster.lbs,
+            lbms: cluster.lbms,
+            machine_client,
             clock,
             in_effect,
             mode,
@@ -158,20 +265,15 @@ impl Harness {
         }
     }
 
-    fn machine(&self) -> Option<LoadBalancerMachine> {
-        let v = self.server.get(
-            &ResourceKey::new("yawol.stackit.cloud", "loadbalancermachines"),
-            NS,
-            LBM,
-        )?;
-        Some(serde_json::from_value(v).expect("LBM deserializes"))
+    async fn machine(&self) -> Option<LoadBalancerMachine> {
+        self.lbms
+            .get_opt(LBM)
+            .await
+            .expect("reading the LoadBalancerMachine")
     }
 
-    fn conditions(&self) -> Vec<NodeCondition> {
-        self.machine()
-            .and_then(|m| m.status)
-            .and_then(|s| s.conditions)
-            .unwrap_or_default()
+    async fn conditions(&self) -> Vec<NodeCondition> {
+        conditions_of(self.machine().await.as_ref())
     }
 
     /// Waits until the machine's conditions satisfy `pred`.
@@ -180,18 +282,23 @@ impl Harness {
         what: &str,
         pred: impl Fn(&[NodeCondition]) -> bool,
     ) -> Vec<NodeCondition> {
-        eventually(what, || {
-            let c = self.conditions();
+        let pred = &pred;
+        eventually(what, || async move {
+            let c = self.conditions().await;
             pred(&c).then_some(c)
         })
         .await
     }
 
-    fn events(&self) -> Vec<Value> {
-        self.server
-            .list(&ResourceKey::new("", "events"))
+    /// The core/v1 Events about the machine.
+    async fn events(&self) -> Vec<Event> {
+        self.events
+            .list(&ListParams::default())
+            .await
+            .expect("listing Events")
+            .items
             .into_iter()
-            .filter(|e| e["involvedObject"]["name"] == LBM)
+            .filter(|e| e.involved_object.name.as_deref() == Some(LBM))
             .collect()
     }
 
@@ -205,6 +312,16 @@ impl Harness {
             .await
             .expect("spec patch accepted by the API server")
     }
+
+    fn in_effect_generation(&self) -> Option<u64> {
+        self.in_effect.lock().unwrap().as_ref().map(|(_, g)| *g)
+    }
+}
+
+fn conditions_of(m: Option<&LoadBalancerMachine>) -> Vec<NodeCondition> {
+    m.and_then(|m| m.status.as_ref())
+        .and_then(|s| s.conditions.clone())
+        .unwrap_or_default()
 }
 
 /// Mirrors `agent::run`'s bookkeeping: a valid config is applied (and stays in effect), an invalid one
@@ -242,7 +359,7 @@ fn sample_snapshot() -> Snapshot {
     let mut s = Snapshot {
         services: vec![ServiceMetrics {
             id: Some(ServiceId {
-                vip: "192.0.2.10".parse().unwrap(),
+                vip: VIP.parse().unwrap(),
                 port: 80,
                 protocol: Protocol::Tcp,
             }),
@@ -256,17 +373,19 @@ fn sample_snapshot() -> Snapshot {
     s
 }
 
-async fn eventually<T>(what: &str, mut f: impl FnMut() -> Option<T>) -> T {
-    let deadline = tokio::time::Instant::now() + WITHIN;
+/// Polls `f` every 50 ms until it gives a value, for up to [`WITHIN`].
+async fn eventually<T, F, Fut>(what: &str, f: F) -> T
+where
+    F: Fn() -> Fut,
+    Fut: Future<Output = Option<T>>,
+{
+    let deadline = Instant::now() + WITHIN;
     loop {
-        if let Some(v) = f() {
+        if let Some(v) = f().await {
             return v;
         }
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "timed out waiting for {what}"
-        );
-        tokio::time::sleep(Duration::from_millis(10)).await;
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
 
@@ -278,15 +397,22 @@ fn is(c: &[NodeCondition], type_: &str, status: &str) -> bool {
     find(c, type_).is_some_and(|c| c.status == status)
 }
 
+fn message<'a>(c: &'a [NodeCondition], type_: &str) -> &'a str {
+    find(c, type_)
+        .and_then(|c| c.message.as_deref())
+        .unwrap_or("")
+}
+
 async fn create(
     lbs: &Api<LoadBalancer>,
     lbms: &Api<LoadBalancerMachine>,
     lb: Value,
     port_ip: Option<&str>,
 ) {
+    let ns = lb["metadata"]["namespace"].as_str().unwrap().to_string();
     lbms.create(
         &PostParams::default(),
-        &serde_json::from_value(lbm_json()).unwrap(),
+        &serde_json::from_value(lbm_json(&ns, LBM, LB)).unwrap(),
     )
     .await
     .unwrap();
@@ -308,9 +434,20 @@ async fn set_port_ip(lbs: &Api<LoadBalancer>, ip: &str) {
     .unwrap();
 }
 
+/// Asserts that `r` is the API server's 403 Forbidden.
+fn assert_forbidden<T: std::fmt::Debug>(what: &str, r: Result<T, kube::Error>) {
+    match r {
+        Err(kube::Error::Api(s)) if s.code == 403 => {}
+        other => panic!("{what}: expected 403 Forbidden, got {other:?}"),
+    }
+}
+
 #[tokio::test]
 async fn without_port_ip_the_config_is_pending_until_the_vip_exists() {
-    let h = Harness::start(async |lbs, lbms| create(lbs, lbms, good_lb(), None).await).await;
+    let h = Harness::start(KubeEnv::shared(), async |lbs, lbms, ns| {
+        create(lbs, lbms, good_lb(ns), None).await
+    })
+    .await;
     let c = h
         .wait_conditions("ConfigReady=False written", |c| {
             is(c, "ConfigReady", "False")
@@ -324,14 +461,17 @@ async fn without_port_ip_the_config_is_pending_until_the_vip_exists() {
     assert!(is(&c, "EnvoyReady", "True"), "the data plane itself is up");
     assert!(is(&c, "EnvoyUpToDate", "False"));
 
-    set_port_ip(&h.lbs, "192.0.2.10").await;
+    set_port_ip(&h.lbs, VIP).await;
     let state = h
         .wait_config("a valid config", |s| matches!(s, ConfigState::Valid(..)))
         .await;
     let ConfigState::Valid(cfg, generation) = state else {
         unreachable!()
     };
-    assert_eq!(generation, 1, "metadata.generation of a new object");
+    assert_eq!(
+        generation, 1,
+        "metadata.generation of a new object; status writes do not change it"
+    );
     assert_eq!(cfg.services.len(), 2);
     h.wait_conditions("ConfigReady=True", |c| is(c, "ConfigReady", "True"))
         .await;
@@ -339,16 +479,17 @@ async fn without_port_ip_the_config_is_pending_until_the_vip_exists() {
 
 #[tokio::test]
 async fn ports_and_endpoints_become_services_and_the_machine_reports_ready() {
-    let h =
-        Harness::start(async |lbs, lbms| create(lbs, lbms, good_lb(), Some("192.0.2.10")).await)
-            .await;
+    let h = Harness::start(KubeEnv::shared(), async |lbs, lbms, ns| {
+        create(lbs, lbms, good_lb(ns), Some(VIP)).await
+    })
+    .await;
     let ConfigState::Valid(cfg, 1) = h
         .wait_config("valid", |s| matches!(s, ConfigState::Valid(..)))
         .await
     else {
         panic!("generation 1 expected")
     };
-    let vip = "192.0.2.10".parse().unwrap();
+    let vip = VIP.parse().unwrap();
     let ids: Vec<_> = cfg.services.iter().map(|s| s.id).collect();
     assert_eq!(
         ids,
@@ -410,27 +551,59 @@ async fn ports_and_endpoints_become_services_and_the_machine_reports_ready() {
             "EnvoyUpToDate"
         ]
     );
-    let events = h.events();
+    // The Event is written before the status that reports the applied generation.
+    let events = h.events().await;
     assert!(
-        events
-            .iter()
-            .any(|e| e["type"] == "Normal" && e["reason"] == "Update"),
+        events.iter().any(|e| e.type_.as_deref() == Some("Normal")
+            && e.reason.as_deref() == Some("Update")),
         "an Update event when the config is applied: {events:?}"
     );
 }
 
+/// A port without `protocol`: the CRD's default (TCP, as yawol's) is filled in by the API server, so the agent
+/// reads TCP whether or not its own fallback would.
+#[tokio::test]
+async fn the_api_server_defaults_the_port_protocol_to_tcp() {
+    let h = Harness::start(KubeEnv::shared(), async |lbs, lbms, ns| {
+        let lb = lb_json(
+            ns,
+            json!([{"name": "http", "port": 80, "nodePort": 30080}]),
+            json!([{"name": "node-1", "addresses": ["10.0.0.11"]}]),
+            json!({}),
+        );
+        create(lbs, lbms, lb, Some(VIP)).await
+    })
+    .await;
+    let stored = h.lbs.get(LB).await.unwrap();
+    assert_eq!(
+        stored.spec.ports()[0].protocol.as_deref(),
+        Some("TCP"),
+        "defaulted by the CRD schema"
+    );
+    assert_eq!(stored.spec.replicas, 1);
+    let ConfigState::Valid(cfg, 1) = h
+        .wait_config("valid", |s| matches!(s, ConfigState::Valid(..)))
+        .await
+    else {
+        panic!("generation 1 expected")
+    };
+    assert_eq!(cfg.services[0].id.protocol, Protocol::Tcp);
+}
+
 #[tokio::test]
 async fn a_spec_change_is_a_new_generation_and_status_updates_are_not() {
-    let h =
-        Harness::start(async |lbs, lbms| create(lbs, lbms, good_lb(), Some("192.0.2.10")).await)
-            .await;
+    let h = Harness::start(KubeEnv::shared(), async |lbs, lbms, ns| {
+        create(lbs, lbms, good_lb(ns), Some(VIP)).await
+    })
+    .await;
     h.wait_config("generation 1", |s| matches!(s, ConfigState::Valid(_, 1)))
         .await;
 
     // Status-only changes (written by the controllers) must not wake the agent.
     let mut rx = h.mode.config.clone();
     rx.borrow_and_update();
-    h.lbs
+    let lb = h
+        .lbs
         .patch_status(
             LB,
             &PatchParams::default(),
@@ -438,7 +611,13 @@ async fn a_spec_change_is_a_new_generation_and_status_updates_are_not() {
         )
         .await
         .unwrap();
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert_eq!(
+        lb.metadata.generation,
+        Some(1),
+        "the status subresource does not bump the generation"
+    );
+    // The agent's watch delivers the status update (a new resourceVersion) well within this.
+    tokio::time::sleep(Duration::from_millis(500)).await;
     assert!(
         !rx.has_changed().unwrap(),
         "a status-only update re-sent the config"
@@ -464,9 +643,10 @@ async fn a_spec_change_is_a_new_generation_and_status_updates_are_not() {
 
 #[tokio::test]
 async fn an_invalid_spec_is_rejected_with_a_warning_and_the_last_config_keeps_forwarding() {
-    let h =
-        Harness::start(async |lbs, lbms| create(lbs, lbms, good_lb(), Some("192.0.2.10")).await)
-            .await;
+    let h = Harness::start(KubeEnv::shared(), async |lbs, lbms, ns| {
+        create(lbs, lbms, good_lb(ns), Some(VIP)).await
+    })
+    .await;
     let ConfigState::Valid(good, 1) = h
         .wait_config("generation 1", |s| matches!(s, ConfigState::Valid(_, 1)))
         .await
@@ -476,6 +656,8 @@ async fn an_invalid_spec_is_rejected_with_a_warning_and_the_last_config_keeps_fo
     h.wait_conditions("ready", |c| is(c, "EnvoyUpToDate", "True"))
         .await;
 
+    // All three pass the CRD's schema (a CIDR is a plain string, any protocol string and port number are
+    // accepted, as for yawol): the agent is the one to reject them.
     let cases = [
         (
             "bad CIDR",
@@ -493,9 +675,10 @@ async fn an_invalid_spec_is_rejected_with_a_warning_and_the_last_config_keeps_fo
             "port 0 is out of range",
         ),
     ];
+    let uid = h.machine().await.unwrap().metadata.uid;
     for (what, spec, needle) in cases {
         // Back to the good spec between cases, so each rejection stands alone.
-        h.patch_spec(good_lb()["spec"].clone()).await;
+        h.patch_spec(good_lb(&h.ns)["spec"].clone()).await;
         h.wait_config("valid again", |s| matches!(s, ConfigState::Valid(..)))
             .await;
 
@@ -511,22 +694,26 @@ async fn an_invalid_spec_is_rejected_with_a_warning_and_the_last_config_keeps_fo
         };
         assert!(msg.contains(needle), "{what}: {needle:?} not in {msg}");
 
-        let event = eventually(&format!("{what}: Warning event"), || {
-            h.events().into_iter().find(|e| {
-                e["type"] == "Warning"
-                    && e["reason"] == "ConfigurationRejected"
-                    && e["message"].as_str().unwrap_or("").contains(needle)
+        let event = eventually(&format!("{what}: Warning event"), || async {
+            h.events().await.into_iter().find(|e| {
+                e.type_.as_deref() == Some("Warning")
+                    && e.reason.as_deref() == Some("ConfigurationRejected")
+                    && e.message.as_deref().unwrap_or("").contains(needle)
             })
         })
         .await;
-        let uid = h.machine().unwrap().metadata.uid;
         assert_eq!(
-            event["involvedObject"]["uid"].as_str(),
-            uid.as_deref(),
+            event.involved_object.uid, uid,
             "kubectl describe finds it"
         );
-        assert_eq!(event["involvedObject"]["kind"], "LoadBalancerMachine");
-        assert_eq!(event["source"]["component"], "lb-agent");
+        assert_eq!(
+            event.involved_object.kind.as_deref(),
+            Some("LoadBalancerMachine")
+        );
+        assert_eq!(
+            event.source.as_ref().and_then(|s| s.component.as_deref()),
+            Some("lb-agent")
+        );
 
         let (in_effect, _) = h.in_effect.lock().unwrap().clone().unwrap();
         assert_eq!(
@@ -555,16 +742,20 @@ async fn an_invalid_spec_is_rejected_with_a_warning_and_the_last_config_keeps_fo
         );
     }
     assert!(
-        !h.events().iter().any(|e| e["reason"] == "ApplyFailed"),
+        !h.events()
+            .await
+            .iter()
+            .any(|e| e.reason.as_deref() == Some("ApplyFailed")),
         "rejections are not reported twice"
     );
 }
 
 #[tokio::test]
 async fn heartbeats_advance_while_transition_times_stay_and_metrics_are_written() {
-    let h =
-        Harness::start(async |lbs, lbms| create(lbs, lbms, good_lb(), Some("192.0.2.10")).await)
-            .await;
+    let h = Harness::start(KubeEnv::shared(), async |lbs, lbms, ns| {
+        create(lbs, lbms, good_lb(ns), Some(VIP)).await
+    })
+    .await;
     let t0 = Time(Timestamp::from_second(T0).unwrap());
     let first = h
         .wait_conditions("all True", |c| {
@@ -580,7 +771,7 @@ async fn heartbeats_advance_while_transition_times_stay_and_metrics_are_written(
         assert_eq!(c.last_heartbeat_time.as_ref(), Some(&t0));
     }
 
-    let m = h.machine().unwrap().status.unwrap().metrics.unwrap();
+    let m = h.machine().await.unwrap().status.unwrap().metrics.unwrap();
     let get = |name: &str| m.iter().find(|x| x.type_ == name).map(|x| x.value.clone());
     assert_eq!(get("TCP-80-upstream_cx_total").as_deref(), Some("42"));
     assert_eq!(get("TCP-80-upstream_cx_active").as_deref(), Some("7"));
@@ -604,7 +795,7 @@ async fn heartbeats_advance_while_transition_times_stay_and_metrics_are_written(
             after, transitions,
             "transition times stay while statuses do not change"
         );
-        let m = h.machine().unwrap().status.unwrap().metrics.unwrap();
+        let m = h.machine().await.unwrap().status.unwrap().metrics.unwrap();
         assert!(
             m.iter().all(|x| x.time == now),
             "metrics refreshed with the heartbeat"
@@ -614,13 +805,15 @@ async fn heartbeats_advance_while_transition_times_stay_and_metrics_are_written(
 
 #[tokio::test]
 async fn conditions_written_by_others_survive() {
-    let h = Harness::start(async |lbs, lbms| {
-        create(lbs, lbms, good_lb(), Some("192.0.2.10")).await;
+    let h = Harness::start(KubeEnv::shared(), async |lbs, lbms, ns| {
+        create(lbs, lbms, good_lb(ns), Some(VIP)).await;
         let marked = json!({"status": {"conditions": [{
             "type": "MarkedForDeletion", "status": "True", "reason": "PendingDeletion", "message": "stale",
             "lastHeartbeatTime": "2023-01-01T00:00:00Z", "lastTransitionTime": "2023-01-01T00:00:00Z"
         }]}});
-        lbms.patch_status(LBM, &PatchParams::default(), &Patch::Merge(&marked)).await.unwrap();
+        lbms.patch_status(LBM, &PatchParams::default(), &Patch::Merge(&marked))
+            .await
+            .unwrap();
     })
     .await;
     let c = h
@@ -633,17 +826,18 @@ async fn conditions_written_by_others_survive() {
 
 #[tokio::test]
 async fn a_missing_machine_or_loadbalancer_is_retried_not_fatal() {
-    // Nothing exists yet: the config stays Pending, status writes fail and are retried.
-    let h = Harness::start(async |_, _| {}).await;
+    // Nothing exists yet (the machine's identity does, unowned): the config stays Pending, status writes fail
+    // (404) and are retried.
+    let h = Harness::start(KubeEnv::shared(), async |_, _, _| {}).await;
     tokio::time::sleep(REQUEUE * 4).await;
     assert!(
         !h.mode.is_finished(),
         "the tasks survive a missing LoadBalancerMachine"
     );
     assert!(matches!(*h.mode.config.borrow(), ConfigState::Pending));
-    assert!(h.machine().is_none());
+    assert!(h.machine().await.is_none());
 
-    create(&h.lbs, &h.lbms, good_lb(), Some("192.0.2.10")).await;
+    create(&h.lbs, &h.lbms, good_lb(&h.ns), Some(VIP)).await;
     h.wait_config("valid once the LoadBalancer exists", |s| {
         matches!(s, ConfigState::Valid(_, 1))
     })
@@ -655,24 +849,34 @@ async fn a_missing_machine_or_loadbalancer_is_retried_not_fatal() {
 
     // The LoadBalancer going away keeps the last config (the machine is about to be deleted anyway).
     h.lbs.delete(LB, &Default::default()).await.unwrap();
-    tokio::time::sleep(REQUEUE * 2).await;
+    wait_for("the LoadBalancer gone", || async {
+        Ok(h.lbs.get_opt(LB).await?.is_none())
+    })
+    .await
+    .unwrap();
+    tokio::time::sleep(REQUEUE * 4).await;
     assert!(matches!(*h.mode.config.borrow(), ConfigState::Valid(_, 1)));
     assert!(!h.mode.is_finished());
 }
 
-#[tokio::test]
+/// The API server is down when the agent starts (a VM booting during a control-plane outage): every request fails
+/// with "connection refused", the tasks survive and retry with backoff, and once the API server is back the agent
+/// gets its configuration and reports.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_unreachable_api_server_is_retried_with_backoff() {
-    // Nothing listens on the discard port: every request fails with "connection refused".
-    // A real client (rustls inside), so pick the crypto provider as the agent's main does.
-    lb_agent::tls::install_crypto_provider();
-    let client =
-        kube::Client::try_from(kube::Config::new("http://127.0.0.1:9".parse().unwrap())).unwrap();
-    let (_status_tx, status_rx) = watch::channel(AgentStatus {
+    let env = KubeEnv::start().await.expect("a private cluster");
+    let cluster = Cluster::new(&env).await;
+    create(&cluster.lbs, &cluster.lbms, good_lb(&cluster.ns), Some(VIP)).await;
+    let client = cluster.machine_client(&env).await;
+    // Blocks while the API server shuts down (SIGTERM, then waiting for it).
+    tokio::task::block_in_place(|| env.stop_apiserver());
+
+    let (status_tx, status_rx) = watch::channel(AgentStatus {
         dataplane_ready: true,
         ..Default::default()
     });
     let settings = KubeSettings {
-        namespace: NS.into(),
+        namespace: cluster.ns.clone(),
         loadbalancer: LB.into(),
         machine: LBM.into(),
         health_check: HealthCheckSpec::default(),
@@ -681,7 +885,345 @@ async fn an_unreachable_api_server_is_retried_with_backoff() {
         machine_revision: None,
     };
     let mode = kube_mode::start(client, settings, status_rx, SharedSnapshot::default());
-    tokio::time::sleep(Duration::from_millis(700)).await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
     assert!(!mode.is_finished(), "no task ended or panicked");
     assert!(matches!(*mode.config.borrow(), ConfigState::Pending));
+
+    env.restart_apiserver()
+        .await
+        .expect("the API server restarts");
+    let mut config = mode.config.clone();
+    tokio::time::timeout(
+        WITHIN,
+        config.wait_for(|s| matches!(s, ConfigState::Valid(_, 1))),
+    )
+    .await
+    .expect("the configuration once the API server is back")
+    .unwrap();
+    // The agent's status as the fake agent of the other tests would have it.
+    status_tx.send_modify(|s| {
+        s.desired_generation = Some(1);
+        s.applied_generation = Some(1);
+    });
+    eventually("the status written once the API server is back", || async {
+        let m = cluster.lbms.get_opt(LBM).await.ok().flatten();
+        let c = conditions_of(m.as_ref());
+        is(&c, "DataplaneUpToDate", "True").then_some(())
+    })
+    .await;
+    assert!(!mode.is_finished());
+}
+
+/// The machine's token reaches its own LoadBalancer and LoadBalancerMachine (+ status) and creates Events; nothing
+/// else: not the namespace's lists, not another machine's objects, not Secrets, not other namespaces.
+#[tokio::test]
+async fn the_machine_token_reaches_only_its_own_objects() {
+    let env = KubeEnv::shared();
+    let h = Harness::start(env, async |lbs, lbms, ns| {
+        create(lbs, lbms, good_lb(ns), Some(VIP)).await;
+        // Another load balancer and its machine in the same namespace.
+        let mut other = good_lb(ns);
+        other["metadata"]["name"] = json!("lb-2");
+        lbs.create(&PostParams::default(), &serde_json::from_value(other).unwrap())
+            .await
+            .unwrap();
+        lbms.create(
+            &PostParams::default(),
+            &serde_json::from_value(lbm_json(ns, "lb-2-fghij-abc34", "lb-2")).unwrap(),
+        )
+        .await
+        .unwrap();
+    })
+    .await;
+    // Another namespace with objects of the same names.
+    let other_ns = Cluster::new(env).await;
+    create(
+        &other_ns.lbs,
+        &other_ns.lbms,
+        good_lb(&other_ns.ns),
+        Some(VIP),
+    )
+    .await;
+
+    let client = h.machine_client.clone();
+    let lbs: Api<LoadBalancer> = Api::namespaced(client.clone(), &h.ns);
+    let lbms: Api<LoadBalancerMachine> = Api::namespaced(client.clone(), &h.ns);
+    let own = format!("metadata.name={LB}");
+    let own_machine = format!("metadata.name={LBM}");
+
+    // Allowed: what the agent does.
+    assert_eq!(lbs.get(LB).await.unwrap().metadata.name.as_deref(), Some(LB));
+    let list = lbs.list(&ListParams::default().fields(&own)).await.unwrap();
+    assert_eq!(list.items.len(), 1);
+    let mut stream = lbs
+        .watch(&WatchParams::default().fields(&own), "0")
+        .await
+        .expect("a watch of its own LoadBalancer")
+        .boxed();
+    let first = tokio::time::timeout(WITHIN, stream.next())
+        .await
+        .expect("the watch delivers the object")
+        .unwrap()
+        .unwrap();
+    assert!(
+        matches!(&first, WatchEvent::Added(lb) if lb.metadata.name.as_deref() == Some(LB)),
+        "{first:?}"
+    );
+    drop(stream);
+    lbms.list(&ListParams::default().fields(&own_machine))
+        .await
+        .unwrap();
+    lbms.get(LBM).await.unwrap();
+    let marked = json!({"status": {"conditions": [{
+        "type": "KeepalivedMaster", "status": "True", "reason": "KeepalivedStatus", "message": "test",
+        "lastHeartbeatTime": "2023-01-01T00:00:00Z", "lastTransitionTime": "2023-01-01T00:00:00Z"
+    }]}});
+    lbms.patch_status(LBM, &PatchParams::default(), &Patch::Merge(&marked))
+        .await
+        .expect("patching its own status");
+    let event = |ns: &str| Event {
+        metadata: ObjectMeta {
+            generate_name: Some(format!("{LBM}.")),
+            namespace: Some(ns.to_string()),
+            ..Default::default()
+        },
+        involved_object: ObjectReference {
+            api_version: Some("yawol.stackit.cloud/v1beta1".into()),
+            kind: Some("LoadBalancerMachine".into()),
+            name: Some(LBM.into()),
+            namespace: Some(ns.to_string()),
+            ..Default::default()
+        },
+        type_: Some("Normal".into()),
+        reason: Some("Test".into()),
+        message: Some("from the machine's token".into()),
+        ..Default::default()
+    };
+    Api::<Event>::namespaced(client.clone(), &h.ns)
+        .create(&PostParams::default(), &event(&h.ns))
+        .await
+        .expect("creating an Event");
+
+    // Forbidden: everything else.
+    assert_forbidden(
+        "listing the namespace's LoadBalancers",
+        lbs.list(&ListParams::default()).await,
+    );
+    assert_forbidden(
+        "watching the namespace's LoadBalancers",
+        lbs.watch(&WatchParams::default(), "0").await.map(|_| ()),
+    );
+    assert_forbidden(
+        "listing the namespace's LoadBalancerMachines",
+        lbms.list(&ListParams::default()).await,
+    );
+    assert_forbidden(
+        "listing another LoadBalancer by field selector",
+        lbs.list(&ListParams::default().fields("metadata.name=lb-2"))
+            .await,
+    );
+    assert_forbidden("getting another LoadBalancer", lbs.get("lb-2").await);
+    assert_forbidden(
+        "getting another LoadBalancerMachine",
+        lbms.get("lb-2-fghij-abc34").await,
+    );
+    assert_forbidden(
+        "patching another machine's status",
+        lbms.patch_status(
+            "lb-2-fghij-abc34",
+            &PatchParams::default(),
+            &Patch::Merge(&marked),
+        )
+        .await,
+    );
+    let mut other_machine: LoadBalancerMachine = h.lbms.get("lb-2-fghij-abc34").await.unwrap();
+    other_machine.status = serde_json::from_value(marked["status"].clone()).unwrap();
+    assert_forbidden(
+        "updating another machine's status",
+        lbms.replace_status(
+            "lb-2-fghij-abc34",
+            &PostParams::default(),
+            &other_machine,
+        )
+        .await,
+    );
+    assert_forbidden(
+        "patching its own LoadBalancer",
+        lbs.patch(
+            LB,
+            &PatchParams::default(),
+            &Patch::Merge(&json!({"spec": {"replicas": 3}})),
+        )
+        .await,
+    );
+    assert_forbidden(
+        "patching its own LoadBalancer's status",
+        lbs.patch_status(
+            LB,
+            &PatchParams::default(),
+            &Patch::Merge(&json!({"status": {"portIP": "192.0.2.99"}})),
+        )
+        .await,
+    );
+    assert_forbidden(
+        "deleting its own LoadBalancerMachine",
+        lbms.delete(LBM, &DeleteParams::default()).await,
+    );
+    let secrets: Api<Secret> = Api::namespaced(client.clone(), &h.ns);
+    assert_forbidden(
+        "listing Secrets",
+        secrets.list(&ListParams::default()).await,
+    );
+    assert_forbidden("reading a Secret", secrets.get("cloud").await);
+    assert_forbidden(
+        "listing Events",
+        Api::<Event>::namespaced(client.clone(), &h.ns)
+            .list(&ListParams::default())
+            .await,
+    );
+    let other_lbs: Api<LoadBalancer> = Api::namespaced(client.clone(), &other_ns.ns);
+    let other_lbms: Api<LoadBalancerMachine> = Api::namespaced(client.clone(), &other_ns.ns);
+    assert_forbidden(
+        "getting the same-named LoadBalancer in another namespace",
+        other_lbs.get(LB).await,
+    );
+    assert_forbidden(
+        "listing the same-named LoadBalancer in another namespace",
+        other_lbs.list(&ListParams::default().fields(&own)).await,
+    );
+    assert_forbidden(
+        "getting the same-named LoadBalancerMachine in another namespace",
+        other_lbms.get(LBM).await,
+    );
+    assert_forbidden(
+        "patching the same-named machine's status in another namespace",
+        other_lbms
+            .patch_status(LBM, &PatchParams::default(), &Patch::Merge(&marked))
+            .await,
+    );
+    assert_forbidden(
+        "creating an Event in another namespace",
+        Api::<Event>::namespaced(client.clone(), &other_ns.ns)
+            .create(&PostParams::default(), &event(&other_ns.ns))
+            .await,
+    );
+    assert_forbidden(
+        "listing LoadBalancers of all namespaces",
+        Api::<LoadBalancer>::all(client.clone())
+            .list(&ListParams::default().fields(&own))
+            .await,
+    );
+
+    // Nothing forbidden was done after all.
+    assert!(h.lbs.get_opt("lb-2").await.unwrap().is_some());
+    assert!(h.machine().await.is_some());
+}
+
+/// The LoadBalancer watch breaks (API server down), the API server comes back with etcd compacted and the
+/// LoadBalancer changed meanwhile: the agent gets the new generation soon (not after a backoff grown during the
+/// outage), and never reports the old generation as up to date while it cannot know it is the latest.
+#[tokio::test]
+async fn a_410_after_compaction_relists_at_once_and_up_to_date_waits_for_it() {
+    let env = KubeEnv::start().await.expect("a private cluster");
+    let h = Harness::start(&env, async |lbs, lbms, ns| {
+        create(lbs, lbms, good_lb(ns), Some(VIP)).await
+    })
+    .await;
+    h.wait_conditions("generation 1 up to date", |c| {
+        is(c, "DataplaneUpToDate", "True") && message(c, "DataplaneUpToDate").contains("generation 1")
+    })
+    .await;
+
+    let stopped = Instant::now();
+    env.stop_apiserver();
+    eprintln!("stop took {:?}", stopped.elapsed());
+    // The agent's watch fails; its retries are refused and its backoff grows.
+    tokio::time::sleep(Duration::from_secs(6)).await;
+    // Statuses written from now on carry this heartbeat.
+    let back = h.advance_clock(600);
+    let restarting = Instant::now();
+    env.restart_apiserver()
+        .await
+        .expect("the API server restarts");
+    eprintln!("restart took {:?}", restarting.elapsed());
+
+    // Every version of the machine written from now on.
+    let seen: Arc<Mutex<Vec<LoadBalancerMachine>>> = Arc::default();
+    let recorder = {
+        let seen = seen.clone();
+        let lbms = h.lbms.clone();
+        tokio::spawn(async move {
+            let cfg = watcher::Config::default().fields(&format!("metadata.name={LBM}"));
+            let mut stream = std::pin::pin!(watcher(lbms, cfg));
+            while let Some(event) = stream.next().await {
+                if let Ok(watcher::Event::Apply(m) | watcher::Event::InitApply(m)) = event {
+                    seen.lock().unwrap().push(m);
+                }
+            }
+        })
+    };
+
+    env.compact_etcd().await.expect("etcd compacted");
+    let lb = h.patch_spec(json!({"ports": [{"name": "https", "protocol": "TCP", "port": 443, "nodePort": 30443}]})).await;
+    assert_eq!(lb.metadata.generation, Some(2));
+    let patched = Instant::now();
+    tokio::time::timeout(
+        Duration::from_secs(20),
+        h.mode
+            .config
+            .clone()
+            .wait_for(|s| matches!(s, ConfigState::Valid(_, 2))),
+    )
+    .await
+    .unwrap_or_else(|_| {
+        panic!(
+            "generation 2 not in the agent's config {:?} after the API server came back",
+            patched.elapsed()
+        )
+    })
+    .unwrap();
+    eprintln!("generation 2 reached the agent {:?} after the patch", patched.elapsed());
+    eventually("generation 2 in effect", || async {
+        (h.in_effect_generation() == Some(2)).then_some(())
+    })
+    .await;
+    h.wait_conditions("generation 2 up to date", |c| {
+        is(c, "DataplaneUpToDate", "True") && message(c, "DataplaneUpToDate").contains("generation 2")
+    })
+    .await;
+    recorder.abort();
+
+    let seen = seen.lock().unwrap().clone();
+    let after_restart: Vec<Vec<NodeCondition>> = seen
+        .iter()
+        .map(|m| conditions_of(Some(m)))
+        .filter(|c| {
+            find(c, "DataplaneUpToDate").and_then(|c| c.last_heartbeat_time.as_ref()) == Some(&back)
+        })
+        .collect();
+    for c in &after_restart {
+        eprintln!(
+            "{} {}",
+            find(c, "DataplaneUpToDate").unwrap().status,
+            message(c, "DataplaneUpToDate")
+        );
+    }
+    for c in &after_restart {
+        if is(c, "DataplaneUpToDate", "True") {
+            assert!(
+                message(c, "DataplaneUpToDate").contains("generation 2"),
+                "the old generation reported up to date after the API server came back: {c:?}"
+            );
+        }
+    }
+    let first = after_restart
+        .first()
+        .expect("statuses written after the restart");
+    assert!(
+        is(first, "DataplaneUpToDate", "False")
+            && message(first, "DataplaneUpToDate")
+                .starts_with("not confirmed: the LoadBalancer watch is not in sync"),
+        "the first status after the restart: {first:?}"
+    );
+    assert!(is(first, "EnvoyUpToDate", "False"), "the same truth as yawol's");
 }

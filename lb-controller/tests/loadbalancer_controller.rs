@@ -1,15 +1,16 @@
-//! The LoadBalancer controller through `kube::Client` against the in-memory API server, with the fake cloud
-//! (`FakeCloud`): finalizer, status after the OpenStack steps, Warning events with the cloud's text, throttling,
-//! deletion with keep-annotations. The same steps run against the real OpenStack in `tests/openstack_lb.rs`.
+//! The LoadBalancer controller through `kube::Client` against a real API server (kube-testenv, a namespace per
+//! test), with the fake cloud (`FakeCloud`): finalizer, status after the OpenStack steps, Warning events with the
+//! cloud's text, throttling, deletion with keep-annotations. The same steps run against the real OpenStack in
+//! `tests/openstack_lb.rs`.
 
 mod common;
 
 use std::sync::Arc;
 use std::time::Duration;
 
+use common::kube::{events, loadbalancers, setup, wait, Objects};
 use kube::api::{DeleteParams, PostParams};
-use kube::Api;
-use lb_api::fake_api::{FakeApiServer, ResourceKey};
+use kube::{Api, Client};
 use lb_api::LoadBalancer;
 use lb_controller::events::EventPublisher;
 use lb_controller::lb_controller::{
@@ -17,14 +18,13 @@ use lb_controller::lb_controller::{
 };
 use lb_controller::openstack::fake::FakeCloud;
 use lb_controller::openstack::CloudErrorKind;
+use lb_controller::stop::Stop;
 use serde_json::{json, Value};
 
-const NS: &str = "yawol";
-
-fn lb_json(name: &str) -> Value {
+fn lb_json(ns: &str, name: &str) -> Value {
     json!({
         "apiVersion": "yawol.stackit.cloud/v1beta1", "kind": "LoadBalancer",
-        "metadata": {"name": name, "namespace": NS},
+        "metadata": {"name": name, "namespace": ns},
         "spec": {
             "selector": {"matchLabels": {"yawol.stackit.cloud/loadbalancer": name}},
             "replicas": 1,
@@ -32,33 +32,62 @@ fn lb_json(name: &str) -> Value {
             "infrastructure": {
                 "defaultNetwork": {"networkID": "net", "floatingNetID": "ext"},
                 "flavor": {"flavorID": "f"}, "image": {"imageID": "i"},
-                "authSecretRef": {"name": "cloud", "namespace": NS}
+                "authSecretRef": {"name": "cloud", "namespace": ns}
             }
         }
     })
 }
 
-async fn wait_for(what: &str, check: impl FnMut() -> bool) {
-    common::wait_within(what, Duration::from_secs(10), check).await
-}
-
 struct H {
-    api: FakeApiServer,
+    client: Client,
+    ns: String,
     cloud: Arc<FakeCloud>,
+    lbs: Objects,
+    events: Objects,
     task: tokio::task::JoinHandle<()>,
 }
 
-async fn start() -> H {
-    let api = FakeApiServer::new();
-    for (_, crd) in lb_api::crds() {
-        api.install_crd(&crd);
+impl H {
+    fn api(&self) -> Api<LoadBalancer> {
+        Api::namespaced(self.client.clone(), &self.ns)
     }
+
+    async fn create(&self, obj: Value) {
+        self.api()
+            .create(
+                &PostParams::default(),
+                &serde_json::from_value(obj).unwrap(),
+            )
+            .await
+            .unwrap();
+    }
+
+    async fn wait_external_ip(&self, name: &str) {
+        wait("external IP", || async {
+            Ok(self.lbs.get(name).await["status"]["externalIP"].is_string())
+        })
+        .await;
+    }
+
+    async fn wait_gone(&self, name: &str) {
+        wait("LoadBalancer gone", || async {
+            Ok(!self.lbs.exists(name).await)
+        })
+        .await;
+    }
+}
+
+async fn start(prefix: &str) -> H {
+    let (client, ns) = setup(prefix).await;
     let cloud = Arc::new(FakeCloud::new());
-    let client = api.client();
     let ctx = Arc::new(LbContext {
         client: client.clone(),
         clouds: FixedCloud(cloud.clone()),
-        events: Arc::new(EventPublisher::new(client, "yawol-controller", "test")),
+        events: Arc::new(EventPublisher::new(
+            client.clone(),
+            "yawol-controller",
+            "test",
+        )),
         config: LbControllerConfig {
             resync: Duration::from_secs(300),
             deletion_poll: Duration::from_millis(20),
@@ -66,36 +95,26 @@ async fn start() -> H {
         },
         metrics: Arc::new(lb_controller::metrics::Metrics::new()),
     });
-    let task =
-        tokio::spawn(async move { run_lb_controller(ctx, NS, std::future::pending()).await });
-    H { api, cloud, task }
-}
-
-fn lbs() -> ResourceKey {
-    ResourceKey::new("yawol.stackit.cloud", "loadbalancers")
-}
-
-fn events() -> ResourceKey {
-    ResourceKey::new("", "events")
+    let task = tokio::spawn({
+        let ns = ns.clone();
+        async move { run_lb_controller(ctx, &ns, Stop::on(std::future::pending())).await }
+    });
+    H {
+        lbs: loadbalancers(&client, &ns),
+        events: events(&client, &ns),
+        client,
+        ns,
+        cloud,
+        task,
+    }
 }
 
 #[tokio::test]
 async fn creates_cloud_resources_records_status_and_cleans_up_on_delete() {
-    let h = start().await;
-    let api: Api<LoadBalancer> = Api::namespaced(h.api.client(), NS);
-    api.create(
-        &PostParams::default(),
-        &serde_json::from_value(lb_json("web")).unwrap(),
-    )
-    .await
-    .unwrap();
-    wait_for("external IP", || {
-        h.api
-            .get(&lbs(), NS, "web")
-            .is_some_and(|l| l["status"]["externalIP"].is_string())
-    })
-    .await;
-    let l = h.api.get(&lbs(), NS, "web").unwrap();
+    let h = start("lb-create").await;
+    h.create(lb_json(&h.ns, "web")).await;
+    h.wait_external_ip("web").await;
+    let l = h.lbs.get("web").await;
     assert_eq!(
         l["metadata"]["finalizers"],
         json!(["yawol.stackit.cloud/controller2"])
@@ -111,18 +130,19 @@ async fn creates_cloud_resources_records_status_and_cleans_up_on_delete() {
         assert!(l["status"][key].is_string(), "{key} in {}", l["status"]);
     }
     assert_eq!(h.cloud.counts(), (1, 1, 1, 0, 0));
-    wait_for("ExternalIPAssigned event", || {
-        h.api
-            .count(&events(), |e| e["reason"] == "ExternalIPAssigned")
-            == 1
+    wait("ExternalIPAssigned event", || async {
+        Ok(h.events
+            .count(|e| e["reason"] == "ExternalIPAssigned")
+            .await
+            == 1)
     })
     .await;
 
-    api.delete("web", &DeleteParams::default()).await.unwrap();
-    wait_for("LoadBalancer gone", || {
-        h.api.get(&lbs(), NS, "web").is_none()
-    })
-    .await;
+    h.api()
+        .delete("web", &DeleteParams::default())
+        .await
+        .unwrap();
+    h.wait_gone("web").await;
     assert_eq!(
         h.cloud.counts(),
         (0, 0, 0, 0, 0),
@@ -133,34 +153,29 @@ async fn creates_cloud_resources_records_status_and_cleans_up_on_delete() {
 
 #[tokio::test]
 async fn openstack_errors_become_warning_events_and_are_retried() {
-    let h = start().await;
+    let h = start("lb-errors").await;
     h.cloud.fail_next(
         "create_floating_ip",
         CloudErrorKind::Quota,
         "Quota exceeded for resources: ['floatingip']",
     );
-    let api: Api<LoadBalancer> = Api::namespaced(h.api.client(), NS);
-    api.create(
-        &PostParams::default(),
-        &serde_json::from_value(lb_json("q")).unwrap(),
-    )
-    .await
-    .unwrap();
-    wait_for("Warning event with the cloud's text", || {
-        h.api.count(&events(), |e| {
-            e["reason"] == "OpenStackError"
-                && e["message"]
-                    .as_str()
-                    .is_some_and(|m| m.contains("Quota exceeded"))
-        }) == 1
+    h.create(lb_json(&h.ns, "q")).await;
+    wait("Warning event with the cloud's text", || async {
+        Ok(h.events
+            .count(|e| {
+                e["reason"] == "OpenStackError"
+                    && e["message"]
+                        .as_str()
+                        .is_some_and(|m| m.contains("Quota exceeded"))
+            })
+            .await
+            == 1)
     })
     .await;
     // The retry (the status writes of the failed attempt trigger it at once) allocates the floating IP; the security
     // group recorded by the failed attempt is reused, not duplicated.
-    wait_for("floating IP after the retry", || {
-        h.api
-            .get(&lbs(), NS, "q")
-            .is_some_and(|l| l["status"]["floatingID"].is_string())
+    wait("floating IP after the retry", || async {
+        Ok(h.lbs.get("q").await["status"]["floatingID"].is_string())
     })
     .await;
     assert_eq!(h.cloud.counts().0, 1, "one security group");
@@ -170,29 +185,18 @@ async fn openstack_errors_become_warning_events_and_are_retried() {
 
 #[tokio::test]
 async fn keep_annotations_survive_deletion() {
-    let h = start().await;
-    let api: Api<LoadBalancer> = Api::namespaced(h.api.client(), NS);
-    let mut obj = lb_json("keep");
+    let h = start("lb-keep").await;
+    let mut obj = lb_json(&h.ns, "keep");
     obj["metadata"]["annotations"] = json!({
         "yawol.stackit.cloud/keepFloatingIP": "true", "yawol.stackit.cloud/keepPort": "true"
     });
-    api.create(
-        &PostParams::default(),
-        &serde_json::from_value(obj).unwrap(),
-    )
-    .await
-    .unwrap();
-    wait_for("external IP", || {
-        h.api
-            .get(&lbs(), NS, "keep")
-            .is_some_and(|l| l["status"]["externalIP"].is_string())
-    })
-    .await;
-    api.delete("keep", &DeleteParams::default()).await.unwrap();
-    wait_for("LoadBalancer gone", || {
-        h.api.get(&lbs(), NS, "keep").is_none()
-    })
-    .await;
+    h.create(obj).await;
+    h.wait_external_ip("keep").await;
+    h.api()
+        .delete("keep", &DeleteParams::default())
+        .await
+        .unwrap();
+    h.wait_gone("keep").await;
     // Floating IP and port kept; the security group is gone (stripped from the kept port first).
     assert_eq!(h.cloud.counts(), (0, 1, 1, 0, 0));
     h.task.abort();
@@ -205,18 +209,15 @@ async fn the_binarys_entry_point_reconciles_a_loadbalancer() {
     use lb_controller::run::{run_openstack_controllers, Health, OpenStackRunConfig};
     use std::sync::atomic::Ordering;
 
-    let server = FakeApiServer::new();
-    for (_, crd) in lb_api::crds() {
-        server.install_crd(&crd);
-    }
+    let (client, ns) = setup("lb-binary").await;
     let cloud = Arc::new(FakeCloud::new());
     let health = Arc::new(Health::default());
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
     let task = tokio::spawn(run_openstack_controllers(
-        server.client(),
+        client.clone(),
         FixedCloud(cloud.clone()),
         OpenStackRunConfig {
-            namespace: NS.into(),
+            namespace: ns.clone(),
             loadbalancer: LbControllerConfig::default(),
             instance: "test".into(),
         },
@@ -226,26 +227,32 @@ async fn the_binarys_entry_point_reconciles_a_loadbalancer() {
             let _ = stop_rx.await;
         },
     ));
-    wait_for("ready", || health.ready.load(Ordering::SeqCst)).await;
-    let api: Api<LoadBalancer> = Api::namespaced(server.client(), NS);
+    wait("ready", || async {
+        Ok(health.ready.load(Ordering::SeqCst))
+    })
+    .await;
+    let api: Api<LoadBalancer> = Api::namespaced(client.clone(), &ns);
     api.create(
         &PostParams::default(),
-        &serde_json::from_value(lb_json("bin")).unwrap(),
+        &serde_json::from_value(lb_json(&ns, "bin")).unwrap(),
     )
     .await
     .unwrap();
-    wait_for("external IP", || {
-        server
-            .get(&lbs(), NS, "bin")
-            .is_some_and(|l| l["status"]["externalIP"].is_string())
+    let lbs = loadbalancers(&client, &ns);
+    wait("external IP", || async {
+        Ok(lbs.get("bin").await["status"]["externalIP"].is_string())
     })
     .await;
     assert_eq!(cloud.counts(), (1, 1, 1, 0, 0));
     // yawol's component, so the cloud controller's back channel forwards the event to the Service.
-    wait_for("ExternalIPAssigned event from yawol-service", || {
-        server.count(&events(), |e| {
-            e["reason"] == "ExternalIPAssigned" && e["source"]["component"] == "yawol-service"
-        }) == 1
+    let events = events(&client, &ns);
+    wait("ExternalIPAssigned event from yawol-service", || async {
+        Ok(events
+            .count(|e| {
+                e["reason"] == "ExternalIPAssigned" && e["source"]["component"] == "yawol-service"
+            })
+            .await
+            == 1)
     })
     .await;
     stop_tx.send(()).unwrap();

@@ -10,15 +10,16 @@
 
 #![allow(dead_code)]
 
+pub mod kube;
 pub mod openstack;
 
 use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
+use ::kube::api::{Patch, PatchParams, PostParams};
+use ::kube::Api;
 use k8s_openapi::api::core::v1::Service;
-use kube::api::{Patch, PatchParams, PostParams};
-use kube::Api;
 use lb_api::fake_api::{FakeApiServer, ResourceKey};
 use lb_api::LoadBalancer;
 use lb_api::{OpenstackFlavorRef, OpenstackImageRef};

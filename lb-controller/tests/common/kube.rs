@@ -1,0 +1,183 @@
+//! Helpers of the suites that run against the real API server (kube-testenv): a namespace per test in the test
+//! binary's shared cluster, JSON views of objects through the admin client, a bounded async wait, a JSON merge.
+//!
+//! The module is named like the `kube` crate and `common/mod.rs` imports `kube::api` and `kube::Api` through it:
+//! the crate's items are re-exported here, so both keep working.
+
+pub use ::kube::*;
+
+use std::future::Future;
+
+use ::kube::api::{ApiResource, DynamicObject, GroupVersionKind, ListParams, Patch, PatchParams};
+use kube_testenv::KubeEnv;
+use serde_json::{json, Value};
+
+/// An admin client and a fresh namespace `<prefix>-<n>` of the shared cluster, with the CRDs installed.
+pub async fn setup(prefix: &str) -> (Client, String) {
+    let env = KubeEnv::shared();
+    let client = env.client().await.expect("admin client");
+    env.apply_crds(&client, lb_api::crds().into_iter().map(|(_, c)| c))
+        .await
+        .expect("CRDs");
+    let ns = env.namespace(&client, prefix).await.expect("namespace");
+    (client, ns)
+}
+
+/// [`kube_testenv::wait_for`] (every 50 ms, at most 60 s), panicking on timeout.
+pub async fn wait<F, Fut>(what: &str, check: F)
+where
+    F: Fn() -> Fut,
+    Fut: Future<Output = anyhow::Result<bool>>,
+{
+    kube_testenv::wait_for(what, check)
+        .await
+        .unwrap_or_else(|e| panic!("{e:#}"))
+}
+
+/// JSON merge patch (RFC 7386) of `patch` into `target`: objects merge, `null` removes, anything else replaces.
+pub fn merge(target: &mut Value, patch: &Value) {
+    match (target, patch) {
+        (Value::Object(t), Value::Object(p)) => {
+            for (k, v) in p {
+                if v.is_null() {
+                    t.remove(k);
+                } else {
+                    merge(t.entry(k.clone()).or_insert(Value::Null), v);
+                }
+            }
+        }
+        (t, p) => *t = p.clone(),
+    }
+}
+
+/// One resource of one namespace, seen as JSON through the admin client.
+#[derive(Clone)]
+pub struct Objects(Api<DynamicObject>);
+
+impl Objects {
+    pub fn new(
+        client: &Client,
+        ns: &str,
+        group: &str,
+        version: &str,
+        kind: &str,
+        plural: &str,
+    ) -> Self {
+        let resource =
+            ApiResource::from_gvk_with_plural(&GroupVersionKind::gvk(group, version, kind), plural);
+        Self(Api::namespaced_with(client.clone(), ns, &resource))
+    }
+
+    pub fn api(&self) -> &Api<DynamicObject> {
+        &self.0
+    }
+
+    /// The object, `Value::Null` when there is none.
+    pub async fn get(&self, name: &str) -> Value {
+        match self.0.get_opt(name).await.expect("GET") {
+            Some(o) => serde_json::to_value(o).unwrap(),
+            None => Value::Null,
+        }
+    }
+
+    pub async fn exists(&self, name: &str) -> bool {
+        !self.get(name).await.is_null()
+    }
+
+    pub async fn list(&self) -> Vec<Value> {
+        self.0
+            .list(&ListParams::default())
+            .await
+            .expect("LIST")
+            .items
+            .into_iter()
+            .map(|o| serde_json::to_value(o).unwrap())
+            .collect()
+    }
+
+    pub async fn count(&self, filter: impl Fn(&Value) -> bool) -> usize {
+        self.list().await.iter().filter(|o| filter(o)).count()
+    }
+
+    /// Merge-patches the status subresource.
+    pub async fn patch_status(&self, name: &str, status: Value) {
+        self.0
+            .patch_status(
+                name,
+                &PatchParams::default(),
+                &Patch::Merge(&json!({ "status": status })),
+            )
+            .await
+            .expect("PATCH status");
+    }
+
+    /// Merge-patches the object (not its status).
+    pub async fn patch(&self, name: &str, patch: Value) {
+        self.0
+            .patch(name, &PatchParams::default(), &Patch::Merge(&patch))
+            .await
+            .expect("PATCH");
+    }
+}
+
+const YAWOL: &str = "yawol.stackit.cloud";
+
+pub fn loadbalancers(client: &Client, ns: &str) -> Objects {
+    Objects::new(
+        client,
+        ns,
+        YAWOL,
+        "v1beta1",
+        "LoadBalancer",
+        "loadbalancers",
+    )
+}
+pub fn loadbalancersets(client: &Client, ns: &str) -> Objects {
+    Objects::new(
+        client,
+        ns,
+        YAWOL,
+        "v1beta1",
+        "LoadBalancerSet",
+        "loadbalancersets",
+    )
+}
+pub fn loadbalancermachines(client: &Client, ns: &str) -> Objects {
+    Objects::new(
+        client,
+        ns,
+        YAWOL,
+        "v1beta1",
+        "LoadBalancerMachine",
+        "loadbalancermachines",
+    )
+}
+pub fn events(client: &Client, ns: &str) -> Objects {
+    Objects::new(client, ns, "", "v1", "Event", "events")
+}
+pub fn secrets(client: &Client, ns: &str) -> Objects {
+    Objects::new(client, ns, "", "v1", "Secret", "secrets")
+}
+pub fn serviceaccounts(client: &Client, ns: &str) -> Objects {
+    Objects::new(client, ns, "", "v1", "ServiceAccount", "serviceaccounts")
+}
+pub fn roles(client: &Client, ns: &str) -> Objects {
+    Objects::new(
+        client,
+        ns,
+        "rbac.authorization.k8s.io",
+        "v1",
+        "Role",
+        "roles",
+    )
+}
+pub fn rolebindings(client: &Client, ns: &str) -> Objects {
+    Objects::new(
+        client,
+        ns,
+        "rbac.authorization.k8s.io",
+        "v1",
+        "RoleBinding",
+        "rolebindings",
+    )
+}
