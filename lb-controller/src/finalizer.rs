@@ -36,7 +36,14 @@ where
         .filter(|f| *f != finalizer)
         .cloned()
         .collect();
-    patch(api, obj, rest).await
+    match patch(api, obj, rest).await {
+        // Already gone: a reconcile queued while the previous one removed the finalizer still sees the cached
+        // copy. Success, so the caller's cleanup after the removal (forgetting metric series) runs; before, the
+        // 404 skipped it and the series of a deleted object stayed until the periodic sweep (seen against the
+        // real API server).
+        Err(kube::Error::Api(status)) if status.code == 404 => Ok(()),
+        result => result,
+    }
 }
 
 async fn patch<K>(api: &Api<K>, obj: &K, finalizers: Vec<String>) -> Result<(), kube::Error>

@@ -62,9 +62,12 @@ impl H {
             .unwrap();
     }
 
-    async fn wait_external_ip(&self, name: &str) {
-        wait("external IP", || async {
-            Ok(self.lbs.get(name).await["status"]["externalIP"].is_string())
+    /// Waits until the OpenStack step is done: its status fields are saved one step at a time, the reconcile
+    /// time and hash last.
+    async fn wait_reconciled(&self, name: &str) {
+        wait("external IP and lastOpenstackReconcile", || async {
+            let status = &self.lbs.get(name).await["status"];
+            Ok(status["externalIP"].is_string() && status["lastOpenstackReconcile"].is_string())
         })
         .await;
     }
@@ -113,7 +116,7 @@ async fn start(prefix: &str) -> H {
 async fn creates_cloud_resources_records_status_and_cleans_up_on_delete() {
     let h = start("lb-create").await;
     h.create(lb_json(&h.ns, "web")).await;
-    h.wait_external_ip("web").await;
+    h.wait_reconciled("web").await;
     let l = h.lbs.get("web").await;
     assert_eq!(
         l["metadata"]["finalizers"],
@@ -191,7 +194,7 @@ async fn keep_annotations_survive_deletion() {
         "yawol.stackit.cloud/keepFloatingIP": "true", "yawol.stackit.cloud/keepPort": "true"
     });
     h.create(obj).await;
-    h.wait_external_ip("keep").await;
+    h.wait_reconciled("keep").await;
     h.api()
         .delete("keep", &DeleteParams::default())
         .await
@@ -239,8 +242,9 @@ async fn the_binarys_entry_point_reconciles_a_loadbalancer() {
     .await
     .unwrap();
     let lbs = loadbalancers(&client, &ns);
-    wait("external IP", || async {
-        Ok(lbs.get("bin").await["status"]["externalIP"].is_string())
+    wait("external IP and lastOpenstackReconcile", || async {
+        let status = &lbs.get("bin").await["status"];
+        Ok(status["externalIP"].is_string() && status["lastOpenstackReconcile"].is_string())
     })
     .await;
     assert_eq!(cloud.counts(), (1, 1, 1, 0, 0));

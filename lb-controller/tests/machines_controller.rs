@@ -1,20 +1,25 @@
-//! The LoadBalancerMachine controller through `kube::Client` against the in-memory API server, with the fake cloud:
-//! RBAC objects, VM port and server booted with the machine's token and the agent's (HA) arguments, status after
-//! each step, ACTIVE wait by requeue, ERROR servers replaced with Nova's fault in an event, injected OpenStack
-//! errors (quota, 5xx) retried without duplicates, deletion leaving nothing, metrics series appearing and going.
+//! The LoadBalancerMachine controller through `kube::Client` against a real API server (kube-testenv, a namespace
+//! per test), with the fake cloud: RBAC objects, VM port and server booted with the machine's token and the agent's
+//! (HA) arguments, status after each step, ACTIVE wait by requeue, ERROR servers replaced with Nova's fault in an
+//! event, injected OpenStack errors (quota, 5xx) retried without duplicates, deletion leaving nothing, metrics
+//! series appearing and going.
 //!
-//! The in-memory API server has no token controller: the tests write the ServiceAccount token into the token Secret
-//! themselves, as Kubernetes would.
+//! The cluster's token controller fills the machines' token Secrets, as in production.
 
 mod common;
 
+use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
 use base64::Engine as _;
+use common::kube::{
+    events, loadbalancermachines, loadbalancers, rolebindings, roles, secrets, serviceaccounts,
+    setup, wait, Objects,
+};
+use k8s_openapi::api::core::v1::Secret;
 use kube::api::{DeleteParams, Patch, PatchParams, PostParams};
-use kube::Api;
-use lb_api::fake_api::{FakeApiServer, ResourceKey};
+use kube::{Api, Client};
 use lb_api::LoadBalancerMachine;
 use lb_controller::events::EventPublisher;
 use lb_controller::lb_controller::FixedCloud;
@@ -22,59 +27,73 @@ use lb_controller::lbm_controller::{run, LbmContext, LbmControllerConfig};
 use lb_controller::lbm_metrics::LbmMetrics;
 use lb_controller::openstack::fake::FakeCloud;
 use lb_controller::openstack::{Cloud, CloudErrorKind, PortSpec};
+use lb_controller::stop::Stop;
 use serde_json::{json, Value};
 use serde_yaml::Value as Yaml;
 
-const NS: &str = "yawol";
-const TOKEN: &str = "eyJhbGciOiJSUzI1NiJ9.machine-token";
 const SYNC_SECRET: &str = "5f0c9a8e7d6b5a4938271605f4e3d2c1b0a99887766554433221100ffeeddccb";
 const NOVA_FAULT: &str = "No valid host was found. There are not enough hosts available.";
 
-fn key(group: &str, plural: &str) -> ResourceKey {
-    ResourceKey::new(group, plural)
-}
-fn machines() -> ResourceKey {
-    key("yawol.stackit.cloud", "loadbalancermachines")
-}
-fn events() -> ResourceKey {
-    key("", "events")
-}
-fn rbac_keys() -> [ResourceKey; 4] {
-    [
-        key("", "serviceaccounts"),
-        key("", "secrets"),
-        key("rbac.authorization.k8s.io", "roles"),
-        key("rbac.authorization.k8s.io", "rolebindings"),
-    ]
-}
-
-async fn wait_for(what: &str, check: impl FnMut() -> bool) {
-    common::wait_within(what, Duration::from_secs(10), check).await
-}
-
 struct H {
-    api: FakeApiServer,
+    client: Client,
+    ns: String,
     cloud: Arc<FakeCloud>,
     metrics: Arc<LbmMetrics>,
     vip_port: String,
     task: tokio::task::JoinHandle<()>,
+    lbs: Objects,
+    machines: Objects,
+    events: Objects,
+    secrets: Objects,
+    /// ServiceAccount, token Secret, Role, RoleBinding: the machine's RBAC objects, all named after it.
+    rbac: [Objects; 4],
 }
 
 impl H {
-    fn machine(&self, name: &str) -> Option<Value> {
-        self.api.get(&machines(), NS, name)
+    fn new(client: Client, ns: String, cloud: Arc<FakeCloud>, metrics: Arc<LbmMetrics>) -> Self {
+        H {
+            lbs: loadbalancers(&client, &ns),
+            machines: loadbalancermachines(&client, &ns),
+            events: events(&client, &ns),
+            secrets: secrets(&client, &ns),
+            rbac: [
+                serviceaccounts(&client, &ns),
+                secrets(&client, &ns),
+                roles(&client, &ns),
+                rolebindings(&client, &ns),
+            ],
+            client,
+            ns,
+            cloud,
+            metrics,
+            vip_port: String::new(),
+            task: tokio::spawn(async {}),
+        }
     }
-    fn status(&self, name: &str) -> Value {
-        self.machine(name)
-            .map(|m| m["status"].clone())
-            .unwrap_or(Value::Null)
+    fn lbm_api(&self) -> Api<LoadBalancerMachine> {
+        Api::namespaced(self.client.clone(), &self.ns)
     }
-    fn events(&self, reason: &str, kind: &str) -> Vec<Value> {
-        self.api
-            .list(&events())
+    async fn machine(&self, name: &str) -> Value {
+        self.machines.get(name).await
+    }
+    async fn status(&self, name: &str) -> Value {
+        self.machine(name).await["status"].clone()
+    }
+    async fn events(&self, reason: &str, kind: &str) -> Vec<Value> {
+        self.events
+            .list()
+            .await
             .into_iter()
             .filter(|e| e["reason"] == reason && e["involvedObject"]["kind"] == kind)
             .collect()
+    }
+    /// The events once there are `n` (a controller publishes after the write that a test waits for).
+    async fn wait_events(&self, reason: &str, kind: &str, n: usize) -> Vec<Value> {
+        wait(&format!("{n} {reason} event(s) on the {kind}"), || async {
+            Ok(self.events(reason, kind).await.len() >= n)
+        })
+        .await;
+        self.events(reason, kind).await
     }
     /// Servers that are not being deleted.
     fn servers(&self) -> Vec<lb_controller::openstack::Server> {
@@ -86,6 +105,44 @@ impl H {
             .iter()
             .filter(|p| p.id != self.vip_port)
             .count()
+    }
+    /// Which of the RBAC objects of machine `name` exist.
+    async fn rbac_left(&self, name: &str) -> Vec<String> {
+        let mut left = Vec::new();
+        for objects in &self.rbac {
+            let o = objects.get(name).await;
+            if !o.is_null() {
+                left.push(format!("{} {name}", o["kind"].as_str().unwrap_or("?")));
+            }
+        }
+        left
+    }
+    async fn wait_gone(&self, name: &str) {
+        wait("machine gone", || async {
+            Ok(self.machine(name).await.is_null())
+        })
+        .await;
+    }
+    /// The resourceVersion of every object the controller writes (the namespace's default ServiceAccount aside):
+    /// unchanged means nothing was written.
+    async fn versions(&self) -> BTreeMap<String, String> {
+        let mut versions = BTreeMap::new();
+        for objects in [&self.lbs, &self.machines, &self.events]
+            .into_iter()
+            .chain(&self.rbac)
+        {
+            for o in objects.list().await {
+                let id = format!(
+                    "{} {}",
+                    o["kind"].as_str().unwrap_or("?"),
+                    o["metadata"]["name"].as_str().unwrap()
+                );
+                if id != "ServiceAccount default" {
+                    versions.insert(id, o["metadata"]["resourceVersion"].to_string());
+                }
+            }
+        }
+        versions
     }
 }
 
@@ -101,116 +158,129 @@ fn config() -> LbmControllerConfig {
     }
 }
 
-/// The in-memory API server with a LoadBalancer that the LoadBalancer controller has already reconciled (security
-/// group, VIP port, VRRP router ID annotation, sync Secret) and the machine controller running.
-async fn start_with(config: LbmControllerConfig) -> H {
-    let api = FakeApiServer::new();
-    for (_, crd) in lb_api::crds() {
-        api.install_crd(&crd);
-    }
+/// A namespace with a LoadBalancer that the LoadBalancer controller has already reconciled (security group, VIP
+/// port, VRRP router ID annotation, sync Secret) and the machine controller running.
+async fn start_with(prefix: &str, config: LbmControllerConfig) -> H {
+    let (client, ns) = setup(prefix).await;
     let cloud = Arc::new(FakeCloud::new());
     let vip = cloud
         .create_port(&PortSpec {
-            name: format!("{NS}/web"),
+            name: format!("{ns}/web"),
             network_id: "net".into(),
             security_groups: vec!["sg-web".into()],
             ..Default::default()
         })
         .await
         .unwrap();
-    api.put(
-        &key("yawol.stackit.cloud", "loadbalancers"),
-        json!({
-            "metadata": {"name": "web", "namespace": NS,
-                         "annotations": {"loadbalancer.yawol.stackit.cloud/vrrpRouterID": "42"}},
-            "spec": {
-                "selector": {"matchLabels": {"yawol.stackit.cloud/loadbalancer": "web"}},
-                "replicas": 1,
-                "ports": [{"name": "http", "port": 80, "nodePort": 30080, "protocol": "TCP"}],
-                "infrastructure": {
-                    "defaultNetwork": {"networkID": "net"}, "flavor": {"flavorID": "f"},
-                    "image": {"imageID": "i"}, "authSecretRef": {"name": "cloud", "namespace": NS}
+    let lbs = loadbalancers(&client, &ns);
+    lbs.api()
+        .create(
+            &PostParams::default(),
+            &serde_json::from_value(json!({
+                "apiVersion": "yawol.stackit.cloud/v1beta1", "kind": "LoadBalancer",
+                "metadata": {"name": "web", "namespace": ns,
+                             "annotations": {"loadbalancer.yawol.stackit.cloud/vrrpRouterID": "42"}},
+                "spec": {
+                    "selector": {"matchLabels": {"yawol.stackit.cloud/loadbalancer": "web"}},
+                    "replicas": 1,
+                    "ports": [{"name": "http", "port": 80, "nodePort": 30080, "protocol": "TCP"}],
+                    "infrastructure": {
+                        "defaultNetwork": {"networkID": "net"}, "flavor": {"flavorID": "f"},
+                        "image": {"imageID": "i"}, "authSecretRef": {"name": "cloud", "namespace": ns}
+                    }
                 }
-            },
-            "status": {"securityGroupID": "sg-web", "portID": vip.id, "portIP": vip.fixed_ips[0].ip_address}
-        }),
-    );
-    api.put(
-        &key("", "secrets"),
-        json!({
-            "metadata": {"name": "web-sync", "namespace": NS},
-            "data": {"secret": base64::engine::general_purpose::STANDARD.encode(SYNC_SECRET)}
-        }),
-    );
+            }))
+            .unwrap(),
+        )
+        .await
+        .unwrap();
+    // The status through its subresource, as the LoadBalancer controller writes it.
+    lbs.patch_status(
+        "web",
+        json!({"securityGroupID": "sg-web", "portID": vip.id, "portIP": vip.fixed_ips[0].ip_address}),
+    )
+    .await;
+    Api::<Secret>::namespaced(client.clone(), &ns)
+        .create(
+            &PostParams::default(),
+            &serde_json::from_value(json!({
+                "metadata": {"name": "web-sync", "namespace": ns},
+                "data": {"secret": base64::engine::general_purpose::STANDARD.encode(SYNC_SECRET)}
+            }))
+            .unwrap(),
+        )
+        .await
+        .unwrap();
     cloud.clear_calls();
-    let client = api.client();
     let metrics = Arc::new(LbmMetrics::default());
     let ctx = Arc::new(LbmContext::new(
         client.clone(),
         FixedCloud(cloud.clone()),
-        Arc::new(EventPublisher::new(client, "yawol-service", "test")),
+        Arc::new(EventPublisher::new(client.clone(), "yawol-service", "test")),
         metrics.clone(),
         config,
     ));
-    let task = tokio::spawn(async move { run(ctx, NS, std::future::pending()).await });
+    let task = tokio::spawn({
+        let ns = ns.clone();
+        async move { run(ctx, &ns, Stop::on(std::future::pending())).await }
+    });
     H {
-        api,
-        cloud,
-        metrics,
         vip_port: vip.id,
         task,
+        ..H::new(client, ns, cloud, metrics)
     }
 }
 
-async fn start() -> H {
-    start_with(config()).await
+async fn start(prefix: &str) -> H {
+    start_with(prefix, config()).await
 }
 
 fn lbm_json(h: &H, name: &str) -> Value {
     json!({
         "apiVersion": "yawol.stackit.cloud/v1beta1", "kind": "LoadBalancerMachine",
-        "metadata": {"name": name, "namespace": NS, "labels": {"yawol.stackit.cloud/loadbalancer": "web"}},
+        "metadata": {"name": name, "namespace": h.ns, "labels": {"yawol.stackit.cloud/loadbalancer": "web"}},
         "spec": {
             "infrastructure": {
                 "defaultNetwork": {"networkID": "net"}, "flavor": {"flavorID": "f"}, "image": {"imageID": "i"},
-                "authSecretRef": {"name": "cloud", "namespace": NS}
+                "authSecretRef": {"name": "cloud", "namespace": h.ns}
             },
             "portID": h.vip_port, "serverGroupID": "grp-1",
-            "loadBalancerRef": {"name": "web", "namespace": NS}
+            "loadBalancerRef": {"name": "web", "namespace": h.ns}
         }
     })
 }
 
 async fn create_machine(h: &H, name: &str) {
-    let api: Api<LoadBalancerMachine> = Api::namespaced(h.api.client(), NS);
-    api.create(
-        &PostParams::default(),
-        &serde_json::from_value(lbm_json(h, name)).unwrap(),
-    )
-    .await
-    .unwrap();
-}
-
-/// What Kubernetes' token controller does: fill in the token Secret once it exists.
-async fn fill_token(h: &H, name: &str) {
-    wait_for("token Secret", || {
-        h.api.get(&key("", "secrets"), NS, name).is_some()
-    })
-    .await;
-    let b64 = |s: &str| base64::engine::general_purpose::STANDARD.encode(s);
-    Api::<k8s_openapi::api::core::v1::Secret>::namespaced(h.api.client(), NS)
-        .patch(
-            name,
-            &PatchParams::default(),
-            &Patch::Merge(json!({"data": {"token": b64(TOKEN), "ca.crt": b64("-----BEGIN CERTIFICATE-----\n")}})),
+    h.lbm_api()
+        .create(
+            &PostParams::default(),
+            &serde_json::from_value(lbm_json(h, name)).unwrap(),
         )
         .await
         .unwrap();
 }
 
+/// The ServiceAccount token of machine `name`, once Kubernetes' token controller has filled in its Secret.
+async fn token(h: &H, name: &str) -> String {
+    wait("token Secret filled in", || async {
+        Ok(h.secrets.get(name).await["data"]["token"].is_string())
+    })
+    .await;
+    let token = h.secrets.get(name).await["data"]["token"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    String::from_utf8(
+        base64::engine::general_purpose::STANDARD
+            .decode(token)
+            .unwrap(),
+    )
+    .unwrap()
+}
+
 async fn wait_active(h: &H, name: &str) {
-    wait_for("lastOpenstackReconcile (server ACTIVE)", || {
-        h.status(name)["lastOpenstackReconcile"].is_string()
+    wait("lastOpenstackReconcile (server ACTIVE)", || async {
+        Ok(h.status(name).await["lastOpenstackReconcile"].is_string())
     })
     .await;
 }
@@ -230,57 +300,46 @@ fn decoded_file(doc: &Yaml, path: &str) -> String {
 
 #[tokio::test]
 async fn creates_rbac_port_and_server_then_deletion_leaves_nothing() {
-    let h = start().await;
+    let h = start("lbm-create").await;
+    let ns = h.ns.clone();
     create_machine(&h, "web-abc-x1").await;
 
     // RBAC and the port come first; the server waits for the token controller (no worker blocked meanwhile).
-    wait_for("RBAC objects", || {
-        rbac_keys()
-            .iter()
-            .all(|k| h.api.get(k, NS, "web-abc-x1").is_some())
+    wait("RBAC objects", || async {
+        Ok(h.rbac_left("web-abc-x1").await.len() == 4)
     })
     .await;
-    wait_for("VM port in the status", || {
-        h.status("web-abc-x1")["defaultPortID"].is_string()
+    wait("VM port in the status", || async {
+        Ok(h.status("web-abc-x1").await["defaultPortID"].is_string())
     })
     .await;
-    tokio::time::sleep(Duration::from_millis(100)).await;
-    assert!(h.servers().is_empty(), "no server without a token");
-    let m = h.machine("web-abc-x1").unwrap();
+    let m = h.machine("web-abc-x1").await;
     assert_eq!(
         m["metadata"]["finalizers"],
         json!(["yawol.stackit.cloud/controller4"])
     );
-    let role = h
-        .api
-        .get(&key("rbac.authorization.k8s.io", "roles"), NS, "web-abc-x1")
-        .unwrap();
+    let role = h.rbac[2].get("web-abc-x1").await;
     assert!(role["rules"]
         .to_string()
         .contains("loadbalancermachines/status"));
-    let binding = h
-        .api
-        .get(
-            &key("rbac.authorization.k8s.io", "rolebindings"),
-            NS,
-            "web-abc-x1",
-        )
-        .unwrap();
+    let binding = h.rbac[3].get("web-abc-x1").await;
     assert_eq!(binding["subjects"][0]["name"], "web-abc-x1");
-    let secret = h.api.get(&key("", "secrets"), NS, "web-abc-x1").unwrap();
+    let secret = h.secrets.get("web-abc-x1").await;
     assert_eq!(secret["type"], "kubernetes.io/service-account-token");
 
-    fill_token(&h, "web-abc-x1").await;
+    // The real token controller fills the Secret at once, so the wait for it cannot be watched from outside; that
+    // the server is booted with the filled-in token (the user data below) shows the controller waited.
+    let token = token(&h, "web-abc-x1").await;
     wait_active(&h, "web-abc-x1").await;
-    let st = h.status("web-abc-x1");
-    for (k, v) in [
-        ("serviceAccountName", "yawol/web-abc-x1"),
-        ("serviceAccountSecretName", "yawol/web-abc-x1"),
-        ("roleName", "yawol/web-abc-x1"),
-        ("roleBindingName", "yawol/web-abc-x1"),
-        ("defaultPortName", "yawol/web-abc-x1"),
+    let st = h.status("web-abc-x1").await;
+    for k in [
+        "serviceAccountName",
+        "serviceAccountSecretName",
+        "roleName",
+        "roleBindingName",
+        "defaultPortName",
     ] {
-        assert_eq!(st[k], v, "{k} in {st}");
+        assert_eq!(st[k], format!("{ns}/web-abc-x1"), "{k} in {st}");
     }
     for k in [
         "serverID",
@@ -333,11 +392,11 @@ async fn creates_rbac_port_and_server_then_deletion_leaves_nothing() {
     );
     assert_eq!(
         serde_json::to_value(&kc.auth_infos[0]).unwrap()["user"]["token"],
-        TOKEN
+        token.as_str()
     );
     let env = decoded_file(&doc, "/etc/lb-agent/agent.env");
     for arg in [
-        "--namespace=yawol",
+        &format!("--namespace={ns}"),
         "--loadbalancer-name=web",
         "--loadbalancer-machine-name=web-abc-x1",
         "--vrrp-router-id=42",
@@ -349,12 +408,18 @@ async fn creates_rbac_port_and_server_then_deletion_leaves_nothing() {
     assert!(env.contains(&format!("LB_VIP={}", vip.fixed_ips[0].ip_address)));
     assert_eq!(decoded_file(&doc, "/etc/lb-agent/sync-secret"), SYNC_SECRET);
     assert!(decoded_file(&doc, "/etc/chrony/chrony.conf").contains("server ntp.example iburst"));
-    assert_eq!(h.events("ServerCreated", "LoadBalancerMachine").len(), 1);
+    assert_eq!(
+        h.wait_events("ServerCreated", "LoadBalancerMachine", 1)
+            .await
+            .len(),
+        1
+    );
 
     // Steady state: another reconcile (a status write by the agent) calls no OpenStack API and writes nothing.
     h.cloud.clear_calls();
-    let writes = h.api.write_count();
-    Api::<LoadBalancerMachine>::namespaced(h.api.client(), NS)
+    let mut expected = h.versions().await;
+    let written = h
+        .lbm_api()
         .patch_status(
             "web-abc-x1",
             &PatchParams::default(),
@@ -363,140 +428,159 @@ async fn creates_rbac_port_and_server_then_deletion_leaves_nothing() {
         )
         .await
         .unwrap();
-    wait_for("agent metric exported", || {
-        h.metrics.encode().contains(
-            r#"loadbalancermachine{type="load1",lb="web",lbm="web-abc-x1",namespace="yawol"} 0.5"#,
-        )
+    expected.insert(
+        "LoadBalancerMachine web-abc-x1".into(),
+        json!(written.metadata.resource_version.unwrap()).to_string(),
+    );
+    let series = format!(
+        r#"loadbalancermachine{{type="load1",lb="web",lbm="web-abc-x1",namespace="{ns}"}} 0.5"#
+    );
+    wait("agent metric exported", || async {
+        Ok(h.metrics.encode().contains(&series))
     })
     .await;
     tokio::time::sleep(Duration::from_millis(100)).await;
     assert!(h.cloud.calls().is_empty(), "{:?}", h.cloud.calls());
-    assert_eq!(h.api.write_count(), writes + 1, "only the agent's write");
+    assert_eq!(h.versions().await, expected, "only the agent's write");
 
     // Deletion: server, port, RBAC objects, finalizer; nothing left but the LoadBalancer's VIP port.
-    Api::<LoadBalancerMachine>::namespaced(h.api.client(), NS)
+    h.lbm_api()
         .delete("web-abc-x1", &DeleteParams::default())
         .await
         .unwrap();
-    wait_for("machine gone", || h.machine("web-abc-x1").is_none()).await;
+    h.wait_gone("web-abc-x1").await;
     assert!(h.servers().is_empty());
     assert_eq!(h.vm_ports(), 0);
     assert_eq!(h.cloud.counts(), (0, 0, 1, 0, 0), "only the VIP port");
-    for k in rbac_keys() {
-        assert!(h.api.get(&k, NS, "web-abc-x1").is_none(), "{k:?} left");
-    }
+    let left = h.rbac_left("web-abc-x1").await;
+    assert!(left.is_empty(), "{left:?} left");
     assert!(
-        h.api.get(&key("", "secrets"), NS, "web-sync").is_some(),
+        h.secrets.exists("web-sync").await,
         "the LoadBalancer's sync Secret is not the machine's"
     );
-    assert!(!h.metrics.encode().contains("web-abc-x1"), "series removed");
+    // Forgotten right after the finalizer write, which a reader can see first.
+    wait("series removed", || async {
+        Ok(!h.metrics.encode().contains("web-abc-x1"))
+    })
+    .await;
     h.task.abort();
 }
 
 #[tokio::test]
 async fn waits_for_active_by_requeue() {
-    let h = start().await;
+    let h = start("lbm-requeue").await;
     h.cloud.push_new_server_state("BUILD", None);
     create_machine(&h, "slow").await;
-    fill_token(&h, "slow").await;
-    wait_for("serverID recorded while building", || {
-        h.status("slow")["serverID"].is_string()
+    wait("serverID recorded while building", || async {
+        Ok(h.status("slow").await["serverID"].is_string())
     })
     .await;
-    let id = h.status("slow")["serverID"].as_str().unwrap().to_string();
+    let id = h.status("slow").await["serverID"]
+        .as_str()
+        .unwrap()
+        .to_string();
     // Polled again and again (requeue), not waited for in a worker; nothing else is booted meanwhile.
     let polls = h.cloud.call_count("get_server");
-    wait_for("several polls", || {
-        h.cloud.call_count("get_server") >= polls + 3
+    wait("several polls", || async {
+        Ok(h.cloud.call_count("get_server") >= polls + 3)
     })
     .await;
-    assert!(h.status("slow")["lastOpenstackReconcile"].is_null());
+    assert!(h.status("slow").await["lastOpenstackReconcile"].is_null());
     assert_eq!(h.servers().len(), 1);
     // A poll only asks Nova: no port lookups, no RBAC writes.
-    let (ports, writes, polls) = (
+    let (ports, versions, polls) = (
         h.cloud.call_count("find_ports"),
-        h.api.write_count(),
+        h.versions().await,
         h.cloud.call_count("get_server"),
     );
-    wait_for("more polls", || {
-        h.cloud.call_count("get_server") >= polls + 3
+    wait("more polls", || async {
+        Ok(h.cloud.call_count("get_server") >= polls + 3)
     })
     .await;
     assert_eq!(h.cloud.call_count("find_ports"), ports);
-    assert_eq!(h.api.write_count(), writes);
+    assert_eq!(h.versions().await, versions);
     // Another machine proceeds meanwhile: the worker is free.
     create_machine(&h, "fast").await;
-    fill_token(&h, "fast").await;
     wait_active(&h, "fast").await;
-    assert!(h.status("slow")["lastOpenstackReconcile"].is_null());
+    assert!(h.status("slow").await["lastOpenstackReconcile"].is_null());
 
     h.cloud.set_server_status(&id, "ACTIVE");
     wait_active(&h, "slow").await;
-    assert_eq!(h.status("slow")["serverID"], id.as_str(), "same server");
+    assert_eq!(
+        h.status("slow").await["serverID"],
+        id.as_str(),
+        "same server"
+    );
     assert_eq!(h.servers().len(), 2);
     h.task.abort();
 }
 
 #[tokio::test]
 async fn error_server_is_replaced_with_novas_fault_in_an_event() {
-    let h = start().await;
+    let h = start("lbm-error").await;
     h.cloud.push_new_server_state("ERROR", Some(NOVA_FAULT));
     // Nova keeps a deleted server listed for a while: it must not be adopted again nor reported twice.
     h.cloud.set_server_delete_lag(5);
     create_machine(&h, "err").await;
-    fill_token(&h, "err").await;
     wait_active(&h, "err").await;
-    let events = h.events("ServerError", "LoadBalancerMachine");
+    let events = h.wait_events("ServerError", "LoadBalancerMachine", 1).await;
     assert_eq!(events.len(), 1, "{events:#?}");
     assert_eq!(events[0]["count"], 1, "one report per broken server");
     assert!(events[0]["message"].as_str().unwrap().contains(NOVA_FAULT));
     // Also on the LoadBalancer, so the cloud controller forwards it to the Service.
-    let on_lb = h.events("ServerError", "LoadBalancer");
+    let on_lb = h.wait_events("ServerError", "LoadBalancer", 1).await;
     assert!(on_lb[0]["message"].as_str().unwrap().contains(NOVA_FAULT));
     assert_eq!(on_lb[0]["source"]["component"], "yawol-service");
-    wait_for("ERROR server gone", || h.servers().len() == 1).await;
+    wait("ERROR server gone", || async { Ok(h.servers().len() == 1) }).await;
     let servers = h.servers();
     assert_eq!(servers[0].status, "ACTIVE");
-    assert_eq!(h.status("err")["serverID"], servers[0].id.as_str());
+    let st = h.status("err").await;
+    assert_eq!(st["serverID"], servers[0].id.as_str());
     assert_eq!(h.vm_ports(), 1, "the port is kept for the new server");
     assert_eq!(
         h.cloud.server_spec(&servers[0].id).unwrap().port_id,
-        h.status("err")["defaultPortID"].as_str().unwrap()
+        st["defaultPortID"].as_str().unwrap()
     );
     h.task.abort();
 }
 
 #[tokio::test]
 async fn a_server_that_fails_later_is_replaced_at_the_next_resync() {
-    let h = start_with(LbmControllerConfig {
-        resync: Duration::from_millis(100),
-        ..config()
-    })
+    let h = start_with(
+        "lbm-late",
+        LbmControllerConfig {
+            resync: Duration::from_millis(100),
+            ..config()
+        },
+    )
     .await;
     create_machine(&h, "late").await;
-    fill_token(&h, "late").await;
     wait_active(&h, "late").await;
-    let first = h.status("late")["serverID"].as_str().unwrap().to_string();
-    h.cloud
-        .set_server_fault(&first, "ERROR", "Host lbtest-compute-1 went away");
-    wait_for("replacement", || {
-        h.status("late")["serverID"]
-            .as_str()
-            .is_some_and(|s| s != first)
-            && h.status("late")["lastOpenstackReconcile"].is_string()
-    })
-    .await;
-    assert!(h.events("ServerError", "LoadBalancerMachine")[0]["message"]
+    let first = h.status("late").await["serverID"]
         .as_str()
         .unwrap()
-        .contains("went away"));
+        .to_string();
+    h.cloud
+        .set_server_fault(&first, "ERROR", "Host lbtest-compute-1 went away");
+    wait("replacement", || async {
+        let st = h.status("late").await;
+        Ok(st["serverID"].as_str().is_some_and(|s| s != first)
+            && st["lastOpenstackReconcile"].is_string())
+    })
+    .await;
+    assert!(
+        h.wait_events("ServerError", "LoadBalancerMachine", 1).await[0]["message"]
+            .as_str()
+            .unwrap()
+            .contains("went away")
+    );
     assert_eq!(h.servers().len(), 1);
     h.task.abort();
 }
 
 #[tokio::test]
 async fn openstack_errors_become_events_and_are_retried_without_duplicates() {
-    let h = start().await;
+    let h = start("lbm-os-errors").await;
     h.cloud.fail_times(
         "create_port",
         CloudErrorKind::Unavailable,
@@ -512,22 +596,24 @@ async fn openstack_errors_become_events_and_are_retried_without_duplicates() {
     h.cloud
         .fail_next("get_server", CloudErrorKind::Unavailable, "502 Bad Gateway");
     create_machine(&h, "q").await;
-    fill_token(&h, "q").await;
     wait_active(&h, "q").await;
 
-    let warnings = h.events("OpenStackError", "LoadBalancerMachine");
-    let text = |needle: &str| {
+    let has = |warnings: &[Value], needle: &str| {
         warnings
             .iter()
             .any(|e| e["message"].as_str().unwrap().contains(needle))
     };
-    assert!(text("Quota exceeded for instances"), "{warnings:#?}");
-    assert!(text("neutron is restarting"), "{warnings:#?}");
-    assert!(text("502 Bad Gateway"), "{warnings:#?}");
-    assert!(h
-        .events("OpenStackError", "LoadBalancer")
-        .iter()
-        .any(|e| e["message"].as_str().unwrap().contains("Quota exceeded")));
+    let warnings = h.events("OpenStackError", "LoadBalancerMachine").await;
+    assert!(
+        has(&warnings, "Quota exceeded for instances"),
+        "{warnings:#?}"
+    );
+    assert!(has(&warnings, "neutron is restarting"), "{warnings:#?}");
+    assert!(has(&warnings, "502 Bad Gateway"), "{warnings:#?}");
+    assert!(has(
+        &h.events("OpenStackError", "LoadBalancer").await,
+        "Quota exceeded"
+    ));
     assert_eq!(h.servers().len(), 1, "no duplicate server");
     assert_eq!(h.vm_ports(), 1, "no duplicate port");
     assert_eq!(
@@ -550,33 +636,29 @@ async fn openstack_errors_become_events_and_are_retried_without_duplicates() {
         CloudErrorKind::Unavailable,
         "504 Gateway Timeout",
     );
-    Api::<LoadBalancerMachine>::namespaced(h.api.client(), NS)
+    h.lbm_api()
         .delete("q", &DeleteParams::default())
         .await
         .unwrap();
-    wait_for("machine gone", || h.machine("q").is_none()).await;
-    assert!(h
-        .events("OpenStackError", "LoadBalancerMachine")
-        .iter()
-        .any(|e| e["message"]
-            .as_str()
-            .unwrap()
-            .contains("504 Gateway Timeout")));
+    h.wait_gone("q").await;
+    assert!(has(
+        &h.events("OpenStackError", "LoadBalancerMachine").await,
+        "504 Gateway Timeout"
+    ));
     assert_eq!(h.cloud.counts(), (0, 0, 1, 0, 0), "only the VIP port");
-    for k in rbac_keys() {
-        assert!(h.api.get(&k, NS, "q").is_none(), "{k:?} left");
-    }
+    let left = h.rbac_left("q").await;
+    assert!(left.is_empty(), "{left:?} left");
     h.task.abort();
 }
 
 #[tokio::test]
 async fn an_interrupted_create_is_adopted_not_duplicated() {
     // A previous controller booted the server and died before recording it.
-    let h = start().await;
+    let h = start("lbm-adopt").await;
     let port = h
         .cloud
         .create_port(&PortSpec {
-            name: format!("{NS}/orphaned"),
+            name: format!("{}/orphaned", h.ns),
             network_id: "net".into(),
             security_groups: vec!["sg-web".into()],
             ..Default::default()
@@ -595,7 +677,7 @@ async fn an_interrupted_create_is_adopted_not_duplicated() {
     h.cloud.clear_calls();
     create_machine(&h, "orphaned").await;
     wait_active(&h, "orphaned").await;
-    let st = h.status("orphaned");
+    let st = h.status("orphaned").await;
     assert_eq!(st["serverID"], server.id.as_str());
     assert_eq!(st["defaultPortID"], port.id.as_str());
     assert_eq!(h.cloud.call_count("create_server"), 0);
@@ -608,25 +690,26 @@ async fn an_interrupted_create_is_adopted_not_duplicated() {
         .find(|p| p.id == port.id)
         .unwrap();
     assert_eq!(fixed.allowed_address_pairs.len(), 1);
-    assert!(
-        h.api.get(&key("", "secrets"), NS, "orphaned").is_some(),
-        "RBAC still applied"
-    );
+    assert!(h.secrets.exists("orphaned").await, "RBAC still applied");
     h.task.abort();
 }
 
 #[tokio::test]
 async fn missing_api_endpoint_is_reported_and_boots_nothing() {
-    let h = start_with(LbmControllerConfig {
-        api_endpoint: None,
-        ..config()
-    })
+    let h = start_with(
+        "lbm-no-endpoint",
+        LbmControllerConfig {
+            api_endpoint: None,
+            ..config()
+        },
+    )
     .await;
     create_machine(&h, "noapi").await;
-    wait_for("InvalidConfiguration event", || {
-        h.events("InvalidConfiguration", "LoadBalancerMachine")
+    wait("InvalidConfiguration event", || async {
+        Ok(h.events("InvalidConfiguration", "LoadBalancerMachine")
+            .await
             .iter()
-            .any(|e| e["message"].as_str().unwrap().contains("API_ENDPOINT"))
+            .any(|e| e["message"].as_str().unwrap().contains("API_ENDPOINT")))
     })
     .await;
     tokio::time::sleep(Duration::from_millis(100)).await;
@@ -637,23 +720,25 @@ async fn missing_api_endpoint_is_reported_and_boots_nothing() {
         "no port for a machine that cannot get a server"
     );
     // Deletion still works.
-    Api::<LoadBalancerMachine>::namespaced(h.api.client(), NS)
+    h.lbm_api()
         .delete("noapi", &DeleteParams::default())
         .await
         .unwrap();
-    wait_for("machine gone", || h.machine("noapi").is_none()).await;
+    h.wait_gone("noapi").await;
     assert_eq!(h.vm_ports(), 0);
     h.task.abort();
 }
 
 #[tokio::test]
 async fn metrics_series_appear_and_disappear() {
-    let h = start().await;
+    let h = start("lbm-metrics").await;
     create_machine(&h, "m1").await;
-    fill_token(&h, "m1").await;
     wait_active(&h, "m1").await;
-    let server = h.status("m1")["serverID"].as_str().unwrap().to_string();
-    Api::<LoadBalancerMachine>::namespaced(h.api.client(), NS)
+    let server = h.status("m1").await["serverID"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    h.lbm_api()
         .patch_status(
             "m1",
             &PatchParams::default(),
@@ -667,14 +752,14 @@ async fn metrics_series_appear_and_disappear() {
         )
         .await
         .unwrap();
-    let base = r#"lb="web",lbm="m1",namespace="yawol""#;
-    wait_for("series", || {
+    let base = format!(r#"lb="web",lbm="m1",namespace="{}""#, h.ns);
+    wait("series", || async {
         let t = h.metrics.encode();
-        t.contains(&format!(
+        Ok(t.contains(&format!(
             r#"loadbalancermachine{{type="TCP-80-upstream_cx_active",{base}}} 12"#
         )) && t.contains(&format!(
             r#"loadbalancermachine_condition{{{base},condition="ConfigReady",reason="ConfigApplied",status="True"}} 1"#
-        )) && t.contains(&format!(r#"serverID="{server}",flavorID="f",imageID="i"}} 1"#))
+        )) && t.contains(&format!(r#"serverID="{server}",flavorID="f",imageID="i"}} 1"#)))
     })
     .await;
     assert!(!h
@@ -683,30 +768,23 @@ async fn metrics_series_appear_and_disappear() {
         .contains("loadbalancermachine_deletion_timestamp{"));
     // While the server is deleted (Nova is slow), the deletion timestamp is exported.
     h.cloud.set_server_delete_lag(20);
-    Api::<LoadBalancerMachine>::namespaced(h.api.client(), NS)
+    h.lbm_api()
         .delete("m1", &DeleteParams::default())
         .await
         .unwrap();
-    wait_for("deletion timestamp", || {
-        h.metrics
+    wait("deletion timestamp", || async {
+        Ok(h.metrics
             .encode()
-            .contains(&format!("loadbalancermachine_deletion_timestamp{{{base}}}"))
+            .contains(&format!("loadbalancermachine_deletion_timestamp{{{base}}}")))
     })
     .await;
-    wait_for("machine gone", || h.machine("m1").is_none()).await;
-    let t = h.metrics.encode();
-    assert!(!t.contains("lbm=\"m1\""), "{t}");
+    h.wait_gone("m1").await;
+    // Forgotten right after the finalizer write, which a reader can see first.
+    wait("series removed", || async {
+        Ok(!h.metrics.encode().contains("lbm=\"m1\""))
+    })
+    .await;
     h.task.abort();
-}
-
-async fn wait_long(what: &str, mut check: impl FnMut() -> bool) {
-    for _ in 0..600 {
-        if check() {
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    panic!("timed out waiting for {what}");
 }
 
 /// The binary's `controller` command starts every OpenStack-side controller through
@@ -720,18 +798,15 @@ async fn the_binarys_entry_point_runs_the_machine_controller() {
 
     // Only this test of the binary reads the environment (`OpenStackTuning::from_env`).
     std::env::set_var("API_ENDPOINT", "https://api.control.example:6443");
-    let server = FakeApiServer::new();
-    for (_, crd) in lb_api::crds() {
-        server.install_crd(&crd);
-    }
+    let (client, ns) = setup("lbm-binary").await;
     let cloud = Arc::new(FakeCloud::new());
     let metrics = Arc::new(lb_controller::metrics::Metrics::new());
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
     let task = tokio::spawn(run_openstack_controllers(
-        server.client(),
+        client.clone(),
         FixedCloud(cloud.clone()),
         OpenStackRunConfig {
-            namespace: NS.into(),
+            namespace: ns.clone(),
             loadbalancer: LbControllerConfig::default(),
             instance: "test".into(),
         },
@@ -743,7 +818,7 @@ async fn the_binarys_entry_point_runs_the_machine_controller() {
     ));
     let lb: lb_api::LoadBalancer = serde_json::from_value(json!({
         "apiVersion": "yawol.stackit.cloud/v1beta1", "kind": "LoadBalancer",
-        "metadata": {"name": "e2e", "namespace": NS},
+        "metadata": {"name": "e2e", "namespace": ns},
         "spec": {
             "selector": {"matchLabels": {"yawol.stackit.cloud/loadbalancer": "e2e"}},
             "replicas": 1,
@@ -751,39 +826,37 @@ async fn the_binarys_entry_point_runs_the_machine_controller() {
             "infrastructure": {
                 "defaultNetwork": {"networkID": "net", "floatingNetID": "ext"},
                 "flavor": {"flavorID": "f"}, "image": {"imageID": "i"},
-                "authSecretRef": {"name": "cloud", "namespace": NS}
+                "authSecretRef": {"name": "cloud", "namespace": ns}
             },
             "options": {"serverGroupPolicy": "anti-affinity"}
         }
     }))
     .unwrap();
-    Api::<lb_api::LoadBalancer>::namespaced(server.client(), NS)
+    Api::<lb_api::LoadBalancer>::namespaced(client.clone(), &ns)
         .create(&PostParams::default(), &lb)
         .await
         .unwrap();
-    let machine = || -> Option<Value> { server.list(&machines()).into_iter().next() };
-    wait_long("a LoadBalancerMachine", || machine().is_some()).await;
-    let name = machine().unwrap()["metadata"]["name"]
+    let h = H::new(
+        client.clone(),
+        ns.clone(),
+        cloud.clone(),
+        Arc::new(LbmMetrics::default()),
+    );
+    wait("a LoadBalancerMachine", || async {
+        Ok(!h.machines.list().await.is_empty())
+    })
+    .await;
+    let name = h.machines.list().await[0]["metadata"]["name"]
         .as_str()
         .unwrap()
         .to_string();
-    let h = H {
-        api: server.clone(),
-        cloud: cloud.clone(),
-        metrics: Arc::new(LbmMetrics::default()),
-        vip_port: String::new(),
-        task: tokio::spawn(async {}),
-    };
-    fill_token(&h, &name).await;
-    wait_long("server ACTIVE", || {
-        h.status(&name)["lastOpenstackReconcile"].is_string()
-    })
-    .await;
+    wait_active(&h, &name).await;
 
-    let lb = server
-        .get(&key("yawol.stackit.cloud", "loadbalancers"), NS, "e2e")
-        .unwrap();
-    let server_id = h.status(&name)["serverID"].as_str().unwrap().to_string();
+    let lb = h.lbs.get("e2e").await;
+    let server_id = h.status(&name).await["serverID"]
+        .as_str()
+        .unwrap()
+        .to_string();
     let boot = cloud.server_spec(&server_id).unwrap();
     assert_eq!(
         boot.server_group_id.as_deref(),
@@ -799,7 +872,7 @@ async fn the_binarys_entry_point_runs_the_machine_controller() {
         env.contains(&format!("--vrrp-router-id={router_id}")),
         "{env}"
     );
-    let sync = server.get(&key("", "secrets"), NS, "e2e-sync").unwrap();
+    let sync = h.secrets.get("e2e-sync").await;
     let sync = base64::engine::general_purpose::STANDARD
         .decode(sync["data"]["secret"].as_str().unwrap())
         .unwrap();
@@ -815,20 +888,17 @@ async fn the_binarys_entry_point_runs_the_machine_controller() {
         "{text}"
     );
 
-    Api::<lb_api::LoadBalancer>::namespaced(server.client(), NS)
+    Api::<lb_api::LoadBalancer>::namespaced(client.clone(), &ns)
         .delete("e2e", &DeleteParams::default())
         .await
         .unwrap();
-    wait_long("LoadBalancer gone", || {
-        server
-            .get(&key("yawol.stackit.cloud", "loadbalancers"), NS, "e2e")
-            .is_none()
+    wait("LoadBalancer gone", || async {
+        Ok(!h.lbs.exists("e2e").await)
     })
     .await;
     assert_eq!(cloud.counts(), (0, 0, 0, 0, 0), "nothing left in the cloud");
-    for k in rbac_keys() {
-        assert!(server.get(&k, NS, &name).is_none(), "{k:?} left");
-    }
+    let left = h.rbac_left(&name).await;
+    assert!(left.is_empty(), "{left:?} left");
     assert!(!metrics.encode().contains(&name), "machine series removed");
     stop_tx.send(()).unwrap();
     tokio::time::timeout(Duration::from_secs(10), task)

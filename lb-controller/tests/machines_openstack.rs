@@ -102,7 +102,14 @@ impl Harness {
                 ..LbmControllerConfig::default()
             },
         ));
-        let task = tokio::spawn(async move { run(ctx, NS, std::future::pending()).await });
+        let task = tokio::spawn(async move {
+            run(
+                ctx,
+                NS,
+                lb_controller::stop::Stop::on(std::future::pending()),
+            )
+            .await
+        });
         Harness {
             api,
             lb: lb.clone(),

@@ -178,6 +178,15 @@ impl H {
     async fn events_with(&self, reason: &str) -> usize {
         self.events.count(|e| e["reason"] == reason).await
     }
+    /// Exactly `n` events with `reason`, once there are that many: a controller publishes its event after the
+    /// write that a test waits for, so a reader can see the write first.
+    async fn assert_events(&self, reason: &str, n: usize) {
+        wait(&format!("{n} {reason} events"), || async {
+            Ok(self.events_with(reason).await >= n)
+        })
+        .await;
+        assert_eq!(self.events_with(reason).await, n, "{reason} events");
+    }
     fn reconciles(&self, controller: &str) -> u64 {
         self.metrics.reconcile_count(controller)
     }
@@ -377,7 +386,7 @@ async fn sets_create_n_machines_one_at_a_time() {
     );
     assert_eq!(st["conditions"][0]["type"], "HasKeepalivedMaster");
     assert_eq!(st["conditions"][0]["status"], "False");
-    assert_eq!(h.events_with("MachineCreated").await, 3);
+    h.assert_events("MachineCreated", 3).await;
     assert_eq!(h.sets_of("web").await.len(), 1);
 }
 
@@ -425,7 +434,10 @@ async fn sets_hot_changes_keep_the_set_rolling_changes_replace_it_after_the_vip_
         h.set(&new).await["spec"]["template"]["spec"]["infrastructure"]["flavor"]["flavorID"],
         "f2"
     );
-    assert!(h.events_with("LoadBalancerSetCreated").await >= 2);
+    wait("a second LoadBalancerSetCreated event", || async {
+        Ok(h.events_with("LoadBalancerSetCreated").await >= 2)
+    })
+    .await;
     let new_machines = h.bring_up(&new, 2, 2).await;
     assert_eq!(
         h.machines_of_set(&new).await[0]["metadata"]["annotations"][REVISION],
@@ -457,8 +469,8 @@ async fn sets_hot_changes_keep_the_set_rolling_changes_replace_it_after_the_vip_
     })
     .await;
     assert!(h.machine_names(&old).await.is_empty());
-    assert_eq!(h.events_with("LoadBalancerSetScaledDown").await, 1);
-    assert_eq!(h.events_with("LoadBalancerSetDeleted").await, 1);
+    h.assert_events("LoadBalancerSetScaledDown", 1).await;
+    h.assert_events("LoadBalancerSetDeleted", 1).await;
     assert_eq!(
         h.machine_names(&new).await.len(),
         2,
@@ -533,7 +545,7 @@ async fn sets_unhealthy_machine_is_marked_then_replaced() {
         Ok(h.marked(&m[0], Some("True")).await)
     })
     .await;
-    assert_eq!(h.events_with("MachineMarkedForDeletion").await, 1);
+    h.assert_events("MachineMarkedForDeletion", 1).await;
     assert!(
         h.machine_names(&set).await.contains(&m[0]),
         "not deleted within the grace"
@@ -552,7 +564,7 @@ async fn sets_unhealthy_machine_is_marked_then_replaced() {
     })
     .await;
     assert!(h.machine_names(&set).await.contains(&m[1]));
-    assert_eq!(h.events_with("MachineDeleted").await, 1);
+    h.assert_events("MachineDeleted", 1).await;
     assert!(h
         .metrics
         .encode()
@@ -596,10 +608,12 @@ async fn sets_no_deletion_while_every_heartbeat_is_stale() {
     })
     .await;
     assert!(h.machine_names(&set).await.contains(&m[1]));
-    assert!(h
-        .metrics
-        .encode()
-        .contains("lb_cloud_controller_machine_heartbeat_outage 0"));
+    wait("outage over", || async {
+        Ok(h.metrics
+            .encode()
+            .contains("lb_cloud_controller_machine_heartbeat_outage 0"))
+    })
+    .await;
 }
 
 #[tokio::test]
@@ -739,9 +753,11 @@ async fn sets_sync_peers_follow_the_machines() {
     .await;
 }
 
-#[tokio::test]
-async fn sets_metrics_series_appear_and_disappear_and_deletion_removes_sets_first() {
-    let h = start("sets-metrics").await;
+/// The series of a LoadBalancer and its set appear; deleting the LoadBalancer deletes its sets first (a machine whose
+/// VM is still going away holds everything); then machine, set, cloud resources and LoadBalancer go. Returns once
+/// the LoadBalancer and its sync Secret are gone.
+async fn metrics_then_deletion(prefix: &str) -> H {
+    let h = start(prefix).await;
     let ns = h.ns.clone();
     h.create_lb(lb_json(&ns, "web", 1)).await;
     let set = current_set(&h, "web", "1").await;
@@ -750,17 +766,21 @@ async fn sets_metrics_series_appear_and_disappear_and_deletion_removes_sets_firs
         Ok(h.lb("web").await["status"]["readyReplicas"] == 1)
     })
     .await;
-    let text = h.metrics.encode();
-    for series in [
+    let series = [
         format!(r#"loadbalancer_replicas{{lb="web",namespace="{ns}"}} 1"#),
         format!(r#"loadbalancer_replicas_current{{lb="web",namespace="{ns}"}} 1"#),
         format!(r#"loadbalancer_replicas_ready{{lb="web",namespace="{ns}"}} 1"#),
         format!(r#"loadbalancerset_replicas{{lb="web",lbs="{set}",namespace="{ns}"}} 1"#),
         format!(r#"loadbalancerset_replicas_ready{{lb="web",lbs="{set}",namespace="{ns}"}} 1"#),
         format!(r#"loadbalancerset_replicas_current{{lb="web",lbs="{set}",namespace="{ns}"}} 1"#),
-    ] {
-        assert!(text.contains(&series), "{series} in\n{text}");
-    }
+    ];
+    // Observed when the reconciles that wrote the statuses end, which a reader can see first.
+    wait("the series of LoadBalancer and set", || async {
+        let text = h.metrics.encode();
+        Ok(series.iter().all(|s| text.contains(s)))
+    })
+    .await;
+    let text = h.metrics.encode();
     let ip = h.lb("web").await["status"]["externalIP"]
         .as_str()
         .unwrap()
@@ -828,11 +848,38 @@ async fn sets_metrics_series_appear_and_disappear_and_deletion_removes_sets_firs
         Ok(!h.secrets.exists("web-sync").await)
     })
     .await;
-    let text = h.metrics.encode();
-    assert!(
-        !text.lines().any(|l| l.contains(r#"lb="web""#)),
-        "no series of the deleted LoadBalancer:\n{text}"
-    );
+    h
+}
+
+#[tokio::test]
+async fn sets_metrics_series_appear_and_deletion_removes_sets_first() {
+    metrics_then_deletion("sets-metrics").await;
+}
+
+/// Seen against the real API server about once in ten runs under load: the reconcile that removed the finalizer is
+/// followed at once by one on the cached copy that still has it (a set or machine event was queued meanwhile). That
+/// one observes the object again (`observe_loadbalancer`, `observe_set` at the top of the deletion branch), then its
+/// finalizer patch got a 404 and the `forget_*` after it never ran: the series stayed until the periodic sweep (60 s
+/// for sets, `resync` for LoadBalancers, 300 s here). `finalizer::remove` now takes a 404 as done.
+#[tokio::test]
+async fn sets_series_of_a_deleted_loadbalancer_disappear() {
+    let h = metrics_then_deletion("sets-series-gone").await;
+    // The controllers forget the series right after their finalizer writes, which a reader can see first.
+    let left = || {
+        h.metrics
+            .encode()
+            .lines()
+            .filter(|l| l.contains(r#"lb="web""#))
+            .map(str::to_string)
+            .collect::<Vec<_>>()
+    };
+    if let Err(e) = kube_testenv::wait_for("no series of the deleted LoadBalancer", || async {
+        Ok(left().is_empty())
+    })
+    .await
+    {
+        panic!("{e:#}: {:#?}", left());
+    }
 }
 
 #[tokio::test]
@@ -918,8 +965,11 @@ async fn sets_the_binarys_entry_point_creates_sets_and_machines() {
     })
     .await;
     assert_eq!(loadbalancersets(&client, &ns).list().await.len(), 1);
-    assert!(metrics.encode().contains(&format!(
-        r#"loadbalancer_replicas{{lb="bin",namespace="{ns}"}} 1"#
-    )));
+    // Recorded when the LoadBalancer's reconcile ends, which can be after the set controller made the machine.
+    let series = format!(r#"loadbalancer_replicas{{lb="bin",namespace="{ns}"}} 1"#);
+    wait("the LoadBalancer's series", || async {
+        Ok(metrics.encode().contains(&series))
+    })
+    .await;
     task.abort();
 }

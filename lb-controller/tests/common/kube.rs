@@ -14,6 +14,12 @@ use serde_json::{json, Value};
 
 /// An admin client and a fresh namespace `<prefix>-<n>` of the shared cluster, with the CRDs installed.
 pub async fn setup(prefix: &str) -> (Client, String) {
+    if std::env::var_os("TEST_LOG").is_some() {
+        let _ = tracing_subscriber::fmt()
+            .with_env_filter("debug,hyper=info,tower=info,rustls=info,h2=info")
+            .with_test_writer()
+            .try_init();
+    }
     let env = KubeEnv::shared();
     let client = env.client().await.expect("admin client");
     env.apply_crds(&client, lb_api::crds().into_iter().map(|(_, c)| c))
