@@ -885,7 +885,34 @@ mod tests {
             desired_generation: Some(generation),
             applied_generation: Some(generation),
             vrrp: None,
+            attached: Some(crate::dataplane::AttachMode::Tc),
+            source_stale: None,
         }
+    }
+
+    #[test]
+    fn the_message_names_the_hook_and_a_stale_source_is_not_up_to_date() {
+        let c = conditions(&[], &running(3), &t(0));
+        assert_eq!(
+            find(&c, cond::DATAPLANE_READY).message.as_deref(),
+            Some("the data plane is attached (TC (tcx))")
+        );
+        assert_eq!(find(&c, cond::DATAPLANE_UP_TO_DATE).status, cond::TRUE);
+        let stale = AgentStatus {
+            source_stale: Some("watch stream failed".into()),
+            ..running(3)
+        };
+        let c = conditions(&[], &stale, &t(0));
+        let up = find(&c, cond::DATAPLANE_UP_TO_DATE);
+        assert_eq!(up.status, cond::FALSE);
+        assert!(
+            up.message.as_deref().unwrap().starts_with(
+                "not confirmed: the LoadBalancer watch is not in sync with the API server (watch stream failed)"
+            ),
+            "{up:?}"
+        );
+        assert_eq!(find(&c, cond::ENVOY_UP_TO_DATE).status, cond::FALSE);
+        assert_eq!(find(&c, cond::DATAPLANE_READY).status, cond::TRUE);
     }
 
     #[test]

@@ -12,9 +12,11 @@ use k8s_openapi::api::core::v1::{Event, NodeCondition, ObjectReference, Secret, 
 use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, Time};
 use k8s_openapi::jiff::Timestamp;
-use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams, WatchEvent, WatchParams};
-
-use kube::runtime::watcher;
+use kube::api::{
+    Api, ApiResource, DeleteParams, DynamicObject, ListParams, Patch, PatchParams, PostParams,
+    WatchEvent, WatchParams,
+};
+use kube::runtime::{watcher, WatchStreamExt};
 use kube::Client;
 use kube_testenv::{wait_for, KubeEnv};
 use lb_agent::agent::{AgentStatus, ConfigState};
@@ -92,6 +94,66 @@ fn lbm_json(ns: &str, name: &str, loadbalancer: &str) -> Value {
 /// The config in effect in the fake data plane (what `agent::run` would have in its maps).
 type InEffect = Arc<Mutex<Option<(Arc<DesiredConfig>, u64)>>>;
 
+/// A runtime of its own for the agent's tasks (a VM's process, as far as scheduling goes): the test can hold it
+/// still ([`AgentRuntime::hold`]) while it changes the world, and then let it see the result.
+struct AgentRuntime {
+    handle: tokio::runtime::Handle,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl AgentRuntime {
+    fn new() -> Self {
+        let (handle_tx, handle_rx) = std::sync::mpsc::channel();
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let thread = std::thread::Builder::new()
+            .name("agent".into())
+            .spawn(move || {
+                let rt = tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+                    .expect("the agent's runtime");
+                handle_tx.send(rt.handle().clone()).unwrap();
+                rt.block_on(async {
+                    let _ = stopped.await;
+                });
+            })
+            .expect("the agent's thread");
+        AgentRuntime {
+            handle: handle_rx.recv().unwrap(),
+            stop: Some(stop),
+            thread: Some(thread),
+        }
+    }
+
+    /// Blocks the agent's (single-threaded) runtime until the returned guard is dropped: none of its tasks runs,
+    /// its timers and sockets are looked at again only then.
+    async fn hold(&self) -> Held {
+        let (held_tx, held_rx) = tokio::sync::oneshot::channel();
+        let (release, released) = std::sync::mpsc::channel::<()>();
+        self.handle.spawn(async move {
+            let _ = held_tx.send(());
+            let _ = released.recv();
+        });
+        held_rx.await.expect("the agent's runtime is held");
+        Held { _release: release }
+    }
+}
+
+impl Drop for AgentRuntime {
+    fn drop(&mut self) {
+        let _ = self.stop.take().map(|s| s.send(()));
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// Holds the agent's runtime while alive.
+struct Held {
+    _release: std::sync::mpsc::Sender<()>,
+}
+
 /// The cluster side of a test: its namespace and admin views.
 struct Cluster {
     ns: String,
@@ -128,12 +190,12 @@ impl Cluster {
 
     /// Creates the machine's ServiceAccount, Role and RoleBinding as the controller builds them
     /// (`lb_controller::rbac`), mints a token for the ServiceAccount and returns a client that uses it, once the
-    /// Role is in effect.
+    /// Role is in effect; also the kubeconfig, for a client in another runtime.
     ///
     /// The controller creates them once the LoadBalancerMachine exists, owned by it. When it does not exist (yet),
     /// they are created without the owner reference: the garbage collector deletes objects whose owner is gone,
     /// and the ServiceAccount's token with them.
-    async fn machine_client(&self, env: &KubeEnv) -> Client {
+    async fn machine_client(&self, env: &KubeEnv) -> (Client, String) {
         let uid = self
             .lbms
             .get_opt(LBM)
@@ -183,7 +245,7 @@ impl Cluster {
         })
         .await
         .unwrap();
-        client
+        (client, env.token_kubeconfig(&token))
     }
 }
 
@@ -207,9 +269,18 @@ impl Harness {
         env: &KubeEnv,
         seed: impl AsyncFnOnce(&Api<LoadBalancer>, &Api<LoadBalancerMachine>, &str),
     ) -> Self {
+        Self::start_on(env, None, seed).await
+    }
+
+    /// [`Harness::start`] with the agent's tasks (and its client) on `agent`'s runtime instead of the test's.
+    async fn start_on(
+        env: &KubeEnv,
+        agent: Option<&AgentRuntime>,
+        seed: impl AsyncFnOnce(&Api<LoadBalancer>, &Api<LoadBalancerMachine>, &str),
+    ) -> Self {
         let cluster = Cluster::new(env).await;
         seed(&cluster.lbs, &cluster.lbms, &cluster.ns).await;
-        let machine_client = cluster.machine_client(env).await;
+        let (machine_client, kubeconfig) = cluster.machine_client(env).await;
         let clock = Arc::new(Mutex::new(T0));
         let c = clock.clone();
         let settings = KubeSettings {
@@ -223,13 +294,26 @@ impl Harness {
         };
         let (status_tx, status_rx) = watch::channel(AgentStatus::default());
         let snapshot: SharedSnapshot = Arc::new(std::sync::RwLock::new(sample_snapshot()));
-        let mode = kube_mode::start(machine_client.clone(), settings, status_rx, snapshot);
         let in_effect = InEffect::default();
-        tokio::spawn(fake_agent(
-            mode.config.clone(),
-            status_tx.clone(),
-            in_effect.clone(),
-        ));
+        let start = {
+            let (status_tx, in_effect) = (status_tx.clone(), in_effect.clone());
+            let client = agent.is_none().then(|| machine_client.clone());
+            async move {
+                let client = match client {
+                    Some(client) => client,
+                    None => kube_testenv::client_from(&kubeconfig)
+                        .await
+                        .expect("a client with the machine's token"),
+                };
+                let mode = kube_mode::start(client, settings, status_rx, snapshot);
+                tokio::spawn(fake_agent(mode.config.clone(), status_tx, in_effect));
+                mode
+            }
+        };
+        let mode = match agent {
+            Some(rt) => rt.handle.spawn(start).await.unwrap(),
+            None => start.await,
+        };
         Harness {
             events: Api::namespaced(cluster.admin.clone(), &cluster.ns),
             ns: cluster.ns,
@@ -434,6 +518,19 @@ async fn set_port_ip(lbs: &Api<LoadBalancer>, ip: &str) {
     .unwrap();
 }
 
+/// A cluster of the test's own, for stopping its API server and compacting its etcd. kube-testenv picks free ports
+/// by binding port 0 and letting go, so another process (or an outgoing connection) can take one before etcd or
+/// the API server binds it, and the start fails: once more then.
+async fn private_cluster() -> KubeEnv {
+    match KubeEnv::start().await {
+        Ok(env) => env,
+        Err(e) => {
+            eprintln!("starting a private cluster failed, once more: {e:#}");
+            KubeEnv::start().await.expect("a private cluster")
+        }
+    }
+}
+
 /// Asserts that `r` is the API server's 403 Forbidden.
 fn assert_forbidden<T: std::fmt::Debug>(what: &str, r: Result<T, kube::Error>) {
     match r {
@@ -554,33 +651,56 @@ async fn ports_and_endpoints_become_services_and_the_machine_reports_ready() {
     // The Event is written before the status that reports the applied generation.
     let events = h.events().await;
     assert!(
-        events.iter().any(|e| e.type_.as_deref() == Some("Normal")
-            && e.reason.as_deref() == Some("Update")),
+        events
+            .iter()
+            .any(|e| e.type_.as_deref() == Some("Normal") && e.reason.as_deref() == Some("Update")),
         "an Update event when the config is applied: {events:?}"
     );
 }
 
-/// A port without `protocol`: the CRD's default (TCP, as yawol's) is filled in by the API server, so the agent
-/// reads TCP whether or not its own fallback would.
+/// The LoadBalancer as written by hand (or by an older controller): a port without `protocol`, no `replicas`. The
+/// CRD's defaults (yawol's: TCP, 1) are filled in by the API server, so what is stored and what the agent reads
+/// has them, whatever the reader's own fallbacks.
 #[tokio::test]
-async fn the_api_server_defaults_the_port_protocol_to_tcp() {
+async fn the_api_server_defaults_port_protocol_and_replicas() {
+    let raw = |lbs: &Api<LoadBalancer>, ns: &str| -> Api<DynamicObject> {
+        Api::namespaced_with(
+            lbs.clone().into_client(),
+            ns,
+            &ApiResource::erase::<LoadBalancer>(&()),
+        )
+    };
     let h = Harness::start(KubeEnv::shared(), async |lbs, lbms, ns| {
-        let lb = lb_json(
+        let mut lb = lb_json(
             ns,
             json!([{"name": "http", "port": 80, "nodePort": 30080}]),
             json!([{"name": "node-1", "addresses": ["10.0.0.11"]}]),
             json!({}),
         );
-        create(lbs, lbms, lb, Some(VIP)).await
+        lb["spec"].as_object_mut().unwrap().remove("replicas");
+        lbms.create(
+            &PostParams::default(),
+            &serde_json::from_value(lbm_json(ns, LBM, LB)).unwrap(),
+        )
+        .await
+        .unwrap();
+        // Untyped: the typed object would carry the client's own defaults.
+        raw(lbs, ns)
+            .create(&PostParams::default(), &serde_json::from_value(lb).unwrap())
+            .await
+            .unwrap();
+        set_port_ip(lbs, VIP).await;
     })
     .await;
-    let stored = h.lbs.get(LB).await.unwrap();
+    let stored = raw(&h.lbs, &h.ns).get(LB).await.unwrap();
     assert_eq!(
-        stored.spec.ports()[0].protocol.as_deref(),
-        Some("TCP"),
+        stored.data["spec"]["ports"][0]["protocol"], "TCP",
         "defaulted by the CRD schema"
     );
-    assert_eq!(stored.spec.replicas, 1);
+    assert_eq!(
+        stored.data["spec"]["replicas"], 1,
+        "defaulted by the CRD schema"
+    );
     let ConfigState::Valid(cfg, 1) = h
         .wait_config("valid", |s| matches!(s, ConfigState::Valid(..)))
         .await
@@ -702,10 +822,7 @@ async fn an_invalid_spec_is_rejected_with_a_warning_and_the_last_config_keeps_fo
             })
         })
         .await;
-        assert_eq!(
-            event.involved_object.uid, uid,
-            "kubectl describe finds it"
-        );
+        assert_eq!(event.involved_object.uid, uid, "kubectl describe finds it");
         assert_eq!(
             event.involved_object.kind.as_deref(),
             Some("LoadBalancerMachine")
@@ -864,10 +981,10 @@ async fn a_missing_machine_or_loadbalancer_is_retried_not_fatal() {
 /// gets its configuration and reports.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_unreachable_api_server_is_retried_with_backoff() {
-    let env = KubeEnv::start().await.expect("a private cluster");
+    let env = private_cluster().await;
     let cluster = Cluster::new(&env).await;
     create(&cluster.lbs, &cluster.lbms, good_lb(&cluster.ns), Some(VIP)).await;
-    let client = cluster.machine_client(&env).await;
+    let (client, _) = cluster.machine_client(&env).await;
     // Blocks while the API server shuts down (SIGTERM, then waiting for it).
     tokio::task::block_in_place(|| env.stop_apiserver());
 
@@ -924,9 +1041,12 @@ async fn the_machine_token_reaches_only_its_own_objects() {
         // Another load balancer and its machine in the same namespace.
         let mut other = good_lb(ns);
         other["metadata"]["name"] = json!("lb-2");
-        lbs.create(&PostParams::default(), &serde_json::from_value(other).unwrap())
-            .await
-            .unwrap();
+        lbs.create(
+            &PostParams::default(),
+            &serde_json::from_value(other).unwrap(),
+        )
+        .await
+        .unwrap();
         lbms.create(
             &PostParams::default(),
             &serde_json::from_value(lbm_json(ns, "lb-2-fghij-abc34", "lb-2")).unwrap(),
@@ -952,22 +1072,39 @@ async fn the_machine_token_reaches_only_its_own_objects() {
     let own_machine = format!("metadata.name={LBM}");
 
     // Allowed: what the agent does.
-    assert_eq!(lbs.get(LB).await.unwrap().metadata.name.as_deref(), Some(LB));
+    assert_eq!(
+        lbs.get(LB).await.unwrap().metadata.name.as_deref(),
+        Some(LB)
+    );
     let list = lbs.list(&ListParams::default().fields(&own)).await.unwrap();
     assert_eq!(list.items.len(), 1);
+    let version = list.metadata.resource_version.clone().unwrap();
     let mut stream = lbs
-        .watch(&WatchParams::default().fields(&own), "0")
+        .watch(&WatchParams::default().fields(&own), &version)
         .await
         .expect("a watch of its own LoadBalancer")
         .boxed();
-    let first = tokio::time::timeout(WITHIN, stream.next())
+    h.lbs
+        .patch(
+            LB,
+            &PatchParams::default(),
+            &Patch::Merge(&json!({"metadata": {"annotations": {"test": "watched"}}})),
+        )
         .await
-        .expect("the watch delivers the object")
-        .unwrap()
         .unwrap();
+    let event = tokio::time::timeout(WITHIN, async {
+        loop {
+            match stream.next().await {
+                Some(Ok(WatchEvent::Bookmark(_))) => continue,
+                other => return other,
+            }
+        }
+    })
+    .await
+    .expect("the watch delivers the change");
     assert!(
-        matches!(&first, WatchEvent::Added(lb) if lb.metadata.name.as_deref() == Some(LB)),
-        "{first:?}"
+        matches!(&event, Some(Ok(WatchEvent::Modified(lb))) if lb.metadata.name.as_deref() == Some(LB)),
+        "{event:?}"
     );
     drop(stream);
     lbms.list(&ListParams::default().fields(&own_machine))
@@ -1011,7 +1148,9 @@ async fn the_machine_token_reaches_only_its_own_objects() {
     );
     assert_forbidden(
         "watching the namespace's LoadBalancers",
-        lbs.watch(&WatchParams::default(), "0").await.map(|_| ()),
+        lbs.watch(&WatchParams::default(), &version)
+            .await
+            .map(|_| ()),
     );
     assert_forbidden(
         "listing the namespace's LoadBalancerMachines",
@@ -1040,12 +1179,8 @@ async fn the_machine_token_reaches_only_its_own_objects() {
     other_machine.status = serde_json::from_value(marked["status"].clone()).unwrap();
     assert_forbidden(
         "updating another machine's status",
-        lbms.replace_status(
-            "lb-2-fghij-abc34",
-            &PostParams::default(),
-            &other_machine,
-        )
-        .await,
+        lbms.replace_status("lb-2-fghij-abc34", &PostParams::default(), &other_machine)
+            .await,
     );
     assert_forbidden(
         "patching its own LoadBalancer",
@@ -1119,111 +1254,213 @@ async fn the_machine_token_reaches_only_its_own_objects() {
     assert!(h.machine().await.is_some());
 }
 
-/// The LoadBalancer watch breaks (API server down), the API server comes back with etcd compacted and the
-/// LoadBalancer changed meanwhile: the agent gets the new generation soon (not after a backoff grown during the
-/// outage), and never reports the old generation as up to date while it cannot know it is the latest.
+/// Records every version of the LoadBalancerMachine the API server stores from its start on (an admin watch).
+struct MachineVersions {
+    seen: Arc<Mutex<Vec<LoadBalancerMachine>>>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl MachineVersions {
+    /// Starts watching; returns once the watch has listed (every later version is then seen).
+    async fn start(lbms: &Api<LoadBalancerMachine>) -> Self {
+        let seen: Arc<Mutex<Vec<LoadBalancerMachine>>> = Arc::default();
+        let (listed_tx, listed) = tokio::sync::oneshot::channel();
+        let task = {
+            let seen = seen.clone();
+            let lbms = lbms.clone();
+            tokio::spawn(async move {
+                let cfg = watcher::Config::default().fields(&format!("metadata.name={LBM}"));
+                let mut stream = std::pin::pin!(watcher(lbms, cfg).default_backoff());
+                let mut listed_tx = Some(listed_tx);
+                while let Some(event) = stream.next().await {
+                    match event {
+                        Ok(watcher::Event::Apply(m) | watcher::Event::InitApply(m)) => {
+                            seen.lock().unwrap().push(m)
+                        }
+                        Ok(watcher::Event::InitDone) => {
+                            let _ = listed_tx.take().map(|tx| tx.send(()));
+                        }
+                        _ => {}
+                    }
+                }
+            })
+        };
+        tokio::time::timeout(WITHIN, listed)
+            .await
+            .expect("the machine's versions listed")
+            .unwrap();
+        MachineVersions { seen, task }
+    }
+
+    /// The conditions of every version seen so far whose `DataplaneUpToDate` heartbeat is `heartbeat`.
+    fn written_at(&self, heartbeat: &Time) -> Vec<Vec<NodeCondition>> {
+        self.seen
+            .lock()
+            .unwrap()
+            .iter()
+            .map(|m| conditions_of(Some(m)))
+            .filter(|c| {
+                find(c, "DataplaneUpToDate").and_then(|c| c.last_heartbeat_time.as_ref())
+                    == Some(heartbeat)
+            })
+            .collect()
+    }
+}
+
+impl Drop for MachineVersions {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+fn up_to_date_at(c: &[NodeCondition], generation: u64) -> bool {
+    is(c, "DataplaneUpToDate", "True")
+        && message(c, "DataplaneUpToDate")
+            .ends_with(&format!("runs configuration generation {generation}"))
+}
+
+/// Waits until the API server serves `generation` of the LoadBalancer from its watch cache (what a list at
+/// resourceVersion 0 — the agent's relist — reads) and the machine's token is authorised again (RBAC comes up
+/// with the API server): whatever the agent does next sees the new generation.
+async fn settled(h: &Harness, generation: i64) {
+    let cached = ListParams::default()
+        .fields(&format!("metadata.name={LB}"))
+        .at("0")
+        .matching(kube::api::VersionMatch::NotOlderThan);
+    wait_for("the new generation in the API server's cache", || async {
+        let list = h.lbs.list(&cached).await?;
+        Ok(list.items.first().and_then(|lb| lb.metadata.generation) == Some(generation))
+    })
+    .await
+    .unwrap();
+    let own: Api<LoadBalancerMachine> = Api::namespaced(h.machine_client.clone(), &h.ns);
+    wait_for("the machine's token authorised again", || async {
+        Ok(own.get(LBM).await.is_ok())
+    })
+    .await
+    .unwrap();
+}
+
+/// An API-server outage, etcd compacted and the LoadBalancer changed when it comes back.
+///
+/// 1. A long outage (the agent's relists are refused, its backoff grows): once the API server is back, the agent
+///    says `DataplaneUpToDate=False` ("not confirmed: the LoadBalancer watch is not in sync …") until it has
+///    listed again, never True for the generation it had, and then reaches the new one. Not at once: each refused
+///    request dropped the watch's resourceVersion, so the first request after the outage is a fresh list (never
+///    a 410), made when the backoff grown during the outage runs out (bounded by its cap plus jitter here).
+/// 2. A restart the agent only notices when its watch resumes (it was held meanwhile, like a short restart
+///    between two reads of the stream): the resumed watch's resourceVersion is compacted away, the API server
+///    answers 410 Gone, and the agent relists at once instead of waiting out the backoff grown in 1.
+///
+/// The agent runs on a runtime of its own, held while the test restarts the API server, compacts and patches:
+/// the LoadBalancer has changed before the agent can look, whatever its backoff's jitter.
 #[tokio::test]
 async fn a_410_after_compaction_relists_at_once_and_up_to_date_waits_for_it() {
-    let env = KubeEnv::start().await.expect("a private cluster");
-    let h = Harness::start(&env, async |lbs, lbms, ns| {
+    let env = private_cluster().await;
+    let agent = AgentRuntime::new();
+    let h = Harness::start_on(&env, Some(&agent), async |lbs, lbms, ns| {
         create(lbs, lbms, good_lb(ns), Some(VIP)).await
     })
     .await;
-    h.wait_conditions("generation 1 up to date", |c| {
-        is(c, "DataplaneUpToDate", "True") && message(c, "DataplaneUpToDate").contains("generation 1")
-    })
-    .await;
+    h.wait_conditions("generation 1 up to date", |c| up_to_date_at(c, 1))
+        .await;
 
-    let stopped = Instant::now();
+    // 1. The outage. The API server stops listening at SIGTERM but keeps the agent's watch open until it is
+    //    killed (`stop_apiserver` waits 10 s for it to exit): the watch breaks then. 12 s of refused requests
+    //    after that are four failed relists at least (0.8 s doubling, jitter adds up to as much again), so the
+    //    agent's next delay is 12.8 s or more.
+    let stopping = Instant::now();
     env.stop_apiserver();
-    eprintln!("stop took {:?}", stopped.elapsed());
-    // The agent's watch fails; its retries are refused and its backoff grows.
-    tokio::time::sleep(Duration::from_secs(6)).await;
-    // Statuses written from now on carry this heartbeat.
+    let stop_took = stopping.elapsed();
+    tokio::time::sleep(Duration::from_secs(12)).await;
+    let held = agent.hold().await;
     let back = h.advance_clock(600);
-    let restarting = Instant::now();
     env.restart_apiserver()
         .await
         .expect("the API server restarts");
-    eprintln!("restart took {:?}", restarting.elapsed());
-
-    // Every version of the machine written from now on.
-    let seen: Arc<Mutex<Vec<LoadBalancerMachine>>> = Arc::default();
-    let recorder = {
-        let seen = seen.clone();
-        let lbms = h.lbms.clone();
-        tokio::spawn(async move {
-            let cfg = watcher::Config::default().fields(&format!("metadata.name={LBM}"));
-            let mut stream = std::pin::pin!(watcher(lbms, cfg));
-            while let Some(event) = stream.next().await {
-                if let Ok(watcher::Event::Apply(m) | watcher::Event::InitApply(m)) = event {
-                    seen.lock().unwrap().push(m);
-                }
-            }
-        })
-    };
-
     env.compact_etcd().await.expect("etcd compacted");
     let lb = h.patch_spec(json!({"ports": [{"name": "https", "protocol": "TCP", "port": 443, "nodePort": 30443}]})).await;
     assert_eq!(lb.metadata.generation, Some(2));
-    let patched = Instant::now();
+    settled(&h, 2).await;
+    let versions = MachineVersions::start(&h.lbms).await;
+    drop(held);
+    let released = Instant::now();
+    let mut config = h.mode.config.clone();
     tokio::time::timeout(
-        Duration::from_secs(20),
-        h.mode
-            .config
-            .clone()
-            .wait_for(|s| matches!(s, ConfigState::Valid(_, 2))),
+        Duration::from_secs(75),
+        config.wait_for(|s| matches!(s, ConfigState::Valid(_, 2))),
     )
     .await
-    .unwrap_or_else(|_| {
-        panic!(
-            "generation 2 not in the agent's config {:?} after the API server came back",
-            patched.elapsed()
-        )
-    })
+    .expect("generation 2 in the agent's config (its backoff is capped at 30 s, plus up to 100% jitter)")
     .unwrap();
-    eprintln!("generation 2 reached the agent {:?} after the patch", patched.elapsed());
+    let relisted_after = released.elapsed();
     eventually("generation 2 in effect", || async {
         (h.in_effect_generation() == Some(2)).then_some(())
     })
     .await;
-    h.wait_conditions("generation 2 up to date", |c| {
-        is(c, "DataplaneUpToDate", "True") && message(c, "DataplaneUpToDate").contains("generation 2")
-    })
-    .await;
-    recorder.abort();
-
-    let seen = seen.lock().unwrap().clone();
-    let after_restart: Vec<Vec<NodeCondition>> = seen
+    h.wait_conditions("generation 2 up to date", |c| up_to_date_at(c, 2))
+        .await;
+    let written = versions.written_at(&back);
+    drop(versions);
+    let summary: Vec<String> = written
         .iter()
-        .map(|m| conditions_of(Some(m)))
-        .filter(|c| {
-            find(c, "DataplaneUpToDate").and_then(|c| c.last_heartbeat_time.as_ref()) == Some(&back)
+        .map(|c| {
+            format!(
+                "{} {}",
+                find(c, "DataplaneUpToDate").unwrap().status,
+                message(c, "DataplaneUpToDate")
+            )
         })
         .collect();
-    for c in &after_restart {
-        eprintln!(
-            "{} {}",
-            find(c, "DataplaneUpToDate").unwrap().status,
-            message(c, "DataplaneUpToDate")
-        );
-    }
-    for c in &after_restart {
-        if is(c, "DataplaneUpToDate", "True") {
-            assert!(
-                message(c, "DataplaneUpToDate").contains("generation 2"),
-                "the old generation reported up to date after the API server came back: {c:?}"
-            );
-        }
-    }
-    let first = after_restart
-        .first()
-        .expect("statuses written after the restart");
+    eprintln!(
+        "outage: stop took {stop_took:?}; generation 2 reached the agent {relisted_after:?} after the API \
+         server was back; statuses since: {summary:#?}"
+    );
+    let first = written.first().expect("statuses written after the restart");
     assert!(
         is(first, "DataplaneUpToDate", "False")
             && message(first, "DataplaneUpToDate")
                 .starts_with("not confirmed: the LoadBalancer watch is not in sync"),
-        "the first status after the restart: {first:?}"
+        "the first status after the restart says the generation is not confirmed: {summary:#?}"
     );
-    assert!(is(first, "EnvoyUpToDate", "False"), "the same truth as yawol's");
+    assert!(
+        is(first, "EnvoyUpToDate", "False"),
+        "the same truth under yawol's name: {first:?}"
+    );
+    assert!(
+        !written.iter().any(|c| up_to_date_at(c, 1)),
+        "generation 1 reported up to date after the API server came back with generation 2: {summary:#?}"
+    );
+
+    // 2. The resumed watch meets a compacted history: 410 Gone, relisted at once.
+    let held = agent.hold().await;
+    env.stop_apiserver();
+    env.restart_apiserver()
+        .await
+        .expect("the API server restarts");
+    env.compact_etcd().await.expect("etcd compacted");
+    let lb = h.patch_spec(json!({"ports": [{"name": "https", "protocol": "TCP", "port": 8443, "nodePort": 30443}]})).await;
+    assert_eq!(lb.metadata.generation, Some(3));
+    settled(&h, 3).await;
+    drop(held);
+    let released = Instant::now();
+    tokio::time::timeout(
+        Duration::from_secs(10),
+        config.wait_for(|s| matches!(s, ConfigState::Valid(_, 3))),
+    )
+    .await
+    .unwrap_or_else(|_| {
+        panic!(
+            "generation 3 not in the agent's config {:?} after its watch resumed: it waited for its backoff \
+             (12.8 s or more after 1) instead of relisting at once on 410 Gone",
+            released.elapsed()
+        )
+    })
+    .unwrap();
+    eprintln!(
+        "410: generation 3 reached the agent {:?} after it resumed",
+        released.elapsed()
+    );
+    h.wait_conditions("generation 3 up to date", |c| up_to_date_at(c, 3))
+        .await;
 }

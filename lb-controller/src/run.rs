@@ -123,6 +123,7 @@ pub async fn run_controllers(
         failures: Default::default(),
         reported: Default::default(),
         own_writes,
+        releasing: Default::default(),
     });
     let backchannel_ctx = Arc::new(BackchannelContext {
         target: target.clone(),

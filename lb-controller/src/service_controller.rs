@@ -59,6 +59,9 @@ pub struct ServiceContext {
     pub reported: std::sync::Mutex<HashMap<ObjectRef<Service>, u64>>,
     /// Our own LoadBalancer writes; see [`OwnWrites`].
     pub own_writes: OwnWrites,
+    /// Services of another class whose LoadBalancer of ours is being deleted (their class changed away from ours):
+    /// released once it is gone, although their class no longer says they are ours.
+    pub releasing: std::sync::Mutex<std::collections::HashSet<ObjectRef<Service>>>,
 }
 
 /// The LoadBalancers as returned by our own last write, by name.
@@ -376,7 +379,13 @@ async fn patch_finalizers(
 /// Service deleted, of another type or class: delete the LoadBalancer, wait until it is gone,
 /// then clear the ingress and release the Service.
 async fn deletion(service: &Service, ctx: &ServiceContext, lb_name: &str) -> Result<Action, Error> {
-    let ours = has_finalizer(service);
+    // Every instance uses the one finalizer `stackit.cloud/loadbalancer`: it marks a Service ours only when its
+    // class is ours too, or when a LoadBalancer of ours served it (its class changed away from ours: `releasing`).
+    // Otherwise it belongs to the instance of its class, and releasing it here stripped that instance's finalizer
+    // and ingress (found with two instances on one real API server).
+    let key = ObjectRef::from_obj(service);
+    let ours = has_finalizer(service)
+        && (ctx.config.classes.accepts(service) || ctx.releasing.lock().unwrap().contains(&key));
     let cached = ctx
         .loadbalancers
         .get(&ObjectRef::new(lb_name).within(&ctx.config.defaults.namespace));
@@ -402,6 +411,9 @@ async fn deletion(service: &Service, ctx: &ServiceContext, lb_name: &str) -> Res
         if !ours && !belongs {
             // Not ours (e.g. another controller instance with another class owns it).
             return Ok(Action::await_change());
+        }
+        if belongs && has_finalizer(service) {
+            ctx.releasing.lock().unwrap().insert(key.clone());
         }
         if lb.meta().deletion_timestamp.is_none() {
             match ctx.lb_api().delete(lb_name, &DeleteParams::default()).await {
@@ -455,11 +467,9 @@ async fn deletion(service: &Service, ctx: &ServiceContext, lb_name: &str) -> Res
         }) if e.code == 404 => {}
         Err(e) => return Err(e),
     }
-    info!(service = %ObjectRef::from_obj(service), "released service");
-    ctx.reported
-        .lock()
-        .unwrap()
-        .remove(&ObjectRef::from_obj(service));
+    info!(service = %key, "released service");
+    ctx.releasing.lock().unwrap().remove(&key);
+    ctx.reported.lock().unwrap().remove(&key);
     Ok(Action::await_change())
 }
 

@@ -1,35 +1,49 @@
-//! The cloud controller end to end against in-memory API servers (yawol's target/control suites).
+//! The cloud controller end to end against real API servers (kube-testenv; yawol's target/control suites): every
+//! test has a target cluster of its own (see `common/mod.rs`), the LoadBalancers live in a namespace of the test's
+//! own in the control cluster.
 
 mod common;
 
-use common::*;
-use k8s_openapi::api::core::v1::Event;
-use kube::api::{DeleteParams, Patch, PatchParams, PostParams};
-use kube::Api;
+use ::kube::api::{DeleteParams, Patch, PatchParams, PostParams};
+use ::kube::Api;
+use common::{controller_lb_writes, endpoint_names, eventually, json_merge, Clusters, Harness};
+use k8s_openapi::api::core::v1::{Event, Service};
 use lb_controller::desired::ClassFilter;
 use serde_json::json;
 
+/// The Services live in their cluster's `default` namespace: the target cluster is the test's own.
 const LB: &str = "default--web";
+
+async fn ingress(h: &Harness) -> Option<String> {
+    let service = h.service("default", "web").await?;
+    lb_controller::desired::service_ingress_ip(&service).map(str::to_string)
+}
+
+fn node_port(service: &Service) -> Option<i32> {
+    service.spec.as_ref()?.ports.as_ref()?.first()?.node_port
+}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn lifecycle_create_ip_delete() {
-    let h = Harness::start_with(true, ClassFilter::default(), |h| {
-        h.put_node("node-a", "True", &["10.0.0.1"]);
-        h.put_node("node-b", "True", &["10.0.0.2"]);
-    })
-    .await;
-    h.create_service("default", "web", json!({}), json!({}))
+    let mut h = Harness::new(Clusters::Split, ClassFilter::default()).await;
+    h.put_node("node-a", "True", &["10.0.0.1"]).await;
+    h.put_node("node-b", "True", &["10.0.0.2"]).await;
+    h.run().await;
+    let service = h
+        .create_service("default", "web", json!({}), json!({}))
         .await;
+    let allocated = node_port(&service);
+    assert!(allocated.is_some(), "the server allocates a nodePort");
 
     let lb = h.wait_lb(LB, "LoadBalancer created", |_| true).await;
-    assert_eq!(lb.metadata.namespace.as_deref(), Some(LB_NS));
+    assert_eq!(lb.metadata.namespace.as_deref(), Some(h.lb_ns.as_str()));
     assert_eq!(
         lb.metadata.annotations.as_ref().unwrap()["yawol.stackit.cloud/serviceName"],
         "default/web"
     );
     assert_eq!(lb.spec.replicas, 1);
     assert_eq!(endpoint_names(&lb), ["node-a", "node-b"]);
-    assert_eq!(lb.spec.ports()[0].node_port, Some(30080));
+    assert_eq!(lb.spec.ports()[0].node_port, allocated);
     assert_eq!(
         lb.spec.infrastructure.default_network.network_id,
         "cluster-net"
@@ -43,8 +57,9 @@ async fn lifecycle_create_ip_delete() {
         Some(false),
         "schema default applied"
     );
-    wait_until("service finalizer", || {
+    eventually("service finalizer", || async {
         h.service("default", "web")
+            .await
             .unwrap()
             .metadata
             .finalizers
@@ -63,7 +78,10 @@ async fn lifecycle_create_ip_delete() {
     .await;
     // Ready: the IP appears, with an event.
     h.set_lb_status(LB, json!({"readyReplicas": 1})).await;
-    wait_until("ingress IP", || ingress(&h) == Some("192.0.2.7".into())).await;
+    eventually("ingress IP", || async {
+        ingress(&h).await == Some("192.0.2.7".into())
+    })
+    .await;
     h.wait_event(
         "default",
         "web",
@@ -92,7 +110,7 @@ async fn lifecycle_create_ip_delete() {
     })
     .await;
     assert!(
-        h.service("default", "web").is_some(),
+        h.service("default", "web").await.is_some(),
         "service waits for the LoadBalancer"
     );
     h.lb_api()
@@ -103,20 +121,18 @@ async fn lifecycle_create_ip_delete() {
         )
         .await
         .unwrap();
-    wait_until("service released", || h.service("default", "web").is_none()).await;
-    assert!(h.lb(LB).is_none());
+    eventually("service released", || async {
+        h.service("default", "web").await.is_none()
+    })
+    .await;
+    assert!(h.lb(LB).await.is_none());
     h.stop().await;
-}
-
-fn ingress(h: &Harness) -> Option<String> {
-    let service = h.service("default", "web")?;
-    lb_controller::desired::service_ingress_ip(&service).map(str::to_string)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn type_change_deletes_loadbalancer_and_clears_ingress() {
     let h = Harness::start().await;
-    h.put_node("node-a", "True", &["10.0.0.1"]);
+    h.put_node("node-a", "True", &["10.0.0.1"]).await;
     h.create_service("default", "web", json!({}), json!({}))
         .await;
     h.wait_lb(LB, "created", |_| true).await;
@@ -125,14 +141,17 @@ async fn type_change_deletes_loadbalancer_and_clears_ingress() {
         json!({"externalIP": "192.0.2.8", "replicas": 1, "readyReplicas": 1}),
     )
     .await;
-    wait_until("ingress IP", || ingress(&h).is_some()).await;
+    eventually("ingress IP", || async { ingress(&h).await.is_some() }).await;
 
     h.patch_service("default", "web", json!({"spec": {"type": "ClusterIP"}}))
         .await;
-    wait_until("LoadBalancer deleted", || h.lb(LB).is_none()).await;
-    wait_until("ingress cleared and finalizer removed", || {
-        let svc = h.service("default", "web").unwrap();
-        ingress(&h).is_none() && svc.metadata.finalizers.unwrap_or_default().is_empty()
+    eventually("LoadBalancer deleted", || async {
+        h.lb(LB).await.is_none()
+    })
+    .await;
+    eventually("ingress cleared and finalizer removed", || async {
+        let svc = h.service("default", "web").await.unwrap();
+        ingress(&h).await.is_none() && svc.metadata.finalizers.unwrap_or_default().is_empty()
     })
     .await;
 
@@ -149,10 +168,9 @@ async fn class_filtering() {
         class_names: vec!["stackit.cloud/yawol".into(), "team-b".into()],
         accept_empty: false,
     };
-    let h = Harness::start_with(true, classes, |h| {
-        h.put_node("node-a", "True", &["10.0.0.1"])
-    })
-    .await;
+    let mut h = Harness::new(Clusters::Split, classes).await;
+    h.put_node("node-a", "True", &["10.0.0.1"]).await;
+    h.run().await;
 
     let before = h.metrics.reconcile_count("service");
     h.create_service("default", "empty", json!({}), json!({}))
@@ -183,10 +201,17 @@ async fn class_filtering() {
     h.wait_lb("default--byannotation", "deprecated annotation", |_| true)
         .await;
     h.wait_reconciles(before, 4).await;
-    assert!(h.lb("default--empty").is_none(), "empty class not accepted");
-    assert!(h.lb("default--other").is_none(), "other class ignored");
+    assert!(
+        h.lb("default--empty").await.is_none(),
+        "empty class not accepted"
+    );
+    assert!(
+        h.lb("default--other").await.is_none(),
+        "other class ignored"
+    );
     assert!(
         h.service("default", "other")
+            .await
             .unwrap()
             .metadata
             .finalizers
@@ -201,12 +226,13 @@ async fn class_filtering() {
         json!({"metadata": {"annotations": {"yawol.stackit.cloud/className": "other.io/lb"}}}),
     )
     .await;
-    wait_until("LoadBalancer of re-classed service deleted", || {
-        h.lb("default--byclass").is_none()
+    eventually("LoadBalancer of re-classed service deleted", || async {
+        h.lb("default--byclass").await.is_none()
     })
     .await;
-    wait_until("finalizer released", || {
+    eventually("finalizer released", || async {
         h.service("default", "byclass")
+            .await
             .unwrap()
             .metadata
             .finalizers
@@ -219,15 +245,15 @@ async fn class_filtering() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn annotations_applied_and_changed_in_one_write() {
-    let h = Harness::start_with(true, ClassFilter::default(), |h| {
-        h.put_node("node-a", "True", &["10.0.0.1"])
-    })
-    .await;
+    let mut h = Harness::new(Clusters::Split, ClassFilter::default()).await;
+    h.put_node("node-a", "True", &["10.0.0.1"]).await;
+    h.run().await;
     h.create_service("default", "web", json!({}), json!({}))
         .await;
     h.wait_lb(LB, "created", |_| true).await;
 
-    let writes_before = h.control.write_count();
+    let writes = h.record_lb_writes().await;
+    let controller_writes = h.controller_lb_writes_settled().await;
     h.patch_service(
         "default",
         "web",
@@ -259,11 +285,20 @@ async fn annotations_applied_and_changed_in_one_write() {
     let lb = h
         .wait_lb(LB, "all options applied", |lb| lb.spec.replicas == 3)
         .await;
+    h.wait_event("default", "web", "Normal", "synced with the service")
+        .await;
+    // The watch may lag behind the GET above; then no further write may follow.
+    eventually("the write seen by the watch", || async {
+        writes.count() >= 1
+    })
+    .await;
     assert_eq!(
-        h.control.write_count(),
-        writes_before + 1,
-        "all changes in one patch"
+        writes.objects()[0].metadata.resource_version,
+        lb.metadata.resource_version,
+        "all changes in one patch (the first write already had them)"
     );
+    assert_eq!(writes.count(), 1, "all changes in one patch");
+    assert_eq!(controller_lb_writes(&h.metrics), controller_writes + 1);
     let infra = &lb.spec.infrastructure;
     assert_eq!(infra.image.image_id.as_deref(), Some("image-2"));
     assert_eq!(infra.flavor.flavor_id.as_deref(), Some("flavor-2"));
@@ -295,11 +330,9 @@ async fn annotations_applied_and_changed_in_one_write() {
         "blue"
     );
     assert_eq!(o.server_group_policy(), Some("soft-anti-affinity"));
-    h.wait_event("default", "web", "Normal", "synced with the service")
-        .await;
 
     // Removing the annotations reverts to the defaults (fields are removed, not left behind).
-    let service = h.service("default", "web").unwrap();
+    let service = h.service("default", "web").await.unwrap();
     let nulls: serde_json::Map<String, serde_json::Value> = service
         .metadata
         .annotations
@@ -328,10 +361,9 @@ async fn annotations_applied_and_changed_in_one_write() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn invalid_annotations_warn_but_do_not_block() {
-    let h = Harness::start_with(true, ClassFilter::default(), |h| {
-        h.put_node("node-a", "True", &["10.0.0.1"])
-    })
-    .await;
+    let mut h = Harness::new(Clusters::Split, ClassFilter::default()).await;
+    h.put_node("node-a", "True", &["10.0.0.1"]).await;
+    h.run().await;
     h.create_service(
         "default",
         "web",
@@ -381,7 +413,13 @@ async fn invalid_annotations_warn_but_do_not_block() {
     h.wait_event("default", "web", "Warning", "projectID cannot be changed")
         .await;
     assert_eq!(
-        h.lb(LB).unwrap().spec.infrastructure.project_id.as_deref(),
+        h.lb(LB)
+            .await
+            .unwrap()
+            .spec
+            .infrastructure
+            .project_id
+            .as_deref(),
         Some("p1")
     );
     h.stop().await;
@@ -404,7 +442,7 @@ async fn existing_floating_ip_cannot_change_after_assignment() {
         json!({"externalIP": "192.0.2.50", "replicas": 1, "readyReplicas": 1}),
     )
     .await;
-    wait_until("ingress", || ingress(&h).is_some()).await;
+    eventually("ingress", || async { ingress(&h).await.is_some() }).await;
     h.patch_service("default", "web", json!({"metadata": {"annotations": {"yawol.stackit.cloud/existingFloatingIP": "192.0.2.51"}}})).await;
     h.wait_event(
         "default",
@@ -414,7 +452,7 @@ async fn existing_floating_ip_cannot_change_after_assignment() {
     )
     .await;
     assert_eq!(
-        h.lb(LB).unwrap().spec.existing_floating_ip.as_deref(),
+        h.lb(LB).await.unwrap().spec.existing_floating_ip.as_deref(),
         Some("192.0.2.50")
     );
     h.stop().await;
@@ -427,14 +465,15 @@ async fn validation_errors_are_events_and_nothing_is_created() {
         "default",
         "web",
         json!({}),
-        json!({"ports": [{"name": "sctp", "port": 9, "protocol": "SCTP", "nodePort": 30009}]}),
+        json!({"ports": [{"name": "sctp", "port": 9, "protocol": "SCTP"}]}),
     )
     .await;
     h.wait_event("default", "web", "Warning", "unsupported protocol SCTP")
         .await;
-    assert!(h.lb(LB).is_none());
+    assert!(h.lb(LB).await.is_none());
     assert_eq!(h.metrics.invalid_services.get(), 1);
 
+    // The target cluster is the test's own: a fixed nodePort cannot collide.
     h.patch_service(
         "default",
         "web",
@@ -449,8 +488,9 @@ async fn validation_errors_are_events_and_nothing_is_created() {
         "allocateLoadBalancerNodePorts=false",
     )
     .await;
-    assert!(h.lb(LB).is_none());
+    assert!(h.lb(LB).await.is_none());
 
+    // Removing the field: the server defaults it to true again.
     h.patch_service(
         "default",
         "web",
@@ -468,6 +508,7 @@ async fn port_and_protocol_changes() {
     h.create_service("default", "web", json!({}), json!({}))
         .await;
     h.wait_lb(LB, "created", |_| true).await;
+    // A JSON merge patch replaces the whole list (a strategic one would merge by port and protocol).
     h.patch_service("default", "web", json!({"spec": {"ports": [
         {"name": "https", "port": 443, "protocol": "TCP", "nodePort": 30443, "targetPort": 8443},
         {"name": "dns", "port": 53, "protocol": "UDP", "nodePort": 30053, "targetPort": 53},
@@ -496,12 +537,11 @@ async fn port_and_protocol_changes() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn node_readiness_termination_and_meltdown() {
-    let h = Harness::start_with(true, ClassFilter::default(), |h| {
-        h.put_node("node-a", "True", &["10.0.0.1"]);
-        h.put_node("node-b", "True", &["10.0.0.2"]);
-        h.put_node("node-c", "False", &["10.0.0.3"]);
-    })
-    .await;
+    let mut h = Harness::new(Clusters::Split, ClassFilter::default()).await;
+    h.put_node("node-a", "True", &["10.0.0.1"]).await;
+    h.put_node("node-b", "True", &["10.0.0.2"]).await;
+    h.put_node("node-c", "False", &["10.0.0.3"]).await;
+    h.run().await;
     h.create_service("default", "web", json!({}), json!({}))
         .await;
     h.wait_lb(LB, "ready nodes only", |lb| {
@@ -509,13 +549,13 @@ async fn node_readiness_termination_and_meltdown() {
     })
     .await;
 
-    h.put_node("node-c", "True", &["10.0.0.3"]);
+    h.put_node("node-c", "True", &["10.0.0.3"]).await;
     h.wait_lb(LB, "node became ready", |lb| {
         endpoint_names(lb) == ["node-a", "node-b", "node-c"]
     })
     .await;
 
-    h.put_node("node-b", "Unknown", &["10.0.0.2"]);
+    h.put_node("node-b", "Unknown", &["10.0.0.2"]).await;
     h.wait_lb(LB, "node not ready", |lb| {
         endpoint_names(lb) == ["node-a", "node-c"]
     })
@@ -527,7 +567,8 @@ async fn node_readiness_termination_and_meltdown() {
         &["10.0.0.1"],
         json!({"taints": [{"key": "ToBeDeletedByClusterAutoscaler", "effect": "NoSchedule"}]}),
         vec![],
-    );
+    )
+    .await;
     h.wait_lb(LB, "autoscaler taint", |lb| {
         endpoint_names(lb) == ["node-c"]
     })
@@ -539,7 +580,8 @@ async fn node_readiness_termination_and_meltdown() {
         &["10.0.0.3"],
         json!({}),
         vec![json!({"type": "Terminating", "status": "True"})],
-    );
+    )
+    .await;
     // No non-terminating node is Ready now: meltdown protection keeps node-b (NotReady but not
     // terminating) instead of emptying the endpoints.
     h.wait_lb(LB, "meltdown protection", |lb| {
@@ -547,17 +589,17 @@ async fn node_readiness_termination_and_meltdown() {
     })
     .await;
 
-    h.put_node("node-d", "True", &["10.0.0.4"]);
+    h.put_node("node-d", "True", &["10.0.0.4"]).await;
     h.wait_lb(LB, "ready node back", |lb| endpoint_names(lb) == ["node-d"])
         .await;
 
-    h.put_node("node-d", "True", &["10.0.0.40"]);
+    h.put_node("node-d", "True", &["10.0.0.40"]).await;
     h.wait_lb(LB, "address change", |lb| {
         lb.spec.endpoints()[0].addresses() == ["10.0.0.40"]
     })
     .await;
 
-    h.target.remove(&nodes(), "", "node-d");
+    h.delete_node("node-d").await;
     h.wait_lb(LB, "node deleted", |lb| endpoint_names(lb) == ["node-b"])
         .await;
     h.stop().await;
@@ -565,72 +607,72 @@ async fn node_readiness_termination_and_meltdown() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn node_heartbeats_do_not_cause_writes() {
-    let h = Harness::start_with(true, ClassFilter::default(), |h| {
-        h.put_node("node-a", "True", &["10.0.0.1"])
-    })
-    .await;
+    let mut h = Harness::new(Clusters::Split, ClassFilter::default()).await;
+    h.put_node("node-a", "True", &["10.0.0.1"]).await;
+    h.run().await;
     h.create_service("default", "web", json!({}), json!({}))
         .await;
     h.wait_lb(LB, "created", |_| true).await;
-    let writes = h.control.write_count();
+    let writes = h.record_lb_writes().await;
+    let controller_writes = h.controller_lb_writes_settled().await;
     let before = h.metrics.reconcile_count("service");
-    for _ in 0..25 {
-        let mut node = h.target.get(&nodes(), "", "node-a").unwrap();
-        node["metadata"]["labels"] = json!({"heartbeat": rand_label()});
-        h.target.put(&nodes(), node);
+    // What a kubelet changes all the time: the heartbeat time of its conditions (and, here, a label).
+    let start = k8s_openapi::jiff::Timestamp::now();
+    for i in 0..25 {
+        let heartbeat = start + k8s_openapi::jiff::SignedDuration::from_secs(i + 1);
+        h.node_api()
+            .patch(
+                "node-a",
+                &PatchParams::default(),
+                &Patch::Merge(&json!({"metadata": {"labels": {"heartbeat": format!("hb-{i}")}}})),
+            )
+            .await
+            .unwrap();
+        h.node_api()
+            .patch_status(
+                "node-a",
+                &PatchParams::default(),
+                &Patch::Merge(&json!({"status": {"conditions": [
+                    {"type": "Ready", "status": "True", "lastHeartbeatTime": heartbeat.to_string()},
+                ]}})),
+            )
+            .await
+            .unwrap();
     }
     // A real change afterwards proves the node events were processed in order.
-    h.put_node("node-b", "True", &["10.0.0.2"]);
+    h.put_node("node-b", "True", &["10.0.0.2"]).await;
     h.wait_lb(LB, "node-b added", |lb| endpoint_names(lb).len() == 2)
         .await;
-    assert_eq!(
-        h.control.write_count(),
-        writes + 1,
-        "only the real change was written"
-    );
-    // The heartbeats themselves trigger nothing (a few reconciles come from the LoadBalancer's
-    // own events and the real node change).
+    eventually("the write seen by the watch", || async {
+        writes.count() >= 1
+    })
+    .await;
+    assert_eq!(writes.count(), 1, "only the real change was written");
+    assert_eq!(controller_lb_writes(&h.metrics), controller_writes + 1);
+    // The heartbeats themselves trigger nothing (a few reconciles come from the real node change, which
+    // re-runs every Service: also the cluster's `kubernetes` Service).
     assert!(h.metrics.reconcile_count("service") - before < 10);
     h.stop().await;
 }
 
-fn rand_label() -> String {
-    format!("{:?}", std::time::Instant::now())
-        .chars()
-        .filter(|c| c.is_ascii_alphanumeric())
-        .take(20)
-        .collect()
-}
-
+/// The IPv4 part of the dual-stack test: kube-testenv's cluster is IPv4 single-stack, see
+/// `ipv6_and_dual_stack_filtering`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn dual_stack_filtering() {
-    let h = Harness::start_with(true, ClassFilter::default(), |h| {
-        h.put_node("node-a", "True", &["10.0.0.1", "fd00::1"]);
-        h.put_node("node-b", "True", &["fd00::2"]);
-    })
-    .await;
+    let mut h = Harness::new(Clusters::Split, ClassFilter::default()).await;
+    h.put_node("node-a", "True", &["10.0.0.1", "fd00::1"]).await;
+    h.put_node("node-b", "True", &["fd00::2"]).await;
+    h.run().await;
     h.create_service("default", "v4", json!({}), json!({"ipFamilies": ["IPv4"]}))
         .await;
-    h.create_service("default", "v6", json!({}), json!({"ipFamilies": ["IPv6"]}))
+    // No ipFamilies: the server fills in the cluster's (IPv4).
+    h.create_service("default", "plain", json!({}), json!({}))
         .await;
-    h.create_service(
-        "default",
-        "dual",
-        json!({}),
-        json!({"ipFamilies": ["IPv4", "IPv6"]}),
-    )
-    .await;
-    let v4 = h.wait_lb("default--v4", "v4", |_| true).await;
-    assert_eq!(endpoint_names(&v4), ["node-a"]);
-    assert_eq!(v4.spec.endpoints()[0].addresses(), ["10.0.0.1"]);
-    let v6 = h.wait_lb("default--v6", "v6", |_| true).await;
-    assert_eq!(endpoint_names(&v6), ["node-a", "node-b"]);
-    assert_eq!(v6.spec.endpoints()[0].addresses(), ["fd00::1"]);
-    let dual = h.wait_lb("default--dual", "dual", |_| true).await;
-    assert_eq!(
-        dual.spec.endpoints()[0].addresses(),
-        ["10.0.0.1", "fd00::1"]
-    );
+    for lb in ["default--v4", "default--plain"] {
+        let v4 = h.wait_lb(lb, lb, |_| true).await;
+        assert_eq!(endpoint_names(&v4), ["node-a"]);
+        assert_eq!(v4.spec.endpoints()[0].addresses(), ["10.0.0.1"]);
+    }
     h.stop().await;
 }
 
@@ -648,8 +690,8 @@ async fn external_ip_with_zero_replicas() {
     assert_eq!(lb.spec.replicas, 0);
     h.set_lb_status(LB, json!({"externalIP": "192.0.2.9"}))
         .await;
-    wait_until("ingress with 0 replicas", || {
-        ingress(&h) == Some("192.0.2.9".into())
+    eventually("ingress with 0 replicas", || async {
+        ingress(&h).await == Some("192.0.2.9".into())
     })
     .await;
     h.stop().await;
@@ -661,12 +703,15 @@ async fn events_are_forwarded_to_the_service() {
     h.create_service("default", "web", json!({}), json!({}))
         .await;
     let lb = h.wait_lb(LB, "created", |_| true).await;
-    let events: Api<Event> = Api::namespaced(h.control.client(), LB_NS);
+    let events: Api<Event> = Api::namespaced(h.control.clone(), &h.lb_ns);
     let now = k8s_openapi::jiff::Timestamp::now();
     let make = |name: &str, component: &str, reason: &str, message: &str| -> Event {
         serde_json::from_value(json!({
-            "metadata": {"name": name, "namespace": LB_NS},
-            "involvedObject": {"kind": "LoadBalancer", "name": LB, "namespace": LB_NS, "uid": lb.metadata.uid},
+            "metadata": {"name": name, "namespace": h.lb_ns},
+            "involvedObject": {
+                "apiVersion": "yawol.stackit.cloud/v1beta1", "kind": "LoadBalancer",
+                "name": LB, "namespace": h.lb_ns, "uid": lb.metadata.uid,
+            },
             "source": {"component": component},
             "type": "Warning", "reason": reason, "message": message, "count": 1,
             "firstTimestamp": now.to_string(), "lastTimestamp": now.to_string(),
@@ -708,42 +753,55 @@ async fn events_are_forwarded_to_the_service() {
         )
         .await
         .unwrap();
-    wait_until("count bumped", || {
-        h.target
-            .list(&events_key())
+    eventually("count bumped", || async {
+        h.events_for("default", "web")
+            .await
             .iter()
-            .any(|e| e["message"] == "Quota exceeded for floatingips" && e["count"] == 2)
+            .any(|(_, _, m, count)| m == "Quota exceeded for floatingips" && *count == 2)
     })
     .await;
-    assert!(!h
-        .events_for("default", "web")
-        .iter()
-        .any(|(_, _, m)| m == "not for users"));
+    let forwarded = h.events_for("default", "web").await;
+    assert_eq!(
+        forwarded
+            .iter()
+            .filter(|(_, _, m, _)| m == "Quota exceeded for floatingips")
+            .count(),
+        1,
+        "aggregated, not duplicated: {forwarded:?}"
+    );
+    assert!(!forwarded.iter().any(|(_, _, m, _)| m == "not for users"));
     assert_eq!(h.metrics.events_forwarded.get(), 2);
     h.stop().await;
-}
-
-fn events_key() -> lb_api::fake_api::ResourceKey {
-    events()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn single_cluster_and_adoption_of_existing_loadbalancer() {
     // One API server for both roles, and a LoadBalancer that yawol created before (no
     // serviceName annotation, older field shape): it is adopted and converged, not recreated.
-    let h = Harness::start_with(false, ClassFilter::default(), |h| {
-        h.put_node("node-a", "True", &["10.0.0.1"]);
-        let mut lb: serde_json::Value = serde_yaml::from_str(include_str!(
-            "../../lb-api/tests/fixtures/loadbalancer.yaml"
-        ))
-        .unwrap();
-        lb["metadata"]["namespace"] = json!(LB_NS);
-        lb["metadata"]["annotations"] = json!({});
-        lb["metadata"]["finalizers"] = json!([]);
-        h.control.put(&loadbalancers(), lb);
-    })
-    .await;
-    let uid = h.lb(LB).unwrap().metadata.uid;
+    let mut h = Harness::new(Clusters::Single, ClassFilter::default()).await;
+    h.put_node("node-a", "True", &["10.0.0.1"]).await;
+    let mut lb: serde_json::Value = serde_yaml::from_str(include_str!(
+        "../../lb-api/tests/fixtures/loadbalancer.yaml"
+    ))
+    .unwrap();
+    let status = lb["status"].take();
+    json_merge(
+        &mut lb,
+        &json!({"metadata": {
+            "namespace": h.lb_ns, "annotations": null, "finalizers": null,
+            "resourceVersion": null, "uid": null, "creationTimestamp": null, "generation": null,
+        }, "status": null}),
+    );
+    let lb: lb_api::LoadBalancer = serde_json::from_value(lb).unwrap();
+    let uid = h
+        .lb_api()
+        .create(&PostParams::default(), &lb)
+        .await
+        .unwrap()
+        .metadata
+        .uid;
+    h.set_lb_status(LB, status).await;
+    h.run().await;
     h.create_service("default", "web", json!({}), json!({}))
         .await;
     let lb = h
@@ -761,8 +819,8 @@ async fn single_cluster_and_adoption_of_existing_loadbalancer() {
         Some("192.0.2.10"),
         "status kept"
     );
-    wait_until("ingress from adopted status", || {
-        ingress(&h) == Some("192.0.2.10".into())
+    eventually("ingress from adopted status", || async {
+        ingress(&h).await == Some("192.0.2.10".into())
     })
     .await;
     h.stop().await;
@@ -770,10 +828,9 @@ async fn single_cluster_and_adoption_of_existing_loadbalancer() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn restart_does_not_rewrite_converged_loadbalancers() {
-    let h = Harness::start_with(true, ClassFilter::default(), |h| {
-        h.put_node("node-a", "True", &["10.0.0.1"])
-    })
-    .await;
+    let mut h = Harness::new(Clusters::Split, ClassFilter::default()).await;
+    h.put_node("node-a", "True", &["10.0.0.1"]).await;
+    h.run().await;
     h.create_service(
         "default",
         "web",
@@ -781,32 +838,40 @@ async fn restart_does_not_rewrite_converged_loadbalancers() {
         json!({}),
     )
     .await;
-    h.wait_lb(LB, "created", |lb| {
-        lb.spec.options().tcp_idle_timeout.is_some()
-    })
-    .await;
-    let writes = h.control.write_count();
+    let lb = h
+        .wait_lb(LB, "created", |lb| {
+            lb.spec.options().tcp_idle_timeout.is_some()
+        })
+        .await;
+    let writes = h.record_lb_writes().await;
     // A second controller instance against the same clusters (e.g. after a restart) finds
     // everything converged and writes nothing.
-    let (target, control) = (h.target.clone(), h.control.clone());
+    let (target, control) = h.controller_clients().await;
     let metrics = std::sync::Arc::new(lb_controller::metrics::Metrics::new());
     let health = std::sync::Arc::new(lb_controller::run::Health::default());
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     let second = tokio::spawn(lb_controller::run::run_controllers(
-        target.client(),
-        control.client(),
-        run_config(ClassFilter::default()),
+        target,
+        control,
+        h.config(),
         metrics.clone(),
         health.clone(),
         async move {
             let _ = stopped.await;
         },
     ));
-    wait_until("second instance reconciled", || {
-        metrics.reconcile_count("service") >= 1
+    // Every Service of the cluster (`web` and `kubernetes`) once.
+    let services = h.service_count().await;
+    eventually("second instance reconciled", || async {
+        metrics.reconcile_count("service") >= services
     })
     .await;
-    assert_eq!(h.control.write_count(), writes);
+    assert_eq!(controller_lb_writes(&metrics), 0, "no write attempted");
+    assert_eq!(writes.count(), 0, "no write seen");
+    assert_eq!(
+        h.lb(LB).await.unwrap().metadata.resource_version,
+        lb.metadata.resource_version
+    );
     let _ = stop.send(());
     second.await.unwrap();
     h.stop().await;
@@ -814,10 +879,9 @@ async fn restart_does_not_rewrite_converged_loadbalancers() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn foreign_edits_are_reverted_and_deleted_loadbalancers_recreated() {
-    let h = Harness::start_with(true, ClassFilter::default(), |h| {
-        h.put_node("node-a", "True", &["10.0.0.1"])
-    })
-    .await;
+    let mut h = Harness::new(Clusters::Split, ClassFilter::default()).await;
+    h.put_node("node-a", "True", &["10.0.0.1"]).await;
+    h.run().await;
     h.create_service("default", "web", json!({}), json!({}))
         .await;
     h.wait_lb(LB, "created", |_| true).await;
@@ -833,7 +897,7 @@ async fn foreign_edits_are_reverted_and_deleted_loadbalancers_recreated() {
         lb.spec.replicas == 1 && endpoint_names(lb) == ["node-a"]
     })
     .await;
-    let uid = h.lb(LB).unwrap().metadata.uid;
+    let uid = h.lb(LB).await.unwrap().metadata.uid;
     h.lb_api()
         .delete(LB, &DeleteParams::default())
         .await
@@ -845,29 +909,95 @@ async fn foreign_edits_are_reverted_and_deleted_loadbalancers_recreated() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn api_outage_backs_off_and_recovers() {
-    let h = Harness::start_with(true, ClassFilter::default(), |h| {
-        h.put_node("node-a", "True", &["10.0.0.1"])
-    })
-    .await;
+    let mut h = Harness::new(Clusters::SplitPrivate, ClassFilter::default()).await;
+    h.put_node("node-a", "True", &["10.0.0.1"]).await;
+    h.run().await;
     h.create_service("default", "web", json!({}), json!({}))
         .await;
     h.wait_lb(LB, "created", |_| true).await;
 
-    h.target.set_unavailable(true);
-    h.control.set_unavailable(true);
-    let before = h.target.request_count() + h.control.request_count();
+    // Both API servers down (SIGTERM, as in a control-plane upgrade); etcd keeps the data.
+    h.stop_apiservers();
+    let before = h.controller_connections();
     tokio::time::sleep(std::time::Duration::from_secs(2)).await;
-    let during = h.target.request_count() + h.control.request_count() - before;
+    let during = h.controller_connections() - before;
     // Five watches re-listing with backoff (0.8 s, 1.6 s, ... with jitter) stay far below a busy loop.
-    assert!(during < 60, "{during} requests in 2 s of outage");
+    assert!(during < 60, "{during} connection attempts in 2 s of outage");
 
-    h.target.set_unavailable(false);
-    h.control.set_unavailable(false);
-    h.put_node("node-b", "True", &["10.0.0.2"]);
+    h.restart_apiservers().await;
+    h.put_node("node-b", "True", &["10.0.0.2"]).await;
     // Recovery depends on the watch backoff (at most ~30 s in kube's default backoff).
     h.wait_lb(LB, "endpoints after outage", |lb| {
         endpoint_names(lb) == ["node-a", "node-b"]
     })
     .await;
+    h.stop().await;
+}
+
+/// Two controller instances with different classes on one target cluster (the reason every test here has a
+/// target cluster of its own): each must leave the other's Services alone. Both use the one Service finalizer
+/// `stackit.cloud/loadbalancer`; `service_controller::deletion` took any Service carrying it for its own, so the
+/// instance of the other class found no LoadBalancer in its namespace, cleared the ingress and removed the finalizer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_controllers_with_different_classes_share_a_target() {
+    let only = |class: &str| ClassFilter {
+        class_names: vec![class.into()],
+        accept_empty: false,
+    };
+    let mut h = Harness::new(Clusters::Single, only("team-a")).await;
+    h.put_node("node-a", "True", &["10.0.0.1"]).await;
+    h.run().await;
+    h.create_service(
+        "default",
+        "web",
+        json!({}),
+        json!({"loadBalancerClass": "team-a"}),
+    )
+    .await;
+    h.wait_lb(LB, "created", |_| true).await;
+    h.set_lb_status(
+        LB,
+        json!({"externalIP": "192.0.2.11", "replicas": 1, "readyReplicas": 1}),
+    )
+    .await;
+    eventually("ingress IP", || async { ingress(&h).await.is_some() }).await;
+
+    // The team-b instance, with LoadBalancers of its own namespace.
+    let mut config = h.config();
+    config.service.classes = only("team-b");
+    config.service.defaults.namespace = h.control_namespace("lbs-b").await;
+    let (target, control) = h.controller_clients().await;
+    let metrics = std::sync::Arc::new(lb_controller::metrics::Metrics::new());
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let second = tokio::spawn(lb_controller::run::run_controllers(
+        target,
+        control,
+        config,
+        metrics.clone(),
+        std::sync::Arc::new(lb_controller::run::Health::default()),
+        async move {
+            let _ = stopped.await;
+        },
+    ));
+    let services = h.service_count().await;
+    eventually("team-b instance reconciled", || async {
+        metrics.reconcile_count("service") >= services
+    })
+    .await;
+    // Long enough for a fight (team-a re-adds the finalizer, team-b removes it) to show.
+    tokio::time::sleep(std::time::Duration::from_secs(2)).await;
+    let service = h.service("default", "web").await.unwrap();
+    assert_eq!(
+        service.metadata.finalizers.unwrap_or_default(),
+        ["stackit.cloud/loadbalancer"],
+        "team-a's finalizer kept"
+    );
+    assert_eq!(
+        ingress(&h).await.as_deref(),
+        Some("192.0.2.11"),
+        "ingress kept"
+    );
+    let _ = stop.send(());
+    second.await.unwrap();
     h.stop().await;
 }

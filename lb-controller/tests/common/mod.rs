@@ -1,9 +1,15 @@
-//! Test harness: the cloud controller running against two in-memory API servers (target and
-//! control cluster), plus helpers to create objects and wait for conditions.
+//! Test harness of `cloud_controller.rs`: the cloud controller running against real API servers (kube-testenv) in
+//! the target and control roles, plus helpers to create objects and wait for conditions.
 //!
-//! Waiting is event-driven on the controller side; the tests only poll the fake store for the
-//! expected state (every few milliseconds, bounded by a generous timeout), so they do not depend
-//! on timing.
+//! The controller watches Services and Nodes cluster-wide, so every test has a target cluster of its own (a private
+//! kube-testenv cluster, ≈3 s): two controllers on one target would both handle every Service (they share the
+//! Service finalizer: see the ignored `two_controllers_with_different_classes_share_a_target`). The control
+//! cluster is the test binary's shared one with a LoadBalancer namespace per test, or the private one
+//! ([`Clusters::Single`]), or a second private one ([`Clusters::SplitPrivate`], both API servers can be stopped).
+//!
+//! The controller's clients go through a counting TCP proxy (every request attempt during an outage is a new
+//! connection); the test's own reads and writes use admin clients directly. Waiting polls the API (every 50 ms,
+//! at most 60 s), so the tests do not depend on timing.
 //!
 //! [`openstack`]: the helpers of the real-OpenStack tests (sessions, Nova's view, leak check and sweep, the whole
 //! OpenStack-side cascade on the in-memory API server with the agents played).
@@ -14,37 +20,28 @@ pub mod kube;
 pub mod openstack;
 
 use std::future::Future;
-use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use ::kube::api::{Patch, PatchParams, PostParams};
-use ::kube::Api;
-use k8s_openapi::api::core::v1::Service;
-use lb_api::fake_api::{FakeApiServer, ResourceKey};
+use ::kube::api::{
+    DeleteParams, ListParams, Patch, PatchParams, PostParams, WatchEvent, WatchParams,
+};
+use ::kube::{Api, Client};
+use futures::{StreamExt, TryStreamExt};
+use k8s_openapi::api::core::v1::{Event, Node, Service};
+use kube_testenv::KubeEnv;
 use lb_api::LoadBalancer;
 use lb_api::{OpenstackFlavorRef, OpenstackImageRef};
 use lb_controller::desired::{ClassFilter, InfrastructureDefaults};
-use lb_controller::metrics::Metrics;
+use lb_controller::metrics::{Metrics, OperationLabels};
 use lb_controller::run::{run_controllers, Health, RunConfig};
 use lb_controller::service_controller::ServiceControllerConfig;
 use serde_json::{json, Value};
 use tokio::sync::oneshot;
 
-/// Namespace of the LoadBalancers in the control cluster.
+/// Default namespace of the LoadBalancers in the control cluster (`cloud_controller.rs` uses one per test).
 pub const LB_NS: &str = "yawol";
-
-pub fn services() -> ResourceKey {
-    ResourceKey::new("", "services")
-}
-pub fn nodes() -> ResourceKey {
-    ResourceKey::new("", "nodes")
-}
-pub fn events() -> ResourceKey {
-    ResourceKey::new("", "events")
-}
-pub fn loadbalancers() -> ResourceKey {
-    ResourceKey::new("yawol.stackit.cloud", "loadbalancers")
-}
 
 pub fn defaults() -> InfrastructureDefaults {
     InfrastructureDefaults {
@@ -75,67 +72,248 @@ pub fn run_config(classes: ClassFilter) -> RunConfig {
     }
 }
 
+/// JSON merge patch (RFC 7386) of `patch` into `target`: objects merge, `null` removes, anything else replaces.
+pub fn json_merge(target: &mut Value, patch: &Value) {
+    match (target, patch) {
+        (Value::Object(t), Value::Object(p)) => {
+            for (k, v) in p {
+                if v.is_null() {
+                    t.remove(k);
+                } else {
+                    json_merge(t.entry(k.clone()).or_insert(Value::Null), v);
+                }
+            }
+        }
+        (t, p) => *t = p.clone(),
+    }
+}
+
+/// Which clusters play the target and control roles.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Clusters {
+    /// Target: a private cluster; control: the shared cluster (a LoadBalancer namespace of the test's own).
+    Split,
+    /// Target and control: two private clusters (both API servers can be stopped).
+    SplitPrivate,
+    /// One private cluster in both roles.
+    Single,
+}
+
+enum Cluster {
+    Shared(&'static KubeEnv),
+    Private(Arc<KubeEnv>),
+}
+
+impl Cluster {
+    fn env(&self) -> &KubeEnv {
+        match self {
+            Cluster::Shared(env) => env,
+            Cluster::Private(env) => env,
+        }
+    }
+}
+
+/// A TCP proxy in front of an API server that counts connections (with the server down, every request attempt of
+/// the controllers is one connection) and can cut them: a stopping API server waits up to 10 s for the open watches,
+/// a crashed one just drops them.
+struct Proxy {
+    url: String,
+    connections: Arc<AtomicU64>,
+    down: Arc<AtomicBool>,
+    cut: tokio::sync::watch::Sender<u64>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Proxy {
+    async fn start(upstream_url: &str) -> Proxy {
+        let upstream: u16 = upstream_url
+            .rsplit(':')
+            .next()
+            .and_then(|p| p.parse().ok())
+            .expect("an API server URL with a port");
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let connections = Arc::new(AtomicU64::new(0));
+        let down = Arc::new(AtomicBool::new(false));
+        let (cut, _) = tokio::sync::watch::channel(0u64);
+        let (counter, is_down, cuts) = (connections.clone(), down.clone(), cut.clone());
+        let task = tokio::spawn(async move {
+            while let Ok((mut client, _)) = listener.accept().await {
+                counter.fetch_add(1, Ordering::SeqCst);
+                if is_down.load(Ordering::SeqCst) {
+                    continue;
+                }
+                let mut cut = cuts.subscribe();
+                tokio::spawn(async move {
+                    if let Ok(mut server) =
+                        tokio::net::TcpStream::connect(("127.0.0.1", upstream)).await
+                    {
+                        tokio::select! {
+                            _ = tokio::io::copy_bidirectional(&mut client, &mut server) => {}
+                            _ = cut.changed() => {}
+                        }
+                    }
+                });
+            }
+        });
+        Proxy {
+            url: format!("https://127.0.0.1:{port}"),
+            connections,
+            down,
+            cut,
+            task,
+        }
+    }
+
+    /// Down: open connections are cut, new ones closed at once (and counted).
+    fn set_down(&self, down: bool) {
+        self.down.store(down, Ordering::SeqCst);
+        if down {
+            self.cut.send_modify(|n| *n += 1);
+        }
+    }
+
+    /// An admin client through the proxy (the serving certificate is for 127.0.0.1, any port).
+    async fn client(&self, env: &KubeEnv) -> Client {
+        let kubeconfig = env.admin_kubeconfig().replace(&env.url(), &self.url);
+        kube_testenv::client_from(&kubeconfig).await.unwrap()
+    }
+}
+
 pub struct Harness {
-    pub target: FakeApiServer,
-    pub control: FakeApiServer,
+    /// Admin client of the target cluster (Services, Nodes, Events).
+    pub target: Client,
+    /// Admin client of the control cluster (LoadBalancers).
+    pub control: Client,
+    /// The test's LoadBalancer namespace in the control cluster (`defaults.namespace`).
+    pub lb_ns: String,
     pub metrics: Arc<Metrics>,
     pub health: Arc<Health>,
+    classes: ClassFilter,
+    target_cluster: Cluster,
+    control_cluster: Option<Cluster>,
+    target_proxy: Proxy,
+    control_proxy: Proxy,
     stop: Option<oneshot::Sender<()>>,
     task: Option<tokio::task::JoinHandle<()>>,
 }
 
 impl Harness {
-    /// Split clusters (separate target and control API servers), default class filter.
+    /// Split clusters, default class filter, controllers running.
     pub async fn start() -> Self {
-        Self::start_with(true, ClassFilter::default(), |_| {}).await
+        Self::start_with(Clusters::Split, ClassFilter::default()).await
     }
 
-    /// `split = false` uses one API server for both roles. `seed` runs before the controllers
-    /// start (objects that exist "before" the controller).
-    pub async fn start_with(split: bool, classes: ClassFilter, seed: impl FnOnce(&Self)) -> Self {
+    pub async fn start_with(clusters: Clusters, classes: ClassFilter) -> Self {
+        let mut harness = Self::new(clusters, classes).await;
+        harness.run().await;
+        harness
+    }
+
+    /// The clusters, CRDs and namespace, without the controllers: create what exists "before" the controller,
+    /// then [`Harness::run`].
+    pub async fn new(clusters: Clusters, classes: ClassFilter) -> Self {
         if std::env::var_os("TEST_LOG").is_some() {
             let _ = tracing_subscriber::fmt()
-                .with_env_filter("debug,hyper=info,tower=info")
+                .with_env_filter("debug,hyper=info,tower=info,rustls=info")
                 .with_test_writer()
                 .try_init();
         }
-        let target = FakeApiServer::new();
-        let control = if split {
-            FakeApiServer::new()
-        } else {
-            target.clone()
+        let private = || async { Arc::new(KubeEnv::start().await.expect("a private cluster")) };
+        let target_cluster = Cluster::Private(private().await);
+        let control_cluster = match clusters {
+            Clusters::Split => Some(Cluster::Shared(KubeEnv::shared())),
+            Clusters::SplitPrivate => Some(Cluster::Private(private().await)),
+            Clusters::Single => None,
         };
-        for (_, crd) in lb_api::crds() {
-            control.install_crd(&crd);
-        }
-        let mut harness = Self {
+        let target_env = target_cluster.env();
+        let control_env = control_cluster.as_ref().map_or(target_env, |c| c.env());
+        let target = target_env.client().await.unwrap();
+        let control = control_env.client().await.unwrap();
+        control_env
+            .apply_crds(&control, lb_api::crds().into_iter().map(|(_, c)| c))
+            .await
+            .unwrap();
+        let lb_ns = control_env.namespace(&control, "lbs").await.unwrap();
+        let target_proxy = Proxy::start(&target_env.url()).await;
+        let control_proxy = Proxy::start(&control_env.url()).await;
+        Self {
             target,
             control,
+            lb_ns,
             metrics: Arc::new(Metrics::new()),
             health: Arc::new(Health::default()),
+            classes,
+            target_cluster,
+            control_cluster,
+            target_proxy,
+            control_proxy,
             stop: None,
             task: None,
-        };
-        seed(&harness);
+        }
+    }
+
+    fn target_env(&self) -> &KubeEnv {
+        self.target_cluster.env()
+    }
+
+    fn control_env(&self) -> &KubeEnv {
+        self.control_cluster
+            .as_ref()
+            .map_or(self.target_env(), |c| c.env())
+    }
+
+    /// The controllers' clients (target, control), through the counting proxies.
+    pub async fn controller_clients(&self) -> (Client, Client) {
+        (
+            self.target_proxy.client(self.target_env()).await,
+            self.control_proxy.client(self.control_env()).await,
+        )
+    }
+
+    /// The run configuration of this test (its LoadBalancer namespace, its class filter).
+    pub fn config(&self) -> RunConfig {
+        let mut config = run_config(self.classes.clone());
+        config.service.defaults.namespace = self.lb_ns.clone();
+        config
+    }
+
+    /// A new namespace in the control cluster.
+    pub async fn control_namespace(&self, prefix: &str) -> String {
+        self.control_env()
+            .namespace(&self.control, prefix)
+            .await
+            .unwrap()
+    }
+
+    /// Starts the controllers and waits until they are ready and have looked at every existing Service once.
+    pub async fn run(&mut self) {
+        let (target, control) = self.controller_clients().await;
         let (stop, stopped) = oneshot::channel::<()>();
         let task = tokio::spawn(run_controllers(
-            harness.target.client(),
-            harness.control.client(),
-            run_config(classes),
-            harness.metrics.clone(),
-            harness.health.clone(),
+            target,
+            control,
+            self.config(),
+            self.metrics.clone(),
+            self.health.clone(),
             async move {
                 let _ = stopped.await;
             },
         ));
-        harness.stop = Some(stop);
-        harness.task = Some(task);
-        let health = harness.health.clone();
-        wait_until("controllers ready", || {
-            health.ready.load(std::sync::atomic::Ordering::SeqCst)
+        self.stop = Some(stop);
+        self.task = Some(task);
+        let health = self.health.clone();
+        eventually("controllers ready", || {
+            let ready = health.ready.load(Ordering::SeqCst);
+            async move { ready }
         })
         .await;
-        harness
+        // E.g. the `kubernetes` Service: its reconcile must not count for a test's "n more reconciles".
+        let services = self.service_count().await;
+        eventually("initial reconciles", || async {
+            self.metrics.reconcile_count("service") >= services
+        })
+        .await;
     }
 
     pub async fn stop(mut self) {
@@ -143,22 +321,83 @@ impl Harness {
             let _ = stop.send(());
         }
         if let Some(task) = self.task.take() {
-            tokio::time::timeout(Duration::from_secs(10), task)
+            tokio::time::timeout(Duration::from_secs(30), task)
                 .await
                 .expect("controllers stop")
                 .unwrap();
         }
+        // The private clusters stop with `self` (blocking: SIGTERM and wait).
+        tokio::task::block_in_place(move || drop(self));
+    }
+
+    /// Number of Services in the target cluster.
+    pub async fn service_count(&self) -> u64 {
+        Api::<Service>::all(self.target.clone())
+            .list_metadata(&ListParams::default())
+            .await
+            .unwrap()
+            .items
+            .len() as u64
+    }
+
+    /// Connections the controllers opened so far (both clusters).
+    pub fn controller_connections(&self) -> u64 {
+        self.target_proxy.connections.load(Ordering::SeqCst)
+            + self.control_proxy.connections.load(Ordering::SeqCst)
+    }
+
+    /// Stops the API servers of both clusters (private ones only: [`Clusters::SplitPrivate`] or
+    /// [`Clusters::Single`]), after cutting the controllers' connections (see [`Proxy`]); both at once.
+    pub fn stop_apiservers(&self) {
+        assert!(
+            !matches!(self.control_cluster, Some(Cluster::Shared(_))),
+            "the shared cluster's API server is never stopped"
+        );
+        self.target_proxy.set_down(true);
+        self.control_proxy.set_down(true);
+        tokio::task::block_in_place(|| {
+            std::thread::scope(|scope| {
+                scope.spawn(|| self.target_env().stop_apiserver());
+                if self.control_cluster.is_some() {
+                    scope.spawn(|| self.control_env().stop_apiserver());
+                }
+            })
+        });
+    }
+
+    /// Restarts the API servers stopped by [`Harness::stop_apiservers`] and renews the admin clients.
+    pub async fn restart_apiservers(&mut self) {
+        if self.control_cluster.is_some() {
+            let (target, control) = tokio::join!(
+                self.target_env().restart_apiserver(),
+                self.control_env().restart_apiserver()
+            );
+            target.unwrap();
+            control.unwrap();
+        } else {
+            self.target_env().restart_apiserver().await.unwrap();
+        }
+        self.target_proxy.set_down(false);
+        self.control_proxy.set_down(false);
+        self.target = self.target_env().client().await.unwrap();
+        self.control = self.control_env().client().await.unwrap();
     }
 
     pub fn service_api(&self, namespace: &str) -> Api<Service> {
-        Api::namespaced(self.target.client(), namespace)
+        Api::namespaced(self.target.clone(), namespace)
     }
 
     pub fn lb_api(&self) -> Api<LoadBalancer> {
-        Api::namespaced(self.control.client(), LB_NS)
+        Api::namespaced(self.control.clone(), &self.lb_ns)
     }
 
-    /// Creates a Service of type LoadBalancer through the API (like a user would).
+    pub fn node_api(&self) -> Api<Node> {
+        Api::all(self.target.clone())
+    }
+
+    /// Creates a Service of type LoadBalancer through the API (like a user would: the server allocates the
+    /// nodePort and the clusterIP and defaults the rest). `extra_spec` is merged into the spec (RFC 7386: a
+    /// `ports` list replaces the default one).
     pub async fn create_service(
         &self,
         namespace: &str,
@@ -172,31 +411,34 @@ impl Harness {
             "metadata": {"name": name, "namespace": namespace, "annotations": annotations},
             "spec": {
                 "type": "LoadBalancer",
-                "ipFamilies": ["IPv4"],
-                "ports": [{"name": "http", "port": 80, "protocol": "TCP", "nodePort": 30080, "targetPort": 8080}],
+                "ports": [{"name": "http", "port": 80, "protocol": "TCP", "targetPort": 8080}],
             }
         });
-        lb_api::fake_api::json_merge(&mut service["spec"], &extra_spec);
+        json_merge(&mut service["spec"], &extra_spec);
         let service: Service = serde_json::from_value(service).unwrap();
         self.service_api(namespace)
             .create(&PostParams::default(), &service)
             .await
-            .unwrap()
+            .unwrap_or_else(|e| panic!("creating service {namespace}/{name}: {e}"))
     }
 
+    /// JSON merge patch (RFC 7386, not the strategic one: a `ports` list replaces the Service's).
     pub async fn patch_service(&self, namespace: &str, name: &str, patch: Value) {
         self.service_api(namespace)
             .patch(name, &PatchParams::default(), &Patch::Merge(&patch))
             .await
-            .unwrap();
+            .unwrap_or_else(|e| panic!("patching service {namespace}/{name}: {e}"));
     }
 
-    /// Stores a node (with status) directly.
-    pub fn put_node(&self, name: &str, ready: &str, addresses: &[&str]) {
-        self.put_node_with(name, ready, addresses, json!({}), vec![]);
+    /// Creates or updates a node: Ready condition and InternalIP addresses (status), no taints.
+    pub async fn put_node(&self, name: &str, ready: &str, addresses: &[&str]) {
+        self.put_node_with(name, ready, addresses, json!({}), vec![])
+            .await;
     }
 
-    pub fn put_node_with(
+    /// Creates or updates a node as a whole: `spec` (taints not in it are removed), the conditions (Ready and
+    /// `extra_conditions`, nothing else) and the InternalIP addresses.
+    pub async fn put_node_with(
         &self,
         name: &str,
         ready: &str,
@@ -210,63 +452,110 @@ impl Harness {
             .iter()
             .map(|a| json!({"type": "InternalIP", "address": a}))
             .collect();
-        self.target.put(
-            &nodes(),
-            json!({
+        let status = json!({"conditions": conditions, "addresses": addresses});
+        let nodes = self.node_api();
+        if nodes.get_opt(name).await.unwrap().is_none() {
+            let node: Node = serde_json::from_value(json!({
                 "metadata": {"name": name},
                 "spec": spec,
-                "status": {"conditions": conditions, "addresses": addresses},
-            }),
-        );
+                "status": status,
+            }))
+            .unwrap();
+            let created = nodes.create(&PostParams::default(), &node).await.unwrap();
+            // A Node is created with its status (as a kubelet registers it), unless the server drops it.
+            if created
+                .status
+                .and_then(|s| s.conditions)
+                .is_some_and(|c| !c.is_empty())
+            {
+                return;
+            }
+        } else {
+            let mut spec = spec;
+            if spec.get("taints").is_none() {
+                spec["taints"] = Value::Null;
+            }
+            nodes
+                .patch(
+                    name,
+                    &PatchParams::default(),
+                    &Patch::Merge(&json!({ "spec": spec })),
+                )
+                .await
+                .unwrap();
+        }
+        nodes
+            .patch_status(
+                name,
+                &PatchParams::default(),
+                &Patch::Merge(&json!({ "status": status })),
+            )
+            .await
+            .unwrap();
     }
 
-    pub fn lb(&self, lb_name: &str) -> Option<LoadBalancer> {
-        self.control
-            .get(&loadbalancers(), LB_NS, lb_name)
-            .map(|v| serde_json::from_value(v).unwrap())
+    pub async fn delete_node(&self, name: &str) {
+        self.node_api()
+            .delete(name, &DeleteParams::default())
+            .await
+            .unwrap();
     }
 
-    pub fn service(&self, namespace: &str, name: &str) -> Option<Service> {
-        self.target
-            .get(&services(), namespace, name)
-            .map(|v| serde_json::from_value(v).unwrap())
+    pub async fn lb(&self, lb_name: &str) -> Option<LoadBalancer> {
+        self.lb_api().get_opt(lb_name).await.unwrap()
     }
 
-    /// Waits until the LoadBalancer exists and satisfies `check`.
+    pub async fn service(&self, namespace: &str, name: &str) -> Option<Service> {
+        self.service_api(namespace).get_opt(name).await.unwrap()
+    }
+
+    /// Waits until the LoadBalancer exists and satisfies `check`; returns the version that did.
     pub async fn wait_lb(
         &self,
         lb_name: &str,
         what: &str,
         check: impl Fn(&LoadBalancer) -> bool,
     ) -> LoadBalancer {
-        wait_until(what, || self.lb(lb_name).is_some_and(|lb| check(&lb))).await;
-        self.lb(lb_name).unwrap()
+        poll(what, || async {
+            self.lb(lb_name).await.filter(|lb| check(lb))
+        })
+        .await
     }
 
-    /// Events (core/v1) about an object in the target cluster: (type, reason, message).
-    pub fn events_for(&self, namespace: &str, name: &str) -> Vec<(String, String, String)> {
-        self.target
-            .list(&events())
+    /// Events (core/v1) about an object in the target cluster: (type, reason, message, count).
+    pub async fn events_for(
+        &self,
+        namespace: &str,
+        name: &str,
+    ) -> Vec<(String, String, String, i32)> {
+        Api::<Event>::namespaced(self.target.clone(), namespace)
+            .list(&ListParams::default())
+            .await
+            .unwrap()
+            .items
             .into_iter()
-            .filter(|e| {
-                e["involvedObject"]["name"] == name && e["involvedObject"]["namespace"] == namespace
-            })
+            .filter(|e| e.involved_object.name.as_deref() == Some(name))
             .map(|e| {
                 (
-                    e["type"].as_str().unwrap_or("").to_string(),
-                    e["reason"].as_str().unwrap_or("").to_string(),
-                    e["message"].as_str().unwrap_or("").to_string(),
+                    e.type_.unwrap_or_default(),
+                    e.reason.unwrap_or_default(),
+                    e.message.unwrap_or_default(),
+                    e.count.unwrap_or_default(),
                 )
             })
             .collect()
     }
 
     pub async fn wait_event(&self, namespace: &str, name: &str, type_: &str, contains: &str) {
-        wait_until(&format!("{type_} event containing {contains:?}"), || {
-            self.events_for(namespace, name)
-                .iter()
-                .any(|(t, _, m)| t == type_ && m.contains(contains))
-        })
+        eventually(
+            &format!("{type_} event containing {contains:?}"),
+            || async {
+                self.events_for(namespace, name)
+                    .await
+                    .iter()
+                    .any(|(t, _, m, _)| t == type_ && m.contains(contains))
+            },
+        )
         .await;
     }
 
@@ -276,7 +565,7 @@ impl Harness {
             .patch_status(
                 lb_name,
                 &PatchParams::default(),
-                &Patch::Merge(&json!({"status": status})),
+                &Patch::Merge(&json!({ "status": status })),
             )
             .await
             .unwrap();
@@ -285,38 +574,144 @@ impl Harness {
     /// Waits until the service controller processed at least `n` more reconciliations than
     /// `before` — to assert that something did *not* happen after the controller looked.
     pub async fn wait_reconciles(&self, before: u64, n: u64) {
-        let metrics = self.metrics.clone();
-        wait_until("reconciliations", move || {
-            metrics.reconcile_count("service") >= before + n
+        eventually("reconciliations", || async {
+            self.metrics.reconcile_count("service") >= before + n
         })
         .await;
     }
+
+    /// The controller's count of its LoadBalancer writes ([`controller_lb_writes`]) once it has counted the
+    /// writes the test already saw: the count goes up after the server answered, a GET may see the object first.
+    pub async fn controller_lb_writes_settled(&self) -> u64 {
+        let seen = self
+            .lb_api()
+            .list_metadata(&ListParams::default())
+            .await
+            .unwrap()
+            .items
+            .len() as u64;
+        eventually("the controller counted its creations", || async {
+            controller_lb_writes(&self.metrics) >= seen
+        })
+        .await;
+        controller_lb_writes(&self.metrics)
+    }
+
+    /// Records every write to the test's LoadBalancers from now on: a watch from the current resourceVersion
+    /// delivers one event per effective write (a no-op write changes nothing and is not seen).
+    pub async fn record_lb_writes(&self) -> LbWrites {
+        let api = self.lb_api();
+        let version = api
+            .list_metadata(&ListParams::default())
+            .await
+            .unwrap()
+            .metadata
+            .resource_version
+            .expect("a list resourceVersion");
+        let stream = api
+            .watch(&WatchParams::default().timeout(290), &version)
+            .await
+            .unwrap();
+        let seen: Arc<Mutex<Vec<LoadBalancer>>> = Arc::default();
+        let record = seen.clone();
+        let task = tokio::spawn(async move {
+            let mut stream = stream.boxed();
+            while let Ok(Some(event)) = stream.try_next().await {
+                match event {
+                    WatchEvent::Added(lb) | WatchEvent::Modified(lb) | WatchEvent::Deleted(lb) => {
+                        record.lock().unwrap().push(lb)
+                    }
+                    WatchEvent::Bookmark(_) => {}
+                    WatchEvent::Error(e) => panic!("LoadBalancer watch: {e}"),
+                }
+            }
+        });
+        LbWrites { seen, task }
+    }
 }
 
-/// Polls `condition` until it holds (panics after 20 s with `what`).
-pub async fn wait_until(what: &str, condition: impl FnMut() -> bool) {
-    wait_within(what, Duration::from_secs(20), condition).await
+impl Drop for Harness {
+    fn drop(&mut self) {
+        self.target_proxy.task.abort();
+        self.control_proxy.task.abort();
+        if let Some(task) = &self.task {
+            task.abort();
+        }
+    }
+}
+
+/// The writes to a namespace's LoadBalancers since [`Harness::record_lb_writes`], as the objects they produced.
+pub struct LbWrites {
+    seen: Arc<Mutex<Vec<LoadBalancer>>>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl LbWrites {
+    pub fn count(&self) -> usize {
+        self.seen.lock().unwrap().len()
+    }
+
+    pub fn objects(&self) -> Vec<LoadBalancer> {
+        self.seen.lock().unwrap().clone()
+    }
+}
+
+impl Drop for LbWrites {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// LoadBalancer writes the controller counted (its `loadbalancer_writes` metric, all operations).
+pub fn controller_lb_writes(metrics: &Metrics) -> u64 {
+    ["create", "patch", "delete"]
+        .iter()
+        .map(|operation| {
+            metrics
+                .loadbalancer_writes
+                .get_or_create(&OperationLabels {
+                    operation: operation.to_string(),
+                })
+                .get()
+        })
+        .sum()
+}
+
+/// Polls `check` (every 50 ms) until it returns something; panics with `what` after 60 s.
+pub async fn poll<T, F, Fut>(what: &str, mut check: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Option<T>>,
+{
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    loop {
+        if let Some(value) = check().await {
+            return value;
+        }
+        if tokio::time::Instant::now() > deadline {
+            panic!("timed out waiting for {what}");
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Polls an async condition (every 50 ms); panics with `what` after 60 s.
+pub async fn eventually<F, Fut>(what: &str, mut condition: F)
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = bool>,
+{
+    poll(what, || {
+        let holds = condition();
+        async move { holds.await.then_some(()) }
+    })
+    .await
 }
 
 /// Polls `condition` until it holds (panics after `timeout` with `what`).
 pub async fn wait_within(what: &str, timeout: Duration, mut condition: impl FnMut() -> bool) {
     let deadline = tokio::time::Instant::now() + timeout;
     while !condition() {
-        if tokio::time::Instant::now() > deadline {
-            panic!("timed out waiting for {what}");
-        }
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
-}
-
-/// Polls an async condition.
-pub async fn wait_until_async<F, Fut>(what: &str, mut condition: F)
-where
-    F: FnMut() -> Fut,
-    Fut: Future<Output = bool>,
-{
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
-    while !condition().await {
         if tokio::time::Instant::now() > deadline {
             panic!("timed out waiting for {what}");
         }
