@@ -47,9 +47,9 @@ pub struct AgentStatus {
     pub applied_generation: Option<u64>,
     /// VRRP state, when this machine runs VRRP (`KeepalivedMaster`/`KeepalivedProcess` conditions).
     pub vrrp: Option<crate::vrrp::VrrpState>,
-    /// Why the configuration source cannot confirm that `desired_generation` is the latest input (Kubernetes mode:
-    /// its watch of the LoadBalancer failed and has not relisted since); `None` when it can. Set by the status
-    /// reporter, not by the agent loop.
+    /// Why `desired_generation` cannot be confirmed as the latest input (Kubernetes mode: the watch of the
+    /// LoadBalancer failed and has not relisted since, or the agent loop has not taken the latest published
+    /// generation yet); `None` when it can. Set by the status reporter, not by the agent loop.
     pub source_stale: Option<String>,
 }
 

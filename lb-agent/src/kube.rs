@@ -410,8 +410,7 @@ fn up_to_date_message(s: &AgentStatus) -> String {
         "the data plane is not attached".to_string()
     } else if let Some(why) = &s.source_stale {
         format!(
-            "not confirmed: the LoadBalancer watch is not in sync with the API server ({why}); the data plane runs \
-             generation {}",
+            "not confirmed: {why}; the data plane runs generation {}",
             generation(s.applied_generation)
         )
     } else if s.config_error.is_some() {
@@ -697,7 +696,9 @@ async fn run_config_source(
         };
         let message = error.map_or_else(|| "the watch ended".to_string(), |e| e.to_string());
         tracing::warn!(object = %what, error = %message, retry_in = ?delay, "watch failed; listing again");
-        stale.send_replace(Some(truncate(&message)));
+        stale.send_replace(Some(truncate(&format!(
+            "the LoadBalancer watch is not in sync with the API server ({message})"
+        ))));
         tokio::time::sleep(delay).await;
     }
 }
@@ -768,12 +769,24 @@ async fn run_status_reporter(
     // churn (which re-sends the same status) does not turn into API writes.
     let mut written: Option<AgentStatus> = None;
     let mut deadline = Instant::now();
-    // The agent's own status plus whether the configuration source is in sync.
+    // The agent's own status plus whether the configuration source is in sync — and whether the agent has taken
+    // what the source last published: right after a relist the source is in sync while the agent loop may not have
+    // seen the new generation yet, and its status would claim the old one is up to date.
     let current_status = |status: &mut watch::Receiver<AgentStatus>,
                           stale: &mut watch::Receiver<Option<String>>| {
+        let status = status.borrow_and_update().clone();
+        let published = match &*config.borrow() {
+            ConfigState::Valid(_, g) | ConfigState::Invalid(_, g) => Some(*g),
+            ConfigState::Pending => None,
+        };
+        let source_stale = stale.borrow_and_update().clone().or_else(|| {
+            published
+                .filter(|g| status.desired_generation != Some(*g))
+                .map(|g| format!("the agent has not taken generation {g} of the LoadBalancer yet"))
+        });
         AgentStatus {
-            source_stale: stale.borrow_and_update().clone(),
-            ..status.borrow_and_update().clone()
+            source_stale,
+            ..status
         }
     };
     loop {
@@ -899,7 +912,10 @@ mod tests {
         );
         assert_eq!(find(&c, cond::DATAPLANE_UP_TO_DATE).status, cond::TRUE);
         let stale = AgentStatus {
-            source_stale: Some("watch stream failed".into()),
+            source_stale: Some(
+                "the LoadBalancer watch is not in sync with the API server (watch stream failed)"
+                    .into(),
+            ),
             ..running(3)
         };
         let c = conditions(&[], &stale, &t(0));

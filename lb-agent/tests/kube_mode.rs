@@ -518,19 +518,6 @@ async fn set_port_ip(lbs: &Api<LoadBalancer>, ip: &str) {
     .unwrap();
 }
 
-/// A cluster of the test's own, for stopping its API server and compacting its etcd. kube-testenv picks free ports
-/// by binding port 0 and letting go, so another process (or an outgoing connection) can take one before etcd or
-/// the API server binds it, and the start fails: once more then.
-async fn private_cluster() -> KubeEnv {
-    match KubeEnv::start().await {
-        Ok(env) => env,
-        Err(e) => {
-            eprintln!("starting a private cluster failed, once more: {e:#}");
-            KubeEnv::start().await.expect("a private cluster")
-        }
-    }
-}
-
 /// Asserts that `r` is the API server's 403 Forbidden.
 fn assert_forbidden<T: std::fmt::Debug>(what: &str, r: Result<T, kube::Error>) {
     match r {
@@ -981,7 +968,7 @@ async fn a_missing_machine_or_loadbalancer_is_retried_not_fatal() {
 /// gets its configuration and reports.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_unreachable_api_server_is_retried_with_backoff() {
-    let env = private_cluster().await;
+    let env = KubeEnv::start().await.expect("a private cluster");
     let cluster = Cluster::new(&env).await;
     create(&cluster.lbs, &cluster.lbms, good_lb(&cluster.ns), Some(VIP)).await;
     let (client, _) = cluster.machine_client(&env).await;
@@ -1356,7 +1343,7 @@ async fn settled(h: &Harness, generation: i64) {
 /// the LoadBalancer has changed before the agent can look, whatever its backoff's jitter.
 #[tokio::test]
 async fn a_410_after_compaction_relists_at_once_and_up_to_date_waits_for_it() {
-    let env = private_cluster().await;
+    let env = KubeEnv::start().await.expect("a private cluster");
     let agent = AgentRuntime::new();
     let h = Harness::start_on(&env, Some(&agent), async |lbs, lbms, ns| {
         create(lbs, lbms, good_lb(ns), Some(VIP)).await

@@ -13,8 +13,6 @@
 
 pub mod constants;
 pub mod duration;
-#[cfg(feature = "fake-api-server")]
-pub mod fake_api;
 pub mod ha;
 pub mod loadbalancer;
 pub mod loadbalancermachine;

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use clap::Parser;
-use lb_api::fake_api::{FakeApiServer, ResourceKey};
+use kube_testenv::fake_api::{FakeApiServer, ResourceKey};
 use lb_api::{OpenstackFlavorRef, OpenstackImageRef};
 use lb_controller::desired::{ClassFilter, InfrastructureDefaults};
 use lb_controller::metrics::Metrics;

@@ -3,8 +3,8 @@
 //! reports external IPs and events back to the Services.
 //!
 //! Layout: pure decisions in [`desired`] and [`endpoints`]; I/O in [`service_controller`],
-//! [`backchannel`], [`leader`]; wiring in [`run`]. The tests and the benchmark run
-//! the controllers against `lb_api::fake_api::FakeApiServer` (feature `fake-api-server`).
+//! [`backchannel`], [`leader`]; wiring in [`run`], stopping in [`stop`]. The tests run
+//! the controllers against a real kube-apiserver (`kube-testenv`); the benchmark against an in-memory one.
 //!
 //! OpenStack side (LoadBalancer → LoadBalancerSet → LoadBalancerMachine, `lb-controller controller`): the cloud
 //! behind the [`openstack::Cloud`] trait ([`openstack::sdk::SdkCloud`] on `openstack_sdk`,

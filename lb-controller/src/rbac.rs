@@ -116,11 +116,13 @@ pub fn role(id: &MachineIdentity) -> Role {
                 Some(&id.loadbalancer),
                 &["get", "list", "watch"],
             ),
+            // Read only: the agent writes nothing but its machine's status (yawol's Role also lets it rewrite the
+            // machine's spec and metadata).
             rule(
                 &[GROUP],
                 &["loadbalancermachines"],
                 Some(&id.machine),
-                &["get", "list", "watch", "update", "patch"],
+                &["get", "list", "watch"],
             ),
             rule(
                 &[GROUP],
@@ -163,8 +165,8 @@ mod tests {
         }
     }
 
-    /// The rules' shape; what the API server makes of them is proven under real RBAC in
-    /// `tests/machine_rbac.rs`.
+    /// The rules' shape; what the API server makes of them is proven under real RBAC with a real token in
+    /// `lb-agent/tests/kube_mode.rs` (`the_machine_token_reaches_only_its_own_objects`).
     #[test]
     fn every_rule_but_event_creation_is_name_scoped() {
         let rules = role(&id()).rules.unwrap();

@@ -7,7 +7,7 @@ use k8s_openapi::api::core::v1::{ConfigMap, Service};
 use kube::api::{
     Api, DeleteParams, ListParams, Patch, PatchParams, PostParams, WatchEvent, WatchParams,
 };
-use lb_api::fake_api::{FakeApiServer, ResourceKey};
+use kube_testenv::fake_api::{FakeApiServer, ResourceKey};
 use serde_json::json;
 
 fn configmap(name: &str, labels: serde_json::Value) -> ConfigMap {

@@ -18,7 +18,7 @@ use base64::Engine as _;
 use common::openstack::{connect, nova_group_members, nova_server, user_data_files};
 use kube::api::{DeleteParams, Patch, PatchParams, PostParams};
 use kube::Api;
-use lb_api::fake_api::{FakeApiServer, ResourceKey};
+use kube_testenv::fake_api::{FakeApiServer, ResourceKey};
 use lb_api::{LoadBalancer, LoadBalancerMachine};
 use lb_controller::events::EventPublisher;
 use lb_controller::lb_controller::FixedCloud;

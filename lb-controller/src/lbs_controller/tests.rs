@@ -435,7 +435,7 @@ fn master_conditions_satisfy_the_crd_schema() {
         let condition = master_condition(None, master, now());
         let value = serde_json::to_value(&condition).unwrap();
         let mut errors = Vec::new();
-        lb_api::fake_api::validate(item, &value, "condition", &mut errors);
+        kube_testenv::fake_api::validate(item, &value, "condition", &mut errors);
         assert!(errors.is_empty(), "{value}: {errors:?}");
         assert!(!condition.reason.is_empty() && !condition.message.is_empty());
     }
@@ -445,6 +445,6 @@ fn master_conditions_satisfy_the_crd_schema() {
     bad["status"] = json!("Maybe");
     bad.as_object_mut().unwrap().remove("message");
     let mut errors = Vec::new();
-    lb_api::fake_api::validate(item, &bad, "condition", &mut errors);
+    kube_testenv::fake_api::validate(item, &bad, "condition", &mut errors);
     assert_eq!(errors.len(), 4, "{errors:?}");
 }

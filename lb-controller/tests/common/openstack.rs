@@ -17,7 +17,7 @@ use base64::Engine as _;
 use kube::api::{DeleteParams, Patch, PatchParams, PostParams};
 use kube::Api;
 use lb_api::constants::{conditions, lb_annotations};
-use lb_api::fake_api::{FakeApiServer, ResourceKey};
+use kube_testenv::fake_api::{FakeApiServer, ResourceKey};
 use lb_api::{LoadBalancer, LoadBalancerMachine};
 use lb_controller::lb_controller::{CloudFactory, LbControllerConfig, RolloutGate};
 use lb_controller::metrics::Metrics;

@@ -11,6 +11,7 @@
 //! One cluster per test binary ([`KubeEnv::shared`], a namespace per test from [`KubeEnv::namespace`]); tests that
 //! stop the API server or compact etcd start their own ([`KubeEnv::start`], a few seconds).
 
+pub mod fake_api;
 mod pki;
 mod procs;
 
@@ -95,7 +96,23 @@ impl KubeEnv {
     }
 
     /// Starts a cluster of its own (etcd, API server, controller manager) and waits until the API server is ready.
+    /// A failed start is retried twice with new ports: a port found free can be taken by another process before
+    /// the program binds it (several test binaries start clusters at once).
     pub async fn start() -> Result<KubeEnv> {
+        let mut attempt = 1;
+        loop {
+            match Self::start_once().await {
+                Ok(env) => return Ok(env),
+                Err(e) if attempt < 3 => {
+                    eprintln!("kube-testenv: start attempt {attempt} failed, retrying: {e:#}");
+                    attempt += 1;
+                }
+                Err(e) => return Err(e),
+            }
+        }
+    }
+
+    async fn start_once() -> Result<KubeEnv> {
         let assets = assets_dir()?;
         procs::sweep_stale_runs();
         static RUN: AtomicU32 = AtomicU32::new(0);
@@ -237,7 +254,10 @@ impl KubeEnv {
     pub fn stop_apiserver(&self) {
         let mut procs = self.procs.lock().unwrap();
         procs.controller_manager.take();
-        procs.apiserver.take();
+        // It stops listening at once but holds open watches until it is killed: 2 s, not the default 10.
+        if let Some(mut apiserver) = procs.apiserver.take() {
+            apiserver.stop(Duration::from_secs(2));
+        }
     }
 
     /// Starts the API server (again) on the same port and waits until it is ready; the controller manager too.
