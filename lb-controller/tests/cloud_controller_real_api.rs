@@ -280,8 +280,10 @@ async fn an_api_outage_backs_off_and_recovers() {
     let admin = env.client().await.unwrap();
     service(&admin, &ns, "after").await;
     let lbs: Api<LoadBalancer> = Api::namespaced(admin.clone(), CONTROL_NS);
-    wait_for(
+    // The watches come back after their current backoff delay: up to 30 s plus jitter.
+    kube_testenv::wait_within(
         "a LoadBalancer for a Service created after the outage",
+        Duration::from_secs(120),
         || async { Ok(lbs.get_opt(&format!("{ns}--after")).await?.is_some()) },
     )
     .await

@@ -71,8 +71,8 @@ const STAGES: &[Stage] = &[
         },
     },
     Stage {
-        // Unit tests, the data-plane packet tests (real programs via BPF_PROG_TEST_RUN, root) and the
-        // controllers against the in-memory API.
+        // Unit tests, the data-plane packet tests (real programs via BPF_PROG_TEST_RUN, root) and the agent's
+        // Kubernetes mode and the controllers against a real kube-apiserver (kube-testenv, KUBEBUILDER_ASSETS).
         name: "unit+dataplane",
         run: || {
             run(

@@ -467,7 +467,16 @@ where
     F: Fn() -> Fut,
     Fut: std::future::Future<Output = Result<bool>>,
 {
-    let deadline = Instant::now() + Duration::from_secs(60);
+    wait_within(what, Duration::from_secs(60), check).await
+}
+
+/// [`wait_for`] with another bound (e.g. recovery after an outage, which waits out a client's backoff).
+pub async fn wait_within<F, Fut>(what: &str, bound: Duration, check: F) -> Result<()>
+where
+    F: Fn() -> Fut,
+    Fut: std::future::Future<Output = Result<bool>>,
+{
+    let deadline = Instant::now() + bound;
     let mut last_error = None;
     loop {
         match check().await {
