@@ -647,9 +647,10 @@ impl Recorder {
 ///
 /// Every error starts a fresh watcher (a list, then a watch): kube-runtime's watcher resumes a broken watch from
 /// its last resourceVersion without a list, and nothing then tells when it has caught up, while a completed list
-/// is a definite "in sync" (one object, by name: the list is cheap). A 410 Gone (the resourceVersion was
-/// compacted away, typically after an API-server restart) is retried at once: it says the server is back, and the
-/// backoff grown during the outage would delay the relist by up to its cap.
+/// is a definite "in sync" (one object, by name: the list is cheap). A 410 Gone (the watch's resourceVersion was
+/// compacted away: the server is up and asks for a relist) is relisted at once instead of waiting out a backoff
+/// grown earlier. Other errors wait for the backoff (0.8 s doubling to 30 s, jitter): after an outage the first list
+/// comes at its next step, while the status says the configuration is not confirmed.
 async fn run_config_source(
     lbs: Api<LoadBalancer>,
     settings: KubeSettings,

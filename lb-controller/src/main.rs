@@ -11,6 +11,7 @@ use lb_controller::leader::LeaderElectionConfig;
 use lb_controller::metrics::Metrics;
 use lb_controller::run::{self, Health, OpenStackRunConfig, RunConfig, Supervision};
 use lb_controller::service_controller::ServiceControllerConfig;
+use lb_controller::stop::Stop;
 use tracing::info;
 
 fn main() -> anyhow::Result<()> {
@@ -64,7 +65,7 @@ fn init_logging(format: LogFormat) {
 }
 
 async fn run_controller(args: cli::RunArgs) -> anyhow::Result<()> {
-    listen_for_shutdown();
+    let stop = stop_on_signals();
     let defaults = args.infra.defaults()?;
     let fallback = args.kubeconfig.as_deref();
     let target = cli::client_for(args.target_kubeconfig.as_deref().or(fallback))
@@ -94,7 +95,7 @@ async fn run_controller(args: cli::RunArgs) -> anyhow::Result<()> {
         config,
         metrics.clone(),
         health.clone(),
-        shutdown(),
+        stop.clone().wait(),
     );
     let election = args.leader_elect.then(|| LeaderElectionConfig {
         namespace: args
@@ -118,13 +119,13 @@ async fn run_controller(args: cli::RunArgs) -> anyhow::Result<()> {
         metrics,
         health,
         controllers,
-        shutdown(),
+        stop.wait(),
     )
     .await
 }
 
 async fn run_openstack(args: cli::ControllerArgs) -> anyhow::Result<()> {
-    listen_for_shutdown();
+    let stop = stop_on_signals();
     let control = cli::client_for(args.kubeconfig.as_deref())
         .await
         .context("control cluster")?;
@@ -144,7 +145,7 @@ async fn run_openstack(args: cli::ControllerArgs) -> anyhow::Result<()> {
         args.machines.tuning(),
         metrics.clone(),
         health.clone(),
-        shutdown(),
+        stop.clone().wait(),
     );
     let election = args.leader_elect.then(|| LeaderElectionConfig {
         namespace: args.namespace.clone(),
@@ -165,41 +166,26 @@ async fn run_openstack(args: cli::ControllerArgs) -> anyhow::Result<()> {
         metrics,
         health,
         controllers,
-        shutdown(),
+        stop.wait(),
     )
     .await
 }
 
-/// Resolves once SIGTERM (what Kubernetes sends a pod) or SIGINT (Ctrl-C) has arrived. Without the SIGTERM
-/// handler the process died at once and a leader never released its Lease: the standby waited out the lease
-/// (~60–70 s). The signals are listened for from the start ([`listen_for_shutdown`]) and kept as a state, not an
-/// event: a future that first polls after the signal (the controllers' shutdown hook is polled only once the
-/// caches are synced) still sees it.
-async fn shutdown() {
-    let mut rx = SHUTDOWN.get().expect("listen_for_shutdown ran").clone();
-    let _ = rx.wait_for(|stopping| *stopping).await;
-}
-
-static SHUTDOWN: std::sync::OnceLock<tokio::sync::watch::Receiver<bool>> =
-    std::sync::OnceLock::new();
-
-/// Starts listening for SIGTERM and SIGINT; called first thing inside the runtime.
-fn listen_for_shutdown() {
+/// The process's stop: SIGTERM (what Kubernetes sends a pod) or SIGINT (Ctrl-C). Without the SIGTERM handler the
+/// process died at once and a leader never released its Lease: the standby waited out the lease (~60–70 s). Kept
+/// as a state ([`Stop`]): the controllers' hook is polled only once their caches are synced, after a signal that
+/// may have come earlier.
+fn stop_on_signals() -> Stop {
     use tokio::signal::unix::{signal, SignalKind};
-    let (tx, rx) = tokio::sync::watch::channel(false);
     let mut term = signal(SignalKind::terminate()).expect("installing the SIGTERM handler");
     let mut int = signal(SignalKind::interrupt()).expect("installing the SIGINT handler");
-    tokio::spawn(async move {
+    Stop::on(async move {
         tokio::select! {
             _ = term.recv() => {}
             _ = int.recv() => {}
         }
         info!("shutting down");
-        tx.send_replace(true);
-        // Kept alive so the receivers' `wait_for` sees the value, not a closed channel.
-        std::future::pending::<()>().await;
-    });
-    let _ = SHUTDOWN.set(rx);
+    })
 }
 
 fn identity(instance: &str) -> String {
