@@ -9,14 +9,13 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use k8s_openapi::api::core::v1::{Node, Service};
-use kube::api::{Api, DeleteParams, DynamicObject, Patch, PatchParams, PostParams};
+use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
 use kube::Client;
 use kube_testenv::{wait_for, KubeEnv};
 use lb_api::LoadBalancer;
 use lb_controller::desired::ClassFilter;
 use lb_controller::metrics::Metrics;
 use lb_controller::run::{run_controllers, Health};
-use serde::Deserialize;
 use serde_json::json;
 use tokio::sync::oneshot;
 
@@ -92,34 +91,6 @@ async fn service(admin: &Client, namespace: &str, name: &str) -> Service {
         .unwrap()
 }
 
-/// Applies the RBAC objects of a deployment manifest (everything but the Deployment) as the admin.
-async fn apply_rbac(admin: &Client, file: &str) {
-    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join(file);
-    let text = std::fs::read_to_string(path).unwrap();
-    let discovery = kube::Discovery::new(admin.clone()).run().await.unwrap();
-    for doc in serde_yaml::Deserializer::from_str(&text) {
-        let doc = serde_json::Value::deserialize(doc).unwrap();
-        if doc.is_null() || doc["kind"] == "Deployment" {
-            continue;
-        }
-        let object: DynamicObject = serde_json::from_value(doc).unwrap();
-        let gvk = kube::api::GroupVersionKind::try_from(object.types.as_ref().unwrap()).unwrap();
-        let (resource, _) = discovery.resolve_gvk(&gvk).unwrap();
-        let api: Api<DynamicObject> = match &object.metadata.namespace {
-            Some(ns) => Api::namespaced_with(admin.clone(), ns, &resource),
-            None => Api::all_with(admin.clone(), &resource),
-        };
-        let name = object.metadata.name.clone().unwrap();
-        api.patch(
-            &name,
-            &PatchParams::apply("test").force(),
-            &Patch::Apply(&object),
-        )
-        .await
-        .unwrap_or_else(|e| panic!("{file}: {} {name}: {e}", gvk.kind));
-    }
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn runs_under_the_deploy_rbac_with_a_real_token() {
     let probe = log_probe();
@@ -128,7 +99,7 @@ async fn runs_under_the_deploy_rbac_with_a_real_token() {
     env.apply_crds(&admin, lb_api::crds().into_iter().map(|(_, c)| c))
         .await
         .unwrap();
-    apply_rbac(&admin, "../deploy/cloud-controller.yaml").await;
+    common::kube::apply_rbac(&admin, "../deploy/cloud-controller.yaml").await;
     let token = env
         .token(&admin, CONTROL_NS, "lb-cloud-controller")
         .await

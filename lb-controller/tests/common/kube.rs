@@ -1,5 +1,5 @@
 //! Helpers of the suites that run against the real API server (kube-testenv): a namespace per test in the test
-//! binary's shared cluster, JSON views of objects through the admin client, a bounded async wait, a JSON merge.
+//! binary's shared cluster, JSON views of objects through the admin client, a bounded async wait, a JSON merge, the RBAC of a deployment manifest.
 //!
 //! The module is named like the `kube` crate and `common/mod.rs` imports `kube::api` and `kube::Api` through it:
 //! the crate's items are re-exported here, so both keep working.
@@ -186,4 +186,35 @@ pub fn rolebindings(client: &Client, ns: &str) -> Objects {
         "RoleBinding",
         "rolebindings",
     )
+}
+
+/// Applies the RBAC objects of a deployment manifest (everything but the Deployment) as the admin, so a test can
+/// run a controller under exactly that ServiceAccount with a token minted for it.
+pub async fn apply_rbac(admin: &Client, file: &str) {
+    use serde::Deserialize;
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join(file);
+    let text = std::fs::read_to_string(path).unwrap();
+    let discovery = Discovery::new(admin.clone()).run().await.unwrap();
+    for doc in serde_yaml::Deserializer::from_str(&text) {
+        let doc = Value::deserialize(doc).unwrap();
+        if doc.is_null() || doc["kind"] == "Deployment" {
+            continue;
+        }
+        let object: DynamicObject = serde_json::from_value(doc).unwrap();
+        let gvk = api::GroupVersionKind::try_from(object.types.as_ref().unwrap()).unwrap();
+        let (resource, _) = discovery.resolve_gvk(&gvk).unwrap();
+        let objects: Api<DynamicObject> = match &object.metadata.namespace {
+            Some(ns) => Api::namespaced_with(admin.clone(), ns, &resource),
+            None => Api::all_with(admin.clone(), &resource),
+        };
+        let name = object.metadata.name.clone().unwrap();
+        objects
+            .patch(
+                &name,
+                &api::PatchParams::apply("test").force(),
+                &api::Patch::Apply(&object),
+            )
+            .await
+            .unwrap_or_else(|e| panic!("{file}: {} {name}: {e}", gvk.kind));
+    }
 }
