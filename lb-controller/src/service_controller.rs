@@ -60,7 +60,8 @@ pub struct ServiceContext {
     /// Our own LoadBalancer writes; see [`OwnWrites`].
     pub own_writes: OwnWrites,
     /// Services of another class whose LoadBalancer of ours is being deleted (their class changed away from ours):
-    /// released once it is gone, although their class no longer says they are ours.
+    /// released once it is gone, although their class no longer says they are ours. In memory: after a restart in
+    /// between, the finalizer stays until the instance of the Service's class releases it.
     pub releasing: std::sync::Mutex<std::collections::HashSet<ObjectRef<Service>>>,
 }
 
