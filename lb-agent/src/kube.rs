@@ -1002,19 +1002,8 @@ mod tests {
                 }
             }
         });
-        merge(&mut base, &json);
+        kube_testenv::json_merge(&mut base, &json);
         serde_json::from_value(base).unwrap()
-    }
-
-    fn merge(a: &mut serde_json::Value, b: &serde_json::Value) {
-        match (a, b) {
-            (serde_json::Value::Object(a), serde_json::Value::Object(b)) => {
-                for (k, v) in b {
-                    merge(a.entry(k.clone()).or_insert(serde_json::Value::Null), v);
-                }
-            }
-            (a, b) => *a = b.clone(),
-        }
     }
 
     #[test]

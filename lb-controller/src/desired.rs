@@ -810,7 +810,7 @@ mod tests {
             json!({"b": {"d": 4}, "e": [1], "gone": null, "new": "x"})
         );
         let mut applied = current.clone();
-        kube_testenv::fake_api::json_merge(&mut applied, &patch);
+        kube_testenv::json_merge(&mut applied, &patch);
         assert_eq!(applied, desired);
         assert_eq!(merge_patch_diff(&desired, &desired), None);
     }

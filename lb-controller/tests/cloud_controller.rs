@@ -6,8 +6,9 @@ mod common;
 
 use ::kube::api::{DeleteParams, Patch, PatchParams, PostParams};
 use ::kube::Api;
-use common::{controller_lb_writes, endpoint_names, eventually, json_merge, Clusters, Harness};
+use common::{controller_lb_writes, endpoint_names, eventually, Clusters, Harness};
 use k8s_openapi::api::core::v1::{Event, Service};
+use kube_testenv::json_merge;
 use lb_controller::desired::ClassFilter;
 use serde_json::json;
 

@@ -4,7 +4,7 @@
 
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use kube::api::{Api, DynamicObject, Patch, PatchParams, PostParams};
-use kube_testenv::KubeEnv;
+use kube_testenv::{json_merge, KubeEnv};
 use lb_api::LoadBalancer;
 use serde::Deserialize;
 use serde_json::json;
@@ -98,17 +98,6 @@ fn base_spec() -> serde_json::Value {
     })
 }
 
-fn merge(target: &mut serde_json::Value, overlay: &serde_json::Value) {
-    match (target, overlay) {
-        (serde_json::Value::Object(t), serde_json::Value::Object(o)) => {
-            for (k, v) in o {
-                merge(t.entry(k.clone()).or_insert(serde_json::Value::Null), v);
-            }
-        }
-        (t, o) => *t = o.clone(),
-    }
-}
-
 #[tokio::test]
 async fn schema_defaults_and_validation() {
     let env = KubeEnv::shared();
@@ -156,7 +145,7 @@ async fn schema_defaults_and_validation() {
     ];
     for (i, (what, overlay)) in invalid.into_iter().enumerate() {
         let mut spec = base_spec();
-        merge(&mut spec, &overlay);
+        json_merge(&mut spec, &overlay);
         let mut object = serde_json::to_value(lb(base_spec())).unwrap();
         object["metadata"]["name"] = json!(format!("invalid-{i}"));
         object["spec"] = spec;
@@ -172,7 +161,7 @@ async fn schema_defaults_and_validation() {
     }
     let valid = json!({"options": {"tcpIdleTimeout": "1h0m0s", "udpIdleTimeout": "0s", "serverGroupPolicy": ""}});
     let mut spec = base_spec();
-    merge(&mut spec, &valid);
+    json_merge(&mut spec, &valid);
     let mut object = serde_json::to_value(lb(spec)).unwrap();
     object["metadata"]["name"] = json!("valid");
     api.create(

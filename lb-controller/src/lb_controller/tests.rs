@@ -20,7 +20,7 @@ fn lb(extra: Value) -> LoadBalancer {
             "options": {"tcpIdleTimeout": "1h0m0s"}
         }
     });
-    kube_testenv::fake_api::json_merge(&mut v, &extra);
+    kube_testenv::json_merge(&mut v, &extra);
     serde_json::from_value(v).expect("fixture parses")
 }
 

@@ -1,5 +1,5 @@
 //! Helpers of the suites that run against the real API server (kube-testenv): a namespace per test in the test
-//! binary's shared cluster, JSON views of objects through the admin client, a bounded async wait, a JSON merge, the RBAC of a deployment manifest.
+//! binary's shared cluster, JSON views of objects through the admin client, a bounded async wait, the RBAC of a deployment manifest.
 //!
 //! The module is named like the `kube` crate and `common/mod.rs` imports `kube::api` and `kube::Api` through it:
 //! the crate's items are re-exported here, so both keep working.
@@ -38,22 +38,6 @@ where
     kube_testenv::wait_for(what, check)
         .await
         .unwrap_or_else(|e| panic!("{e:#}"))
-}
-
-/// JSON merge patch (RFC 7386) of `patch` into `target`: objects merge, `null` removes, anything else replaces.
-pub fn merge(target: &mut Value, patch: &Value) {
-    match (target, patch) {
-        (Value::Object(t), Value::Object(p)) => {
-            for (k, v) in p {
-                if v.is_null() {
-                    t.remove(k);
-                } else {
-                    merge(t.entry(k.clone()).or_insert(Value::Null), v);
-                }
-            }
-        }
-        (t, p) => *t = p.clone(),
-    }
 }
 
 /// One resource of one namespace, seen as JSON through the admin client.

@@ -72,22 +72,6 @@ pub fn run_config(classes: ClassFilter) -> RunConfig {
     }
 }
 
-/// JSON merge patch (RFC 7386) of `patch` into `target`: objects merge, `null` removes, anything else replaces.
-pub fn json_merge(target: &mut Value, patch: &Value) {
-    match (target, patch) {
-        (Value::Object(t), Value::Object(p)) => {
-            for (k, v) in p {
-                if v.is_null() {
-                    t.remove(k);
-                } else {
-                    json_merge(t.entry(k.clone()).or_insert(Value::Null), v);
-                }
-            }
-        }
-        (t, p) => *t = p.clone(),
-    }
-}
-
 /// Which clusters play the target and control roles.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Clusters {
@@ -414,7 +398,7 @@ impl Harness {
                 "ports": [{"name": "http", "port": 80, "protocol": "TCP", "targetPort": 8080}],
             }
         });
-        json_merge(&mut service["spec"], &extra_spec);
+        kube_testenv::json_merge(&mut service["spec"], &extra_spec);
         let service: Service = serde_json::from_value(service).unwrap();
         self.service_api(namespace)
             .create(&PostParams::default(), &service)

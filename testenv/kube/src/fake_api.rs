@@ -36,6 +36,8 @@ use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomRe
 use serde_json::{json, Map, Value};
 use tokio::sync::{broadcast, mpsc};
 
+use crate::json_merge;
+
 /// Boxed response body: either a full JSON document or a stream of watch events.
 type FakeBody = http_body_util::combinators::UnsyncBoxBody<Bytes, Infallible>;
 
@@ -1064,26 +1066,6 @@ fn parse_set(set: &str) -> Vec<&str> {
         .split(',')
         .map(str::trim)
         .collect()
-}
-
-/// RFC 7386 JSON merge patch.
-pub fn json_merge(target: &mut Value, patch: &Value) {
-    match patch {
-        Value::Object(patch) => {
-            if !target.is_object() {
-                *target = Value::Object(Map::new());
-            }
-            let map = target.as_object_mut().expect("object");
-            for (key, value) in patch {
-                if value.is_null() {
-                    map.remove(key);
-                } else {
-                    json_merge(map.entry(key.clone()).or_insert(Value::Null), value);
-                }
-            }
-        }
-        other => *target = other.clone(),
-    }
 }
 
 fn strip_meta_status(object: &Value) -> Value {

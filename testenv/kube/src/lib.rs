@@ -496,6 +496,30 @@ where
     }
 }
 
+/// RFC 7386 JSON merge patch of `patch` into `target`: objects merge, `null` removes, anything else replaces. For
+/// test objects written as overlays on a base (and the in-memory API server's merge patches).
+pub fn json_merge(target: &mut serde_json::Value, patch: &serde_json::Value) {
+    match patch {
+        serde_json::Value::Object(patch) => {
+            if !target.is_object() {
+                *target = serde_json::Value::Object(serde_json::Map::new());
+            }
+            let map = target.as_object_mut().expect("object");
+            for (key, value) in patch {
+                if value.is_null() {
+                    map.remove(key);
+                } else {
+                    json_merge(
+                        map.entry(key.clone()).or_insert(serde_json::Value::Null),
+                        value,
+                    );
+                }
+            }
+        }
+        other => *target = other.clone(),
+    }
+}
+
 fn b64(text: &str) -> String {
     use base64::Engine;
     base64::engine::general_purpose::STANDARD.encode(text)
