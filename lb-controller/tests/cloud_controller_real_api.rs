@@ -96,15 +96,14 @@ async fn runs_under_the_deploy_rbac_with_a_real_token() {
     let probe = log_probe();
     let env = KubeEnv::shared();
     let admin = env.client().await.unwrap();
-    env.apply_crds(&admin, lb_api::crds().into_iter().map(|(_, c)| c))
-        .await
-        .unwrap();
-    common::kube::apply_rbac(&admin, "../deploy/cloud-controller.yaml").await;
-    let token = env
-        .token(&admin, CONTROL_NS, "lb-cloud-controller")
-        .await
-        .unwrap();
-    let controller = env.token_client(&token).await.unwrap();
+    let controller = common::kube::deployed_controller(
+        env,
+        &admin,
+        "../deploy/cloud-controller.yaml",
+        CONTROL_NS,
+        "lb-cloud-controller",
+    )
+    .await;
     let ns = env.namespace(&admin, "rbac").await.unwrap();
     node(&admin, "rbac-node-a", "10.0.0.1").await;
     let running = Running::start(controller, CONTROL_NS);

@@ -27,15 +27,14 @@ async fn the_cascade_runs_under_the_deploy_rbac_with_a_real_token() {
     std::env::set_var("API_ENDPOINT", "https://api.control.example:6443");
     let env = KubeEnv::shared();
     let admin = env.client().await.unwrap();
-    env.apply_crds(&admin, lb_api::crds().into_iter().map(|(_, c)| c))
-        .await
-        .unwrap();
-    common::kube::apply_rbac(&admin, "../deploy/openstack-controller.yaml").await;
-    let token = env
-        .token(&admin, NS, "lb-openstack-controller")
-        .await
-        .unwrap();
-    let controller = env.token_client(&token).await.unwrap();
+    let controller = common::kube::deployed_controller(
+        env,
+        &admin,
+        "../deploy/openstack-controller.yaml",
+        NS,
+        "lb-openstack-controller",
+    )
+    .await;
 
     let cloud = Arc::new(FakeCloud::new());
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();

@@ -172,9 +172,25 @@ pub fn rolebindings(client: &Client, ns: &str) -> Objects {
     )
 }
 
-/// Applies the RBAC objects of a deployment manifest (everything but the Deployment) as the admin, so a test can
-/// run a controller under exactly that ServiceAccount with a token minted for it.
-pub async fn apply_rbac(admin: &Client, file: &str) {
+/// A client of the controller as `file` deploys it: the CRDs and the manifest's RBAC objects applied, a token
+/// minted for its ServiceAccount `namespace/service_account`.
+pub async fn deployed_controller(
+    env: &KubeEnv,
+    admin: &Client,
+    file: &str,
+    namespace: &str,
+    service_account: &str,
+) -> Client {
+    env.apply_crds(admin, lb_api::crds().into_iter().map(|(_, c)| c))
+        .await
+        .unwrap();
+    apply_rbac(admin, file).await;
+    let token = env.token(admin, namespace, service_account).await.unwrap();
+    env.token_client(&token).await.unwrap()
+}
+
+/// Applies the RBAC objects of a deployment manifest (everything but the Deployment) as the admin.
+async fn apply_rbac(admin: &Client, file: &str) {
     use serde::Deserialize;
     let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join(file);
     let text = std::fs::read_to_string(path).unwrap();
