@@ -249,14 +249,13 @@ pub fn all() -> Result<()> {
 }
 
 /// The directory of the real kube-apiserver (and kube-controller-manager) the Kubernetes-side tests run against:
-/// `KUBEBUILDER_ASSETS` as controller-runtime's envtest names it (so `setup-envtest` assets work), defaulting to
-/// this workplace's `../shared/envtest`. Set before the stages run (they are children of this process), so
-/// `--only <stage>` gets it too.
+/// `KUBEBUILDER_ASSETS` as controller-runtime's envtest names it (so `setup-envtest` assets work); `.cargo/config.toml`
+/// defaults it to this workplace's `../shared/envtest` for every process cargo starts, this one included. Checked
+/// and made absolute before the stages run (they are children of this process), so `--only <stage>` gets it too.
 pub fn kube_assets() -> Result<()> {
-    let dir = match std::env::var_os("KUBEBUILDER_ASSETS") {
-        Some(dir) => std::path::PathBuf::from(dir),
-        None => crate::util::root().join("../shared/envtest"),
-    };
+    let dir = std::path::PathBuf::from(std::env::var_os("KUBEBUILDER_ASSETS").context(
+        "KUBEBUILDER_ASSETS is not set (run through `cargo xtask`, whose config sets it)",
+    )?);
     for binary in ["kube-apiserver", "kube-controller-manager"] {
         let path = dir.join(binary);
         anyhow::ensure!(
