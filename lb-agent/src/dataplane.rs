@@ -45,6 +45,8 @@ pub struct MapSizes {
     pub nexthops: u32,
     /// Source-range prefixes.
     pub source_ranges: u32,
+    /// Sources remembered as having completed a TCP handshake (the SYN rate guard's allow list).
+    pub trusted_sources: u32,
 }
 
 impl Default for MapSizes {
@@ -58,6 +60,7 @@ impl Default for MapSizes {
             maglev_slots: d::MAGLEV_SLOTS,
             nexthops: d::MAX_NEXTHOPS,
             source_ranges: d::MAX_SOURCE_RANGES,
+            trusted_sources: d::MAX_TRUSTED_SOURCES,
         }
     }
 }
@@ -136,7 +139,7 @@ impl Drop for MappedArray {
 }
 
 /// Every map the agent programs, with the capacity setter's name.
-const MAPS: [&str; 11] = [
+const MAPS: [&str; 12] = [
     names::SERVICES,
     names::BACKENDS,
     names::MAGLEV,
@@ -145,6 +148,7 @@ const MAPS: [&str; 11] = [
     names::VIPS,
     names::FLOWS_V4,
     names::TRANSIENT_V4,
+    names::TRUSTED_SOURCES,
     names::SERVICE_STATS,
     names::STATS,
     names::CONFIG,
@@ -177,7 +181,8 @@ impl Dataplane {
             .map_max_entries(names::BACKENDS, sizes.backends)
             .map_max_entries(names::MAGLEV, sizes.maglev_slots)
             .map_max_entries(names::NEXTHOPS, sizes.nexthops)
-            .map_max_entries(names::SOURCE_RANGES, sizes.source_ranges);
+            .map_max_entries(names::SOURCE_RANGES, sizes.source_ranges)
+            .map_max_entries(names::TRUSTED_SOURCES, sizes.trusted_sources);
         let pins: Vec<(&str, PathBuf)> = match &pin_dir {
             Some(dir) => MAPS.iter().map(|m| (*m, dir.join(m))).collect(),
             None => Vec::new(),
@@ -528,6 +533,13 @@ impl Dataplane {
         Ok(m.iter().filter_map(|r| r.ok()).collect())
     }
 
+    /// The SYN rate guard's trusted sources (`TRUSTED_SOURCES`).
+    pub fn trusted_sources(&mut self) -> Result<Vec<Addr>> {
+        let m: HashMap<&mut MapData, Addr, u8> =
+            HashMap::try_from(self.map(names::TRUSTED_SOURCES)?)?;
+        Ok(m.keys().filter_map(|r| r.ok()).collect())
+    }
+
     /// One entry of `TRANSIENT_V4`.
     pub fn transient_flow(&mut self, key: &FlowKeyV4) -> Result<Option<TransientV4>> {
         let m: HashMap<&mut MapData, FlowKeyV4, TransientV4> =
@@ -722,6 +734,7 @@ pub fn sum_service_stats<'a>(it: impl Iterator<Item = &'a ServiceStats>) -> Serv
         t.icmp_translated += s.icmp_translated;
         t.handshakes += s.handshakes;
         t.drop_handshake += s.drop_handshake;
+        t.drop_syn_rate += s.drop_syn_rate;
     }
     t
 }

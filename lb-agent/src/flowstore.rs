@@ -18,7 +18,7 @@ use aya::maps::{HashMap, MapData};
 use lb_common::{
     map_names as names, Addr, FlowEvent, FlowKeyV4, FlowV4, NextHop, Service, ServiceKey,
     FAMILY_V4, FLOW_EV_CLOSE, FLOW_EV_NEW, FLOW_EV_REFRESH, FLOW_F_FIN, FLOW_F_FORWARD, FLOW_F_RST,
-    FLOW_F_SYNCED, TCP_CLOSING_TIMEOUT_S,
+    FLOW_F_SYNCED, PROTO_TCP, TCP_CLOSING_TIMEOUT_S,
 };
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -46,6 +46,9 @@ pub struct BpfFlowStore {
     flows: HashMap<MapData, FlowKeyV4, FlowV4>,
     services: HashMap<MapData, ServiceKey, Service>,
     nexthops: HashMap<MapData, Addr, NextHop>,
+    /// The SYN rate guard's trusted sources: a peer's completed handshake vouches for its client here too, so
+    /// after a failover the new master lets the old master's clients through a flood.
+    trusted: HashMap<MapData, Addr, u8>,
     master: Arc<AtomicBool>,
 }
 
@@ -59,6 +62,8 @@ impl BpfFlowStore {
                 .context("service map handle")?,
             nexthops: HashMap::try_from(dp.open_map(names::NEXTHOPS)?)
                 .context("next-hop map handle")?,
+            trusted: HashMap::try_from(dp.open_map(names::TRUSTED_SOURCES)?)
+                .context("trusted-source map handle")?,
             master,
         })
     }
@@ -143,6 +148,9 @@ impl BpfFlowStore {
         // Reverse first, like the data plane: a forward entry never points at a missing reverse one.
         self.flows.insert(rkey, rev, 0)?;
         self.flows.insert(key, fwd, 0)?;
+        if key.proto == PROTO_TCP {
+            self.trusted.insert(Addr::from_v4_raw(key.src), 1, 0)?;
+        }
         Ok(if conflict {
             Applied::Conflict
         } else {

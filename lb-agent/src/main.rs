@@ -107,6 +107,16 @@ struct Cli {
     /// connections recycles these, never the established ones.
     #[arg(long, env = "LB_MAX_TRANSIENT_FLOWS", default_value_t = lb_common::defaults::MAX_TRANSIENT)]
     max_transient_flows: u32,
+    /// New TCP handshakes per second per CPU (SYN rate guard; 0 = off). Over this rate, SYNs open a handshake
+    /// only from sources that completed one before; the rest (a spoofed SYN flood) are dropped and counted.
+    #[arg(long, env = "LB_SYN_RATE_LIMIT", default_value_t = lb_common::defaults::SYN_RATE)]
+    syn_rate_limit: u32,
+    /// SYNs a CPU may take at once above the SYN rate limit.
+    #[arg(long, env = "LB_SYN_BURST", default_value_t = lb_common::defaults::SYN_BURST)]
+    syn_burst: u32,
+    /// Sources remembered as having completed a TCP handshake (let through by the SYN rate guard).
+    #[arg(long, env = "LB_MAX_TRUSTED_SOURCES", default_value_t = lb_common::defaults::MAX_TRUSTED_SOURCES)]
+    max_trusted_sources: u32,
     /// Services (VIP, port, protocol).
     #[arg(long, env = "LB_MAX_SERVICES", default_value_t = lb_common::defaults::MAX_SERVICES)]
     max_services: u32,
@@ -251,6 +261,7 @@ async fn main() -> Result<()> {
             services: cli.max_services,
             backends: cli.max_backends,
             maglev_slots: cli.maglev_slots,
+            trusted_sources: cli.max_trusted_sources,
             ..MapSizes::default()
         },
         dataplane: lb_common::Config {
@@ -258,7 +269,8 @@ async fn main() -> Result<()> {
             snat_port_max: max,
             hash_seed: cli.hash_seed,
             ..Default::default()
-        },
+        }
+        .with_syn_rate(cli.syn_rate_limit, cli.syn_burst),
         snat_override: cli.snat_address,
         gc_interval: Duration::from_secs(cli.gc_interval.max(1)),
         neighbor_interval: Duration::from_secs(5),

@@ -382,6 +382,12 @@ impl Collector for SnapshotCollector {
         )?;
         counter(
             &mut enc,
+            "lb_drop_syn_rate",
+            "SYNs dropped by the new-handshake rate guard (over the rate, from a source that never completed a handshake).",
+            &svc(&|m| m.stats.drop_syn_rate),
+        )?;
+        counter(
+            &mut enc,
             "lb_icmp_translated",
             "ICMP errors translated for this service's flows.",
             &svc(&|m| m.stats.icmp_translated),

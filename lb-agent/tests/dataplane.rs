@@ -793,6 +793,49 @@ both_hooks! {
     }
 }
 
+/// Turns the SYN rate guard on: `rate` handshakes per second with a burst of `burst` (per CPU; a test runs on
+/// one CPU and takes well under a second, so nothing refills).
+fn set_syn_rate(h: &mut Harness, rate: u32, burst: u32) {
+    h.dp.set_config(&lb_common::Config::default().with_syn_rate(rate, burst))
+        .unwrap();
+}
+
+/// A SYN to the web service from `src`.
+fn syn_from(src: Ipv4Addr, sport: u16) -> Vec<u8> {
+    tcp(CLIENT_MAC, LB_MAC, src, sport, VIP, WEB_PORT, SYN, b"")
+}
+
+both_hooks! {
+    fn over_the_syn_rate_only_sources_that_completed_a_handshake_get_in(h) {
+        h.apply(&[web(&[1, 2])]);
+        let spoofed = Ipv4Addr::new(100, 64, 0, 1);
+        // Three handshakes at once fit the burst: the client completes one, which makes it trusted.
+        set_syn_rate(h, 1, 2);
+        open(h, 44000);
+        assert_eq!(h.run(&syn_from(spoofed, 1000)).0, Verdict::Tx);
+        assert_eq!(h.run(&syn_from(spoofed, 1001)).0, Verdict::Tx);
+        // Over the rate: the unknown source is dropped before it costs a handshake entry, and counted.
+        assert_eq!(h.run(&syn_from(spoofed, 1002)).0, Verdict::Drop);
+        let key = FlowKeyV4 { src: u32::from_ne_bytes(spoofed.octets()), ..fwd_key(1002, 6, WEB_PORT) };
+        assert_eq!(h.dp.transient_flow(&key).unwrap(), None, "no handshake entry for a dropped SYN");
+        assert_eq!(h.stat(stat::DROP_SYN_RATE), 1);
+        assert_eq!(h.svc_stats(&web(&[]).id).drop_syn_rate, 1);
+        // The client that completed a handshake still connects, and keeps its established connection.
+        let p = open(h, 44001);
+        assert_eq!(h.stat(stat::SYN_TRUSTED), 1);
+        assert_eq!(h.run(&reply_tcp(&p, ACK, b"still here")).0, Verdict::Tx);
+        // Over the rate the guard comes before everything else: even a retransmitted SYN of an admitted
+        // handshake from an unknown source is dropped (its client retries; the handshake entry stays).
+        assert_eq!(h.run(&syn_from(spoofed, 1000)).0, Verdict::Drop);
+        assert_eq!(h.stat(stat::DROP_SYN_RATE), 2);
+        let key = FlowKeyV4 { src: u32::from_ne_bytes(spoofed.octets()), ..fwd_key(1000, 6, WEB_PORT) };
+        assert!(h.dp.transient_flow(&key).unwrap().is_some());
+        // Without the guard every SYN opens a handshake again.
+        set_syn_rate(h, 0, 0);
+        assert_eq!(h.run(&syn_from(spoofed, 1003)).0, Verdict::Tx);
+    }
+}
+
 fn read_event(rb: &mut aya::maps::RingBuf<aya::maps::MapData>) -> Option<lb_common::FlowEvent> {
     let item = rb.next()?;
     assert_eq!(item.len(), std::mem::size_of::<lb_common::FlowEvent>());
@@ -836,12 +879,16 @@ mod state_sync {
         let (mut a, mut b, mut store, mut events) = pair();
         let p = open(&mut a, 44000);
         let ev = read_event(&mut events).unwrap();
+        assert_eq!(b.dp.trusted_sources().unwrap(), vec![]);
         assert_eq!(store.apply(&ev, 250).unwrap(), Applied::Written);
         assert_eq!(
             store.apply(&ev, 250).unwrap(),
             Applied::Unchanged,
             "idempotent"
         );
+        // The peer's completed handshake vouches for its client here too (the SYN rate guard lets it through).
+        let client = lb_agent::programmer::ip_to_addr(IpAddr::V4(CLIENT));
+        assert_eq!(b.dp.trusted_sources().unwrap(), vec![client]);
 
         // Client data and the backend's reply through B: exactly A's rewrite, no SYN needed.
         let data = client_tcp(44000, ACK, b"hello");

@@ -11,7 +11,7 @@
 
 /// Bumped whenever a pinned map's key or value layout changes. The agent pins maps under a directory named
 /// after it, so an upgrade with a new layout starts with fresh maps instead of misreading old ones.
-pub const LAYOUT_VERSION: u32 = 3;
+pub const LAYOUT_VERSION: u32 = 4;
 
 /// IP protocol number of TCP.
 pub const PROTO_TCP: u8 = 6;
@@ -327,6 +327,9 @@ pub struct ServiceStats {
     /// Client segments dropped because they did not complete the handshake: an ACK that does not acknowledge
     /// the backend's SYN-ACK (blind or spoofed), or a segment without ACK.
     pub drop_handshake: u64,
+    /// SYNs dropped by the new-handshake rate guard (over [`Config::syn_interval_ns`]'s rate, from a source that
+    /// never completed a handshake here).
+    pub drop_syn_rate: u64,
 }
 
 /// Indices of the global per-CPU `STATS` array (`u64` each). Forwarded packets and bytes are counted per
@@ -372,8 +375,13 @@ pub mod stat {
     pub const NEW_HANDSHAKES: u32 = 18;
     /// Dropped: a client segment that did not complete the handshake (see `ServiceStats::drop_handshake`).
     pub const DROP_HANDSHAKE: u32 = 19;
+    /// Dropped: a SYN over the new-handshake rate from a source not in `TRUSTED_SOURCES` (see
+    /// [`super::Config::syn_interval_ns`]).
+    pub const DROP_SYN_RATE: u32 = 20;
+    /// SYNs over the new-handshake rate let through because their source completed a handshake before.
+    pub const SYN_TRUSTED: u32 = 21;
     /// Number of counters.
-    pub const COUNT: u32 = 20;
+    pub const COUNT: u32 = 22;
 
     /// Names for metrics and logs, by index.
     pub const NAMES: [&str; COUNT as usize] = [
@@ -397,6 +405,8 @@ pub mod stat {
         "sync_events_lost",
         "new_handshakes",
         "drop_handshake",
+        "drop_syn_rate",
+        "syn_trusted",
     ];
 }
 
@@ -419,6 +429,27 @@ pub struct Config {
     pub local_mac: [u8; 6],
     /// Reserved, zero.
     pub _pad: [u8; 2],
+    /// New-handshake rate guard, per CPU: one SYN may open a handshake every `syn_interval_ns` on average
+    /// (0 = no guard). Over that rate only sources in `TRUSTED_SOURCES` (they completed a handshake before)
+    /// open one; other SYNs are dropped before they cost a table insert and a backend's SYN-ACK.
+    pub syn_interval_ns: u32,
+    /// How far ahead of the average rate a CPU may run (burst tolerance of the guard), ns.
+    pub syn_burst_ns: u32,
+}
+
+impl Config {
+    /// Guard settings for `rate` new handshakes per second per CPU with a burst of `burst` SYNs (0 = off).
+    pub fn with_syn_rate(mut self, rate: u32, burst: u32) -> Self {
+        if rate == 0 {
+            self.syn_interval_ns = 0;
+            self.syn_burst_ns = 0;
+        } else {
+            let interval = (1_000_000_000 / rate as u64).max(1);
+            self.syn_interval_ns = interval as u32;
+            self.syn_burst_ns = (interval * burst as u64).min(u32::MAX as u64) as u32;
+        }
+        self
+    }
 }
 
 /// Publish new and closing flows on the `FLOW_EVENTS` ring buffer (connection-state sync between replicas).
@@ -436,6 +467,8 @@ impl Default for Config {
             flags: 0,
             local_mac: [0; 6],
             _pad: [0; 2],
+            syn_interval_ns: 0,
+            syn_burst_ns: 0,
         }
     }
 }
@@ -461,6 +494,10 @@ pub mod map_names {
     pub const FLOWS_V4: &str = "FLOWS_V4";
     /// `LruHashMap<FlowKeyV4, TransientV4>`: TCP handshakes and closed connections.
     pub const TRANSIENT_V4: &str = "TRANSIENT_V4";
+    /// `LruHashMap<Addr, u8>`: sources that completed a TCP handshake (the rate guard lets them through).
+    pub const TRUSTED_SOURCES: &str = "TRUSTED_SOURCES";
+    /// `PerCpuArray<u64>`, one element: the SYN rate guard's state per CPU (theoretical arrival time, ns).
+    pub const SYN_GUARD: &str = "SYN_GUARD";
     /// `PerCpuArray<ServiceStats>`.
     pub const SERVICE_STATS: &str = "SERVICE_STATS";
     /// `PerCpuArray<u64>`, indices in [`super::stat`].
@@ -483,6 +520,14 @@ pub mod defaults {
     pub const MAX_FLOWS: u32 = 1 << 20;
     /// Entries for TCP handshakes and closed connections (two per connection).
     pub const MAX_TRANSIENT: u32 = 1 << 17;
+    /// Sources remembered as having completed a TCP handshake (the SYN rate guard's allow list).
+    pub const MAX_TRUSTED_SOURCES: u32 = 1 << 16;
+    /// New TCP handshakes per second per CPU before the SYN rate guard drops untrusted sources' SYNs. Each one
+    /// costs a few µs here and a SYN-ACK from a backend; at 40 000 a full-rate flood still broke held connections
+    /// on the 2-core test rig, at 10 000 none (`cargo xtask bench synflood`).
+    pub const SYN_RATE: u32 = 10_000;
+    /// SYNs a CPU may take at once above that rate (100 ms worth).
+    pub const SYN_BURST: u32 = 1_000;
     /// Next-hop entries.
     pub const MAX_NEXTHOPS: u32 = 4096;
     /// Source-range prefixes over all services.
@@ -523,8 +568,8 @@ mod tests {
         assert_eq!(size_of::<FlowKeyV4>(), 16);
         assert_eq!(size_of::<FlowV4>(), 48);
         assert_eq!(size_of::<TransientV4>(), 56);
-        assert_eq!(size_of::<ServiceStats>(), 112);
-        assert_eq!(size_of::<Config>(), 20);
+        assert_eq!(size_of::<ServiceStats>(), 120);
+        assert_eq!(size_of::<Config>(), 28);
         assert_eq!(size_of::<FlowEvent>(), 120);
         assert_eq!(stat::NAMES.len(), stat::COUNT as usize);
     }

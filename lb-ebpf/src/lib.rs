@@ -12,4 +12,5 @@ pub mod ctx;
 pub mod hdr;
 pub mod maps;
 pub mod nat;
+pub mod syn_guard;
 pub mod transient;

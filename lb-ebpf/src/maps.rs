@@ -51,6 +51,15 @@ pub static FLOWS_V4: LruHashMap<FlowKeyV4, FlowV4> =
 pub static TRANSIENT_V4: LruHashMap<FlowKeyV4, TransientV4> =
     LruHashMap::with_max_entries(defaults::MAX_TRANSIENT, 0);
 
+/// Sources that completed a TCP handshake: the SYN rate guard lets them through (see `syn_guard`).
+#[map]
+pub static TRUSTED_SOURCES: LruHashMap<Addr, u8> =
+    LruHashMap::with_max_entries(defaults::MAX_TRUSTED_SOURCES, 0);
+
+/// The SYN rate guard's per-CPU state: the theoretical arrival time of the next SYN, ns.
+#[map]
+pub static SYN_GUARD: PerCpuArray<u64> = PerCpuArray::with_max_entries(1, 0);
+
 /// Per-CPU scratch space for transient entries under construction: the BPF stack (512 bytes) cannot hold them
 /// next to everything else on the new-flow path. Slot 0: reverse entry, slot 1: forward entry.
 #[map]

@@ -17,7 +17,7 @@ use crate::{
         count, with_service_stats, BACKENDS, CONFIG, FLOWS_V4, FLOW_EVENTS, MAGLEV, NEXTHOPS,
         SCRATCH, SERVICES, SOURCE_RANGES, TRANSIENT_V4, VIPS,
     },
-    transient,
+    syn_guard, transient,
 };
 
 /// What to do with the packet; each hook maps it to its own return code.
@@ -225,6 +225,23 @@ fn l4<C: Ctx>(c: &C, cfg: &Config, p: &L4Pkt) -> Verdict {
     // The flow this packet's client port had before, released when a new one is made on it.
     // (The entry itself, not its partner's key: 8 bytes of stack instead of 20.)
     let mut reopen: Option<*const FlowV4> = None;
+    let skey = ServiceKey {
+        addr: Addr::from_v4_raw(key.dst),
+        port_be: key.dport,
+        proto,
+        family: FAMILY_V4,
+    };
+    // Over the new-handshake rate, a SYN for a service from an unknown source (a spoofed flood) is dropped
+    // before it costs a lookup in the large tables.
+    if syn && syn_guard::over_rate(cfg, now) {
+        if let Some(svc) = SERVICES.get_ptr(skey) {
+            if !syn_guard::trusted(key.src) {
+                count(stat::DROP_SYN_RATE);
+                with_service_stats(unsafe { (*svc).id }, |s| s.drop_syn_rate += 1);
+                return Verdict::Drop;
+            }
+        }
+    }
 
     if let Some(fp) = FLOWS_V4.get_ptr_mut(key) {
         let fl = unsafe { &mut *fp };
@@ -237,12 +254,6 @@ fn l4<C: Ctx>(c: &C, cfg: &Config, p: &L4Pkt) -> Verdict {
         }
         reopen = Some(fp);
     }
-    let skey = ServiceKey {
-        addr: Addr::from_v4_raw(key.dst),
-        port_be: key.dport,
-        proto,
-        family: FAMILY_V4,
-    };
     let svc = SERVICES.get_ptr(skey);
     // Handshakes and closed connections: a client's segment to a service, or a backend's to a SNAT port. (Other
     // traffic — SSH to the VM, a low port on the VIP — skips the lookup.)

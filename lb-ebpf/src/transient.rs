@@ -17,6 +17,7 @@ use crate::{
     hdr::{TCP_ACK, TCP_RST, TCP_SYN},
     maps::{count, with_service_stats, FLOWS_V4, SCRATCH, TRANSIENT_V4},
     nat::{alloc_snat_port, close_bit, established_new, forward, rewrite, L4Pkt, Target, Verdict},
+    syn_guard,
 };
 
 /// Per-CPU scratch slot `i` holding `flow` as a transient entry (see `maps::SCRATCH`).
@@ -74,6 +75,7 @@ pub fn open<C: Ctx>(
         count(stat::DROP_FLOW_INSERT);
         return Verdict::Drop;
     }
+    syn_guard::take(cfg, now);
     count(stat::NEW_HANDSHAKES);
     with_service_stats(svc.id, |s| {
         s.handshakes += 1;
@@ -174,6 +176,7 @@ fn promote<C: Ctx>(
         return Verdict::Drop;
     }
     established_new(cfg, &p.key, &fwd.flow, &rev.flow);
+    syn_guard::trust(cfg, p.key.src);
     let v = forward(c, p, &fwd.flow);
     let _ = TRANSIENT_V4.remove(p.key);
     let _ = TRANSIENT_V4.remove(rkey);

@@ -457,6 +457,9 @@ fn run_lb(args: &Args, obj: &[u8], sizes: &MapSizes, mode: &str) -> Result<Vec<C
     let mut cfg = RigConfig::new()?;
     cfg.attach_mode = mode.to_string();
     cfg.topology.prefix = "lbb".into();
+    // A new flow per frame is what the SYN case measures: with the SYN rate guard on, all but its rate would be
+    // dropped (`bench synflood` measures the guard).
+    cfg.agent_args = vec!["--syn-rate-limit".into(), "0".into()];
     let rig = Rig::start(cfg)?;
     let topo = &rig.topo;
     let mut g = Gen {
@@ -519,6 +522,7 @@ fn main() -> Result<()> {
         maglev_slots: 1024,
         nexthops: 16,
         source_ranges: 16,
+        trusted_sources: 16,
     };
     let _stats = aya::sys::enable_stats(aya::sys::Stats::RunTime).ok();
     eprintln!(

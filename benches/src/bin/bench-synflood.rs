@@ -29,11 +29,16 @@ struct Args {
     /// Attach modes.
     #[arg(long, value_delimiter = ',', default_value = "xdp-native,tc")]
     modes: Vec<String>,
+    /// The agent's SYN rate guard: `off` (`--syn-rate-limit 0`), `on` (the agent's default limit), or a limit
+    /// (handshakes per second per CPU).
+    #[arg(long, value_delimiter = ',', default_value = "off,on")]
+    guards: Vec<String>,
 }
 
 #[derive(Serialize)]
 struct Case {
     mode: String,
+    guard: String,
     flood_syns: u64,
     flood_per_s: f64,
     held: usize,
@@ -44,13 +49,26 @@ struct Case {
     new_tried: usize,
     new_ok_pct: f64,
     prog_ns_per_frame: Option<f64>,
+    prog_frames: u64,
     handshakes: f64,
     drop_no_flow: f64,
+    drop_syn_rate: f64,
 }
 
-fn run(args: &Args, mode: &str) -> Result<Case> {
+fn run(args: &Args, mode: &str, guard: &str) -> Result<Case> {
     let mut cfg = RigConfig::new()?;
     cfg.attach_mode = mode.into();
+    let limit = match guard {
+        "on" => None,
+        "off" => Some(0),
+        n => Some(
+            n.parse::<u32>()
+                .with_context(|| format!("--guards takes off, on or a number, not {n}"))?,
+        ),
+    };
+    if let Some(limit) = limit {
+        cfg.agent_args = vec!["--syn-rate-limit".into(), limit.to_string()];
+    }
     cfg.topology.prefix = "lbf".into();
     let r = Rig::start(cfg)?;
     let tcp = format!("{}:{TCP_PORT}", r.vip);
@@ -84,6 +102,7 @@ fn run(args: &Args, mode: &str) -> Result<Case> {
     let runs = after.1.saturating_sub(before.1);
     let c = Case {
         mode: mode.into(),
+        guard: guard.into(),
         flood_syns: report.sent,
         flood_per_s: report.per_second,
         held: held.established,
@@ -96,8 +115,10 @@ fn run(args: &Args, mode: &str) -> Result<Case> {
         new_ok_pct: 100.0 * new_ok as f64 / new_tried.max(1) as f64,
         prog_ns_per_frame: (runs > 0)
             .then(|| after.0.saturating_sub(before.0) as f64 / runs as f64),
+        prog_frames: runs,
         handshakes: r.metric("lb_tcp_handshakes_total", "")?,
         drop_no_flow: r.metric("lb_dataplane_packets_total", "reason=\"drop_no_flow\"")?,
+        drop_syn_rate: r.metric("lb_dataplane_packets_total", "reason=\"drop_syn_rate\"")?,
     };
     if c.held < args.held {
         bail!(
@@ -115,8 +136,10 @@ fn main() -> Result<()> {
     let _stats = aya::sys::enable_stats(aya::sys::Stats::RunTime).ok();
     let mut cases = Vec::new();
     for mode in &args.modes {
-        eprintln!("synflood: {mode}");
-        cases.push(run(&args, mode)?);
+        for guard in &args.guards {
+            eprintln!("synflood: {mode}, SYN rate guard {guard}");
+            cases.push(run(&args, mode, guard)?);
+        }
     }
     println!(
         "SYN flood from spoofed sources for {} s ({}), {} connections held (a message every {} ms), new connections in rounds of 200",
@@ -130,26 +153,32 @@ fn main() -> Result<()> {
         .map(|c| {
             vec![
                 c.mode.clone(),
+                c.guard.clone(),
                 format!("{} ({}/s)", c.flood_syns, fmt_num(c.flood_per_s)),
                 format!("{:.1}% ({} broken)", c.held_surviving_pct, c.held_broken),
                 fmt_num(c.held_longest_pause_ms),
                 format!("{:.1}% ({}/{})", c.new_ok_pct, c.new_ok, c.new_tried),
+                c.prog_frames.to_string(),
                 c.prog_ns_per_frame
                     .map(fmt_num)
                     .unwrap_or_else(|| "-".into()),
                 fmt_num(c.drop_no_flow),
+                fmt_num(c.drop_syn_rate),
             ]
         })
         .collect();
     print_table(
         &[
             "mode",
+            "guard",
             "SYNs sent",
             "held surviving",
             "longest pause ms",
             "new connections ok",
+            "frames in program",
             "prog ns/frame",
             "drop_no_flow",
+            "drop_syn_rate",
         ],
         &rows,
     );

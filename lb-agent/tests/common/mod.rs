@@ -61,6 +61,7 @@ pub fn test_sizes() -> MapSizes {
         maglev_slots: 1 << 16,
         nexthops: 64,
         source_ranges: 256,
+        trusted_sources: 256,
     }
 }
 
