@@ -1,5 +1,11 @@
-//! The OpenStack controllers' finalizers: added before any cloud work, removed as the last step of a deletion,
-//! each time as one merge patch of the object's whole finalizer list.
+//! Every controller's finalizers (the OpenStack controllers' and the service controller's): added before any
+//! cloud work, removed as the last step of a deletion.
+//!
+//! Each change is a JSON patch whose `test` operation checks the list (or our entry's position) as this copy of
+//! the object saw it, as kube-runtime's own finalizer helper does: the copy usually comes from a watch cache, and
+//! a merge patch of the whole list would silently drop a finalizer someone else added or removed meanwhile. On a
+//! changed list the server refuses the patch (422) and the controller retries with a fresh copy. Unlike a
+//! resourceVersion precondition, a status heartbeat or label change does not make it fail.
 
 use kube::api::{Patch, PatchParams};
 use kube::{Api, Resource, ResourceExt};
@@ -20,9 +26,18 @@ where
     if has(obj, finalizer) {
         return Ok(());
     }
-    let mut all = obj.finalizers().to_vec();
-    all.push(finalizer.to_string());
-    patch(api, obj, all).await
+    let ops = if obj.finalizers().is_empty() {
+        json!([
+            {"op": "test", "path": "/metadata/finalizers", "value": null},
+            {"op": "add", "path": "/metadata/finalizers", "value": [finalizer]},
+        ])
+    } else {
+        json!([
+            {"op": "test", "path": "/metadata/finalizers", "value": obj.finalizers()},
+            {"op": "add", "path": "/metadata/finalizers/-", "value": finalizer},
+        ])
+    };
+    patch(api, obj, ops).await
 }
 
 /// Removes `finalizer` from `obj`, keeping everybody else's.
@@ -30,13 +45,15 @@ pub async fn remove<K>(api: &Api<K>, obj: &K, finalizer: &str) -> Result<(), kub
 where
     K: Resource + Clone + DeserializeOwned + Debug,
 {
-    let rest: Vec<String> = obj
-        .finalizers()
-        .iter()
-        .filter(|f| *f != finalizer)
-        .cloned()
-        .collect();
-    match patch(api, obj, rest).await {
+    let Some(i) = obj.finalizers().iter().position(|f| f == finalizer) else {
+        return Ok(());
+    };
+    let at = format!("/metadata/finalizers/{i}");
+    let ops = json!([
+        {"op": "test", "path": at, "value": finalizer},
+        {"op": "remove", "path": at},
+    ]);
+    match patch(api, obj, ops).await {
         // Already gone: a reconcile queued while the previous one removed the finalizer still sees the cached
         // copy. Success, so the caller's cleanup after the removal (forgetting metric series) runs; before, the
         // 404 skipped it and the series of a deleted object stayed until the periodic sweep (seen against the
@@ -46,14 +63,15 @@ where
     }
 }
 
-async fn patch<K>(api: &Api<K>, obj: &K, finalizers: Vec<String>) -> Result<(), kube::Error>
+async fn patch<K>(api: &Api<K>, obj: &K, ops: serde_json::Value) -> Result<(), kube::Error>
 where
     K: Resource + Clone + DeserializeOwned + Debug,
 {
+    let ops: json_patch::Patch = serde_json::from_value(ops).map_err(kube::Error::SerdeError)?;
     api.patch(
         &obj.name_any(),
         &PatchParams::default(),
-        &Patch::Merge(json!({"metadata": {"finalizers": finalizers}})),
+        &Patch::Json::<()>(ops),
     )
     .await
     .map(|_| ())

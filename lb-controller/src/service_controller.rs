@@ -22,6 +22,7 @@ use tracing::{debug, info, warn};
 use crate::desired::{self, ClassFilter, InfrastructureDefaults};
 use crate::endpoints;
 use crate::events::{EventPublisher, EventType};
+use crate::finalizer;
 use crate::metrics::Metrics;
 
 /// Static configuration of the Service controller.
@@ -214,10 +215,12 @@ pub fn backoff(failures: u32) -> Duration {
 }
 
 fn has_finalizer(service: &Service) -> bool {
-    service
-        .finalizers()
-        .iter()
-        .any(|f| f == finalizers::SERVICE)
+    finalizer::has(service, finalizers::SERVICE)
+}
+
+/// The Services API of `service`'s namespace in the target cluster.
+fn service_api(service: &Service, ctx: &ServiceContext) -> Api<Service> {
+    Api::namespaced(ctx.target.clone(), &service.namespace().unwrap_or_default())
 }
 
 async fn reconcile_inner(
@@ -237,7 +240,12 @@ async fn reconcile_inner(
     }
 
     if !has_finalizer(service) {
-        add_finalizer(service, ctx).await?;
+        finalizer::add(&service_api(service, ctx), service, finalizers::SERVICE)
+            .await
+            .map_err(kube_err(format!(
+                "adding the finalizer of service {}",
+                service.name_any()
+            )))?;
         // The update re-triggers this Service; continue with the fresh object then.
         return Ok(Action::await_change());
     }
@@ -349,34 +357,6 @@ async fn reconcile_inner(
     Ok(Action::requeue(ctx.config.resync))
 }
 
-async fn add_finalizer(service: &Service, ctx: &ServiceContext) -> Result<(), Error> {
-    let mut finalizers = service.finalizers().to_vec();
-    finalizers.push(finalizers::SERVICE.to_string());
-    patch_finalizers(service, ctx, finalizers).await
-}
-
-async fn patch_finalizers(
-    service: &Service,
-    ctx: &ServiceContext,
-    finalizers: Vec<String>,
-) -> Result<(), Error> {
-    let api: Api<Service> =
-        Api::namespaced(ctx.target.clone(), &service.namespace().unwrap_or_default());
-    // The resourceVersion makes this a compare-and-swap: finalizers of others are never lost.
-    let patch = json!({"metadata": {"finalizers": finalizers, "resourceVersion": service.resource_version()}});
-    api.patch(
-        &service.name_any(),
-        &PatchParams::default(),
-        &Patch::Merge(&patch),
-    )
-    .await
-    .map_err(kube_err(format!(
-        "updating finalizers of service {}",
-        service.name_any()
-    )))?;
-    Ok(())
-}
-
 /// Service deleted, of another type or class: delete the LoadBalancer, wait until it is gone,
 /// then clear the ingress and release the Service.
 async fn deletion(service: &Service, ctx: &ServiceContext, lb_name: &str) -> Result<Action, Error> {
@@ -431,8 +411,7 @@ async fn deletion(service: &Service, ctx: &ServiceContext, lb_name: &str) -> Res
     if !ours {
         return Ok(Action::await_change());
     }
-    let api: Api<Service> =
-        Api::namespaced(ctx.target.clone(), &service.namespace().unwrap_or_default());
+    let api = service_api(service, ctx);
     if desired::service_ingress_ip(service).is_some()
         || service
             .status
@@ -453,21 +432,13 @@ async fn deletion(service: &Service, ctx: &ServiceContext, lb_name: &str) -> Res
             service.name_any()
         )))?;
     }
-    let remaining: Vec<String> = service
-        .finalizers()
-        .iter()
-        .filter(|f| *f != finalizers::SERVICE)
-        .cloned()
-        .collect();
-    match patch_finalizers(service, ctx, remaining).await {
-        Ok(()) => {}
-        // Already gone: nothing left to release.
-        Err(Error::Kube {
-            source: kube::Error::Api(e),
-            ..
-        }) if e.code == 404 => {}
-        Err(e) => return Err(e),
-    }
+    // Already gone (404) counts as released.
+    finalizer::remove(&api, service, finalizers::SERVICE)
+        .await
+        .map_err(kube_err(format!(
+            "removing the finalizer of service {}",
+            service.name_any()
+        )))?;
     info!(service = %key, "released service");
     ctx.releasing.lock().unwrap().remove(&key);
     ctx.reported.lock().unwrap().remove(&key);

@@ -188,3 +188,42 @@ async fn watch_replays_from_resource_version_and_streams_live() {
     );
     assert_eq!(server.list(&ResourceKey::new("", "configmaps")).len(), 1);
 }
+
+/// The controllers' finalizer changes (JSON patches with `test`) work here as on the real server
+/// (`tests/finalizers.rs`): the whole-cascade test runs on this server.
+#[tokio::test]
+async fn finalizer_json_patches() {
+    use lb_controller::finalizer;
+    let server = FakeApiServer::new();
+    let api: Api<ConfigMap> = Api::namespaced(server.client(), "ns");
+    let fresh = api
+        .create(&PostParams::default(), &configmap("f", json!({})))
+        .await
+        .unwrap();
+    finalizer::add(&api, &fresh, "a/one").await.unwrap();
+    let copy = api.get("f").await.unwrap();
+    finalizer::add(&api, &copy, "b/two").await.unwrap();
+    // A stale copy's add is refused (422); nothing is lost.
+    let refused = finalizer::add(&api, &copy, "c/three").await;
+    assert!(
+        matches!(&refused, Err(kube::Error::Api(s)) if s.code == 422),
+        "{refused:?}"
+    );
+    let copy = api.get("f").await.unwrap();
+    assert_eq!(
+        copy.metadata.finalizers.clone().unwrap(),
+        ["a/one", "b/two"]
+    );
+    finalizer::remove(&api, &copy, "a/one").await.unwrap();
+    let copy = api.get("f").await.unwrap();
+    finalizer::remove(&api, &copy, "b/two").await.unwrap();
+    // Emptied: no list, so the next add's `test` of a missing list holds.
+    let copy = api.get("f").await.unwrap();
+    assert_eq!(copy.metadata.finalizers, None);
+    finalizer::add(&api, &copy, "a/one").await.unwrap();
+    // Deleted while a finalizer holds it, gone once the last one is removed.
+    api.delete("f", &DeleteParams::default()).await.unwrap();
+    let copy = api.get("f").await.unwrap();
+    finalizer::remove(&api, &copy, "a/one").await.unwrap();
+    assert!(api.get_opt("f").await.unwrap().is_none());
+}
