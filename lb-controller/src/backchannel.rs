@@ -21,6 +21,7 @@ use tracing::{debug, info, warn};
 
 use crate::events::{EventPublisher, EventType};
 use crate::metrics::Metrics;
+use crate::retry::Retries;
 
 /// Shared state of the back-channel controllers.
 pub struct BackchannelContext {
@@ -36,6 +37,8 @@ pub struct BackchannelContext {
     pub events: Arc<EventPublisher>,
     /// Metrics.
     pub metrics: Arc<Metrics>,
+    /// Failures per LoadBalancer, for the error policy's backoff.
+    pub retries: Retries<ObjectRef<LoadBalancer>>,
     /// Events older than this when first seen are not forwarded (they were forwarded before a
     /// restart, or are stale).
     pub event_max_age: Duration,
@@ -78,6 +81,9 @@ pub async fn reconcile(
     let result = reconcile_ip(&lb, &ctx).await;
     ctx.metrics
         .observe_reconcile("loadbalancer", result.is_ok(), started.elapsed());
+    if result.is_ok() {
+        ctx.retries.succeeded(&ObjectRef::from_obj(lb.as_ref()));
+    }
     result
 }
 
@@ -127,10 +133,12 @@ async fn reconcile_ip(lb: &LoadBalancer, ctx: &BackchannelContext) -> Result<Act
     Ok(Action::await_change())
 }
 
-/// Backoff for the back channel (same curve as the Service controller).
-pub fn error_policy(_: Arc<LoadBalancer>, error: &Error, _: Arc<BackchannelContext>) -> Action {
-    warn!(%error, "back channel reconcile failed");
-    Action::requeue(Duration::from_secs(5))
+/// A failed reconcile is retried with the LoadBalancer's backoff (1 s doubling, at most a minute: [`Retries`]).
+pub fn error_policy(lb: Arc<LoadBalancer>, error: &Error, ctx: Arc<BackchannelContext>) -> Action {
+    let reference = ObjectRef::from_obj(lb.as_ref());
+    let (failures, delay) = ctx.retries.failed(&reference);
+    warn!(loadbalancer = %reference, %error, failures, retry_in = ?delay, "back channel reconcile failed");
+    Action::requeue(delay)
 }
 
 /// Whether an Event should be forwarded: about a LoadBalancer and from the user-facing source.

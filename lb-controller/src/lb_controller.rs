@@ -32,6 +32,7 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use crate::retry::{self, Retries};
 use crate::stop::{drive, Stop};
 use k8s_openapi::api::core::v1::{ObjectReference, Secret};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, ObjectMeta};
@@ -694,6 +695,8 @@ struct Running<F: CloudFactory> {
     router_ids: tokio::sync::Mutex<()>,
     /// Bad input already reported (each problem once while it lasts).
     reported: Reported,
+    /// Failures per LoadBalancer, for the error policy's backoff.
+    retries: Retries<ObjectRef<LoadBalancer>>,
 }
 
 fn is_status(e: &kube::Error, code: u16) -> bool {
@@ -724,6 +727,9 @@ async fn reconcile<F: CloudFactory>(
     run.ctx
         .metrics
         .observe_reconcile(CONTROLLER, result.is_ok(), started.elapsed());
+    if result.is_ok() {
+        run.retries.succeeded(&ObjectRef::from_obj(lb.as_ref()));
+    }
     result
 }
 
@@ -1104,15 +1110,16 @@ async fn publish<F: CloudFactory>(
     }
 }
 
-/// Backoff on errors: the step is retried; the cloud's own backoff is not known, so a fixed 10 s keeps the call
-/// rate low during an outage without delaying recovery much.
+/// A failed step is retried with the LoadBalancer's backoff (1 s doubling, at most a minute: [`Retries`]).
 fn error_policy<F: CloudFactory>(
-    _lb: Arc<LoadBalancer>,
+    lb: Arc<LoadBalancer>,
     error: &Error,
-    _run: Arc<Running<F>>,
+    run: Arc<Running<F>>,
 ) -> Action {
-    warn!(%error, "LoadBalancer reconcile failed");
-    Action::requeue(Duration::from_secs(10))
+    let reference = ObjectRef::from_obj(lb.as_ref());
+    let (failures, delay) = run.retries.failed(&reference);
+    warn!(loadbalancer = %reference, %error, failures, retry_in = ?delay, "LoadBalancer reconcile failed");
+    Action::requeue(delay)
 }
 
 fn hash_of(value: &impl std::hash::Hash) -> u64 {
@@ -1163,6 +1170,7 @@ pub async fn run<F: CloudFactory>(ctx: Arc<LbContext<F>>, namespace: &str, stop:
         machines: machine_store,
         router_ids: tokio::sync::Mutex::new(()),
         reported: Reported::default(),
+        retries: Retries::new(retry::BASE, retry::OUTAGE_MAX),
     });
     let controller =
         Controller::new(api, watcher::Config::default()).trigger_backoff(WatchBackoff::default());

@@ -41,6 +41,7 @@ use crate::lbm_metrics::LbmMetrics;
 use crate::machine::{self, DeletionProgress, MachineSpec, ServerState};
 use crate::openstack::{Cloud, CloudError};
 use crate::rbac::{self, MachineIdentity};
+use crate::retry::Retries;
 
 /// Field manager of the server-side applied RBAC objects.
 pub const FIELD_MANAGER: &str = "lb-controller";
@@ -101,8 +102,6 @@ pub enum Error {
 /// What the controller remembers between reconciles (lost on restart, which only costs one extra OpenStack pass).
 #[derive(Default)]
 struct Memory {
-    /// Consecutive failures per machine (`ns/name`), for the backoff.
-    failures: HashMap<String, u32>,
     /// Servers this controller asked Nova to delete and that may still be listed → their machine (`ns/name`).
     deleting: HashMap<String, String>,
     /// Per machine: hash of the inputs of the last pass that ended with an ACTIVE server.
@@ -135,6 +134,8 @@ pub struct LbmContext<F: CloudFactory> {
     /// the duration histogram), next to the other two controllers'; [`prepare`] sets it.
     pub controller_metrics: Option<Arc<crate::metrics::Metrics>>,
     memory: Mutex<Memory>,
+    /// Failures per machine (`ns/name`), for the error policy's backoff.
+    retries: Retries<String>,
 }
 
 impl<F: CloudFactory> LbmContext<F> {
@@ -151,9 +152,10 @@ impl<F: CloudFactory> LbmContext<F> {
             clouds,
             events,
             metrics,
-            config,
             controller_metrics: None,
             memory: Mutex::default(),
+            retries: Retries::new(config.error_backoff_base, config.error_backoff_max),
+            config,
         }
     }
 
@@ -352,12 +354,6 @@ pub fn status_patch(
     (!patch.is_empty()).then(|| json!({ "status": patch }))
 }
 
-/// Delay before retry number `failures` (1 = first failure): `base` doubled per failure, at most `max`.
-pub fn backoff(failures: u32, base: Duration, max: Duration) -> Duration {
-    let factor = 2u32.saturating_pow(failures.saturating_sub(1).min(30));
-    base.saturating_mul(factor).min(max)
-}
-
 /// The VRRP router ID from the LoadBalancer's `vrrpRouterID` annotation (1..=255).
 pub fn router_id(lb: &LoadBalancer) -> Option<u8> {
     let v: u16 = lb
@@ -490,7 +486,7 @@ pub async fn reconcile<F: CloudFactory>(
         apply(&lbm, &ctx).await
     };
     if result.is_ok() {
-        ctx.mem(|m| m.failures.remove(&key));
+        ctx.retries.succeeded(&key);
     }
     if let Some(metrics) = &ctx.controller_metrics {
         metrics.observe_reconcile(CONTROLLER, result.is_ok(), started.elapsed());
@@ -946,16 +942,7 @@ pub fn error_policy<F: CloudFactory>(
     ctx: Arc<LbmContext<F>>,
 ) -> Action {
     let key = qualified(&lbm.namespace().unwrap_or_default(), &lbm.name_any());
-    let failures = ctx.mem(|m| {
-        let n = m.failures.entry(key.clone()).or_default();
-        *n = n.saturating_add(1);
-        *n
-    });
-    let delay = backoff(
-        failures,
-        ctx.config.error_backoff_base,
-        ctx.config.error_backoff_max,
-    );
+    let (failures, delay) = ctx.retries.failed(&key);
     warn!(lbm = %key, %error, failures, ?delay, "LoadBalancerMachine reconcile failed");
     Action::requeue(delay)
 }
@@ -1187,16 +1174,6 @@ mod tests {
             status_patch(&old, &new),
             Some(json!({"status": {"serverID": null, "roleName": "yawol/m"}}))
         );
-    }
-
-    #[test]
-    fn backoff_doubles_up_to_the_cap() {
-        let (b, m) = (Duration::from_secs(2), Duration::from_secs(60));
-        assert_eq!(backoff(1, b, m), Duration::from_secs(2));
-        assert_eq!(backoff(2, b, m), Duration::from_secs(4));
-        assert_eq!(backoff(5, b, m), Duration::from_secs(32));
-        assert_eq!(backoff(6, b, m), m);
-        assert_eq!(backoff(u32::MAX, b, m), m);
     }
 
     #[test]

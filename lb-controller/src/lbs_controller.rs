@@ -32,12 +32,14 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use crate::retry::{self, Retries};
 use crate::stop::{drive, Stop};
 use futures::{Stream, StreamExt};
 use k8s_openapi::api::core::v1::{NodeCondition, ObjectReference};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, ObjectMeta, Time};
 use kube::api::{DeleteParams, ListParams, Patch, PatchParams, PostParams, Preconditions};
 use kube::runtime::controller::Action;
+use kube::runtime::reflector::ObjectRef;
 use kube::runtime::reflector::{self, Store};
 use kube::runtime::{watcher, Controller, WatchStreamExt};
 use kube::{Api, Client, Resource, ResourceExt};
@@ -562,6 +564,8 @@ struct Running {
     reported: Reported,
     /// Per set UID: the actions the outage guard last held (one event per change, not per reconcile).
     held: Mutex<HashMap<String, String>>,
+    /// Failures per set, for the error policy's backoff.
+    retries: Retries<ObjectRef<LoadBalancerSet>>,
 }
 
 impl Running {
@@ -603,6 +607,9 @@ async fn reconcile(set: Arc<LoadBalancerSet>, run: Arc<Running>) -> Result<Actio
     run.ctx
         .metrics
         .observe_reconcile(CONTROLLER, result.is_ok(), started.elapsed());
+    if result.is_ok() {
+        run.retries.succeeded(&ObjectRef::from_obj(set.as_ref()));
+    }
     result
 }
 
@@ -873,9 +880,12 @@ async fn write_conditions(
     }
 }
 
-fn error_policy(_set: Arc<LoadBalancerSet>, error: &Error, _run: Arc<Running>) -> Action {
-    warn!(%error, "LoadBalancerSet reconcile failed");
-    Action::requeue(Duration::from_secs(5))
+/// A failed reconcile is retried with the set's backoff (1 s doubling, at most a minute: [`Retries`]).
+fn error_policy(set: Arc<LoadBalancerSet>, error: &Error, run: Arc<Running>) -> Action {
+    let reference = ObjectRef::from_obj(set.as_ref());
+    let (failures, delay) = run.retries.failed(&reference);
+    warn!(set = %reference, %error, failures, retry_in = ?delay, "LoadBalancerSet reconcile failed");
+    Action::requeue(delay)
 }
 
 /// Runs the LoadBalancerSet controller over the sets of `namespace` until `shutdown`.
@@ -892,6 +902,7 @@ pub async fn run(ctx: Arc<LbsContext>, namespace: &str, stop: Stop) {
         machines: store,
         reported: Reported::default(),
         held: Mutex::default(),
+        retries: Retries::new(retry::BASE, retry::OUTAGE_MAX),
     });
     let controller =
         Controller::new(sets, watcher::Config::default()).trigger_backoff(WatchBackoff::default());

@@ -33,6 +33,7 @@ pub mod metrics;
 pub mod openstack;
 pub mod ownership;
 pub mod rbac;
+pub mod retry;
 pub mod run;
 pub mod service_controller;
 pub mod stop;

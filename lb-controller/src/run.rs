@@ -25,6 +25,7 @@ use crate::lbm_controller;
 use crate::lbs_controller::{self, LbsContext, LbsControllerConfig};
 use crate::leader::{self, LeaderElectionConfig};
 use crate::metrics::Metrics;
+use crate::retry::{self, Retries};
 use crate::service_controller::{self, OwnWrites, ServiceContext, ServiceControllerConfig};
 use crate::stop::{drive, Stop};
 
@@ -120,7 +121,7 @@ pub async fn run_controllers(
         loadbalancers: loadbalancers.clone(),
         events: events.clone(),
         metrics: metrics.clone(),
-        failures: Default::default(),
+        retries: Default::default(),
         reported: Default::default(),
         own_writes,
         releasing: Default::default(),
@@ -132,6 +133,7 @@ pub async fn run_controllers(
         loadbalancers: loadbalancers.clone(),
         events,
         metrics: metrics.clone(),
+        retries: Retries::new(retry::BASE, retry::OUTAGE_MAX),
         event_max_age: config.event_max_age,
     });
 

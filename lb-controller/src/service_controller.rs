@@ -24,6 +24,7 @@ use crate::endpoints;
 use crate::events::{EventPublisher, EventType};
 use crate::finalizer;
 use crate::metrics::Metrics;
+use crate::retry::Retries;
 
 /// Static configuration of the Service controller.
 #[derive(Clone, Debug)]
@@ -54,8 +55,8 @@ pub struct ServiceContext {
     pub events: Arc<EventPublisher>,
     /// Metrics.
     pub metrics: Arc<Metrics>,
-    /// Consecutive failures per Service, for exponential backoff.
-    pub failures: std::sync::Mutex<HashMap<ObjectRef<Service>, u32>>,
+    /// Failures per Service, for the error policy's backoff.
+    pub retries: Retries<ObjectRef<Service>>,
     /// Fingerprint of the last reported warnings per Service, so node flaps do not repeat them.
     pub reported: std::sync::Mutex<HashMap<ObjectRef<Service>, u64>>,
     /// Our own LoadBalancer writes; see [`OwnWrites`].
@@ -190,28 +191,17 @@ pub async fn reconcile(service: Arc<Service>, ctx: Arc<ServiceContext>) -> Resul
     ctx.metrics
         .observe_reconcile(CONTROLLER, result.is_ok(), started.elapsed());
     if result.is_ok() {
-        ctx.failures.lock().unwrap().remove(&reference);
+        ctx.retries.succeeded(&reference);
     }
     result
 }
 
-/// Backoff for failed reconciliations: 1 s doubling per consecutive failure, capped at 5 min.
+/// A failed reconcile is retried with the Service's backoff ([`Retries`]).
 pub fn error_policy(service: Arc<Service>, error: &Error, ctx: Arc<ServiceContext>) -> Action {
     let reference = ObjectRef::from_obj(service.as_ref());
-    let failures = {
-        let mut failures = ctx.failures.lock().unwrap();
-        let n = failures.entry(reference.clone()).or_insert(0);
-        *n = n.saturating_add(1);
-        *n
-    };
-    let delay = backoff(failures);
-    warn!(service = %reference, error = %error, retry_in = ?delay, "reconcile failed");
+    let (failures, delay) = ctx.retries.failed(&reference);
+    warn!(service = %reference, error = %error, failures, retry_in = ?delay, "reconcile failed");
     Action::requeue(delay)
-}
-
-/// Exponential backoff: 1 s, 2 s, 4 s, ... capped at 300 s.
-pub fn backoff(failures: u32) -> Duration {
-    Duration::from_secs(1u64 << failures.saturating_sub(1).min(9)).min(Duration::from_secs(300))
 }
 
 fn has_finalizer(service: &Service) -> bool {
@@ -481,13 +471,5 @@ mod tests {
             own.newest(Arc::new(lb("9"))).resource_version().as_deref(),
             Some("9")
         );
-    }
-
-    #[test]
-    fn backoff_grows_and_caps() {
-        assert_eq!(backoff(1), Duration::from_secs(1));
-        assert_eq!(backoff(2), Duration::from_secs(2));
-        assert_eq!(backoff(5), Duration::from_secs(16));
-        assert_eq!(backoff(50), Duration::from_secs(300));
     }
 }
