@@ -87,9 +87,8 @@ impl Snapshot {
                 s.idle_expired.to_string(),
             ));
         }
-        for (k, val) in &self.host {
-            v.push((k.to_string(), format!("{val}")));
-        }
+        // yawol's names, units and text (loads and stealTime with two decimals).
+        v.extend(crate::hostmetrics::yawol_metrics(&self.host));
         if let Some(stats) = self.ha.as_ref().and_then(|h| h.vrrp_stats.as_ref()) {
             v.extend(stats.yawol_metrics());
         }

@@ -96,11 +96,11 @@ fn reconciles(metrics: &Metrics) -> BTreeMap<String, u64> {
         .collect()
 }
 
-/// `yawol_openstack_total` by `api/object/operation`, from the exposition text.
+/// `yawol_openstack` by `api/object/operation`, from the exposition text.
 fn calls_by_kind(metrics: &Metrics) -> BTreeMap<String, u64> {
     let mut out = BTreeMap::new();
     for line in metrics.encode().lines() {
-        let Some(rest) = line.strip_prefix("yawol_openstack_total{") else {
+        let Some(rest) = line.strip_prefix("yawol_openstack{") else {
             continue;
         };
         let Some((labels, value)) = rest.split_once("} ") else {

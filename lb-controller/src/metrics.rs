@@ -1,7 +1,8 @@
 //! Prometheus metrics of the cloud controller and the OpenStack-side controllers (prometheus-client, OpenMetrics
 //! text at `/metrics`). yawol's object metrics ([`ObjectMetrics`]: `loadbalancer_*`, `loadbalancerset_*`) and
 //! `yawol_openstack` keep yawol's unprefixed names so existing dashboards work; everything of our own is prefixed
-//! `lb_cloud_controller_`.
+//! `lb_cloud_controller_`. `yawol_openstack` is typed `unknown` so its samples keep yawol's name, without the
+//! `_total` OpenMetrics appends to counters ([`crate::openstack::CallCounter`]).
 
 use std::collections::HashMap;
 use std::sync::atomic::AtomicI64;
@@ -558,5 +559,43 @@ impl ObjectMetrics {
         ] {
             family.remove(id);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `yawol_openstack` is exposed under yawol's sample name and labels (yawol serves
+    /// `yawol_openstack{api="neutron",object="port",operation="list"} 3`), unprefixed and without `_total`;
+    /// our own counters keep OpenMetrics' `_total`.
+    #[test]
+    fn yawol_openstack_has_yawols_name_and_labels() {
+        let m = Metrics::new();
+        for _ in 0..3 {
+            m.openstack_calls.inc("neutron", "port", "list");
+        }
+        m.openstack_calls.inc("nova", "server", "create");
+        m.loadbalancer_write("create");
+        let text = m.encode();
+        let lines: Vec<&str> = text.lines().collect();
+        for want in [
+            // yawol's help text; prometheus-client appends the period to every registered help.
+            "# HELP yawol_openstack Openstack usage counter by api, object, operation.",
+            "# TYPE yawol_openstack unknown",
+            r#"yawol_openstack{api="neutron",object="port",operation="list"} 3"#,
+            r#"yawol_openstack{api="nova",object="server",operation="create"} 1"#,
+            r#"lb_cloud_controller_loadbalancer_writes_total{operation="create"} 1"#,
+        ] {
+            assert!(lines.contains(&want), "{want:?} missing in\n{text}");
+        }
+        assert!(!text.contains("yawol_openstack_total"), "{text}");
+        assert_eq!(m.openstack_calls.total(), 4);
+    }
+
+    /// Like a client_golang vector, the family shows nothing before its first call.
+    #[test]
+    fn yawol_openstack_is_absent_until_counted() {
+        assert!(!Metrics::new().encode().contains("yawol_openstack"));
     }
 }

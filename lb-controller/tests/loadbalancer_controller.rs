@@ -276,9 +276,7 @@ fn yawol_openstack_is_on_the_metrics_registry() {
         .inc("neutron", "floatingip", "create");
     let text = metrics.encode();
     assert!(
-        text.contains(
-            r#"yawol_openstack_total{api="neutron",object="floatingip",operation="create"} 1"#
-        ),
+        text.contains(r#"yawol_openstack{api="neutron",object="floatingip",operation="create"} 1"#),
         "{text}"
     );
     assert!(text.contains("lb_cloud_controller_leader"), "{text}");

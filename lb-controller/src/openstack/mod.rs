@@ -18,9 +18,10 @@ mod types;
 pub use config::{CloudProviderConf, Credentials};
 pub use types::*;
 
-use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::encoding::{EncodeLabelSet, EncodeMetric, MetricEncoder};
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::{MetricType, TypedMetric};
 use prometheus_client::registry::Registry;
 use std::future::Future;
 
@@ -143,16 +144,53 @@ pub struct OpenStackCallLabels {
     pub operation: String,
 }
 
+/// One `yawol_openstack` series: a counter, exposed with the OpenMetrics type `unknown`.
+///
+/// yawol registers a client_golang `CounterVec` named `yawol_openstack`, and controller-runtime serves it in the
+/// Prometheus text format, where a counter keeps its name: the series is `yawol_openstack{…}`, which dashboards and
+/// alerts query. prometheus-client writes OpenMetrics, where a counter's samples must end in `_total` (it appends
+/// it), which would rename the series. `unknown` samples carry the family name as is, and PromQL (`rate`,
+/// `increase`) treats the series exactly as yawol's; only the scraped type metadata says unknown, not counter.
+#[derive(Clone, Debug, Default)]
+pub struct CallCounter(Counter);
+
+impl CallCounter {
+    /// Adds one.
+    pub fn inc(&self) {
+        self.0.inc();
+    }
+
+    /// The count so far.
+    pub fn get(&self) -> u64 {
+        self.0.get()
+    }
+}
+
+impl TypedMetric for CallCounter {
+    const TYPE: MetricType = MetricType::Unknown;
+}
+
+impl EncodeMetric for CallCounter {
+    fn encode(&self, mut encoder: MetricEncoder) -> Result<(), std::fmt::Error> {
+        // The gauge sample line is `name{labels} value`, without a suffix.
+        encoder.encode_gauge(&self.0.get())
+    }
+
+    fn metric_type(&self) -> MetricType {
+        Self::TYPE
+    }
+}
+
 /// The `yawol_openstack` counter: OpenStack calls by api, object and operation (failed ones included).
 #[derive(Clone, Default)]
-pub struct OpenStackCalls(pub Family<OpenStackCallLabels, Counter>);
+pub struct OpenStackCalls(pub Family<OpenStackCallLabels, CallCounter>);
 
 impl OpenStackCalls {
-    /// Registers the family as `yawol_openstack`.
+    /// Registers the family as `yawol_openstack` (samples `yawol_openstack{api,object,operation}`, as yawol's).
     pub fn register(&self, registry: &mut Registry) {
         registry.register(
             "yawol_openstack",
-            "OpenStack usage counter by api, object, operation",
+            "Openstack usage counter by api, object, operation",
             self.0.clone(),
         );
     }
@@ -176,7 +214,7 @@ impl OpenStackCalls {
         registry.register("c", "", self.0.clone());
         let mut text = String::new();
         if prometheus_client::encoding::text::encode(&mut text, &registry).is_ok() {
-            for line in text.lines().filter(|l| l.starts_with("c_total{")) {
+            for line in text.lines().filter(|l| l.starts_with("c{")) {
                 sum += line
                     .rsplit(' ')
                     .next()
