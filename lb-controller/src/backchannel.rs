@@ -6,6 +6,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use crate::watches;
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::{Event, ObjectReference, Service};
 use kube::api::{Patch, PatchParams};
@@ -14,7 +15,6 @@ use kube::runtime::reflector::{ObjectRef, Store};
 use kube::runtime::{watcher, WatchStreamExt};
 use kube::{Api, Client, Resource, ResourceExt};
 use lb_api::constants::{defaults, lb_annotations};
-use lb_api::watch::WatchBackoff;
 use lb_api::{naming, LoadBalancer};
 use serde_json::json;
 use tracing::{debug, info, warn};
@@ -173,9 +173,7 @@ pub async fn forward_events(ctx: Arc<BackchannelContext>) {
     let api: Api<Event> = Api::namespaced(ctx.control.clone(), &ctx.namespace);
     let config = watcher::Config::default().fields("involvedObject.kind=LoadBalancer");
     let mut forwarded: HashMap<String, i32> = HashMap::new();
-    let stream = watcher(api, config)
-        .backoff(WatchBackoff::default())
-        .applied_objects();
+    let stream = watches::events(api, config).applied_objects();
     futures::pin_mut!(stream);
     while let Some(item) = stream.next().await {
         let event = match item {

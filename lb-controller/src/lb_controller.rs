@@ -34,16 +34,16 @@ use std::time::{Duration, Instant};
 
 use crate::retry::{self, Retries};
 use crate::stop::{drive, Stop};
+use crate::watches;
 use k8s_openapi::api::core::v1::{ObjectReference, Secret};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, ObjectMeta};
 use k8s_openapi::ByteString;
 use kube::api::{DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use kube::runtime::controller::Action;
 use kube::runtime::reflector::{self, ObjectRef, Store};
-use kube::runtime::{watcher, Controller, WatchStreamExt};
+use kube::runtime::{watcher, WatchStreamExt};
 use kube::{Api, Client, Resource, ResourceExt};
 use lb_api::constants::{conditions, finalizers, labels, lb_annotations, sync};
-use lb_api::watch::WatchBackoff;
 use lb_api::{
     LoadBalancer, LoadBalancerMachine, LoadBalancerMachineSpec, LoadBalancerMachineTemplateSpec,
     LoadBalancerRef, LoadBalancerSet, LoadBalancerSetSpec, LoadBalancerStatus,
@@ -1157,13 +1157,10 @@ pub async fn run<F: CloudFactory>(ctx: Arc<LbContext<F>>, namespace: &str, stop:
     let sets: Api<LoadBalancerSet> = Api::namespaced(ctx.client.clone(), namespace);
     let machines: Api<LoadBalancerMachine> = Api::namespaced(ctx.client.clone(), namespace);
     let (set_store, set_writer) = reflector::store();
-    let set_events = watcher(sets, watcher::Config::default())
-        .backoff(WatchBackoff::default())
-        .reflect(set_writer);
+    let set_events = watches::events(sets, watcher::Config::default()).reflect(set_writer);
     let (machine_store, machine_writer) = reflector::store();
-    let machine_events = watcher(machines, watcher::Config::default())
-        .backoff(WatchBackoff::default())
-        .reflect(machine_writer);
+    let machine_events =
+        watches::events(machines, watcher::Config::default()).reflect(machine_writer);
     let running = Arc::new(Running {
         ctx,
         sets: set_store,
@@ -1172,8 +1169,7 @@ pub async fn run<F: CloudFactory>(ctx: Arc<LbContext<F>>, namespace: &str, stop:
         reported: Reported::default(),
         retries: Retries::new(retry::BASE, retry::OUTAGE_MAX),
     });
-    let controller =
-        Controller::new(api, watcher::Config::default()).trigger_backoff(WatchBackoff::default());
+    let controller = watches::controller(api, watcher::Config::default());
     let store = controller.store();
     let gc = tokio::spawn(forget_vanished_loadbalancers(
         store.clone(),

@@ -28,7 +28,7 @@ use kube::runtime::controller::Action;
 use kube::{Api, Client, Resource, ResourceExt};
 use lb_api::constants::{finalizers, lb_annotations, sync};
 use lb_api::ha::HaSettings;
-use lb_api::watch::WatchBackoff;
+
 use lb_api::{LoadBalancer, LoadBalancerMachine, LoadBalancerMachineStatus};
 use serde_json::{json, Value};
 use tracing::{debug, info, warn};
@@ -981,10 +981,9 @@ pub async fn run<F: CloudFactory>(
 ) {
     use futures::StreamExt;
     use kube::runtime::reflector::ObjectRef;
-    use kube::runtime::{watcher, Controller};
+    use kube::runtime::watcher;
     let api: Api<LoadBalancerMachine> = Api::namespaced(ctx.client.clone(), namespace);
-    let controller =
-        Controller::new(api, watcher::Config::default()).trigger_backoff(WatchBackoff::default());
+    let controller = crate::watches::controller(api, watcher::Config::default());
     // Series of machines that vanished without a reconcile seeing their deletion (finalizer removed by hand).
     let store = controller.store();
     let metrics = ctx.metrics.clone();

@@ -34,6 +34,7 @@ use std::time::Duration;
 
 use crate::retry::{self, Retries};
 use crate::stop::{drive, Stop};
+use crate::watches;
 use futures::{Stream, StreamExt};
 use k8s_openapi::api::core::v1::{NodeCondition, ObjectReference};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, ObjectMeta, Time};
@@ -41,10 +42,9 @@ use kube::api::{DeleteParams, ListParams, Patch, PatchParams, PostParams, Precon
 use kube::runtime::controller::Action;
 use kube::runtime::reflector::ObjectRef;
 use kube::runtime::reflector::{self, Store};
-use kube::runtime::{watcher, Controller, WatchStreamExt};
+use kube::runtime::{watcher, WatchStreamExt};
 use kube::{Api, Client, Resource, ResourceExt};
 use lb_api::constants::{conditions, finalizers, lb_annotations, lbm_annotations};
-use lb_api::watch::WatchBackoff;
 use lb_api::{LoadBalancerMachine, LoadBalancerSet, LoadBalancerSetStatus};
 use serde_json::json;
 use tracing::{debug, info, warn};
@@ -893,9 +893,7 @@ pub async fn run(ctx: Arc<LbsContext>, namespace: &str, stop: Stop) {
     let sets: Api<LoadBalancerSet> = Api::namespaced(ctx.client.clone(), namespace);
     let machines: Api<LoadBalancerMachine> = Api::namespaced(ctx.client.clone(), namespace);
     let (store, writer) = reflector::store();
-    let machine_events = watcher(machines, watcher::Config::default())
-        .backoff(WatchBackoff::default())
-        .reflect(writer);
+    let machine_events = watches::events(machines, watcher::Config::default()).reflect(writer);
     let metrics = ctx.metrics.clone();
     let running = Arc::new(Running {
         ctx,
@@ -904,8 +902,7 @@ pub async fn run(ctx: Arc<LbsContext>, namespace: &str, stop: Stop) {
         held: Mutex::default(),
         retries: Retries::new(retry::BASE, retry::OUTAGE_MAX),
     });
-    let controller =
-        Controller::new(sets, watcher::Config::default()).trigger_backoff(WatchBackoff::default());
+    let controller = watches::controller(sets, watcher::Config::default());
     let store = controller.store();
     let gc = tokio::spawn(forget_vanished_sets(store.clone(), metrics));
     let run = controller

@@ -37,3 +37,4 @@ pub mod retry;
 pub mod run;
 pub mod service_controller;
 pub mod stop;
+pub mod watches;

@@ -7,13 +7,13 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::watches;
 use futures::channel::mpsc;
 use futures::{Stream, StreamExt};
 use k8s_openapi::api::core::v1::{Node, Service};
 use kube::runtime::reflector::{self, ObjectRef, Store};
-use kube::runtime::{controller, watcher, Controller, WatchStreamExt};
+use kube::runtime::{controller, watcher};
 use kube::{Api, Client, ResourceExt};
-use lb_api::watch::WatchBackoff;
 use lb_api::LoadBalancer;
 use tracing::{debug, info, warn};
 
@@ -67,8 +67,7 @@ pub async fn run_controllers(
     let (nodes, node_writer) = reflector::store::<Node>();
     let node_stream = reflector::reflector(
         node_writer,
-        watcher(Api::<Node>::all(target.clone()), watcher::Config::default())
-            .backoff(WatchBackoff::default()),
+        watches::events(Api::<Node>::all(target.clone()), watcher::Config::default()),
     );
     let node_task = tokio::spawn(node_triggers(node_stream, node_trigger_tx));
 
@@ -76,7 +75,7 @@ pub async fn run_controllers(
     let (loadbalancers, lb_writer) = reflector::store::<LoadBalancer>();
     let lb_stream = reflector::reflector(
         lb_writer,
-        watcher(lb_api.clone(), watcher::Config::default()).backoff(WatchBackoff::default()),
+        watches::events(lb_api.clone(), watcher::Config::default()),
     );
     let (lb_trigger_tx, lb_trigger_rx) = mpsc::unbounded::<ObjectRef<Service>>();
     let own_writes = OwnWrites::default();
@@ -138,11 +137,10 @@ pub async fn run_controllers(
     });
 
     let controller_config = controller::Config::default().concurrency(config.concurrency);
-    let services = Controller::new(
+    let services = watches::controller(
         Api::<Service>::all(target.clone()),
         watcher::Config::default(),
-    )
-    .trigger_backoff(WatchBackoff::default());
+    );
     let services_store = services.store();
     let services = services
         .with_config(controller_config.clone())
@@ -159,8 +157,7 @@ pub async fn run_controllers(
                 debug!(error = %e, "service controller");
             }
         });
-    let backchannel = Controller::new(lb_api, watcher::Config::default())
-        .trigger_backoff(WatchBackoff::default());
+    let backchannel = watches::controller(lb_api, watcher::Config::default());
     let backchannel_store = backchannel.store();
     let backchannel = backchannel
         .with_config(controller_config)
