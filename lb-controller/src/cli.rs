@@ -12,8 +12,9 @@ use crate::desired::{ClassFilter, InfrastructureDefaults};
 use crate::lb_controller::{FileClouds, LbControllerConfig, RolloutGate, SdkClouds, SecretClouds};
 use crate::lbm_controller::LbmControllerConfig;
 use crate::lbs_controller::LbsControllerConfig;
+use crate::leader::LeaderElectionConfig;
 use crate::openstack::{CloudProviderConf, Credentials, OpenStackCalls};
-use crate::run::OpenStackTuning;
+use crate::run::{OpenStackTuning, Supervision};
 
 /// Cloud controller for yawol-compatible load balancers.
 #[derive(Debug, Parser)]
@@ -74,15 +75,6 @@ pub struct RunArgs {
     /// Also handle Services without a class.
     #[arg(long, env = "EMPTY_CLASSNAME", default_value_t = true, action = clap::ArgAction::Set)]
     pub empty_classname: bool,
-    /// Address of /metrics ("0" disables).
-    #[arg(long, env = "METRICS_BIND_ADDRESS", default_value = ":8080")]
-    pub metrics_bind_address: String,
-    /// Address of /healthz and /readyz ("0" disables).
-    #[arg(long, env = "HEALTH_PROBE_BIND_ADDRESS", default_value = ":8081")]
-    pub health_probe_bind_address: String,
-    /// Use a Lease in the control cluster so only one instance acts.
-    #[arg(long, env = "LEADER_ELECT")]
-    pub leader_elect: bool,
     /// Name of the Lease.
     #[arg(
         long,
@@ -93,15 +85,9 @@ pub struct RunArgs {
     /// Namespace of the Lease (default: CLUSTER_NAMESPACE).
     #[arg(long, env = "LEADER_ELECTION_NAMESPACE")]
     pub leader_election_namespace: Option<String>,
-    /// Lease duration in seconds.
-    #[arg(long, env = "LEASES_DURATION", default_value_t = 60)]
-    pub leases_duration: u64,
-    /// Renew deadline in seconds.
-    #[arg(long, env = "LEASES_RENEW_DEADLINE", default_value_t = 50)]
-    pub leases_renew_deadline: u64,
-    /// Retry period in seconds.
-    #[arg(long, env = "LEASES_RETRY_PERIOD", default_value_t = 10)]
-    pub leases_retry_period: u64,
+    /// Probes, metrics, leader election and logs.
+    #[command(flatten)]
+    pub process: ProcessArgs,
     /// Periodic re-check of every Service, in seconds.
     #[arg(long, env = "RESYNC_PERIOD", default_value_t = 600)]
     pub resync_period: u64,
@@ -111,12 +97,55 @@ pub struct RunArgs {
     /// Forward LoadBalancer events at most this old (seconds) when first seen after a start.
     #[arg(long, env = "EVENT_MAX_AGE", default_value_t = 300)]
     pub event_max_age: u64,
-    /// Log format.
-    #[arg(long, env = "LOG_FORMAT", value_enum, default_value = "text")]
-    pub log_format: LogFormat,
     /// Infrastructure defaults (yawol's environment variables).
     #[command(flatten)]
     pub infra: InfraArgs,
+}
+
+/// What both commands' processes share: probes, metrics, the leader Lease's timing, logs.
+#[derive(Debug, Args)]
+pub struct ProcessArgs {
+    /// Address of /metrics ("0" disables).
+    #[arg(long, env = "METRICS_BIND_ADDRESS", default_value = ":8080")]
+    pub metrics_bind_address: String,
+    /// Address of /healthz and /readyz ("0" disables).
+    #[arg(long, env = "HEALTH_PROBE_BIND_ADDRESS", default_value = ":8081")]
+    pub health_probe_bind_address: String,
+    /// Use a Lease in the control cluster so only one instance acts.
+    #[arg(long, env = "LEADER_ELECT")]
+    pub leader_elect: bool,
+    /// Lease duration in seconds.
+    #[arg(long, env = "LEASES_DURATION", default_value_t = 60)]
+    pub leases_duration: u64,
+    /// Renew deadline in seconds.
+    #[arg(long, env = "LEASES_RENEW_DEADLINE", default_value_t = 50)]
+    pub leases_renew_deadline: u64,
+    /// Retry period in seconds.
+    #[arg(long, env = "LEASES_RETRY_PERIOD", default_value_t = 10)]
+    pub leases_retry_period: u64,
+    /// Log format.
+    #[arg(long, env = "LOG_FORMAT", value_enum, default_value = "text")]
+    pub log_format: LogFormat,
+}
+
+impl ProcessArgs {
+    /// Where /metrics and the probes are served, and the Lease `namespace/name` held as `identity` when leader
+    /// election is on.
+    pub fn supervision(&self, namespace: &str, name: &str, identity: String) -> Supervision {
+        let election = self.leader_elect.then(|| LeaderElectionConfig {
+            namespace: namespace.to_string(),
+            name: name.to_string(),
+            identity,
+            lease_duration: Duration::from_secs(self.leases_duration),
+            renew_deadline: Duration::from_secs(self.leases_renew_deadline),
+            retry_period: Duration::from_secs(self.leases_retry_period.max(1)),
+        });
+        Supervision {
+            metrics_bind_address: self.metrics_bind_address.clone(),
+            health_probe_bind_address: self.health_probe_bind_address.clone(),
+            election,
+        }
+    }
 }
 
 /// Options of `lb-controller controller` (yawol-controller's flags that apply to the LoadBalancer controller).
@@ -129,15 +158,6 @@ pub struct ControllerArgs {
     /// inference: $KUBECONFIG, ~/.kube/config, in-cluster).
     #[arg(long, env = "KUBECONFIG")]
     pub kubeconfig: Option<String>,
-    /// Address of /metrics ("0" disables).
-    #[arg(long, env = "METRICS_BIND_ADDRESS", default_value = ":8080")]
-    pub metrics_bind_address: String,
-    /// Address of /healthz and /readyz ("0" disables).
-    #[arg(long, env = "HEALTH_PROBE_BIND_ADDRESS", default_value = ":8081")]
-    pub health_probe_bind_address: String,
-    /// Use a Lease so only one instance acts.
-    #[arg(long, env = "LEADER_ELECT")]
-    pub leader_elect: bool,
     /// Name of the Lease (in --namespace).
     #[arg(
         long,
@@ -145,15 +165,9 @@ pub struct ControllerArgs {
         default_value = "lb-openstack-controller"
     )]
     pub leader_election_id: String,
-    /// Lease duration in seconds.
-    #[arg(long, env = "LEASES_DURATION", default_value_t = 60)]
-    pub leases_duration: u64,
-    /// Renew deadline in seconds.
-    #[arg(long, env = "LEASES_RENEW_DEADLINE", default_value_t = 50)]
-    pub leases_renew_deadline: u64,
-    /// Retry period in seconds.
-    #[arg(long, env = "LEASES_RETRY_PERIOD", default_value_t = 10)]
-    pub leases_retry_period: u64,
+    /// Probes, metrics, leader election and logs.
+    #[command(flatten)]
+    pub process: ProcessArgs,
     /// Timeout of each OpenStack call ("20s", "1m" or seconds).
     #[arg(long, env = "OPENSTACK_TIMEOUT", default_value = "20s", value_parser = parse_duration)]
     pub openstack_timeout: Duration,
@@ -169,9 +183,6 @@ pub struct ControllerArgs {
     /// The cloud of --clouds-yaml.
     #[arg(long, env = "OS_CLOUD", default_value = "openstack")]
     pub os_cloud: String,
-    /// Log format.
-    #[arg(long, env = "LOG_FORMAT", value_enum, default_value = "text")]
-    pub log_format: LogFormat,
     /// How long a new LoadBalancerSet's `HasKeepalivedMaster` must have been True before older sets are scaled
     /// to 0 (yawol: 2 min).
     #[arg(long, env = "ROLLOUT_MASTER_FOR", default_value = "2m", value_parser = parse_duration)]
@@ -524,17 +535,17 @@ mod tests {
         };
         assert_eq!(args.namespace, "yawol");
         assert_eq!(args.kubeconfig.as_deref(), Some("inClusterConfig"));
-        assert!(args.leader_elect);
+        assert!(args.process.leader_elect);
         assert_eq!(args.leader_election_id, "lease");
-        assert_eq!(args.metrics_bind_address, ":9090");
-        assert_eq!(args.health_probe_bind_address, "0");
+        assert_eq!(args.process.metrics_bind_address, ":9090");
+        assert_eq!(args.process.health_probe_bind_address, "0");
         assert_eq!(args.openstack_timeout, Duration::from_secs(30));
         assert_eq!(args.loadbalancer_config().resync, Duration::from_secs(120));
         assert_eq!(
             args.cloudprovider_conf.as_deref(),
             Some(std::path::Path::new("/etc/cloud/cloudprovider.conf"))
         );
-        assert_eq!(args.log_format, LogFormat::Json);
+        assert_eq!(args.process.log_format, LogFormat::Json);
     }
 
     #[test]
@@ -547,7 +558,7 @@ mod tests {
         assert_eq!(args.openstack_timeout, Duration::from_secs(20));
         assert_eq!(args.resync_period, Duration::from_secs(300));
         assert_eq!(args.leader_election_id, "lb-openstack-controller");
-        assert!(!args.leader_elect);
+        assert!(!args.process.leader_elect);
         assert!(args.credentials().unwrap().is_none(), "Secrets by default");
         // One source of fixed credentials at most; a bad timeout is rejected.
         assert!(Cli::try_parse_from([

@@ -7,9 +7,8 @@ use std::time::Duration;
 use anyhow::Context;
 use clap::Parser;
 use lb_controller::cli::{self, Cli, Command, LogFormat};
-use lb_controller::leader::LeaderElectionConfig;
 use lb_controller::metrics::Metrics;
-use lb_controller::run::{self, Health, OpenStackRunConfig, RunConfig, Supervision};
+use lb_controller::run::{self, Health, OpenStackRunConfig, RunConfig};
 use lb_controller::service_controller::ServiceControllerConfig;
 use lb_controller::stop::Stop;
 use tracing::info;
@@ -27,12 +26,12 @@ fn main() -> anyhow::Result<()> {
 }
 
 fn run(args: cli::RunArgs) -> anyhow::Result<()> {
-    init_logging(args.log_format);
+    init_logging(args.process.log_format);
     tokio::runtime::Runtime::new()?.block_on(run_controller(args))
 }
 
 fn controller(args: cli::ControllerArgs) -> anyhow::Result<()> {
-    init_logging(args.log_format);
+    init_logging(args.process.log_format);
     tokio::runtime::Runtime::new()?.block_on(run_openstack(args))
 }
 
@@ -97,22 +96,15 @@ async fn run_controller(args: cli::RunArgs) -> anyhow::Result<()> {
         health.clone(),
         stop.clone().wait(),
     );
-    let election = args.leader_elect.then(|| LeaderElectionConfig {
-        namespace: args
-            .leader_election_namespace
-            .clone()
-            .unwrap_or(defaults.namespace),
-        name: args.leader_election_id.clone(),
-        identity: identity(&instance),
-        lease_duration: Duration::from_secs(args.leases_duration),
-        renew_deadline: Duration::from_secs(args.leases_renew_deadline),
-        retry_period: Duration::from_secs(args.leases_retry_period.max(1)),
-    });
-    let supervision = Supervision {
-        metrics_bind_address: args.metrics_bind_address.clone(),
-        health_probe_bind_address: args.health_probe_bind_address.clone(),
-        election,
-    };
+    let lease_namespace = args
+        .leader_election_namespace
+        .clone()
+        .unwrap_or(defaults.namespace);
+    let supervision = args.process.supervision(
+        &lease_namespace,
+        &args.leader_election_id,
+        identity(&instance),
+    );
     run::supervise(
         control,
         supervision,
@@ -147,19 +139,11 @@ async fn run_openstack(args: cli::ControllerArgs) -> anyhow::Result<()> {
         health.clone(),
         stop.clone().wait(),
     );
-    let election = args.leader_elect.then(|| LeaderElectionConfig {
-        namespace: args.namespace.clone(),
-        name: args.leader_election_id.clone(),
-        identity: identity(&instance),
-        lease_duration: Duration::from_secs(args.leases_duration),
-        renew_deadline: Duration::from_secs(args.leases_renew_deadline),
-        retry_period: Duration::from_secs(args.leases_retry_period.max(1)),
-    });
-    let supervision = Supervision {
-        metrics_bind_address: args.metrics_bind_address.clone(),
-        health_probe_bind_address: args.health_probe_bind_address.clone(),
-        election,
-    };
+    let supervision = args.process.supervision(
+        &args.namespace,
+        &args.leader_election_id,
+        identity(&instance),
+    );
     run::supervise(
         control,
         supervision,
