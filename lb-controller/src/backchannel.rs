@@ -6,7 +6,6 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crate::watches;
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::{Event, ObjectReference, Service};
 use kube::api::{Patch, PatchParams};
@@ -22,6 +21,7 @@ use tracing::{debug, info, warn};
 use crate::events::{EventPublisher, EventType};
 use crate::metrics::Metrics;
 use crate::retry::Retries;
+use crate::watches;
 
 /// Shared state of the back-channel controllers.
 pub struct BackchannelContext {

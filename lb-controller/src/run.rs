@@ -7,7 +7,6 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::watches;
 use futures::channel::mpsc;
 use futures::{Stream, StreamExt};
 use k8s_openapi::api::core::v1::{Node, Service};
@@ -28,6 +27,7 @@ use crate::metrics::Metrics;
 use crate::retry::{self, Retries};
 use crate::service_controller::{self, OwnWrites, ServiceContext, ServiceControllerConfig};
 use crate::stop::{drive, Stop};
+use crate::watches;
 
 /// Everything configurable about the running controllers.
 #[derive(Clone, Debug)]
