@@ -1,7 +1,8 @@
 //! Command line and environment (yawol-cloud-controller compatible names where they exist).
 
-use std::net::SocketAddr;
 use std::path::PathBuf;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{bail, Context};
@@ -9,12 +10,14 @@ use clap::{Args, Parser, Subcommand, ValueEnum};
 use lb_api::{OpenstackFlavorRef, OpenstackImageRef};
 
 use crate::desired::{ClassFilter, InfrastructureDefaults};
+use crate::lb_controller::CloudFactory;
 use crate::lb_controller::{FileClouds, LbControllerConfig, RolloutGate, SdkClouds, SecretClouds};
 use crate::lbm_controller::LbmControllerConfig;
 use crate::lbs_controller::LbsControllerConfig;
 use crate::leader::LeaderElectionConfig;
+use crate::metrics::Metrics;
 use crate::openstack::{CloudProviderConf, Credentials, OpenStackCalls};
-use crate::run::{OpenStackTuning, Supervision};
+use crate::run::{self, Health, OpenStackRunConfig, OpenStackTuning, Supervision};
 
 /// Cloud controller for yawol-compatible load balancers.
 #[derive(Debug, Parser)]
@@ -199,7 +202,7 @@ pub struct ControllerArgs {
 }
 
 /// Settings of the LoadBalancerSet and LoadBalancerMachine controllers: flags of `lb-controller controller`, and
-/// the same names in the environment for [`crate::run::OpenStackTuning::from_env`] (yawol's `API_ENDPOINT` and
+/// the same names in the environment for [`run_openstack_controllers`] (yawol's `API_ENDPOINT` and
 /// `NTP_SERVERS` among them).
 #[derive(Debug, Parser)]
 pub struct MachineArgs {
@@ -435,19 +438,31 @@ impl RunArgs {
     }
 }
 
-/// Parses `:8080`, `0.0.0.0:8080`, `[::]:8080`; "0" or "" disables (None).
-pub fn parse_bind_address(text: &str) -> anyhow::Result<Option<SocketAddr>> {
-    match text {
-        "" | "0" => Ok(None),
-        t if t.starts_with(':') => Ok(Some(
-            format!("0.0.0.0{t}")
-                .parse()
-                .with_context(|| format!("bad address {t:?}"))?,
-        )),
-        t => Ok(Some(
-            t.parse().with_context(|| format!("bad address {t:?}"))?,
-        )),
-    }
+/// The OpenStack-side controllers as the binary runs them, with the set and machine settings taken from the
+/// environment variables of the `controller` command's flags alone (yawol's `API_ENDPOINT`, `NTP_SERVERS`, …;
+/// [`MachineArgs`]): a bad value there marks `health` failed and returns. Otherwise
+/// [`crate::run::run_openstack_controllers_with`].
+pub async fn run_openstack_controllers<F: CloudFactory>(
+    client: kube::Client,
+    clouds: F,
+    config: OpenStackRunConfig,
+    metrics: Arc<Metrics>,
+    health: Arc<Health>,
+    shutdown: impl std::future::Future<Output = ()> + Send + Sync + 'static,
+) {
+    let tuning = match MachineArgs::from_env() {
+        Ok(args) => args.tuning(),
+        Err(e) => {
+            tracing::error!(
+                error = format!("{e:#}"),
+                "controller settings from the environment"
+            );
+            health.failed.store(true, Ordering::SeqCst);
+            return;
+        }
+    };
+    run::run_openstack_controllers_with(client, clouds, config, tuning, metrics, health, shutdown)
+        .await
 }
 
 /// A kube client from a kubeconfig path, the literal `inClusterConfig`, or inference.
@@ -474,20 +489,6 @@ pub async fn client_for(kubeconfig: Option<&str>) -> anyhow::Result<kube::Client
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn bind_addresses() {
-        assert_eq!(
-            parse_bind_address(":8080").unwrap(),
-            Some("0.0.0.0:8080".parse().unwrap())
-        );
-        assert_eq!(
-            parse_bind_address("127.0.0.1:9").unwrap(),
-            Some("127.0.0.1:9".parse().unwrap())
-        );
-        assert_eq!(parse_bind_address("0").unwrap(), None);
-        assert!(parse_bind_address("nope").is_err());
-    }
 
     #[test]
     fn missing_settings_are_listed_together() {

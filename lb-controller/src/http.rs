@@ -1,8 +1,10 @@
 //! `/metrics`, `/healthz` and `/readyz`.
 
 use std::net::SocketAddr;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
+
+use anyhow::Context;
 
 use axum::extract::State;
 use axum::http::{header, StatusCode};
@@ -11,7 +13,30 @@ use axum::routing::get;
 use axum::Router;
 
 use crate::metrics::Metrics;
-use crate::run::Health;
+
+/// Liveness/readiness shared with the probe endpoints.
+#[derive(Debug, Default)]
+pub struct Health {
+    /// Caches are synced and the controllers run.
+    pub ready: AtomicBool,
+    /// A controller loop ended unexpectedly.
+    pub failed: AtomicBool,
+}
+
+/// Parses `:8080`, `0.0.0.0:8080`, `[::]:8080`; "0" or "" disables (None).
+pub fn parse_bind_address(text: &str) -> anyhow::Result<Option<SocketAddr>> {
+    match text {
+        "" | "0" => Ok(None),
+        t if t.starts_with(':') => Ok(Some(
+            format!("0.0.0.0{t}")
+                .parse()
+                .with_context(|| format!("bad address {t:?}"))?,
+        )),
+        t => Ok(Some(
+            t.parse().with_context(|| format!("bad address {t:?}"))?,
+        )),
+    }
+}
 
 #[derive(Clone)]
 struct AppState {
@@ -69,4 +94,23 @@ pub async fn serve(addr: SocketAddr, router: Router) -> anyhow::Result<()> {
         .map_err(|e| anyhow::anyhow!("binding {addr}: {e}"))?;
     axum::serve(listener, router).await?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bind_addresses() {
+        assert_eq!(
+            parse_bind_address(":8080").unwrap(),
+            Some("0.0.0.0:8080".parse().unwrap())
+        );
+        assert_eq!(
+            parse_bind_address("127.0.0.1:9").unwrap(),
+            Some("127.0.0.1:9".parse().unwrap())
+        );
+        assert_eq!(parse_bind_address("0").unwrap(), None);
+        assert!(parse_bind_address("nope").is_err());
+    }
 }

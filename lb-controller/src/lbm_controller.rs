@@ -947,7 +947,7 @@ pub fn error_policy<F: CloudFactory>(
     Action::requeue(delay)
 }
 
-/// The context `run::run_openstack_controllers` starts this controller with: `config` (the binary's comes from
+/// The context `cli::run_openstack_controllers` starts this controller with: `config` (the binary's comes from
 /// flags or the environment, [`crate::cli::MachineArgs`]), the `loadbalancermachine*` families and the reconcile
 /// counts on the binary's `/metrics`, the cloud sessions shared with the LoadBalancer controller, events as
 /// `yawol-service`.

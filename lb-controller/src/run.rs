@@ -1,9 +1,9 @@
 //! Wiring: caches, triggers and the three loops (Service controller, back-channel controller,
 //! event forwarder) over a target and a control client; the OpenStack-side controllers
-//! ([`run_openstack_controllers`]); and the process around either ([`supervise`]: probes, metrics, leader election).
+//! ([`run_openstack_controllers_with`]); and the process around either ([`supervise`]: probes, metrics, leader election).
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -44,14 +44,8 @@ pub struct RunConfig {
     pub concurrency: u16,
 }
 
-/// Liveness/readiness shared with the probe endpoints.
-#[derive(Debug, Default)]
-pub struct Health {
-    /// Caches are synced and the controllers run.
-    pub ready: AtomicBool,
-    /// A controller loop ended unexpectedly.
-    pub failed: AtomicBool,
-}
+/// The probes' state, which the runners here set; the probe endpoints (`http.rs`) own the type.
+pub use crate::http::Health;
 
 /// Runs the controllers until `shutdown` resolves (then finishes in-flight reconciliations).
 pub async fn run_controllers(
@@ -304,10 +298,8 @@ pub struct OpenStackRunConfig {
     pub instance: String,
 }
 
-/// Settings of the LoadBalancerSet and LoadBalancerMachine controllers. The binary's come from its flags
-/// ([`crate::cli::MachineArgs`]); [`run_openstack_controllers`] reads the same names from the environment
-/// ([`OpenStackTuning::from_env`]); the real-OpenStack benchmark shortens the resync periods through
-/// [`run_openstack_controllers_with`].
+/// Settings of the LoadBalancerSet and LoadBalancerMachine controllers: the binary's come from its flags (or the
+/// same names in the environment); the real-OpenStack benchmark shortens the resync periods.
 #[derive(Clone, Debug)]
 pub struct OpenStackTuning {
     /// LoadBalancerSet controller.
@@ -316,42 +308,10 @@ pub struct OpenStackTuning {
     pub machines: lbm_controller::LbmControllerConfig,
 }
 
-impl OpenStackTuning {
-    /// The settings of the binary's flags taken from their environment variables alone (yawol's `API_ENDPOINT`,
-    /// `NTP_SERVERS`, …; [`crate::cli::MachineArgs`]); an unparsable value is an error.
-    pub fn from_env() -> anyhow::Result<Self> {
-        Ok(crate::cli::MachineArgs::from_env()?.tuning())
-    }
-}
-
 /// Runs the OpenStack-side controllers (LoadBalancer, LoadBalancerSet, LoadBalancerMachine) over `client` with the
-/// clouds of `clouds` until `shutdown` resolves, reporting on `metrics`; the set and machine controllers with
-/// [`OpenStackTuning::from_env`] (a bad value there marks `health` failed and returns). Events use yawol's
-/// `yawol-service` component, so the back channel forwards the LoadBalancer's to the Services.
-pub async fn run_openstack_controllers<F: CloudFactory>(
-    client: Client,
-    clouds: F,
-    config: OpenStackRunConfig,
-    metrics: Arc<Metrics>,
-    health: Arc<Health>,
-    shutdown: impl std::future::Future<Output = ()> + Send + Sync + 'static,
-) {
-    let tuning = match OpenStackTuning::from_env() {
-        Ok(tuning) => tuning,
-        Err(e) => {
-            tracing::error!(
-                error = format!("{e:#}"),
-                "controller settings from the environment"
-            );
-            health.failed.store(true, Ordering::SeqCst);
-            return;
-        }
-    };
-    run_openstack_controllers_with(client, clouds, config, tuning, metrics, health, shutdown).await
-}
-
-/// [`run_openstack_controllers`] with explicit settings for the set and machine controllers (the binary's, from its
-/// flags).
+/// clouds of `clouds` and `tuning` for the set and machine controllers until `shutdown` resolves, reporting on
+/// `metrics`. Events use yawol's `yawol-service` component, so the back channel forwards the LoadBalancer's to the
+/// Services. (`cli::run_openstack_controllers` takes the tuning from the environment, as the binary's flags.)
 pub async fn run_openstack_controllers_with<F: CloudFactory>(
     client: Client,
     clouds: F,
@@ -411,7 +371,7 @@ pub async fn run_openstack_controllers_with<F: CloudFactory>(
 /// The process around the controllers: where /metrics and the probes are served, and the leader Lease.
 #[derive(Clone, Debug)]
 pub struct Supervision {
-    /// Address of /metrics (`cli::parse_bind_address`; "0" disables).
+    /// Address of /metrics (`http::parse_bind_address`; "0" disables).
     pub metrics_bind_address: String,
     /// Address of /healthz and /readyz ("0" disables).
     pub health_probe_bind_address: String,
@@ -439,7 +399,7 @@ pub async fn supervise(
         &supervision.metrics_bind_address,
         &supervision.health_probe_bind_address,
     ] {
-        if let Some(addr) = crate::cli::parse_bind_address(address)? {
+        if let Some(addr) = crate::http::parse_bind_address(address)? {
             let router = router.clone();
             tokio::spawn(async move {
                 if let Err(e) = crate::http::serve(addr, router).await {

@@ -205,11 +205,12 @@ async fn keep_annotations_survive_deletion() {
     h.task.abort();
 }
 
-/// The binary's `controller` command starts the controllers through `run::run_openstack_controllers`; the same
+/// The binary's `controller` command starts the controllers through `cli::run_openstack_controllers`; the same
 /// function here (with the fake cloud instead of `SdkClouds`) reconciles a LoadBalancer and reports readiness.
 #[tokio::test]
 async fn the_binarys_entry_point_reconciles_a_loadbalancer() {
-    use lb_controller::run::{run_openstack_controllers, Health, OpenStackRunConfig};
+    use lb_controller::cli::run_openstack_controllers;
+    use lb_controller::run::{Health, OpenStackRunConfig};
     use std::sync::atomic::Ordering;
 
     let (client, ns) = setup("lb-binary").await;

@@ -788,15 +788,16 @@ async fn metrics_series_appear_and_disappear() {
 }
 
 /// The binary's `controller` command starts every OpenStack-side controller through
-/// `run::run_openstack_controllers`: a LoadBalancer becomes a set, a machine, and an ACTIVE server booted with the
+/// `cli::run_openstack_controllers`: a LoadBalancer becomes a set, a machine, and an ACTIVE server booted with the
 /// LoadBalancer's router ID, sync secret and server group; the machine series are on the binary's /metrics; deleting
 /// the LoadBalancer removes everything down to the RBAC objects.
 #[tokio::test]
 async fn the_binarys_entry_point_runs_the_machine_controller() {
+    use lb_controller::cli::run_openstack_controllers;
     use lb_controller::lb_controller::LbControllerConfig;
-    use lb_controller::run::{run_openstack_controllers, Health, OpenStackRunConfig};
+    use lb_controller::run::{Health, OpenStackRunConfig};
 
-    // Only this test of the binary reads the environment (`OpenStackTuning::from_env`).
+    // Only this test of the binary reads the environment (`cli::run_openstack_controllers`).
     std::env::set_var("API_ENDPOINT", "https://api.control.example:6443");
     let (client, ns) = setup("lbm-binary").await;
     let cloud = Arc::new(FakeCloud::new());

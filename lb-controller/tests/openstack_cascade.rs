@@ -1,5 +1,5 @@
 //! The whole OpenStack side — LoadBalancer → LoadBalancerSet → LoadBalancerMachine — started through
-//! `run::run_openstack_controllers` (the binary's path, settings from the environment) on the in-memory API
+//! `cli::run_openstack_controllers` (the binary's path, settings from the environment) on the in-memory API
 //! server, against the real OpenStack of `cargo xtask openstack up` through the real `SdkCloud` (credentials from
 //! the LoadBalancer's `cloudprovider.conf` Secret via `SecretClouds`, except where Neutron or Nova sits behind a
 //! fault proxy).

@@ -14,9 +14,10 @@ use std::time::Duration;
 use common::kube::{loadbalancermachines, loadbalancers, wait, Objects};
 use kube::Client;
 use kube_testenv::{wait_within, KubeEnv};
+use lb_controller::cli::run_openstack_controllers;
 use lb_controller::lb_controller::{FixedCloud, LbControllerConfig};
 use lb_controller::openstack::fake::FakeCloud;
-use lb_controller::run::{run_openstack_controllers, Health, OpenStackRunConfig};
+use lb_controller::run::{Health, OpenStackRunConfig};
 use serde_json::{json, Value};
 
 fn lb_json(ns: &str, replicas: i32) -> Value {

@@ -13,9 +13,10 @@ use common::kube::{
 };
 use kube::api::{Api, DeleteParams, PostParams};
 use kube_testenv::KubeEnv;
+use lb_controller::cli::run_openstack_controllers;
 use lb_controller::lb_controller::{FixedCloud, LbControllerConfig};
 use lb_controller::openstack::fake::FakeCloud;
-use lb_controller::run::{run_openstack_controllers, Health, OpenStackRunConfig};
+use lb_controller::run::{Health, OpenStackRunConfig};
 use serde_json::json;
 
 /// Where `deploy/openstack-controller.yaml` lets the controller work (its Role's namespace).

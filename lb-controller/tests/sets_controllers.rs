@@ -937,7 +937,8 @@ async fn sets_bad_input_is_reported_and_changes_nothing() {
 /// `run_openstack_controllers` (the binary's path, settings from the environment) runs the set controller too.
 #[tokio::test]
 async fn sets_the_binarys_entry_point_creates_sets_and_machines() {
-    use lb_controller::run::{run_openstack_controllers, Health, OpenStackRunConfig};
+    use lb_controller::cli::run_openstack_controllers;
+    use lb_controller::run::{Health, OpenStackRunConfig};
     let (client, ns) = setup("sets-binary").await;
     let metrics = Arc::new(Metrics::new());
     let task = tokio::spawn(run_openstack_controllers(

@@ -2,7 +2,7 @@
 //! `tests/openstack_cascade.rs`) and the OpenStack benchmark (`examples/bench_openstack.rs` includes this file by
 //! path): sessions on the environment of `cargo xtask openstack up`, Nova's view of a server, the leak check plus
 //! sweep that ends every test, and [`Cascade`]: the OpenStack-side controllers started through
-//! `run::run_openstack_controllers` on the in-memory API server, with Kubernetes' token controller and the
+//! `cli::run_openstack_controllers` on the in-memory API server, with Kubernetes' token controller and the
 //! machines' agents played by a background task.
 
 #![allow(dead_code)]
@@ -19,13 +19,13 @@ use kube::Api;
 use kube_testenv::fake_api::{FakeApiServer, ResourceKey};
 use lb_api::constants::{conditions, lb_annotations};
 use lb_api::{LoadBalancer, LoadBalancerMachine};
+use lb_controller::cli::run_openstack_controllers;
 use lb_controller::lb_controller::{CloudFactory, LbControllerConfig, RolloutGate};
 use lb_controller::metrics::Metrics;
 use lb_controller::openstack::sdk::SdkCloud;
 use lb_controller::openstack::{Cloud, CloudProviderConf, OpenStackCalls};
 use lb_controller::run::{
-    run_openstack_controllers, run_openstack_controllers_with, Health, OpenStackRunConfig,
-    OpenStackTuning,
+    run_openstack_controllers_with, Health, OpenStackRunConfig, OpenStackTuning,
 };
 use openstack_sdk::api::QueryAsync;
 use openstack_sdk::AsyncOpenStack;
