@@ -10,8 +10,9 @@ use clap::{Args, Parser, Subcommand, ValueEnum};
 use lb_api::{OpenstackFlavorRef, OpenstackImageRef};
 
 use crate::desired::{ClassFilter, InfrastructureDefaults};
-use crate::lb_controller::CloudFactory;
-use crate::lb_controller::{FileClouds, LbControllerConfig, RolloutGate, SdkClouds, SecretClouds};
+use crate::lb_controller::{
+    CloudFactory, FileClouds, LbControllerConfig, RolloutGate, SdkClouds, SecretClouds,
+};
 use crate::lbm_controller::LbmControllerConfig;
 use crate::lbs_controller::LbsControllerConfig;
 use crate::leader::LeaderElectionConfig;
