@@ -11,31 +11,13 @@ mod common;
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::kube::{loadbalancermachines, loadbalancers, wait, Objects};
+use common::kube::{
+    fake_cloud_lb, loadbalancermachines, loadbalancers, wait, Objects, OpenStackSide,
+};
 use kube::Client;
 use kube_testenv::{wait_within, KubeEnv};
-use lb_controller::cli::run_openstack_controllers;
-use lb_controller::lb_controller::{FixedCloud, LbControllerConfig};
 use lb_controller::openstack::fake::FakeCloud;
-use lb_controller::run::{Health, OpenStackRunConfig};
-use serde_json::{json, Value};
-
-fn lb_json(ns: &str, replicas: i32) -> Value {
-    json!({
-        "apiVersion": "yawol.stackit.cloud/v1beta1", "kind": "LoadBalancer",
-        "metadata": {"name": "outage", "namespace": ns},
-        "spec": {
-            "selector": {"matchLabels": {"yawol.stackit.cloud/loadbalancer": "outage"}},
-            "replicas": replicas,
-            "ports": [{"name": "http", "port": 80, "nodePort": 30080, "protocol": "TCP"}],
-            "infrastructure": {
-                "defaultNetwork": {"networkID": "net", "floatingNetID": "ext"},
-                "flavor": {"flavorID": "f"}, "image": {"imageID": "i"},
-                "authSecretRef": {"name": "cloud", "namespace": ns}
-            }
-        }
-    })
-}
+use serde_json::json;
 
 /// Plays every machine's agent once: fresh, healthy conditions for each machine whose server is up (the first by
 /// name is the VRRP master). Errors (the API server is down) are the agent's problem, as they are on a real VM.
@@ -113,21 +95,7 @@ async fn a_minute_without_the_api_server_deletes_no_server_and_no_machine() {
         .unwrap();
     let ns = env.namespace(&admin, "outage").await.unwrap();
     let cloud = Arc::new(FakeCloud::new());
-    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-    let controllers = tokio::spawn(run_openstack_controllers(
-        admin.clone(),
-        FixedCloud(cloud.clone()),
-        OpenStackRunConfig {
-            namespace: ns.clone(),
-            loadbalancer: LbControllerConfig::default(),
-            instance: "test".into(),
-        },
-        Arc::new(lb_controller::metrics::Metrics::new()),
-        Arc::new(Health::default()),
-        async move {
-            let _ = stop_rx.await;
-        },
-    ));
+    let controllers = OpenStackSide::start(admin.clone(), cloud.clone(), &ns);
     let machines = loadbalancermachines(&admin, &ns);
     let agents = {
         let machines = machines.clone();
@@ -142,7 +110,7 @@ async fn a_minute_without_the_api_server_deletes_no_server_and_no_machine() {
         .api()
         .create(
             &Default::default(),
-            &serde_json::from_value(lb_json(&ns, 2)).unwrap(),
+            &serde_json::from_value(fake_cloud_lb(&ns, "outage", 2)).unwrap(),
         )
         .await
         .unwrap();
@@ -200,9 +168,5 @@ async fn a_minute_without_the_api_server_deletes_no_server_and_no_machine() {
     .unwrap();
 
     agents.abort();
-    let _ = stop_tx.send(());
-    tokio::time::timeout(Duration::from_secs(30), controllers)
-        .await
-        .expect("the controllers stop")
-        .unwrap();
+    controllers.stop().await;
 }

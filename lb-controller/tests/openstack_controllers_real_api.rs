@@ -6,18 +6,14 @@
 mod common;
 
 use std::sync::Arc;
-use std::time::Duration;
 
 use common::kube::{
-    loadbalancermachines, loadbalancers, rolebindings, roles, serviceaccounts, wait,
+    fake_cloud_lb, loadbalancermachines, loadbalancers, rolebindings, roles, serviceaccounts, wait,
+    OpenStackSide,
 };
 use kube::api::{Api, DeleteParams, PostParams};
 use kube_testenv::KubeEnv;
-use lb_controller::cli::run_openstack_controllers;
-use lb_controller::lb_controller::{FixedCloud, LbControllerConfig};
 use lb_controller::openstack::fake::FakeCloud;
-use lb_controller::run::{Health, OpenStackRunConfig};
-use serde_json::json;
 
 /// Where `deploy/openstack-controller.yaml` lets the controller work (its Role's namespace).
 const NS: &str = "kube-system";
@@ -38,36 +34,9 @@ async fn the_cascade_runs_under_the_deploy_rbac_with_a_real_token() {
     .await;
 
     let cloud = Arc::new(FakeCloud::new());
-    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-    let task = tokio::spawn(run_openstack_controllers(
-        controller,
-        FixedCloud(cloud.clone()),
-        OpenStackRunConfig {
-            namespace: NS.into(),
-            loadbalancer: LbControllerConfig::default(),
-            instance: "test".into(),
-        },
-        Arc::new(lb_controller::metrics::Metrics::new()),
-        Arc::new(Health::default()),
-        async move {
-            let _ = stop_rx.await;
-        },
-    ));
-    let lb: lb_api::LoadBalancer = serde_json::from_value(json!({
-        "apiVersion": "yawol.stackit.cloud/v1beta1", "kind": "LoadBalancer",
-        "metadata": {"name": "rbac-e2e", "namespace": NS},
-        "spec": {
-            "selector": {"matchLabels": {"yawol.stackit.cloud/loadbalancer": "rbac-e2e"}},
-            "replicas": 1,
-            "ports": [{"name": "http", "port": 80, "nodePort": 30080, "protocol": "TCP"}],
-            "infrastructure": {
-                "defaultNetwork": {"networkID": "net", "floatingNetID": "ext"},
-                "flavor": {"flavorID": "f"}, "image": {"imageID": "i"},
-                "authSecretRef": {"name": "cloud", "namespace": NS}
-            }
-        }
-    }))
-    .unwrap();
+    let controllers = OpenStackSide::start(controller, cloud.clone(), NS);
+    let lb: lb_api::LoadBalancer =
+        serde_json::from_value(fake_cloud_lb(NS, "rbac-e2e", 1)).unwrap();
     Api::<lb_api::LoadBalancer>::namespaced(admin.clone(), NS)
         .create(&PostParams::default(), &lb)
         .await
@@ -105,9 +74,5 @@ async fn the_cascade_runs_under_the_deploy_rbac_with_a_real_token() {
     })
     .await;
     assert_eq!(cloud.counts(), (0, 0, 0, 0, 0), "nothing left in the cloud");
-    let _ = stop_tx.send(());
-    tokio::time::timeout(Duration::from_secs(30), task)
-        .await
-        .expect("the controllers stop")
-        .unwrap();
+    controllers.stop().await;
 }

@@ -10,7 +10,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::kube::{
-    loadbalancermachines, loadbalancers, loadbalancersets, secrets, setup, wait, Objects,
+    fake_cloud_lb, loadbalancermachines, loadbalancers, loadbalancersets, secrets, setup, wait,
+    Objects,
 };
 use kube::api::{DeleteParams, Patch, PatchParams, PostParams};
 use kube::{Api, Client};
@@ -21,23 +22,6 @@ use lb_controller::lbs_controller::{LbsContext, LbsControllerConfig};
 use lb_controller::metrics::Metrics;
 use lb_controller::openstack::fake::FakeCloud;
 use serde_json::{json, Value};
-
-fn lb_json(ns: &str, name: &str, replicas: i32) -> Value {
-    json!({
-        "apiVersion": "yawol.stackit.cloud/v1beta1", "kind": "LoadBalancer",
-        "metadata": {"name": name, "namespace": ns},
-        "spec": {
-            "selector": {"matchLabels": {"yawol.stackit.cloud/loadbalancer": name}},
-            "replicas": replicas,
-            "ports": [{"name": "http", "port": 80, "nodePort": 30080, "protocol": "TCP"}],
-            "infrastructure": {
-                "defaultNetwork": {"networkID": "net", "floatingNetID": "ext"},
-                "flavor": {"flavorID": "f"}, "image": {"imageID": "i"},
-                "authSecretRef": {"name": "cloud", "namespace": ns}
-            }
-        }
-    })
-}
 
 struct H {
     client: Client,
@@ -334,7 +318,7 @@ async fn current_set(h: &H, lb: &str, revision: &str) -> String {
 #[tokio::test]
 async fn sets_create_n_machines_one_at_a_time() {
     let h = start("sets-create").await;
-    h.create_lb(lb_json(&h.ns, "web", 3)).await;
+    h.create_lb(fake_cloud_lb(&h.ns, "web", 3)).await;
     let set = current_set(&h, "web", "1").await;
     let s = h.set(&set).await;
     let hash = s["metadata"]["labels"]["lbm-template-hash"]
@@ -393,7 +377,7 @@ async fn sets_create_n_machines_one_at_a_time() {
 #[tokio::test]
 async fn sets_hot_changes_keep_the_set_rolling_changes_replace_it_after_the_vip_moved() {
     let h = start("sets-rolling").await;
-    h.create_lb(lb_json(&h.ns, "web", 2)).await;
+    h.create_lb(fake_cloud_lb(&h.ns, "web", 2)).await;
     let old = current_set(&h, "web", "1").await;
     let old_machines = h.bring_up(&old, 2, 1).await;
     h.agent(&old_machines[0], "10.0.1.1", true).await;
@@ -486,7 +470,7 @@ async fn sets_hot_changes_keep_the_set_rolling_changes_replace_it_after_the_vip_
 #[tokio::test]
 async fn sets_scale_down_removes_unready_then_non_masters() {
     let h = start("sets-scale-down").await;
-    h.create_lb(lb_json(&h.ns, "web", 3)).await;
+    h.create_lb(fake_cloud_lb(&h.ns, "web", 3)).await;
     let set = current_set(&h, "web", "1").await;
     let m = h.bring_up(&set, 3, 1).await;
     // m[0] is master, m[1] is unready, m[2] is ready.
@@ -536,7 +520,7 @@ async fn sets_scale_down_removes_unready_then_non_masters() {
 #[tokio::test]
 async fn sets_unhealthy_machine_is_marked_then_replaced() {
     let h = start("sets-unhealthy").await;
-    h.create_lb(lb_json(&h.ns, "web", 2)).await;
+    h.create_lb(fake_cloud_lb(&h.ns, "web", 2)).await;
     let set = current_set(&h, "web", "1").await;
     let m = h.bring_up(&set, 2, 1).await;
     // m[0] stops reporting: heartbeats 7 minutes old. m[1] keeps reporting (no outage).
@@ -574,7 +558,7 @@ async fn sets_unhealthy_machine_is_marked_then_replaced() {
 #[tokio::test]
 async fn sets_no_deletion_while_every_heartbeat_is_stale() {
     let h = start("sets-outage").await;
-    h.create_lb(lb_json(&h.ns, "web", 2)).await;
+    h.create_lb(fake_cloud_lb(&h.ns, "web", 2)).await;
     let set = current_set(&h, "web", "1").await;
     let m = h.bring_up(&set, 2, 1).await;
     // The API server is away: one agent's heartbeat ages (it gets marked: the other still reports)…
@@ -629,12 +613,12 @@ async fn sets_router_ids_are_distinct_per_network_and_the_sync_secret_is_created
             by_id.insert(id, n.clone()).map(|other| (other, n))
         })
         .unwrap();
-    let mut other_net = lb_json(&h.ns, "elsewhere", 1);
+    let mut other_net = fake_cloud_lb(&h.ns, "elsewhere", 1);
     other_net["spec"]["infrastructure"]["defaultNetwork"]["networkID"] = json!("net-2");
     for obj in [
-        lb_json(&h.ns, &a, 1),
-        lb_json(&h.ns, &b, 1),
-        lb_json(&h.ns, "third", 1),
+        fake_cloud_lb(&h.ns, &a, 1),
+        fake_cloud_lb(&h.ns, &b, 1),
+        fake_cloud_lb(&h.ns, "third", 1),
         other_net,
     ] {
         h.create_lb(obj).await;
@@ -703,7 +687,7 @@ async fn sets_router_ids_are_distinct_per_network_and_the_sync_secret_is_created
 #[tokio::test]
 async fn sets_sync_peers_follow_the_machines() {
     let h = start("sets-peers").await;
-    h.create_lb(lb_json(&h.ns, "web", 2)).await;
+    h.create_lb(fake_cloud_lb(&h.ns, "web", 2)).await;
     let set = current_set(&h, "web", "1").await;
     let peers = || async {
         h.lb("web").await["metadata"]["annotations"]["loadbalancer.yawol.stackit.cloud/syncPeers"]
@@ -759,7 +743,7 @@ async fn sets_sync_peers_follow_the_machines() {
 async fn metrics_then_deletion(prefix: &str) -> H {
     let h = start(prefix).await;
     let ns = h.ns.clone();
-    h.create_lb(lb_json(&ns, "web", 1)).await;
+    h.create_lb(fake_cloud_lb(&ns, "web", 1)).await;
     let set = current_set(&h, "web", "1").await;
     let m = h.bring_up(&set, 1, 1).await;
     wait("LB ready", || async {
@@ -885,7 +869,7 @@ async fn sets_series_of_a_deleted_loadbalancer_disappear() {
 #[tokio::test]
 async fn sets_bad_input_is_reported_and_changes_nothing() {
     let h = start("sets-bad-input").await;
-    h.create_lb(lb_json(&h.ns, "web", 1)).await;
+    h.create_lb(fake_cloud_lb(&h.ns, "web", 1)).await;
     let set = current_set(&h, "web", "1").await;
     h.bring_up(&set, 1, 1).await;
     let since = h.reconciles("loadbalancer");
@@ -956,7 +940,7 @@ async fn sets_the_binarys_entry_point_creates_sets_and_machines() {
     Api::<LoadBalancer>::namespaced(client.clone(), &ns)
         .create(
             &PostParams::default(),
-            &serde_json::from_value(lb_json(&ns, "bin", 1)).unwrap(),
+            &serde_json::from_value(fake_cloud_lb(&ns, "bin", 1)).unwrap(),
         )
         .await
         .unwrap();

@@ -218,3 +218,65 @@ async fn apply_rbac(admin: &Client, file: &str) {
             .unwrap_or_else(|e| panic!("{file}: {} {name}: {e}", gvk.kind));
     }
 }
+
+/// A LoadBalancer for the fake cloud (`lb_controller::openstack::fake`, any network, flavor and image id):
+/// `replicas` machines serving one TCP port.
+pub fn fake_cloud_lb(ns: &str, name: &str, replicas: i32) -> Value {
+    json!({
+        "apiVersion": "yawol.stackit.cloud/v1beta1", "kind": "LoadBalancer",
+        "metadata": {"name": name, "namespace": ns},
+        "spec": {
+            "selector": {"matchLabels": {"yawol.stackit.cloud/loadbalancer": name}},
+            "replicas": replicas,
+            "ports": [{"name": "http", "port": 80, "nodePort": 30080, "protocol": "TCP"}],
+            "infrastructure": {
+                "defaultNetwork": {"networkID": "net", "floatingNetID": "ext"},
+                "flavor": {"flavorID": "f"}, "image": {"imageID": "i"},
+                "authSecretRef": {"name": "cloud", "namespace": ns}
+            }
+        }
+    })
+}
+
+/// The OpenStack-side controllers as the binary starts them (`cli::run_openstack_controllers`) over `client` and a
+/// fake cloud, in one namespace, until [`OpenStackSide::stop`].
+pub struct OpenStackSide {
+    stop: tokio::sync::oneshot::Sender<()>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl OpenStackSide {
+    pub fn start(
+        client: Client,
+        cloud: std::sync::Arc<lb_controller::openstack::fake::FakeCloud>,
+        namespace: &str,
+    ) -> Self {
+        use lb_controller::lb_controller::{FixedCloud, LbControllerConfig};
+        use lb_controller::run::{Health, OpenStackRunConfig};
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let task = tokio::spawn(lb_controller::cli::run_openstack_controllers(
+            client,
+            FixedCloud(cloud),
+            OpenStackRunConfig {
+                namespace: namespace.into(),
+                loadbalancer: LbControllerConfig::default(),
+                instance: "test".into(),
+            },
+            std::sync::Arc::new(lb_controller::metrics::Metrics::new()),
+            std::sync::Arc::new(Health::default()),
+            async move {
+                let _ = stopped.await;
+            },
+        ));
+        OpenStackSide { stop, task }
+    }
+
+    /// Stops the controllers; they must be done within 30 s.
+    pub async fn stop(self) {
+        let _ = self.stop.send(());
+        tokio::time::timeout(std::time::Duration::from_secs(30), self.task)
+            .await
+            .expect("the controllers stop")
+            .unwrap();
+    }
+}
