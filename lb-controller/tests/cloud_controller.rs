@@ -299,7 +299,10 @@ async fn annotations_applied_and_changed_in_one_write() {
         "all changes in one patch (the first write already had them)"
     );
     assert_eq!(writes.count(), 1, "all changes in one patch");
-    assert_eq!(controller_lb_writes(&h.metrics), controller_writes + 1);
+    assert_eq!(
+        h.controller_lb_writes_reaching(controller_writes + 1).await,
+        controller_writes + 1
+    );
     let infra = &lb.spec.infrastructure;
     assert_eq!(infra.image.image_id.as_deref(), Some("image-2"));
     assert_eq!(infra.flavor.flavor_id.as_deref(), Some("flavor-2"));
@@ -649,7 +652,10 @@ async fn node_heartbeats_do_not_cause_writes() {
     })
     .await;
     assert_eq!(writes.count(), 1, "only the real change was written");
-    assert_eq!(controller_lb_writes(&h.metrics), controller_writes + 1);
+    assert_eq!(
+        h.controller_lb_writes_reaching(controller_writes + 1).await,
+        controller_writes + 1
+    );
     // The heartbeats themselves trigger nothing (a few reconciles come from the real node change, which
     // re-runs every Service: also the cluster's `kubernetes` Service).
     assert!(h.metrics.reconcile_count("service") - before < 10);

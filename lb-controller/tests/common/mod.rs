@@ -574,8 +574,13 @@ impl Harness {
             .unwrap()
             .items
             .len() as u64;
-        eventually("the controller counted its creations", || async {
-            controller_lb_writes(&self.metrics) >= seen
+        self.controller_lb_writes_reaching(seen).await
+    }
+
+    /// The controller's count of its LoadBalancer writes once it has reached `at_least` (see above).
+    pub async fn controller_lb_writes_reaching(&self, at_least: u64) -> u64 {
+        eventually("the controller counted its writes", || async {
+            controller_lb_writes(&self.metrics) >= at_least
         })
         .await;
         controller_lb_writes(&self.metrics)
