@@ -628,6 +628,35 @@ both_hooks! {
         assert_eq!(h.stat(stat::PASS_ICMP_UNKNOWN), 1);
     }
 
+    fn an_icmp_quote_ends_with_the_ip_packet_not_the_frame(h) {
+        // Found by the differential fuzzer: bytes after the IP total length (Ethernet padding) were read as part
+        // of the quote and rewritten, and the ICMP checksum was adjusted for bytes it does not cover.
+        h.apply(&[web(&[1])]);
+        let syn = open(h, 40120);
+        let quoted_frame = tcp(LB_MAC, syn.dst_mac, syn.src, syn.sport, syn.dst, syn.dport, ACK, b"");
+        let quoted = &quoted_frame[14..];
+        // The error quotes the inner IP header and ports; the rest of the segment (its checksum too) is padding.
+        let mut f = icmp_error(syn.dst_mac, LB_MAC, syn.dst, syn.src, 3, 4, [0, 0, 5, 0], &quoted[..24]);
+        let end = f.len();
+        f.extend_from_slice(&quoted[24..]);
+        let (v, out) = h.run(&f);
+        assert_eq!(v, Verdict::Tx);
+        assert_eq!(internet_checksum(&[&out[34..end]]), 0, "ICMP checksum over the message");
+        assert_eq!(&out[end..], &quoted[24..], "padding untouched");
+        assert_eq!(&out[end - 24 + 12..end - 24 + 16], &CLIENT.octets(), "quote translated");
+        // With the ports in the padding, the error is about nothing known.
+        let mut g = icmp_error(syn.dst_mac, LB_MAC, syn.dst, syn.src, 3, 4, [0, 0, 5, 0], &quoted[..20]);
+        g.extend_from_slice(&quoted[20..]);
+        let (v, out) = h.run(&g);
+        assert_eq!((v, &out), (Verdict::Pass, &g));
+        assert_eq!(h.stat(stat::PASS_ICMP_UNKNOWN), 1);
+        // An ICMP header cut off by the total length is malformed, like a cut TCP or UDP header.
+        let mut cut = g.clone();
+        cut[16..18].copy_from_slice(&21u16.to_be_bytes());
+        assert_eq!(h.run(&cut).0, Verdict::Drop);
+        assert_eq!(h.stat(stat::DROP_MALFORMED), 1);
+    }
+
     fn ip_options_are_forwarded_untouched(h) {
         h.apply(&[web(&[1])]);
         let plain = client_tcp(40110, SYN, b"");

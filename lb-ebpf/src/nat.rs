@@ -130,7 +130,7 @@ pub fn process<C: Ctx>(c: &C) -> Verdict {
             };
             l4(c, &cfg, &p)
         }
-        PROTO_ICMP => icmp(c, eth, ip, l4_off),
+        PROTO_ICMP => icmp(c, eth, ip, l4_off, ETH_LEN + tot),
         _ => {
             count(stat::PASS_NOT_SERVICE);
             Verdict::Pass
@@ -665,10 +665,12 @@ pub fn rewrite<C: Ctx>(c: &C, p: &L4Pkt, fl: &FlowV4) -> Verdict {
 }
 
 /// ICMP: errors about one of our flows are translated (outer and inner headers) and sent the way the flow
-/// goes; everything else (echo, errors about other traffic) is the kernel's.
+/// goes; everything else (echo, errors about other traffic) is the kernel's. The message ends with the IP packet
+/// (`end`, from the IP total length): Ethernet padding after it is neither read as part of the quote nor
+/// rewritten, or the ICMP checksum would be adjusted for bytes it does not cover.
 #[inline(always)]
-fn icmp<C: Ctx>(c: &C, eth: *mut EthHdr, ip: *mut Ipv4Hdr, l4_off: usize) -> Verdict {
-    let Some(ih) = ptr_at::<C, IcmpHdr>(c, l4_off) else {
+fn icmp<C: Ctx>(c: &C, eth: *mut EthHdr, ip: *mut Ipv4Hdr, l4_off: usize, end: usize) -> Verdict {
+    let (Some(ih), true) = (ptr_at::<C, IcmpHdr>(c, l4_off), l4_off + ICMP_LEN <= end) else {
         count(stat::DROP_MALFORMED);
         return Verdict::Drop;
     };
@@ -678,7 +680,8 @@ fn icmp<C: Ctx>(c: &C, eth: *mut EthHdr, ip: *mut Ipv4Hdr, l4_off: usize) -> Ver
         return Verdict::Pass;
     }
     let inner_off = l4_off + ICMP_LEN;
-    let Some(iip) = ptr_at::<C, Ipv4Hdr>(c, inner_off) else {
+    let il4_off = inner_off + IPV4_LEN;
+    let (Some(iip), true) = (ptr_at::<C, Ipv4Hdr>(c, inner_off), il4_off + 4 <= end) else {
         count(stat::PASS_ICMP_UNKNOWN);
         return Verdict::Pass;
     };
@@ -688,7 +691,6 @@ fn icmp<C: Ctx>(c: &C, eth: *mut EthHdr, ip: *mut Ipv4Hdr, l4_off: usize) -> Ver
         count(stat::PASS_ICMP_UNKNOWN);
         return Verdict::Pass;
     }
-    let il4_off = inner_off + IPV4_LEN;
     let Some(ip4) = ptr_at::<C, Ports>(c, il4_off) else {
         count(stat::PASS_ICMP_UNKNOWN);
         return Verdict::Pass;
@@ -744,18 +746,19 @@ fn icmp<C: Ctx>(c: &C, eth: *mut EthHdr, ip: *mut Ipv4Hdr, l4_off: usize) -> Ver
         let mut d_icmp = csum::add(csum::add(d_iaddr, d_iport), csum::diff16(old_ick, new_ick));
         // The inner L4 checksum is there only if the error quoted enough of the packet.
         let l4_diff = csum::add(d_iaddr, d_iport);
-        if iproto == PROTO_TCP {
-            if let Some(p) = ptr_at::<C, u16>(c, il4_off + TCP_CSUM_OFF) {
+        let udp = iproto == PROTO_UDP;
+        let l4_csum_off = il4_off + if udp { UDP_CSUM_OFF } else { TCP_CSUM_OFF };
+        if l4_csum_off + 2 <= end {
+            if let Some(p) = ptr_at::<C, u16>(c, l4_csum_off) {
                 let old = *p;
-                let new = csum::apply(old, l4_diff);
+                let new = if udp {
+                    csum::apply_udp(old, l4_diff)
+                } else {
+                    csum::apply(old, l4_diff)
+                };
                 *p = new;
                 d_icmp = csum::add(d_icmp, csum::diff16(old, new));
             }
-        } else if let Some(p) = ptr_at::<C, u16>(c, il4_off + UDP_CSUM_OFF) {
-            let old = *p;
-            let new = csum::apply_udp(old, l4_diff);
-            *p = new;
-            d_icmp = csum::add(d_icmp, csum::diff16(old, new));
         }
         // ICMP header pointer re-derived: the bounds checks above may have clobbered the register.
         if let Some(ih) = ptr_at::<C, IcmpHdr>(c, l4_off) {

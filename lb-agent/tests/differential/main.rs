@@ -1,0 +1,523 @@
+//! Differential fuzzing of the data plane (issue 16): generated conversations, hostile and corrupted frames go
+//! through the real XDP and TC programs (`BPF_PROG_TEST_RUN`) and through `model`, a reference model written from
+//! README's "Data plane rules". Every frame's verdict, output bytes and counters, and every flow-table entry it
+//! touches, must agree; both tables are compared whole at the end of each epoch. A difference fails with the seed
+//! and the shortest sequence found that still shows it. Needs root.
+//!
+//! `cargo test` runs a short fixed-seed pass per hook; `cargo xtask fuzz dataplane --frames N [--seed S]` runs
+//! the ignored `campaign` test with `LB_FUZZ_FRAMES` / `LB_FUZZ_SEED` and prints frames/s.
+
+#[path = "../common/mod.rs"]
+mod common;
+mod gen;
+mod model;
+
+use common::{Harness, Hook};
+use gen::{Gen, Op, Scenario};
+use lb_common::FlowKeyV4;
+use model::{Clock, Fault, Model, Run, Tables};
+use std::collections::{HashMap, HashSet};
+use std::time::Instant;
+
+/// Frames per epoch at most: short epochs keep every timestamp younger than the data plane's 1 s refresh step,
+/// so clock-dependent rules stay decidable, and a failure's sequence short.
+const EPOCH: usize = 400;
+
+#[test]
+fn xdp_short_pass() {
+    campaign(Hook::Xdp, 0x5eed_0001, 50_000).print();
+}
+
+#[test]
+fn tc_short_pass() {
+    campaign(Hook::Tc, 0x5eed_0002, 50_000).print();
+}
+
+/// The long run behind `cargo xtask fuzz dataplane`.
+#[test]
+#[ignore]
+fn campaign_from_env() {
+    let frames = env("LB_FUZZ_FRAMES", 1_000_000);
+    let seed = env("LB_FUZZ_SEED", 1);
+    for (i, hook) in [Hook::Xdp, Hook::Tc].into_iter().enumerate() {
+        campaign(hook, seed + i as u64, frames as usize).print();
+    }
+}
+
+fn env(name: &str, default: u64) -> u64 {
+    std::env::var(name)
+        .ok()
+        .map(|v| {
+            v.parse()
+                .unwrap_or_else(|_| panic!("{name}={v}: not a number"))
+        })
+        .unwrap_or(default)
+}
+
+/// What a campaign did.
+struct Report {
+    hook: Hook,
+    seed: u64,
+    frames: usize,
+    refused: usize,
+    /// Epochs cut short because a clock-dependent rule fell between the two clock readings, by rule.
+    ambiguous: std::collections::BTreeMap<&'static str, usize>,
+    epochs: usize,
+    secs: f64,
+    /// How often each global counter moved: which rules the frames reached.
+    counters: Vec<u64>,
+}
+
+impl Report {
+    fn print(&self) {
+        println!(
+            "differential {:?} seed {}: {} frames, 0 differences, {} epochs, {} frames the kernel's test run refuses \
+             (shorter than an Ethernet header), epochs cut short at a clock boundary: {:?}; {:.1} s, {:.0} frames/s",
+            self.hook,
+            self.seed,
+            self.frames,
+            self.epochs,
+            self.refused,
+            self.ambiguous,
+            self.secs,
+            self.frames as f64 / self.secs
+        );
+        let reached: Vec<String> = (0..self.counters.len())
+            .map(|i| format!("{} {}", lb_common::stat::NAMES[i], self.counters[i]))
+            .collect();
+        println!("  rules reached: {}", reached.join(", "));
+    }
+}
+
+/// Runs `frames` generated frames through `hook` and the model; panics with a minimal sequence on a difference.
+fn campaign(hook: Hook, seed: u64, frames: usize) -> Report {
+    let mut h = Harness::new(hook);
+    let mut events = h.dp.take_flow_events().unwrap();
+    let mut gen = Gen::new(seed);
+    let start = Instant::now();
+    let mut report = Report {
+        hook,
+        seed,
+        frames: 0,
+        refused: 0,
+        ambiguous: Default::default(),
+        epochs: 0,
+        secs: 0.0,
+        counters: vec![],
+    };
+    let before = h.dp.stats().unwrap();
+    while report.frames < frames {
+        let scenario = gen.scenario();
+        let mut model = setup(&mut h, &scenario);
+        let mut ops = vec![];
+        report.epochs += 1;
+        let mut outcome = Ok(());
+        while ops.len() < EPOCH && report.frames < frames {
+            let op = gen.op(&model);
+            ops.push(op.clone());
+            if matches!(op, Op::Frame(_)) {
+                report.frames += 1;
+            }
+            outcome = apply(&mut h, &mut events, &mut model, &op, &mut report.refused);
+            if outcome.is_err() {
+                break;
+            }
+        }
+        if outcome.is_ok() {
+            outcome = compare_all(&mut h, &model);
+        }
+        match outcome {
+            Ok(()) => {}
+            Err(Fault::Ambiguous(rule)) => *report.ambiguous.entry(rule).or_default() += 1,
+            Err(Fault::Differs(msg)) => fail(
+                &mut h,
+                &mut events,
+                seed,
+                report.epochs,
+                &scenario,
+                ops,
+                &msg,
+            ),
+        }
+    }
+    report.secs = start.elapsed().as_secs_f64();
+    let after = h.dp.stats().unwrap();
+    report.counters = after.iter().zip(&before).map(|(a, b)| a - b).collect();
+    report
+}
+
+/// Programs an epoch's scenario on empty flow tables and returns a model of it.
+fn setup(h: &mut Harness, s: &Scenario) -> Model {
+    h.apply(&s.specs);
+    h.dp.set_config(&s.cfg).unwrap();
+    for (k, _) in h.dp.flows().unwrap() {
+        h.dp.remove_flow(&k).unwrap();
+    }
+    for (k, _) in h.dp.transient_flows().unwrap() {
+        h.dp.remove_transient_flow(&k).unwrap();
+    }
+    let mut t = Tables {
+        cfg: s.cfg,
+        ..Default::default()
+    };
+    let mut svc_stats = HashMap::new();
+    for (k, svc) in h.dp.services().unwrap() {
+        if svc.table_size > 0 {
+            let table = h.dp.read_table(svc.table_offset, svc.table_size).unwrap();
+            for id in &table {
+                t.backends.insert(*id, h.dp.backend(*id).unwrap());
+            }
+            t.maglev.insert(svc.table_offset, table);
+        }
+        svc_stats.insert(svc.id, h.dp.service_stats(svc.id).unwrap());
+        t.services.insert(k, svc);
+    }
+    t.nexthops =
+        h.dp.nexthops()
+            .unwrap()
+            .into_iter()
+            .map(|(a, nh)| (a, nh.mac))
+            .collect();
+    t.source_ranges =
+        h.dp.source_ranges()
+            .unwrap()
+            .into_iter()
+            .map(|(id, a, len)| (id, a.bytes[..4].try_into().unwrap(), len))
+            .collect();
+    t.vips = h.dp.vips().unwrap().into_iter().collect();
+    // The fragment rule reads this set: every VIP and SNAT address must be in it.
+    for svc in t.services.iter().flat_map(|(k, s)| [k.addr, s.snat_addr]) {
+        assert!(t.vips.contains(&svc), "{svc:?} missing from VIPS");
+    }
+    Model::new(t, h.dp.stats().unwrap(), svc_stats)
+}
+
+fn coarse_now() -> u64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: a valid timespec to write into.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC_COARSE, &mut ts) };
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+}
+
+/// Applies one operation to the kernel and the model and compares what it changed.
+fn apply(
+    h: &mut Harness,
+    events: &mut Events,
+    m: &mut Model,
+    op: &Op,
+    refused: &mut usize,
+) -> Result<(), Fault> {
+    match op {
+        Op::Age { key, transient } => {
+            let age = |f: &mut lb_common::FlowV4| {
+                f.last_seen_ns = 1;
+                f.timeout_s = f.timeout_s.min(1);
+            };
+            if *transient {
+                if let Some(mut t) = h.dp.transient_flow(key).unwrap() {
+                    age(&mut t.flow);
+                    h.dp.set_transient_flow(key, &t).unwrap();
+                }
+                if let Some(t) = m.state.transient.get_mut(key) {
+                    age(&mut t.flow);
+                }
+            } else {
+                if let Some(mut f) = h.dp.flow(key).unwrap() {
+                    age(&mut f);
+                    h.dp.set_flow(key, &f).unwrap();
+                }
+                if let Some(f) = m.state.flows.get_mut(key) {
+                    age(f);
+                }
+            }
+            Ok(())
+        }
+        Op::Synced {
+            key,
+            fwd,
+            rev,
+            age_s,
+        } => {
+            let seen = coarse_now().saturating_sub(age_s * 1_000_000_000);
+            let (fwd, rev) = (
+                lb_common::FlowV4 {
+                    last_seen_ns: seen,
+                    ..*fwd
+                },
+                lb_common::FlowV4 {
+                    last_seen_ns: seen,
+                    ..*rev
+                },
+            );
+            let rkey = fwd.partner_key(key.proto);
+            // Reverse first, as the flow store writes them.
+            h.dp.set_flow(&rkey, &rev).unwrap();
+            h.dp.set_flow(key, &fwd).unwrap();
+            m.state.flows.insert(rkey, rev);
+            m.state.flows.insert(*key, fwd);
+            Ok(())
+        }
+        Op::Frame(frame) => {
+            let lo = coarse_now();
+            let Ok((verdict, out)) = h.try_run(frame) else {
+                *refused += 1;
+                return Ok(());
+            };
+            let clock = Clock {
+                lo,
+                hi: coarse_now(),
+            };
+            let verdict = match verdict {
+                common::Verdict::Pass => model::Verdict::Pass,
+                common::Verdict::Drop => model::Verdict::Drop,
+                common::Verdict::Tx => model::Verdict::Tx,
+                common::Verdict::Other(n) => {
+                    return Err(Fault::Differs(format!("program returned {n}")))
+                }
+            };
+            m.step(
+                frame,
+                &Run {
+                    verdict,
+                    out: &out,
+                    clock,
+                },
+            )?;
+            let stats = h.dp.stats().unwrap();
+            if stats != m.state.stats {
+                return Err(Fault::Differs(format!(
+                    "counters differ: {}",
+                    stat_diff(&m.state.stats, &stats)
+                )));
+            }
+            compare_events(events, m, clock)?;
+            let touched: HashSet<FlowKeyV4> = m.touched.iter().copied().collect();
+            for k in touched {
+                compare_key(h, m, &k, clock)?;
+            }
+            Ok(())
+        }
+    }
+}
+
+/// The flow-event ring buffer (connection-state sync), read after every frame.
+type Events = aya::maps::RingBuf<aya::maps::MapData>;
+
+/// What the frame published against what the model says it must.
+fn compare_events(events: &mut Events, m: &Model, clock: Clock) -> Result<(), Fault> {
+    let mut published = vec![];
+    while let Some(item) = events.next() {
+        assert_eq!(item.len(), std::mem::size_of::<lb_common::FlowEvent>());
+        // SAFETY: the data plane writes whole `FlowEvent`s; read_unaligned copes with any alignment.
+        published.push(unsafe {
+            std::ptr::read_unaligned(item.as_ptr().cast::<lb_common::FlowEvent>())
+        });
+    }
+    if published.len() != m.events.len() {
+        return Err(Fault::Differs(format!(
+            "{} sync events published, the model says {}: {published:?}",
+            published.len(),
+            m.events.len()
+        )));
+    }
+    for (ev, (kind, key, fwd, rev)) in published.iter().zip(&m.events) {
+        if (ev.kind, ev.key) != (*kind, *key) {
+            return Err(Fault::Differs(format!(
+                "sync event {} for {:?}, the model says {kind} for {key:?}",
+                ev.kind, ev.key
+            )));
+        }
+        model::compare_flow("sync event", key, fwd, &ev.fwd, clock).map_err(Fault::Differs)?;
+        model::compare_flow("sync event (reverse)", key, rev, &ev.rev, clock)
+            .map_err(Fault::Differs)?;
+    }
+    Ok(())
+}
+
+/// Compares one key's entries in both tables, adopting the timestamps the program wrote.
+fn compare_key(h: &mut Harness, m: &mut Model, k: &FlowKeyV4, clock: Clock) -> Result<(), Fault> {
+    let kernel = h.dp.flow(k).unwrap();
+    match (m.state.flows.get(k).copied(), kernel) {
+        (None, None) => {}
+        (Some(e), Some(a)) => {
+            let kept = model::compare_flow("FLOWS_V4", k, &e, &a, clock).map_err(Fault::Differs)?;
+            m.state.flows.insert(*k, kept);
+        }
+        (e, a) => {
+            return Err(Fault::Differs(format!(
+                "FLOWS_V4 {k:?}: model {e:?}, kernel {a:?}"
+            )))
+        }
+    }
+    let kernel = h.dp.transient_flow(k).unwrap();
+    match (m.state.transient.get(k).copied(), kernel) {
+        (None, None) => {}
+        (Some(e), Some(a)) => {
+            let kept = model::compare_flow("TRANSIENT_V4", k, &e.flow, &a.flow, clock)
+                .map_err(Fault::Differs)?;
+            if (e.ack_be, e._pad) != (a.ack_be, a._pad) {
+                return Err(Fault::Differs(format!(
+                    "TRANSIENT_V4 {k:?}: ack {:#x}, the model says {:#x}",
+                    a.ack_be, e.ack_be
+                )));
+            }
+            m.state.transient.get_mut(k).unwrap().flow = kept;
+        }
+        (e, a) => {
+            return Err(Fault::Differs(format!(
+                "TRANSIENT_V4 {k:?}: model {e:?}, kernel {a:?}"
+            )))
+        }
+    }
+    Ok(())
+}
+
+/// Both tables whole, and the services' counters.
+fn compare_all(h: &mut Harness, m: &Model) -> Result<(), Fault> {
+    let flows: HashMap<_, _> = h.dp.flows().unwrap().into_iter().collect();
+    let transient: HashMap<_, _> = h.dp.transient_flows().unwrap().into_iter().collect();
+    let fresh = m
+        .state
+        .flows
+        .values()
+        .chain(m.state.transient.values().map(|t| &t.flow))
+        .any(|f| f.last_seen_ns == model::FRESH);
+    if fresh {
+        return Err(Fault::Differs("a timestamp was never checked".into()));
+    }
+    let no_clock = Clock { lo: 0, hi: 0 };
+    let model_flows: HashMap<_, _> = m.state.flows.iter().map(|(k, f)| (*k, (*f, 0))).collect();
+    let kernel_flows: HashMap<_, _> = flows.iter().map(|(k, f)| (*k, (*f, 0))).collect();
+    let model_transient: HashMap<_, _> = m
+        .state
+        .transient
+        .iter()
+        .map(|(k, t)| (*k, (t.flow, t.ack_be)))
+        .collect();
+    let kernel_transient: HashMap<_, _> = transient
+        .iter()
+        .map(|(k, t)| (*k, (t.flow, t.ack_be)))
+        .collect();
+    for (name, model, kernel) in [
+        ("FLOWS_V4", model_flows, kernel_flows),
+        ("TRANSIENT_V4", model_transient, kernel_transient),
+    ] {
+        for k in model.keys().chain(kernel.keys()) {
+            match (model.get(k), kernel.get(k)) {
+                (Some((e, e_ack)), Some((a, a_ack))) => {
+                    model::compare_flow(name, k, e, a, no_clock).map_err(Fault::Differs)?;
+                    if e_ack != a_ack {
+                        return Err(Fault::Differs(format!(
+                            "{name} {k:?}: ack {a_ack:#x}, the model says {e_ack:#x}"
+                        )));
+                    }
+                }
+                (e, a) => {
+                    return Err(Fault::Differs(format!(
+                        "{name} at the end of the epoch, {k:?}: model {e:?}, kernel {a:?}"
+                    )))
+                }
+            }
+        }
+    }
+    for (id, expected) in &m.state.svc_stats {
+        let actual = h.dp.service_stats(*id).unwrap();
+        if *expected != actual {
+            return Err(Fault::Differs(format!(
+                "service {id} counters:\n  model  {expected:?}\n  kernel {actual:?}"
+            )));
+        }
+    }
+    Ok(())
+}
+
+fn stat_diff(model: &[u64], kernel: &[u64]) -> String {
+    (0..model.len())
+        .filter(|i| model[*i] != kernel[*i])
+        .map(|i| {
+            format!(
+                "{}: kernel {} model {}",
+                lb_common::stat::NAMES[i],
+                kernel[i],
+                model[i]
+            )
+        })
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+/// Replays `ops` from a fresh epoch of `scenario`: the first difference, if any.
+fn replay(h: &mut Harness, events: &mut Events, scenario: &Scenario, ops: &[Op]) -> Option<String> {
+    let mut m = setup(h, scenario);
+    let mut refused = 0;
+    for op in ops {
+        match apply(h, events, &mut m, op, &mut refused) {
+            Ok(()) => {}
+            Err(Fault::Differs(msg)) => return Some(msg),
+            Err(Fault::Ambiguous(_)) => return None,
+        }
+    }
+    match compare_all(h, &m) {
+        Err(Fault::Differs(msg)) => Some(msg),
+        _ => None,
+    }
+}
+
+/// Shrinks a failing sequence (removing ever smaller chunks while it still fails) and panics with it.
+fn fail(
+    h: &mut Harness,
+    events: &mut Events,
+    seed: u64,
+    epoch: usize,
+    scenario: &Scenario,
+    mut ops: Vec<Op>,
+    msg: &str,
+) -> ! {
+    let mut chunk = ops.len() / 2;
+    while chunk >= 1 {
+        let mut i = 0;
+        while i + chunk <= ops.len() {
+            let mut shorter = ops.clone();
+            shorter.drain(i..i + chunk);
+            if replay(h, events, scenario, &shorter).is_some() {
+                ops = shorter;
+            } else {
+                i += chunk;
+            }
+        }
+        chunk /= 2;
+    }
+    let last = replay(h, events, scenario, &ops).unwrap_or_else(|| msg.to_string());
+    let mut text = format!(
+        "data plane and model differ ({:?} hook, seed {seed}, epoch {epoch}): {msg}\n\
+         minimal sequence ({} steps) on scenario {scenario:#?}, its difference: {last}\n",
+        h.hook,
+        ops.len()
+    );
+    for (i, op) in ops.iter().enumerate() {
+        match op {
+            Op::Frame(f) => text += &format!("  {i}: frame {}\n", hex(f)),
+            Op::Age { key, transient } => {
+                text += &format!("  {i}: age {key:?} (transient: {transient})\n")
+            }
+            Op::Synced {
+                key,
+                fwd,
+                rev,
+                age_s,
+            } => {
+                text += &format!(
+                    "  {i}: synced {key:?} seen {age_s} s ago\n    fwd {fwd:?}\n    rev {rev:?}\n"
+                )
+            }
+        }
+    }
+    panic!("{text}");
+}
+
+fn hex(b: &[u8]) -> String {
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
