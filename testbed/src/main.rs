@@ -230,6 +230,9 @@ struct RawsendArgs {
     /// Frames in total, cycling through the kinds.
     #[arg(long, default_value_t = 100)]
     count: u64,
+    /// Instead of `--count`: send as fast as the socket takes them for this many seconds (a storm).
+    #[arg(long)]
+    seconds: Option<f64>,
     /// Kinds to send (repeatable); default: all.
     #[arg(long = "kind", value_enum)]
     kinds: Vec<MalformedKind>,
@@ -397,7 +400,8 @@ async fn run(cli: Cli) -> Result<i32> {
             } else {
                 a.kinds
             };
-            let report = rawsend::send(&a.iface, &kinds, a.count, &params)?;
+            let duration = a.seconds.map(Duration::from_secs_f64);
+            let report = rawsend::send(&a.iface, &kinds, a.count, duration, &params)?;
             print_json(&report)?;
             Ok(if report.errors.is_empty() { 0 } else { 1 })
         }

@@ -7,6 +7,7 @@
 use std::collections::BTreeMap;
 use std::ffi::CString;
 use std::net::Ipv4Addr;
+use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 use etherparse::{
@@ -254,6 +255,9 @@ pub struct RawSendReport {
     pub total_sent: u64,
     /// Frames sent per kind.
     pub sent: BTreeMap<String, u64>,
+    /// How long sending took, and the rate.
+    pub seconds: f64,
+    pub per_second: f64,
     /// Send errors by message (should stay empty).
     pub errors: BTreeMap<String, u64>,
 }
@@ -328,11 +332,13 @@ pub fn iface_mac(iface: &str) -> Result<[u8; 6]> {
     crate::topology::parse_mac(&s)
 }
 
-/// Sends `count` frames on `iface`, cycling through `kinds`.
+/// Sends `count` frames on `iface`, cycling through `kinds` — or, with `duration`, as many as the socket sends
+/// in that time (a storm).
 pub fn send(
     iface: &str,
     kinds: &[MalformedKind],
     count: u64,
+    duration: Option<Duration>,
     p: &FrameParams,
 ) -> Result<RawSendReport> {
     anyhow::ensure!(!kinds.is_empty(), "no frame kinds selected");
@@ -341,10 +347,26 @@ pub fn send(
         iface: sock.iface.clone(),
         ..Default::default()
     };
-    for i in 0..count {
-        let kind = kinds[(i % kinds.len() as u64) as usize];
-        let frame = build_frame(kind, p, i as u32);
-        match sock.send(&frame) {
+    // One frame per kind and source port, built before the clock starts: building costs more than sending.
+    let frames: Vec<(MalformedKind, Vec<u8>)> = (0..kinds.len() as u32 * 1000)
+        .map(|i| {
+            let kind = kinds[i as usize % kinds.len()];
+            (kind, build_frame(kind, p, i / kinds.len() as u32))
+        })
+        .collect();
+    let start = Instant::now();
+    for i in 0u64.. {
+        let done = match duration {
+            // The clock is read once per 256 frames.
+            Some(d) => i % 256 == 0 && start.elapsed() >= d,
+            None => i >= count,
+        };
+        if done {
+            break;
+        }
+        let (kind, frame) = &frames[(i % frames.len() as u64) as usize];
+        let kind = *kind;
+        match sock.send(frame) {
             Ok(()) => {
                 report.total_sent += 1;
                 *report.sent.entry(kind.name()).or_default() += 1;
@@ -357,6 +379,8 @@ pub fn send(
             }
         }
     }
+    report.seconds = start.elapsed().as_secs_f64();
+    report.per_second = report.total_sent as f64 / report.seconds.max(1e-9);
     Ok(report)
 }
 

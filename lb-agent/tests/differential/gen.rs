@@ -124,8 +124,10 @@ impl Gen {
         // A TCP service without a healthy backend, and a UDP one on the same port number as the web service.
         let empty = spec(Protocol::Tcp, 443, 30443, &[]);
         let udp80 = spec(Protocol::Udp, 80, 30081, &nodes(self, 0));
-        let mut cfg = Config::default();
-        cfg.hash_seed = self.rng.next_u32();
+        let mut cfg = Config {
+            hash_seed: self.rng.next_u32(),
+            ..Default::default()
+        };
         match self.below(10) {
             // A narrow range that contains the service ports: they must be skipped.
             0..=2 => (cfg.snat_port_min, cfg.snat_port_max) = (40, 500),
@@ -153,7 +155,7 @@ impl Gen {
     pub fn op(&mut self, model: &Model) -> Op {
         let client = self.pick(&CLIENTS);
         let cport = 40000 + self.below(CLIENT_PORTS as u32) as u16;
-        let (proto, sport_svc) = match self.below(10) {
+        let (proto, sport_svc): (u8, u16) = match self.below(10) {
             0..=5 => (PROTO_TCP, 80),
             6..=7 => (PROTO_UDP, 53),
             8 => (PROTO_TCP, 443),
@@ -163,7 +165,7 @@ impl Gen {
             src: u32::from_ne_bytes(client.octets()),
             dst: u32::from_ne_bytes(VIP.octets()),
             sport: cport.to_be(),
-            dport: (sport_svc as u16).to_be(),
+            dport: sport_svc.to_be(),
             proto,
             _pad: [0; 3],
         };
