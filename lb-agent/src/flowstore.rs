@@ -18,7 +18,7 @@ use aya::maps::{HashMap, MapData};
 use lb_common::{
     map_names as names, Addr, FlowEvent, FlowKeyV4, FlowV4, NextHop, Service, ServiceKey,
     FAMILY_V4, FLOW_EV_CLOSE, FLOW_EV_NEW, FLOW_EV_REFRESH, FLOW_F_FIN, FLOW_F_FORWARD, FLOW_F_RST,
-    FLOW_F_SYNCED, PROTO_TCP, TCP_CLOSING_TIMEOUT_S,
+    FLOW_F_SYNCED, PROTO_TCP,
 };
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -166,25 +166,16 @@ impl BpfFlowStore {
         if e.flags & bits == bits {
             return Ok(Applied::Unchanged);
         }
-        close(&mut e, bits, seen);
+        e.close(bits, seen);
         self.flows.insert(ev.key, e, 0)?;
         if bits & FLOW_F_RST != 0 {
             let pk = e.partner_key(ev.key.proto);
             if let Some(mut p) = self.get(&pk)? {
-                close(&mut p, FLOW_F_RST, seen);
+                p.close(FLOW_F_RST, seen);
                 self.flows.insert(pk, p, 0)?;
             }
         }
         Ok(Applied::Written)
-    }
-}
-
-/// The data plane's closing rule (`track` in lb-ebpf's nat.rs), applied to a synced entry.
-fn close(e: &mut FlowV4, bits: u8, seen: u64) {
-    e.flags |= bits;
-    e.last_seen_ns = e.last_seen_ns.max(seen);
-    if e.timeout_s == 0 || e.timeout_s > TCP_CLOSING_TIMEOUT_S {
-        e.timeout_s = TCP_CLOSING_TIMEOUT_S;
     }
 }
 
@@ -309,15 +300,5 @@ mod tests {
             refresh_events(&synced, now, window).is_empty(),
             "no echo back to the peer"
         );
-    }
-
-    #[test]
-    fn closing_shortens_the_timeout_and_keeps_the_newer_age() {
-        let mut e = entry(FLOW_F_FORWARD, 500, (0, 0, 0, 0));
-        e.timeout_s = 3600;
-        close(&mut e, FLOW_F_FIN, 100);
-        assert_eq!(e.timeout_s, TCP_CLOSING_TIMEOUT_S);
-        assert_eq!(e.last_seen_ns, 500);
-        assert_eq!(e.flags & FLOW_F_FIN, FLOW_F_FIN);
     }
 }

@@ -66,7 +66,7 @@ pub fn collect(dp: &mut Dataplane, now: u64, refresh_window_ns: Option<u64>) -> 
         let pk = f.partner_key(k.proto);
         let partner = flows.get(&pk);
         partnered.insert(pk);
-        let expired = f.idle(now) && partner.is_none_or(|p| p.idle(now));
+        let expired = f.connection_idle(now, || partner);
         if expired {
             delete.push(*k);
             if partner.is_some() {

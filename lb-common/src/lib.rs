@@ -218,6 +218,33 @@ impl FlowV4 {
             && now_ns.saturating_sub(self.last_seen_ns) > self.timeout_s as u64 * 1_000_000_000
     }
 
+    /// Whether the connection is idle at `now`: this entry and its partner (looked up only when this one is
+    /// idle) both idle past their timeouts — a one-way stream keeps its connection alive through either entry —
+    /// or this one idle and the partner gone (evicted, or replaced). The data plane then ignores the connection and
+    /// the agent's GC deletes it.
+    #[inline(always)]
+    pub fn connection_idle<'a>(
+        &self,
+        now_ns: u64,
+        partner: impl FnOnce() -> Option<&'a FlowV4>,
+    ) -> bool {
+        self.idle(now_ns) && partner().is_none_or(|p| p.idle(now_ns))
+    }
+
+    /// Records FIN or RST (`bits`, `FLOW_F_*`) seen at `now`: a closing direction lives at most
+    /// [`TCP_CLOSING_TIMEOUT_S`] longer. The data plane applies it to the packets it sees, the flow sync to the
+    /// closes a peer saw.
+    #[inline(always)]
+    pub fn close(&mut self, bits: u8, now_ns: u64) {
+        self.flags |= bits;
+        if self.last_seen_ns < now_ns {
+            self.last_seen_ns = now_ns;
+        }
+        if self.timeout_s == 0 || self.timeout_s > TCP_CLOSING_TIMEOUT_S {
+            self.timeout_s = TCP_CLOSING_TIMEOUT_S;
+        }
+    }
+
     /// The key of the partner entry (the other direction of the same connection).
     #[inline(always)]
     pub const fn partner_key(&self, proto: u8) -> FlowKeyV4 {
@@ -580,6 +607,52 @@ mod tests {
         let a = Addr::from_v4_raw(raw);
         assert_eq!(&a.bytes[..4], &[10, 0, 0, 1]);
         assert_eq!(a.v4_raw(), raw);
+    }
+
+    #[test]
+    fn closing_shortens_the_timeout_and_keeps_the_newer_age() {
+        let mut e = FlowV4 {
+            timeout_s: 3600,
+            last_seen_ns: 500,
+            ..Default::default()
+        };
+        e.close(FLOW_F_FIN, 100);
+        assert_eq!((e.timeout_s, e.last_seen_ns), (TCP_CLOSING_TIMEOUT_S, 500));
+        assert_eq!(e.flags & FLOW_F_FIN, FLOW_F_FIN);
+        let mut never = FlowV4::default();
+        never.close(FLOW_F_RST, 700);
+        assert_eq!(
+            (never.timeout_s, never.last_seen_ns),
+            (TCP_CLOSING_TIMEOUT_S, 700)
+        );
+        let mut short = FlowV4 {
+            timeout_s: 5,
+            ..Default::default()
+        };
+        short.close(FLOW_F_FIN, 1);
+        assert_eq!(short.timeout_s, 5, "a shorter idle timeout stays");
+    }
+
+    #[test]
+    fn a_connection_is_idle_when_both_entries_are_or_its_partner_is_gone() {
+        let s = 1_000_000_000;
+        let idle = FlowV4 {
+            timeout_s: 1,
+            last_seen_ns: 0,
+            ..Default::default()
+        };
+        let busy = FlowV4 {
+            last_seen_ns: 10 * s,
+            ..idle
+        };
+        let now = 10 * s;
+        assert!(idle.connection_idle(now, || Some(&idle)));
+        assert!(idle.connection_idle(now, || None));
+        assert!(
+            !idle.connection_idle(now, || Some(&busy)),
+            "a one-way stream"
+        );
+        assert!(!busy.connection_idle(now, || unreachable!("not looked up")));
     }
 
     #[test]

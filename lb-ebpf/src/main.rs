@@ -1,5 +1,5 @@
 //! The load balancer's entry points: XDP (the fast path) and TC ingress via tcx (keeps GSO/GRO
-//! super-packets intact). Both run the same logic, [`lb_ebpf::nat::process`].
+//! super-packets intact). Both run the same logic, [`lb_ebpf::process::process`].
 #![cfg_attr(target_arch = "bpf", no_std)]
 #![cfg_attr(target_arch = "bpf", no_main)]
 
@@ -13,7 +13,7 @@ mod programs {
     };
     use lb_ebpf::{
         ctx::{Tc, Xdp},
-        nat::{process, Verdict},
+        process::{process, Verdict},
     };
 
     /// XDP entry point: attach natively to the LB interface.

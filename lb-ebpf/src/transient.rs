@@ -13,10 +13,14 @@ use lb_common::{
 };
 
 use crate::{
+    conntrack::{close_bit, established_new},
     ctx::Ctx,
     hdr::{TCP_ACK, TCP_RST, TCP_SYN},
     maps::{count, with_service_stats, FLOWS_V4, SCRATCH, TRANSIENT_V4},
-    nat::{alloc_snat_port, close_bit, established_new, forward, rewrite, L4Pkt, Target, Verdict},
+    nat::{forward, rewrite, Target},
+    packet::L4Pkt,
+    process::Verdict,
+    snat::alloc_snat_port,
     syn_guard,
 };
 
@@ -183,7 +187,7 @@ fn promote<C: Ctx>(
     v
 }
 
-/// A connection that just closed (see `nat::established`) leaves `FLOWS_V4`: both entries, as they are now, go
+/// A connection that just closed (see `conntrack::established`) leaves `FLOWS_V4`: both entries, as they are now, go
 /// to `TRANSIENT_V4` for their last segments, so closed connections never push established ones out of the
 /// big table.
 #[inline(always)]

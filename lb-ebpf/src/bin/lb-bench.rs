@@ -17,7 +17,7 @@ mod programs {
     use lb_ebpf::{
         ctx::{ptr_at, Xdp},
         hdr::EthHdr,
-        nat::{process, Verdict},
+        process::{process, Verdict},
     };
 
     /// Bytes of the template packet (every benchmark frame has exactly this size).

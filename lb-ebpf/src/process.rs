@@ -1,0 +1,237 @@
+//! The one story a reader follows: a frame is parsed (Ethernet, IPv4, then TCP/UDP or ICMP), and a TCP or UDP
+//! packet follows its established flow, its handshake or closed connection, or opens a flow for a service. The
+//! rules live beside it by concern: `conntrack` (established flows), `transient` (handshakes and closed
+//! connections), `lb` (service, source ranges, Maglev), `snat`, `nat` (the rewrite), `icmp`. See README "Data
+//! plane rules".
+
+use aya_ebpf::helpers::bpf_ktime_get_coarse_ns;
+use lb_common::{
+    stat, Addr, Config, FlowV4, ServiceKey, CFG_F_CHECK_DST_MAC, FAMILY_V4, FLOW_F_FIN,
+    FLOW_F_FORWARD, FLOW_F_RST, PROTO_ICMP, PROTO_TCP, PROTO_UDP,
+};
+
+use crate::{
+    conntrack,
+    ctx::{ptr_at, Ctx},
+    hdr::*,
+    icmp,
+    lb::pick_backend,
+    maps::{count, with_service_stats, CONFIG, FLOWS_V4, SERVICES, TRANSIENT_V4, VIPS},
+    packet::{flow_key, L4Pkt},
+    syn_guard, transient,
+};
+
+/// What to do with the packet; each hook maps it to its own return code.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub enum Verdict {
+    /// Hand to the kernel unchanged.
+    Pass,
+    /// Drop.
+    Drop,
+    /// Send back out of the interface it came in on (rewritten).
+    Tx,
+}
+
+/// Processes one frame.
+#[inline(always)]
+pub fn process<C: Ctx>(c: &C) -> Verdict {
+    let Some(eth) = ptr_at::<C, EthHdr>(c, 0) else {
+        count(stat::DROP_MALFORMED);
+        return Verdict::Drop;
+    };
+    // SAFETY (all header dereferences below): pointers come from `ptr_at`, which checked the bounds.
+    if unsafe { (*eth).proto } != ETH_P_IP_BE {
+        count(stat::PASS_NOT_IPV4);
+        return Verdict::Pass;
+    }
+    let cfg = config();
+    if cfg.flags & CFG_F_CHECK_DST_MAC != 0 && !same_mac(unsafe { &(*eth).dst }, &cfg.local_mac) {
+        // Another replica's frame, flooded by the segment: forwarding it too would duplicate it.
+        count(stat::PASS_OTHER_HOST);
+        return Verdict::Pass;
+    }
+    let Some(ip) = ptr_at::<C, Ipv4Hdr>(c, ETH_LEN) else {
+        count(stat::DROP_MALFORMED);
+        return Verdict::Drop;
+    };
+    let vihl = unsafe { (*ip).vihl };
+    let ihl = (vihl & 0x0f) as usize;
+    if vihl >> 4 != 4 || ihl < 5 {
+        count(stat::DROP_MALFORMED);
+        return Verdict::Drop;
+    }
+    let hl = ihl * 4;
+    let tot = u16::from_be(unsafe { (*ip).tot_len }) as usize;
+    // Trailing bytes after `tot` are link padding and allowed; a length beyond the frame is not.
+    if tot < hl || tot + ETH_LEN > c.packet_len() {
+        count(stat::DROP_MALFORMED);
+        return Verdict::Drop;
+    }
+    if ihl > 5 {
+        // Options are left untouched; only addresses change, and the L4 offset follows IHL.
+        count(stat::IP_OPTIONS);
+    }
+    let dst = unsafe { (*ip).dst };
+    if u16::from_be(unsafe { (*ip).frag_off }) & IP_MF_OFFSET_MASK != 0 {
+        // Non-first fragments carry no ports, so they cannot be matched to a flow: fragments for our
+        // addresses are dropped (clients use PMTUD, which the ICMP translation below keeps working),
+        // everything else is the kernel's business.
+        return if VIPS.get_ptr(Addr::from_v4_raw(dst)).is_some() {
+            count(stat::DROP_FRAGMENT);
+            Verdict::Drop
+        } else {
+            count(stat::PASS_FRAGMENT);
+            Verdict::Pass
+        };
+    }
+    let l4_off = ETH_LEN + hl;
+    match unsafe { (*ip).proto } {
+        PROTO_TCP => {
+            let Some(tcp) = ptr_at::<C, TcpHdr>(c, l4_off) else {
+                count(stat::DROP_MALFORMED);
+                return Verdict::Drop;
+            };
+            let doff = (unsafe { (*tcp).doff } >> 4) as usize * 4;
+            if doff < TCP_LEN || hl + doff > tot {
+                count(stat::DROP_MALFORMED);
+                return Verdict::Drop;
+            }
+            let p = unsafe {
+                L4Pkt {
+                    eth,
+                    ip,
+                    ports: tcp as *mut Ports,
+                    key: flow_key(ip, tcp as *mut Ports, PROTO_TCP),
+                    tcp_flags: (*tcp).flags,
+                    tcp,
+                    tot: tot as u16,
+                }
+            };
+            l4(c, &cfg, &p)
+        }
+        PROTO_UDP => {
+            let Some(udp) = ptr_at::<C, UdpHdr>(c, l4_off) else {
+                count(stat::DROP_MALFORMED);
+                return Verdict::Drop;
+            };
+            if hl + UDP_LEN > tot {
+                count(stat::DROP_MALFORMED);
+                return Verdict::Drop;
+            }
+            let p = L4Pkt {
+                eth,
+                ip,
+                ports: udp as *mut Ports,
+                key: flow_key(ip, udp as *mut Ports, PROTO_UDP),
+                tcp_flags: 0,
+                tcp: core::ptr::null_mut(),
+                tot: tot as u16,
+            };
+            l4(c, &cfg, &p)
+        }
+        PROTO_ICMP => icmp::translate(c, eth, ip, l4_off, ETH_LEN + tot),
+        _ => {
+            count(stat::PASS_NOT_SERVICE);
+            Verdict::Pass
+        }
+    }
+}
+
+/// TCP or UDP: follow an established flow, a TCP handshake or a closed connection, or open a flow for a
+/// service.
+#[inline(always)]
+fn l4<C: Ctx>(c: &C, cfg: &Config, p: &L4Pkt) -> Verdict {
+    let key = p.key;
+    let proto = key.proto;
+    let syn = p.syn();
+    let now = unsafe { bpf_ktime_get_coarse_ns() };
+    // The flow this packet's client port had before, released when a new one is made on it.
+    // (The entry itself, not its partner's key: 8 bytes of stack instead of 20.)
+    let mut reopen: Option<*const FlowV4> = None;
+    let skey = ServiceKey {
+        addr: Addr::from_v4_raw(key.dst),
+        port_be: key.dport,
+        proto,
+        family: FAMILY_V4,
+    };
+    // Over the new-handshake rate, a SYN for a service from an unknown source (a spoofed flood) is dropped
+    // before it costs a lookup in the large tables.
+    if syn && syn_guard::over_rate(cfg, now) {
+        if let Some(svc) = SERVICES.get_ptr(skey) {
+            if !syn_guard::trusted(key.src) {
+                count(stat::DROP_SYN_RATE);
+                with_service_stats(unsafe { (*svc).id }, |s| s.drop_syn_rate += 1);
+                return Verdict::Drop;
+            }
+        }
+    }
+
+    if let Some(fp) = FLOWS_V4.get_ptr_mut(key) {
+        let fl = unsafe { &mut *fp };
+        let forward = fl.flags & FLOW_F_FORWARD != 0;
+        // A SYN on a closing flow opens a new connection on a reused client port; an idle-expired forward
+        // entry no longer counts. Reverse entries never decide: replies follow whatever state exists.
+        let closing_syn = syn && fl.flags & (FLOW_F_FIN | FLOW_F_RST) != 0;
+        if !forward || !(closing_syn || conntrack::expired(fl, proto, now)) {
+            return conntrack::established(c, cfg, p, fl, now);
+        }
+        reopen = Some(fp);
+    }
+    let svc = SERVICES.get_ptr(skey);
+    // Handshakes and closed connections: a client's segment to a service, or a backend's to a SNAT port. (Other
+    // traffic — SSH to the VM, a low port on the VIP — skips the lookup.)
+    let dport = u16::from_be(key.dport);
+    if p.is_tcp() && (svc.is_some() || (cfg.snat_port_min..=cfg.snat_port_max).contains(&dport)) {
+        if let Some(tp) = TRANSIENT_V4.get_ptr_mut(key) {
+            if let Some(v) = transient::segment(c, cfg, p, unsafe { &mut *tp }, reopen, now) {
+                return v;
+            }
+        }
+    }
+    // No usable flow: is it for a service?
+    let Some(svc) = svc else {
+        count(stat::PASS_NOT_SERVICE);
+        return Verdict::Pass;
+    };
+    // A reference into the map: a copy would take 40 bytes of the BPF stack.
+    let svc = unsafe { &*svc };
+    if p.is_tcp() && !syn {
+        // Only a SYN creates a TCP flow. A stray segment (state lost, port scan, ACK flood) is dropped:
+        // the kernel would answer with a RST, which kills connections a peer replica may still carry.
+        count(stat::DROP_NO_FLOW);
+        with_service_stats(svc.id, |s| s.drop_no_flow += 1);
+        return Verdict::Drop;
+    }
+    let t = match pick_backend(cfg, p, svc) {
+        Ok(t) => t,
+        Err(v) => return v,
+    };
+    if p.is_tcp() {
+        if let Some(old) = reopen {
+            // The previous connection on this client port is over: its entries go now, so that the new one's
+            // segments cannot follow them.
+            let _ = FLOWS_V4.remove(unsafe { &*old }.partner_key(proto));
+            let _ = FLOWS_V4.remove(key);
+        }
+        // The handshake waits in TRANSIENT_V4; FLOWS_V4 gets the connection when the client completes it.
+        return transient::open(c, cfg, p, svc, &t, now);
+    }
+    // A UDP flow has no handshake: it goes straight to FLOWS_V4.
+    conntrack::open(c, cfg, p, svc, &t, reopen, now)
+}
+
+/// Byte-wise MAC comparison without `memcmp` (not available to BPF programs).
+#[inline(always)]
+fn same_mac(a: &[u8; 6], b: &[u8; 6]) -> bool {
+    (a[0] ^ b[0]) | (a[1] ^ b[1]) | (a[2] ^ b[2]) | (a[3] ^ b[3]) | (a[4] ^ b[4]) | (a[5] ^ b[5])
+        == 0
+}
+
+/// The data plane's settings, with defaults where user space left them unset.
+#[inline(always)]
+fn config() -> Config {
+    match CONFIG.get(lb_common::CONFIG_INDEX) {
+        Some(c) if c.snat_port_max != 0 && c.snat_port_min <= c.snat_port_max => *c,
+        _ => Config::default(),
+    }
+}

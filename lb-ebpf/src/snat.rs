@@ -1,0 +1,60 @@
+//! The SNAT source port of a new flow: claimed atomically, never a service port of the SNAT address.
+
+use lb_common::{Addr, Config, FlowKeyV4, ServiceKey, FAMILY_V4, SNAT_PORT_TRIES};
+
+use crate::{
+    csum,
+    lb::{fmix, rem},
+    maps::SERVICES,
+    nat::Target,
+    packet::L4Pkt,
+};
+
+/// Claims a free SNAT source port for a new flow: for each candidate port, `claim(reverse key, csum_port)` must
+/// store the reverse entry (with that port checksum delta) only if the key is free — atomically against other
+/// CPUs — so a port is never handed out twice. Ports that are service ports on the SNAT address are skipped, so a
+/// reply can never be mistaken for a new client connection. Returns the port in network order.
+#[inline(always)]
+pub fn alloc_snat_port(
+    cfg: &Config,
+    t: &Target,
+    p: &L4Pkt,
+    mut claim: impl FnMut(FlowKeyV4, u32) -> bool,
+) -> Option<u16> {
+    let proto = p.key.proto;
+    let min = cfg.snat_port_min as u32;
+    let range = cfg.snat_port_max as u32 - min + 1;
+    let start = rem(fmix(t.hash ^ 0x9e37_79b9), range);
+    // The reverse entry rewrites node:NodePort → VIP:service port and SNAT port → client port.
+    let (svc_port, client_port) = (p.key.dport, p.key.sport);
+    let mut i = 0;
+    while i < SNAT_PORT_TRIES {
+        let port = ((min + rem(start + i, range)) as u16).to_be();
+        i += 1;
+        let skey = ServiceKey {
+            addr: Addr::from_v4_raw(t.snat),
+            port_be: port,
+            proto,
+            family: FAMILY_V4,
+        };
+        if SERVICES.get_ptr(skey).is_some() {
+            continue;
+        }
+        let rkey = FlowKeyV4 {
+            src: t.node,
+            dst: t.snat,
+            sport: t.node_port,
+            dport: port,
+            proto,
+            _pad: [0; 3],
+        };
+        let csum_port = csum::add(
+            csum::diff16(t.node_port, svc_port),
+            csum::diff16(port, client_port),
+        );
+        if claim(rkey, csum_port) {
+            return Some(port);
+        }
+    }
+    None
+}
