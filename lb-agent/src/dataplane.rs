@@ -78,9 +78,12 @@ pub enum AttachMode {
     Tc,
 }
 
-/// The loaded data plane.
+/// The loaded data plane — or only its maps, opened from their pins ([`Dataplane::open_pinned`]).
 pub struct Dataplane {
-    ebpf: Ebpf,
+    /// The loaded object; `None` when the maps were opened from their pins (no programs then).
+    ebpf: Option<Ebpf>,
+    /// The maps opened from their pins, by name (only without `ebpf`).
+    pinned: std::collections::HashMap<&'static str, Map>,
     pin_dir: Option<PathBuf>,
     maglev: Option<MappedArray>,
 }
@@ -205,9 +208,33 @@ impl Dataplane {
             _ => None,
         };
         Ok(Dataplane {
-            ebpf,
+            ebpf: Some(ebpf),
+            pinned: Default::default(),
             pin_dir,
             maglev,
+        })
+    }
+
+    /// Opens the maps an agent pinned under `pin_dir` (running or not), to read them (`lbctl`): nothing is
+    /// loaded or created, and the data plane is not touched.
+    pub fn open_pinned(pin_dir: &Path) -> Result<Self> {
+        let dir = pin_dir.join(format!("v{LAYOUT_VERSION}"));
+        let mut pinned = std::collections::HashMap::new();
+        for name in MAPS {
+            let path = dir.join(name);
+            let data = MapData::from_pin(&path).with_context(|| {
+                format!(
+                    "opening the pinned map {} (does an agent pin here, with map layout v{LAYOUT_VERSION}?)",
+                    path.display()
+                )
+            })?;
+            pinned.insert(name, Map::from_map_data(data)?);
+        }
+        Ok(Dataplane {
+            ebpf: None,
+            pinned,
+            pin_dir: Some(dir),
+            maglev: None,
         })
     }
 
@@ -217,14 +244,16 @@ impl Dataplane {
     }
 
     /// The loaded object, for programs and maps not wrapped here (tests and benchmarks).
-    pub fn ebpf_mut(&mut self) -> &mut Ebpf {
-        &mut self.ebpf
+    pub fn ebpf_mut(&mut self) -> Result<&mut Ebpf> {
+        self.ebpf
+            .as_mut()
+            .ok_or_else(|| anyhow!("the maps were opened from their pins: no programs here"))
     }
 
     /// Loads (verifies) the XDP program and returns it.
     pub fn xdp_program(&mut self, name: &str) -> Result<&mut Xdp> {
         let prog: &mut Xdp = self
-            .ebpf
+            .ebpf_mut()?
             .program_mut(name)
             .ok_or_else(|| anyhow!("program {name} not in the object"))?
             .try_into()?;
@@ -237,7 +266,7 @@ impl Dataplane {
     /// Loads (verifies) the TC program and returns it.
     pub fn tc_program(&mut self) -> Result<&mut SchedClassifier> {
         let prog: &mut SchedClassifier = self
-            .ebpf
+            .ebpf_mut()?
             .program_mut(TC_PROGRAM)
             .ok_or_else(|| anyhow!("program {TC_PROGRAM} not in the object"))?
             .try_into()?;
@@ -307,9 +336,11 @@ impl Dataplane {
     }
 
     fn map(&mut self, name: &str) -> Result<&mut aya::maps::Map> {
-        self.ebpf
-            .map_mut(name)
-            .ok_or_else(|| anyhow!("map {name} missing from the object"))
+        match &mut self.ebpf {
+            Some(ebpf) => ebpf.map_mut(name),
+            None => self.pinned.get_mut(name),
+        }
+        .ok_or_else(|| anyhow!("map {name} missing from the object"))
     }
 
     /// Writes the global settings.
@@ -476,7 +507,7 @@ impl Dataplane {
     /// so this succeeds once.
     pub fn take_flow_events(&mut self) -> Result<RingBuf<MapData>> {
         let m = self
-            .ebpf
+            .ebpf_mut()?
             .take_map(names::FLOW_EVENTS)
             .ok_or_else(|| anyhow!("map {} missing or already taken", names::FLOW_EVENTS))?;
         Ok(RingBuf::try_from(m)?)

@@ -11,6 +11,7 @@ pub mod gc;
 pub mod ha;
 pub mod health;
 pub mod hostmetrics;
+pub mod inspect;
 pub mod kube;
 pub mod maglev;
 pub mod metrics;

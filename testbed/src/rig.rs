@@ -278,6 +278,11 @@ impl Rig {
         Ok(parse_metric(&body, name, labels))
     }
 
+    /// The agent's pin directory (what `lbctl --pin-dir` reads).
+    pub fn pin_dir(&self) -> &Path {
+        &self.pin_dir
+    }
+
     /// Runs `lb-testbed load` in the client namespace with `args` (targets default to the VIP services).
     pub fn load(&self, args: &[&str]) -> Result<LoadReport> {
         run_load(&self.topo, args)

@@ -461,6 +461,106 @@ fn malformed_storm_during_traffic_is_dropped_and_counted() {
     assert!(storm.errors.is_empty(), "{:?}", storm.errors);
 }
 
+/// `lbctl` (issue 18) reads what the agent pinned: the connections a client holds are listed established with
+/// their client, service and backend; the services show every backend with its share and the held flows; the
+/// counters are the ones `/metrics` reports.
+#[test]
+fn lbctl_lists_held_connections_services_and_counters_native_xdp() {
+    lbctl_lists_held_connections_services_and_counters("xdp");
+}
+
+#[test]
+fn lbctl_lists_held_connections_services_and_counters_tc() {
+    lbctl_lists_held_connections_services_and_counters("tc");
+}
+
+fn lbctl_lists_held_connections_services_and_counters(mode: &str) {
+    let r = rig(|c| c.attach_mode = mode.into());
+    let (tcp, udp) = targets(&r);
+    let hold = r
+        .start_hold(&[
+            "--tcp",
+            &tcp,
+            "--connections",
+            "40",
+            "--udp",
+            &udp,
+            "--udp-flows",
+            "10",
+            "--interval-ms",
+            "200",
+        ])
+        .unwrap();
+    let lbctl = |args: &[&str]| -> serde_json::Value {
+        // In the lb's namespace, as an operator on the VM would run it (the agent's bpffs view).
+        let bin = lb_testbed::rig::find_artifact("LB_LBCTL_BIN", "lbctl").unwrap();
+        let mut argv = vec![bin.display().to_string(), "--pin-dir".into()];
+        argv.push(r.pin_dir().display().to_string());
+        argv.push("--json".into());
+        argv.extend(args.iter().map(|a| a.to_string()));
+        let out = r.topo.exec_unchecked(Host::Lb, &argv).unwrap();
+        assert!(
+            out.status.success(),
+            "lbctl {args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        serde_json::from_slice(&out.stdout).unwrap()
+    };
+    let client = r.topo.ip(Host::Client).to_string();
+    for (service, n) in [(&tcp, 40), (&udp, 10)] {
+        // UDP flows exist from their first datagram on: hold staggers them over its interval.
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let flows = loop {
+            let flows = lbctl(&["flows", "--service", service]);
+            if flows["by_state"]["established"] == n || Instant::now() > deadline {
+                break flows;
+            }
+            std::thread::sleep(Duration::from_millis(200));
+        };
+        assert_eq!(flows["by_state"]["established"], n, "{flows}");
+        for c in flows["connections"].as_array().unwrap() {
+            assert_eq!(
+                c["client"].as_str().unwrap().split(':').next(),
+                Some(&*client)
+            );
+            assert_eq!(c["service"], service.as_str());
+            assert_eq!(c["table"], "flows");
+        }
+    }
+    let services = lbctl(&["services"]);
+    let web = services
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|s| s["protocol"] == "TCP" && s["port"] == TCP_PORT)
+        .expect("the TCP service");
+    let backends = web["backends"].as_array().unwrap();
+    assert_eq!(backends.len(), 3, "{web}");
+    let share: f64 = backends.iter().map(|b| b["share"].as_f64().unwrap()).sum();
+    assert!((share - 1.0).abs() < 1e-9, "shares add up: {share}");
+    let active: u64 = backends
+        .iter()
+        .map(|b| b["active_flows"].as_u64().unwrap())
+        .sum();
+    assert_eq!(active, 40);
+    let held = hold.stop().unwrap();
+    assert_eq!(held.broken, 0);
+    // Once traffic stopped and the agent read the counters again, both say the same.
+    std::thread::sleep(Duration::from_millis(1500));
+    let counters = lbctl(&["counters", "--interval", "0.2"]);
+    let mut compared = 0;
+    for c in counters.as_array().unwrap() {
+        let name = c["name"].as_str().unwrap();
+        let labels = format!("reason=\"{name}\"");
+        let metric = r.metric("lb_dataplane_packets_total", &labels).unwrap();
+        if c["value"].as_u64().unwrap() > 0 {
+            assert_eq!(c["value"].as_f64().unwrap(), metric, "{name}");
+            compared += 1;
+        }
+    }
+    assert!(compared >= 2, "some counters moved: {counters}");
+}
+
 #[test]
 fn invalid_config_is_rejected_and_the_last_good_one_keeps_forwarding() {
     let r = rig(|_| {});

@@ -198,7 +198,7 @@ impl Bench {
         data.copy_from_slice(frame);
         let map = self
             .dp
-            .ebpf_mut()
+            .ebpf_mut()?
             .map_mut("BENCH")
             .context("BENCH map missing: is this lb-bench.o?")?;
         let mut a: Array<_, BenchPacket> = Array::try_from(map)?;

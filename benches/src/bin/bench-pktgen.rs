@@ -145,7 +145,7 @@ impl Gen {
         let mut data = [0u8; FRAME];
         data.copy_from_slice(frame);
         let mut a: Array<_, GenPacket> =
-            Array::try_from(self.dp.ebpf_mut().map_mut("GEN").context("GEN map")?)?;
+            Array::try_from(self.dp.ebpf_mut()?.map_mut("GEN").context("GEN map")?)?;
         a.set(
             0,
             GenPacket {
@@ -162,7 +162,7 @@ impl Gen {
 
     fn sink_count(&mut self) -> Result<u64> {
         let a: PerCpuArray<_, u64> =
-            PerCpuArray::try_from(self.dp.ebpf_mut().map("SINK").context("SINK map")?)?;
+            PerCpuArray::try_from(self.dp.ebpf_mut()?.map("SINK").context("SINK map")?)?;
         Ok(a.get(&0, 0)?.iter().sum())
     }
 
@@ -413,7 +413,7 @@ fn run_reference(args: &Args, obj: &[u8], sizes: &MapSizes) -> Result<Vec<Case>>
     }
     {
         let mut a: Array<_, FwdCfg> =
-            Array::try_from(g.dp.ebpf_mut().map_mut("FWD").context("FWD map")?)?;
+            Array::try_from(g.dp.ebpf_mut()?.map_mut("FWD").context("FWD map")?)?;
         a.set(0, cfg, 0)?;
     }
     // xdp_pass on the bridge side of the lb's veth (veth delivers XDP_TX frames only to a peer with NAPI).

@@ -1,0 +1,182 @@
+//! `lbctl`: looks inside a load balancer from the maps its agent pinned — services and backends, connections,
+//! counters — whether the agent runs or not. What `ipvsadm -Ln` and `conntrack -L` are to an IPVS router.
+
+use anyhow::{bail, Context, Result};
+use clap::{Parser, Subcommand};
+use lb_agent::dataplane::Dataplane;
+use lb_agent::inspect::{self, FlowFilter};
+use std::net::{IpAddr, SocketAddr};
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+#[derive(Parser)]
+#[command(
+    version,
+    about = "Inspect the XDP load balancer's data plane (reads the pinned maps)"
+)]
+struct Cli {
+    /// The agent's pin directory (its `--pin-dir`).
+    #[arg(
+        long,
+        env = "LB_PIN_DIR",
+        default_value = "/sys/fs/bpf/lb",
+        global = true
+    )]
+    pin_dir: PathBuf,
+    /// The agent's interface (its `--interface`: it pins under `<pin-dir>/<interface>`); default: the only one
+    /// pinned there.
+    #[arg(long, env = "LB_INTERFACE", global = true)]
+    interface: Option<String>,
+    /// Print JSON instead of a table.
+    #[arg(long, global = true)]
+    json: bool,
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Services (VIP:port/protocol) with their backends' shares of new flows, active flows and counters.
+    Services,
+    /// Connections (both directions as one), filtered; counts by state.
+    Flows {
+        /// Only this client address.
+        #[arg(long)]
+        client: Option<IpAddr>,
+        /// Only connections to this node.
+        #[arg(long)]
+        backend: Option<IpAddr>,
+        /// Only this service (VIP:port).
+        #[arg(long)]
+        service: Option<SocketAddr>,
+        /// Only this state: syn, syn-ack, established, closing, closed, reset.
+        #[arg(long)]
+        state: Option<String>,
+    },
+    /// The data plane's global counters (every pass and drop reason) with their rates.
+    Counters {
+        /// Seconds between the two readings the rates come from.
+        #[arg(long, default_value_t = 1.0)]
+        interval: f64,
+    },
+}
+
+fn main() -> Result<()> {
+    let cli = Cli::parse();
+    let iface = match cli.interface {
+        Some(i) => i,
+        None => only_interface(&cli.pin_dir)?,
+    };
+    let mut dp = Dataplane::open_pinned(&cli.pin_dir.join(iface))?;
+    match cli.cmd {
+        Cmd::Services => {
+            let services = inspect::services(&mut dp)?;
+            if cli.json {
+                return print_json(&services);
+            }
+            for s in &services {
+                println!(
+                    "{}:{}/{}  id {}  snat {}  idle {} s{}",
+                    s.vip,
+                    s.port,
+                    s.protocol,
+                    s.id,
+                    s.snat_address,
+                    s.idle_timeout_s,
+                    if s.source_ranges {
+                        "  source ranges"
+                    } else {
+                        ""
+                    }
+                );
+                for b in &s.backends {
+                    println!(
+                        "  -> {:<24} share {:>5.1} %  active flows {}",
+                        b.address.to_string(),
+                        b.share * 100.0,
+                        b.active_flows
+                    );
+                }
+                let moved: Vec<String> = s
+                    .counters
+                    .iter()
+                    .filter(|(_, v)| **v > 0)
+                    .map(|(k, v)| format!("{k} {v}"))
+                    .collect();
+                println!("  counters: {}", moved.join(", "));
+            }
+        }
+        Cmd::Flows {
+            client,
+            backend,
+            service,
+            state,
+        } => {
+            let filter = FlowFilter {
+                client,
+                backend,
+                service,
+                state,
+            };
+            let flows = inspect::flows(&mut dp, &filter)?;
+            let counts = inspect::count_by_state(&flows);
+            if cli.json {
+                return print_json(
+                    &serde_json::json!({ "connections": flows, "by_state": counts }),
+                );
+            }
+            println!(
+                "{:<5} {:<22} {:<22} {:<22} {:<22} {:<12} {:>8}",
+                "proto", "client", "service", "snat", "backend", "state", "idle s"
+            );
+            for c in &flows {
+                println!(
+                    "{:<5} {:<22} {:<22} {:<22} {:<22} {:<12} {:>8.1}{}",
+                    c.protocol,
+                    c.client.to_string(),
+                    c.service.to_string(),
+                    c.snat.to_string(),
+                    c.backend.to_string(),
+                    c.state,
+                    c.idle_s,
+                    if c.synced { "  (synced)" } else { "" }
+                );
+            }
+            let by_state: Vec<String> = counts.iter().map(|(k, v)| format!("{k} {v}")).collect();
+            println!("{} connections: {}", flows.len(), by_state.join(", "));
+        }
+        Cmd::Counters { interval } => {
+            let counters = inspect::counters(&mut dp, Duration::from_secs_f64(interval))?;
+            if cli.json {
+                return print_json(&counters);
+            }
+            for c in counters {
+                println!("{:<22} {:>14} {:>12.1}/s", c.name, c.value, c.per_second);
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The one interface an agent pinned its state for under `pin_dir`.
+fn only_interface(pin_dir: &Path) -> Result<String> {
+    let names: Vec<String> = std::fs::read_dir(pin_dir)
+        .with_context(|| format!("reading {} (the agent's --pin-dir)", pin_dir.display()))?
+        .filter_map(|e| e.ok())
+        .filter(|e| e.path().is_dir())
+        .filter_map(|e| e.file_name().into_string().ok())
+        .collect();
+    match names.as_slice() {
+        [one] => Ok(one.clone()),
+        [] => bail!("no agent pinned its state under {}", pin_dir.display()),
+        many => bail!(
+            "several interfaces pinned under {}: {many:?}; choose one with --interface",
+            pin_dir.display()
+        ),
+    }
+}
+
+fn print_json(v: &impl serde::Serialize) -> Result<()> {
+    println!("{}", serde_json::to_string_pretty(v)?);
+    Ok(())
+}
