@@ -27,6 +27,9 @@ static LB_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "
 pub const XDP_PROGRAM: &str = "lb_xdp";
 /// TC program name in the object.
 pub const TC_PROGRAM: &str = "lb_tc";
+/// The programs with `lbctl trace`'s report (lb-ebpf's `trace`), swapped onto the link while a trace runs.
+pub const XDP_TRACE_PROGRAM: &str = "lb_xdp_trace";
+pub const TC_TRACE_PROGRAM: &str = "lb_tc_trace";
 
 /// Capacities of the maps, set at load time.
 #[derive(Clone, Debug)]
@@ -142,7 +145,9 @@ impl Drop for MappedArray {
 }
 
 /// Every map the agent programs, with the capacity setter's name.
-const MAPS: [&str; 12] = [
+/// The maps pinned (they outlive the agent, and `lbctl` reads them). The flow-event ring buffer too, so that a
+/// traced program swapped in by `lbctl trace` publishes new flows to the same consumer.
+const MAPS: [&str; 13] = [
     names::SERVICES,
     names::BACKENDS,
     names::MAGLEV,
@@ -155,6 +160,7 @@ const MAPS: [&str; 12] = [
     names::SERVICE_STATS,
     names::STATS,
     names::CONFIG,
+    names::FLOW_EVENTS,
 ];
 
 impl Dataplane {
@@ -265,10 +271,15 @@ impl Dataplane {
 
     /// Loads (verifies) the TC program and returns it.
     pub fn tc_program(&mut self) -> Result<&mut SchedClassifier> {
+        self.tc_program_named(TC_PROGRAM)
+    }
+
+    /// Loads (verifies) TC program `name` and returns it.
+    pub fn tc_program_named(&mut self, name: &str) -> Result<&mut SchedClassifier> {
         let prog: &mut SchedClassifier = self
             .ebpf_mut()?
-            .program_mut(TC_PROGRAM)
-            .ok_or_else(|| anyhow!("program {TC_PROGRAM} not in the object"))?
+            .program_mut(name)
+            .ok_or_else(|| anyhow!("program {name} not in the object"))?
             .try_into()?;
         if prog.fd().is_err() {
             prog.load().map_err(verifier_error)?;
@@ -332,6 +343,33 @@ impl Dataplane {
                 }
                 Ok(used)
             }
+        }
+    }
+
+    /// The link this data plane's agent pinned (under the pin directory), and whether it is a TC one.
+    pub fn pinned_link(&self) -> Result<(PathBuf, bool)> {
+        let dir = self.pin_dir.as_ref().context("not pinned")?;
+        for tag in ["xdp", "tc"] {
+            for entry in std::fs::read_dir(dir)?.filter_map(|e| e.ok()) {
+                let name = entry.file_name().to_string_lossy().to_string();
+                if name.starts_with("link-") && name.ends_with(&format!("-{tag}")) {
+                    return Ok((entry.path(), tag == "tc"));
+                }
+            }
+        }
+        bail!(
+            "no pinned link under {} (is the agent attached?)",
+            dir.display()
+        )
+    }
+
+    /// Puts `program` (XDP, or TC with `tc`) on the pinned link `pin` in place of the one there: atomic, no
+    /// packet sees no program.
+    pub fn swap_pinned_link(&mut self, program: &str, pin: &Path, tc: bool) -> Result<()> {
+        if tc {
+            adopt_pinned_link(self.tc_program_named(program)?, pin)
+        } else {
+            adopt_pinned_link(self.xdp_program(program)?, pin)
         }
     }
 
@@ -691,6 +729,41 @@ fn adopt_pinned_link<P: LinkedProgram>(prog: &mut P, pin: &Path) -> Result<()> {
     prog.attach_to_link(link)
         .with_context(|| format!("replacing the program on the pinned link {}", pin.display()))?;
     Ok(())
+}
+
+/// The name of the program on the pinned link `pin`.
+pub fn pinned_link_program(pin: &Path) -> Result<String> {
+    let link = FdLink::from(
+        PinnedLink::from_pin(pin)
+            .with_context(|| format!("opening pinned link {}", pin.display()))?,
+    );
+    let id = link.info()?.program_id();
+    for p in aya::programs::loaded_programs().filter_map(|p| p.ok()) {
+        if p.id() == id {
+            return Ok(p.name_as_str().unwrap_or("?").to_string());
+        }
+    }
+    bail!("program {id} of link {} not found", pin.display())
+}
+
+/// The sizes of the maps pinned under `pin_dir` (an agent's), to load another instance of the object onto them.
+pub fn pinned_sizes(pin_dir: &Path) -> Result<MapSizes> {
+    let dir = pin_dir.join(format!("v{LAYOUT_VERSION}"));
+    let entries = |name: &str| -> Result<u32> {
+        let data = MapData::from_pin(dir.join(name))
+            .with_context(|| format!("opening the pinned map {name} under {}", dir.display()))?;
+        Ok(data.info()?.max_entries())
+    };
+    Ok(MapSizes {
+        flows: entries(names::FLOWS_V4)?,
+        transient: entries(names::TRANSIENT_V4)?,
+        services: entries(names::SERVICES)?,
+        backends: entries(names::BACKENDS)?,
+        maglev_slots: entries(names::MAGLEV)?,
+        nexthops: entries(names::NEXTHOPS)?,
+        source_ranges: entries(names::SOURCE_RANGES)?,
+        trusted_sources: entries(names::TRUSTED_SOURCES)?,
+    })
 }
 
 /// Pins the link `id` just attached at `pin`, and re-adopts the pinned link so that it stays attached when this

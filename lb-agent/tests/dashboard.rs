@@ -71,7 +71,10 @@ fn every_dashboard_query_names_an_existing_metric() {
         .into_iter()
         .chain(names(&controller_metrics()))
         .collect();
-    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../deploy/grafana/lb-dashboard.json");
+    let path = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../deploy/grafana/lb-dashboard.json"
+    );
     let dashboard: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
     let mut exprs = Vec::new();
@@ -90,7 +93,11 @@ fn every_dashboard_query_names_an_existing_metric() {
         }
     }
     collect(&dashboard, &mut exprs);
-    assert!(exprs.len() >= 10, "the dashboard has queries: {}", exprs.len());
+    assert!(
+        exprs.len() >= 10,
+        "the dashboard has queries: {}",
+        exprs.len()
+    );
     let mut missing = vec![];
     for expr in &exprs {
         // Metric names are the identifiers of ours in the query (labels and functions are not prefixed).

@@ -321,6 +321,44 @@ pub struct FlowEvent {
     pub rev: FlowV4,
 }
 
+/// Bytes of a traced packet's headers kept before and after the program (Ethernet + IPv4 + TCP with room for
+/// options, or an ICMP error with the quoted IPv4 header and ports).
+pub const TRACE_HDR: usize = 96;
+
+/// `lbctl trace`'s selection (`TRACE_FILTER`, one element), written by `lbctl` into the traced program's own map;
+/// 0 matches anything.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct TraceFilter {
+    /// An address the packet comes from or goes to (IPv4, network order): a client, a node.
+    pub addr: u32,
+    /// Destination address (IPv4, network order): a VIP.
+    pub dst: u32,
+    /// Destination port, network order.
+    pub dport_be: u16,
+    /// Reserved, zero.
+    pub _pad: u16,
+}
+
+/// One packet seen by the traced program (`TRACE_EVENTS` ring buffer): its headers before and after, the
+/// verdict and every counter it moved — the decision, in the data plane's own words.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TraceEvent {
+    /// `bpf_ktime_get_ns` when it arrived.
+    pub ts_ns: u64,
+    /// Bit `i` set: global counter `stat::i` moved (the reason of a pass or drop, a new flow or handshake, …).
+    pub reasons: u32,
+    /// Frame length.
+    pub len: u16,
+    /// 1 pass, 2 drop, 3 sent back out (rewritten).
+    pub verdict: u8,
+    /// Bytes of the headers kept in `before` and `after` (at most [`TRACE_HDR`]).
+    pub hdr_len: u8,
+    pub before: [u8; TRACE_HDR],
+    pub after: [u8; TRACE_HDR],
+}
+
 /// Per-CPU, per-service counters (`SERVICE_STATS`, index = service id). User space sums the CPUs.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -533,6 +571,10 @@ pub mod map_names {
     pub const CONFIG: &str = "CONFIG";
     /// `RingBuf` of [`super::FlowEvent`]s.
     pub const FLOW_EVENTS: &str = "FLOW_EVENTS";
+    /// `Array<TraceFilter>`, one element: what the traced program reports (its own, never pinned).
+    pub const TRACE_FILTER: &str = "TRACE_FILTER";
+    /// `RingBuf` of [`super::TraceEvent`]s from the traced program (its own, never pinned).
+    pub const TRACE_EVENTS: &str = "TRACE_EVENTS";
 }
 
 /// Default capacities, overridable by the agent at load time.
@@ -576,6 +618,7 @@ mod pod {
     unsafe impl aya::Pod for super::ServiceStats {}
     unsafe impl aya::Pod for super::Config {}
     unsafe impl aya::Pod for super::FlowEvent {}
+    unsafe impl aya::Pod for super::TraceFilter {}
 }
 
 #[cfg(test)]

@@ -3,7 +3,7 @@
 use crate::csum;
 use aya_ebpf::{
     bindings::{BPF_F_MARK_MANGLED_0, BPF_F_PSEUDO_HDR},
-    helpers::bpf_l4_csum_replace,
+    helpers::{bpf_l4_csum_replace, bpf_skb_load_bytes, bpf_xdp_load_bytes},
     programs::{TcContext, XdpContext},
     EbpfContext,
 };
@@ -20,6 +20,9 @@ pub trait Ctx {
     /// address change (`addr`, also in the pseudo header) and a port change (`port`). Called last: a TC
     /// implementation may invalidate packet pointers.
     fn l4_csum(&self, off: usize, p: *mut u16, addr: u32, port: u32, udp: bool);
+    /// Copies the first bytes of the frame (as many as fit and exist) into `to` through the kernel's helper;
+    /// returns how many (`lbctl trace` only).
+    fn load_head(&self, to: &mut [u8]) -> usize;
 }
 
 /// Bounds-checked pointer to a `T` at offset `off`.
@@ -67,6 +70,22 @@ impl Ctx for Xdp<'_> {
     fn l4_csum(&self, _off: usize, p: *mut u16, addr: u32, port: u32, udp: bool) {
         l4_csum_arith(p, addr, port, udp)
     }
+    #[inline(always)]
+    fn load_head(&self, to: &mut [u8]) -> usize {
+        let n = self.packet_len().min(to.len());
+        // The helper refuses a length the verifier cannot prove non-zero; a frame without its link header is
+        // nothing to show anyway.
+        if n < crate::hdr::ETH_LEN {
+            return 0;
+        }
+        // SAFETY: `to` holds at least `n` bytes; the helper checks the frame's bounds itself.
+        let r = unsafe { bpf_xdp_load_bytes(self.0.ctx, 0, to.as_mut_ptr().cast(), n as u32) };
+        if r == 0 {
+            n
+        } else {
+            0
+        }
+    }
 }
 
 /// An skb at TC.
@@ -100,6 +119,23 @@ impl Ctx for Tc<'_> {
                 BPF_F_PSEUDO_HDR as u64 | mangled,
             );
             bpf_l4_csum_replace(skb, off as u32, 0, port as u64, mangled);
+        }
+    }
+    #[inline(always)]
+    fn load_head(&self, to: &mut [u8]) -> usize {
+        let n = self.packet_len().min(to.len());
+        // As for XDP: a length the verifier can prove non-zero.
+        if n < crate::hdr::ETH_LEN {
+            return 0;
+        }
+        // SAFETY: `to` holds at least `n` bytes; the helper checks the skb's bounds itself.
+        let r = unsafe {
+            bpf_skb_load_bytes(self.0.as_ptr().cast(), 0, to.as_mut_ptr().cast(), n as u32)
+        };
+        if r == 0 {
+            n
+        } else {
+            0
         }
     }
 }

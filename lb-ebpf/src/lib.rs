@@ -19,4 +19,5 @@ pub mod packet;
 pub mod process;
 pub mod snat;
 pub mod syn_guard;
+pub mod trace;
 pub mod transient;

@@ -1,5 +1,6 @@
 //! The load balancer's entry points: XDP (the fast path) and TC ingress via tcx (keeps GSO/GRO
-//! super-packets intact). Both run the same logic, [`lb_ebpf::process::process`].
+//! super-packets intact). Both run the same logic, [`lb_ebpf::process::process`]; `lbctl trace` swaps in the
+//! `*_trace` variants, the same logic reporting each packet ([`lb_ebpf::trace`]), while it runs.
 #![cfg_attr(target_arch = "bpf", no_std)]
 #![cfg_attr(target_arch = "bpf", no_main)]
 
@@ -14,12 +15,24 @@ mod programs {
     use lb_ebpf::{
         ctx::{Tc, Xdp},
         process::{process, Verdict},
+        trace::traced,
     };
 
     /// XDP entry point: attach natively to the LB interface.
     #[xdp]
     pub fn lb_xdp(ctx: XdpContext) -> u32 {
-        match process(&Xdp(&ctx)) {
+        xdp_action(process(&Xdp(&ctx)))
+    }
+
+    /// [`lb_xdp`] with `lbctl trace`'s report (swapped onto the link only while a trace runs).
+    #[xdp]
+    pub fn lb_xdp_trace(ctx: XdpContext) -> u32 {
+        xdp_action(traced(&Xdp(&ctx)))
+    }
+
+    #[inline(always)]
+    fn xdp_action(v: Verdict) -> u32 {
+        match v {
             Verdict::Pass => xdp_action::XDP_PASS,
             Verdict::Drop => xdp_action::XDP_DROP,
             Verdict::Tx => xdp_action::XDP_TX,
@@ -32,16 +45,33 @@ mod programs {
     /// TC ingress entry point (tcx): for interfaces where super-packets matter more than per-packet cost.
     #[classifier]
     pub fn lb_tc(ctx: TcContext) -> i32 {
+        linear_headers(&ctx);
+        tc_action(&ctx, process(&Tc(&ctx)))
+    }
+
+    /// [`lb_tc`] with `lbctl trace`'s report (swapped onto the link only while a trace runs).
+    #[classifier]
+    pub fn lb_tc_trace(ctx: TcContext) -> i32 {
+        linear_headers(&ctx);
+        tc_action(&ctx, traced(&Tc(&ctx)))
+    }
+
+    /// GRO'd skbs may hold headers in paged data; direct access needs them linear.
+    #[inline(always)]
+    fn linear_headers(ctx: &TcContext) {
         let want = if ctx.len() < HEADERS {
             ctx.len()
         } else {
             HEADERS
         };
         if ((ctx.data_end() - ctx.data()) as u32) < want {
-            // GRO'd skbs may hold headers in paged data; direct access needs them linear.
             let _ = ctx.pull_data(want);
         }
-        match process(&Tc(&ctx)) {
+    }
+
+    #[inline(always)]
+    fn tc_action(ctx: &TcContext, v: Verdict) -> i32 {
+        match v {
             Verdict::Pass => TC_ACT_OK,
             Verdict::Drop => TC_ACT_SHOT,
             Verdict::Tx => {

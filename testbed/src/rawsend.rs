@@ -260,6 +260,9 @@ pub struct RawSendReport {
     pub per_second: f64,
     /// Send errors by message (should stay empty).
     pub errors: BTreeMap<String, u64>,
+    /// Frames the socket refused because its queue was full (a storm outrunning the interface): not sent,
+    /// not an error.
+    pub queue_full: u64,
 }
 
 /// An AF_PACKET raw socket bound for sending on one interface.
@@ -371,6 +374,7 @@ pub fn send(
                 report.total_sent += 1;
                 *report.sent.entry(kind.name()).or_default() += 1;
             }
+            Err(e) if e.raw_os_error() == Some(libc::ENOBUFS) => report.queue_full += 1,
             Err(e) => {
                 *report
                     .errors

@@ -444,8 +444,8 @@ fn malformed_storm_during_traffic_is_dropped_and_counted() {
         sent(&["fragment-first", "fragment-non-first"]),
     ];
     eprintln!(
-        "storm: {} frames in {:.1} s ({:.0}/s)",
-        storm.total_sent, storm.seconds, storm.per_second
+        "storm: {} frames in {:.1} s ({:.0}/s), {} refused by a full socket queue",
+        storm.total_sent, storm.seconds, storm.per_second, storm.queue_full
     );
     for (i, reason) in reasons.iter().enumerate() {
         let n = counted(reason) - before[i];
@@ -559,6 +559,135 @@ fn lbctl_lists_held_connections_services_and_counters(mode: &str) {
         }
     }
     assert!(compared >= 2, "some counters moved: {counters}");
+}
+
+#[test]
+fn lbctl_trace_shows_decisions_and_always_puts_the_fast_program_back_native_xdp() {
+    lbctl_trace_shows_decisions_and_always_puts_the_fast_program_back("xdp", "lb_xdp");
+}
+
+#[test]
+fn lbctl_trace_shows_decisions_and_always_puts_the_fast_program_back_tc() {
+    lbctl_trace_shows_decisions_and_always_puts_the_fast_program_back("tc", "lb_tc");
+}
+
+/// `lbctl trace` (issue 18): a client's packets with their decisions — a SYN opening a handshake towards a node,
+/// a malformed frame dropped with its reason — while the traced program is on the agent's link; afterwards the
+/// fast program is back, also when the trace was killed with SIGKILL.
+fn lbctl_trace_shows_decisions_and_always_puts_the_fast_program_back(mode: &str, fast: &str) {
+    let r = rig(|c| c.attach_mode = mode.into());
+    let (tcp, udp) = targets(&r);
+    let lbctl = |args: &[&str]| -> Vec<String> {
+        let bin = lb_testbed::rig::find_artifact("LB_LBCTL_BIN", "lbctl").unwrap();
+        let mut argv = vec![bin.display().to_string(), "--pin-dir".into()];
+        argv.push(r.pin_dir().display().to_string());
+        argv.extend(args.iter().map(|a| a.to_string()));
+        argv
+    };
+    let attached = || -> String {
+        let out = r
+            .topo
+            .exec(Host::Lb, lbctl(&["program", "--json"]))
+            .unwrap();
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        v["program"].as_str().unwrap().to_string()
+    };
+    let wait_for = |program: &str| {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while attached() != program {
+            assert!(Instant::now() < deadline, "{program} never attached");
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    };
+    assert_eq!(attached(), fast);
+    let client = r.topo.ip(Host::Client).to_string();
+    let mut trace = r
+        .topo
+        .spawn(
+            Host::Lb,
+            lbctl(&["trace", "--json", "--addr", &client, "--seconds", "6"]),
+        )
+        .unwrap();
+    // Loading and verifying a second instance of the programs takes a few seconds.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let started = Instant::now();
+    while attached() != format!("{fast}_trace") {
+        if trace.try_wait().unwrap().is_some() || Instant::now() > deadline {
+            panic!("the trace did not start: {}", trace.stderr());
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    eprintln!("the trace started in {:?}", started.elapsed());
+    let rep = r
+        .load(&[
+            "--tcp",
+            &tcp,
+            "--connections",
+            "5",
+            "--udp",
+            &udp,
+            "--udp-flows",
+            "2",
+        ])
+        .unwrap();
+    assert_eq!(rep.tcp.as_ref().unwrap().ok, 5);
+    let bin = lb_testbed::binary_path().unwrap();
+    r.topo
+        .exec(
+            Host::Client,
+            [
+                bin.display().to_string(),
+                "rawsend".into(),
+                "--iface".into(),
+                r.topo.ifname(Host::Client).into(),
+                "--dst-mac".into(),
+                lb_testbed::topology::mac_string(&r.topo.mac(Host::Lb)),
+                "--dst-ip".into(),
+                r.vip.to_string(),
+                "--kind".into(),
+                "ihl-too-small".into(),
+                "--count".into(),
+                "3".into(),
+            ],
+        )
+        .unwrap();
+    let out = trace.finish(Duration::from_secs(20)).unwrap();
+    let decisions: Vec<serde_json::Value> = out
+        .stdout
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let with = |reason: &str| {
+        decisions
+            .iter()
+            .filter(|d| d["reasons"].as_array().unwrap().iter().any(|r| r == reason))
+            .collect::<Vec<_>>()
+    };
+    let syns = with("new_handshakes");
+    assert_eq!(syns.len(), 5, "{}", out.stdout);
+    for d in &syns {
+        assert_eq!(d["verdict"], "tx");
+        assert_eq!(d["before"]["flags"], "S");
+        let to = d["after"]["dst"].as_str().unwrap();
+        assert!(to.ends_with(&format!(":{TCP_NODE_PORT}")), "{d}");
+    }
+    assert!(
+        with("new_flows").len() >= 7,
+        "5 handshakes completed, 2 UDP flows"
+    );
+    let malformed = with("drop_malformed");
+    assert_eq!(malformed.len(), 3, "{}", out.stdout);
+    assert!(malformed.iter().all(|d| d["verdict"] == "drop"));
+    wait_for(fast);
+
+    // A trace killed outright: its guard puts the fast program back.
+    let mut trace = r.topo.spawn(Host::Lb, lbctl(&["trace"])).unwrap();
+    wait_for(&format!("{fast}_trace"));
+    trace.signal(libc::SIGKILL).unwrap();
+    wait_for(fast);
+    // And traffic still flows through it.
+    let rep = r.load(&["--tcp", &tcp, "--connections", "20"]).unwrap();
+    assert_eq!(rep.tcp.as_ref().unwrap().ok, 20);
 }
 
 #[test]

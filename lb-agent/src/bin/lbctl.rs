@@ -3,9 +3,10 @@
 
 use anyhow::{bail, Context, Result};
 use clap::{Parser, Subcommand};
-use lb_agent::dataplane::Dataplane;
+use lb_agent::dataplane::{self, Dataplane};
 use lb_agent::inspect::{self, FlowFilter};
-use std::net::{IpAddr, SocketAddr};
+use lb_common::TraceFilter;
+use std::net::{IpAddr, Ipv4Addr, SocketAddr, SocketAddrV4};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
@@ -59,6 +60,25 @@ enum Cmd {
         #[arg(long, default_value_t = 1.0)]
         interval: f64,
     },
+    /// Live per-packet decisions: headers before and after, verdict, and the counters each packet moved (the
+    /// reason of a drop or pass, a new flow, a handshake). The traced program is swapped onto the agent's link
+    /// while this runs; the fast one goes back when it ends, however it ends (Ctrl-C, a kill, an error).
+    Trace {
+        /// Only packets from or to this address (a client, a node).
+        #[arg(long)]
+        addr: Option<Ipv4Addr>,
+        /// Only packets to this VIP:port (port 0: any port).
+        #[arg(long)]
+        service: Option<SocketAddrV4>,
+        /// Stop after this many seconds.
+        #[arg(long)]
+        seconds: Option<f64>,
+        /// Stop after this many packets.
+        #[arg(long)]
+        count: Option<u64>,
+    },
+    /// The program attached on the agent's pinned link (the fast one, or the traced one while a trace runs).
+    Program,
 }
 
 fn main() -> Result<()> {
@@ -67,8 +87,43 @@ fn main() -> Result<()> {
         Some(i) => i,
         None => only_interface(&cli.pin_dir)?,
     };
-    let mut dp = Dataplane::open_pinned(&cli.pin_dir.join(iface))?;
+    let pin = cli.pin_dir.join(iface);
     match cli.cmd {
+        Cmd::Trace {
+            addr,
+            service,
+            seconds,
+            count,
+        } => {
+            let filter = TraceFilter {
+                addr: addr.map_or(0, |a| u32::from_ne_bytes(a.octets())),
+                dst: service.map_or(0, |s| u32::from_ne_bytes(s.ip().octets())),
+                dport_be: service.map_or(0, |s| s.port().to_be()),
+                _pad: 0,
+            };
+            return inspect::trace::run(
+                &pin,
+                filter,
+                seconds.map(Duration::from_secs_f64),
+                count,
+                cli.json,
+            );
+        }
+        Cmd::Program => {
+            let dp = Dataplane::open_pinned(&pin)?;
+            let (link, _) = dp.pinned_link()?;
+            let name = dataplane::pinned_link_program(&link)?;
+            if cli.json {
+                return print_json(&serde_json::json!({ "link": link, "program": name }));
+            }
+            println!("{name} on {}", link.display());
+            return Ok(());
+        }
+        _ => {}
+    }
+    let mut dp = Dataplane::open_pinned(&pin)?;
+    match cli.cmd {
+        Cmd::Trace { .. } | Cmd::Program => unreachable!("handled above"),
         Cmd::Services => {
             let services = inspect::services(&mut dp)?;
             if cli.json {

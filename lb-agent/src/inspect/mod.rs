@@ -1,7 +1,9 @@
 //! Looking inside a load balancer, what `ipvsadm -Ln` and `conntrack -L` are to IPVS: the services with their
 //! backends' shares and flows, the connection table with both directions as one connection, and the counters.
 //! Everything is read from the maps the agent pins (`lbctl`, beside the agent), so it works while the agent is
-//! down too.
+//! down too — except [`trace`], which follows live packets.
+
+pub mod trace;
 
 use crate::dataplane::Dataplane;
 use crate::programmer::addr_to_ip;

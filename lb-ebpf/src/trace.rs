@@ -1,0 +1,122 @@
+//! `lbctl trace`: the same packet logic with a report around it. `lbctl` loads the traced entry points
+//! (`lb_xdp_trace`, `lb_tc_trace`) and swaps them onto the agent's pinned link only while a trace runs, so the fast
+//! programs carry none of this. Each selected packet yields one [`TraceEvent`]: its headers before and after,
+//! the verdict, and every global counter it moved — the reason of a pass or drop, a new flow, a handshake.
+
+use aya_ebpf::{
+    helpers::bpf_ktime_get_ns,
+    macros::map,
+    maps::{Array, PerCpuArray, RingBuf},
+};
+use lb_common::{stat, TraceEvent, TraceFilter, TRACE_HDR};
+
+use crate::{
+    ctx::Ctx,
+    maps::STATS,
+    process::{process, Verdict},
+};
+
+/// What to report (written by `lbctl`; this program's own map, never pinned).
+#[map]
+static TRACE_FILTER: Array<TraceFilter> = Array::with_max_entries(1, 0);
+
+/// The reports, read by `lbctl`.
+#[map]
+static TRACE_EVENTS: RingBuf = RingBuf::with_byte_size(1 << 20, 0);
+
+/// This CPU's counters as they were before the packet.
+#[map]
+static TRACE_STATS: PerCpuArray<[u64; stat::COUNT as usize]> = PerCpuArray::with_max_entries(1, 0);
+
+/// [`process`] with a report of the packet when the filter selects it (before or after the rewrite: a client's
+/// address is in a reply only once it is rewritten).
+#[inline(always)]
+pub fn traced<C: Ctx>(c: &C) -> Verdict {
+    let Some(mut ev) = TRACE_EVENTS.reserve::<TraceEvent>(0) else {
+        return process_frame(c);
+    };
+    before(c, ev.as_mut_ptr());
+    let v = process_frame(c);
+    if after(c, ev.as_mut_ptr(), v) {
+        ev.submit(0);
+    } else {
+        ev.discard(0);
+    }
+    v
+}
+
+/// [`process`] in a call frame of its own: it needs nearly all of the 512-byte stack itself, and the record is
+/// live across it.
+#[inline(never)]
+fn process_frame<C: Ctx>(c: &C) -> Verdict {
+    process(c)
+}
+
+/// Fills the record with the packet as it arrived and keeps this CPU's counters.
+#[inline(never)]
+fn before<C: Ctx>(c: &C, e: *mut TraceEvent) {
+    let Some(snap) = TRACE_STATS.get_ptr_mut(0) else {
+        return;
+    };
+    // SAFETY: `e` is an exclusively owned ring-buffer record and `snap` this CPU's slot.
+    unsafe {
+        (*e).ts_ns = bpf_ktime_get_ns();
+        (*e).len = c.packet_len() as u16;
+        (*e).hdr_len = c.load_head(&mut (*e).before) as u8;
+        for i in 0..stat::COUNT {
+            (*snap)[i as usize] = STATS.get(i).copied().unwrap_or(0);
+        }
+    }
+}
+
+/// Completes the record with the packet as it leaves, the verdict and the counters that moved; whether the
+/// filter selects it.
+#[inline(never)]
+fn after<C: Ctx>(c: &C, e: *mut TraceEvent, v: Verdict) -> bool {
+    let (Some(filter), Some(snap)) = (TRACE_FILTER.get(0), TRACE_STATS.get_ptr_mut(0)) else {
+        return false;
+    };
+    // SAFETY: as in `before`.
+    unsafe {
+        c.load_head(&mut (*e).after);
+        let mut reasons = 0u32;
+        for i in 0..stat::COUNT {
+            if STATS.get(i).copied().unwrap_or(0) != (*snap)[i as usize] {
+                reasons |= 1 << i;
+            }
+        }
+        (*e).reasons = reasons;
+        (*e).verdict = match v {
+            Verdict::Pass => 1,
+            Verdict::Drop => 2,
+            Verdict::Tx => 3,
+        };
+        let n = (*e).hdr_len as usize;
+        matches(filter, &(*e).before, n) || matches(filter, &(*e).after, n)
+    }
+}
+
+/// Whether headers `h` (the first `n` bytes of a frame) are what `f` asks for (0 fields match anything).
+#[inline(always)]
+fn matches(f: &TraceFilter, h: &[u8; TRACE_HDR], n: usize) -> bool {
+    let any = f.addr == 0 && f.dst == 0 && f.dport_be == 0;
+    if n < 34 || h[12] != 0x08 || h[13] != 0x00 {
+        return any;
+    }
+    let src = u32::from_ne_bytes([h[26], h[27], h[28], h[29]]);
+    let dst = u32::from_ne_bytes([h[30], h[31], h[32], h[33]]);
+    if f.addr != 0 && src != f.addr && dst != f.addr {
+        return false;
+    }
+    if f.dst != 0 && dst != f.dst {
+        return false;
+    }
+    if f.dport_be != 0 {
+        let at = 14 + (h[14] & 0x0f) as usize * 4 + 2;
+        if at + 2 > n || at + 2 > TRACE_HDR {
+            return false;
+        }
+        return u16::from_ne_bytes([h[at], h[at + 1]]) == f.dport_be;
+    }
+    true
+}
