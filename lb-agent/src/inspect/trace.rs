@@ -184,7 +184,16 @@ fn headers(h: &[u8]) -> Headers {
     }
     let src = Ipv4Addr::new(h[26], h[27], h[28], h[29]);
     let dst = Ipv4Addr::new(h[30], h[31], h[32], h[33]);
-    let l4 = 14 + (h[14] & 0x0f) as usize * 4;
+    let ihl = (h[14] & 0x0f) as usize;
+    if h[14] >> 4 != 4 || ihl < 5 {
+        return Headers {
+            protocol: format!("IPv4 header {:#04x}", h[14]),
+            src: src.to_string(),
+            dst: dst.to_string(),
+            flags: String::new(),
+        };
+    }
+    let l4 = 14 + ihl * 4;
     let ports = (l4 + 4 <= h.len()).then(|| {
         (
             u16::from_be_bytes([h[l4], h[l4 + 1]]),
