@@ -141,6 +141,12 @@ impl Gen {
         if self.chance(50) {
             cfg.flags |= CFG_F_SYNC_EVENTS;
         }
+        if self.chance(20) {
+            // The SYN rate guard with a budget of one handshake per 4.3 s: within an epoch, every SYN after the
+            // first handshake is over the rate.
+            cfg.syn_interval_ns = u32::MAX;
+            cfg.syn_burst_ns = 0;
+        }
         if self.chance(30) {
             cfg.flags |= CFG_F_CHECK_DST_MAC;
             cfg.local_mac = LB_MAC;

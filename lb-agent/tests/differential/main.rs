@@ -91,6 +91,13 @@ impl Report {
 
 /// Runs `frames` generated frames through `hook` and the model; panics with a minimal sequence on a difference.
 fn campaign(hook: Hook, seed: u64, frames: usize) -> Report {
+    // One CPU: the SYN rate guard's budget is per CPU, and the model follows one.
+    // SAFETY: a CPU set for this thread only.
+    unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        libc::CPU_SET(0, &mut set);
+        libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set);
+    }
     let mut h = Harness::new(hook);
     let mut events = h.dp.take_flow_events().unwrap();
     let mut gen = Gen::new(seed);
@@ -155,6 +162,24 @@ fn setup(h: &mut Harness, s: &Scenario) -> Model {
     }
     for (k, _) in h.dp.transient_flows().unwrap() {
         h.dp.remove_transient_flow(&k).unwrap();
+    }
+    // The SYN rate guard starts with its whole budget and nobody trusted, like the model.
+    let ebpf = h.dp.ebpf_mut().unwrap();
+    let mut guard: aya::maps::PerCpuArray<_, u64> =
+        aya::maps::PerCpuArray::try_from(ebpf.map_mut("SYN_GUARD").unwrap()).unwrap();
+    let cpus = aya::util::nr_cpus().unwrap();
+    guard
+        .set(
+            0,
+            aya::maps::PerCpuValues::try_from(vec![0u64; cpus]).unwrap(),
+            0,
+        )
+        .unwrap();
+    let mut trusted: aya::maps::HashMap<_, lb_common::Addr, u8> =
+        aya::maps::HashMap::try_from(ebpf.map_mut("TRUSTED_SOURCES").unwrap()).unwrap();
+    let known: Vec<_> = trusted.keys().filter_map(|k| k.ok()).collect();
+    for k in known {
+        trusted.remove(&k).unwrap();
     }
     let mut t = Tables {
         cfg: s.cfg,

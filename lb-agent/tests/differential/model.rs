@@ -95,6 +95,11 @@ pub struct Model {
     /// What this frame publishes for the HA peers' sync (with `CFG_F_SYNC_EVENTS`): kind, key, entry, and for a
     /// new flow its reverse entry.
     pub events: Vec<(u8, FlowKeyV4, FlowV4, FlowV4)>,
+    /// The SYN rate guard of the one CPU the runner runs on: when its budget was last taken, as the range of the
+    /// clock then plus one interval (`None`: never).
+    guard_tat: Option<(u64, u64)>,
+    /// Sources that completed a handshake while the guard is on.
+    trusted: HashSet<u32>,
 }
 
 /// A parsed TCP/UDP packet.
@@ -196,6 +201,8 @@ impl Model {
             },
             touched: vec![],
             events: vec![],
+            guard_tat: None,
+            trusted: HashSet::new(),
         }
     }
 
@@ -337,6 +344,24 @@ impl Model {
     fn l4(&mut self, f: &[u8], p: &L4, run: &Run) -> Step<Answer> {
         let key = p.key;
         let clock = run.clock;
+        let skey = ServiceKey {
+            addr: Addr::from_v4_raw(key.dst),
+            port_be: key.dport,
+            proto: key.proto,
+            family: FAMILY_V4,
+        };
+        // Over the new-handshake rate, a service's SYN gets in only from a source that completed a handshake.
+        if p.syn() && self.over_rate(clock)? {
+            if let Some(svc) = self.tables.services.get(&skey).copied() {
+                if self.trusted.contains(&key.src) {
+                    self.count(stat::SYN_TRUSTED);
+                } else {
+                    self.count(stat::DROP_SYN_RATE);
+                    self.svc(svc.id).drop_syn_rate += 1;
+                    return Ok((Verdict::Drop, None));
+                }
+            }
+        }
         // Established flows and reply directions.
         let mut reopen = None;
         if let Some(fl) = self.flow(key) {
@@ -347,12 +372,6 @@ impl Model {
             }
             reopen = Some(fl);
         }
-        let skey = ServiceKey {
-            addr: Addr::from_v4_raw(key.dst),
-            port_be: key.dport,
-            proto: key.proto,
-            family: FAMILY_V4,
-        };
         let svc = self.tables.services.get(&skey).copied();
         let dport = u16::from_be(key.dport);
         let cfg = self.tables.cfg;
@@ -421,6 +440,7 @@ impl Model {
             // A handshake: both entries wait in the transient table.
             self.state.transient.insert(rkey, transient(rev));
             self.state.transient.insert(key, transient(fwd));
+            self.take_budget(clock)?;
             self.count(stat::NEW_HANDSHAKES);
             let s = self.svc(svc.id);
             s.handshakes += 1;
@@ -433,6 +453,30 @@ impl Model {
             self.count_dir(&fwd, p);
         }
         Ok((Verdict::Tx, Some(rewrite(f, p, &fwd))))
+    }
+
+    /// The guard is on and this CPU used its budget: the next handshake is due after `now` (burst 0 here).
+    fn over_rate(&self, clock: Clock) -> Step<bool> {
+        if self.tables.cfg.syn_interval_ns == 0 {
+            return Ok(false);
+        }
+        match self.guard_tat {
+            None => Ok(false),
+            Some((lo, hi)) if lo > clock.hi => Ok(true),
+            Some((_, hi)) if hi <= clock.lo => Ok(false),
+            Some(_) => Err(Fault::Ambiguous("the SYN rate guard's budget")),
+        }
+    }
+
+    /// A handshake opened: under the rate it uses one interval of the budget (over it, a trusted source's uses
+    /// none).
+    fn take_budget(&mut self, clock: Clock) -> Step<()> {
+        if self.tables.cfg.syn_interval_ns == 0 || self.over_rate(clock)? {
+            return Ok(());
+        }
+        let i = self.tables.cfg.syn_interval_ns as u64;
+        self.guard_tat = Some((clock.lo + i, clock.hi + i));
+        Ok(())
     }
 
     /// Whether SNAT port `port_be` cannot be given to a new flow to `t`: a service port of the SNAT address, or
@@ -657,6 +701,9 @@ impl Model {
         self.state.flows.insert(rkey, rev.flow);
         self.state.flows.insert(key, fwd.flow);
         self.established_new(key, fwd.flow, rev.flow);
+        if self.tables.cfg.syn_interval_ns != 0 {
+            self.trusted.insert(key.src);
+        }
         self.count_dir(&fwd.flow, p);
         self.state.transient.remove(&key);
         self.state.transient.remove(&rkey);
