@@ -4,6 +4,7 @@
 mod bench;
 mod demo;
 mod ebpf;
+mod fuzz;
 mod image;
 mod openstack;
 mod prereq;
@@ -48,6 +49,11 @@ enum Cmd {
         #[command(subcommand)]
         cmd: image::ImageCmd,
     },
+    /// Fuzzing campaigns longer than the test passes (`dataplane`: the differential fuzzer).
+    Fuzz {
+        #[command(subcommand)]
+        cmd: fuzz::FuzzCmd,
+    },
 }
 
 fn main() -> Result<()> {
@@ -58,5 +64,6 @@ fn main() -> Result<()> {
         Cmd::Bench { which } => bench::run_bench(which),
         Cmd::Openstack { cmd } => openstack::run(cmd),
         Cmd::Image { cmd } => image::run(cmd),
+        Cmd::Fuzz { cmd } => fuzz::run_fuzz(cmd),
     }
 }
