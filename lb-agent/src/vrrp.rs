@@ -65,7 +65,7 @@
 //! [`Keepalived`] detaches from it likewise; only [`Keepalived::stop`] stops it. Under systemd this needs
 //! `KillMode=process` (or keepalived in its own scope), or stopping the agent's unit kills keepalived too.
 
-mod parse;
+pub mod parse;
 mod render;
 mod supervisor;
 

@@ -27,6 +27,10 @@ pub const NETNS_PACKAGES: &[Pkg] = &[
     pkg("etcd-server", &["etcd"]),
 ];
 
+/// Debian packages the parser fuzzing uses: a C++ compiler, for libFuzzer itself (`libfuzzer-sys` builds it from
+/// source).
+pub const FUZZ_PACKAGES: &[Pkg] = &[pkg("g++", &["g++"])];
+
 /// Debian packages `cargo xtask image build` uses: mmdebstrap (the root filesystem), sfdisk (fdisk), mkfs.vfat
 /// (dosfstools) and mtools (the ESP without mounting it), GRUB's BIOS and UEFI images (grub-pc-bin,
 /// grub-efi-amd64-bin: only the binaries, nothing is installed on this machine's boot path), mkfs.ext4 -d
@@ -244,6 +248,7 @@ pub fn all() -> Result<()> {
         );
     }
     debian_packages(NETNS_PACKAGES)?;
+    debian_packages(FUZZ_PACKAGES)?;
     bpffs()?;
     target_hygiene()
 }

@@ -82,6 +82,12 @@ const STAGES: &[Stage] = &[
         },
     },
     Stage {
+        // The coverage-guided parser targets, 15 s each from the committed seeds (longer: `cargo xtask fuzz
+        // parsers`). A crash fails the stage and names its input.
+        name: "fuzz-parsers",
+        run: || crate::fuzz::parsers(15, None),
+    },
+    Stage {
         // Real TCP/UDP between network namespaces through the real agent and programs.
         name: "netns-e2e",
         run: || {

@@ -1,0 +1,28 @@
+//! The agent's config file and the LoadBalancer-to-config path: any YAML is parsed without panicking, and a
+//! parsed one is validated without panicking; a refusal names a field.
+#![no_main]
+
+use lb_agent::config::{desired, LocalConfig};
+
+libfuzzer_sys::fuzz_target!(|data: &[u8]| {
+    let Ok(text) = std::str::from_utf8(data) else {
+        return;
+    };
+    let Ok(cfg) = serde_yaml::from_str::<LocalConfig>(text) else {
+        return;
+    };
+    if let Err(e) = desired(
+        cfg.vip,
+        cfg.snat_address,
+        &cfg.ports,
+        &cfg.endpoints,
+        &cfg.options,
+        cfg.health_check.clone(),
+    ) {
+        let msg = format!("{e:#}");
+        assert!(
+            msg.contains('.') || msg.contains(':'),
+            "a refusal names the field: {msg}"
+        );
+    }
+});
