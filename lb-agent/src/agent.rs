@@ -1,6 +1,6 @@
 //! The agent's main loop: desired config + backend health → maps; next hops kept resolved; idle flows
-//! collected; a metrics snapshot refreshed. Config sources feed it through a watch channel, so the file
-//! and Kubernetes modes share everything from here on.
+//! collected; a metrics snapshot refreshed. Config sources ([`crate::source`]) feed it through a watch
+//! channel of [`ConfigState`], so the file and Kubernetes modes share everything from here on.
 
 use crate::config::DesiredConfig;
 use crate::dataplane::{AttachMode, Dataplane, MapSizes};
@@ -539,42 +539,4 @@ fn update_snapshot(
         ready: state.applied > 0,
         ha,
     };
-}
-
-/// Polls a config file (content, not just mtime, so atomic renames and editors are seen alike) and publishes
-/// each new version. Reading a few kilobytes every `every` (50 ms in the agent) costs nothing next to the
-/// latency it saves.
-pub fn watch_file(path: PathBuf, every: Duration) -> watch::Receiver<ConfigState> {
-    let (tx, rx) = watch::channel(ConfigState::Pending);
-    tokio::spawn(async move {
-        let mut last: Option<String> = None;
-        let mut generation = 0u64;
-        loop {
-            match tokio::fs::read_to_string(&path).await {
-                Ok(text) if last.as_deref() != Some(text.as_str()) => {
-                    generation += 1;
-                    let state = serde_yaml::from_str::<crate::config::LocalConfig>(&text)
-                        .map_err(|e| format!("{}: {e}", path.display()))
-                        .and_then(|c| DesiredConfig::try_from(&c).map_err(|e| format!("{e:#}")));
-                    let _ = tx.send(match state {
-                        Ok(c) => ConfigState::Valid(Arc::new(c), generation),
-                        Err(e) => ConfigState::Invalid(e, generation),
-                    });
-                    last = Some(text);
-                }
-                Ok(_) => {}
-                Err(e) if last.is_none() => {
-                    generation += 1;
-                    let _ = tx.send(ConfigState::Invalid(
-                        format!("reading {}: {e}", path.display()),
-                        generation,
-                    ));
-                    last = Some(String::new());
-                }
-                Err(_) => {}
-            }
-            tokio::time::sleep(every).await;
-        }
-    });
-    rx
 }

@@ -1,7 +1,7 @@
 //! The load-balancer agent: loads the XDP data plane and programs it (see README "Architecture").
 //!
-//! Flow of information: a config source ([`agent::watch_file`], or Kubernetes: [`kube`]) → [`config::DesiredConfig`]
-//! → health filtering ([`health`]) → [`programmer::Programmer`] → maps ([`dataplane::Dataplane`]).
+//! Flow of information: a config source ([`source::file`](mod@source::file) or [`source::kubernetes`])
+//! → [`config::DesiredConfig`] → health filtering ([`health`]) → [`programmer::Programmer`] → maps ([`dataplane::Dataplane`]).
 pub mod agent;
 pub mod arena;
 pub mod config;
@@ -12,12 +12,12 @@ pub mod ha;
 pub mod health;
 pub mod hostmetrics;
 pub mod inspect;
-pub mod kube;
 pub mod maglev;
 pub mod metrics;
 pub mod model;
 pub mod neighbor;
 pub mod programmer;
+pub mod source;
 pub mod sync;
 pub mod vrrp;
 

@@ -7,8 +7,8 @@ use lb_agent::agent::{self, AgentOptions, AgentStatus};
 use lb_agent::dataplane::{AttachMode, MapSizes};
 use lb_agent::ha::{HaOptions, SyncSettings};
 use lb_agent::health::{HealthCheckSpec, HttpCheck};
-use lb_agent::kube::KubeSettings;
 use lb_agent::metrics::SharedSnapshot;
+use lb_agent::source::kubernetes::KubeSettings;
 use lb_agent::vrrp::VrrpOptions;
 use std::net::{IpAddr, SocketAddr};
 use std::path::{Path, PathBuf};
@@ -285,13 +285,13 @@ async fn main() -> Result<()> {
     // Kept alive for the whole run: dropping it stops the Kubernetes tasks.
     let mut _kube_mode = None;
     let config_rx = match (&cli.config, &cli.loadbalancer_name) {
-        (Some(path), None) => agent::watch_file(path.clone(), Duration::from_millis(50)),
+        (Some(path), None) => lb_agent::source::file::watch_file(path.clone(), Duration::from_millis(50)),
         (None, Some(lb)) => {
             let settings = kube_settings(&cli, lb)?;
             tracing::info!(namespace = %settings.namespace, loadbalancer = %settings.loadbalancer,
                 machine = %settings.machine, requeue = ?settings.requeue, "Kubernetes mode");
-            let client = lb_agent::kube::client(cli.kubeconfig.as_deref()).await?;
-            let mode = lb_agent::kube::start(client, settings, status_rx, snapshot.clone());
+            let client = lb_agent::source::kubernetes::client(cli.kubeconfig.as_deref()).await?;
+            let mode = lb_agent::source::kubernetes::start(client, settings, status_rx, snapshot.clone());
             let rx = mode.config.clone();
             _kube_mode = Some(mode);
             rx
@@ -341,7 +341,7 @@ fn kube_settings(cli: &Cli, loadbalancer: &str) -> Result<KubeSettings> {
         machine,
         health_check,
         requeue,
-        clock: lb_agent::kube::system_clock(),
+        clock: lb_agent::source::kubernetes::system_clock(),
         machine_revision: cli.machine_revision.clone(),
     })
 }

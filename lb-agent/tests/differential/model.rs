@@ -462,7 +462,7 @@ impl Model {
         }
         match self.guard_tat {
             None => Ok(false),
-            Some((lo, hi)) if lo > clock.hi => Ok(true),
+            Some((lo, _)) if lo > clock.hi => Ok(true),
             Some((_, hi)) if hi <= clock.lo => Ok(false),
             Some(_) => Err(Fault::Ambiguous("the SYN rate guard's budget")),
         }

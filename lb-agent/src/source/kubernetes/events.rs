@@ -1,0 +1,209 @@
+//! Events of Kubernetes mode: which core/v1 Events a status change makes, and the recorder that writes
+//! them on the LoadBalancerMachine for both the config source and the status reporter.
+
+use super::KubeSettings;
+use crate::agent::{AgentStatus, ConfigState};
+use ::kube::api::{Api, PostParams};
+use ::kube::Client;
+use k8s_openapi::api::core::v1::{Event, EventSource, ObjectReference};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, Time};
+use k8s_openapi::jiff::Timestamp;
+use lb_api::constants::API_VERSION;
+use lb_api::LoadBalancerMachine;
+use tokio::sync::Mutex;
+
+/// `source.component` / `reportingComponent` of the Events the agent writes.
+pub const EVENT_COMPONENT: &str = "lb-agent";
+
+/// Longest condition or Event message written. Kubernetes does not cap NodeCondition messages, but a
+/// spec with many errors should not bloat the object that every controller watches.
+const MAX_MESSAGE: usize = 1024;
+
+/// Event reasons.
+pub mod event_reasons {
+    /// Warning: the LoadBalancer's spec (or VIP) was rejected; the last valid configuration keeps forwarding.
+    pub const CONFIG_REJECTED: &str = "ConfigurationRejected";
+    /// Warning: a valid configuration could not be written to the data plane.
+    pub const APPLY_FAILED: &str = "ApplyFailed";
+    /// Warning: the data plane is no longer attached.
+    pub const DATAPLANE_NOT_READY: &str = "DataplaneNotReady";
+    /// Normal: a new configuration generation is in the data plane (yawol's reason for a new snapshot).
+    pub const UPDATE: &str = "Update";
+}
+
+/// An Event to write on the LoadBalancerMachine.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct MachineEvent {
+    /// `Warning` (else `Normal`).
+    pub warning: bool,
+    /// Machine-readable reason ([`event_reasons`]).
+    pub reason: &'static str,
+    /// Human-readable message.
+    pub message: String,
+}
+
+/// Events for a change of the agent's status. Rejected configurations are reported by the config source
+/// (it knows the message); here a config error whose message is not the current `Invalid` one is an
+/// apply failure.
+pub fn status_events(
+    prev: &AgentStatus,
+    cur: &AgentStatus,
+    config: &ConfigState,
+) -> Vec<MachineEvent> {
+    let mut events = Vec::new();
+    if let Some(err) = &cur.config_error {
+        let rejected = matches!(config, ConfigState::Invalid(m, _) if m == err);
+        if prev.config_error.as_ref() != Some(err) && !rejected {
+            events.push(MachineEvent {
+                warning: true,
+                reason: event_reasons::APPLY_FAILED,
+                message: truncate(&format!("applying the configuration failed: {err}")),
+            });
+        }
+    }
+    if prev.dataplane_ready && !cur.dataplane_ready {
+        events.push(MachineEvent {
+            warning: true,
+            reason: event_reasons::DATAPLANE_NOT_READY,
+            message: "the data plane is no longer attached".to_string(),
+        });
+    }
+    if let Some(g) = cur.applied_generation {
+        if prev.applied_generation != Some(g) {
+            events.push(MachineEvent {
+                warning: false,
+                reason: event_reasons::UPDATE,
+                message: format!("data plane updated to configuration generation {g}"),
+            });
+        }
+    }
+    events
+}
+
+/// Cuts a message to [`MAX_MESSAGE`] bytes at a character boundary.
+pub(super) fn truncate(s: &str) -> String {
+    if s.len() <= MAX_MESSAGE {
+        return s.to_string();
+    }
+    let mut end = MAX_MESSAGE - '…'.len_utf8();
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{}…", &s[..end])
+}
+
+/// Writes core/v1 Events about the LoadBalancerMachine. Best effort: failures are logged, never retried
+/// (the same problem shows in the conditions, which are retried).
+pub(super) struct Recorder {
+    events: Api<Event>,
+    machines: Api<LoadBalancerMachine>,
+    namespace: String,
+    machine: String,
+    /// The machine's uid, looked up once: `kubectl describe` finds Events by it.
+    uid: Mutex<Option<String>>,
+}
+
+impl Recorder {
+    pub(super) fn new(client: Client, settings: &KubeSettings) -> Self {
+        Recorder {
+            events: Api::namespaced(client.clone(), &settings.namespace),
+            machines: Api::namespaced(client, &settings.namespace),
+            namespace: settings.namespace.clone(),
+            machine: settings.machine.clone(),
+            uid: Mutex::new(None),
+        }
+    }
+
+    pub(super) async fn publish(&self, event: &MachineEvent) {
+        let uid = {
+            let mut uid = self.uid.lock().await;
+            if uid.is_none() {
+                *uid = self
+                    .machines
+                    .get(&self.machine)
+                    .await
+                    .ok()
+                    .and_then(|m| m.metadata.uid);
+            }
+            uid.clone()
+        };
+        let now = Time(Timestamp::now());
+        let ev = Event {
+            metadata: ObjectMeta {
+                generate_name: Some(format!("{}.", self.machine)),
+                namespace: Some(self.namespace.clone()),
+                ..Default::default()
+            },
+            involved_object: ObjectReference {
+                api_version: Some(API_VERSION.to_string()),
+                kind: Some("LoadBalancerMachine".to_string()),
+                name: Some(self.machine.clone()),
+                namespace: Some(self.namespace.clone()),
+                uid,
+                ..Default::default()
+            },
+            type_: Some(if event.warning { "Warning" } else { "Normal" }.to_string()),
+            reason: Some(event.reason.to_string()),
+            message: Some(event.message.clone()),
+            count: Some(1),
+            first_timestamp: Some(now.clone()),
+            last_timestamp: Some(now),
+            source: Some(EventSource {
+                component: Some(EVENT_COMPONENT.to_string()),
+                host: None,
+            }),
+            reporting_component: Some(EVENT_COMPONENT.to_string()),
+            reporting_instance: Some(self.machine.clone()),
+            ..Default::default()
+        };
+        if let Err(e) = self.events.create(&PostParams::default(), &ev).await {
+            tracing::warn!(error = %e, reason = event.reason, "could not write an Event on the LoadBalancerMachine");
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::source::kubernetes::test_support::running;
+
+    #[test]
+    fn events_on_edges_only() {
+        let idle = AgentStatus {
+            dataplane_ready: true,
+            ..Default::default()
+        };
+        let e = status_events(&idle, &running(1), &ConfigState::Pending);
+        assert_eq!(e.len(), 1);
+        assert_eq!((e[0].warning, e[0].reason), (false, "Update"));
+        assert!(status_events(&running(1), &running(1), &ConfigState::Pending).is_empty());
+
+        // A rejected spec is reported by the config source, not again here.
+        let rejected = AgentStatus {
+            config_error: Some("bad".into()),
+            ..running(1)
+        };
+        let invalid = ConfigState::Invalid("bad".into(), 2);
+        assert!(status_events(&running(1), &rejected, &invalid).is_empty());
+        // Any other error is an apply failure.
+        let e = status_events(&running(1), &rejected, &ConfigState::Pending);
+        assert_eq!((e[0].warning, e[0].reason), (true, "ApplyFailed"));
+        assert!(status_events(&rejected, &rejected, &ConfigState::Pending).is_empty());
+
+        let detached = AgentStatus {
+            dataplane_ready: false,
+            ..running(1)
+        };
+        let e = status_events(&running(1), &detached, &ConfigState::Pending);
+        assert_eq!(e[0].reason, "DataplaneNotReady");
+    }
+
+    #[test]
+    fn long_messages_are_cut_at_a_char_boundary() {
+        let s = "ä".repeat(2000);
+        let cut = truncate(&s);
+        assert!(cut.len() <= MAX_MESSAGE);
+        assert!(cut.ends_with('…'));
+        assert_eq!(truncate("short"), "short");
+    }
+}

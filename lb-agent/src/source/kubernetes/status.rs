@@ -1,0 +1,608 @@
+//! The status reporter of Kubernetes mode: the agent's status as `LoadBalancerMachine.status` conditions
+//! (ours and yawol's names) and metrics, written on every change and as a heartbeat.
+
+use super::events::{status_events, truncate, Recorder};
+use super::KubeSettings;
+use crate::agent::{AgentStatus, ConfigState};
+use crate::metrics::SharedSnapshot;
+use ::kube::api::{Api, Patch, PatchParams};
+use anyhow::Result;
+use k8s_openapi::api::core::v1::NodeCondition;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+use lb_api::constants::conditions as cond;
+use lb_api::{set_condition, LoadBalancerMachine, LoadBalancerMachineMetric};
+use serde_json::json;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::sync::watch;
+use tokio::time::Instant;
+
+/// Condition reasons. The yawol-named conditions use yawol's reasons where yawol has one, so dashboards
+/// and alerts written for yawol keep matching.
+pub mod reasons {
+    /// `ConfigReady=True` (yawol's reason).
+    pub const CONFIG_UP_TO_DATE: &str = "EnvoyConfigurationUpToDate";
+    /// `ConfigReady=False`: invalid LoadBalancer or a configuration the data plane refused (yawol's reason).
+    pub const CONFIG_FAILED: &str = "EnvoyConfigurationFailed";
+    /// `ConfigReady=False`: no configuration yet (LoadBalancer not read, or no `status.portIP`).
+    pub const CONFIG_PENDING: &str = "ConfigurationPending";
+    /// `DataplaneReady=True`.
+    pub const DATAPLANE_READY: &str = "DataplaneAttached";
+    /// `DataplaneReady=False`.
+    pub const DATAPLANE_NOT_READY: &str = "DataplaneNotAttached";
+    /// `EnvoyReady=True` (yawol's reason).
+    pub const ENVOY_READY: &str = "EnvoyReady";
+    /// `EnvoyReady=False` (yawol's reason).
+    pub const ENVOY_NOT_READY: &str = "EnvoyNotReady";
+    /// `DataplaneUpToDate=True`.
+    pub const DATAPLANE_UP_TO_DATE: &str = "ConfigurationApplied";
+    /// `DataplaneUpToDate=False`.
+    pub const DATAPLANE_NOT_UP_TO_DATE: &str = "ConfigurationNotApplied";
+    /// `EnvoyUpToDate=True` (yawol's reason).
+    pub const ENVOY_UP_TO_DATE: &str = "EnvoySnapshotUpToDate";
+    /// `EnvoyUpToDate=False`.
+    pub const ENVOY_NOT_UP_TO_DATE: &str = "EnvoySnapshotNotUpToDate";
+    /// `KeepalivedMaster` (yawol's reason, both statuses).
+    pub const KEEPALIVED_STATUS: &str = "KeepalivedStatus";
+    /// `KeepalivedProcess=True` (yawol's reason).
+    pub const KEEPALIVED_RUNNING: &str = "KeepalivedIsRunning";
+    /// `KeepalivedProcess=False`.
+    pub const KEEPALIVED_NOT_RUNNING: &str = "KeepalivedNotRunning";
+}
+
+/// One condition's truth before it becomes a `NodeCondition`.
+struct Truth {
+    type_: &'static str,
+    ok: bool,
+    reason: &'static str,
+    message: String,
+}
+
+/// The agent's conditions under both naming schemes. The yawol names carry exactly the same status as
+/// ours: yawol-controller counts a machine ready when `ConfigReady`, `EnvoyReady` and `EnvoyUpToDate`
+/// are all True with a fresh heartbeat, and replaces it when one stays False for 3 minutes.
+fn truths(s: &AgentStatus) -> Vec<Truth> {
+    let (config_ok, config_reason, config_msg) = match (&s.config_error, s.desired_generation) {
+        (Some(e), _) => (false, reasons::CONFIG_FAILED, truncate(e)),
+        (None, Some(g)) => (
+            true,
+            reasons::CONFIG_UP_TO_DATE,
+            format!("configuration generation {g} is valid"),
+        ),
+        (None, None) => (
+            false,
+            reasons::CONFIG_PENDING,
+            "waiting for the LoadBalancer and its status.portIP (VIP)".to_string(),
+        ),
+    };
+    let ready_msg = match (s.dataplane_ready, s.attached) {
+        (true, Some(mode)) => format!("the data plane is attached ({})", mode.describe()),
+        (true, None) => "the data plane is attached".to_string(),
+        (false, _) => "the data plane is not attached".to_string(),
+    };
+    let up_to_date = s.up_to_date();
+    let up_msg = up_to_date_message(s);
+    let pick = |ok: bool, yes: &'static str, no: &'static str| if ok { yes } else { no };
+    let mut v = vec![
+        Truth {
+            type_: cond::CONFIG_READY,
+            ok: config_ok,
+            reason: config_reason,
+            message: config_msg,
+        },
+        Truth {
+            type_: cond::DATAPLANE_READY,
+            ok: s.dataplane_ready,
+            reason: pick(
+                s.dataplane_ready,
+                reasons::DATAPLANE_READY,
+                reasons::DATAPLANE_NOT_READY,
+            ),
+            message: ready_msg.to_string(),
+        },
+        Truth {
+            type_: cond::ENVOY_READY,
+            ok: s.dataplane_ready,
+            reason: pick(
+                s.dataplane_ready,
+                reasons::ENVOY_READY,
+                reasons::ENVOY_NOT_READY,
+            ),
+            message: ready_msg.to_string(),
+        },
+        Truth {
+            type_: cond::DATAPLANE_UP_TO_DATE,
+            ok: up_to_date,
+            reason: pick(
+                up_to_date,
+                reasons::DATAPLANE_UP_TO_DATE,
+                reasons::DATAPLANE_NOT_UP_TO_DATE,
+            ),
+            message: up_msg.clone(),
+        },
+        Truth {
+            type_: cond::ENVOY_UP_TO_DATE,
+            ok: up_to_date,
+            reason: pick(
+                up_to_date,
+                reasons::ENVOY_UP_TO_DATE,
+                reasons::ENVOY_NOT_UP_TO_DATE,
+            ),
+            message: up_msg,
+        },
+    ];
+    if let Some(state) = s.vrrp {
+        let running = state.is_reported();
+        v.push(Truth {
+            type_: cond::KEEPALIVED_PROCESS,
+            ok: running,
+            reason: pick(
+                running,
+                reasons::KEEPALIVED_RUNNING,
+                reasons::KEEPALIVED_NOT_RUNNING,
+            ),
+            message: format!("keepalived state: {state}"),
+        });
+        v.push(Truth {
+            type_: cond::KEEPALIVED_MASTER,
+            ok: state == crate::vrrp::VrrpState::Master,
+            reason: reasons::KEEPALIVED_STATUS,
+            message: format!("VRRP state {state}"),
+        });
+    }
+    v
+}
+
+fn up_to_date_message(s: &AgentStatus) -> String {
+    let generation = |g: Option<u64>| g.map_or_else(|| "none".to_string(), |g| g.to_string());
+    if !s.dataplane_ready {
+        "the data plane is not attached".to_string()
+    } else if let Some(why) = &s.source_stale {
+        format!(
+            "not confirmed: {why}; the data plane runs generation {}",
+            generation(s.applied_generation)
+        )
+    } else if s.config_error.is_some() {
+        format!(
+            "the latest configuration (generation {}) is not in the data plane; generation {} keeps forwarding",
+            generation(s.desired_generation),
+            generation(s.applied_generation)
+        )
+    } else if s.up_to_date() {
+        format!(
+            "the data plane runs configuration generation {}",
+            generation(s.applied_generation)
+        )
+    } else {
+        format!(
+            "the data plane runs generation {}, desired is {}",
+            generation(s.applied_generation),
+            generation(s.desired_generation)
+        )
+    }
+}
+
+/// The machine's new `status.conditions`: ours set from `status` (heartbeat = `now`; transition time
+/// only changes when a status flips), conditions written by others (`MarkedForDeletion`, keepalived)
+/// kept as they are, sorted by type like yawol's.
+pub fn conditions(prev: &[NodeCondition], status: &AgentStatus, now: &Time) -> Vec<NodeCondition> {
+    let mut out = prev.to_vec();
+    for t in truths(status) {
+        let value = if t.ok { cond::TRUE } else { cond::FALSE };
+        set_condition(&mut out, t.type_, value, t.reason, &t.message, now.clone());
+    }
+    out.sort_by(|a, b| a.type_.cmp(&b.type_));
+    out
+}
+
+/// yawol's metric list (`status.metrics`), every entry stamped `now`.
+pub fn metrics_list(metrics: &[(String, String)], now: &Time) -> Vec<LoadBalancerMachineMetric> {
+    metrics
+        .iter()
+        .map(|(type_, value)| LoadBalancerMachineMetric {
+            type_: type_.clone(),
+            value: value.clone(),
+            time: now.clone(),
+        })
+        .collect()
+}
+
+/// The merge patch for the status subresource. Conditions and metrics are whole lists (JSON merge
+/// patch replaces arrays), so the patch carries the `resourceVersion` they were computed from: a
+/// concurrent writer (the controller's `MarkedForDeletion`) makes it fail with 409 instead of being
+/// overwritten.
+pub fn status_patch(
+    resource_version: Option<&str>,
+    conditions: &[NodeCondition],
+    metrics: &[LoadBalancerMachineMetric],
+) -> serde_json::Value {
+    let mut patch = json!({ "status": { "conditions": conditions, "metrics": metrics } });
+    if let Some(rv) = resource_version {
+        patch["metadata"] = json!({ "resourceVersion": rv });
+    }
+    patch
+}
+
+/// Exponential backoff for status writes: from `min(1 s, max)`, doubling, capped at `max` (the requeue
+/// period, so an outage never delays heartbeats more than a normal period would).
+#[derive(Clone, Debug)]
+pub struct Backoff {
+    first: Duration,
+    max: Duration,
+    next: Duration,
+}
+
+impl Backoff {
+    /// A backoff capped at `max`.
+    pub fn new(max: Duration) -> Self {
+        let first = Duration::from_secs(1).min(max);
+        Backoff {
+            first,
+            max,
+            next: first,
+        }
+    }
+
+    /// The delay before the next attempt.
+    pub fn next_delay(&mut self) -> Duration {
+        let d = self.next;
+        self.next = (d * 2).min(self.max);
+        d
+    }
+
+    /// Back to the first delay (after a success).
+    pub fn reset(&mut self) {
+        self.next = self.first;
+    }
+}
+
+/// Writes the machine's status on every change of the agent's status and at least every requeue
+/// period (heartbeat); runs until the agent's status channel closes.
+pub(super) async fn run_status_reporter(
+    machines: Api<LoadBalancerMachine>,
+    settings: KubeSettings,
+    recorder: Arc<Recorder>,
+    config: watch::Receiver<ConfigState>,
+    mut status: watch::Receiver<AgentStatus>,
+    mut stale: watch::Receiver<Option<String>>,
+    snapshot: SharedSnapshot,
+) {
+    let what = format!(
+        "LoadBalancerMachine {}/{}",
+        settings.namespace, settings.machine
+    );
+    let mut backoff = Backoff::new(settings.requeue);
+    // Events compare against an agent that has done nothing yet.
+    let mut seen = AgentStatus::default();
+    // The status last written successfully: an unchanged status waits for the heartbeat, so health-check
+    // churn (which re-sends the same status) does not turn into API writes.
+    let mut written: Option<AgentStatus> = None;
+    let mut deadline = Instant::now();
+    // The agent's own status plus whether the configuration source is in sync — and whether the agent has taken
+    // what the source last published: right after a relist the source is in sync while the agent loop may not have
+    // seen the new generation yet, and its status would claim the old one is up to date.
+    let current_status = |status: &mut watch::Receiver<AgentStatus>,
+                          stale: &mut watch::Receiver<Option<String>>| {
+        let status = status.borrow_and_update().clone();
+        let published = match &*config.borrow() {
+            ConfigState::Valid(_, g) | ConfigState::Invalid(_, g) => Some(*g),
+            ConfigState::Pending => None,
+        };
+        let source_stale = stale.borrow_and_update().clone().or_else(|| {
+            published
+                .filter(|g| status.desired_generation != Some(*g))
+                .map(|g| format!("the agent has not taken generation {g} of the LoadBalancer yet"))
+        });
+        AgentStatus {
+            source_stale,
+            ..status
+        }
+    };
+    loop {
+        tokio::select! {
+            r = status.changed() => {
+                if r.is_err() {
+                    tracing::info!("the agent stopped; status reporting ends");
+                    return;
+                }
+            }
+            // The source ends only with the agent; then the branch above ends the loop.
+            Ok(()) = stale.changed() => {}
+            _ = tokio::time::sleep_until(deadline) => {}
+        }
+        let current = current_status(&mut status, &mut stale);
+        if written.as_ref() == Some(&current) && Instant::now() < deadline {
+            continue;
+        }
+        let events = status_events(&seen, &current, &config.borrow());
+        for e in &events {
+            recorder.publish(e).await;
+        }
+        seen = current.clone();
+        match write_status(&machines, &settings, &current, &snapshot).await {
+            Ok(()) => {
+                tracing::debug!(object = %what, "status written");
+                written = Some(current);
+                backoff.reset();
+                deadline = Instant::now() + settings.requeue;
+            }
+            Err(e) => {
+                let delay = backoff.next_delay();
+                tracing::warn!(object = %what, error = %format!("{e:#}"), retry_in = ?delay, "writing the status failed");
+                written = None;
+                deadline = Instant::now() + delay;
+            }
+        }
+    }
+}
+
+/// Read-modify-write of the machine's status (conditions of others are kept), retried on conflicts.
+async fn write_status(
+    machines: &Api<LoadBalancerMachine>,
+    settings: &KubeSettings,
+    status: &AgentStatus,
+    snapshot: &SharedSnapshot,
+) -> Result<()> {
+    const ATTEMPTS: usize = 3;
+    let name = &settings.machine;
+    for attempt in 1..=ATTEMPTS {
+        let lbm = machines.get(name).await.map_err(|e| match &e {
+            ::kube::Error::Api(s) if s.is_not_found() => anyhow::anyhow!(
+                "LoadBalancerMachine {}/{name} does not exist (check --namespace and --loadbalancer-machine-name)",
+                settings.namespace
+            ),
+            // kube's error text already includes its cause: one line, no `{:#}` chain repeating it.
+            _ => anyhow::anyhow!("reading LoadBalancerMachine {}/{name}: {e}", settings.namespace),
+        })?;
+        let prev = lbm
+            .status
+            .as_ref()
+            .and_then(|s| s.conditions.as_deref())
+            .unwrap_or_default();
+        let now = (settings.clock)();
+        let conds = conditions(prev, status, &now);
+        let metrics = metrics_list(
+            &snapshot
+                .read()
+                .unwrap_or_else(|e| e.into_inner())
+                .yawol_metrics(),
+            &now,
+        );
+        let patch = status_patch(lbm.metadata.resource_version.as_deref(), &conds, &metrics);
+        match machines
+            .patch_status(name, &PatchParams::default(), &Patch::Merge(&patch))
+            .await
+        {
+            Ok(_) => return Ok(()),
+            Err(::kube::Error::Api(s)) if s.is_conflict() && attempt < ATTEMPTS => {
+                tracing::debug!(
+                    attempt,
+                    "LoadBalancerMachine changed meanwhile; retrying the status write"
+                );
+            }
+            Err(e) => {
+                return Err(anyhow::anyhow!(
+                    "patching LoadBalancerMachine {}/{name} status: {e}",
+                    settings.namespace
+                ))
+            }
+        }
+    }
+    unreachable!("the last attempt returns")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::source::kubernetes::test_support::{running, t};
+
+    #[test]
+    fn the_message_names_the_hook_and_a_stale_source_is_not_up_to_date() {
+        let c = conditions(&[], &running(3), &t(0));
+        assert_eq!(
+            find(&c, cond::DATAPLANE_READY).message.as_deref(),
+            Some("the data plane is attached (TC (tcx))")
+        );
+        assert_eq!(find(&c, cond::DATAPLANE_UP_TO_DATE).status, cond::TRUE);
+        let stale = AgentStatus {
+            source_stale: Some(
+                "the LoadBalancer watch is not in sync with the API server (watch stream failed)"
+                    .into(),
+            ),
+            ..running(3)
+        };
+        let c = conditions(&[], &stale, &t(0));
+        let up = find(&c, cond::DATAPLANE_UP_TO_DATE);
+        assert_eq!(up.status, cond::FALSE);
+        assert!(
+            up.message.as_deref().unwrap().starts_with(
+                "not confirmed: the LoadBalancer watch is not in sync with the API server (watch stream failed)"
+            ),
+            "{up:?}"
+        );
+        assert_eq!(find(&c, cond::ENVOY_UP_TO_DATE).status, cond::FALSE);
+        assert_eq!(find(&c, cond::DATAPLANE_READY).status, cond::TRUE);
+    }
+
+    #[test]
+    fn vrrp_state_becomes_keepalived_conditions() {
+        let mut s = running(1);
+        let c = conditions(&[], &s, &t(0));
+        assert!(
+            c.iter().all(|c| !c.type_.starts_with("Keepalived")),
+            "no VRRP, no conditions"
+        );
+        s.vrrp = Some(crate::vrrp::VrrpState::Master);
+        let c = conditions(&[], &s, &t(0));
+        assert_eq!(find(&c, cond::KEEPALIVED_MASTER).status, cond::TRUE);
+        assert_eq!(find(&c, cond::KEEPALIVED_PROCESS).status, cond::TRUE);
+        s.vrrp = Some(crate::vrrp::VrrpState::Stopped);
+        let c = conditions(&c, &s, &t(1));
+        assert_eq!(find(&c, cond::KEEPALIVED_MASTER).status, cond::FALSE);
+        assert_eq!(find(&c, cond::KEEPALIVED_PROCESS).status, cond::FALSE);
+    }
+
+    fn find<'a>(c: &'a [NodeCondition], type_: &str) -> &'a NodeCondition {
+        c.iter()
+            .find(|c| c.type_ == type_)
+            .unwrap_or_else(|| panic!("no {type_} in {c:?}"))
+    }
+
+    #[test]
+    fn fresh_machine_gets_all_five_conditions_in_both_namings() {
+        let c = conditions(&[], &running(3), &t(0));
+        let types: Vec<_> = c.iter().map(|c| c.type_.as_str()).collect();
+        assert_eq!(
+            types,
+            [
+                "ConfigReady",
+                "DataplaneReady",
+                "DataplaneUpToDate",
+                "EnvoyReady",
+                "EnvoyUpToDate"
+            ],
+            "sorted by type"
+        );
+        for c in &c {
+            assert_eq!(c.status, "True", "{c:?}");
+            assert_eq!(c.last_heartbeat_time, Some(t(0)));
+            assert_eq!(c.last_transition_time, Some(t(0)));
+        }
+        assert_eq!(
+            find(&c, "EnvoyUpToDate").reason.as_deref(),
+            Some("EnvoySnapshotUpToDate")
+        );
+        assert!(find(&c, "DataplaneUpToDate")
+            .message
+            .as_deref()
+            .unwrap()
+            .contains("generation 3"));
+    }
+
+    #[test]
+    fn heartbeat_moves_transition_time_only_on_flips() {
+        let first = conditions(&[], &running(1), &t(0));
+        let again = conditions(&first, &running(1), &t(30));
+        for c in &again {
+            assert_eq!(c.last_heartbeat_time, Some(t(30)));
+            assert_eq!(
+                c.last_transition_time,
+                Some(t(0)),
+                "{} did not flip",
+                c.type_
+            );
+        }
+        // A newer desired generation not yet applied: UpToDate flips, the rest only beat.
+        let lagging = AgentStatus {
+            desired_generation: Some(2),
+            ..running(1)
+        };
+        let c = conditions(&again, &lagging, &t(60));
+        for ty in ["DataplaneUpToDate", "EnvoyUpToDate"] {
+            assert_eq!(find(&c, ty).status, "False");
+            assert_eq!(find(&c, ty).last_transition_time, Some(t(60)));
+        }
+        assert_eq!(find(&c, "ConfigReady").last_transition_time, Some(t(0)));
+        assert_eq!(find(&c, "EnvoyReady").last_heartbeat_time, Some(t(60)));
+    }
+
+    #[test]
+    fn conditions_of_others_are_kept() {
+        let marked = NodeCondition {
+            type_: cond::MARKED_FOR_DELETION.into(),
+            status: "True".into(),
+            reason: Some(cond::REASON_PENDING_DELETION.into()),
+            message: None,
+            last_heartbeat_time: Some(t(-5)),
+            last_transition_time: Some(t(-5)),
+        };
+        let c = conditions(std::slice::from_ref(&marked), &running(1), &t(0));
+        assert_eq!(c.len(), 6);
+        assert_eq!(find(&c, "MarkedForDeletion"), &marked, "untouched");
+    }
+
+    #[test]
+    fn invalid_config_makes_config_and_up_to_date_false_but_not_ready() {
+        let s = AgentStatus {
+            config_error: Some("invalid configuration:\n  - ports[0]: port 0".into()),
+            desired_generation: Some(2),
+            ..running(1)
+        };
+        let c = conditions(&[], &s, &t(0));
+        assert_eq!(find(&c, "ConfigReady").status, "False");
+        assert_eq!(
+            find(&c, "ConfigReady").reason.as_deref(),
+            Some("EnvoyConfigurationFailed")
+        );
+        assert!(find(&c, "ConfigReady")
+            .message
+            .as_deref()
+            .unwrap()
+            .contains("port 0"));
+        assert_eq!(find(&c, "EnvoyUpToDate").status, "False");
+        assert!(find(&c, "EnvoyUpToDate")
+            .message
+            .as_deref()
+            .unwrap()
+            .contains("generation 1 keeps forwarding"));
+        assert_eq!(find(&c, "EnvoyReady").status, "True");
+        assert_eq!(find(&c, "DataplaneReady").status, "True");
+    }
+
+    #[test]
+    fn nothing_configured_yet_is_pending() {
+        let s = AgentStatus {
+            dataplane_ready: true,
+            ..Default::default()
+        };
+        let c = conditions(&[], &s, &t(0));
+        assert_eq!(
+            find(&c, "ConfigReady").reason.as_deref(),
+            Some("ConfigurationPending")
+        );
+        assert_eq!(find(&c, "ConfigReady").status, "False");
+        assert_eq!(find(&c, "DataplaneUpToDate").status, "False");
+        let c = conditions(&[], &AgentStatus::default(), &t(0));
+        assert_eq!(find(&c, "EnvoyReady").status, "False");
+        assert_eq!(
+            find(&c, "EnvoyReady").reason.as_deref(),
+            Some("EnvoyNotReady")
+        );
+    }
+
+    #[test]
+    fn patch_carries_resource_version_and_yawol_metric_shape() {
+        let m = metrics_list(&[("load1".into(), "0.5".into())], &t(0));
+        let p = status_patch(Some("42"), &conditions(&[], &running(1), &t(0)), &m);
+        assert_eq!(p["metadata"]["resourceVersion"], "42");
+        assert_eq!(
+            p["status"]["metrics"][0],
+            json!({"type": "load1", "value": "0.5", "timestamp": "2023-11-14T22:13:20Z"})
+        );
+        let c = &p["status"]["conditions"][0];
+        for key in [
+            "type",
+            "status",
+            "reason",
+            "message",
+            "lastHeartbeatTime",
+            "lastTransitionTime",
+        ] {
+            assert!(c.get(key).is_some(), "{key} missing in {c}");
+        }
+        assert!(status_patch(None, &[], &[]).get("metadata").is_none());
+    }
+
+    #[test]
+    fn backoff_doubles_up_to_the_requeue_period() {
+        let mut b = Backoff::new(Duration::from_secs(5));
+        let d: Vec<_> = (0..5).map(|_| b.next_delay().as_secs()).collect();
+        assert_eq!(d, [1, 2, 4, 5, 5]);
+        b.reset();
+        assert_eq!(b.next_delay(), Duration::from_secs(1));
+        assert_eq!(
+            Backoff::new(Duration::from_millis(200)).next_delay(),
+            Duration::from_millis(200)
+        );
+    }
+}
