@@ -5,17 +5,20 @@
 //! EtherTypes and protocols, random bytes) and the clock advanced for a flow (its entries aged in both the kernel
 //! and the model). Replies are built from the model's tables: the model knows where a flow was sent.
 
-use crate::common::{node, node_mac, CLIENT_MAC, LB_MAC, VIP};
+use crate::common::{
+    fix_ip_checksum, icmp_error, internet_checksum, node, node_mac, pseudo_header, spec, udp,
+    CLIENT_MAC, LB_MAC, VIP,
+};
 use crate::model::Model;
-use etherparse::{IpNumber, Ipv4Header, PacketBuilder};
-use lb_agent::model::{Protocol, ServiceId, ServiceSpec};
+use etherparse::PacketBuilder;
+use lb_agent::model::{Protocol, ServiceSpec};
 use lb_common::{
     Config, FlowKeyV4, FlowV4, CFG_F_CHECK_DST_MAC, CFG_F_SYNC_EVENTS, FLOW_F_FORWARD,
     FLOW_F_REVERSE, FLOW_F_SYNCED, PROTO_TCP, PROTO_UDP,
 };
 use proptest::prelude::Rng;
 use proptest::test_runner::{RngAlgorithm, TestRng};
-use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::net::{IpAddr, Ipv4Addr};
 use std::time::Duration;
 
 /// Clients: two inside the web service's source ranges (when it has some), one outside.
@@ -95,20 +98,6 @@ impl Gen {
             }
             v.truncate(n as usize);
             v
-        };
-        let spec = |protocol, port, node_port, backends: &[u8]| ServiceSpec {
-            id: ServiceId {
-                vip: IpAddr::V4(VIP),
-                port,
-                protocol,
-            },
-            snat: None,
-            idle_timeout: protocol.default_idle_timeout(),
-            source_ranges: vec![],
-            backends: backends
-                .iter()
-                .map(|i| SocketAddr::new(IpAddr::V4(node(*i)), node_port))
-                .collect(),
         };
         let mut web = spec(Protocol::Tcp, 80, 30080, &nodes(self, 1));
         if self.chance(30) {
@@ -400,12 +389,14 @@ impl Gen {
             1 => 28,
             _ => inner.len(),
         };
-        icmp(
+        icmp_error(
             mac,
+            LB_MAC,
             outer_src,
             outer_dst,
             ty,
             code,
+            [0, 0, 0x05, 0xdc],
             &inner[..cut.min(inner.len())],
         )
     }
@@ -602,23 +593,6 @@ fn tcp(
     out
 }
 
-fn udp(
-    src_mac: [u8; 6],
-    dst_mac: [u8; 6],
-    src: Ipv4Addr,
-    sport: u16,
-    dst: Ipv4Addr,
-    dport: u16,
-    payload: &[u8],
-) -> Vec<u8> {
-    let b = PacketBuilder::ethernet2(src_mac, dst_mac)
-        .ipv4(src.octets(), dst.octets(), 64)
-        .udp(sport, dport);
-    let mut out = Vec::with_capacity(b.size(payload.len()));
-    b.write(&mut out, payload).unwrap();
-    out
-}
-
 /// An IPv4 packet (no Ethernet) as it would be quoted in an ICMP error.
 fn packet(src: Ipv4Addr, sport: u16, dst: Ipv4Addr, dport: u16, proto: u8) -> Vec<u8> {
     let b = PacketBuilder::ipv4(src.octets(), dst.octets(), 64);
@@ -633,42 +607,6 @@ fn packet(src: Ipv4Addr, sport: u16, dst: Ipv4Addr, dport: u16, proto: u8) -> Ve
     out
 }
 
-/// An ICMP message of type `ty` quoting `inner`.
-fn icmp(mac: [u8; 6], src: Ipv4Addr, dst: Ipv4Addr, ty: u8, code: u8, inner: &[u8]) -> Vec<u8> {
-    let mut msg = vec![ty, code, 0, 0, 0, 0, 0x05, 0xdc];
-    msg.extend_from_slice(inner);
-    let ck = !fold_sum(&msg);
-    msg[2..4].copy_from_slice(&ck.to_be_bytes());
-    let ip = Ipv4Header::new(
-        msg.len() as u16,
-        64,
-        IpNumber::ICMP,
-        src.octets(),
-        dst.octets(),
-    )
-    .unwrap();
-    let mut out = Vec::new();
-    out.extend_from_slice(&LB_MAC);
-    out.extend_from_slice(&mac);
-    out.extend_from_slice(&[0x08, 0x00]);
-    let mut h = ip;
-    h.header_checksum = h.calc_header_checksum();
-    h.write(&mut out).unwrap();
-    out.extend_from_slice(&msg);
-    out
-}
-
-fn fold_sum(b: &[u8]) -> u16 {
-    let mut s: u32 = 0;
-    for c in b.chunks(2) {
-        s += u16::from_be_bytes([c[0], *c.get(1).unwrap_or(&0)]) as u32;
-    }
-    while s > 0xffff {
-        s = (s & 0xffff) + (s >> 16);
-    }
-    s as u16
-}
-
 /// Recomputes a TCP or UDP checksum over the pseudo header and the segment (as far as the IP total length says).
 fn fix_l4_checksum(f: &mut [u8]) {
     let ihl = (f[14] & 0x0f) as usize * 4;
@@ -677,18 +615,8 @@ fn fix_l4_checksum(f: &mut [u8]) {
     let at = l4 + if f[23] == PROTO_TCP { 16 } else { 6 };
     f[at] = 0;
     f[at + 1] = 0;
-    let mut pseudo = f[26..34].to_vec();
-    pseudo.extend_from_slice(&[0, f[23]]);
-    pseudo.extend_from_slice(&((end - l4) as u16).to_be_bytes());
-    pseudo.extend_from_slice(&f[l4..end]);
-    let ck = !fold_sum(&pseudo);
+    let src = Ipv4Addr::new(f[26], f[27], f[28], f[29]);
+    let dst = Ipv4Addr::new(f[30], f[31], f[32], f[33]);
+    let ck = internet_checksum(&[&pseudo_header(src, dst, f[23], end - l4), &f[l4..end]]);
     f[at..at + 2].copy_from_slice(&ck.to_be_bytes());
-}
-
-fn fix_ip_checksum(f: &mut [u8]) {
-    let ihl = (f[14] & 0x0f) as usize * 4;
-    f[24] = 0;
-    f[25] = 0;
-    let ck = !fold_sum(&f[14..14 + ihl]);
-    f[24..26].copy_from_slice(&ck.to_be_bytes());
 }
