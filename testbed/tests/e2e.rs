@@ -464,6 +464,19 @@ fn malformed_storm_during_traffic_is_dropped_and_counted() {
 /// `lbctl` (issue 18) reads what the agent pinned: the connections a client holds are listed established with
 /// their client, service and backend; the services show every backend with its share and the held flows; the
 /// counters are the ones `/metrics` reports.
+/// `lbctl` with the rig's pin directory and `args`, to run in the lb's namespace as an operator on the VM would
+/// (the agent's bpffs view).
+fn lbctl_argv(r: &Rig, args: &[&str]) -> Vec<String> {
+    let bin = lb_testbed::rig::find_artifact("LB_LBCTL_BIN", "lbctl").unwrap();
+    let mut argv = vec![
+        bin.display().to_string(),
+        "--pin-dir".into(),
+        r.pin_dir().display().to_string(),
+    ];
+    argv.extend(args.iter().map(|a| a.to_string()));
+    argv
+}
+
 #[test]
 fn lbctl_lists_held_connections_services_and_counters_native_xdp() {
     lbctl_lists_held_connections_services_and_counters("xdp");
@@ -492,11 +505,7 @@ fn lbctl_lists_held_connections_services_and_counters(mode: &str) {
         ])
         .unwrap();
     let lbctl = |args: &[&str]| -> serde_json::Value {
-        // In the lb's namespace, as an operator on the VM would run it (the agent's bpffs view).
-        let bin = lb_testbed::rig::find_artifact("LB_LBCTL_BIN", "lbctl").unwrap();
-        let mut argv = vec![bin.display().to_string(), "--pin-dir".into()];
-        argv.push(r.pin_dir().display().to_string());
-        argv.push("--json".into());
+        let mut argv = lbctl_argv(&r, &["--json"]);
         argv.extend(args.iter().map(|a| a.to_string()));
         let out = r.topo.exec_unchecked(Host::Lb, &argv).unwrap();
         assert!(
@@ -577,13 +586,7 @@ fn lbctl_trace_shows_decisions_and_always_puts_the_fast_program_back_tc() {
 fn lbctl_trace_shows_decisions_and_always_puts_the_fast_program_back(mode: &str, fast: &str) {
     let r = rig(|c| c.attach_mode = mode.into());
     let (tcp, udp) = targets(&r);
-    let lbctl = |args: &[&str]| -> Vec<String> {
-        let bin = lb_testbed::rig::find_artifact("LB_LBCTL_BIN", "lbctl").unwrap();
-        let mut argv = vec![bin.display().to_string(), "--pin-dir".into()];
-        argv.push(r.pin_dir().display().to_string());
-        argv.extend(args.iter().map(|a| a.to_string()));
-        argv
-    };
+    let lbctl = |args: &[&str]| lbctl_argv(&r, args);
     let attached = || -> String {
         let out = r
             .topo
