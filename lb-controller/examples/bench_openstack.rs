@@ -1,14 +1,15 @@
 //! The OpenStack-side controllers (LoadBalancer → LoadBalancerSet → LoadBalancerMachine, through
-//! `run::run_openstack_controllers_with`) on the in-memory API server against the real OpenStack of
-//! `cargo xtask openstack up` (Keystone, Neutron, Nova with the fake driver), through the real `SdkCloud` with
-//! credentials from the LoadBalancer's Secret (`SecretClouds`). Per run, one LoadBalancer with `--replicas`:
+//! `run::run_openstack_controllers_with`) on a real API server of its own (kube-testenv, under the RBAC of
+//! `deploy/openstack-controller.yaml`) against the real OpenStack of `cargo xtask openstack up` (Keystone, Neutron,
+//! Nova with the fake driver), through the real `SdkCloud` with credentials from the LoadBalancer's Secret
+//! (`SecretClouds`). Per run, one LoadBalancer with `--replicas`:
 //! 1. time from its creation to the floating IP in its status, and to all servers ACTIVE with the machines ready;
 //! 2. steady state: OpenStack calls (`yawol_openstack`) and reconciles of the three controllers while nothing
 //!    changes, first in the quiet time before any resync is due, then over `--periods` resync periods;
 //! 3. time from its deletion to the LoadBalancer object gone (every server, port, floating IP, group deleted), then
 //!    the leak check over the project.
 //!
-//! The harness (`tests/common/openstack.rs`) plays the agents and the token controller: a machine reports ready
+//! The harness (`tests/common/openstack.rs`) plays the agents (with their VMs' kubeconfig): a machine reports ready
 //! as soon as its server is ACTIVE (the fake driver boots nothing), so the times are the controllers' and the
 //! cloud's, without an image's boot time; the set controller creates machines one after another, each once the
 //! previous is ready.
@@ -25,7 +26,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
-use cascade::{connect, lb_json, Cascade, CascadeConfig, API_ENDPOINT, CALL_TIMEOUT, NS};
+use cascade::{connect, lb_json, Cascade, CascadeConfig, CALL_TIMEOUT};
 use clap::Parser;
 use lb_controller::lb_controller::{LbControllerConfig, RolloutGate, SecretClouds};
 use lb_controller::lbm_controller::LbmControllerConfig;
@@ -157,6 +158,7 @@ async fn one_run(env: &TestEnv, c: &Cascade, args: &Args, name: &str) -> Result<
     let t0 = Instant::now();
     c.create_lb(lb_json(
         env,
+        &c.ns,
         name,
         n as i32,
         json!({"serverGroupPolicy": "soft-anti-affinity"}),
@@ -263,17 +265,20 @@ async fn main() -> Result<()> {
         tuning: Some(OpenStackTuning {
             sets: LbsControllerConfig::default(),
             machines: LbmControllerConfig {
-                api_endpoint: Some(API_ENDPOINT.into()),
+                // The cascade sets the API server's URL.
+                api_endpoint: None,
                 resync,
                 ..LbmControllerConfig::default()
             },
         }),
         heartbeat: Duration::from_secs(args.heartbeat),
     };
-    let c = Cascade::start(&env, metrics, config, move |client| {
+    let kube = kube_testenv::KubeEnv::start().await?;
+    let c = Cascade::start(&kube, &env, metrics, config, move |client| {
         SecretClouds::new(client, CALL_TIMEOUT, calls)
     })
     .await?;
+    let ns = c.ns.clone();
     let mut runs = Vec::new();
     let mut failure = None;
     for i in 1..=args.runs {
@@ -378,7 +383,7 @@ async fn main() -> Result<()> {
         };
         let result = json!({
             "benchmark": "openstack",
-            "namespace": NS,
+            "namespace": ns,
             "replicas": args.replicas,
             "runs": args.runs,
             "resync_seconds": args.resync,

@@ -1,15 +1,21 @@
 //! The whole OpenStack side — LoadBalancer → LoadBalancerSet → LoadBalancerMachine — started through
-//! `cli::run_openstack_controllers` (the binary's path, settings from the environment) on the in-memory API
-//! server, against the real OpenStack of `cargo xtask openstack up` through the real `SdkCloud` (credentials from
-//! the LoadBalancer's `cloudprovider.conf` Secret via `SecretClouds`, except where Neutron or Nova sits behind a
-//! fault proxy).
+//! `cli::run_openstack_controllers` (the binary's path, settings from the environment) against the real OpenStack
+//! of `cargo xtask openstack up` through the real `SdkCloud` (credentials from the LoadBalancer's
+//! `cloudprovider.conf` Secret via `SecretClouds`, except where Neutron or Nova sits behind a fault proxy) and the
+//! real API server of the test binary (kube-testenv, a namespace per test), under exactly the ServiceAccount and
+//! Role of `deploy/openstack-controller.yaml` with a real token. The cluster's token controller fills each machine's
+//! token Secret; the played agents report with the kubeconfig Nova holds in their server's user data, i.e. with
+//! their machine's own token under the Role the machine controller wrote. Every test fails if the API server
+//! refused the controllers or an agent a single request (401/403, `Cascade::stop`).
 //!
 //! - `cascade_lifecycle_create_update_scale_heal_delete`: a LoadBalancer with 2 replicas ends with security group,
 //!   floating IP on the VIP port, server group and 2 ACTIVE servers in it, booted with our user data (token,
-//!   router ID, sync secret as Nova stores them); a port change is hot (rules change, same servers); a flavor change
+//!   router ID, sync secret as Nova stores them; the kubeconfig names the API server and carries the token the
+//!   token controller wrote); a port change is hot (rules change, same servers); a flavor change
 //!   rolls (new set, new servers with the new flavor, the old ones deleted once the new set is ready and holds the
 //!   VIP); scale 2 → 3 → 2; a machine whose agent reports unhealthy is marked, deleted and replaced with a new
-//!   server; deletion leaves nothing.
+//!   server; deletion leaves nothing, in OpenStack nor in Kubernetes (sets, machines, token and sync Secrets, the
+//!   machines' ServiceAccounts, Roles and RoleBindings).
 //! - `cascade_internal_lb_and_keep_annotations`: an internal LoadBalancer (no floating IP, external IP = VIP)
 //!   with `keepSecurityGroup`, and an external one with `keepFloatingIP` + `keepPort`, each with a machine; deleting
 //!   them keeps exactly what the annotations say (the kept port loses the deleted group), the test removes it.
@@ -30,9 +36,9 @@
 //! next test starts clean).
 //!
 //! What this OpenStack cannot do, and how the tests deal with it:
-//! - Nova's fake driver never boots a VM, so no agent runs: the harness plays the agents (ready conditions,
-//!   heartbeats, `KeepalivedMaster` on one machine per LoadBalancer, moving to the newest revision like the agents'
-//!   revision bonus does) and Kubernetes' token controller, once a machine's server is ACTIVE.
+//! - Nova's fake driver never boots a VM, so no agent runs: the harness plays the agents once a machine's server is
+//!   ACTIVE (ready conditions, heartbeats, `KeepalivedMaster` on one machine per LoadBalancer, moving to the newest
+//!   revision like the agents' revision bonus does), with the credentials the VM would have.
 //! - There is one image; the rolling update changes the flavor (a second flavor is created as admin and deleted at
 //!   the end). An image change takes the same path (both are in the machine template's hash).
 //! - Nova cannot sit behind the proxy through an endpoint override (openstack_sdk skips version discovery for it and
@@ -45,7 +51,8 @@
 //!
 //! `#[ignore]`d like the other real-OpenStack tests: the `openstack` stage of `cargo xtask test` runs them with
 //! `--ignored --test-threads=1` (they share the project and its quota). By hand: `cargo xtask openstack up &&
-//! cargo test -p lb-controller --test openstack_cascade -- --ignored --test-threads=1 --nocapture` (prints timings).
+//! cargo test --workspace --exclude lb-testbed --test openstack_cascade -- --ignored --test-threads=1 --nocapture`
+//! (prints timings).
 
 mod common;
 
@@ -53,12 +60,12 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{ensure, Context, Result};
-use base64::Engine as _;
 use common::openstack::{
     condition, connect, connect_counted, connect_routed, delete_flavor, ensure_flavor, finish,
     lb_json, nova_group_members, nova_server, revision, servers_named, user_data_files, wait_for,
-    Cascade, CascadeConfig, NovaProxy, API_ENDPOINT, CALL_TIMEOUT, NS, TOKEN,
+    Cascade, CascadeConfig, Kind, NovaProxy, CALL_TIMEOUT, CONTROLLER_SERVICE_ACCOUNT,
 };
+use kube_testenv::KubeEnv;
 use lb_api::constants::{conditions, lb_annotations};
 use lb_controller::lb_controller::{FixedCloud, SecretClouds};
 use lb_controller::metrics::Metrics;
@@ -78,9 +85,13 @@ fn secs(d: Duration) -> f64 {
 async fn start(env: &TestEnv) -> Result<Cascade> {
     let metrics = Arc::new(Metrics::new());
     let calls = metrics.openstack_calls.clone();
-    Cascade::start(env, metrics, CascadeConfig::default(), move |client| {
-        SecretClouds::new(client, CALL_TIMEOUT, calls)
-    })
+    Cascade::start(
+        KubeEnv::shared(),
+        env,
+        metrics,
+        CascadeConfig::default(),
+        move |client| SecretClouds::new(client, CALL_TIMEOUT, calls),
+    )
     .await
 }
 
@@ -142,7 +153,7 @@ fn server_ids(active: &[(String, String)]) -> Vec<String> {
     active.iter().map(|(_, s)| s.clone()).collect()
 }
 
-#[tokio::test]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs the OpenStack test environment (cargo xtask openstack up); run by the openstack stage"]
 async fn cascade_lifecycle_create_update_scale_heal_delete() -> Result<()> {
     const LB: &str = "csc-life";
@@ -157,13 +168,15 @@ async fn cascade_lifecycle_create_update_scale_heal_delete() -> Result<()> {
         .context("before the test")?;
     let flavor2 = ensure_flavor(&admin, FLAVOR2).await?;
     let c = start(&env).await?;
+    let ns = c.ns.clone();
     let prefix = format!("{LB}-");
-    let os_name = format!("{NS}/{LB}");
+    let os_name = format!("{ns}/{LB}");
     let scenario = async {
         // Create.
         let t0 = Instant::now();
         c.create_lb(lb_json(
             &env,
+            &c.ns,
             LB,
             2,
             json!({"serverGroupPolicy": "soft-anti-affinity"}),
@@ -214,13 +227,8 @@ async fn cascade_lifecycle_create_update_scale_heal_delete() -> Result<()> {
             .context("router id")?
             .to_string();
         let sync = c
-            .api
-            .get(&common::openstack::secrets(), NS, &format!("{LB}-sync"))
+            .secret_data(&format!("{LB}-sync"), "secret")
             .context("sync Secret")?;
-        let sync = String::from_utf8(
-            base64::engine::general_purpose::STANDARD
-                .decode(sync["data"]["secret"].as_str().unwrap_or(""))?,
-        )?;
         for (m, server) in &active1 {
             let nova = nova_server(&admin, server).await?;
             ensure!(
@@ -236,9 +244,12 @@ async fn cascade_lifecycle_create_update_scale_heal_delete() -> Result<()> {
                     .map(|(_, c)| c.clone())
                     .unwrap_or_default()
             };
+            // The token the cluster's token controller wrote for the machine's ServiceAccount; the played agent
+            // of the machine has been reporting with exactly this kubeconfig.
             let kubeconfig = file(lb_controller::cloudinit::KUBECONFIG_PATH);
+            let token = c.secret_data(m, "token").context("token Secret")?;
             ensure!(
-                kubeconfig.contains(TOKEN) && kubeconfig.contains(API_ENDPOINT),
+                kubeconfig.contains(&token) && kubeconfig.contains(&c.api_endpoint),
                 "kubeconfig: {kubeconfig}"
             );
             let agent = file(lb_controller::cloudinit::AGENT_ENV_PATH);
@@ -422,17 +433,19 @@ async fn cascade_lifecycle_create_update_scale_heal_delete() -> Result<()> {
             .await?;
         ensure!(left.is_empty(), "left in OpenStack: {left:?}");
         ensure!(
-            c.api.list(&common::openstack::machines()).is_empty()
-                && c.api.list(&common::openstack::sets()).is_empty(),
+            c.list_now(Kind::Machines).await?.is_empty()
+                && c.list_now(Kind::Sets).await?.is_empty(),
             "sets or machines left"
         );
         ensure!(
-            c.api
-                .list(&common::openstack::secrets())
+            c.list_now(Kind::Secrets)
+                .await?
                 .iter()
                 .all(|s| s["metadata"]["name"] == "cloud"),
             "token or sync Secrets left"
         );
+        let rbac = machine_rbac_left(&c).await?;
+        ensure!(rbac.is_empty(), "the machines' RBAC objects left: {rbac:?}");
         let calls = c.metrics.openstack_calls.total();
         eprintln!("OpenStack calls of the whole scenario: {calls}");
         anyhow::Ok(())
@@ -441,6 +454,41 @@ async fn cascade_lifecycle_create_update_scale_heal_delete() -> Result<()> {
     let stopped = c.stop().await;
     let cleanup = stopped.and(delete_flavor(&admin, &flavor2).await);
     finish(&env, &cloud, &direct, scenario, cleanup).await
+}
+
+/// ServiceAccounts, Roles and RoleBindings in the cascade's namespace other than the controllers' own (and the
+/// namespace's `default` ServiceAccount): what the machines' deletion left.
+async fn machine_rbac_left(c: &Cascade) -> Result<Vec<String>> {
+    use k8s_openapi::api::core::v1::ServiceAccount;
+    use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
+    use kube::{Api, ResourceExt};
+    let ours = |name: &str| name == CONTROLLER_SERVICE_ACCOUNT;
+    let mut left = Vec::new();
+    for sa in Api::<ServiceAccount>::namespaced(c.admin.clone(), &c.ns)
+        .list(&Default::default())
+        .await?
+    {
+        if !ours(&sa.name_any()) && sa.name_any() != "default" {
+            left.push(format!("ServiceAccount {}", sa.name_any()));
+        }
+    }
+    for role in Api::<Role>::namespaced(c.admin.clone(), &c.ns)
+        .list(&Default::default())
+        .await?
+    {
+        if !ours(&role.name_any()) {
+            left.push(format!("Role {}", role.name_any()));
+        }
+    }
+    for binding in Api::<RoleBinding>::namespaced(c.admin.clone(), &c.ns)
+        .list(&Default::default())
+        .await?
+    {
+        if !ours(&binding.name_any()) {
+            left.push(format!("RoleBinding {}", binding.name_any()));
+        }
+    }
+    Ok(left)
 }
 
 /// The `MarkedForDeletion` condition of a machine, if set.
@@ -452,7 +500,7 @@ fn marked(machine: &Value) -> Option<Value> {
         .cloned()
 }
 
-#[tokio::test]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs the OpenStack test environment (cargo xtask openstack up); run by the openstack stage"]
 async fn cascade_internal_lb_and_keep_annotations() -> Result<()> {
     const INTERNAL: &str = "csc-int";
@@ -465,11 +513,12 @@ async fn cascade_internal_lb_and_keep_annotations() -> Result<()> {
         .await
         .context("before the test")?;
     let c = start(&env).await?;
+    let ns = c.ns.clone();
     let mut kept = (None, None, None);
     let scenario = async {
-        let mut internal = lb_json(&env, INTERNAL, 1, json!({"internalLB": true}));
+        let mut internal = lb_json(&env, &c.ns, INTERNAL, 1, json!({"internalLB": true}));
         internal["metadata"]["annotations"] = json!({lb_annotations::KEEP_SECURITY_GROUP: "true"});
-        let mut keep = lb_json(&env, KEEP, 1, json!({}));
+        let mut keep = lb_json(&env, &c.ns, KEEP, 1, json!({}));
         keep["metadata"]["annotations"] = json!({
             lb_annotations::KEEP_FLOATING_IP: "true", lb_annotations::KEEP_PORT: "true"
         });
@@ -489,7 +538,7 @@ async fn cascade_internal_lb_and_keep_annotations() -> Result<()> {
         let fips = cloud
             .find_floating_ips(&FloatingIpFilter {
                 address: None,
-                description: Some(format!("{NS}/{INTERNAL}")),
+                description: Some(format!("{ns}/{INTERNAL}")),
             })
             .await?;
         ensure!(fips.is_empty(), "floating IP for an internal LB: {fips:?}");
@@ -519,14 +568,14 @@ async fn cascade_internal_lb_and_keep_annotations() -> Result<()> {
             );
             for (m, _) in active.iter() {
                 ensure!(
-                    cloud.find_ports(&format!("{NS}/{m}")).await?.is_empty(),
+                    cloud.find_ports(&format!("{ns}/{m}")).await?.is_empty(),
                     "VM port of {m} left"
                 );
             }
         }
         // keepSecurityGroup: only the group stays.
         let groups = cloud
-            .find_security_groups(&format!("{NS}/{INTERNAL}"))
+            .find_security_groups(&format!("{ns}/{INTERNAL}"))
             .await?;
         ensure!(
             groups.len() == 1 && groups[0].id == int_sg,
@@ -534,7 +583,7 @@ async fn cascade_internal_lb_and_keep_annotations() -> Result<()> {
         );
         ensure!(
             cloud
-                .find_ports(&format!("{NS}/{INTERNAL}"))
+                .find_ports(&format!("{ns}/{INTERNAL}"))
                 .await?
                 .is_empty(),
             "VIP port of the internal LB deleted"
@@ -549,7 +598,7 @@ async fn cascade_internal_lb_and_keep_annotations() -> Result<()> {
         ensure!(port.security_groups.is_empty(), "kept port: {port:?}");
         ensure!(
             cloud
-                .find_security_groups(&format!("{NS}/{KEEP}"))
+                .find_security_groups(&format!("{ns}/{KEEP}"))
                 .await?
                 .is_empty()
                 && cloud.get_port(&port_id).await.is_ok(),
@@ -557,7 +606,7 @@ async fn cascade_internal_lb_and_keep_annotations() -> Result<()> {
         );
         ensure!(
             !cloud
-                .find_security_groups(&format!("{NS}/{KEEP}"))
+                .find_security_groups(&format!("{ns}/{KEEP}"))
                 .await?
                 .iter()
                 .any(|g| g.id == keep_sg),
@@ -581,7 +630,7 @@ async fn cascade_internal_lb_and_keep_annotations() -> Result<()> {
     finish(&env, &cloud, &direct, scenario, cleanup).await
 }
 
-#[tokio::test]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs the OpenStack test environment (cargo xtask openstack up); run by the openstack stage"]
 async fn cascade_existing_and_adopted_floating_ips() -> Result<()> {
     const EXISTING: &str = "csc-exist";
@@ -593,21 +642,23 @@ async fn cascade_existing_and_adopted_floating_ips() -> Result<()> {
         .assert_clean(&direct)
         .await
         .context("before the test")?;
+    let c = start(&env).await?;
+    let ns = c.ns.clone();
     let ext = env.info.external_network_id.clone();
     // The user's address happens to carry our description (e.g. kept from an earlier LoadBalancer of that name).
     let user = cloud
-        .create_floating_ip(&ext, &format!("{NS}/{EXISTING}"))
+        .create_floating_ip(&ext, &format!("{ns}/{EXISTING}"))
         .await?;
     // An address allocated for ADOPT whose create never got recorded (interrupted reconcile, or yawol's).
     let orphan = cloud
-        .create_floating_ip(&ext, &format!("{NS}/{ADOPT}"))
+        .create_floating_ip(&ext, &format!("{ns}/{ADOPT}"))
         .await?;
-    let c = start(&env).await?;
     let scenario = async {
-        let mut existing = lb_json(&env, EXISTING, 0, json!({}));
+        let mut existing = lb_json(&env, &c.ns, EXISTING, 0, json!({}));
         existing["spec"]["existingFloatingIP"] = json!(user.address);
         c.create_lb(existing).await?;
-        c.create_lb(lb_json(&env, ADOPT, 0, json!({}))).await?;
+        c.create_lb(lb_json(&env, &c.ns, ADOPT, 0, json!({})))
+            .await?;
         for lb in [EXISTING, ADOPT] {
             c.wait(&format!("{lb}: OpenStack step done"), STEP, |c| {
                 c.status(lb)["lastOpenstackReconcile"].is_string()
@@ -621,7 +672,7 @@ async fn cascade_existing_and_adopted_floating_ips() -> Result<()> {
         );
         let fip = cloud.get_floating_ip(&user.id).await?;
         ensure!(
-            fip.description == format!("{NS}/{EXISTING} (user managed)")
+            fip.description == format!("{ns}/{EXISTING} (user managed)")
                 && fip.port_id.as_deref() == st["portID"].as_str(),
             "renamed and on the VIP port: {fip:?}"
         );
@@ -633,7 +684,7 @@ async fn cascade_existing_and_adopted_floating_ips() -> Result<()> {
         let ours = cloud
             .find_floating_ips(&FloatingIpFilter {
                 address: None,
-                description: Some(format!("{NS}/{ADOPT}")),
+                description: Some(format!("{ns}/{ADOPT}")),
             })
             .await?;
         ensure!(ours.len() == 1, "one floating IP: {ours:?}");
@@ -668,7 +719,7 @@ async fn cascade_existing_and_adopted_floating_ips() -> Result<()> {
     .await
 }
 
-#[tokio::test]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs the OpenStack test environment (cargo xtask openstack up); run by the openstack stage"]
 async fn cascade_neutron_5xx_during_create_is_retried_without_duplicates() -> Result<()> {
     const LB: &str = "csc-faults";
@@ -690,11 +741,16 @@ async fn cascade_neutron_5xx_during_create_is_retried_without_duplicates() -> Re
         )
         .await?,
     );
-    let c = Cascade::start(&env, metrics, CascadeConfig::default(), |_| {
-        FixedCloud(proxied.clone())
-    })
+    let c = Cascade::start(
+        KubeEnv::shared(),
+        &env,
+        metrics,
+        CascadeConfig::default(),
+        |_| FixedCloud(proxied.clone()),
+    )
     .await?;
-    let os_name = format!("{NS}/{LB}");
+    let ns = c.ns.clone();
+    let os_name = format!("{ns}/{LB}");
     let scenario = async {
         // The LoadBalancer's steps: the group's create fails, then the floating IP's.
         neutron.inject(
@@ -708,6 +764,7 @@ async fn cascade_neutron_5xx_during_create_is_retried_without_duplicates() -> Re
         let t0 = Instant::now();
         c.create_lb(lb_json(
             &env,
+            &c.ns,
             LB,
             0,
             json!({"serverGroupPolicy": "soft-anti-affinity"}),
@@ -789,7 +846,7 @@ async fn cascade_neutron_5xx_during_create_is_retried_without_duplicates() -> Re
         );
         let (m, server) = &active[0];
         ensure!(
-            cloud.find_ports(&format!("{NS}/{m}")).await?.len() == 1,
+            cloud.find_ports(&format!("{ns}/{m}")).await?.len() == 1,
             "one VM port"
         );
         nova_servers_are(
@@ -834,7 +891,7 @@ fn machine_errors(c: &Cascade) -> Vec<String> {
         .collect()
 }
 
-#[tokio::test]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs the OpenStack test environment (cargo xtask openstack up); run by the openstack stage"]
 async fn cascade_nova_5xx_and_lost_answers_are_retried_without_duplicates() -> Result<()> {
     const LB: &str = "csc-nova";
@@ -859,11 +916,16 @@ async fn cascade_nova_5xx_and_lost_answers_are_retried_without_duplicates() -> R
     let metrics = Arc::new(Metrics::new());
     let proxied =
         Arc::new(connect_routed(&env, &[], Some(&proxies), metrics.openstack_calls.clone()).await?);
-    let c = Cascade::start(&env, metrics, CascadeConfig::default(), |_| {
-        FixedCloud(proxied.clone())
-    })
+    let c = Cascade::start(
+        KubeEnv::shared(),
+        &env,
+        metrics,
+        CascadeConfig::default(),
+        |_| FixedCloud(proxied.clone()),
+    )
     .await?;
-    let os_name = format!("{NS}/{LB}");
+    let ns = c.ns.clone();
+    let os_name = format!("{ns}/{LB}");
     let prefix = format!("{LB}-");
     let scenario = async {
         // The LoadBalancer's server group: a 503 (nothing created), then a 500 after Nova created the group.
@@ -878,6 +940,7 @@ async fn cascade_nova_5xx_and_lost_answers_are_retried_without_duplicates() -> R
         let t0 = Instant::now();
         c.create_lb(lb_json(
             &env,
+            &c.ns,
             LB,
             0,
             json!({"serverGroupPolicy": "soft-anti-affinity"}),

@@ -191,32 +191,11 @@ pub async fn deployed_controller(
 
 /// Applies the RBAC objects of a deployment manifest (everything but the Deployment) as the admin.
 async fn apply_rbac(admin: &Client, file: &str) {
-    use serde::Deserialize;
     let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join(file);
     let text = std::fs::read_to_string(path).unwrap();
-    let discovery = Discovery::new(admin.clone()).run().await.unwrap();
-    for doc in serde_yaml::Deserializer::from_str(&text) {
-        let doc = Value::deserialize(doc).unwrap();
-        if doc.is_null() || doc["kind"] == "Deployment" {
-            continue;
-        }
-        let object: DynamicObject = serde_json::from_value(doc).unwrap();
-        let gvk = api::GroupVersionKind::try_from(object.types.as_ref().unwrap()).unwrap();
-        let (resource, _) = discovery.resolve_gvk(&gvk).unwrap();
-        let objects: Api<DynamicObject> = match &object.metadata.namespace {
-            Some(ns) => Api::namespaced_with(admin.clone(), ns, &resource),
-            None => Api::all_with(admin.clone(), &resource),
-        };
-        let name = object.metadata.name.clone().unwrap();
-        objects
-            .patch(
-                &name,
-                &api::PatchParams::apply("test").force(),
-                &api::Patch::Apply(&object),
-            )
-            .await
-            .unwrap_or_else(|e| panic!("{file}: {} {name}: {e}", gvk.kind));
-    }
+    kube_testenv::apply_rbac(admin, &text, None)
+        .await
+        .unwrap_or_else(|e| panic!("{file}: {e:#}"));
 }
 
 /// A LoadBalancer for the fake cloud (`lb_controller::openstack::fake`, any network, flavor and image id):

@@ -1,22 +1,28 @@
 //! Shared by the real-OpenStack tests (`tests/openstack_lb.rs`, `tests/machines_openstack.rs`,
-//! `tests/openstack_cascade.rs`) and the OpenStack benchmark (`examples/bench_openstack.rs` includes this file by
-//! path): sessions on the environment of `cargo xtask openstack up`, Nova's view of a server, the leak check plus
-//! sweep that ends every test, and [`Cascade`]: the OpenStack-side controllers started through
-//! `cli::run_openstack_controllers` on the in-memory API server, with Kubernetes' token controller and the
-//! machines' agents played by a background task.
+//! `tests/openstack_cascade.rs`, `tests/openstack_cascade_api_outage.rs`) and the OpenStack benchmark
+//! (`examples/bench_openstack.rs` includes this file by path): sessions on the environment of
+//! `cargo xtask openstack up`, Nova's view of a server, the leak check plus sweep that ends every test, the
+//! controllers' token under `deploy/openstack-controller.yaml`'s RBAC, and [`Cascade`]: the OpenStack-side
+//! controllers started through `cli::run_openstack_controllers` on a real API server (kube-testenv) under that
+//! RBAC, with the machines' agents played by a background task using the kubeconfig from their VMs' user data.
 
 #![allow(dead_code)]
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::future::Future;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 use base64::Engine as _;
-use kube::api::{DeleteParams, Patch, PatchParams, PostParams};
+use futures::StreamExt;
+use kube::api::{
+    ApiResource, DeleteParams, DynamicObject, GroupVersionKind, Patch, PatchParams, PostParams,
+};
+use kube::runtime::reflector::{self, Store};
+use kube::runtime::{watcher, WatchStreamExt};
 use kube::Api;
-use kube_testenv::fake_api::{FakeApiServer, ResourceKey};
+use kube_testenv::{KubeEnv, Refusals};
 use lb_api::constants::{conditions, lb_annotations};
 use lb_api::{LoadBalancer, LoadBalancerMachine};
 use lb_controller::cli::run_openstack_controllers;
@@ -32,33 +38,8 @@ use openstack_sdk::AsyncOpenStack;
 use openstack_testenv::{FaultProxy, LeakCheck, TestEnv};
 use serde_json::{json, Value};
 
-/// Namespace of the LoadBalancers, sets and machines (also the first part of the OpenStack names).
-pub const NS: &str = "itest";
-/// The API server URL written into the machines' kubeconfig (`API_ENDPOINT`).
-pub const API_ENDPOINT: &str = "https://203.0.113.1:6443";
-/// The token the simulated token controller writes into every machine's token Secret.
-pub const TOKEN: &str = "itest-machine-token";
 /// Per OpenStack call.
 pub const CALL_TIMEOUT: Duration = Duration::from_secs(20);
-
-pub fn key(group: &str, plural: &str) -> ResourceKey {
-    ResourceKey::new(group, plural)
-}
-pub fn loadbalancers() -> ResourceKey {
-    key("yawol.stackit.cloud", "loadbalancers")
-}
-pub fn sets() -> ResourceKey {
-    key("yawol.stackit.cloud", "loadbalancersets")
-}
-pub fn machines() -> ResourceKey {
-    key("yawol.stackit.cloud", "loadbalancermachines")
-}
-pub fn events() -> ResourceKey {
-    key("", "events")
-}
-pub fn secrets() -> ResourceKey {
-    key("", "secrets")
-}
 
 fn b64(s: &str) -> String {
     base64::engine::general_purpose::STANDARD.encode(s)
@@ -310,15 +291,15 @@ pub async fn finish(
 }
 
 // ---------------------------------------------------------------------------------------------------------------
-// The cascade on the in-memory API server.
+// The cascade on the real API server.
 
-/// A LoadBalancer of the test project (network, floating network, flavor and image of the environment), credentials
-/// from the Secret `cloud` that [`Cascade::start`] creates.
-pub fn lb_json(env: &TestEnv, name: &str, replicas: i32, options: Value) -> Value {
+/// A LoadBalancer of the test project in namespace `ns` (network, floating network, flavor and image of the
+/// environment), credentials from the Secret `cloud` that [`Cascade::start`] creates.
+pub fn lb_json(env: &TestEnv, ns: &str, name: &str, replicas: i32, options: Value) -> Value {
     let info = &env.info;
     json!({
         "apiVersion": "yawol.stackit.cloud/v1beta1", "kind": "LoadBalancer",
-        "metadata": {"name": name, "namespace": NS},
+        "metadata": {"name": name, "namespace": ns},
         "spec": {
             "selector": {"matchLabels": {"yawol.stackit.cloud/loadbalancer": name}},
             "replicas": replicas,
@@ -327,11 +308,38 @@ pub fn lb_json(env: &TestEnv, name: &str, replicas: i32, options: Value) -> Valu
             "infrastructure": {
                 "defaultNetwork": {"networkID": info.network_id, "floatingNetID": info.external_network_id},
                 "flavor": {"flavorID": info.flavor_id}, "image": {"imageID": info.image_id},
-                "authSecretRef": {"name": "cloud", "namespace": NS}
+                "authSecretRef": {"name": "cloud", "namespace": ns}
             },
             "options": options
         }
     })
+}
+
+/// The deployment manifest whose ServiceAccount and Role the controllers run under.
+pub const CONTROLLER_MANIFEST: &str = concat!(
+    env!("CARGO_MANIFEST_DIR"),
+    "/../deploy/openstack-controller.yaml"
+);
+/// Its ServiceAccount.
+pub const CONTROLLER_SERVICE_ACCOUNT: &str = "lb-openstack-controller";
+
+/// A token of the OpenStack-side controllers as [`CONTROLLER_MANIFEST`] deploys them, moved into `ns` (its
+/// ServiceAccount, Role and RoleBinding there, the rules exactly as written), with the CRDs applied.
+pub async fn controller_token(kube: &KubeEnv, admin: &kube::Client, ns: &str) -> Result<String> {
+    kube.apply_crds(admin, lb_api::crds().into_iter().map(|(_, c)| c))
+        .await?;
+    let manifest = std::fs::read_to_string(CONTROLLER_MANIFEST)?;
+    kube_testenv::apply_rbac(admin, &manifest, Some(ns)).await?;
+    kube.token(admin, ns, CONTROLLER_SERVICE_ACCOUNT).await
+}
+
+/// The kubeconfig a machine's VM gets: the file of that name in the user data Nova stores for `server` (as admin).
+pub async fn vm_kubeconfig(nova: &AsyncOpenStack, server: &str) -> Result<String> {
+    user_data_files(&nova_server(nova, server).await?)?
+        .into_iter()
+        .find(|(path, _)| path == lb_controller::cloudinit::KUBECONFIG_PATH)
+        .map(|(_, content)| content)
+        .with_context(|| format!("no kubeconfig in the user data of server {server}"))
 }
 
 /// How the cascade runs.
@@ -341,9 +349,10 @@ pub struct CascadeConfig {
     /// finishes within a test; everything else as in production.
     pub loadbalancer: LbControllerConfig,
     /// `None`: `run_openstack_controllers` (the binary's path, with its settings from the environment);
-    /// `Some`: `run_openstack_controllers_with` these (the benchmark shortens the resync periods).
+    /// `Some`: `run_openstack_controllers_with` these (the benchmark shortens the resync periods). Either way the
+    /// machines' API endpoint is the test API server's URL, so the kubeconfig in their user data works.
     pub tuning: Option<OpenStackTuning>,
-    /// How often the simulated agents rewrite their conditions (the agent's `--requeue-period`, 30 s).
+    /// How often the played agents rewrite their conditions (the agent's `--requeue-period`, 30 s).
     pub heartbeat: Duration,
 }
 
@@ -364,33 +373,134 @@ impl Default for CascadeConfig {
     }
 }
 
-/// What the simulated agents do.
+/// What the played agents do.
 #[derive(Default)]
 struct Agents {
     /// Machines whose agent the test plays itself (e.g. reporting them unhealthy).
     sick: HashSet<String>,
     /// The VRRP master per LoadBalancer.
-    masters: std::collections::HashMap<String, String>,
+    masters: HashMap<String, String>,
+    /// Each running agent's client: the kubeconfig from its VM's user data (its own ServiceAccount's token).
+    clients: HashMap<String, kube::Client>,
 }
 
-/// The OpenStack-side controllers on an in-memory API server against the real cloud, plus the parts of a cluster
-/// the tests play: the token controller (fills every machine's token Secret) and the agents. An agent starts
-/// reporting once its machine's server is ACTIVE (`status.lastOpenstackReconcile`): `ConfigReady`,
-/// `DataplaneReady`, `DataplaneUpToDate` True with a heartbeat every [`CascadeConfig::heartbeat`], and
-/// `KeepalivedMaster` True on one machine per LoadBalancer — like keepalived with the agents' revision bonus, the
-/// newest revision's oldest machine, kept while it stays eligible and is of the newest revision.
+/// The kinds the tests look at.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Kind {
+    LoadBalancers,
+    Sets,
+    Machines,
+    Events,
+    Secrets,
+}
+
+impl Kind {
+    const ALL: [Kind; 5] = [
+        Kind::LoadBalancers,
+        Kind::Sets,
+        Kind::Machines,
+        Kind::Events,
+        Kind::Secrets,
+    ];
+
+    fn resource(self) -> ApiResource {
+        let (group, kind, plural) = match self {
+            Kind::LoadBalancers => ("yawol.stackit.cloud", "LoadBalancer", "loadbalancers"),
+            Kind::Sets => ("yawol.stackit.cloud", "LoadBalancerSet", "loadbalancersets"),
+            Kind::Machines => (
+                "yawol.stackit.cloud",
+                "LoadBalancerMachine",
+                "loadbalancermachines",
+            ),
+            Kind::Events => ("", "Event", "events"),
+            Kind::Secrets => ("", "Secret", "secrets"),
+        };
+        let version = if group.is_empty() { "v1" } else { "v1beta1" };
+        ApiResource::from_gvk_with_plural(&GroupVersionKind::gvk(group, version, kind), plural)
+    }
+}
+
+/// The test's view of the namespace: a reflector per [`Kind`] through the admin client, watched the way the
+/// controllers watch (`lb_controller::watches`: backoff while the API server is away, relist at once after 410), so
+/// the tests' synchronous checks can poll it every 50 ms without loading the API server.
+#[derive(Clone)]
+struct View(Vec<(Kind, Store<DynamicObject>)>);
+
+impl View {
+    /// Starts the reflectors and waits until each has listed once.
+    async fn start(
+        admin: &kube::Client,
+        ns: &str,
+    ) -> Result<(View, Vec<tokio::task::JoinHandle<()>>)> {
+        let mut stores = Vec::new();
+        let mut tasks = Vec::new();
+        for kind in Kind::ALL {
+            let resource = kind.resource();
+            let api: Api<DynamicObject> = Api::namespaced_with(admin.clone(), ns, &resource);
+            let writer = reflector::store::Writer::new(resource);
+            let store = writer.as_reader();
+            let stream = lb_controller::watches::events(api, watcher::Config::default())
+                .reflect(writer)
+                .for_each(|_| std::future::ready(()));
+            tasks.push(tokio::spawn(stream));
+            stores.push((kind, store));
+        }
+        for (kind, store) in &stores {
+            tokio::time::timeout(Duration::from_secs(60), store.wait_until_ready())
+                .await
+                .with_context(|| {
+                    format!("the test's watch of {kind:?} did not list within 60 s")
+                })??;
+        }
+        Ok((View(stores), tasks))
+    }
+
+    fn list(&self, kind: Kind) -> Vec<Value> {
+        let (_, store) = self.0.iter().find(|(k, _)| *k == kind).expect("every kind");
+        store
+            .state()
+            .iter()
+            .map(|o| serde_json::to_value(&**o).expect("an object serialises"))
+            .collect()
+    }
+}
+
+/// The OpenStack-side controllers against the real cloud and the real API server, plus the agents, which the tests
+/// play (Nova's fake driver boots no VM).
+///
+/// The controllers run as the binary does (`cli::run_openstack_controllers`, or `run_openstack_controllers_with`
+/// for [`CascadeConfig::tuning`]) in a namespace of their own on `kube` under exactly the ServiceAccount and Role of
+/// [`CONTROLLER_MANIFEST`], with a real token; Kubernetes' token controller (the kube-controller-manager) fills each
+/// machine's token Secret. An agent starts once its machine's server is ACTIVE (`status.lastOpenstackReconcile`)
+/// with the kubeconfig Nova holds in that server's user data — its own ServiceAccount's token, scoped by the Role the
+/// machine controller wrote — and reports `ConfigReady`, `DataplaneReady`, `DataplaneUpToDate` True with a heartbeat
+/// every [`CascadeConfig::heartbeat`], and `KeepalivedMaster` True on one machine per LoadBalancer — like keepalived
+/// with the agents' revision bonus, the newest revision's oldest machine, kept while it stays eligible and is of the
+/// newest revision. Every request of the controllers and agents goes through [`Cascade::refusals`]; a 401 or 403
+/// fails [`Cascade::stop`].
 pub struct Cascade {
-    pub api: FakeApiServer,
+    /// The namespace of the LoadBalancers, sets and machines (also the first part of the OpenStack names).
+    pub ns: String,
+    /// The API server's admin, for the test's own reads and writes.
+    pub admin: kube::Client,
+    /// The API server URL written into the machines' kubeconfig (`API_ENDPOINT`).
+    pub api_endpoint: String,
     pub metrics: Arc<Metrics>,
+    pub health: Arc<Health>,
+    /// What the API server refused the controllers and the agents.
+    pub refusals: Refusals,
+    view: View,
     agents: Arc<Mutex<Agents>>,
     stop: Option<tokio::sync::oneshot::Sender<()>>,
     controllers: Option<tokio::task::JoinHandle<()>>,
-    helpers: tokio::task::JoinHandle<()>,
+    background: Vec<tokio::task::JoinHandle<()>>,
 }
 
 impl Drop for Cascade {
     fn drop(&mut self) {
-        self.helpers.abort();
+        for task in &self.background {
+            task.abort();
+        }
         if let Some(c) = &self.controllers {
             c.abort();
         }
@@ -398,29 +508,43 @@ impl Drop for Cascade {
 }
 
 impl Cascade {
-    /// Starts everything. `clouds` should count its calls in `metrics.openstack_calls` (the `yawol_openstack`
-    /// family), as the binary's do.
-    /// `clouds` gets the in-memory API server's client (for `SecretClouds`).
+    /// Starts everything in a new namespace of `kube`. `clouds` gets the controllers' client (for `SecretClouds`)
+    /// and should count its calls in `metrics.openstack_calls` (the `yawol_openstack` family), as the binary's do.
     pub async fn start<F: CloudFactory>(
+        kube: &KubeEnv,
         env: &TestEnv,
         metrics: Arc<Metrics>,
         config: CascadeConfig,
         clouds: impl FnOnce(kube::Client) -> F,
     ) -> Result<Cascade> {
-        let api = FakeApiServer::new();
-        let clouds = clouds(api.client());
-        for (_, crd) in lb_api::crds() {
-            api.install_crd(&crd);
+        if std::env::var_os("TEST_LOG").is_some() {
+            let _ = tracing_subscriber::fmt()
+                .with_env_filter("info,lb_controller=debug,kube_runtime=debug")
+                .with_test_writer()
+                .try_init();
         }
+        let admin = kube.client().await?;
+        let ns = kube.namespace(&admin, "itest").await?;
+        let token = controller_token(kube, &admin, &ns).await?;
+        let refusals = Refusals::default();
+        let client = refusals
+            .client(&kube.token_kubeconfig(&token), "controllers")
+            .await?;
         // The LoadBalancers' authSecretRef, for `SecretClouds`.
         let conf = std::fs::read_to_string(env.cloudprovider_conf())?;
-        api.put(
-            &secrets(),
-            json!({"metadata": {"name": "cloud", "namespace": NS},
-                   "data": {"cloudprovider.conf": b64(&conf)}}),
-        );
+        let secret: k8s_openapi::api::core::v1::Secret = serde_json::from_value(json!({
+            "metadata": {"name": "cloud", "namespace": ns},
+            "data": {"cloudprovider.conf": b64(&conf)}
+        }))?;
+        Api::namespaced(admin.clone(), &ns)
+            .create(&PostParams::default(), &secret)
+            .await?;
+        let (view, mut background) = View::start(&admin, &ns).await?;
+
+        let clouds = clouds(client.clone());
+        let api_endpoint = kube.url();
         let run_config = OpenStackRunConfig {
-            namespace: NS.into(),
+            namespace: ns.clone(),
             loadbalancer: config.loadbalancer.clone(),
             instance: "itest".into(),
         };
@@ -432,41 +556,64 @@ impl Cascade {
         let controllers = match config.tuning.clone() {
             None => {
                 // `run_openstack_controllers` reads the machine settings like the binary does.
-                std::env::set_var("API_ENDPOINT", API_ENDPOINT);
+                std::env::set_var("API_ENDPOINT", &api_endpoint);
                 tokio::spawn(run_openstack_controllers(
-                    api.client(),
+                    client,
                     clouds,
                     run_config,
                     metrics.clone(),
-                    health,
+                    health.clone(),
                     shutdown,
                 ))
             }
-            Some(tuning) => tokio::spawn(run_openstack_controllers_with(
-                api.client(),
-                clouds,
-                run_config,
-                tuning,
-                metrics.clone(),
-                health,
-                shutdown,
-            )),
+            Some(mut tuning) => {
+                tuning.machines.api_endpoint = Some(api_endpoint.clone());
+                tokio::spawn(run_openstack_controllers_with(
+                    client,
+                    clouds,
+                    run_config,
+                    tuning,
+                    metrics.clone(),
+                    health.clone(),
+                    shutdown,
+                ))
+            }
         };
         let agents = Arc::new(Mutex::new(Agents::default()));
-        let helpers = tokio::spawn(play_cluster(api.clone(), agents.clone(), config.heartbeat));
+        background.push(tokio::spawn(play_agents(
+            view.clone(),
+            agents.clone(),
+            env.connect_admin().await?,
+            refusals.clone(),
+            ns.clone(),
+            config.heartbeat,
+        )));
         Ok(Cascade {
-            api,
+            ns,
+            admin,
+            api_endpoint,
             metrics,
+            health,
+            refusals,
+            view,
             agents,
             stop: Some(stop_tx),
             controllers: Some(controllers),
-            helpers,
+            background,
         })
     }
 
-    /// Stops the controllers (in-flight reconciles finish) and the simulated cluster.
+    /// Whether the controllers still run (their task has not ended).
+    pub fn controllers_running(&self) -> bool {
+        self.controllers.as_ref().is_some_and(|c| !c.is_finished())
+    }
+
+    /// Stops the controllers (in-flight reconciles finish) and the played agents; fails when the API server refused
+    /// the controllers or an agent anything.
     pub async fn stop(mut self) -> Result<()> {
-        self.helpers.abort();
+        for task in &self.background {
+            task.abort();
+        }
         if let Some(tx) = self.stop.take() {
             let _ = tx.send(());
         }
@@ -475,13 +622,37 @@ impl Cascade {
                 .await
                 .context("the controllers did not stop within 60 s")??;
         }
-        Ok(())
+        self.refusals.assert_none()
+    }
+
+    /// The objects of `kind` in the namespace, as the test's watch has them.
+    pub fn list(&self, kind: Kind) -> Vec<Value> {
+        self.view.list(kind)
+    }
+
+    /// The object of `kind` named `name` as the test's watch has it, `Value::Null` when there is none.
+    pub fn get(&self, kind: Kind, name: &str) -> Value {
+        self.list(kind)
+            .into_iter()
+            .find(|o| o["metadata"]["name"] == name)
+            .unwrap_or(Value::Null)
+    }
+
+    /// The objects of `kind` as the API server has them now (for checks that must not race the watch).
+    pub async fn list_now(&self, kind: Kind) -> Result<Vec<Value>> {
+        let api: Api<DynamicObject> =
+            Api::namespaced_with(self.admin.clone(), &self.ns, &kind.resource());
+        Ok(api
+            .list(&Default::default())
+            .await?
+            .items
+            .iter()
+            .map(serde_json::to_value)
+            .collect::<Result<_, _>>()?)
     }
 
     pub fn lb(&self, name: &str) -> Value {
-        self.api
-            .get(&loadbalancers(), NS, name)
-            .unwrap_or(Value::Null)
+        self.get(Kind::LoadBalancers, name)
     }
 
     pub fn status(&self, lb: &str) -> Value {
@@ -489,14 +660,13 @@ impl Cascade {
     }
 
     pub fn set(&self, name: &str) -> Value {
-        self.api.get(&sets(), NS, name).unwrap_or(Value::Null)
+        self.get(Kind::Sets, name)
     }
 
     /// The sets of `lb`, by revision.
     pub fn sets_of(&self, lb: &str) -> Vec<Value> {
         let mut v: Vec<Value> = self
-            .api
-            .list(&sets())
+            .list(Kind::Sets)
             .into_iter()
             .filter(|s| s["spec"]["template"]["spec"]["loadBalancerRef"]["name"] == lb)
             .collect();
@@ -513,14 +683,13 @@ impl Cascade {
     }
 
     pub fn machine(&self, name: &str) -> Value {
-        self.api.get(&machines(), NS, name).unwrap_or(Value::Null)
+        self.get(Kind::Machines, name)
     }
 
     /// The machines of `lb` (any set, also those being deleted), by name.
     pub fn machines_of(&self, lb: &str) -> Vec<Value> {
         let mut v: Vec<Value> = self
-            .api
-            .list(&machines())
+            .list(Kind::Machines)
             .into_iter()
             .filter(|m| m["spec"]["loadBalancerRef"]["name"] == lb)
             .collect();
@@ -530,8 +699,7 @@ impl Cascade {
 
     /// Machines of `set` that are not being deleted.
     pub fn live_machines_of_set(&self, set: &str) -> Vec<Value> {
-        self.api
-            .list(&machines())
+        self.list(Kind::Machines)
             .into_iter()
             .filter(|m| {
                 m["metadata"]["ownerReferences"][0]["name"] == set
@@ -554,8 +722,7 @@ impl Cascade {
 
     /// Messages of the events with `reason` about the LoadBalancer `lb`.
     pub fn lb_events(&self, lb: &str, reason: &str) -> Vec<String> {
-        self.api
-            .list(&events())
+        self.list(Kind::Events)
             .into_iter()
             .filter(|e| {
                 e["reason"] == reason
@@ -568,8 +735,7 @@ impl Cascade {
 
     /// `(object name, message)` of the events with `reason` about objects of `kind`.
     pub fn events_of(&self, kind: &str, reason: &str) -> Vec<(String, String)> {
-        self.api
-            .list(&events())
+        self.list(Kind::Events)
             .into_iter()
             .filter(|e| e["reason"] == reason && e["involvedObject"]["kind"] == kind)
             .map(|e| {
@@ -584,12 +750,19 @@ impl Cascade {
             .collect()
     }
 
-    pub fn lb_api(&self) -> Api<LoadBalancer> {
-        Api::namespaced(self.api.client(), NS)
+    /// The decoded entry `key` of the Secret `name`, if both exist.
+    pub fn secret_data(&self, name: &str, key: &str) -> Option<String> {
+        let value = self.get(Kind::Secrets, name)["data"][key]
+            .as_str()?
+            .to_string();
+        let raw = base64::engine::general_purpose::STANDARD
+            .decode(value)
+            .ok()?;
+        String::from_utf8(raw).ok()
     }
 
-    pub fn lbm_api(&self) -> Api<LoadBalancerMachine> {
-        Api::namespaced(self.api.client(), NS)
+    pub fn lb_api(&self) -> Api<LoadBalancer> {
+        Api::namespaced(self.admin.clone(), &self.ns)
     }
 
     pub async fn create_lb(&self, obj: Value) -> Result<()> {
@@ -645,22 +818,41 @@ impl Cascade {
         }
     }
 
-    /// The simulated VRRP master of `lb`.
+    /// The played VRRP master of `lb`.
     pub fn master(&self, lb: &str) -> Option<String> {
         self.agents.lock().unwrap().masters.get(lb).cloned()
     }
 
-    /// Writes `conditions` as the whole condition list of `machine` (the test playing its agent).
+    /// Writes `conditions` as the whole condition list of `machine`, through its agent's client (the test playing
+    /// its agent).
     pub async fn report(&self, machine: &str, conditions: Vec<Value>) -> Result<()> {
-        self.lbm_api()
-            .patch_status(
-                machine,
-                &PatchParams::default(),
-                &Patch::Merge(&json!({"status": {"conditions": conditions}})),
-            )
-            .await?;
-        Ok(())
+        let client = self
+            .agents
+            .lock()
+            .unwrap()
+            .clients
+            .get(machine)
+            .cloned()
+            .with_context(|| format!("no agent runs for {machine}"))?;
+        write_conditions(&client, &self.ns, machine, conditions).await
     }
+}
+
+/// A merge patch of the machine's `status.conditions`, as the agent writes them.
+async fn write_conditions(
+    client: &kube::Client,
+    ns: &str,
+    machine: &str,
+    conditions: Vec<Value>,
+) -> Result<()> {
+    Api::<LoadBalancerMachine>::namespaced(client.clone(), ns)
+        .patch_status(
+            machine,
+            &PatchParams::default(),
+            &Patch::Merge(&json!({"status": {"conditions": conditions}})),
+        )
+        .await?;
+    Ok(())
 }
 
 /// Polls an asynchronous `check` (e.g. an OpenStack query) every 250 ms until it holds.
@@ -711,33 +903,63 @@ const AGENT_CONDITIONS: [&str; 4] = [
     conditions::KEEPALIVED_MASTER,
 ];
 
-/// The token controller and the agents (see [`Cascade`]), every 100 ms.
-async fn play_cluster(api: FakeApiServer, agents: Arc<Mutex<Agents>>, heartbeat: Duration) {
-    let client = api.client();
-    let secret_api: Api<k8s_openapi::api::core::v1::Secret> = Api::namespaced(client.clone(), NS);
-    let lbm_api: Api<LoadBalancerMachine> = Api::namespaced(client, NS);
+/// The agents (see [`Cascade`]), every 100 ms: an agent starts with its VM's kubeconfig once its machine's server is
+/// ACTIVE and ends with the machine. Failed writes (e.g. the API server is away) are retried at the next round, as
+/// the agent's requeue would.
+async fn play_agents(
+    view: View,
+    agents: Arc<Mutex<Agents>>,
+    nova: AsyncOpenStack,
+    refusals: Refusals,
+    ns: String,
+    heartbeat: Duration,
+) {
     loop {
-        for s in api.list(&secrets()) {
-            if s["type"] == "kubernetes.io/service-account-token" && s["data"]["token"].is_null() {
-                let patch = json!({"data": {"token": b64(TOKEN), "ca.crt": b64("PEM")}});
-                let _ = secret_api
-                    .patch(&name_of(&s), &PatchParams::default(), &Patch::Merge(&patch))
-                    .await;
+        let all = view.list(Kind::Machines);
+        for m in all.iter().filter(|m| agent_may_run(m)) {
+            let name = name_of(m);
+            let Some(server) = m["status"]["serverID"].as_str() else {
+                continue;
+            };
+            if agents.lock().unwrap().clients.contains_key(&name) {
+                continue;
+            }
+            let kubeconfig = match vm_kubeconfig(&nova, server).await {
+                Ok(k) => k,
+                Err(e) => {
+                    eprintln!("agent of {name}: no kubeconfig yet: {e:#}");
+                    continue;
+                }
+            };
+            match refusals
+                .client(&kubeconfig, &format!("agent of {name}"))
+                .await
+            {
+                Ok(client) => {
+                    agents.lock().unwrap().clients.insert(name, client);
+                }
+                Err(e) => eprintln!("agent of {name}: its kubeconfig does not load: {e:#}"),
             }
         }
-        let all = api.list(&machines());
+        agents.lock().unwrap().clients.retain(|name, _| {
+            all.iter()
+                .any(|m| name_of(m) == *name && m["metadata"]["deletionTimestamp"].is_null())
+        });
         let writes = agent_writes(&all, &agents, heartbeat);
         for (machine, conds) in writes {
-            let _ = lbm_api
-                .patch_status(
-                    &machine,
-                    &PatchParams::default(),
-                    &Patch::Merge(&json!({"status": {"conditions": conds}})),
-                )
-                .await;
+            let client = agents.lock().unwrap().clients.get(&machine).cloned();
+            if let Some(client) = client {
+                let _ = write_conditions(&client, &ns, &machine, conds).await;
+            }
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
+}
+
+/// A machine whose server is ACTIVE and which is not being deleted: its agent runs.
+fn agent_may_run(m: &Value) -> bool {
+    m["metadata"]["deletionTimestamp"].is_null()
+        && m["status"]["lastOpenstackReconcile"].is_string()
 }
 
 /// Elects the masters and returns the condition lists to write.
@@ -747,10 +969,8 @@ fn agent_writes(
     heartbeat: Duration,
 ) -> Vec<(String, Vec<Value>)> {
     let mut a = agents.lock().unwrap();
-    let eligible = |m: &&Value| {
-        m["metadata"]["deletionTimestamp"].is_null()
-            && m["status"]["lastOpenstackReconcile"].is_string()
-    };
+    let running: HashSet<String> = a.clients.keys().cloned().collect();
+    let eligible = |m: &&Value| agent_may_run(m) && running.contains(&name_of(m));
     let mut lbs: Vec<String> = all
         .iter()
         .filter_map(|m| {

@@ -10,10 +10,16 @@
 //!
 //! One cluster per test binary ([`KubeEnv::shared`], a namespace per test from [`KubeEnv::namespace`]); tests that
 //! stop the API server or compact etcd start their own ([`KubeEnv::start`], a few seconds).
+//!
+//! [`Refusals`] makes clients that record every request the server refused (401/403), so a test can assert that
+//! the RBAC a controller or agent runs under covered everything it did.
 
 pub mod fake_api;
 mod pki;
 mod procs;
+mod refusals;
+
+pub use refusals::{Refusal, Refusals};
 
 use anyhow::{bail, Context, Result};
 use k8s_openapi::api::authentication::v1::{TokenRequest, TokenRequestSpec};
@@ -447,6 +453,61 @@ impl Drop for KubeEnv {
             let _ = std::fs::remove_dir_all(&self.dir);
         }
     }
+}
+
+/// Applies the objects of a deployment manifest (YAML documents) except its Deployments — its ServiceAccounts,
+/// Roles, bindings — by server-side apply as `admin`. With `namespace`, they go there instead of the manifest's
+/// namespace (each namespaced object and the bindings' subjects, what an operator installing it elsewhere changes);
+/// the rules stay exactly as written.
+pub async fn apply_rbac(admin: &Client, manifest: &str, namespace: Option<&str>) -> Result<()> {
+    use kube::api::{ApiResource, DynamicObject, GroupVersionKind};
+    use serde::Deserialize;
+    let discovery = kube::Discovery::new(admin.clone()).run().await?;
+    for doc in serde_yaml::Deserializer::from_str(manifest) {
+        let mut doc = serde_json::Value::deserialize(doc)?;
+        if doc.is_null() || doc["kind"] == "Deployment" {
+            continue;
+        }
+        if let Some(ns) = namespace {
+            if doc["metadata"]["namespace"].is_string() {
+                doc["metadata"]["namespace"] = serde_json::json!(ns);
+            }
+            // `get_mut`, not indexing: `doc["subjects"]` would add `subjects: null` to every other kind.
+            let subjects = doc.get_mut("subjects").and_then(|s| s.as_array_mut());
+            for subject in subjects.into_iter().flatten() {
+                if subject["namespace"].is_string() {
+                    subject["namespace"] = serde_json::json!(ns);
+                }
+            }
+        }
+        let object: DynamicObject = serde_json::from_value(doc)?;
+        let types = object
+            .types
+            .as_ref()
+            .context("an object without apiVersion/kind")?;
+        let gvk = GroupVersionKind::try_from(types)?;
+        let (resource, _): (ApiResource, _) = discovery
+            .resolve_gvk(&gvk)
+            .with_context(|| format!("the server does not serve {gvk:?}"))?;
+        let objects: Api<DynamicObject> = match &object.metadata.namespace {
+            Some(ns) => Api::namespaced_with(admin.clone(), ns, &resource),
+            None => Api::all_with(admin.clone(), &resource),
+        };
+        let name = object
+            .metadata
+            .name
+            .clone()
+            .context("an object without a name")?;
+        objects
+            .patch(
+                &name,
+                &PatchParams::apply("kube-testenv").force(),
+                &Patch::Apply(&object),
+            )
+            .await
+            .with_context(|| format!("applying {} {name}", gvk.kind))?;
+    }
+    Ok(())
 }
 
 /// A client from a kubeconfig's text.

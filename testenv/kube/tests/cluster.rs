@@ -1,5 +1,5 @@
 //! The test cluster itself: starts, authenticates admins and ServiceAccount tokens under RBAC, survives an API
-//! server restart, and answers 410 Gone after a compaction.
+//! server restart, and answers 410 Gone after a compaction; `Refusals` records exactly the refused requests.
 
 use k8s_openapi::api::core::v1::{ConfigMap, ServiceAccount};
 use kube::api::{Api, ListParams, PostParams};
@@ -64,4 +64,52 @@ async fn restart_keeps_data_and_compaction_expires_old_versions() {
         matches!(&err, kube::Error::Api(s) if s.code == 410),
         "a list at a compacted resourceVersion is 410 Gone: {err}"
     );
+}
+
+#[tokio::test]
+async fn refused_requests_are_recorded() {
+    let env = KubeEnv::shared();
+    let admin = env.client().await.unwrap();
+    let ns = env.namespace(&admin, "refusals").await.unwrap();
+    let sa: ServiceAccount =
+        serde_json::from_value(serde_json::json!({"metadata": {"name": "nobody"}})).unwrap();
+    Api::<ServiceAccount>::namespaced(admin.clone(), &ns)
+        .create(&PostParams::default(), &sa)
+        .await
+        .unwrap();
+    let token = env.token(&admin, &ns, "nobody").await.unwrap();
+    let refusals = kube_testenv::Refusals::default();
+    let nobody = refusals
+        .client(&env.token_kubeconfig(&token), "nobody")
+        .await
+        .unwrap();
+    // Every authenticated user may read the version: not a refusal.
+    nobody.apiserver_version().await.unwrap();
+    refusals.assert_none().unwrap();
+    let _ = Api::<ConfigMap>::namespaced(nobody, &ns)
+        .list(&ListParams::default())
+        .await
+        .unwrap_err();
+    let stranger = refusals
+        .client(&env.token_kubeconfig("not-a-token"), "stranger")
+        .await
+        .unwrap();
+    let _ = stranger.apiserver_version().await.unwrap_err();
+    let seen: Vec<(String, u16, String)> = refusals
+        .all()
+        .into_iter()
+        .map(|r| (r.who, r.status, r.request))
+        .collect();
+    assert_eq!(
+        seen,
+        [
+            (
+                "nobody".to_string(),
+                403,
+                format!("GET /api/v1/namespaces/{ns}/configmaps?")
+            ),
+            ("stranger".to_string(), 401, "GET /version".to_string()),
+        ],
+    );
+    assert!(refusals.assert_none().is_err());
 }
