@@ -1,24 +1,31 @@
 //! The LoadBalancerMachine controller against the real OpenStack of `cargo xtask openstack up` (Nova's fake driver,
-//! two compute hosts), with the in-memory API server for the Kubernetes side: a machine gets a VM port with the VIP
-//! as allowed address pair and a server in the LoadBalancer's server group booted with our user data; a server that
-//! Nova puts into ERROR (an anti-affinity group whose two hosts are taken: "No valid host was found") is replaced
-//! with an event carrying Nova's fault and boots once a host is free; injected Nova quota and Neutron 5xx errors are
-//! retried without duplicates; deleting the machines and the LoadBalancer leaves nothing (leak check).
+//! two compute hosts) and the test binary's real API server (kube-testenv, a namespace per test), under exactly the
+//! ServiceAccount and Role of `deploy/openstack-controller.yaml` with a real token; the cluster's token controller
+//! fills each machine's token Secret. A machine gets a VM port with the VIP as allowed address pair and a server in
+//! the LoadBalancer's server group booted with our user data, whose kubeconfig reaches the machine's own objects
+//! with the token the token controller wrote; a server that Nova puts into ERROR (an anti-affinity group whose two
+//! hosts are taken: "No valid host was found") is replaced with an event carrying Nova's fault and boots once a host
+//! is free; injected Nova quota and Neutron 5xx errors are retried without duplicates; deleting the machines and
+//! the LoadBalancer leaves nothing (leak check). The API server refuses nothing (`Refusals`).
 //!
 //! `#[ignore]`d like `tests/openstack_lb.rs`: the `openstack` stage of `cargo xtask test` runs them with
 //! `--ignored --test-threads=1` (the leak check sees the whole project).
 
 mod common;
 
+use std::future::Future;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use anyhow::{bail, ensure, Context, Result};
+use anyhow::{ensure, Context, Result};
 use base64::Engine as _;
-use common::openstack::{connect, nova_group_members, nova_server, user_data_files};
-use kube::api::{DeleteParams, Patch, PatchParams, PostParams};
-use kube::Api;
-use kube_testenv::fake_api::{FakeApiServer, ResourceKey};
+use common::kube::{events, loadbalancermachines, loadbalancers, secrets, Objects};
+use common::openstack::{
+    connect, controller_token, nova_group_members, nova_server, user_data_files, vm_kubeconfig,
+};
+use kube::api::{DeleteParams, PostParams};
+use kube::{Api, Client};
+use kube_testenv::{KubeEnv, Refusals};
 use lb_api::{LoadBalancer, LoadBalancerMachine};
 use lb_controller::events::EventPublisher;
 use lb_controller::lb_controller::FixedCloud;
@@ -32,21 +39,23 @@ use openstack_sdk::AsyncOpenStack;
 use openstack_testenv::{Fault, FaultProxy, LeakCheck, Rule, TestEnv};
 use serde_json::{json, Value};
 
-const NS: &str = "itest";
-const TOKEN: &str = "itest-machine-token";
 const SYNC_SECRET: &str = "0f1e2d3c4b5a69788796a5b4c3d2e1f00f1e2d3c4b5a69788796a5b4c3d2e1f0";
 /// Generous: Nova's fake driver boots in about 2 s, but the shared 2-core machine can be slow.
 const STEP: Duration = Duration::from_secs(120);
 
-fn key(group: &str, plural: &str) -> ResourceKey {
-    ResourceKey::new(group, plural)
+/// An admin client of the test binary's API server and a new namespace in it.
+async fn namespace() -> Result<(Client, String)> {
+    let kube = KubeEnv::shared();
+    let admin = kube.client().await?;
+    let ns = kube.namespace(&admin, "itest").await?;
+    Ok((admin, ns))
 }
 
-fn lb(env: &TestEnv, name: &str) -> LoadBalancer {
+fn lb(env: &TestEnv, ns: &str, name: &str) -> LoadBalancer {
     let info = &env.info;
     serde_json::from_value(json!({
         "apiVersion": "yawol.stackit.cloud/v1beta1", "kind": "LoadBalancer",
-        "metadata": {"name": name, "namespace": NS, "uid": format!("u-{name}"),
+        "metadata": {"name": name, "namespace": ns,
                      "annotations": {"loadbalancer.yawol.stackit.cloud/vrrpRouterID": "17"}},
         "spec": {
             "selector": {"matchLabels": {"yawol.stackit.cloud/loadbalancer": name}},
@@ -55,7 +64,7 @@ fn lb(env: &TestEnv, name: &str) -> LoadBalancer {
             "infrastructure": {
                 "defaultNetwork": {"networkID": info.network_id, "floatingNetID": info.external_network_id},
                 "flavor": {"flavorID": info.flavor_id}, "image": {"imageID": info.image_id},
-                "authSecretRef": {"name": "cloud", "namespace": NS}
+                "authSecretRef": {"name": "cloud", "namespace": ns}
             },
             "options": {"internalLB": true, "serverGroupPolicy": "anti-affinity"}
         }
@@ -63,74 +72,101 @@ fn lb(env: &TestEnv, name: &str) -> LoadBalancer {
     .expect("fixture parses")
 }
 
-/// The machine controller on an in-memory API server that holds the LoadBalancer (as the LoadBalancer controller
-/// left it), its sync Secret, and the machines.
+/// The machine controller on the API server, which holds the LoadBalancer (as the LoadBalancer controller left it:
+/// status with the OpenStack resources, router ID annotation), its sync Secret, and the machines.
 struct Harness {
-    api: FakeApiServer,
+    ns: String,
+    admin: Client,
+    /// What the API server refused the controller (and the test's machine clients).
+    refusals: Refusals,
     lb: LoadBalancer,
+    machines: Objects,
+    events: Objects,
     task: tokio::task::JoinHandle<()>,
 }
 
+impl Drop for Harness {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
 impl Harness {
-    async fn start(cloud: Arc<SdkCloud>, lb: &LoadBalancer) -> Harness {
-        let api = FakeApiServer::new();
-        for (_, crd) in lb_api::crds() {
-            api.install_crd(&crd);
-        }
-        api.put(
-            &key("yawol.stackit.cloud", "loadbalancers"),
-            serde_json::to_value(lb).unwrap(),
-        );
-        api.put(
-            &key("", "secrets"),
-            json!({
-                "metadata": {"name": format!("{}-sync", lb.metadata.name.as_deref().unwrap()), "namespace": NS},
-                "data": {"secret": base64::engine::general_purpose::STANDARD.encode(SYNC_SECRET)}
-            }),
-        );
-        let client = api.client();
+    async fn start(admin: &Client, cloud: Arc<SdkCloud>, lb: &LoadBalancer) -> Result<Harness> {
+        let kube = KubeEnv::shared();
+        let ns = lb.metadata.namespace.clone().context("namespace")?;
+        let token = controller_token(kube, admin, &ns).await?;
+        let refusals = Refusals::default();
+        let client = refusals
+            .client(&kube.token_kubeconfig(&token), "machine controller")
+            .await?;
+        let mut object = lb.clone();
+        object.status = None;
+        Api::<LoadBalancer>::namespaced(admin.clone(), &ns)
+            .create(&PostParams::default(), &object)
+            .await?;
+        // The status through its subresource, as the LoadBalancer controller writes it.
+        loadbalancers(admin, &ns)
+            .patch_status(
+                lb.metadata.name.as_deref().context("name")?,
+                serde_json::to_value(&lb.status)?,
+            )
+            .await;
+        secrets(admin, &ns)
+            .api()
+            .create(
+                &PostParams::default(),
+                &serde_json::from_value(json!({
+                    "apiVersion": "v1", "kind": "Secret",
+                    "metadata": {"name": format!("{}-sync", lb.metadata.name.as_deref().unwrap()), "namespace": ns},
+                    "data": {"secret": base64::engine::general_purpose::STANDARD.encode(SYNC_SECRET)}
+                }))?,
+            )
+            .await?;
         let ctx = Arc::new(LbmContext::new(
             client.clone(),
             FixedCloud(cloud),
             Arc::new(EventPublisher::new(client, "yawol-service", "itest")),
             Arc::new(LbmMetrics::default()),
             LbmControllerConfig {
-                api_endpoint: Some("https://203.0.113.1:6443".into()),
+                // The VMs' kubeconfig names this API server, so the test can use it.
+                api_endpoint: Some(kube.url()),
                 poll: Duration::from_millis(500),
                 error_backoff_base: Duration::from_millis(500),
                 error_backoff_max: Duration::from_secs(5),
                 ..LbmControllerConfig::default()
             },
         ));
-        let task = tokio::spawn(async move {
-            run(
-                ctx,
-                NS,
-                lb_controller::stop::Stop::on(std::future::pending()),
-            )
-            .await
+        let task = tokio::spawn({
+            let ns = ns.clone();
+            async move {
+                run(
+                    ctx,
+                    &ns,
+                    lb_controller::stop::Stop::on(std::future::pending()),
+                )
+                .await
+            }
         });
-        Harness {
-            api,
+        Ok(Harness {
+            machines: loadbalancermachines(admin, &ns),
+            events: events(admin, &ns),
+            ns,
+            admin: admin.clone(),
+            refusals,
             lb: lb.clone(),
             task,
-        }
+        })
     }
 
-    fn status(&self, machine: &str) -> Value {
-        self.api
-            .get(
-                &key("yawol.stackit.cloud", "loadbalancermachines"),
-                NS,
-                machine,
-            )
-            .map(|m| m["status"].clone())
-            .unwrap_or(Value::Null)
+    async fn status(&self, machine: &str) -> Value {
+        self.machines.get(machine).await["status"].clone()
     }
 
-    fn events(&self, reason: &str) -> Vec<String> {
-        self.api
-            .list(&key("", "events"))
+    async fn events(&self, reason: &str) -> Vec<String> {
+        self.events
+            .list()
+            .await
             .into_iter()
             .filter(|e| {
                 e["reason"] == reason && e["involvedObject"]["kind"] == "LoadBalancerMachine"
@@ -139,67 +175,48 @@ impl Harness {
             .collect()
     }
 
-    /// Creates a machine of the LoadBalancer and plays the token controller.
+    /// Creates a machine of the LoadBalancer (the cluster's token controller fills its token Secret).
     async fn create(&self, name: &str) -> Result<()> {
         let st = self.lb.status.clone().unwrap_or_default();
         let lbm: LoadBalancerMachine = serde_json::from_value(json!({
             "apiVersion": "yawol.stackit.cloud/v1beta1", "kind": "LoadBalancerMachine",
-            "metadata": {"name": name, "namespace": NS},
+            "metadata": {"name": name, "namespace": self.ns},
             "spec": {
                 "infrastructure": self.lb.spec.infrastructure,
                 "portID": st.port_id, "serverGroupID": st.server_group_id,
-                "loadBalancerRef": {"name": self.lb.metadata.name, "namespace": NS}
+                "loadBalancerRef": {"name": self.lb.metadata.name, "namespace": self.ns}
             }
         }))?;
-        Api::<LoadBalancerMachine>::namespaced(self.api.client(), NS)
+        Api::<LoadBalancerMachine>::namespaced(self.admin.clone(), &self.ns)
             .create(&PostParams::default(), &lbm)
-            .await?;
-        let deadline = Instant::now() + STEP;
-        while self.api.get(&key("", "secrets"), NS, name).is_none() {
-            ensure!(Instant::now() < deadline, "no token Secret for {name}");
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-        let b64 = |s: &str| base64::engine::general_purpose::STANDARD.encode(s);
-        Api::<k8s_openapi::api::core::v1::Secret>::namespaced(self.api.client(), NS)
-            .patch(
-                name,
-                &PatchParams::default(),
-                &Patch::Merge(json!({"data": {"token": b64(TOKEN), "ca.crt": b64("PEM")}})),
-            )
             .await?;
         Ok(())
     }
 
-    async fn wait(&self, what: &str, mut check: impl FnMut(&Self) -> bool) -> Result<Duration> {
+    /// Polls `check` every 50 ms until it holds (at most [`STEP`]); returns the time it took.
+    async fn wait<F, Fut>(&self, what: &str, check: F) -> Result<Duration>
+    where
+        F: Fn() -> Fut,
+        Fut: Future<Output = Result<bool>>,
+    {
         let t0 = Instant::now();
-        while !check(self) {
-            if t0.elapsed() > STEP {
-                bail!("timed out waiting for {what}");
-            }
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
+        kube_testenv::wait_within(what, STEP, check).await?;
         Ok(t0.elapsed())
     }
 
     async fn wait_active(&self, machine: &str) -> Result<Duration> {
-        self.wait(&format!("{machine} ACTIVE"), |h| {
-            h.status(machine)["lastOpenstackReconcile"].is_string()
+        self.wait(&format!("{machine} ACTIVE"), || async {
+            Ok(self.status(machine).await["lastOpenstackReconcile"].is_string())
         })
         .await
     }
 
     async fn delete(&self, machine: &str) -> Result<Duration> {
-        Api::<LoadBalancerMachine>::namespaced(self.api.client(), NS)
+        Api::<LoadBalancerMachine>::namespaced(self.admin.clone(), &self.ns)
             .delete(machine, &DeleteParams::default())
             .await?;
-        self.wait(&format!("{machine} deleted"), |h| {
-            h.api
-                .get(
-                    &key("yawol.stackit.cloud", "loadbalancermachines"),
-                    NS,
-                    machine,
-                )
-                .is_none()
+        self.wait(&format!("{machine} deleted"), || async {
+            Ok(!self.machines.exists(machine).await)
         })
         .await
     }
@@ -218,9 +235,10 @@ async fn loadbalancer(cloud: &SdkCloud, lb: &mut LoadBalancer) -> Result<()> {
 
 /// Deletes whatever the machines left (by their names) and the LoadBalancer's resources.
 async fn teardown(cloud: &SdkCloud, lb: &LoadBalancer, machines: &[&str]) -> Result<()> {
+    let ns = lb.metadata.namespace.as_deref().unwrap_or_default();
     for m in machines {
         lb_controller::machine::delete_machine(cloud, m, None, Duration::from_secs(90)).await?;
-        for p in cloud.find_ports(&format!("{NS}/{m}")).await? {
+        for p in cloud.find_ports(&format!("{ns}/{m}")).await? {
             cloud.delete_port(&p.id).await?;
         }
     }
@@ -228,7 +246,7 @@ async fn teardown(cloud: &SdkCloud, lb: &LoadBalancer, machines: &[&str]) -> Res
     Ok(())
 }
 
-#[tokio::test]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs the OpenStack test environment (cargo xtask openstack up); run by the openstack stage"]
 async fn openstack_machine_boots_with_user_data_in_the_group_and_deletion_leaves_nothing(
 ) -> Result<()> {
@@ -240,16 +258,17 @@ async fn openstack_machine_boots_with_user_data_in_the_group_and_deletion_leaves
         .assert_clean(&direct)
         .await
         .context("before the test")?;
-    let mut l = lb(&env, "itest-lbm");
+    let (kube_admin, ns) = namespace().await?;
+    let mut l = lb(&env, &ns, "itest-lbm");
     let scenario = async {
         loadbalancer(&cloud, &mut l).await?;
         let st = l.status.clone().unwrap();
-        let h = Harness::start(cloud.clone(), &l).await;
+        let h = Harness::start(&kube_admin, cloud.clone(), &l).await?;
         let t0 = Instant::now();
         h.create("itest-lbm-m1").await?;
         h.wait_active("itest-lbm-m1").await?;
         let t_active = t0.elapsed();
-        let ms = h.status("itest-lbm-m1");
+        let ms = h.status("itest-lbm-m1").await;
         let server_id = ms["serverID"].as_str().context("serverID")?.to_string();
         for k in [
             "defaultPortID",
@@ -271,9 +290,14 @@ async fn openstack_machine_boots_with_user_data_in_the_group_and_deletion_leaves
             .into_iter()
             .map(|(_, content)| content)
             .collect();
+        let token = secrets(&kube_admin, &ns).get("itest-lbm-m1").await["data"]["token"]
+            .as_str()
+            .map(|t| base64::engine::general_purpose::STANDARD.decode(t))
+            .context("the token controller filled the token Secret")??;
+        let token = String::from_utf8(token)?;
         ensure!(
-            files.iter().any(|f| f.contains(TOKEN)),
-            "token in the kubeconfig"
+            files.iter().any(|f| f.contains(&token)),
+            "the token controller's token in the kubeconfig"
         );
         ensure!(
             files.iter().any(|f| f.contains("--vrrp-router-id=17")),
@@ -291,9 +315,24 @@ async fn openstack_machine_boots_with_user_data_in_the_group_and_deletion_leaves
         );
         ensure!(port.device_id == server_id, "port on the server: {port:?}");
         ensure!(
-            port.name == "itest/itest-lbm-m1",
+            port.name == format!("{ns}/itest-lbm-m1"),
             "yawol's port name: {port:?}"
         );
+
+        // The VM's kubeconfig works: it reaches the machine's own objects on this API server.
+        let vm = h
+            .refusals
+            .client(
+                &vm_kubeconfig(&admin, &server_id).await?,
+                "the VM of itest-lbm-m1",
+            )
+            .await?;
+        Api::<LoadBalancerMachine>::namespaced(vm.clone(), &ns)
+            .get("itest-lbm-m1")
+            .await?;
+        Api::<LoadBalancer>::namespaced(vm, &ns)
+            .get("itest-lbm")
+            .await?;
 
         let t_delete = h.delete("itest-lbm-m1").await?;
         ensure!(
@@ -301,7 +340,10 @@ async fn openstack_machine_boots_with_user_data_in_the_group_and_deletion_leaves
             "server left"
         );
         ensure!(
-            cloud.find_ports("itest/itest-lbm-m1").await?.is_empty(),
+            cloud
+                .find_ports(&format!("{ns}/itest-lbm-m1"))
+                .await?
+                .is_empty(),
             "port left"
         );
         eprintln!(
@@ -309,8 +351,7 @@ async fn openstack_machine_boots_with_user_data_in_the_group_and_deletion_leaves
             t_active.as_secs_f64(),
             t_delete.as_secs_f64()
         );
-        h.task.abort();
-        anyhow::Ok(())
+        h.refusals.assert_none()
     }
     .await;
     let cleanup = teardown(&cloud, &l, &["itest-lbm-m1"]).await;
@@ -320,7 +361,7 @@ async fn openstack_machine_boots_with_user_data_in_the_group_and_deletion_leaves
     leaks
 }
 
-#[tokio::test]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs the OpenStack test environment (cargo xtask openstack up); run by the openstack stage"]
 async fn openstack_error_server_is_replaced_and_boots_once_a_host_is_free() -> Result<()> {
     let env = TestEnv::load()?;
@@ -330,11 +371,12 @@ async fn openstack_error_server_is_replaced_and_boots_once_a_host_is_free() -> R
         .assert_clean(&direct)
         .await
         .context("before the test")?;
-    let mut l = lb(&env, "itest-err");
+    let (kube_admin, ns) = namespace().await?;
+    let mut l = lb(&env, &ns, "itest-err");
     let machines = ["itest-err-m1", "itest-err-m2", "itest-err-m3"];
     let scenario = async {
         loadbalancer(&cloud, &mut l).await?;
-        let h = Harness::start(cloud.clone(), &l).await;
+        let h = Harness::start(&kube_admin, cloud.clone(), &l).await?;
         // Two machines take both compute hosts of the anti-affinity group (one at a time: Nova's late check fails
         // simultaneous boots on one host, which the controller would also repair, but slower).
         for m in &machines[..2] {
@@ -343,16 +385,17 @@ async fn openstack_error_server_is_replaced_and_boots_once_a_host_is_free() -> R
         }
         // The third has no valid host: ERROR, replaced (and ERROR again) while the group is full.
         h.create(machines[2]).await?;
-        h.wait("ServerError event with Nova's fault", |h| {
-            h.events("ServerError")
+        h.wait("ServerError event with Nova's fault", || async {
+            Ok(h.events("ServerError")
+                .await
                 .iter()
-                .any(|m| m.contains("No valid host"))
+                .any(|m| m.contains("No valid host")))
         })
         .await?;
-        let first_error = h.events("ServerError");
+        let first_error = h.events("ServerError").await;
         eprintln!("Nova's fault in the event: {}", first_error[0]);
         ensure!(
-            h.status(machines[2])["lastOpenstackReconcile"].is_null(),
+            h.status(machines[2]).await["lastOpenstackReconcile"].is_null(),
             "not ACTIVE"
         );
         // A host becomes free: the next replacement boots.
@@ -361,7 +404,7 @@ async fn openstack_error_server_is_replaced_and_boots_once_a_host_is_free() -> R
         eprintln!(
             "timing: replacement ACTIVE {:.2}s after a host was freed; {} ServerError event(s)",
             t.as_secs_f64(),
-            h.events("ServerError").len()
+            h.events("ServerError").await.len()
         );
         let servers = cloud.find_servers(machines[2]).await?;
         ensure!(
@@ -370,7 +413,7 @@ async fn openstack_error_server_is_replaced_and_boots_once_a_host_is_free() -> R
         );
         ensure!(
             cloud
-                .find_ports(&format!("{NS}/{}", machines[2]))
+                .find_ports(&format!("{ns}/{}", machines[2]))
                 .await?
                 .len()
                 == 1,
@@ -379,8 +422,7 @@ async fn openstack_error_server_is_replaced_and_boots_once_a_host_is_free() -> R
         for m in &machines[1..] {
             h.delete(m).await?;
         }
-        h.task.abort();
-        anyhow::Ok(())
+        h.refusals.assert_none()
     }
     .await;
     let cleanup = teardown(&cloud, &l, &machines).await;
@@ -417,7 +459,7 @@ async fn set_instances_quota(admin: &AsyncOpenStack, project: &str, limit: i64) 
 
 /// Nova's real quota error (the project's `instances` quota set to 0 for a moment) and Neutron 5xx errors injected
 /// by the fault proxy. (Nova 5xx are injected in `tests/openstack_cascade.rs`.)
-#[tokio::test]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs the OpenStack test environment (cargo xtask openstack up); run by the openstack stage"]
 async fn openstack_machine_quota_and_5xx_are_retried_without_duplicates() -> Result<()> {
     let env = TestEnv::load()?;
@@ -433,7 +475,8 @@ async fn openstack_machine_quota_and_5xx_are_retried_without_duplicates() -> Res
         .await
         .context("before the test")?;
     let quota = instances_quota(&admin, &project).await?;
-    let mut l = lb(&env, "itest-q");
+    let (kube_admin, ns) = namespace().await?;
+    let mut l = lb(&env, &ns, "itest-q");
     let scenario = async {
         loadbalancer(&cloud, &mut l).await?;
         neutron.inject(
@@ -441,12 +484,13 @@ async fn openstack_machine_quota_and_5xx_are_retried_without_duplicates() -> Res
             Fault::internal_error(),
         );
         set_instances_quota(&admin, &project, 0).await?;
-        let h = Harness::start(cloud.clone(), &l).await;
+        let h = Harness::start(&kube_admin, cloud.clone(), &l).await?;
         h.create("itest-q-m1").await?;
-        h.wait("Nova's quota error in an event", |h| {
-            h.events("OpenStackError")
+        h.wait("Nova's quota error in an event", || async {
+            Ok(h.events("OpenStackError")
+                .await
                 .iter()
-                .any(|m| m.contains("Quota exceeded for instances"))
+                .any(|m| m.contains("Quota exceeded for instances")))
         })
         .await?;
         ensure!(
@@ -455,7 +499,7 @@ async fn openstack_machine_quota_and_5xx_are_retried_without_duplicates() -> Res
         );
         set_instances_quota(&admin, &project, quota).await?;
         h.wait_active("itest-q-m1").await?;
-        let errors = h.events("OpenStackError");
+        let errors = h.events("OpenStackError").await;
         eprintln!("events: {errors:#?}");
         ensure!(
             errors
@@ -469,7 +513,7 @@ async fn openstack_machine_quota_and_5xx_are_retried_without_duplicates() -> Res
             "one server"
         );
         ensure!(
-            cloud.find_ports("itest/itest-q-m1").await?.len() == 1,
+            cloud.find_ports(&format!("{ns}/itest-q-m1")).await?.len() == 1,
             "one VM port"
         );
         // Deletion through a 503 on the port delete: retried, nothing left.
@@ -480,12 +524,12 @@ async fn openstack_machine_quota_and_5xx_are_retried_without_duplicates() -> Res
         h.delete("itest-q-m1").await?;
         ensure!(
             h.events("OpenStackError")
+                .await
                 .iter()
                 .any(|m| m.starts_with("deletion:")),
             "the failed deletion step was reported"
         );
-        h.task.abort();
-        anyhow::Ok(())
+        h.refusals.assert_none()
     }
     .await;
     let restored = set_instances_quota(&admin, &project, quota).await;
