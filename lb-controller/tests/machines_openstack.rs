@@ -22,6 +22,7 @@ use base64::Engine as _;
 use common::kube::{events, loadbalancermachines, loadbalancers, secrets, Objects};
 use common::openstack::{
     connect, controller_token, nova_group_members, nova_server, user_data_files, vm_kubeconfig,
+    STEP,
 };
 use kube::api::{DeleteParams, PostParams};
 use kube::{Api, Client};
@@ -40,8 +41,6 @@ use openstack_testenv::{Fault, FaultProxy, LeakCheck, Rule, TestEnv};
 use serde_json::{json, Value};
 
 const SYNC_SECRET: &str = "0f1e2d3c4b5a69788796a5b4c3d2e1f00f1e2d3c4b5a69788796a5b4c3d2e1f0";
-/// Generous: Nova's fake driver boots in about 2 s, but the shared 2-core machine can be slow.
-const STEP: Duration = Duration::from_secs(120);
 
 /// An admin client of the test binary's API server and a new namespace in it.
 async fn namespace() -> Result<(Client, String)> {

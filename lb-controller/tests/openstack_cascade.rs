@@ -62,8 +62,9 @@ use std::time::{Duration, Instant};
 use anyhow::{ensure, Context, Result};
 use common::openstack::{
     condition, connect, connect_counted, connect_routed, delete_flavor, ensure_flavor, finish,
-    lb_json, nova_group_members, nova_server, revision, servers_named, user_data_files, wait_for,
-    Cascade, CascadeConfig, Kind, NovaProxy, CALL_TIMEOUT, CONTROLLER_SERVICE_ACCOUNT,
+    lb_json, nova_group_members, nova_server, nova_servers_are, ready, revision, server_ids,
+    servers_named, user_data_files, Cascade, CascadeConfig, Kind, NovaProxy, CALL_TIMEOUT,
+    CONTROLLER_SERVICE_ACCOUNT, STEP,
 };
 use kube_testenv::KubeEnv;
 use lb_api::constants::{conditions, lb_annotations};
@@ -72,10 +73,6 @@ use lb_controller::metrics::Metrics;
 use lb_controller::openstack::{Cloud, FloatingIpFilter};
 use openstack_testenv::{Fault, FaultProxy, LeakCheck, Rule, TestEnv};
 use serde_json::{json, Value};
-
-/// Bound of every wait: a step normally takes seconds (Nova's fake driver boots in about 2 s), but the shared
-/// 2-core machine can be slow.
-const STEP: Duration = Duration::from_secs(120);
 
 fn secs(d: Duration) -> f64 {
     d.as_secs_f64()
@@ -93,64 +90,6 @@ async fn start(env: &TestEnv) -> Result<Cascade> {
         move |client| SecretClouds::new(client, CALL_TIMEOUT, calls),
     )
     .await
-}
-
-/// Waits until `lb` has `n` ready replicas, all in its set of revision `rev` with ACTIVE servers; returns the
-/// set's name and its `(machine, server)` pairs.
-async fn ready(
-    c: &Cascade,
-    lb: &str,
-    rev: u64,
-    n: usize,
-) -> Result<(String, Vec<(String, String)>)> {
-    c.wait(
-        &format!("{lb}: {n} ready machines of revision {rev}"),
-        STEP,
-        |c| {
-            let st = c.status(lb);
-            c.set_of_revision(lb, rev).is_some_and(|s| {
-                c.active_in_set(&s).len() == n && c.live_machines_of_set(&s).len() == n
-            }) && st["readyReplicas"] == n
-                && st["replicas"] == n
-        },
-    )
-    .await?;
-    let set = c.set_of_revision(lb, rev).context("set")?;
-    let active = c.active_in_set(&set);
-    Ok((set, active))
-}
-
-/// Waits until Nova lists exactly `ids` (in any order) among the servers named `<prefix>…`.
-async fn nova_servers_are(
-    env: &TestEnv,
-    direct: &openstack_sdk::AsyncOpenStack,
-    prefix: &str,
-    ids: &[String],
-) -> Result<()> {
-    let mut want: Vec<String> = ids.to_vec();
-    want.sort();
-    wait_for(
-        &format!("Nova's servers {prefix}* = {want:?}"),
-        STEP,
-        || {
-            let want = want.clone();
-            async move {
-                let mut have: Vec<String> = servers_named(env, direct, prefix)
-                    .await?
-                    .into_iter()
-                    .map(|(id, _, _)| id)
-                    .collect();
-                have.sort();
-                Ok(have == want)
-            }
-        },
-    )
-    .await
-    .map(|_| ())
-}
-
-fn server_ids(active: &[(String, String)]) -> Vec<String> {
-    active.iter().map(|(_, s)| s.clone()).collect()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

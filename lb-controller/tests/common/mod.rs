@@ -12,7 +12,7 @@
 //! at most 60 s), so the tests do not depend on timing.
 //!
 //! [`openstack`]: the helpers of the real-OpenStack tests (sessions, Nova's view, leak check and sweep, the whole
-//! OpenStack-side cascade on the in-memory API server with the agents played).
+//! OpenStack-side cascade on a real API server with the agents played).
 
 #![allow(dead_code)]
 

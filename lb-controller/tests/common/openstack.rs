@@ -40,6 +40,9 @@ use serde_json::{json, Value};
 
 /// Per OpenStack call.
 pub const CALL_TIMEOUT: Duration = Duration::from_secs(20);
+/// Bound of every wait: a step normally takes seconds (Nova's fake driver boots in about 2 s), but the shared
+/// 2-core machine can be slow.
+pub const STEP: Duration = Duration::from_secs(120);
 
 fn b64(s: &str) -> String {
     base64::engine::general_purpose::STANDARD.encode(s)
@@ -853,6 +856,64 @@ async fn write_conditions(
         )
         .await?;
     Ok(())
+}
+
+/// Waits until `lb` has `n` ready replicas, all in its set of revision `rev` with ACTIVE servers; returns the
+/// set's name and its `(machine, server)` pairs.
+pub async fn ready(
+    c: &Cascade,
+    lb: &str,
+    rev: u64,
+    n: usize,
+) -> Result<(String, Vec<(String, String)>)> {
+    c.wait(
+        &format!("{lb}: {n} ready machines of revision {rev}"),
+        STEP,
+        |c| {
+            let st = c.status(lb);
+            c.set_of_revision(lb, rev).is_some_and(|s| {
+                c.active_in_set(&s).len() == n && c.live_machines_of_set(&s).len() == n
+            }) && st["readyReplicas"] == n
+                && st["replicas"] == n
+        },
+    )
+    .await?;
+    let set = c.set_of_revision(lb, rev).context("set")?;
+    let active = c.active_in_set(&set);
+    Ok((set, active))
+}
+
+/// Waits until Nova lists exactly `ids` (in any order) among the servers named `<prefix>…`.
+pub async fn nova_servers_are(
+    env: &TestEnv,
+    direct: &AsyncOpenStack,
+    prefix: &str,
+    ids: &[String],
+) -> Result<()> {
+    let mut want: Vec<String> = ids.to_vec();
+    want.sort();
+    wait_for(
+        &format!("Nova's servers {prefix}* = {want:?}"),
+        STEP,
+        || {
+            let want = want.clone();
+            async move {
+                let mut have: Vec<String> = servers_named(env, direct, prefix)
+                    .await?
+                    .into_iter()
+                    .map(|(id, _, _)| id)
+                    .collect();
+                have.sort();
+                Ok(have == want)
+            }
+        },
+    )
+    .await
+    .map(|_| ())
+}
+
+pub fn server_ids(active: &[(String, String)]) -> Vec<String> {
+    active.iter().map(|(_, s)| s.clone()).collect()
 }
 
 /// Polls an asynchronous `check` (e.g. an OpenStack query) every 250 ms until it holds.
