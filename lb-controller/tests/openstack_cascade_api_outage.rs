@@ -130,7 +130,6 @@ async fn a_minute_without_the_api_server_changes_nothing_in_openstack() -> Resul
             nova_server_calls(&c, "create"),
             nova_server_calls(&c, "delete"),
         );
-        ensure!(created == 2 && deleted == 0, "before: {created} creates, {deleted} deletes");
 
         // The outage; Nova is looked at every 5 s throughout.
         kube.stop_apiserver();
