@@ -1,8 +1,8 @@
 //! Kubernetes mode against a real kube-apiserver (kube-testenv: etcd + kube-apiserver with TLS, ServiceAccount
 //! tokens, RBAC and the default admission chain). The agent runs with exactly the identity the controller gives a
-//! machine: a ServiceAccount token bound to the Role of `lb_controller::rbac`. The test reads through the admin.
-//! No root, no BPF: a fake agent stands in for the data-plane loop, turning `ConfigState` into `AgentStatus` the
-//! way `agent::run` does.
+//! machine: a ServiceAccount token bound to the Role of `lb_controller::openstack::machine::rbac`. The test reads
+//! through the admin. No root, no BPF: a fake agent stands in for the data-plane loop, turning `ConfigState` into
+//! `AgentStatus` the way `agent::run` does.
 //!
 //! One cluster for the binary ([`KubeEnv::shared`], a namespace per test); the tests that stop the API server or
 //! compact etcd start their own ([`KubeEnv::start`]).
@@ -26,7 +26,7 @@ use lb_agent::metrics::{ServiceMetrics, SharedSnapshot, Snapshot};
 use lb_agent::model::{Protocol, ServiceId};
 use lb_agent::source::kubernetes::{self as kube_mode, KubeMode, KubeSettings};
 use lb_api::{LoadBalancer, LoadBalancerMachine};
-use lb_controller::rbac::{self, MachineIdentity};
+use lb_controller::openstack::machine::rbac::{self, MachineIdentity};
 use serde_json::{json, Value};
 use std::future::Future;
 use std::sync::{Arc, Mutex};
@@ -189,8 +189,8 @@ impl Cluster {
     }
 
     /// Creates the machine's ServiceAccount, Role and RoleBinding as the controller builds them
-    /// (`lb_controller::rbac`), mints a token for the ServiceAccount and returns a client that uses it, once the
-    /// Role is in effect; also the kubeconfig, for a client in another runtime.
+    /// (`lb_controller::openstack::machine::rbac`), mints a token for the ServiceAccount and returns a client that
+    /// uses it, once the Role is in effect; also the kubeconfig, for a client in another runtime.
     ///
     /// The controller creates them once the LoadBalancerMachine exists, owned by it. When it does not exist (yet),
     /// they are created without the owner reference: the garbage collector deletes objects whose owner is gone,

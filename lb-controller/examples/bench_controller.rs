@@ -10,10 +10,11 @@ use std::time::{Duration, Instant};
 use clap::Parser;
 use kube_testenv::fake_api::{FakeApiServer, ResourceKey};
 use lb_api::{OpenstackFlavorRef, OpenstackImageRef};
-use lb_controller::desired::{ClassFilter, InfrastructureDefaults};
+use lb_controller::cloud::loadbalancer_spec::{ClassFilter, InfrastructureDefaults};
+use lb_controller::cloud::run::{run_controllers, RunConfig};
+use lb_controller::cloud::service::ServiceControllerConfig;
 use lb_controller::metrics::Metrics;
-use lb_controller::run::{run_controllers, Health, RunConfig};
-use lb_controller::service_controller::ServiceControllerConfig;
+use lb_controller::process::http::Health;
 use serde_json::json;
 
 #[derive(Parser)]

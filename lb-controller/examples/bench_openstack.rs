@@ -28,11 +28,12 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result};
 use cascade::{connect, lb_json, Cascade, CascadeConfig, CALL_TIMEOUT};
 use clap::Parser;
-use lb_controller::lb_controller::{LbControllerConfig, RolloutGate, SecretClouds};
-use lb_controller::lbm_controller::LbmControllerConfig;
-use lb_controller::lbs_controller::LbsControllerConfig;
 use lb_controller::metrics::Metrics;
-use lb_controller::run::OpenStackTuning;
+use lb_controller::openstack::clouds::SecretClouds;
+use lb_controller::openstack::loadbalancer::{LbControllerConfig, RolloutGate};
+use lb_controller::openstack::machine::LbmControllerConfig;
+use lb_controller::openstack::run::OpenStackTuning;
+use lb_controller::openstack::set::LbsControllerConfig;
 use openstack_testenv::{LeakCheck, TestEnv};
 use serde_json::{json, Value};
 

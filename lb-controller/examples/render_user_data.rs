@@ -1,5 +1,5 @@
 //! Prints the cloud-init user data lb-controller would give a load-balancer VM, from the real
-//! [`lb_controller::cloudinit::user_data`]. `cargo xtask image boot-test` boots the image with it.
+//! [`lb_controller::openstack::machine::cloudinit::user_data`]. `cargo xtask image boot-test` boots the image with it.
 //!
 //! `cargo run -p lb-controller --example render_user_data -- --api-server https://192.0.2.1:6443 ...`
 
@@ -7,7 +7,7 @@ use anyhow::Context;
 use base64::Engine as _;
 use clap::Parser;
 use lb_api::ha::HaSettings;
-use lb_controller::cloudinit::{user_data, UserDataParams};
+use lb_controller::openstack::machine::cloudinit::{user_data, UserDataParams};
 use std::path::PathBuf;
 
 #[derive(Parser)]

@@ -9,16 +9,17 @@ use anyhow::{bail, Context};
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use lb_api::{OpenstackFlavorRef, OpenstackImageRef};
 
-use crate::desired::{ClassFilter, InfrastructureDefaults};
-use crate::lb_controller::{
-    CloudFactory, FileClouds, LbControllerConfig, RolloutGate, SdkClouds, SecretClouds,
-};
-use crate::lbm_controller::LbmControllerConfig;
-use crate::lbs_controller::LbsControllerConfig;
-use crate::leader::LeaderElectionConfig;
+use crate::cloud::loadbalancer_spec::{ClassFilter, InfrastructureDefaults};
 use crate::metrics::Metrics;
+use crate::openstack::clouds::{CloudFactory, FileClouds, SdkClouds, SecretClouds};
+use crate::openstack::loadbalancer::{LbControllerConfig, RolloutGate};
+use crate::openstack::machine::LbmControllerConfig;
+use crate::openstack::run::{self, OpenStackRunConfig, OpenStackTuning};
+use crate::openstack::set::LbsControllerConfig;
 use crate::openstack::{CloudProviderConf, Credentials, OpenStackCalls};
-use crate::run::{self, Health, OpenStackRunConfig, OpenStackTuning, Supervision};
+use crate::process::http::Health;
+use crate::process::leader::LeaderElectionConfig;
+use crate::process::Supervision;
 
 /// Cloud controller for yawol-compatible load balancers.
 #[derive(Debug, Parser)]
@@ -442,7 +443,7 @@ impl RunArgs {
 /// The OpenStack-side controllers as the binary runs them, with the set and machine settings taken from the
 /// environment variables of the `controller` command's flags alone (yawol's `API_ENDPOINT`, `NTP_SERVERS`, …;
 /// [`MachineArgs`]): a bad value there marks `health` failed and returns. Otherwise
-/// [`crate::run::run_openstack_controllers_with`].
+/// [`crate::openstack::run::run_openstack_controllers_with`].
 pub async fn run_openstack_controllers<F: CloudFactory>(
     client: kube::Client,
     clouds: F,

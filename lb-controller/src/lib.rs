@@ -13,28 +13,10 @@
 //! [`lb_openstack`]; the machine's in [`machine`] (with the health rules); pure builders for the VM's cloud-init
 //! ([`cloudinit`]) and its Kubernetes access ([`rbac`]).
 
-pub mod backchannel;
 pub mod cli;
-pub mod cloudinit;
+pub mod cloud;
 pub mod crds;
-pub mod desired;
-pub mod endpoints;
-pub mod events;
-pub mod finalizer;
-pub mod http;
-pub mod lb_controller;
-pub mod lb_openstack;
-pub mod lbm_controller;
-pub mod lbm_metrics;
-pub mod lbs_controller;
-pub mod leader;
-pub mod machine;
 pub mod metrics;
 pub mod openstack;
-pub mod ownership;
-pub mod rbac;
-pub mod retry;
-pub mod run;
-pub mod service_controller;
-pub mod stop;
-pub mod watches;
+pub mod process;
+pub mod runtime;

@@ -7,10 +7,13 @@ use std::time::Duration;
 use anyhow::Context;
 use clap::Parser;
 use lb_controller::cli::{self, Cli, Command, LogFormat};
+use lb_controller::cloud::run::{run_controllers, RunConfig};
+use lb_controller::cloud::service::ServiceControllerConfig;
 use lb_controller::metrics::Metrics;
-use lb_controller::run::{self, Health, OpenStackRunConfig, RunConfig};
-use lb_controller::service_controller::ServiceControllerConfig;
-use lb_controller::stop::Stop;
+use lb_controller::openstack::run::{run_openstack_controllers_with, OpenStackRunConfig};
+use lb_controller::process::http::Health;
+use lb_controller::process::supervise;
+use lb_controller::runtime::stop::Stop;
 use tracing::info;
 
 fn main() -> anyhow::Result<()> {
@@ -88,7 +91,7 @@ async fn run_controller(args: cli::RunArgs) -> anyhow::Result<()> {
         instance: instance.clone(),
         concurrency: args.concurrency.max(1),
     };
-    let controllers = run::run_controllers(
+    let controllers = run_controllers(
         target,
         control.clone(),
         config,
@@ -105,7 +108,7 @@ async fn run_controller(args: cli::RunArgs) -> anyhow::Result<()> {
         &args.leader_election_id,
         identity(&instance),
     );
-    run::supervise(
+    supervise(
         control,
         supervision,
         metrics,
@@ -130,7 +133,7 @@ async fn run_openstack(args: cli::ControllerArgs) -> anyhow::Result<()> {
         loadbalancer: args.loadbalancer_config(),
         instance: instance.clone(),
     };
-    let controllers = run::run_openstack_controllers_with(
+    let controllers = run_openstack_controllers_with(
         control.clone(),
         clouds,
         config,
@@ -144,7 +147,7 @@ async fn run_openstack(args: cli::ControllerArgs) -> anyhow::Result<()> {
         &args.leader_election_id,
         identity(&instance),
     );
-    run::supervise(
+    supervise(
         control,
         supervision,
         metrics,

@@ -9,7 +9,7 @@ use ::kube::Api;
 use common::{controller_lb_writes, endpoint_names, eventually, Clusters, Harness};
 use k8s_openapi::api::core::v1::{Event, Service};
 use kube_testenv::json_merge;
-use lb_controller::desired::ClassFilter;
+use lb_controller::cloud::loadbalancer_spec::ClassFilter;
 use serde_json::json;
 
 /// The Services live in their cluster's `default` namespace: the target cluster is the test's own.
@@ -17,7 +17,7 @@ const LB: &str = "default--web";
 
 async fn ingress(h: &Harness) -> Option<String> {
     let service = h.service("default", "web").await?;
-    lb_controller::desired::service_ingress_ip(&service).map(str::to_string)
+    lb_controller::cloud::loadbalancer_spec::service_ingress_ip(&service).map(str::to_string)
 }
 
 fn node_port(service: &Service) -> Option<i32> {
@@ -855,9 +855,9 @@ async fn restart_does_not_rewrite_converged_loadbalancers() {
     // everything converged and writes nothing.
     let (target, control) = h.controller_clients().await;
     let metrics = std::sync::Arc::new(lb_controller::metrics::Metrics::new());
-    let health = std::sync::Arc::new(lb_controller::run::Health::default());
+    let health = std::sync::Arc::new(lb_controller::process::http::Health::default());
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let second = tokio::spawn(lb_controller::run::run_controllers(
+    let second = tokio::spawn(lb_controller::cloud::run::run_controllers(
         target,
         control,
         h.config(),
@@ -976,12 +976,12 @@ async fn two_controllers_with_different_classes_share_a_target() {
     let (target, control) = h.controller_clients().await;
     let metrics = std::sync::Arc::new(lb_controller::metrics::Metrics::new());
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let second = tokio::spawn(lb_controller::run::run_controllers(
+    let second = tokio::spawn(lb_controller::cloud::run::run_controllers(
         target,
         control,
         config,
         metrics.clone(),
-        std::sync::Arc::new(lb_controller::run::Health::default()),
+        std::sync::Arc::new(lb_controller::process::http::Health::default()),
         async move {
             let _ = stopped.await;
         },

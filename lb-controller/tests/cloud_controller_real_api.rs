@@ -13,9 +13,10 @@ use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
 use kube::Client;
 use kube_testenv::{wait_for, KubeEnv};
 use lb_api::LoadBalancer;
-use lb_controller::desired::ClassFilter;
+use lb_controller::cloud::loadbalancer_spec::ClassFilter;
+use lb_controller::cloud::run::run_controllers;
 use lb_controller::metrics::Metrics;
-use lb_controller::run::{run_controllers, Health};
+use lb_controller::process::http::Health;
 use serde_json::json;
 use tokio::sync::oneshot;
 

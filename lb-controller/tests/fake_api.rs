@@ -193,7 +193,7 @@ async fn watch_replays_from_resource_version_and_streams_live() {
 /// (`tests/finalizers.rs`): the whole-cascade test runs on this server.
 #[tokio::test]
 async fn finalizer_json_patches() {
-    use lb_controller::finalizer;
+    use lb_controller::runtime::finalizer;
     let server = FakeApiServer::new();
     let api: Api<ConfigMap> = Api::namespaced(server.client(), "ns");
     let fresh = api

@@ -6,7 +6,7 @@ use k8s_openapi::api::core::v1::ConfigMap;
 use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
 use kube::ResourceExt;
 use kube_testenv::KubeEnv;
-use lb_controller::finalizer;
+use lb_controller::runtime::finalizer;
 use serde_json::json;
 
 const OURS: &str = "yawol.stackit.cloud/test";

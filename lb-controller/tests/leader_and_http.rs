@@ -7,8 +7,8 @@ use std::time::Duration;
 use k8s_openapi::api::coordination::v1::Lease;
 use kube::Api;
 use kube_testenv::{wait_for, KubeEnv};
-use lb_controller::leader::{run_as_leader, LeaderElectionConfig};
 use lb_controller::metrics::Metrics;
+use lb_controller::process::leader::{run_as_leader, LeaderElectionConfig};
 use tokio::sync::oneshot;
 
 const LEASE: &str = "lb-cloud-controller";
@@ -143,8 +143,8 @@ async fn sigterm_hands_the_lease_over_before_it_expires() {
     .await
     .unwrap();
     let mut b = start("b", "0");
-    // SIGTERM once a's controllers run (its caches synced): before `lb_controller::stop::drive` a shutdown in the
-    // first moments after that never finished either (kube-runtime's runner waited for a store that the shutdown
+    // SIGTERM once a's controllers run (its caches synced): before `lb_controller::runtime::stop::drive` a shutdown in
+    // the first moments after that never finished either (kube-runtime's runner waited for a store that the shutdown
     // kept from becoming ready).
     wait_for("a ready", || async {
         use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -196,10 +196,10 @@ async fn sigterm_hands_the_lease_over_before_it_expires() {
 
 #[tokio::test]
 async fn probes_and_metrics() {
-    use lb_controller::run::Health;
+    use lb_controller::process::http::Health;
     let metrics = Arc::new(Metrics::new());
     let health = Arc::new(Health::default());
-    let router = lb_controller::http::router(metrics.clone(), health.clone(), false);
+    let router = lb_controller::process::http::router(metrics.clone(), health.clone(), false);
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     tokio::spawn(async move { axum::serve(listener, router).await.unwrap() });

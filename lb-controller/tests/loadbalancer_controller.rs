@@ -12,13 +12,14 @@ use common::kube::{events, loadbalancers, setup, wait, Objects};
 use kube::api::{DeleteParams, PostParams};
 use kube::{Api, Client};
 use lb_api::LoadBalancer;
-use lb_controller::events::EventPublisher;
-use lb_controller::lb_controller::{
-    run as run_lb_controller, FixedCloud, LbContext, LbControllerConfig,
-};
+use lb_controller::openstack::clouds::FixedCloud;
 use lb_controller::openstack::fake::FakeCloud;
+use lb_controller::openstack::loadbalancer::{
+    run as run_lb_controller, LbContext, LbControllerConfig,
+};
 use lb_controller::openstack::CloudErrorKind;
-use lb_controller::stop::Stop;
+use lb_controller::runtime::events::EventPublisher;
+use lb_controller::runtime::stop::Stop;
 use serde_json::{json, Value};
 
 fn lb_json(ns: &str, name: &str) -> Value {
@@ -210,7 +211,8 @@ async fn keep_annotations_survive_deletion() {
 #[tokio::test]
 async fn the_binarys_entry_point_reconciles_a_loadbalancer() {
     use lb_controller::cli::run_openstack_controllers;
-    use lb_controller::run::{Health, OpenStackRunConfig};
+    use lb_controller::openstack::run::OpenStackRunConfig;
+    use lb_controller::process::http::Health;
     use std::sync::atomic::Ordering;
 
     let (client, ns) = setup("lb-binary").await;

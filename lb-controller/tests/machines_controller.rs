@@ -21,13 +21,13 @@ use k8s_openapi::api::core::v1::Secret;
 use kube::api::{DeleteParams, Patch, PatchParams, PostParams};
 use kube::{Api, Client};
 use lb_api::LoadBalancerMachine;
-use lb_controller::events::EventPublisher;
-use lb_controller::lb_controller::FixedCloud;
-use lb_controller::lbm_controller::{run, LbmContext, LbmControllerConfig};
-use lb_controller::lbm_metrics::LbmMetrics;
+use lb_controller::openstack::clouds::FixedCloud;
 use lb_controller::openstack::fake::FakeCloud;
+use lb_controller::openstack::machine::metrics::LbmMetrics;
+use lb_controller::openstack::machine::{run, LbmContext, LbmControllerConfig};
 use lb_controller::openstack::{Cloud, CloudErrorKind, PortSpec};
-use lb_controller::stop::Stop;
+use lb_controller::runtime::events::EventPublisher;
+use lb_controller::runtime::stop::Stop;
 use serde_json::{json, Value};
 use serde_yaml::Value as Yaml;
 
@@ -794,8 +794,9 @@ async fn metrics_series_appear_and_disappear() {
 #[tokio::test]
 async fn the_binarys_entry_point_runs_the_machine_controller() {
     use lb_controller::cli::run_openstack_controllers;
-    use lb_controller::lb_controller::LbControllerConfig;
-    use lb_controller::run::{Health, OpenStackRunConfig};
+    use lb_controller::openstack::loadbalancer::LbControllerConfig;
+    use lb_controller::openstack::run::OpenStackRunConfig;
+    use lb_controller::process::http::Health;
 
     // Only this test of the binary reads the environment (`cli::run_openstack_controllers`).
     std::env::set_var("API_ENDPOINT", "https://api.control.example:6443");

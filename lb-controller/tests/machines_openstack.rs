@@ -28,13 +28,13 @@ use kube::api::{DeleteParams, PostParams};
 use kube::{Api, Client};
 use kube_testenv::{KubeEnv, Refusals};
 use lb_api::{LoadBalancer, LoadBalancerMachine};
-use lb_controller::events::EventPublisher;
-use lb_controller::lb_controller::FixedCloud;
-use lb_controller::lb_openstack::{self, DiscardStatus};
-use lb_controller::lbm_controller::{run, LbmContext, LbmControllerConfig};
-use lb_controller::lbm_metrics::LbmMetrics;
+use lb_controller::openstack::clouds::FixedCloud;
+use lb_controller::openstack::loadbalancer::resources::{self as lb_openstack, DiscardStatus};
+use lb_controller::openstack::machine::metrics::LbmMetrics;
+use lb_controller::openstack::machine::{run, LbmContext, LbmControllerConfig};
 use lb_controller::openstack::sdk::SdkCloud;
 use lb_controller::openstack::Cloud;
+use lb_controller::runtime::events::EventPublisher;
 use openstack_sdk::api::QueryAsync;
 use openstack_sdk::AsyncOpenStack;
 use openstack_testenv::{Fault, FaultProxy, LeakCheck, Rule, TestEnv};
@@ -142,7 +142,7 @@ impl Harness {
                 run(
                     ctx,
                     &ns,
-                    lb_controller::stop::Stop::on(std::future::pending()),
+                    lb_controller::runtime::stop::Stop::on(std::future::pending()),
                 )
                 .await
             }
@@ -236,7 +236,13 @@ async fn loadbalancer(cloud: &SdkCloud, lb: &mut LoadBalancer) -> Result<()> {
 async fn teardown(cloud: &SdkCloud, lb: &LoadBalancer, machines: &[&str]) -> Result<()> {
     let ns = lb.metadata.namespace.as_deref().unwrap_or_default();
     for m in machines {
-        lb_controller::machine::delete_machine(cloud, m, None, Duration::from_secs(90)).await?;
+        lb_controller::openstack::machine::resources::delete_machine(
+            cloud,
+            m,
+            None,
+            Duration::from_secs(90),
+        )
+        .await?;
         for p in cloud.find_ports(&format!("{ns}/{m}")).await? {
             cloud.delete_port(&p.id).await?;
         }

@@ -68,8 +68,8 @@ use common::openstack::{
 };
 use kube_testenv::KubeEnv;
 use lb_api::constants::{conditions, lb_annotations};
-use lb_controller::lb_controller::{FixedCloud, SecretClouds};
 use lb_controller::metrics::Metrics;
+use lb_controller::openstack::clouds::{FixedCloud, SecretClouds};
 use lb_controller::openstack::{Cloud, FloatingIpFilter};
 use openstack_testenv::{Fault, FaultProxy, LeakCheck, Rule, TestEnv};
 use serde_json::{json, Value};
@@ -185,13 +185,13 @@ async fn cascade_lifecycle_create_update_scale_heal_delete() -> Result<()> {
             };
             // The token the cluster's token controller wrote for the machine's ServiceAccount; the played agent
             // of the machine has been reporting with exactly this kubeconfig.
-            let kubeconfig = file(lb_controller::cloudinit::KUBECONFIG_PATH);
+            let kubeconfig = file(lb_controller::openstack::machine::cloudinit::KUBECONFIG_PATH);
             let token = c.secret_data(m, "token").context("token Secret")?;
             ensure!(
                 kubeconfig.contains(&token) && kubeconfig.contains(&c.api_endpoint),
                 "kubeconfig: {kubeconfig}"
             );
-            let agent = file(lb_controller::cloudinit::AGENT_ENV_PATH);
+            let agent = file(lb_controller::openstack::machine::cloudinit::AGENT_ENV_PATH);
             ensure!(
                 agent.contains(&format!("--vrrp-router-id={router_id}"))
                     && agent.contains(m.as_str()),

@@ -26,8 +26,8 @@ use common::openstack::{
 };
 use kube_testenv::KubeEnv;
 use lb_api::constants::conditions;
-use lb_controller::lb_controller::SecretClouds;
 use lb_controller::metrics::Metrics;
+use lb_controller::openstack::clouds::SecretClouds;
 use openstack_testenv::{LeakCheck, TestEnv};
 use serde_json::json;
 

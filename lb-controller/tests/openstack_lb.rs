@@ -11,8 +11,8 @@ mod common;
 use anyhow::{ensure, Context, Result};
 use common::openstack::connect;
 use lb_api::{LoadBalancer, LoadBalancerStatus};
-use lb_controller::lb_openstack::{self, DiscardStatus};
-use lb_controller::machine::{self, MachineSpec};
+use lb_controller::openstack::loadbalancer::resources::{self as lb_openstack, DiscardStatus};
+use lb_controller::openstack::machine::resources::{self as machine, MachineSpec};
 use lb_controller::openstack::sdk::SdkCloud;
 use lb_controller::openstack::{Cloud, CloudErrorKind};
 use openstack_testenv::{Fault, FaultProxy, LeakCheck, Rule, TestEnv};
@@ -57,7 +57,7 @@ async fn reconcile(cloud: &SdkCloud, lb: &mut LoadBalancer) -> Result<(), lb_ope
 
 fn machine_spec(env: &TestEnv, lb: &LoadBalancer, name: &str) -> MachineSpec {
     let st: LoadBalancerStatus = lb.status.clone().unwrap_or_default();
-    let params = lb_controller::cloudinit::UserDataParams {
+    let params = lb_controller::openstack::machine::cloudinit::UserDataParams {
         api_server: "https://203.0.113.1:6443".into(),
         ca_data_base64: "Q0E=".into(),
         token: "token".into(),
@@ -80,7 +80,7 @@ fn machine_spec(env: &TestEnv, lb: &LoadBalancer, name: &str) -> MachineSpec {
         image_id: env.info.image_id.clone(),
         availability_zone: None,
         additional_networks: vec![],
-        user_data: lb_controller::cloudinit::user_data(&params),
+        user_data: lb_controller::openstack::machine::cloudinit::user_data(&params),
         key_name: None,
         server_group_id: st.server_group_id,
         ..Default::default()

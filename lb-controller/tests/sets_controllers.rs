@@ -16,11 +16,12 @@ use common::kube::{
 use kube::api::{DeleteParams, Patch, PatchParams, PostParams};
 use kube::{Api, Client};
 use lb_api::{LoadBalancer, LoadBalancerMachine};
-use lb_controller::events::EventPublisher;
-use lb_controller::lb_controller::{FixedCloud, LbContext, LbControllerConfig, RolloutGate};
-use lb_controller::lbs_controller::{LbsContext, LbsControllerConfig};
 use lb_controller::metrics::Metrics;
+use lb_controller::openstack::clouds::FixedCloud;
 use lb_controller::openstack::fake::FakeCloud;
+use lb_controller::openstack::loadbalancer::{LbContext, LbControllerConfig, RolloutGate};
+use lb_controller::openstack::set::{LbsContext, LbsControllerConfig};
+use lb_controller::runtime::events::EventPublisher;
 use serde_json::{json, Value};
 
 struct H {
@@ -92,10 +93,10 @@ async fn start_with(prefix: &str, set_config: LbsControllerConfig) -> H {
         tokio::spawn({
             let ns = ns.clone();
             async move {
-                lb_controller::lb_controller::run(
+                lb_controller::openstack::loadbalancer::run(
                     ctx,
                     &ns,
-                    lb_controller::stop::Stop::on(std::future::pending()),
+                    lb_controller::runtime::stop::Stop::on(std::future::pending()),
                 )
                 .await
             }
@@ -103,10 +104,10 @@ async fn start_with(prefix: &str, set_config: LbsControllerConfig) -> H {
         tokio::spawn({
             let ns = ns.clone();
             async move {
-                lb_controller::lbs_controller::run(
+                lb_controller::openstack::set::run(
                     set_ctx,
                     &ns,
-                    lb_controller::stop::Stop::on(std::future::pending()),
+                    lb_controller::runtime::stop::Stop::on(std::future::pending()),
                 )
                 .await
             }
@@ -922,7 +923,8 @@ async fn sets_bad_input_is_reported_and_changes_nothing() {
 #[tokio::test]
 async fn sets_the_binarys_entry_point_creates_sets_and_machines() {
     use lb_controller::cli::run_openstack_controllers;
-    use lb_controller::run::{Health, OpenStackRunConfig};
+    use lb_controller::openstack::run::OpenStackRunConfig;
+    use lb_controller::process::http::Health;
     let (client, ns) = setup("sets-binary").await;
     let metrics = Arc::new(Metrics::new());
     let task = tokio::spawn(run_openstack_controllers(

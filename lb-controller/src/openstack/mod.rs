@@ -3,16 +3,21 @@
 //! The controllers talk to the cloud only through the [`Cloud`] trait: a small set of find/create/update/delete
 //! operations on the five resource kinds a load balancer needs (security groups and rules, floating IPs, ports,
 //! server groups, servers). The domain-level "ensure" steps (adopt by name, diff rules, never replace a floating IP)
-//! live in [`crate::lb_openstack`] and [`crate::machine`] and are written against the trait, so they are unit-tested
+//! live in [`crate::openstack::loadbalancer::resources`] and [`crate::openstack::machine::resources`] and are written against the trait, so they are unit-tested
 //! with [`fake::FakeCloud`] and run against a real cloud with [`sdk::SdkCloud`] (`openstack_sdk`, async). Another
 //! cloud could plug in by implementing the trait.
 //!
 //! Every method is one API call (list calls may page internally); implementations count calls in the
 //! `yawol_openstack{api,object,operation}` metric ([`OpenStackCalls`]).
 
+pub mod clouds;
 pub mod config;
 pub mod fake;
+pub mod loadbalancer;
+pub mod machine;
+pub mod run;
 pub mod sdk;
+pub mod set;
 mod types;
 
 pub use config::{CloudProviderConf, Credentials};

@@ -230,8 +230,10 @@ impl OpenStackSide {
         cloud: std::sync::Arc<lb_controller::openstack::fake::FakeCloud>,
         namespace: &str,
     ) -> Self {
-        use lb_controller::lb_controller::{FixedCloud, LbControllerConfig};
-        use lb_controller::run::{Health, OpenStackRunConfig};
+        use lb_controller::openstack::clouds::FixedCloud;
+        use lb_controller::openstack::loadbalancer::LbControllerConfig;
+        use lb_controller::openstack::run::OpenStackRunConfig;
+        use lb_controller::process::http::Health;
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
         let task = tokio::spawn(lb_controller::cli::run_openstack_controllers(
             client,

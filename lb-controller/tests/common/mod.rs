@@ -33,10 +33,11 @@ use k8s_openapi::api::core::v1::{Event, Node, Service};
 use kube_testenv::KubeEnv;
 use lb_api::LoadBalancer;
 use lb_api::{OpenstackFlavorRef, OpenstackImageRef};
-use lb_controller::desired::{ClassFilter, InfrastructureDefaults};
+use lb_controller::cloud::loadbalancer_spec::{ClassFilter, InfrastructureDefaults};
+use lb_controller::cloud::run::{run_controllers, RunConfig};
+use lb_controller::cloud::service::ServiceControllerConfig;
 use lb_controller::metrics::{Metrics, OperationLabels};
-use lb_controller::run::{run_controllers, Health, RunConfig};
-use lb_controller::service_controller::ServiceControllerConfig;
+use lb_controller::process::http::Health;
 use serde_json::{json, Value};
 use tokio::sync::oneshot;
 

@@ -26,13 +26,15 @@ use kube_testenv::{KubeEnv, Refusals};
 use lb_api::constants::{conditions, lb_annotations};
 use lb_api::{LoadBalancer, LoadBalancerMachine};
 use lb_controller::cli::run_openstack_controllers;
-use lb_controller::lb_controller::{CloudFactory, LbControllerConfig, RolloutGate};
 use lb_controller::metrics::Metrics;
+use lb_controller::openstack::clouds::CloudFactory;
+use lb_controller::openstack::loadbalancer::{LbControllerConfig, RolloutGate};
+use lb_controller::openstack::run::{
+    run_openstack_controllers_with, OpenStackRunConfig, OpenStackTuning,
+};
 use lb_controller::openstack::sdk::SdkCloud;
 use lb_controller::openstack::{Cloud, CloudProviderConf, OpenStackCalls};
-use lb_controller::run::{
-    run_openstack_controllers_with, Health, OpenStackRunConfig, OpenStackTuning,
-};
+use lb_controller::process::http::Health;
 use openstack_sdk::api::QueryAsync;
 use openstack_sdk::AsyncOpenStack;
 use openstack_testenv::{FaultProxy, LeakCheck, TestEnv};
@@ -340,7 +342,7 @@ pub async fn controller_token(kube: &KubeEnv, admin: &kube::Client, ns: &str) ->
 pub async fn vm_kubeconfig(nova: &AsyncOpenStack, server: &str) -> Result<String> {
     user_data_files(&nova_server(nova, server).await?)?
         .into_iter()
-        .find(|(path, _)| path == lb_controller::cloudinit::KUBECONFIG_PATH)
+        .find(|(path, _)| path == lb_controller::openstack::machine::cloudinit::KUBECONFIG_PATH)
         .map(|(_, content)| content)
         .with_context(|| format!("no kubeconfig in the user data of server {server}"))
 }
@@ -424,8 +426,8 @@ impl Kind {
 }
 
 /// The test's view of the namespace: a reflector per [`Kind`] through the admin client, watched the way the
-/// controllers watch (`lb_controller::watches`: backoff while the API server is away, relist at once after 410), so
-/// the tests' synchronous checks can poll it every 50 ms without loading the API server.
+/// controllers watch (`lb_controller::runtime::watches`: backoff while the API server is away, relist at once after
+/// 410), so the tests' synchronous checks can poll it every 50 ms without loading the API server.
 #[derive(Clone)]
 struct View(Vec<(Kind, Store<DynamicObject>)>);
 
@@ -442,7 +444,7 @@ impl View {
             let api: Api<DynamicObject> = Api::namespaced_with(admin.clone(), ns, &resource);
             let writer = reflector::store::Writer::new(resource);
             let store = writer.as_reader();
-            let stream = lb_controller::watches::events(api, watcher::Config::default())
+            let stream = lb_controller::runtime::watches::events(api, watcher::Config::default())
                 .reflect(writer)
                 .for_each(|_| std::future::ready(()));
             tasks.push(tokio::spawn(stream));

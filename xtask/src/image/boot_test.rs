@@ -2,8 +2,8 @@
 //! with SeaBIOS and once with OVMF (UEFI), each time from a fresh copy-on-write overlay, with a NoCloud seed:
 //!
 //! - `user-data`: exactly what lb-controller gives a replicated load balancer's VM, printed by the
-//!   `render_user_data` example from `lb_controller::cloudinit::user_data`. Its kubeconfig names an API server
-//!   that does not exist (192.0.2.1, TEST-NET-1; the VM's NIC is `restrict=on` anyway), with a real CA;
+//!   `render_user_data` example from `lb_controller::openstack::machine::cloudinit::user_data`. Its kubeconfig names
+//!   an API server that does not exist (192.0.2.1, TEST-NET-1; the VM's NIC is `restrict=on` anyway), with a real CA;
 //! - `vendor-data`: the test's own part (never in the image) — a `bootcmd` that installs
 //!   `image/boot-test/check.sh` under /run and queues it after cloud-final. It prints `LB-IMAGE-CHECK key=value`
 //!   lines on the serial console and powers off.

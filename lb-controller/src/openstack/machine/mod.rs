@@ -1,8 +1,8 @@
 //! The LoadBalancerMachine controller (control cluster, yawol-controller's LBM role): per machine the Kubernetes
-//! access of its agent ([`crate::rbac`]), the VM port with the VIP as allowed address pair and the server booted
-//! with [`crate::cloudinit`] user data in the LoadBalancer's server group ([`crate::machine`]), the status fields
+//! access of its agent ([`rbac`]), the VM port with the VIP as allowed address pair and the server booted
+//! with [`cloudinit`] user data in the LoadBalancer's server group ([`resources`]), the status fields
 //! saved after each step, and deletion (server, then port, then the RBAC objects, then the finalizer
-//! `yawol.stackit.cloud/controller4`). Metrics in [`crate::lbm_metrics`].
+//! `yawol.stackit.cloud/controller4`). Metrics in [`metrics`].
 //!
 //! Nothing blocks a worker: waiting for the token controller, for Nova to report ACTIVE or to finish a delete is a
 //! requeue after [`LbmControllerConfig::poll`]. A server in ERROR is deleted and booted again, with a Warning event
@@ -13,6 +13,11 @@
 //!
 //! The decisions are pure functions ([`machine_spec`], [`openstack_due`], [`server_action`], [`status_patch`],
 //! [`backoff`], …) with unit tests; [`reconcile`] only sequences them with the API calls.
+
+pub mod cloudinit;
+pub mod metrics;
+pub mod rbac;
+pub mod resources;
 
 use std::collections::HashMap;
 use std::future::Future;
@@ -33,15 +38,15 @@ use lb_api::{LoadBalancer, LoadBalancerMachine, LoadBalancerMachineStatus};
 use serde_json::{json, Value};
 use tracing::{debug, info, warn};
 
-use crate::cloudinit::{self, UserDataParams};
-use crate::events::{EventPublisher, EventType};
-use crate::finalizer;
-use crate::lb_controller::CloudFactory;
-use crate::lbm_metrics::LbmMetrics;
-use crate::machine::{self, DeletionProgress, MachineSpec, ServerState};
+use crate::openstack::clouds::CloudFactory;
 use crate::openstack::{Cloud, CloudError};
-use crate::rbac::{self, MachineIdentity};
-use crate::retry::Retries;
+use crate::runtime::events::{EventPublisher, EventType};
+use crate::runtime::finalizer;
+use crate::runtime::retry::Retries;
+use cloudinit::UserDataParams;
+use metrics::LbmMetrics;
+use rbac::MachineIdentity;
+use resources::{DeletionProgress, MachineSpec, ServerState};
 
 /// Field manager of the server-side applied RBAC objects.
 pub const FIELD_MANAGER: &str = "lb-controller";
@@ -161,17 +166,6 @@ impl<F: CloudFactory> LbmContext<F> {
 
     fn mem<T>(&self, f: impl FnOnce(&mut Memory) -> T) -> T {
         f(&mut self.memory.lock().unwrap())
-    }
-}
-
-/// Both controllers of `lb-controller controller` take their sessions from one factory.
-impl<F: CloudFactory> CloudFactory for Arc<F> {
-    type Cloud = F::Cloud;
-    fn cloud_for(
-        &self,
-        lb: &LoadBalancer,
-    ) -> impl Future<Output = anyhow::Result<Arc<Self::Cloud>>> + Send {
-        (**self).cloud_for(lb)
     }
 }
 
@@ -370,7 +364,7 @@ pub fn qualified(namespace: &str, name: &str) -> String {
     format!("{namespace}/{name}")
 }
 
-/// The machine's identity for [`crate::rbac`].
+/// The machine's identity for [`rbac`].
 pub fn identity(lbm: &LoadBalancerMachine) -> MachineIdentity {
     let n = machine_names(lbm);
     MachineIdentity {
@@ -605,7 +599,7 @@ async fn apply<F: CloudFactory>(
             };
             spec.vip_addresses = vip_addresses;
             let port = scope
-                .os("port", machine::ensure_vm_port(cloud, &spec))
+                .os("port", resources::ensure_vm_port(cloud, &spec))
                 .await?;
             status.now.default_port_id = Some(port.id.clone());
             status.now.default_port_name = Some(port.name.clone());
@@ -631,7 +625,10 @@ async fn apply<F: CloudFactory>(
         let Some(server_id) = status.now.server_id.clone() else {
             let exclude: Vec<String> = ctx.mem(|m| m.deleting.keys().cloned().collect());
             if let Some(found) = scope
-                .os("server", machine::find_server(cloud, &spec.name, &exclude))
+                .os(
+                    "server",
+                    resources::find_server(cloud, &spec.name, &exclude),
+                )
                 .await?
             {
                 info!(lbm = %key, server = %found.id, "adopting server");
@@ -661,7 +658,7 @@ async fn apply<F: CloudFactory>(
             continue;
         };
         let state = scope
-            .os("server", machine::server_state(cloud, &server_id))
+            .os("server", resources::server_state(cloud, &server_id))
             .await?;
         let deleting = ctx.mem(|m| m.deleting.contains_key(&server_id));
         match server_action(&state, deleting) {
@@ -906,7 +903,7 @@ async fn delete<F: CloudFactory>(
     let progress = scope
         .os(
             "deletion",
-            machine::delete_machine_step(
+            resources::delete_machine_step(
                 cloud.as_ref(),
                 &names.server,
                 &names.port,
@@ -977,13 +974,13 @@ pub fn prepare<F: CloudFactory>(
 pub async fn run<F: CloudFactory>(
     ctx: Arc<LbmContext<F>>,
     namespace: &str,
-    stop: crate::stop::Stop,
+    stop: crate::runtime::stop::Stop,
 ) {
     use futures::StreamExt;
     use kube::runtime::reflector::ObjectRef;
     use kube::runtime::watcher;
     let api: Api<LoadBalancerMachine> = Api::namespaced(ctx.client.clone(), namespace);
-    let controller = crate::watches::controller(api, watcher::Config::default());
+    let controller = crate::runtime::watches::controller(api, watcher::Config::default());
     // Series of machines that vanished without a reconcile seeing their deletion (finalizer removed by hand).
     let store = controller.store();
     let metrics = ctx.metrics.clone();
@@ -1009,7 +1006,7 @@ pub async fn run<F: CloudFactory>(
                 debug!(error = %e, "loadbalancermachine controller");
             }
         });
-    crate::stop::drive(store, run, stop).await;
+    crate::runtime::stop::drive(store, run, stop).await;
     gc.abort();
 }
 

@@ -1,6 +1,5 @@
-//! Wiring: caches, triggers and the three loops (Service controller, back-channel controller,
-//! event forwarder) over a target and a control client; the OpenStack-side controllers
-//! ([`run_openstack_controllers_with`]); and the process around either ([`supervise`]: probes, metrics, leader election).
+//! Wiring of the cloud-controller side (`lb-controller run`): caches, triggers and the three loops (Service
+//! controller, back-channel controller, event forwarder) over a target and a control client.
 
 use std::collections::HashMap;
 use std::sync::atomic::Ordering;
@@ -16,18 +15,15 @@ use kube::{Api, Client, ResourceExt};
 use lb_api::LoadBalancer;
 use tracing::{debug, info, warn};
 
-use crate::backchannel::{self, BackchannelContext};
-use crate::endpoints::NodeFingerprint;
-use crate::events::EventPublisher;
-use crate::lb_controller::{self, CloudFactory, LbContext, LbControllerConfig};
-use crate::lbm_controller;
-use crate::lbs_controller::{self, LbsContext, LbsControllerConfig};
-use crate::leader::{self, LeaderElectionConfig};
+use crate::cloud::backchannel::{self, BackchannelContext};
+use crate::cloud::endpoints::NodeFingerprint;
+use crate::cloud::service::{self, OwnWrites, ServiceContext, ServiceControllerConfig};
 use crate::metrics::Metrics;
-use crate::retry::{self, Retries};
-use crate::service_controller::{self, OwnWrites, ServiceContext, ServiceControllerConfig};
-use crate::stop::{drive, Stop};
-use crate::watches;
+use crate::process::http::Health;
+use crate::runtime::events::EventPublisher;
+use crate::runtime::retry::{self, Retries};
+use crate::runtime::stop::{drive, Stop};
+use crate::runtime::watches;
 
 /// Everything configurable about the running controllers.
 #[derive(Clone, Debug)]
@@ -43,9 +39,6 @@ pub struct RunConfig {
     /// Parallel reconciliations per controller.
     pub concurrency: u16,
 }
-
-/// The probes' state, which the runners here set; the probe endpoints (`http.rs`) own the type.
-pub use crate::http::Health;
 
 /// Runs the controllers until `shutdown` resolves (then finishes in-flight reconciliations).
 pub async fn run_controllers(
@@ -141,11 +134,7 @@ pub async fn run_controllers(
         .reconcile_on(lb_trigger_rx)
         .reconcile_all_on(node_trigger_rx)
         .graceful_shutdown_on(stop.clone().wait())
-        .run(
-            service_controller::reconcile,
-            service_controller::error_policy,
-            service_ctx,
-        )
+        .run(service::reconcile, service::error_policy, service_ctx)
         .for_each(|result| async move {
             if let Err(e) = result {
                 debug!(error = %e, "service controller");
@@ -285,139 +274,4 @@ where
             }
         }
     }
-}
-
-/// Settings of the OpenStack-side controllers (`lb-controller controller`, yawol-controller's role).
-#[derive(Clone, Debug)]
-pub struct OpenStackRunConfig {
-    /// Namespace of the LoadBalancer objects.
-    pub namespace: String,
-    /// LoadBalancer controller settings (resync, deletion poll).
-    pub loadbalancer: LbControllerConfig,
-    /// Instance name on the Events (pod name).
-    pub instance: String,
-}
-
-/// Settings of the LoadBalancerSet and LoadBalancerMachine controllers: the binary's come from its flags (or the
-/// same names in the environment); the real-OpenStack benchmark shortens the resync periods.
-#[derive(Clone, Debug)]
-pub struct OpenStackTuning {
-    /// LoadBalancerSet controller.
-    pub sets: LbsControllerConfig,
-    /// LoadBalancerMachine controller.
-    pub machines: lbm_controller::LbmControllerConfig,
-}
-
-/// Runs the OpenStack-side controllers (LoadBalancer, LoadBalancerSet, LoadBalancerMachine) over `client` with the
-/// clouds of `clouds` and `tuning` for the set and machine controllers until `shutdown` resolves, reporting on
-/// `metrics`. Events use yawol's `yawol-service` component, so the back channel forwards the LoadBalancer's to the
-/// Services. (`cli::run_openstack_controllers` takes the tuning from the environment, as the binary's flags.)
-pub async fn run_openstack_controllers_with<F: CloudFactory>(
-    client: Client,
-    clouds: F,
-    config: OpenStackRunConfig,
-    tuning: OpenStackTuning,
-    metrics: Arc<Metrics>,
-    health: Arc<Health>,
-    shutdown: impl std::future::Future<Output = ()> + Send + Sync + 'static,
-) {
-    // The LoadBalancerMachine controller shares the cloud sessions (`CloudFactory for Arc<F>`) and /metrics.
-    let clouds = Arc::new(clouds);
-    let machines = lbm_controller::prepare(
-        client.clone(),
-        clouds.clone(),
-        &metrics,
-        &config.instance,
-        tuning.machines,
-    );
-    let events = Arc::new(EventPublisher::new(
-        client.clone(),
-        lb_api::constants::defaults::USER_EVENT_COMPONENT,
-        &config.instance,
-    ));
-    let ctx = Arc::new(LbContext {
-        client: client.clone(),
-        clouds,
-        events: events.clone(),
-        config: config.loadbalancer,
-        metrics: metrics.clone(),
-    });
-    let set_ctx = Arc::new(LbsContext {
-        client: client.clone(),
-        events,
-        metrics,
-        config: tuning.sets,
-    });
-    let stop = Stop::on(shutdown);
-    let machines = tokio::spawn({
-        let (namespace, stop) = (config.namespace.clone(), stop.clone());
-        async move { lbm_controller::run(machines, &namespace, stop).await }
-    });
-    // kube-runtime's controllers wait for their own caches; there is no earlier point to report.
-    health.ready.store(true, Ordering::SeqCst);
-    info!(
-        namespace = config.namespace,
-        "LoadBalancer and LoadBalancerSet controllers running"
-    );
-    tokio::join!(
-        lb_controller::run(ctx, &config.namespace, stop.clone()),
-        lbs_controller::run(set_ctx, &config.namespace, stop),
-    );
-    let _ = machines.await;
-    health.ready.store(false, Ordering::SeqCst);
-    info!("OpenStack-side controllers stopped");
-}
-
-/// The process around the controllers: where /metrics and the probes are served, and the leader Lease.
-#[derive(Clone, Debug)]
-pub struct Supervision {
-    /// Address of /metrics (`http::parse_bind_address`; "0" disables).
-    pub metrics_bind_address: String,
-    /// Address of /healthz and /readyz ("0" disables).
-    pub health_probe_bind_address: String,
-    /// Leader election through a Lease in the control cluster, if enabled.
-    pub election: Option<LeaderElectionConfig>,
-}
-
-/// Serves /metrics, /healthz and /readyz, then runs `controllers` (as the leader when an election is configured)
-/// until they finish. Both commands of the binary run through this. Fails when the lease is lost or a controller
-/// loop failed; a server that cannot bind ends the process.
-pub async fn supervise(
-    control: Client,
-    supervision: Supervision,
-    metrics: Arc<Metrics>,
-    health: Arc<Health>,
-    controllers: impl std::future::Future<Output = ()>,
-    shutdown: impl std::future::Future<Output = ()>,
-) -> anyhow::Result<()> {
-    let router = crate::http::router(
-        metrics.clone(),
-        health.clone(),
-        supervision.election.is_some(),
-    );
-    for address in [
-        &supervision.metrics_bind_address,
-        &supervision.health_probe_bind_address,
-    ] {
-        if let Some(addr) = crate::http::parse_bind_address(address)? {
-            let router = router.clone();
-            tokio::spawn(async move {
-                if let Err(e) = crate::http::serve(addr, router).await {
-                    tracing::error!(error = %e, "http server failed");
-                    std::process::exit(1);
-                }
-            });
-        }
-    }
-    match supervision.election {
-        Some(election) => {
-            leader::run_as_leader(control, election, metrics, controllers, shutdown).await?
-        }
-        None => controllers.await,
-    }
-    anyhow::ensure!(
-        !health.failed.load(Ordering::SeqCst),
-        "a controller loop failed"
-    );
-    Ok(())
 }

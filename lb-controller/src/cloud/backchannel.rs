@@ -18,10 +18,10 @@ use lb_api::{naming, LoadBalancer};
 use serde_json::json;
 use tracing::{debug, info, warn};
 
-use crate::events::{EventPublisher, EventType};
 use crate::metrics::Metrics;
-use crate::retry::Retries;
-use crate::watches;
+use crate::runtime::events::{EventPublisher, EventType};
+use crate::runtime::retry::Retries;
+use crate::runtime::watches;
 
 /// Shared state of the back-channel controllers.
 pub struct BackchannelContext {

@@ -32,9 +32,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use crate::retry::{self, Retries};
-use crate::stop::{drive, Stop};
-use crate::watches;
+use crate::runtime::retry::{self, Retries};
+use crate::runtime::stop::{drive, Stop};
+use crate::runtime::watches;
 use futures::{Stream, StreamExt};
 use k8s_openapi::api::core::v1::{NodeCondition, ObjectReference};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, ObjectMeta, Time};
@@ -48,10 +48,12 @@ use lb_api::{LoadBalancerMachine, LoadBalancerSet, LoadBalancerSetStatus};
 use serde_json::json;
 use tracing::{debug, info, warn};
 
-use crate::events::{EventPublisher, EventType};
-use crate::finalizer;
-use crate::machine::{self, Health, CREATION_TIMEOUT, HEARTBEAT_STALE};
 use crate::metrics::Metrics;
+use crate::openstack::machine::resources::{
+    self as machine, Health, CREATION_TIMEOUT, HEARTBEAT_STALE,
+};
+use crate::runtime::events::{EventPublisher, EventType};
+use crate::runtime::finalizer;
 
 /// Controller name in `lb_cloud_controller_reconciles_total` and `..._invalid_input_total`.
 pub const CONTROLLER: &str = "loadbalancerset";
@@ -429,7 +431,7 @@ pub fn new_machine(set: &LoadBalancerSet, suffix: &str) -> LoadBalancerMachine {
             namespace: set.namespace(),
             labels: set.spec.template.labels.clone(),
             annotations: Some(annotations),
-            owner_references: Some(vec![crate::ownership::owner_reference(set)]),
+            owner_references: Some(vec![crate::runtime::ownership::owner_reference(set)]),
             ..Default::default()
         },
         spec: set.spec.template.spec.clone(),
@@ -440,7 +442,7 @@ pub fn new_machine(set: &LoadBalancerSet, suffix: &str) -> LoadBalancerMachine {
 /// Whether `m` belongs to `set`: controlled by it (by UID), or — for objects without owner references — carrying the
 /// set's selector labels.
 pub fn owned_by(m: &LoadBalancerMachine, set: &LoadBalancerSet) -> bool {
-    crate::ownership::belongs_to(
+    crate::runtime::ownership::belongs_to(
         &m.metadata,
         "LoadBalancerSet",
         &set.metadata,

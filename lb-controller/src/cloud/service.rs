@@ -1,7 +1,7 @@
 //! Service controller (target cluster → control cluster): one `LoadBalancer` per Service of type
 //! LoadBalancer with a matching class; node changes re-run every Service so endpoints follow.
 //!
-//! Each reconcile computes the complete desired spec (see [`crate::desired`]) and applies all
+//! Each reconcile computes the complete desired spec (see [`crate::cloud::loadbalancer_spec`]) and applies all
 //! differences in one merge patch (yawol applies at most one option change per reconcile).
 
 use std::collections::HashMap;
@@ -19,12 +19,12 @@ use lb_api::{naming, LoadBalancer};
 use serde_json::json;
 use tracing::{debug, info, warn};
 
-use crate::desired::{self, ClassFilter, InfrastructureDefaults};
-use crate::endpoints;
-use crate::events::{EventPublisher, EventType};
-use crate::finalizer;
+use crate::cloud::endpoints;
+use crate::cloud::loadbalancer_spec::{self, ClassFilter, InfrastructureDefaults};
 use crate::metrics::Metrics;
-use crate::retry::Retries;
+use crate::runtime::events::{EventPublisher, EventType};
+use crate::runtime::finalizer;
+use crate::runtime::retry::Retries;
 
 /// Static configuration of the Service controller.
 #[derive(Clone, Debug)]
@@ -223,7 +223,7 @@ async fn reconcile_inner(
     let lb_name = naming::loadbalancer_name(&namespace, &name);
 
     let wanted = ctx.config.classes.accepts(service)
-        && desired::is_load_balancer_type(service)
+        && loadbalancer_spec::is_load_balancer_type(service)
         && service.meta().deletion_timestamp.is_none();
     if !wanted {
         return deletion(service, ctx, &lb_name).await;
@@ -240,7 +240,7 @@ async fn reconcile_inner(
         return Ok(Action::await_change());
     }
 
-    let errors = desired::validate_service(service);
+    let errors = loadbalancer_spec::validate_service(service);
     if !errors.is_empty() {
         ctx.report_warnings(service, reference, "validation", &errors)
             .await;
@@ -255,7 +255,7 @@ async fn reconcile_inner(
         .unwrap_or_default();
     let nodes = ctx.nodes.state();
     let endpoints = endpoints::endpoints_for(nodes.iter().map(|n| n.as_ref()), &ip_families);
-    let desired = desired::desired_spec(service, endpoints, &ctx.config.defaults);
+    let desired = loadbalancer_spec::desired_spec(service, endpoints, &ctx.config.defaults);
     let mut warnings = desired.warnings;
 
     let cached = ctx
@@ -266,7 +266,11 @@ async fn reconcile_inner(
         None => {
             ctx.report_warnings(service, reference, "annotation", &warnings)
                 .await;
-            let lb = desired::new_loadbalancer(service, desired.spec.clone(), &ctx.config.defaults);
+            let lb = loadbalancer_spec::new_loadbalancer(
+                service,
+                desired.spec.clone(),
+                &ctx.config.defaults,
+            );
             match ctx.lb_api().create(&PostParams::default(), &lb).await {
                 Ok(created) => {
                     ctx.own_writes.record(created);
@@ -306,14 +310,14 @@ async fn reconcile_inner(
     }
 
     let (spec, immutable_warnings) =
-        desired::protect_immutable(desired.spec, &existing.spec, service);
+        loadbalancer_spec::protect_immutable(desired.spec, &existing.spec, service);
     warnings.extend(immutable_warnings);
     ctx.report_warnings(service, reference, "annotation", &warnings)
         .await;
 
     let current_spec = serde_json::to_value(&existing.spec).expect("spec serialises");
     let desired_spec = serde_json::to_value(&spec).expect("spec serialises");
-    let spec_patch = desired::merge_patch_diff(&current_spec, &desired_spec);
+    let spec_patch = loadbalancer_spec::merge_patch_diff(&current_spec, &desired_spec);
     let service_ref = naming::service_reference(&namespace, &name);
     let annotation_ok =
         existing.annotations().get(lb_annotations::SERVICE_NAME) == Some(&service_ref);
@@ -326,7 +330,7 @@ async fn reconcile_inner(
     }
     let fields = spec_patch
         .as_ref()
-        .map(desired::changed_fields)
+        .map(loadbalancer_spec::changed_fields)
         .unwrap_or_default();
     if let Some(spec_patch) = spec_patch {
         patch["spec"] = spec_patch;
@@ -402,7 +406,7 @@ async fn deletion(service: &Service, ctx: &ServiceContext, lb_name: &str) -> Res
         return Ok(Action::await_change());
     }
     let api = service_api(service, ctx);
-    if desired::service_ingress_ip(service).is_some()
+    if loadbalancer_spec::service_ingress_ip(service).is_some()
         || service
             .status
             .as_ref()

@@ -1,5 +1,5 @@
-//! The LoadBalancer controller (control cluster): finalizer, the OpenStack steps of [`crate::lb_openstack`] with the
-//! status saved after each, throttled by [`lb_openstack::needs_openstack_reconcile`], Warning events with the
+//! The LoadBalancer controller (control cluster): finalizer, the OpenStack steps of [`crate::openstack::loadbalancer::resources`] with the
+//! status saved after each, throttled by [`resources::needs_openstack_reconcile`], Warning events with the
 //! cloud's error text; then the LoadBalancer → LoadBalancerSet step (yawol's `reconcileLoadBalancerSet`), the
 //! per-LoadBalancer HA settings and the sync peers; and deletion (child LoadBalancerSets first, then the cloud
 //! resources, then the finalizer).
@@ -27,14 +27,15 @@
 //! The cloud comes from a [`CloudFactory`]: [`SecretClouds`] reads yawol's `cloudprovider.conf` from the Secret named
 //! by `spec.infrastructure.authSecretRef` (with the `projectID` override); tests pass a fixed fake.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
-use std::future::Future;
+pub mod resources;
+
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crate::retry::{self, Retries};
-use crate::stop::{drive, Stop};
-use crate::watches;
+use crate::runtime::retry::{self, Retries};
+use crate::runtime::stop::{drive, Stop};
+use crate::runtime::watches;
 use k8s_openapi::api::core::v1::{ObjectReference, Secret};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, ObjectMeta};
 use k8s_openapi::ByteString;
@@ -52,15 +53,13 @@ use serde_json::{json, Value};
 use sha2::Digest;
 use tracing::{debug, info, warn};
 
-use crate::events::{EventPublisher, EventType};
-use crate::finalizer;
-use crate::lb_openstack::{self, StatusSink};
-use crate::lbs_controller::{relevant_changes, Reported};
 use crate::metrics::Metrics;
-use crate::openstack::sdk::SdkCloud;
-use crate::openstack::{
-    Cloud, CloudError, CloudErrorKind, CloudProviderConf, Credentials, OpenStackCalls,
-};
+use crate::openstack::clouds::CloudFactory;
+use crate::openstack::set::{relevant_changes, Reported};
+use crate::openstack::{CloudError, CloudErrorKind};
+use crate::runtime::events::{EventPublisher, EventType};
+use crate::runtime::finalizer;
+use resources::StatusSink;
 
 /// Errors of one reconcile (logged, retried with backoff).
 #[derive(Debug, thiserror::Error)]
@@ -73,167 +72,10 @@ pub enum Error {
     Credentials(anyhow::Error),
     /// An OpenStack step.
     #[error("{0}")]
-    Step(#[from] lb_openstack::StepError),
+    Step(#[from] resources::StepError),
     /// The set or machine cache never synced (its watch ended).
     #[error("LoadBalancerSet/LoadBalancerMachine cache not ready")]
     Cache,
-}
-
-/// Gives the cloud session for a LoadBalancer.
-pub trait CloudFactory: Send + Sync + 'static {
-    /// The cloud implementation.
-    type Cloud: Cloud + 'static;
-    /// The session for `lb` (its credentials Secret and project).
-    fn cloud_for(
-        &self,
-        lb: &LoadBalancer,
-    ) -> impl Future<Output = anyhow::Result<Arc<Self::Cloud>>> + Send;
-}
-
-/// One cloud for every LoadBalancer (tests, single-project installations).
-pub struct FixedCloud<C>(pub Arc<C>);
-
-impl<C: Cloud + 'static> CloudFactory for FixedCloud<C> {
-    type Cloud = C;
-    async fn cloud_for(&self, _lb: &LoadBalancer) -> anyhow::Result<Arc<C>> {
-        Ok(self.0.clone())
-    }
-}
-
-/// Sessions from the `cloudprovider.conf` Secrets, cached per (Secret, resourceVersion, project) so that rotated
-/// credentials take effect and LoadBalancers of one project share a session. Sessions are renewed after
-/// [`SecretClouds::MAX_SESSION_AGE`] (Keystone tokens expire).
-pub struct SecretClouds {
-    client: Client,
-    timeout: Duration,
-    calls: OpenStackCalls,
-    cache: tokio::sync::Mutex<HashMap<String, (Instant, Arc<SdkCloud>)>>,
-}
-
-impl SecretClouds {
-    /// Keystone's default token lifetime is 1 h; renew well before.
-    pub const MAX_SESSION_AGE: Duration = Duration::from_secs(30 * 60);
-
-    /// Reads Secrets with `client`; `timeout` per OpenStack call; calls counted in `calls`.
-    pub fn new(client: Client, timeout: Duration, calls: OpenStackCalls) -> Self {
-        SecretClouds {
-            client,
-            timeout,
-            calls,
-            cache: Default::default(),
-        }
-    }
-}
-
-impl CloudFactory for SecretClouds {
-    type Cloud = SdkCloud;
-    async fn cloud_for(&self, lb: &LoadBalancer) -> anyhow::Result<Arc<SdkCloud>> {
-        use anyhow::Context as _;
-        let r = &lb.spec.infrastructure.auth_secret_ref;
-        let ns = r
-            .namespace
-            .clone()
-            .or_else(|| lb.namespace())
-            .unwrap_or_default();
-        let name = r.name.clone().unwrap_or_default();
-        let secret = Api::<Secret>::namespaced(self.client.clone(), &ns)
-            .get(&name)
-            .await
-            .with_context(|| format!("reading Secret {ns}/{name}"))?;
-        let project = lb
-            .spec
-            .infrastructure
-            .project_id
-            .clone()
-            .filter(|p| !p.is_empty());
-        let key = format!(
-            "{ns}/{name}@{}#{}",
-            secret.metadata.resource_version.as_deref().unwrap_or(""),
-            project.as_deref().unwrap_or("")
-        );
-        let mut cache = self.cache.lock().await;
-        if let Some((at, cloud)) = cache.get(&key) {
-            if at.elapsed() < Self::MAX_SESSION_AGE {
-                return Ok(cloud.clone());
-            }
-        }
-        let data = secret
-            .data
-            .as_ref()
-            .and_then(|d| d.get("cloudprovider.conf"))
-            .with_context(|| format!("Secret {ns}/{name} has no key cloudprovider.conf"))?;
-        let text = String::from_utf8(data.0.clone()).context("cloudprovider.conf is not UTF-8")?;
-        let config = CloudProviderConf::parse(&text)?.to_cloud_config(project.as_deref())?;
-        let cloud = Arc::new(SdkCloud::connect(&config, self.timeout, self.calls.clone()).await?);
-        // Old sessions of this Secret are dropped with their key.
-        cache.retain(|k, _| !k.starts_with(&format!("{ns}/{name}@")) || k == &key);
-        cache.insert(key, (Instant::now(), cloud.clone()));
-        Ok(cloud)
-    }
-}
-
-/// Sessions from one credentials file (`--cloudprovider-conf` or a `clouds.yaml` cloud) for every LoadBalancer,
-/// connected on first use, one per project (the LoadBalancer's `projectID` override), renewed like
-/// [`SecretClouds`]. `spec.infrastructure.authSecretRef` is not read.
-pub struct FileClouds {
-    credentials: Credentials,
-    timeout: Duration,
-    calls: OpenStackCalls,
-    cache: tokio::sync::Mutex<HashMap<String, (Instant, Arc<SdkCloud>)>>,
-}
-
-impl FileClouds {
-    /// `timeout` per OpenStack call; calls counted in `calls`.
-    pub fn new(credentials: Credentials, timeout: Duration, calls: OpenStackCalls) -> Self {
-        FileClouds {
-            credentials,
-            timeout,
-            calls,
-            cache: Default::default(),
-        }
-    }
-}
-
-impl CloudFactory for FileClouds {
-    type Cloud = SdkCloud;
-    async fn cloud_for(&self, lb: &LoadBalancer) -> anyhow::Result<Arc<SdkCloud>> {
-        let project = lb
-            .spec
-            .infrastructure
-            .project_id
-            .clone()
-            .filter(|p| !p.is_empty());
-        let key = project.clone().unwrap_or_default();
-        let mut cache = self.cache.lock().await;
-        if let Some((at, cloud)) = cache.get(&key) {
-            if at.elapsed() < SecretClouds::MAX_SESSION_AGE {
-                return Ok(cloud.clone());
-            }
-        }
-        let config = self.credentials.cloud_config(project.as_deref())?;
-        let cloud = Arc::new(SdkCloud::connect(&config, self.timeout, self.calls.clone()).await?);
-        cache.insert(key, (Instant::now(), cloud.clone()));
-        Ok(cloud)
-    }
-}
-
-/// The real clouds the binary chooses between (`lb-controller controller`): per-LoadBalancer Secrets (default) or
-/// one credentials file.
-pub enum SdkClouds {
-    /// [`SecretClouds`].
-    Secrets(SecretClouds),
-    /// [`FileClouds`].
-    File(FileClouds),
-}
-
-impl CloudFactory for SdkClouds {
-    type Cloud = SdkCloud;
-    async fn cloud_for(&self, lb: &LoadBalancer) -> anyhow::Result<Arc<SdkCloud>> {
-        match self {
-            SdkClouds::Secrets(c) => c.cloud_for(lb).await,
-            SdkClouds::File(c) => c.cloud_for(lb).await,
-        }
-    }
 }
 
 /// Controller name in `lb_cloud_controller_reconciles_total` and `..._invalid_input_total`.
@@ -341,7 +183,7 @@ fn object_ref(lb: &LoadBalancer) -> ObjectReference {
 }
 
 fn selector(lb: &LoadBalancer) -> String {
-    crate::lbs_controller::label_selector(lb.spec.selector.match_labels.as_ref())
+    crate::openstack::set::label_selector(lb.spec.selector.match_labels.as_ref())
 }
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -462,7 +304,7 @@ pub fn new_set(lb: &LoadBalancer, template: &MachineTemplate, revision: u64) -> 
                 lb_annotations::REVISION.to_string(),
                 revision.to_string(),
             )])),
-            owner_references: Some(vec![crate::ownership::owner_reference(lb)]),
+            owner_references: Some(vec![crate::runtime::ownership::owner_reference(lb)]),
             ..Default::default()
         },
         spec: LoadBalancerSetSpec {
@@ -483,7 +325,7 @@ pub fn new_set(lb: &LoadBalancer, template: &MachineTemplate, revision: u64) -> 
 /// Whether `set` belongs to `lb`: controlled by it (by UID), or — without owner references, e.g. restored from a
 /// backup — carrying the LoadBalancer's selector labels.
 pub fn set_of(set: &LoadBalancerSet, lb: &LoadBalancer) -> bool {
-    crate::ownership::belongs_to(
+    crate::runtime::ownership::belongs_to(
         &set.metadata,
         "LoadBalancer",
         &lb.metadata,
@@ -502,7 +344,7 @@ pub fn vip_wait(
     now: jiff::Timestamp,
     gate: &RolloutGate,
 ) -> Option<Duration> {
-    let cond = crate::lbs_controller::keepalived_master(set);
+    let cond = crate::openstack::set::keepalived_master(set);
     let (start, need) = match cond {
         Some(c) if c.status == conditions::TRUE => (c.last_transition_time.0, gate.master_for),
         Some(c) if c.status == conditions::FALSE => (c.last_transition_time.0, gate.no_master_for),
@@ -769,7 +611,7 @@ async fn reconcile_inner<F: CloudFactory>(
             return Ok(Action::requeue(ctx.config.deletion_poll));
         }
         let cloud = ctx.clouds.cloud_for(lb).await.map_err(Error::Credentials)?;
-        if let Err(e) = lb_openstack::delete(cloud.as_ref(), lb).await {
+        if let Err(e) = resources::delete(cloud.as_ref(), lb).await {
             publish(
                 ctx,
                 lb,
@@ -803,7 +645,7 @@ async fn reconcile_inner<F: CloudFactory>(
     // A failing cloud stops the OpenStack step, not the rest: sets, HA settings and peers only need what the status
     // already records. The error is returned at the end (retry with backoff).
     let mut openstack_error = None;
-    if lb_openstack::needs_openstack_reconcile(lb, now, ctx.config.resync) {
+    if resources::needs_openstack_reconcile(lb, now, ctx.config.resync) {
         match ctx.clouds.cloud_for(lb).await {
             Err(e) => {
                 publish(
@@ -823,14 +665,9 @@ async fn reconcile_inner<F: CloudFactory>(
                     name: name.clone(),
                 };
                 let mut warnings = Vec::new();
-                let result = lb_openstack::reconcile(
-                    cloud.as_ref(),
-                    lb,
-                    &mut status,
-                    &mut sink,
-                    &mut warnings,
-                )
-                .await;
+                let result =
+                    resources::reconcile(cloud.as_ref(), lb, &mut status, &mut sink, &mut warnings)
+                        .await;
                 for w in &warnings {
                     publish(ctx, lb, EventType::Warning, "InvalidConfiguration", w).await;
                 }
@@ -1071,7 +908,7 @@ async fn ensure_sync_secret<F: CloudFactory>(
             name: Some(name.clone()),
             namespace: lb.namespace(),
             labels: lb.spec.selector.match_labels.clone(),
-            owner_references: Some(vec![crate::ownership::owner_reference(lb)]),
+            owner_references: Some(vec![crate::runtime::ownership::owner_reference(lb)]),
             ..Default::default()
         },
         type_: Some("Opaque".into()),
