@@ -2,6 +2,7 @@
 
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, ObjectMeta, OwnerReference};
 use kube::Resource;
+use std::collections::BTreeMap;
 
 /// Whether `child` belongs to the parent of `kind` with `meta` and `selector`: in the same namespace and
 /// controlled by it (by UID), or — for objects without a controller reference, e.g. restored from a backup or
@@ -43,4 +44,14 @@ pub fn owner_reference<K: Resource<DynamicType = ()>>(owner: &K) -> OwnerReferen
         controller: Some(true),
         block_owner_deletion: Some(true),
     }
+}
+
+/// `key=value,…` of a label map: the list selector of a parent's children.
+pub fn label_selector(labels: Option<&BTreeMap<String, String>>) -> String {
+    labels
+        .into_iter()
+        .flatten()
+        .map(|(k, v)| format!("{k}={v}"))
+        .collect::<Vec<_>>()
+        .join(",")
 }

@@ -1,65 +1,56 @@
-//! The LoadBalancer controller (control cluster): finalizer, the OpenStack steps of [`crate::openstack::loadbalancer::resources`] with the
-//! status saved after each, throttled by [`resources::needs_openstack_reconcile`], Warning events with the
-//! cloud's error text; then the LoadBalancer → LoadBalancerSet step (yawol's `reconcileLoadBalancerSet`), the
-//! per-LoadBalancer HA settings and the sync peers; and deletion (child LoadBalancerSets first, then the cloud
-//! resources, then the finalizer).
+//! The LoadBalancer controller (control cluster, yawol-controller's LoadBalancer role). A reconcile is [`apply`] or,
+//! once the LoadBalancer is being deleted, [`cleanup`]:
 //!
-//! **Sets.** The machine template ([`machine_template`]: infrastructure, VIP port, server group) and the settings
-//! that only take effect when a VM boots (debug, log forwarding, server-group policy) are hashed; the set named
-//! `<lb>-<hash>` is the current one. A new hash creates a new set with the next revision
-//! (`loadbalancer.yawol.stackit.cloud/revision` on the set, its machines and the LoadBalancer) and `spec.replicas`
-//! machines; ports, endpoints and options are not in the hash: the agents apply them from the LoadBalancer itself,
-//! in place. Older sets keep their machines until the current set is fully ready *and* holds the VIP
-//! ([`holds_vip`]: `HasKeepalivedMaster` True for 2 min, or False for 10 min — the agent may not report VRRP — or
-//! absent on a set older than 15 min); then they are scaled to 0 and deleted once empty. The pure decision is
-//! [`plan_sets`].
-//!
-//! **HA settings.** A VRRP router id in annotation `loadbalancer.yawol.stackit.cloud/vrrpRouterID`, distinct among the
-//! LoadBalancers on the same network, allocated once (under a lock, from a fresh list) and never changed while valid;
-//! a shared sync secret in the Secret `<lb>-sync` (key `secret`, owned by the LoadBalancer), created once and never
-//! replaced by the controller; annotation `loadbalancer.yawol.stackit.cloud/syncPeers` with the sorted
-//! `status.defaultPortIP`s of the live machines ([`sync_peers`]).
+//! - `apply`: the finalizer; the OpenStack resources ([`resources`]: security group, floating IP, VIP port, server
+//!   group) with the status saved after each, throttled by [`resources::needs_openstack_reconcile`], Warning events
+//!   with the cloud's error text; the HA settings ([`ha`]: the VRRP router id, allocated once under a lock from a fresh
+//!   list and never changed while valid; the Secret `<lb>-sync`, created once and never replaced); the LoadBalancerSets
+//!   ([`sets`]: a new set per machine template, old ones retired once the current one holds the VIP); the revision and
+//!   sync-peer annotations and the replica counts.
+//! - `cleanup`: the child LoadBalancerSets first, then the cloud resources, then the finalizer.
 //!
 //! Bad input (no image/flavor/network ID, an unparsable revision or router id) gets a Warning event and
 //! `lb_cloud_controller_invalid_input_total` once per distinct problem, and changes nothing that exists: no set is
 //! created, scaled or deleted on an invalid template.
 //!
-//! The cloud comes from a [`CloudFactory`]: [`SecretClouds`] reads yawol's `cloudprovider.conf` from the Secret named
-//! by `spec.infrastructure.authSecretRef` (with the `projectID` override); tests pass a fixed fake.
+//! The cloud comes from a [`CloudFactory`] ([`crate::openstack::clouds`]); tests pass a fixed fake.
 
+pub mod ha;
 pub mod resources;
+pub mod sets;
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crate::runtime::retry::{self, Retries};
-use crate::runtime::stop::{drive, Stop};
-use crate::runtime::watches;
+use futures::StreamExt;
 use k8s_openapi::api::core::v1::{ObjectReference, Secret};
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, ObjectMeta};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use k8s_openapi::ByteString;
 use kube::api::{DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use kube::runtime::controller::Action;
 use kube::runtime::reflector::{self, ObjectRef, Store};
 use kube::runtime::{watcher, WatchStreamExt};
 use kube::{Api, Client, Resource, ResourceExt};
-use lb_api::constants::{conditions, finalizers, labels, lb_annotations, sync};
-use lb_api::{
-    LoadBalancer, LoadBalancerMachine, LoadBalancerMachineSpec, LoadBalancerMachineTemplateSpec,
-    LoadBalancerRef, LoadBalancerSet, LoadBalancerSetSpec, LoadBalancerStatus,
-};
+use lb_api::constants::{finalizers, lb_annotations, sync};
+use lb_api::{LoadBalancer, LoadBalancerMachine, LoadBalancerSet, LoadBalancerStatus};
 use serde_json::{json, Value};
-use sha2::Digest;
 use tracing::{debug, info, warn};
 
 use crate::metrics::Metrics;
 use crate::openstack::clouds::CloudFactory;
-use crate::openstack::set::{relevant_changes, Reported};
 use crate::openstack::{CloudError, CloudErrorKind};
+use crate::runtime::changes::{hash_of, relevant_changes};
 use crate::runtime::events::{EventPublisher, EventType};
 use crate::runtime::finalizer;
+use crate::runtime::ownership::{self, label_selector};
+use crate::runtime::reported::Reported;
+use crate::runtime::retry::{self, Retries};
+use crate::runtime::stop::{drive, Stop};
+use crate::runtime::watches;
+use ha::{router_id, sync_peers, sync_secret_name, taken_router_ids};
 use resources::StatusSink;
+use sets::{machine_template, plan_sets, replica_sums, revision_of, set_of, template_problems};
 
 /// Errors of one reconcile (logged, retried with backoff).
 #[derive(Debug, thiserror::Error)]
@@ -183,350 +174,8 @@ fn object_ref(lb: &LoadBalancer) -> ObjectReference {
 }
 
 fn selector(lb: &LoadBalancer) -> String {
-    crate::openstack::set::label_selector(lb.spec.selector.match_labels.as_ref())
+    label_selector(lb.spec.selector.match_labels.as_ref())
 }
-
-// ---------------------------------------------------------------------------------------------------------------
-// Pure decisions of the LoadBalancer → LoadBalancerSet step.
-
-/// Problems with the parts of the spec a machine needs (bad input: a set built from them could never boot).
-pub fn template_problems(lb: &LoadBalancer) -> Vec<String> {
-    let infra = &lb.spec.infrastructure;
-    let mut problems = Vec::new();
-    if infra.image.effective_id().is_none() {
-        problems.push(
-            "spec.infrastructure.image.imageID is not set (imageName/imageSearch are not supported); \
-             no LoadBalancerSet is created or changed"
-                .to_string(),
-        );
-    }
-    if infra.flavor.effective_id().is_none() {
-        problems.push(
-            "spec.infrastructure.flavor.flavorID is not set (flavorName/flavorSearch are not supported); \
-             no LoadBalancerSet is created or changed"
-                .to_string(),
-        );
-    }
-    if infra.effective_network_id().is_none() {
-        problems.push(
-            "spec.infrastructure.defaultNetwork.networkID is not set; no LoadBalancerSet is created or changed"
-                .to_string(),
-        );
-    }
-    problems
-}
-
-/// The machines' template and its hash (label `lbm-template-hash`, set name `<lb>-<hash>`).
-#[derive(Clone, Debug, PartialEq)]
-pub struct MachineTemplate {
-    /// Spec of every machine of the set.
-    pub spec: LoadBalancerMachineSpec,
-    /// 16 hex characters of SHA-256 over the spec and the boot-time settings.
-    pub hash: String,
-}
-
-/// The template for the LoadBalancer as it is now; `None` until the VIP port exists (the machines' ports need its
-/// address as allowed address pair) and, with a server-group policy, until the group exists (machines booted outside
-/// it would break the requested (anti-)affinity and be rolled over once it appears). `status` is the newest status
-/// (the OpenStack step's).
-///
-/// The hash covers what only a new VM can apply: infrastructure (image, flavor, networks, AZ, project, credentials;
-/// deprecated fields migrated first, so the migration alone rolls nothing), VIP port, server group, debug settings,
-/// log forwarding, server-group policy. Ports, endpoints and the other options are read by the agents live.
-pub fn machine_template(lb: &LoadBalancer, status: &LoadBalancerStatus) -> Option<MachineTemplate> {
-    let port_id = status.port_id.clone().filter(|p| !p.is_empty())?;
-    let opts = lb.spec.options();
-    let server_group_id = status.server_group_id.clone().filter(|g| !g.is_empty());
-    if opts.server_group_policy().is_some() && server_group_id.is_none() {
-        return None;
-    }
-    let mut infrastructure = lb.spec.infrastructure.clone();
-    infrastructure.migrate_deprecated();
-    let spec = LoadBalancerMachineSpec {
-        infrastructure,
-        port_id,
-        server_group_id,
-        load_balancer_ref: LoadBalancerRef {
-            name: lb.name_any(),
-            namespace: lb.namespace().unwrap_or_default(),
-        },
-    };
-    let input = json!({
-        "spec": spec,
-        "debugSettings": lb.spec.debug_settings,
-        "logForward": opts.log_forward,
-        "serverGroupPolicy": opts.server_group_policy(),
-    });
-    let digest = sha2::Sha256::digest(input.to_string().as_bytes());
-    let hash = digest.iter().take(8).map(|b| format!("{b:02x}")).collect();
-    Some(MachineTemplate { spec, hash })
-}
-
-/// Labels of the sets and machines of a template: the LoadBalancer's selector plus `lbm-template-hash`.
-pub fn template_labels(lb: &LoadBalancer, hash: &str) -> BTreeMap<String, String> {
-    let mut l = lb.spec.selector.match_labels.clone().unwrap_or_default();
-    l.insert(labels::LBM_TEMPLATE_HASH.to_string(), hash.to_string());
-    l
-}
-
-/// `<lb>-<hash>`.
-pub fn set_name(lb: &LoadBalancer, hash: &str) -> String {
-    format!("{}-{hash}", lb.name_any())
-}
-
-/// The revision annotation of an object: `None` when absent, an error text when it is not a number.
-pub fn revision_of(meta: &ObjectMeta) -> Result<Option<u64>, String> {
-    match meta
-        .annotations
-        .as_ref()
-        .and_then(|a| a.get(lb_annotations::REVISION))
-    {
-        None => Ok(None),
-        Some(v) => v.trim().parse::<u64>().map(Some).map_err(|_| {
-            format!(
-                "annotation {}={v:?} on {} is not a number; counting it as 0",
-                lb_annotations::REVISION,
-                meta.name.as_deref().unwrap_or("?")
-            )
-        }),
-    }
-}
-
-/// A new set for `template` at `revision`, with `spec.replicas` of the LoadBalancer, owned by it.
-pub fn new_set(lb: &LoadBalancer, template: &MachineTemplate, revision: u64) -> LoadBalancerSet {
-    let l = template_labels(lb, &template.hash);
-    LoadBalancerSet {
-        metadata: ObjectMeta {
-            name: Some(set_name(lb, &template.hash)),
-            namespace: lb.namespace(),
-            labels: Some(l.clone()),
-            annotations: Some(BTreeMap::from([(
-                lb_annotations::REVISION.to_string(),
-                revision.to_string(),
-            )])),
-            owner_references: Some(vec![crate::runtime::ownership::owner_reference(lb)]),
-            ..Default::default()
-        },
-        spec: LoadBalancerSetSpec {
-            selector: LabelSelector {
-                match_labels: Some(l.clone()),
-                match_expressions: None,
-            },
-            replicas: lb.spec.replicas,
-            template: LoadBalancerMachineTemplateSpec {
-                labels: Some(l),
-                spec: template.spec.clone(),
-            },
-        },
-        status: None,
-    }
-}
-
-/// Whether `set` belongs to `lb`: controlled by it (by UID), or — without owner references, e.g. restored from a
-/// backup — carrying the LoadBalancer's selector labels.
-pub fn set_of(set: &LoadBalancerSet, lb: &LoadBalancer) -> bool {
-    crate::runtime::ownership::belongs_to(
-        &set.metadata,
-        "LoadBalancer",
-        &lb.metadata,
-        &lb.spec.selector,
-    )
-}
-
-fn since(now: jiff::Timestamp, t: jiff::Timestamp) -> Duration {
-    Duration::from_secs_f64(now.duration_since(t).as_secs_f64().max(0.0))
-}
-
-/// How long until `set` holds the VIP by [`RolloutGate`]: zero when it does now, `None` when only a status change can
-/// make it (the condition is not counting towards anything).
-pub fn vip_wait(
-    set: &LoadBalancerSet,
-    now: jiff::Timestamp,
-    gate: &RolloutGate,
-) -> Option<Duration> {
-    let cond = crate::openstack::set::keepalived_master(set);
-    let (start, need) = match cond {
-        Some(c) if c.status == conditions::TRUE => (c.last_transition_time.0, gate.master_for),
-        Some(c) if c.status == conditions::FALSE => (c.last_transition_time.0, gate.no_master_for),
-        Some(_) => return None,
-        None => (
-            set.metadata
-                .creation_timestamp
-                .as_ref()
-                .map_or(now, |t| t.0),
-            gate.unknown_after,
-        ),
-    };
-    Some(need.saturating_sub(since(now, start)))
-}
-
-/// Whether the current set holds the VIP (see [`vip_wait`]).
-pub fn holds_vip(set: &LoadBalancerSet, now: jiff::Timestamp, gate: &RolloutGate) -> bool {
-    vip_wait(set, now, gate) == Some(Duration::ZERO)
-}
-
-/// What the set step does.
-#[derive(Clone, Debug, Default, PartialEq)]
-pub struct SetsPlan {
-    /// A set to create (the template is new).
-    pub create: Option<LoadBalancerSet>,
-    /// `(set, replicas)` to patch.
-    pub scale: Vec<(String, i32)>,
-    /// Old, empty sets to delete.
-    pub delete: Vec<String>,
-    /// The LoadBalancer's revision annotation.
-    pub revision: u64,
-    /// Reconcile again after this long (the rollout gate is waiting on time, not on a change).
-    pub recheck: Option<Duration>,
-}
-
-/// The set step ([module docs](self)). `sets`: the LoadBalancer's sets, any order.
-pub fn plan_sets(
-    lb: &LoadBalancer,
-    template: &MachineTemplate,
-    sets: &[LoadBalancerSet],
-    now: jiff::Timestamp,
-    gate: &RolloutGate,
-) -> SetsPlan {
-    let mut plan = SetsPlan::default();
-    let rev = |s: &LoadBalancerSet| revision_of(&s.metadata).ok().flatten().unwrap_or(0);
-    let max_rev = sets
-        .iter()
-        .map(rev)
-        .chain(revision_of(&lb.metadata).ok().flatten())
-        .max()
-        .unwrap_or(0);
-    let alive: Vec<&LoadBalancerSet> = sets
-        .iter()
-        .filter(|s| s.metadata.deletion_timestamp.is_none())
-        .collect();
-    let current = alive
-        .iter()
-        .filter(|s| s.labels().get(labels::LBM_TEMPLATE_HASH) == Some(&template.hash))
-        .max_by_key(|s| (rev(s), s.name_any()))
-        .copied();
-    let want = lb.spec.replicas.max(0);
-    let retire = match current {
-        None => {
-            plan.revision = max_rev + 1;
-            plan.create = Some(new_set(lb, template, plan.revision));
-            false
-        }
-        Some(cur) => {
-            plan.revision = rev(cur).max(1);
-            if cur.spec.replicas != want {
-                plan.scale.push((cur.name_any(), want));
-            }
-            let ready = cur
-                .status
-                .as_ref()
-                .and_then(|s| s.ready_replicas)
-                .unwrap_or(0);
-            if want == 0 {
-                true
-            } else if cur.spec.replicas == want && ready >= want {
-                match vip_wait(cur, now, gate) {
-                    Some(d) if d.is_zero() => true,
-                    wait => {
-                        plan.recheck = wait;
-                        false
-                    }
-                }
-            } else {
-                false
-            }
-        }
-    };
-    let current_name = current.map(|c| c.name_any());
-    for s in alive {
-        if Some(s.name_any()) == current_name {
-            continue;
-        }
-        let has = s.status.as_ref().and_then(|st| st.replicas).unwrap_or(0);
-        if s.spec.replicas == 0 && has == 0 {
-            plan.delete.push(s.name_any());
-        } else if s.spec.replicas != 0 && retire {
-            plan.scale.push((s.name_any(), 0));
-        }
-    }
-    if !sets
-        .iter()
-        .any(|s| Some(s.name_any()) != current_name && s.spec.replicas > 0)
-    {
-        // Nothing old left to retire: no reason to look again before the resync.
-        plan.recheck = None;
-    }
-    plan
-}
-
-/// `(replicas, readyReplicas)` of the LoadBalancer: sums over its sets.
-pub fn replica_sums(sets: &[LoadBalancerSet]) -> (i32, i32) {
-    sets.iter().fold((0, 0), |(r, ready), s| {
-        let st = s.status.clone().unwrap_or_default();
-        (
-            r + st.replicas.unwrap_or(0),
-            ready + st.ready_replicas.unwrap_or(0),
-        )
-    })
-}
-
-/// Whether machine `m` serves `lb` (its `spec.loadBalancerRef`).
-pub fn machine_of(m: &LoadBalancerMachine, lb: &LoadBalancer) -> bool {
-    let r = &m.spec.load_balancer_ref;
-    let ns = if r.namespace.is_empty() {
-        m.namespace()
-    } else {
-        Some(r.namespace.clone())
-    };
-    r.name == lb.name_any() && ns == lb.namespace()
-}
-
-/// The sync peers: sorted, distinct `status.defaultPortIP`s of the LoadBalancer's machines that are not being
-/// deleted, comma-separated ("" when there are none).
-pub fn sync_peers<'a>(
-    lb: &LoadBalancer,
-    machines: impl IntoIterator<Item = &'a LoadBalancerMachine>,
-) -> String {
-    let ips: BTreeSet<String> = machines
-        .into_iter()
-        .filter(|m| machine_of(m, lb) && m.metadata.deletion_timestamp.is_none())
-        .filter_map(|m| m.status.as_ref()?.default_port_ip.clone())
-        .filter(|ip| !ip.is_empty())
-        .collect();
-    ips.into_iter().collect::<Vec<_>>().join(",")
-}
-
-/// The VRRP router id annotation: `None` when absent, an error text when it is not in 1..=255.
-pub fn router_id(lb: &LoadBalancer) -> Result<Option<u8>, String> {
-    match lb.annotations().get(lb_annotations::VRRP_ROUTER_ID) {
-        None => Ok(None),
-        Some(v) => match v.trim().parse::<u8>() {
-            Ok(id) if id > 0 => Ok(Some(id)),
-            _ => Err(format!(
-                "annotation {}={v:?} is not a VRRP router id (1..255); allocating a new one",
-                lb_annotations::VRRP_ROUTER_ID
-            )),
-        },
-    }
-}
-
-/// Router ids used by the other LoadBalancers on the same network (VRRP ids only need to differ per L2 segment).
-pub fn taken_router_ids(lb: &LoadBalancer, all: &[LoadBalancer]) -> BTreeSet<u8> {
-    let net = lb.spec.infrastructure.effective_network_id();
-    all.iter()
-        .filter(|o| !(o.name_any() == lb.name_any() && o.namespace() == lb.namespace()))
-        .filter(|o| o.spec.infrastructure.effective_network_id() == net)
-        .filter_map(|o| router_id(o).ok().flatten())
-        .collect()
-}
-
-/// Name of the sync Secret: `<lb>-sync`.
-pub fn sync_secret_name(lb: &LoadBalancer) -> String {
-    format!("{}{}", lb.name_any(), sync::SECRET_SUFFIX)
-}
-
-// ---------------------------------------------------------------------------------------------------------------
-// The controller.
 
 /// Shared by the reconciles of one running controller.
 struct Running<F: CloudFactory> {
@@ -551,7 +200,11 @@ async fn reconcile<F: CloudFactory>(
 ) -> Result<Action, Error> {
     let started = Instant::now();
     let mut problems = Vec::new();
-    let result = reconcile_inner(&lb, &run, &mut problems).await;
+    let result = if lb.meta().deletion_timestamp.is_some() {
+        cleanup(&lb, &run).await
+    } else {
+        apply(&lb, &run, &mut problems).await
+    };
     for p in run
         .reported
         .fresh(&lb.uid().unwrap_or_default(), &problems, result.is_ok())
@@ -575,7 +228,67 @@ async fn reconcile<F: CloudFactory>(
     result
 }
 
-async fn reconcile_inner<F: CloudFactory>(
+/// Deletion: the child LoadBalancerSets first (their machines hold ports in our security group), then the cloud
+/// resources, the sync Secret, and the finalizer.
+async fn cleanup<F: CloudFactory>(lb: &LoadBalancer, run: &Running<F>) -> Result<Action, Error> {
+    let ctx = &run.ctx;
+    let ns = lb.namespace().unwrap_or_default();
+    let name = lb.name_any();
+    let api: Api<LoadBalancer> = Api::namespaced(ctx.client.clone(), &ns);
+    ctx.metrics.objects.observe_loadbalancer(lb);
+    if !finalizer::has(lb, finalizers::LOADBALANCER) {
+        ctx.metrics.objects.forget_loadbalancer(&ns, &name);
+        return Ok(Action::await_change());
+    }
+    let sets: Api<LoadBalancerSet> = Api::namespaced(ctx.client.clone(), &ns);
+    let children: Vec<LoadBalancerSet> = sets
+        .list(&ListParams::default().labels(&selector(lb)))
+        .await?
+        .items
+        .into_iter()
+        .filter(|s| set_of(s, lb))
+        .collect();
+    if !children.is_empty() {
+        for s in children
+            .iter()
+            .filter(|s| s.meta().deletion_timestamp.is_none())
+        {
+            sets.delete(&s.name_any(), &DeleteParams::default()).await?;
+        }
+        return Ok(Action::requeue(ctx.config.deletion_poll));
+    }
+    let cloud = ctx.clouds.cloud_for(lb).await.map_err(Error::Credentials)?;
+    if let Err(e) = resources::delete(cloud.as_ref(), lb).await {
+        publish(
+            ctx,
+            lb,
+            EventType::Warning,
+            "OpenStackDeletionFailed",
+            &e.to_string(),
+        )
+        .await;
+        return Err(e.into());
+    }
+    // The owner reference lets the garbage collector do this too; explicit, so nothing depends on it.
+    let secrets: Api<Secret> = Api::namespaced(ctx.client.clone(), &ns);
+    match secrets
+        .delete(&sync_secret_name(lb), &DeleteParams::default())
+        .await
+    {
+        Err(e) if !is_status(&e, 404) => return Err(e.into()),
+        _ => {}
+    }
+    finalizer::remove(&api, lb, finalizers::LOADBALANCER).await?;
+    ctx.metrics.objects.forget_loadbalancer(&ns, &name);
+    run.reported.forget(&lb.uid().unwrap_or_default());
+    info!(lb = %name, "OpenStack resources deleted");
+    Ok(Action::await_change())
+}
+
+/// The LoadBalancer as it should be, step by step: finalizer, cloud resources ([`ensure_cloud_resources`]), HA
+/// settings ([`ensure_router_id`], [`ensure_sync_secret`]), sets ([`apply_sets`]), the revision and sync-peer
+/// annotations, the replica counts.
+async fn apply<F: CloudFactory>(
     lb: &LoadBalancer,
     run: &Running<F>,
     problems: &mut Vec<String>,
@@ -584,59 +297,6 @@ async fn reconcile_inner<F: CloudFactory>(
     let ns = lb.namespace().unwrap_or_default();
     let name = lb.name_any();
     let api: Api<LoadBalancer> = Api::namespaced(ctx.client.clone(), &ns);
-    let has_finalizer = finalizer::has(lb, finalizers::LOADBALANCER);
-
-    if lb.meta().deletion_timestamp.is_some() {
-        ctx.metrics.objects.observe_loadbalancer(lb);
-        if !has_finalizer {
-            ctx.metrics.objects.forget_loadbalancer(&ns, &name);
-            return Ok(Action::await_change());
-        }
-        // Machines hold ports in our security group: the sets (and their machines) go first.
-        let sets: Api<LoadBalancerSet> = Api::namespaced(ctx.client.clone(), &ns);
-        let children: Vec<LoadBalancerSet> = sets
-            .list(&ListParams::default().labels(&selector(lb)))
-            .await?
-            .items
-            .into_iter()
-            .filter(|s| set_of(s, lb))
-            .collect();
-        if !children.is_empty() {
-            for s in children
-                .iter()
-                .filter(|s| s.meta().deletion_timestamp.is_none())
-            {
-                sets.delete(&s.name_any(), &DeleteParams::default()).await?;
-            }
-            return Ok(Action::requeue(ctx.config.deletion_poll));
-        }
-        let cloud = ctx.clouds.cloud_for(lb).await.map_err(Error::Credentials)?;
-        if let Err(e) = resources::delete(cloud.as_ref(), lb).await {
-            publish(
-                ctx,
-                lb,
-                EventType::Warning,
-                "OpenStackDeletionFailed",
-                &e.to_string(),
-            )
-            .await;
-            return Err(e.into());
-        }
-        // The owner reference lets the garbage collector do this too; explicit, so nothing depends on it.
-        let secrets: Api<Secret> = Api::namespaced(ctx.client.clone(), &ns);
-        match secrets
-            .delete(&sync_secret_name(lb), &DeleteParams::default())
-            .await
-        {
-            Err(e) if !is_status(&e, 404) => return Err(e.into()),
-            _ => {}
-        }
-        finalizer::remove(&api, lb, finalizers::LOADBALANCER).await?;
-        ctx.metrics.objects.forget_loadbalancer(&ns, &name);
-        run.reported.forget(&lb.uid().unwrap_or_default());
-        info!(lb = %name, "OpenStack resources deleted");
-        return Ok(Action::await_change());
-    }
 
     finalizer::add(&api, lb, finalizers::LOADBALANCER).await?;
 
@@ -644,6 +304,77 @@ async fn reconcile_inner<F: CloudFactory>(
     let mut status = lb.status.clone().unwrap_or_default();
     // A failing cloud stops the OpenStack step, not the rest: sets, HA settings and peers only need what the status
     // already records. The error is returned at the end (retry with backoff).
+    let openstack_error = ensure_cloud_resources(lb, run, now, &mut status).await;
+
+    ensure_router_id(lb, run, problems).await?;
+    ensure_sync_secret(lb, run, problems).await?;
+
+    // Both caches must have synced once, or an empty cache would read as "no sets, no machines".
+    run.sets
+        .wait_until_ready()
+        .await
+        .map_err(|_| Error::Cache)?;
+    run.machines
+        .wait_until_ready()
+        .await
+        .map_err(|_| Error::Cache)?;
+    let mut sets: Vec<LoadBalancerSet> = run
+        .sets
+        .state()
+        .iter()
+        .filter(|s| set_of(s, lb))
+        .map(|s| s.as_ref().clone())
+        .collect();
+    let (requeue, revision) = apply_sets(lb, run, &status, now, &mut sets, problems).await?;
+    let mut annotations = serde_json::Map::new();
+    if let Some(rev) = revision {
+        annotations.insert(lb_annotations::REVISION.into(), json!(rev.to_string()));
+    }
+    let peers = sync_peers(lb, run.machines.state().iter().map(|m| m.as_ref()));
+    if lb.annotations().get(lb_annotations::SYNC_PEERS) != Some(&peers) {
+        annotations.insert(lb_annotations::SYNC_PEERS.into(), json!(peers));
+    }
+    if !annotations.is_empty() {
+        api.patch(
+            &name,
+            &PatchParams::default(),
+            &Patch::Merge(json!({"metadata": {"annotations": annotations}})),
+        )
+        .await?;
+    }
+
+    let (replicas, ready) = replica_sums(&sets);
+    let old = lb.status.clone().unwrap_or_default();
+    if old.replicas != Some(replicas) || old.ready_replicas != Some(ready) {
+        api.patch_status(
+            &name,
+            &PatchParams::default(),
+            &Patch::Merge(json!({"status": {"replicas": replicas, "readyReplicas": ready}})),
+        )
+        .await?;
+    }
+    status.replicas = Some(replicas);
+    status.ready_replicas = Some(ready);
+    let mut observed = lb.clone();
+    observed.status = Some(status);
+    ctx.metrics.objects.observe_loadbalancer(&observed);
+
+    match openstack_error {
+        Some(e) => Err(e),
+        None => Ok(Action::requeue(requeue)),
+    }
+}
+
+/// The OpenStack step ([`resources::reconcile`], status saved after each resource) when it is due
+/// ([`resources::needs_openstack_reconcile`]); its failure, already published as a Warning event, is returned for the
+/// end of the reconcile.
+async fn ensure_cloud_resources<F: CloudFactory>(
+    lb: &LoadBalancer,
+    run: &Running<F>,
+    now: jiff::Timestamp,
+    status: &mut LoadBalancerStatus,
+) -> Option<Error> {
+    let ctx = &run.ctx;
     let mut openstack_error = None;
     if resources::needs_openstack_reconcile(lb, now, ctx.config.resync) {
         match ctx.clouds.cloud_for(lb).await {
@@ -661,12 +392,12 @@ async fn reconcile_inner<F: CloudFactory>(
             Ok(cloud) => {
                 let had_ip = status.external_ip.clone();
                 let mut sink = KubeStatus {
-                    api: api.clone(),
-                    name: name.clone(),
+                    api: Api::namespaced(ctx.client.clone(), &lb.namespace().unwrap_or_default()),
+                    name: lb.name_any(),
                 };
                 let mut warnings = Vec::new();
                 let result =
-                    resources::reconcile(cloud.as_ref(), lb, &mut status, &mut sink, &mut warnings)
+                    resources::reconcile(cloud.as_ref(), lb, status, &mut sink, &mut warnings)
                         .await;
                 for w in &warnings {
                     publish(ctx, lb, EventType::Warning, "InvalidConfiguration", w).await;
@@ -696,39 +427,36 @@ async fn reconcile_inner<F: CloudFactory>(
         }
     }
 
-    ensure_router_id(lb, run, problems).await?;
-    ensure_sync_secret(lb, run, problems).await?;
+    openstack_error
+}
 
-    // Both caches must have synced once, or an empty cache would read as "no sets, no machines".
-    run.sets
-        .wait_until_ready()
-        .await
-        .map_err(|_| Error::Cache)?;
-    run.machines
-        .wait_until_ready()
-        .await
-        .map_err(|_| Error::Cache)?;
-    let mut sets: Vec<LoadBalancerSet> = run
-        .sets
-        .state()
-        .iter()
-        .filter(|s| set_of(s, lb))
-        .map(|s| s.as_ref().clone())
-        .collect();
-    let mut annotations = serde_json::Map::new();
+/// The set step ([`plan_sets`] on the sets of the cache, `sets`, which gains a set it creates): creates, scales and
+/// deletes sets. Returns when to look again and the revision the LoadBalancer's annotation should name, if it changes.
+async fn apply_sets<F: CloudFactory>(
+    lb: &LoadBalancer,
+    run: &Running<F>,
+    status: &LoadBalancerStatus,
+    now: jiff::Timestamp,
+    sets: &mut Vec<LoadBalancerSet>,
+    problems: &mut Vec<String>,
+) -> Result<(Duration, Option<u64>), Error> {
+    let ctx = &run.ctx;
+    let ns = lb.namespace().unwrap_or_default();
+    let name = lb.name_any();
+    let mut annotated = None;
     let mut requeue = ctx.config.resync;
     if let Err(msg) = revision_of(&lb.metadata) {
         problems.push(msg);
     }
     let invalid = template_problems(lb);
     let template = if invalid.is_empty() {
-        machine_template(lb, &status)
+        machine_template(lb, status)
     } else {
         problems.extend(invalid);
         None
     };
     if let Some(template) = template {
-        let plan = plan_sets(lb, &template, &sets, now, &ctx.config.rollout);
+        let plan = plan_sets(lb, &template, sets, now, &ctx.config.rollout);
         let set_api: Api<LoadBalancerSet> = Api::namespaced(ctx.client.clone(), &ns);
         // The LoadBalancer's revision names the set that exists for its template, never one that could not be made.
         let mut revision = Some(plan.revision);
@@ -788,48 +516,13 @@ async fn reconcile_inner<F: CloudFactory>(
             )
             .await;
         }
-        if let Some(rev) = revision.filter(|r| revision_of(&lb.metadata).ok().flatten() != Some(*r))
-        {
-            annotations.insert(lb_annotations::REVISION.into(), json!(rev.to_string()));
-        }
+        annotated = revision.filter(|r| revision_of(&lb.metadata).ok().flatten() != Some(*r));
         if let Some(d) = plan.recheck {
             requeue = requeue.min(d.max(Duration::from_millis(100)));
         }
     }
 
-    let peers = sync_peers(lb, run.machines.state().iter().map(|m| m.as_ref()));
-    if lb.annotations().get(lb_annotations::SYNC_PEERS) != Some(&peers) {
-        annotations.insert(lb_annotations::SYNC_PEERS.into(), json!(peers));
-    }
-    if !annotations.is_empty() {
-        api.patch(
-            &name,
-            &PatchParams::default(),
-            &Patch::Merge(json!({"metadata": {"annotations": annotations}})),
-        )
-        .await?;
-    }
-
-    let (replicas, ready) = replica_sums(&sets);
-    let old = lb.status.clone().unwrap_or_default();
-    if old.replicas != Some(replicas) || old.ready_replicas != Some(ready) {
-        api.patch_status(
-            &name,
-            &PatchParams::default(),
-            &Patch::Merge(json!({"status": {"replicas": replicas, "readyReplicas": ready}})),
-        )
-        .await?;
-    }
-    status.replicas = Some(replicas);
-    status.ready_replicas = Some(ready);
-    let mut observed = lb.clone();
-    observed.status = Some(status);
-    ctx.metrics.objects.observe_loadbalancer(&observed);
-
-    match openstack_error {
-        Some(e) => Err(e),
-        None => Ok(Action::requeue(requeue)),
-    }
+    Ok((requeue, annotated))
 }
 
 /// Allocates the VRRP router id once (see the module docs); a valid one is never changed.
@@ -908,7 +601,7 @@ async fn ensure_sync_secret<F: CloudFactory>(
             name: Some(name.clone()),
             namespace: lb.namespace(),
             labels: lb.spec.selector.match_labels.clone(),
-            owner_references: Some(vec![crate::runtime::ownership::owner_reference(lb)]),
+            owner_references: Some(vec![ownership::owner_reference(lb)]),
             ..Default::default()
         },
         type_: Some("Opaque".into()),
@@ -959,13 +652,6 @@ fn error_policy<F: CloudFactory>(
     Action::requeue(delay)
 }
 
-fn hash_of(value: &impl std::hash::Hash) -> u64 {
-    use std::hash::Hasher;
-    let mut h = std::collections::hash_map::DefaultHasher::new();
-    value.hash(&mut h);
-    h.finish()
-}
-
 /// What of a set the LoadBalancer reacts to: replicas, status, deletion, labels, revision.
 fn set_fingerprint(s: &LoadBalancerSet) -> u64 {
     hash_of(&(
@@ -989,7 +675,6 @@ fn machine_fingerprint(m: &LoadBalancerMachine) -> u64 {
 
 /// Runs the LoadBalancer controller over the LoadBalancers of `namespace` until `shutdown`.
 pub async fn run<F: CloudFactory>(ctx: Arc<LbContext<F>>, namespace: &str, stop: Stop) {
-    use futures::StreamExt;
     let api: Api<LoadBalancer> = Api::namespaced(ctx.client.clone(), namespace);
     let sets: Api<LoadBalancerSet> = Api::namespaced(ctx.client.clone(), namespace);
     let machines: Api<LoadBalancerMachine> = Api::namespaced(ctx.client.clone(), namespace);

@@ -1,6 +1,10 @@
+use super::ha::*;
+use super::sets::*;
 use super::*;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
+use lb_api::constants::conditions;
 use lb_api::LoadBalancerSetStatus;
+use std::collections::BTreeSet;
 
 fn lb(extra: Value) -> LoadBalancer {
     let mut v = json!({
@@ -386,6 +390,8 @@ fn router_ids_are_read_and_counted_per_network() {
         l
     };
     assert_eq!(router_id(&with("a", "net", "7")), Ok(Some(7)));
+    // The machine controller reads the same annotation (`ha::router_id`) into the cloud-init.
+    assert_eq!(router_id(&with("a", "net", " 255 ")), Ok(Some(255)));
     assert_eq!(router_id(&lb(json!({}))), Ok(None));
     for bad in ["0", "256", "x", ""] {
         assert!(router_id(&with("a", "net", bad)).is_err(), "{bad}");

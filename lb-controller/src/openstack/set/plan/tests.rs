@@ -1,5 +1,9 @@
 use super::*;
-use futures::stream;
+use crate::runtime::changes::relevant_changes;
+use crate::runtime::reported::Reported;
+use futures::{stream, StreamExt};
+use kube::runtime::watcher;
+use serde_json::json;
 
 fn now() -> jiff::Timestamp {
     jiff::Timestamp::now()
