@@ -1,8 +1,10 @@
 //! Service controller (target cluster → control cluster): one `LoadBalancer` per Service of type
 //! LoadBalancer with a matching class; node changes re-run every Service so endpoints follow.
 //!
-//! Each reconcile computes the complete desired spec (see [`crate::cloud::loadbalancer_spec`]) and applies all
-//! differences in one merge patch (yawol applies at most one option change per reconcile).
+//! A reconcile is [`apply`] while the Service is ours (type LoadBalancer, our class, not being deleted), else
+//! [`cleanup`]. `apply` computes the complete desired spec (see [`crate::cloud::loadbalancer_spec`]) and applies all
+//! differences in one merge patch (yawol applies at most one option change per reconcile); `cleanup` deletes the
+//! LoadBalancer, waits until it is gone, clears the ingress and releases the Service.
 
 use std::collections::HashMap;
 use std::hash::{Hash, Hasher};
@@ -187,7 +189,15 @@ impl ServiceContext {
 pub async fn reconcile(service: Arc<Service>, ctx: Arc<ServiceContext>) -> Result<Action, Error> {
     let started = Instant::now();
     let reference = ObjectRef::from_obj(service.as_ref());
-    let result = reconcile_inner(&service, &ctx, &reference).await;
+    // Ours while it is a LoadBalancer Service of our class that is not being deleted; otherwise our LoadBalancer goes.
+    let wanted = ctx.config.classes.accepts(&service)
+        && loadbalancer_spec::is_load_balancer_type(&service)
+        && service.meta().deletion_timestamp.is_none();
+    let result = if wanted {
+        apply(&service, &ctx, &reference).await
+    } else {
+        cleanup(&service, &ctx).await
+    };
     ctx.metrics
         .observe_reconcile(CONTROLLER, result.is_ok(), started.elapsed());
     if result.is_ok() {
@@ -213,7 +223,8 @@ fn service_api(service: &Service, ctx: &ServiceContext) -> Api<Service> {
     Api::namespaced(ctx.target.clone(), &service.namespace().unwrap_or_default())
 }
 
-async fn reconcile_inner(
+/// The Service's LoadBalancer as it should be: finalizer, validation, the desired spec applied in one write.
+async fn apply(
     service: &Service,
     ctx: &ServiceContext,
     reference: &ObjectRef<Service>,
@@ -221,13 +232,6 @@ async fn reconcile_inner(
     let namespace = service.namespace().unwrap_or_default();
     let name = service.name_any();
     let lb_name = naming::loadbalancer_name(&namespace, &name);
-
-    let wanted = ctx.config.classes.accepts(service)
-        && loadbalancer_spec::is_load_balancer_type(service)
-        && service.meta().deletion_timestamp.is_none();
-    if !wanted {
-        return deletion(service, ctx, &lb_name).await;
-    }
 
     if !has_finalizer(service) {
         finalizer::add(&service_api(service, ctx), service, finalizers::SERVICE)
@@ -353,7 +357,11 @@ async fn reconcile_inner(
 
 /// Service deleted, of another type or class: delete the LoadBalancer, wait until it is gone,
 /// then clear the ingress and release the Service.
-async fn deletion(service: &Service, ctx: &ServiceContext, lb_name: &str) -> Result<Action, Error> {
+async fn cleanup(service: &Service, ctx: &ServiceContext) -> Result<Action, Error> {
+    let lb_name = &naming::loadbalancer_name(
+        &service.namespace().unwrap_or_default(),
+        &service.name_any(),
+    );
     // Every instance uses the one finalizer `stackit.cloud/loadbalancer`: it marks a Service ours only when its
     // class is ours too, or when a LoadBalancer of ours served it (its class changed away from ours: `releasing`).
     // Otherwise it belongs to the instance of its class, and releasing it here stripped that instance's finalizer
