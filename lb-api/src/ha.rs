@@ -1,6 +1,8 @@
 //! High-availability settings of one LoadBalancer's machines, chosen by the controller when it writes their
 //! cloud-init: the VRRP virtual router id, base priority and advert interval (the agent runs keepalived with
 //! them, see `lb_agent::vrrp`), and the port and shared secret of the connection-state sync between replicas.
+//! How they reach the agent (its flags, the secret's file) is the controller's cloud-init's business, not this
+//! crate's.
 //!
 //! Unlike yawol, which gives every LoadBalancer virtual router id 100 and relies on security groups to keep
 //! them apart, each LoadBalancer gets its own id on its network ([`router_id_for`]).
@@ -17,8 +19,6 @@ pub const DEFAULT_BASE_PRIORITY: u8 = 100;
 /// Default TCP port of the connection-state sync between replicas (the security group must allow it between
 /// the machines, like VRRP, IP protocol 112).
 pub const DEFAULT_SYNC_PORT: u16 = crate::constants::sync::PORT;
-/// Where cloud-init writes the sync secret (mode 0600) and where [`agent_args`] points the agent.
-pub const SYNC_SECRET_FILE: &str = "/etc/lb-agent/sync-secret";
 /// Length of [`new_sync_secret`]: 32 random bytes, hex-encoded.
 pub const SYNC_SECRET_LEN: usize = 64;
 
@@ -33,8 +33,8 @@ pub struct HaSettings {
     pub advert_interval: Duration,
     /// TCP port of the connection-state sync.
     pub sync_port: u16,
-    /// Shared secret of the sync (generated per LoadBalancer, [`new_sync_secret`]); written to
-    /// [`SYNC_SECRET_FILE`], never put on a command line.
+    /// Shared secret of the sync (generated per LoadBalancer, [`new_sync_secret`]); handed to the agent in a file,
+    /// never on a command line, and redacted in `Debug`.
     pub sync_secret: String,
 }
 
@@ -144,27 +144,6 @@ fn try_new_sync_secret() -> Result<String, HaError> {
     Ok(data_encoding::HEXLOWER.encode(&bytes))
 }
 
-/// The agent's command-line flags for these settings:
-///
-/// - `--vrrp-router-id=<1..255>`, `--vrrp-priority=<1..254>`, `--vrrp-advert-interval=<Go duration>`
-/// - `--sync-listen=0.0.0.0:<port>` and `--sync-secret-file=<SYNC_SECRET_FILE>` (cloud-init writes the file)
-///
-/// Not emitted because the controller does not know them when it writes cloud-init (the agent learns them from
-/// the LoadBalancerMachines of its LoadBalancer) or because the defaults fit: `--vrrp-peer` and `--sync-peer`
-/// (repeatable; no `--vrrp-peer` = multicast), `--keepalived-binary` (default `/usr/sbin/keepalived`).
-pub fn agent_args(settings: &HaSettings) -> Vec<String> {
-    vec![
-        format!("--vrrp-router-id={}", settings.router_id),
-        format!("--vrrp-priority={}", settings.base_priority),
-        format!(
-            "--vrrp-advert-interval={}",
-            crate::format_go_duration(settings.advert_interval)
-        ),
-        format!("--sync-listen=0.0.0.0:{}", settings.sync_port),
-        format!("--sync-secret-file={SYNC_SECRET_FILE}"),
-    ]
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -217,30 +196,8 @@ mod tests {
     }
 
     #[test]
-    fn agent_args_carry_the_settings() {
-        let s = HaSettings {
-            router_id: 42,
-            base_priority: 100,
-            advert_interval: Duration::from_millis(200),
-            sync_port: 9190,
-            sync_secret: new_sync_secret(),
-        };
-        s.validate().unwrap();
-        let args = agent_args(&s);
-        assert_eq!(
-            args,
-            vec![
-                "--vrrp-router-id=42",
-                "--vrrp-priority=100",
-                "--vrrp-advert-interval=200ms",
-                "--sync-listen=0.0.0.0:9190",
-                "--sync-secret-file=/etc/lb-agent/sync-secret",
-            ]
-        );
-        assert!(
-            args.iter().all(|a| !a.contains(&s.sync_secret)),
-            "the secret must not be on the command line"
-        );
+    fn secrets_are_redacted_in_debug_output() {
+        let s = HaSettings::new("ns", "lb", &BTreeSet::new()).unwrap();
         assert!(!format!("{s:?}").contains(&s.sync_secret));
     }
 

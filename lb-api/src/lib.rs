@@ -1,7 +1,9 @@
 //! Kubernetes API types of the load balancer, wire-compatible with yawol's
 //! `yawol.stackit.cloud/v1beta1` CRDs: [`LoadBalancer`], [`LoadBalancerSet`] and
 //! [`LoadBalancerMachine`], plus the annotation/label/finalizer names, Go-duration helpers and
-//! naming helpers shared by the cloud controller, the OpenStack controllers and the agent.
+//! naming helpers shared by the cloud controller, the OpenStack controllers and the agent, and the
+//! HA settings of a LoadBalancer's machines with their rules ([`ha`]: router id, priority, advert
+//! interval, sync secret; how they reach the agent is the controller's cloud-init's business).
 //!
 //! Objects written by yawol deserialize and serialize back unchanged: optional Go fields are
 //! `Option`s here (omitted when `None`); use the accessor methods (e.g.

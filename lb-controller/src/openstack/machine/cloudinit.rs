@@ -3,8 +3,8 @@
 //! `#cloud-config` with base64 `write_files` (so no content can break the YAML):
 //! - `/etc/lb-agent/kubeconfig` (0600): API server, CA, and the bearer token of the machine's own ServiceAccount
 //!   (scoped by [`crate::openstack::machine::rbac`] to its LoadBalancer and LoadBalancerMachine), context namespace = the machine's;
-//! - `/etc/lb-agent/agent.env` (0600): the agent's arguments in Kubernetes mode, then the VRRP and state-sync flags
-//!   of [`lb_api::ha::agent_args`];
+//! - `/etc/lb-agent/agent.env` (0600): the agent's arguments ([`agent_args`]): Kubernetes mode, then the VRRP and
+//!   state-sync flags for the LoadBalancer's [`HaSettings`] ([`ha_args`]);
 //! - `/etc/lb-agent/sync-secret` (0600): the state-sync secret of the load balancer (the machine's Role cannot read
 //!   Secrets, so the controller hands it over here);
 //! - `/etc/systemd/system/lb-agent.service`: runs the agent, restarts it when it dies;
@@ -21,8 +21,9 @@ pub const AGENT_BINARY: &str = "/usr/local/bin/lb-agent";
 pub const KUBECONFIG_PATH: &str = "/etc/lb-agent/kubeconfig";
 /// The agent's environment file (its arguments) on the VM.
 pub const AGENT_ENV_PATH: &str = "/etc/lb-agent/agent.env";
-/// The state-sync secret on the VM (where [`lb_api::ha::agent_args`] points the agent).
-pub const SYNC_SECRET_PATH: &str = lb_api::ha::SYNC_SECRET_FILE;
+/// The state-sync secret on the VM (mode 0600; [`ha_args`] points the agent at it: the secret never goes on a
+/// command line).
+pub const SYNC_SECRET_PATH: &str = "/etc/lb-agent/sync-secret";
 
 /// Everything the user data depends on.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -47,8 +48,8 @@ pub struct UserDataParams {
     pub ntp_servers: Vec<String>,
     /// Start sshd (debug settings).
     pub debug_ssh: bool,
-    /// VRRP and state sync: the agent gets [`lb_api::ha::agent_args`] after its Kubernetes-mode arguments and the
-    /// secret is written to [`SYNC_SECRET_PATH`] (0600). `None`: a machine without either.
+    /// VRRP and state sync: the agent gets [`ha_args`] after its Kubernetes-mode arguments and the secret is written
+    /// to [`SYNC_SECRET_PATH`] (0600). `None`: a machine without either.
     pub ha: Option<HaSettings>,
     /// Revision of the machine's LoadBalancerSet (`--machine-revision`): equal to the LoadBalancer's current
     /// revision, the agent raises its VRRP priority, so a rollout's new machines take the VIP.
@@ -83,12 +84,33 @@ pub fn agent_args(p: &UserDataParams) -> Vec<String> {
         format!("--interface={}", p.interface),
     ];
     if let Some(ha) = &p.ha {
-        args.extend(lb_api::ha::agent_args(ha));
+        args.extend(ha_args(ha));
     }
     if let Some(r) = &p.machine_revision {
         args.push(format!("--machine-revision={r}"));
     }
     args
+}
+
+/// lb-agent's flags for the HA settings:
+///
+/// - `--vrrp-router-id=<1..255>`, `--vrrp-priority=<1..254>`, `--vrrp-advert-interval=<Go duration>`
+/// - `--sync-listen=0.0.0.0:<port>` and `--sync-secret-file=<SYNC_SECRET_PATH>` (written by this cloud-init)
+///
+/// Not emitted because the controller does not know them when it writes cloud-init (the agent learns them from
+/// the LoadBalancerMachines of its LoadBalancer) or because the defaults fit: `--vrrp-peer` and `--sync-peer`
+/// (repeatable; no `--vrrp-peer` = multicast), `--keepalived-binary` (default `/usr/sbin/keepalived`).
+pub fn ha_args(settings: &HaSettings) -> Vec<String> {
+    vec![
+        format!("--vrrp-router-id={}", settings.router_id),
+        format!("--vrrp-priority={}", settings.base_priority),
+        format!(
+            "--vrrp-advert-interval={}",
+            lb_api::format_go_duration(settings.advert_interval)
+        ),
+        format!("--sync-listen=0.0.0.0:{}", settings.sync_port),
+        format!("--sync-secret-file={SYNC_SECRET_PATH}"),
+    ]
 }
 
 fn chrony(p: &UserDataParams) -> String {
@@ -261,11 +283,38 @@ mod tests {
                 && chrony.contains("server 10.0.0.5 iburst")
         );
         assert!(!text.contains("ssh"), "no sshd without debug");
-        // The flags come first from Kubernetes mode, then exactly lb_api::ha's, then the revision.
+        // The flags come first from Kubernetes mode, then exactly the HA ones, then the revision.
         let args = agent_args(&params());
-        let ha = lb_api::ha::agent_args(params().ha.as_ref().unwrap());
+        let ha = ha_args(params().ha.as_ref().unwrap());
         assert_eq!(args[5..5 + ha.len()], ha[..]);
         assert_eq!(args.last().unwrap(), "--machine-revision=3");
+    }
+
+    #[test]
+    fn ha_args_carry_the_settings() {
+        let s = HaSettings {
+            router_id: 42,
+            base_priority: 100,
+            advert_interval: std::time::Duration::from_millis(200),
+            sync_port: 9190,
+            sync_secret: lb_api::ha::new_sync_secret(),
+        };
+        s.validate().unwrap();
+        let args = ha_args(&s);
+        assert_eq!(
+            args,
+            vec![
+                "--vrrp-router-id=42",
+                "--vrrp-priority=100",
+                "--vrrp-advert-interval=200ms",
+                "--sync-listen=0.0.0.0:9190",
+                "--sync-secret-file=/etc/lb-agent/sync-secret",
+            ]
+        );
+        assert!(
+            args.iter().all(|a| !a.contains(&s.sync_secret)),
+            "the secret must not be on the command line"
+        );
     }
 
     #[test]
