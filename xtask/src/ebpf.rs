@@ -173,7 +173,8 @@ fn find_rust_llvm(lib: &Path) -> Result<PathBuf> {
     )
 }
 
-fn cache_dir() -> PathBuf {
+/// `~/.cache/lb-xtask` (or under `XDG_CACHE_HOME`): tools built or downloaded once (bpf-linker, helm).
+pub fn cache_dir() -> PathBuf {
     if let Some(dir) = std::env::var_os("XDG_CACHE_HOME") {
         return PathBuf::from(dir).join("lb-xtask");
     }

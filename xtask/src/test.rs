@@ -88,6 +88,12 @@ const STAGES: &[Stage] = &[
         run: || crate::fuzz::parsers(15, None),
     },
     Stage {
+        // lb-controller's OCI image (static binary, empty root) built, pulled by podman from its layout and run
+        // against a real kube-apiserver: /healthz, a Service reconciled, the API server's name resolved by DNS.
+        name: "controller-image",
+        run: crate::image::controller::test_stage,
+    },
+    Stage {
         // Real TCP/UDP between network namespaces through the real agent and programs.
         name: "netns-e2e",
         run: || {
@@ -166,6 +172,7 @@ fn unit_test_binary(package: &str) -> Result<std::path::PathBuf> {
 pub fn run_all(args: TestArgs) -> Result<()> {
     let total = Instant::now();
     crate::prereq::kube_assets()?;
+    crate::prereq::helm_env()?;
     let mut passed = 0;
     for stage in STAGES {
         if let Some(only) = &args.only {

@@ -6,9 +6,13 @@
 //! - [`disk`]: the bootable disk (GPT, GRUB for BIOS and UEFI, ext4 made from the directory) without
 //!   mounting anything or using loop devices;
 //! - [`boot_test`]: boots it with a NoCloud seed and checks what the VM reports on its serial console.
+//!
+//! `cargo xtask image controller` is the other image: lb-controller's OCI image ([`controller`], [`oci`]).
 
 mod boot_test;
+pub mod controller;
 mod disk;
+mod oci;
 mod rootfs;
 
 use crate::util::root;
@@ -23,6 +27,8 @@ pub enum ImageCmd {
     Build(BuildArgs),
     /// Boot the built image in QEMU with lb-controller's user data and check the VM (BIOS and UEFI).
     BootTest(boot_test::BootTestArgs),
+    /// Build lb-controller's OCI image (static binary, empty root) into target/image/controller/.
+    Controller(controller::ControllerArgs),
 }
 
 /// Options of `cargo xtask image build`.
@@ -40,11 +46,14 @@ pub struct BuildArgs {
 pub fn run(cmd: ImageCmd) -> Result<()> {
     // SAFETY: geteuid has no preconditions.
     if unsafe { libc::geteuid() } != 0 {
-        anyhow::bail!("cargo xtask image needs root (chroot for the package installation, KVM)");
+        anyhow::bail!(
+            "cargo xtask image needs root (chroot for the package installation, KVM; the controller image's file owners)"
+        );
     }
     match cmd {
         ImageCmd::Build(args) => build(&args),
         ImageCmd::BootTest(args) => boot_test::boot_test(&args),
+        ImageCmd::Controller(args) => controller::build(&args).map(|_| ()),
     }
 }
 
