@@ -1,17 +1,36 @@
-//! The cloud controller: turns Services of type LoadBalancer (target cluster) into yawol-compatible
-//! `LoadBalancer` objects (control cluster), keeps their endpoints in line with the nodes, and
-//! reports external IPs and events back to the Services.
+//! The controllers of the load balancer: the cloud-controller side turns Services of type LoadBalancer (target
+//! cluster) into yawol-compatible `LoadBalancer` objects (control cluster) and reports their state back; the OpenStack
+//! side turns each LoadBalancer into OpenStack resources, LoadBalancerSets and LoadBalancerMachines with their VMs.
 //!
-//! Layout: pure decisions in [`desired`] and [`endpoints`]; I/O in [`service_controller`],
-//! [`backchannel`], [`leader`]; wiring in [`run`], stopping in [`stop`]. The tests run
-//! the controllers against a real kube-apiserver (`kube-testenv`); the benchmark against an in-memory one.
+//! Rooms, by who does what:
 //!
-//! OpenStack side (LoadBalancer → LoadBalancerSet → LoadBalancerMachine, `lb-controller controller`): the cloud
-//! behind the [`openstack::Cloud`] trait ([`openstack::sdk::SdkCloud`] on `openstack_sdk`,
-//! [`openstack::fake::FakeCloud`] for unit tests); the controllers [`lb_controller`], [`lbs_controller`] and
-//! [`lbm_controller`] with their shared [`finalizer`] and [`ownership`] rules; the LoadBalancer's OpenStack steps in
-//! [`lb_openstack`]; the machine's in [`machine`] (with the health rules); pure builders for the VM's cloud-init
-//! ([`cloudinit`]) and its Kubernetes access ([`rbac`]).
+//! - [`cloud`] (`lb-controller run`, yawol-cloud-controller's role): [`cloud::loadbalancer_spec`] (Service + nodes +
+//!   defaults → the LoadBalancer's spec, pure), [`cloud::endpoints`] (which nodes, pure), [`cloud::service`] (the
+//!   Service controller), [`cloud::backchannel`] (external IP and events back to the Service), [`cloud::run`]
+//!   (caches, triggers, loops).
+//! - [`openstack`] (`lb-controller controller`, yawol-controller's role): the [`openstack::Cloud`] trait with its
+//!   implementations ([`openstack::sdk`] on `openstack_sdk`, [`openstack::fake`] for unit tests), credentials
+//!   ([`openstack::config`]) and which session serves a LoadBalancer ([`openstack::clouds`]); one folder per
+//!   controller, each `mod.rs` reading `reconcile → apply | cleanup` with its steps beside it:
+//!   - [`openstack::loadbalancer`]: the LoadBalancer's cloud resources ([`openstack::loadbalancer::resources`]:
+//!     security group, floating IP, VIP port, server group), its sets ([`openstack::loadbalancer::sets`]) and HA
+//!     settings ([`openstack::loadbalancer::ha`]);
+//!   - [`openstack::set`]: a set's machines ([`openstack::set::plan`]) by the health rules
+//!     ([`openstack::set::health`]);
+//!   - [`openstack::machine`]: a machine's VM port and server ([`openstack::machine::resources`]), its cloud-init
+//!     ([`openstack::machine::cloudinit`]), its agent's Kubernetes access ([`openstack::machine::rbac`]), its
+//!     decisions ([`openstack::machine::plan`]) and metrics;
+//!
+//!   and [`openstack::run`], the three started together.
+//! - [`runtime`]: what every controller uses on top of kube-runtime (watches, change filters, finalizer, retry,
+//!   ownership, events, bad input reported once, stop).
+//! - [`process`]: the process around either side (`/metrics` and probes, the leader Lease, [`process::supervise`]);
+//!   [`cli`] the flags and environment, [`metrics`] the Prometheus registry, [`crds`] the CRD manifests.
+//!
+//! An OpenStack call is made in a `resources.rs` (through [`openstack::Cloud`]); a CR field is written by the
+//! controller of the folder named after its object (a Service's in [`cloud`]); a controller's rules are in its
+//! folder's pure files (`loadbalancer_spec.rs`, `endpoints.rs`, `sets.rs`, `ha.rs`, `plan.rs`, `health.rs`). The tests
+//! run the controllers against a real kube-apiserver (`kube-testenv`); the benchmark against an in-memory one.
 
 pub mod cli;
 pub mod cloud;

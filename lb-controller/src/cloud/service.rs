@@ -1,8 +1,8 @@
 //! Service controller (target cluster → control cluster): one `LoadBalancer` per Service of type
 //! LoadBalancer with a matching class; node changes re-run every Service so endpoints follow.
 //!
-//! A reconcile is [`apply`] while the Service is ours (type LoadBalancer, our class, not being deleted), else
-//! [`cleanup`]. `apply` computes the complete desired spec (see [`crate::cloud::loadbalancer_spec`]) and applies all
+//! A reconcile is `apply` while the Service is ours (type LoadBalancer, our class, not being deleted), else
+//! `cleanup`. `apply` computes the complete desired spec (see [`crate::cloud::loadbalancer_spec`]) and applies all
 //! differences in one merge patch (yawol applies at most one option change per reconcile); `cleanup` deletes the
 //! LoadBalancer, waits until it is gone, clears the ingress and releases the Service.
 

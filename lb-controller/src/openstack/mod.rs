@@ -1,11 +1,14 @@
-//! OpenStack access for the LoadBalancer and LoadBalancerMachine controllers.
+//! The OpenStack side (`lb-controller controller`, yawol-controller's role): LoadBalancer → OpenStack resources,
+//! LoadBalancerSets and LoadBalancerMachines with their VMs. One folder per controller ([`loadbalancer`], [`set`],
+//! [`machine`]), started together by [`run`], with their cloud sessions from [`clouds`].
 //!
 //! The controllers talk to the cloud only through the [`Cloud`] trait: a small set of find/create/update/delete
 //! operations on the five resource kinds a load balancer needs (security groups and rules, floating IPs, ports,
 //! server groups, servers). The domain-level "ensure" steps (adopt by name, diff rules, never replace a floating IP)
-//! live in [`crate::openstack::loadbalancer::resources`] and [`crate::openstack::machine::resources`] and are written against the trait, so they are unit-tested
-//! with [`fake::FakeCloud`] and run against a real cloud with [`sdk::SdkCloud`] (`openstack_sdk`, async). Another
-//! cloud could plug in by implementing the trait.
+//! live in each controller's `resources.rs` ([`loadbalancer::resources`], [`machine::resources`]) and are written
+//! against the trait, so they are unit-tested with [`fake::FakeCloud`] and run against a real cloud with
+//! [`sdk::SdkCloud`] (`openstack_sdk`, async; credentials in [`config`]). Another cloud could plug in by implementing
+//! the trait.
 //!
 //! Every method is one API call (list calls may page internally); implementations count calls in the
 //! `yawol_openstack{api,object,operation}` metric ([`OpenStackCalls`]).

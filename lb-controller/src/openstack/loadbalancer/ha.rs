@@ -2,7 +2,7 @@
 //! `loadbalancer.yawol.stackit.cloud/vrrpRouterID` (distinct among the LoadBalancers on one network, chosen by
 //! `lb_api::ha::router_id_for`), the shared sync secret in the Secret `<lb>-sync`, and annotation
 //! `loadbalancer.yawol.stackit.cloud/syncPeers` with the sorted `status.defaultPortIP`s of the live machines. The
-//! LoadBalancer controller writes them ([`super::apply`]); the machine controller reads them into the cloud-init.
+//! LoadBalancer controller writes them (`apply`); the machine controller reads them into the cloud-init.
 //! Pure.
 
 use std::collections::BTreeSet;

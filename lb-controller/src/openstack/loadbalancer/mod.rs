@@ -1,5 +1,5 @@
-//! The LoadBalancer controller (control cluster, yawol-controller's LoadBalancer role). A reconcile is [`apply`] or,
-//! once the LoadBalancer is being deleted, [`cleanup`]:
+//! The LoadBalancer controller (control cluster, yawol-controller's LoadBalancer role). A reconcile is `apply` or,
+//! once the LoadBalancer is being deleted, `cleanup`:
 //!
 //! - `apply`: the finalizer; the OpenStack resources ([`resources`]: security group, floating IP, VIP port, server
 //!   group) with the status saved after each, throttled by [`resources::needs_openstack_reconcile`], Warning events

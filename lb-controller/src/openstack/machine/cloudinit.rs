@@ -2,7 +2,7 @@
 //!
 //! `#cloud-config` with base64 `write_files` (so no content can break the YAML):
 //! - `/etc/lb-agent/kubeconfig` (0600): API server, CA, and the bearer token of the machine's own ServiceAccount
-//!   (scoped by [`crate::openstack::machine::rbac`] to its LoadBalancer and LoadBalancerMachine), context namespace = the machine's;
+//!   (scoped by [`super::rbac`] to its LoadBalancer and LoadBalancerMachine), context namespace = the machine's;
 //! - `/etc/lb-agent/agent.env` (0600): the agent's arguments ([`agent_args`]): Kubernetes mode, then the VRRP and
 //!   state-sync flags for the LoadBalancer's [`HaSettings`] ([`ha_args`]);
 //! - `/etc/lb-agent/sync-secret` (0600): the state-sync secret of the load balancer (the machine's Role cannot read

@@ -1,5 +1,5 @@
-//! The LoadBalancerMachine controller (control cluster, yawol-controller's LBM role). A reconcile is [`apply`] or,
-//! once the machine is being deleted, [`cleanup`]:
+//! The LoadBalancerMachine controller (control cluster, yawol-controller's LBM role). A reconcile is `apply` or,
+//! once the machine is being deleted, `cleanup`:
 //!
 //! - `apply`, each step saving its status fields at once: the Kubernetes access of the machine's agent ([`rbac`]),
 //!   the VM port with the VIP as allowed address pair, and the server booted with [`cloudinit`] user data in the
@@ -8,11 +8,12 @@
 //!
 //! Metrics in [`metrics`]. Nothing blocks a worker: waiting for the token controller, for Nova to report ACTIVE or to
 //! finish a delete is a requeue after [`LbmControllerConfig::poll`]. A server in ERROR is deleted and booted again,
-//! with a Warning event carrying Nova's fault text. OpenStack errors become Warning events (on the machine and on its
-//! LoadBalancer, so the cloud controller forwards them to the Service) and `loadbalancermachine_openstack_errors_total`;
-//! the status keeps what exists and the reconcile is retried with exponential backoff
-//! ([`LbmControllerConfig::error_backoff_base`] … [`LbmControllerConfig::error_backoff_max`]). Every OpenStack object
-//! is found by name before it is created, so an interrupted reconcile resumes instead of duplicating.
+//! with a Warning event carrying Nova's fault text. OpenStack errors become Warning events (on the machine and on
+//! its LoadBalancer, so the cloud controller forwards them to the Service) and
+//! `loadbalancermachine_openstack_errors_total`; the status keeps what exists and the reconcile is retried with
+//! exponential backoff ([`LbmControllerConfig::error_backoff_base`] … [`LbmControllerConfig::error_backoff_max`]).
+//! Every OpenStack object is found by name before it is created, so an interrupted reconcile resumes instead of
+//! duplicating.
 //!
 //! The decisions are pure functions in [`plan`] ([`machine_spec`], [`openstack_due`], [`server_action`],
 //! [`status_patch`], …) with unit tests; `apply` and `cleanup` only sequence them with the API calls.
@@ -91,7 +92,7 @@ impl Default for LbmControllerConfig {
     }
 }
 
-/// Errors of one reconcile (logged, retried with [`backoff`]).
+/// Errors of one reconcile (logged, retried with the machine's backoff: [`error_policy`]).
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
     /// Kubernetes API.
@@ -704,7 +705,8 @@ async fn cleanup<F: CloudFactory>(
     Ok(Action::await_change())
 }
 
-/// Retries with per-machine exponential backoff ([`backoff`]).
+/// Retries with per-machine exponential backoff ([`LbmControllerConfig::error_backoff_base`] doubling up to
+/// [`LbmControllerConfig::error_backoff_max`], [`Retries`]).
 pub fn error_policy<F: CloudFactory>(
     lbm: Arc<LoadBalancerMachine>,
     error: &Error,

@@ -197,7 +197,7 @@ pub fn qualified(namespace: &str, name: &str) -> String {
     format!("{namespace}/{name}")
 }
 
-/// The machine's identity for [`rbac`].
+/// The machine's identity for [`super::rbac`].
 pub fn identity(lbm: &LoadBalancerMachine) -> MachineIdentity {
     let n = machine_names(lbm);
     MachineIdentity {
@@ -208,8 +208,9 @@ pub fn identity(lbm: &LoadBalancerMachine) -> MachineIdentity {
     }
 }
 
-/// A LoadBalancer carrying only what [`crate::openstack::clouds::CloudFactory::cloud_for`] reads (credentials Secret, project), from the
-/// machine's own infrastructure copy: the machine can be cleaned up even when its LoadBalancer is gone.
+/// A LoadBalancer carrying only what [`crate::openstack::clouds::CloudFactory::cloud_for`] reads (credentials
+/// Secret, project), from the machine's own infrastructure copy: the machine can be cleaned up even when its
+/// LoadBalancer is gone.
 pub(super) fn credentials_key(lbm: &LoadBalancerMachine) -> LoadBalancer {
     let lb_ns = lb_namespace(lbm);
     serde_json::from_value(json!({

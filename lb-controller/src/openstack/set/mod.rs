@@ -2,7 +2,7 @@
 //! `spec.replicas` LoadBalancerMachines of the set's template alive, replaces unhealthy ones, and reports the set's
 //! status (`replicas`, `readyReplicas`, `availableReplicas`, condition `HasKeepalivedMaster`).
 //!
-//! A reconcile is [`apply`] or, once the set is being deleted, [`cleanup`]. The decisions are pure functions in
+//! A reconcile is `apply` or, once the set is being deleted, `cleanup`. The decisions are pure functions in
 //! [`plan`] ([`machine_view`], [`heartbeat_outage`], [`plan_set`], [`new_machine`]) over the health rules of
 //! [`health`]; `apply` reads, plans, and — only when the plan writes — re-reads the set's machines from the API server
 //! and plans again, so a create or delete is never based on a lagging cache.
