@@ -4,7 +4,9 @@
 //! trying to report through the outage). A LoadBalancer with two ready machines loses nothing: Nova creates and
 //! deletes no server during the outage nor after it, no machine is marked, deleted or replaced, the controllers keep
 //! running; the agents report again with their own tokens once the server is back, and a scale-up written after the
-//! outage reaches Nova. The API server refuses nothing at any time (no 401 or 403 to controllers or agents).
+//! outage reaches Nova. The API server refuses the controllers and agents nothing (no 401 or 403), except while it
+//! starts again: it already serves requests then, and answers 403 until its authorizer's caches have synced (seen:
+//! an agent's status patch in that second); those are printed and tolerated, the clients retry them.
 //!
 //! The fake-cloud twin of this test (`openstack_controllers_api_outage.rs`, with the controllers' call counters of
 //! the in-memory cloud) runs in the unit stage; this one proves the same against the real cloud and with the
@@ -17,7 +19,7 @@
 mod common;
 
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime};
 
 use anyhow::{ensure, Context, Result};
 use common::openstack::{
@@ -132,6 +134,7 @@ async fn a_minute_without_the_api_server_changes_nothing_in_openstack() -> Resul
         );
 
         // The outage; Nova is looked at every 5 s throughout.
+        let stopped_at = SystemTime::now();
         kube.stop_apiserver();
         let t0 = Instant::now();
         while t0.elapsed() < OUTAGE {
@@ -146,6 +149,12 @@ async fn a_minute_without_the_api_server_changes_nothing_in_openstack() -> Resul
         let back = jiff::Timestamp::now();
         kube.restart_apiserver().await?;
         let t_back = Instant::now();
+        // The restarted API server serves requests before it is ready, and until its authorizer's caches have synced
+        // it refuses them: those are the only refusals tolerated (the clients retry them like any error).
+        let starting = c.refusals.take_between(stopped_at, SystemTime::now());
+        for r in &starting {
+            eprintln!("refused while the API server started (tolerated): {r}");
+        }
 
         // The agents report again with their own tokens, and the test's watch has relisted.
         c.wait("fresh heartbeats after the outage", STEP, |c| {

@@ -59,6 +59,15 @@ impl Refusals {
         self.0.lock().unwrap().clone()
     }
 
+    /// Removes and returns the refusals recorded from `from` to `to`: those a test expects, e.g. while an API server
+    /// starts (it serves requests before its authorizer's caches have synced, and refuses them meanwhile).
+    pub fn take_between(&self, from: SystemTime, to: SystemTime) -> Vec<Refusal> {
+        let mut all = self.0.lock().unwrap();
+        let (taken, kept) = all.drain(..).partition(|r| from <= r.at && r.at <= to);
+        *all = kept;
+        taken
+    }
+
     /// Fails naming every refused request, if there was one.
     pub fn assert_none(&self) -> Result<()> {
         let all = self.all();
