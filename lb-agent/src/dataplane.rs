@@ -1,6 +1,7 @@
 //! Loading, attaching and reading/writing the eBPF data plane. Knows the maps, not the load-balancer model
 //! (that is [`crate::programmer`]).
 
+use crate::flow_filter::FlowFilterMap;
 use anyhow::{anyhow, bail, Context, Result};
 use aya::{
     maps::{
@@ -89,11 +90,13 @@ pub struct Dataplane {
     pinned: std::collections::HashMap<&'static str, Map>,
     pin_dir: Option<PathBuf>,
     maglev: Option<MappedArray>,
+    /// The flow filter, marked for every TCP entry written here (`None` when only the pins were opened).
+    flow_filter: Option<FlowFilterMap>,
 }
 
-/// A `BPF_F_MMAPABLE` array of `u32` mapped into this process (the Maglev arena). The kernel lays array
-/// elements out 8-byte aligned, so each `u32` slot is the low half of a `u64` in the mapping.
-struct MappedArray {
+/// A `BPF_F_MMAPABLE` array mapped into this process (the Maglev arena, the flow filter). The kernel lays array
+/// elements out 8-byte aligned, so each `u32` slot of the arena is the low half of a `u64` in the mapping.
+pub(crate) struct MappedArray {
     ptr: *mut u64,
     entries: usize,
     bytes: usize,
@@ -103,7 +106,7 @@ struct MappedArray {
 unsafe impl Send for MappedArray {}
 
 impl MappedArray {
-    fn map(data: &MapData, entries: u32) -> Result<Self> {
+    pub(crate) fn map(data: &MapData, entries: u32) -> Result<Self> {
         use std::os::fd::{AsFd, AsRawFd};
         let page = 4096usize;
         let bytes = (entries as usize * 8).div_ceil(page) * page;
@@ -120,7 +123,7 @@ impl MappedArray {
         };
         if ptr == libc::MAP_FAILED {
             bail!(
-                "mmap of the Maglev arena failed: {}",
+                "mmap of a memory-mappable array map failed: {}",
                 std::io::Error::last_os_error()
             );
         }
@@ -129,6 +132,10 @@ impl MappedArray {
             entries: entries as usize,
             bytes,
         })
+    }
+
+    pub(crate) fn ptr(&self) -> *mut u64 {
+        self.ptr
     }
 
     fn slots(&mut self) -> &mut [u64] {
@@ -147,7 +154,7 @@ impl Drop for MappedArray {
 /// Every map the agent programs, with the capacity setter's name.
 /// The maps pinned (they outlive the agent, and `lbctl` reads them). The flow-event ring buffer too, so that a
 /// traced program swapped in by `lbctl trace` publishes new flows to the same consumer.
-const MAPS: [&str; 13] = [
+const MAPS: [&str; 14] = [
     names::SERVICES,
     names::BACKENDS,
     names::MAGLEV,
@@ -157,6 +164,7 @@ const MAPS: [&str; 13] = [
     names::FLOWS_V4,
     names::TRANSIENT_V4,
     names::TRUSTED_SOURCES,
+    names::FLOW_FILTER,
     names::SERVICE_STATS,
     names::STATS,
     names::CONFIG,
@@ -213,11 +221,20 @@ impl Dataplane {
             },
             _ => None,
         };
+        // Without the mapping the agent could not mark the entries it writes, and the data plane would skip their
+        // lookups: no fallback, a clear error.
+        let flow_filter = match ebpf.map(names::FLOW_FILTER) {
+            Some(aya::maps::Map::Array(data)) => {
+                Some(FlowFilterMap::open(data).context("mapping the flow filter")?)
+            }
+            _ => bail!("the eBPF object has no {} array", names::FLOW_FILTER),
+        };
         Ok(Dataplane {
             ebpf: Some(ebpf),
             pinned: Default::default(),
             pin_dir,
             maglev,
+            flow_filter,
         })
     }
 
@@ -241,6 +258,7 @@ impl Dataplane {
             pinned,
             pin_dir: Some(dir),
             maglev: None,
+            flow_filter: None,
         })
     }
 
@@ -580,12 +598,28 @@ impl Dataplane {
         }
     }
 
-    /// Writes a flow entry (tests, state sync).
+    /// Writes a flow entry (tests, state sync), marked in the flow filter.
     pub fn set_flow(&mut self, key: &FlowKeyV4, v: &FlowV4) -> Result<()> {
         let mut m: HashMap<&mut MapData, FlowKeyV4, FlowV4> =
             HashMap::try_from(self.map(names::FLOWS_V4)?)?;
         m.insert(key, v, 0)?;
+        if let Some(f) = &self.flow_filter {
+            f.mark(key);
+        }
         Ok(())
+    }
+
+    /// The flow filter of this data plane (`None` when only the pins were opened).
+    pub fn flow_filter(&mut self) -> Option<&mut FlowFilterMap> {
+        self.flow_filter.as_mut()
+    }
+
+    /// A second mapping of the flow filter, for a task that writes `FLOWS_V4` through its own handle (flow sync).
+    pub fn open_flow_filter(&mut self) -> Result<FlowFilterMap> {
+        match self.open_map(names::FLOW_FILTER)? {
+            Map::Array(data) => FlowFilterMap::open(&data),
+            _ => bail!("{} is not an array", names::FLOW_FILTER),
+        }
     }
 
     /// Deletes a flow entry.

@@ -12,6 +12,7 @@
 //! arise when configs differ for a moment or after a split brain.
 
 use crate::dataplane::Dataplane;
+use crate::flow_filter::FlowFilterMap;
 use crate::gc::now_ns;
 use anyhow::{Context, Result};
 use aya::maps::{HashMap, MapData};
@@ -44,6 +45,8 @@ pub enum Applied {
 /// Handles on the pinned maps, independent of the agent's [`Dataplane`].
 pub struct BpfFlowStore {
     flows: HashMap<MapData, FlowKeyV4, FlowV4>,
+    /// Marked for every connection written here, as the data plane marks its own (`lb_common::flow_filter`).
+    filter: FlowFilterMap,
     services: HashMap<MapData, ServiceKey, Service>,
     nexthops: HashMap<MapData, Addr, NextHop>,
     /// The SYN rate guard's trusted sources: a peer's completed handshake vouches for its client here too, so
@@ -58,6 +61,7 @@ impl BpfFlowStore {
     pub fn open(dp: &mut Dataplane, master: Arc<AtomicBool>) -> Result<Self> {
         Ok(BpfFlowStore {
             flows: HashMap::try_from(dp.open_map(names::FLOWS_V4)?).context("flow map handle")?,
+            filter: dp.open_flow_filter().context("flow filter mapping")?,
             services: HashMap::try_from(dp.open_map(names::SERVICES)?)
                 .context("service map handle")?,
             nexthops: HashMap::try_from(dp.open_map(names::NEXTHOPS)?)
@@ -84,6 +88,14 @@ impl BpfFlowStore {
             FLOW_EV_CLOSE => self.apply_close(ev, seen),
             k => anyhow::bail!("unknown flow event kind {k}"),
         }
+    }
+
+    /// Writes an entry into `FLOWS_V4` and marks it in the flow filter (after the write: see
+    /// `lb_common::flow_filter`).
+    fn write(&mut self, k: FlowKeyV4, v: FlowV4) -> Result<()> {
+        self.flows.insert(k, v, 0)?;
+        self.filter.mark(&k);
+        Ok(())
     }
 
     fn get(&self, k: &FlowKeyV4) -> Result<Option<FlowV4>> {
@@ -132,7 +144,7 @@ impl BpfFlowStore {
                 let mut o = o.expect("checked above");
                 if o.last_seen_ns < seen {
                     o.last_seen_ns = seen;
-                    self.flows.insert(k, o, 0)?;
+                    self.write(k, o)?;
                 }
             }
             return Ok(Applied::Unchanged);
@@ -146,8 +158,8 @@ impl BpfFlowStore {
             let _ = self.flows.remove(&o.partner_key(key.proto));
         }
         // Reverse first, like the data plane: a forward entry never points at a missing reverse one.
-        self.flows.insert(rkey, rev, 0)?;
-        self.flows.insert(key, fwd, 0)?;
+        self.write(rkey, rev)?;
+        self.write(key, fwd)?;
         if key.proto == PROTO_TCP {
             self.trusted.insert(Addr::from_v4_raw(key.src), 1, 0)?;
         }
@@ -167,12 +179,12 @@ impl BpfFlowStore {
             return Ok(Applied::Unchanged);
         }
         e.close(bits, seen);
-        self.flows.insert(ev.key, e, 0)?;
+        self.write(ev.key, e)?;
         if bits & FLOW_F_RST != 0 {
             let pk = e.partner_key(ev.key.proto);
             if let Some(mut p) = self.get(&pk)? {
                 p.close(FLOW_F_RST, seen);
-                self.flows.insert(pk, p, 0)?;
+                self.write(pk, p)?;
             }
         }
         Ok(Applied::Written)

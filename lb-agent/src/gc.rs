@@ -49,7 +49,14 @@ fn closed(f: &FlowV4, partner: Option<&FlowV4>) -> bool {
 /// With `refresh_window_ns`, the same walk also lists the connections used here within that window
 /// ([`crate::flowstore::refresh_events`]): state sync sends them so the peers' copies stay fresh.
 pub fn collect(dp: &mut Dataplane, now: u64, refresh_window_ns: Option<u64>) -> Result<GcReport> {
+    // The walk also rebuilds the flow filter: cleared before it, marked with what it finds after it.
+    if let Some(f) = dp.flow_filter() {
+        f.begin_rebuild();
+    }
     let flows: HashMap<FlowKeyV4, FlowV4> = dp.flows()?.into_iter().collect();
+    if let Some(f) = dp.flow_filter() {
+        f.finish_rebuild(flows.keys());
+    }
     let mut r = GcReport {
         entries: flows.len() as u64,
         refresh: refresh_window_ns

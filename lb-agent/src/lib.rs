@@ -6,6 +6,7 @@ pub mod agent;
 pub mod arena;
 pub mod config;
 pub mod dataplane;
+pub mod flow_filter;
 pub mod flowstore;
 pub mod gc;
 pub mod ha;

@@ -457,6 +457,49 @@ both_hooks! {
         assert_eq!(h.svc_stats(&web(&[]).id).drop_snat_exhausted, 1);
     }
 
+    fn a_snat_port_the_flow_filter_marks_is_skipped_until_the_gc_rebuilds_it(h) {
+        h.dp.set_config(&lb_common::Config { snat_port_min: 40000, snat_port_max: 40003, hash_seed: 7, ..Default::default() }).unwrap();
+        h.apply(&[web(&[1])]);
+        let p = open(h, 43100);
+        let key = fwd_key(43100, 6, WEB_PORT);
+        let rkey = h.dp.flow(&key).unwrap().unwrap().partner_key(6);
+        let filter = h.dp.flow_filter().unwrap();
+        assert!(filter.may_hold(&key) && filter.may_hold(&rkey), "a completed handshake marks both keys");
+        // Marks that no connection holds (a connection gone since, or another key's bit) on all free ports but
+        // one: the next SYN takes that one without looking the others up, the one after finds none.
+        let rkey_of = |port: u16| FlowKeyV4 { dport: port.to_be(), ..rkey };
+        let free: Vec<u16> = (40000..=40003).filter(|&x| x != p.sport).collect();
+        for &port in &free[1..] {
+            filter.mark(&rkey_of(port));
+        }
+        assert_eq!(syn(h, 43101).sport, free[0]);
+        assert_eq!(h.run(&client_tcp(43102, SYN, b"")).0, Verdict::Drop);
+        assert_eq!(h.stat(stat::DROP_SNAT_EXHAUSTED), 1);
+        // The GC's walk rebuilds the filter from what the table holds: the stale marks are gone, the
+        // connection's stay.
+        lb_agent::gc::collect(&mut h.dp, lb_agent::gc::now_ns(), None).unwrap();
+        let filter = h.dp.flow_filter().unwrap();
+        assert!(filter.may_hold(&key) && filter.may_hold(&rkey));
+        assert!(free[1..].iter().all(|&port| !filter.may_hold(&rkey_of(port))));
+        let p2 = syn(h, 43102);
+        assert!(free[1..].contains(&p2.sport), "{}", p2.sport);
+    }
+
+    fn a_connection_made_while_the_filter_is_rebuilt_stays_marked(h) {
+        h.apply(&[web(&[1])]);
+        // The rebuild clears its generation, then a handshake completes that the walk does not see.
+        h.dp.flow_filter().unwrap().begin_rebuild();
+        open(h, 43200);
+        h.dp.flow_filter().unwrap().finish_rebuild([]);
+        let key = fwd_key(43200, 6, WEB_PORT);
+        let rkey = h.dp.flow(&key).unwrap().unwrap().partner_key(6);
+        let filter = h.dp.flow_filter().unwrap();
+        assert!(filter.may_hold(&key) && filter.may_hold(&rkey), "marked in both generations by the data plane");
+        // A SYN on it is looked up, so it still follows the connection (a stray SYN, not a new handshake).
+        h.run(&client_tcp(43200, SYN, b""));
+        assert_eq!(h.dp.transient_flow(&key).unwrap(), None);
+    }
+
     fn configured_snat_address_is_used(h) {
         let mut w = web(&[1]);
         let snat = Ipv4Addr::new(10, 0, 0, 5);

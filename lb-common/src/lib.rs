@@ -11,7 +11,7 @@
 
 /// Bumped whenever a pinned map's key or value layout changes. The agent pins maps under a directory named
 /// after it, so an upgrade with a new layout starts with fresh maps instead of misreading old ones.
-pub const LAYOUT_VERSION: u32 = 4;
+pub const LAYOUT_VERSION: u32 = 5;
 
 /// IP protocol number of TCP.
 pub const PROTO_TCP: u8 = 6;
@@ -256,6 +256,53 @@ impl FlowV4 {
             proto,
             _pad: [0; 3],
         }
+    }
+}
+
+/// murmur3's 32-bit finaliser: cheap and well mixed (the flow hash, the SNAT port search, the flow filter).
+#[inline(always)]
+pub const fn fmix(mut h: u32) -> u32 {
+    h ^= h >> 16;
+    h = h.wrapping_mul(0x85eb_ca6b);
+    h ^= h >> 13;
+    h = h.wrapping_mul(0xc2b2_ae35);
+    h ^= h >> 16;
+    h
+}
+
+/// `FLOW_FILTER`: which keys of TCP entries `FLOWS_V4` may hold, as a bitmap indexed by a hash of the key. A clear
+/// bit means "certainly not there", so a new connection's SYN skips the lookup of its own key and the SNAT port
+/// search skips the probe of each candidate reverse key in the large table — the cache misses that made a new
+/// flow cost several times an established packet. A set bit only means "look it up" (another key with the same
+/// bit, or a connection gone since).
+///
+/// Bits are never cleared one by one (a connection can leave `FLOWS_V4` in many ways, LRU eviction among them,
+/// without anyone seeing it); instead there are two generations, and the agent's GC rebuilds the inactive one
+/// from a walk of the table and then makes it the active one. Marks are set in both generations, after the entry
+/// is written (by the data plane when a handshake completes, by the agent when flow sync writes a peer's
+/// connection), so an entry is marked in the active generation from the moment it exists: a mark that the
+/// rebuild's clearing erased belongs to an entry written before the walk started, which the walk then marks.
+/// UDP entries are not marked: only TCP's new-connection path consults the filter, and keys carry the protocol.
+pub mod flow_filter {
+    use super::{fmix, FlowKeyV4};
+
+    /// Bits per generation: 2^25 (4 MiB), about 11 % of bits set with 4M keys marked.
+    pub const BITS_LOG2: u32 = 25;
+    /// `u64` words per generation.
+    pub const WORDS: u32 = 1 << (BITS_LOG2 - 6);
+    /// Index of the element that holds the active generation (0 or 1), after both generations' words.
+    pub const GENERATION_INDEX: u32 = 2 * WORDS;
+    /// Elements of the map.
+    pub const ENTRIES: u32 = 2 * WORDS + 1;
+
+    /// The word (within a generation) and bit of `key`.
+    #[inline(always)]
+    pub const fn slot(key: &FlowKeyV4) -> (u32, u64) {
+        let mut h = fmix(0x6a09_e667 ^ key.src);
+        h = fmix(h ^ key.dst);
+        h = fmix(h ^ (((key.sport as u32) << 16) | key.dport as u32));
+        h = fmix(h ^ key.proto as u32);
+        ((h >> 6) & (WORDS - 1), 1 << (h & 63))
     }
 }
 
@@ -561,6 +608,8 @@ pub mod map_names {
     pub const TRANSIENT_V4: &str = "TRANSIENT_V4";
     /// `LruHashMap<Addr, u8>`: sources that completed a TCP handshake (the rate guard lets them through).
     pub const TRUSTED_SOURCES: &str = "TRUSTED_SOURCES";
+    /// `Array<u64>` (memory-mappable) of [`super::flow_filter::ENTRIES`]: which TCP keys `FLOWS_V4` may hold.
+    pub const FLOW_FILTER: &str = "FLOW_FILTER";
     /// `PerCpuArray<u64>`, one element: the SYN rate guard's state per CPU (theoretical arrival time, ns).
     pub const SYN_GUARD: &str = "SYN_GUARD";
     /// `PerCpuArray<ServiceStats>`.
@@ -642,6 +691,36 @@ mod tests {
         assert_eq!(size_of::<Config>(), 28);
         assert_eq!(size_of::<FlowEvent>(), 120);
         assert_eq!(stat::NAMES.len(), stat::COUNT as usize);
+    }
+
+    #[test]
+    fn the_flow_filter_spreads_keys_over_its_words_and_bits() {
+        // The 2^16 reverse keys of one node:NodePort (every SNAT port) land in distinct slots but for the
+        // few collisions the table's size predicts.
+        let mut seen = [0u64; 1024];
+        let mut collisions = 0;
+        for port in 0..=u16::MAX {
+            let k = FlowKeyV4 {
+                src: 0x0a00_0001,
+                dst: 0xcb00_7101,
+                sport: 30080u16.to_be(),
+                dport: port.to_be(),
+                proto: PROTO_TCP,
+                _pad: [0; 3],
+            };
+            let (w, bit) = flow_filter::slot(&k);
+            assert!(w < flow_filter::WORDS && bit.count_ones() == 1);
+            // A small projection of the 2^25 slots, enough to see clustering.
+            let i = (w as usize * 64 + bit.trailing_zeros() as usize) % (1024 * 64);
+            if seen[i / 64] & (1 << (i % 64)) != 0 {
+                collisions += 1;
+            }
+            seen[i / 64] |= 1 << (i % 64);
+        }
+        // 65 536 keys into 65 536 projected slots: ~1/e of them collide if the hash is uniform.
+        assert!((20_000..28_000).contains(&collisions), "{collisions}");
+        assert_eq!(fmix(0), 0);
+        assert_eq!(fmix(1), 0x514e_28b7);
     }
 
     #[test]

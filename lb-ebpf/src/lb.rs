@@ -2,6 +2,7 @@
 //! 5-tuple hash, the backend and its next hop.
 
 use aya_ebpf::maps::lpm_trie::Key;
+pub use lb_common::fmix;
 use lb_common::{
     stat, Addr, Config, FlowKeyV4, Service, SourceRangeKey, FAMILY_V4, SOURCE_RANGE_ID_BITS,
     SVC_F_SOURCE_RANGES,
@@ -72,17 +73,6 @@ pub fn pick_backend(cfg: &Config, p: &L4Pkt, svc: &Service) -> Result<Target, Ve
 #[inline(always)]
 pub fn rem(a: u32, b: u32) -> u32 {
     a.checked_rem(b).unwrap_or_default()
-}
-
-/// murmur3's finaliser: cheap and well mixed.
-#[inline(always)]
-pub fn fmix(mut h: u32) -> u32 {
-    h ^= h >> 16;
-    h = h.wrapping_mul(0x85eb_ca6b);
-    h ^= h >> 13;
-    h = h.wrapping_mul(0xc2b2_ae35);
-    h ^= h >> 16;
-    h
 }
 
 /// Hash of a flow's 5-tuple, the same on every replica with the same seed.

@@ -6,10 +6,14 @@
 //! arithmetic in XDP, the kernel's checksum helpers in TC, which also handle partially offloaded checksums of
 //! GSO super-packets).
 #![cfg_attr(not(test), no_std)]
+// `core::intrinsics::atomic_or` (see `flow_filter`); the BPF build is on nightly anyway (`-Z build-std`).
+#![cfg_attr(target_arch = "bpf", feature(core_intrinsics))]
+#![cfg_attr(target_arch = "bpf", allow(internal_features))]
 
 pub mod conntrack;
 pub mod csum;
 pub mod ctx;
+pub mod flow_filter;
 pub mod hdr;
 pub mod icmp;
 pub mod lb;

@@ -51,6 +51,12 @@ pub static FLOWS_V4: LruHashMap<FlowKeyV4, FlowV4> =
 pub static TRANSIENT_V4: LruHashMap<FlowKeyV4, TransientV4> =
     LruHashMap::with_max_entries(defaults::MAX_TRANSIENT, 0);
 
+/// Which TCP keys `FLOWS_V4` may hold (see `lb_common::flow_filter`): two generations of bits and the active
+/// generation's number. Memory-mappable so the agent marks and rebuilds it without a syscall per word.
+#[map]
+pub static FLOW_FILTER: Array<u64> =
+    Array::with_max_entries(lb_common::flow_filter::ENTRIES, BPF_F_MMAPABLE);
+
 /// Sources that completed a TCP handshake: the SYN rate guard lets them through (see `syn_guard`).
 #[map]
 pub static TRUSTED_SOURCES: LruHashMap<Addr, u8> =

@@ -13,6 +13,7 @@ use lb_common::{
 use crate::{
     conntrack,
     ctx::{ptr_at, Ctx},
+    flow_filter,
     hdr::*,
     icmp,
     lb::pick_backend,
@@ -146,8 +147,10 @@ fn l4<C: Ctx>(c: &C, cfg: &Config, p: &L4Pkt) -> Verdict {
     let syn = p.syn();
     let now = unsafe { bpf_ktime_get_coarse_ns() };
     // The flow this packet's client port had before, released when a new one is made on it.
-    // (The entry itself, not its partner's key: 8 bytes of stack instead of 20.)
-    let mut reopen: Option<*const FlowV4> = None;
+    // (The entry itself, not its partner's key: 8 bytes of stack instead of 20. Null, not an `Option`: with the
+    // flow-filter branch below LLVM spilled the undefined payload of a `None` from a register never written,
+    // which the verifier refuses.)
+    let mut reopen: *const FlowV4 = core::ptr::null();
     let skey = ServiceKey {
         addr: Addr::from_v4_raw(key.dst),
         port_be: key.dport,
@@ -166,7 +169,10 @@ fn l4<C: Ctx>(c: &C, cfg: &Config, p: &L4Pkt) -> Verdict {
         }
     }
 
-    if let Some(fp) = FLOWS_V4.get_ptr_mut(key) {
+    // A SYN's own key is looked up only when the flow filter says a connection may hold it: for a new client
+    // (nearly every SYN) that lookup would only miss, at the price of a cache miss in the large table.
+    let lookup = !syn || flow_filter::may_hold(&key);
+    if let Some(fp) = lookup.then(|| FLOWS_V4.get_ptr_mut(key)).flatten() {
         let fl = unsafe { &mut *fp };
         let forward = fl.flags & FLOW_F_FORWARD != 0;
         // A SYN on a closing flow opens a new connection on a reused client port; an idle-expired forward
@@ -175,7 +181,7 @@ fn l4<C: Ctx>(c: &C, cfg: &Config, p: &L4Pkt) -> Verdict {
         if !forward || !(closing_syn || conntrack::expired(fl, proto, now)) {
             return conntrack::established(c, cfg, p, fl, now);
         }
-        reopen = Some(fp);
+        reopen = fp;
     }
     let svc = SERVICES.get_ptr(skey);
     // Handshakes and closed connections: a client's segment to a service, or a backend's to a SNAT port. (Other
@@ -183,7 +189,9 @@ fn l4<C: Ctx>(c: &C, cfg: &Config, p: &L4Pkt) -> Verdict {
     let dport = u16::from_be(key.dport);
     if p.is_tcp() && (svc.is_some() || (cfg.snat_port_min..=cfg.snat_port_max).contains(&dport)) {
         if let Some(tp) = TRANSIENT_V4.get_ptr_mut(key) {
-            if let Some(v) = transient::segment(c, cfg, p, unsafe { &mut *tp }, reopen, now) {
+            if let Some(v) =
+                transient::segment(c, cfg, p, unsafe { &mut *tp }, reopen_of(reopen), now)
+            {
                 return v;
             }
         }
@@ -207,7 +215,7 @@ fn l4<C: Ctx>(c: &C, cfg: &Config, p: &L4Pkt) -> Verdict {
         Err(v) => return v,
     };
     if p.is_tcp() {
-        if let Some(old) = reopen {
+        if let Some(old) = reopen_of(reopen) {
             // The previous connection on this client port is over: its entries go now, so that the new one's
             // segments cannot follow them.
             let _ = FLOWS_V4.remove(unsafe { &*old }.partner_key(proto));
@@ -217,7 +225,12 @@ fn l4<C: Ctx>(c: &C, cfg: &Config, p: &L4Pkt) -> Verdict {
         return transient::open(c, cfg, p, svc, &t, now);
     }
     // A UDP flow has no handshake: it goes straight to FLOWS_V4.
-    conntrack::open(c, cfg, p, svc, &t, reopen, now)
+    conntrack::open(c, cfg, p, svc, &t, reopen_of(reopen), now)
+}
+
+#[inline(always)]
+fn reopen_of(p: *const FlowV4) -> Option<*const FlowV4> {
+    (!p.is_null()).then_some(p)
 }
 
 /// Byte-wise MAC comparison without `memcmp` (not available to BPF programs).

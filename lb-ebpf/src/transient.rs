@@ -15,6 +15,7 @@ use lb_common::{
 use crate::{
     conntrack::{close_bit, established_new},
     ctx::Ctx,
+    flow_filter,
     hdr::{TCP_ACK, TCP_RST, TCP_SYN},
     maps::{count, with_service_stats, FLOWS_V4, SCRATCH, TRANSIENT_V4},
     nat::{forward, rewrite, Target},
@@ -53,12 +54,14 @@ pub fn open<C: Ctx>(
         count(stat::DROP_FLOW_INSERT);
         return Verdict::Drop;
     };
-    // A port is taken when an established connection holds its reverse key in FLOWS_V4 (one lookup there) or a
-    // handshake or closed connection holds it here (the insert fails).
+    // A port counts as taken when the flow filter says an established connection may hold its reverse key in
+    // FLOWS_V4 — without a lookup there: a cache miss in the large table for every port tried was most of a new
+    // connection's cost, and a port skipped for a stale or shared bit is just one more try — or when a handshake
+    // or closed connection holds it here (the insert fails).
     // SAFETY (`rev`, `fwd`): this CPU's scratch slots.
     let port = alloc_snat_port(cfg, t, p, |rkey, csum_port| {
         unsafe { (*rev).flow.csum_port = csum_port };
-        FLOWS_V4.get_ptr(rkey).is_none()
+        !flow_filter::may_hold(&rkey)
             && TRANSIENT_V4
                 .insert(rkey, unsafe { &*rev }, BPF_NOEXIST as u64)
                 .is_ok()
@@ -179,6 +182,10 @@ fn promote<C: Ctx>(
         count(stat::DROP_FLOW_INSERT);
         return Verdict::Drop;
     }
+    // Marked once written (see `lb_common::flow_filter`); the reverse key is still held in TRANSIENT_V4 until the
+    // end, so no other SYN can claim its port in between.
+    flow_filter::mark(&rkey);
+    flow_filter::mark(&p.key);
     established_new(cfg, &p.key, &fwd.flow, &rev.flow);
     syn_guard::trust(cfg, p.key.src);
     let v = forward(c, p, &fwd.flow);

@@ -163,6 +163,8 @@ fn setup(h: &mut Harness, s: &Scenario) -> Model {
     for (k, _) in h.dp.transient_flows().unwrap() {
         h.dp.remove_transient_flow(&k).unwrap();
     }
+    // Empty tables, empty flow filter (the model starts with no marks).
+    h.dp.flow_filter().unwrap().clear();
     // The SYN rate guard starts with its whole budget and nobody trusted, like the model.
     let ebpf = h.dp.ebpf_mut().unwrap();
     let mut guard: aya::maps::PerCpuArray<_, u64> =
@@ -281,8 +283,8 @@ fn apply(
             // Reverse first, as the flow store writes them.
             h.dp.set_flow(&rkey, &rev).unwrap();
             h.dp.set_flow(key, &fwd).unwrap();
-            m.state.flows.insert(rkey, rev);
-            m.state.flows.insert(*key, fwd);
+            m.state.enter_flows(rkey, rev);
+            m.state.enter_flows(*key, fwd);
             Ok(())
         }
         Op::Frame(frame) => {

@@ -6,8 +6,9 @@
 //!
 //! Two things are the program's free choice and are taken from what it did, after checking that they obey the
 //! rules: the SNAT port of a new flow (in the range, not a service port of the SNAT address, not held by another
-//! flow) and the timestamp of an entry (between the clock readings around the run). A decision that depends on
-//! the clock and would come out differently at the two readings is reported as ambiguous instead of guessed.
+//! flow; for TCP not marked in the flow filter either) and the timestamp of an entry (between the clock readings
+//! around the run). A decision that depends on the clock and would come out differently at the two readings is
+//! reported as ambiguous instead of guessed.
 
 use lb_common::{
     stat, Addr, Backend, Config, FlowKeyV4, FlowV4, Service, ServiceKey, ServiceStats, TransientV4,
@@ -51,8 +52,21 @@ pub struct Tables {
 pub struct State {
     pub flows: HashMap<FlowKeyV4, FlowV4>,
     pub transient: HashMap<FlowKeyV4, TransientV4>,
+    /// The flow filter's bits (`lb_common::flow_filter::slot`, the map's layout) of every TCP key that entered
+    /// `FLOWS_V4` this epoch: a TCP SNAT port whose reverse key shares one counts as taken.
+    pub marked: HashSet<(u32, u64)>,
     pub stats: Vec<u64>,
     pub svc_stats: HashMap<u32, ServiceStats>,
+}
+
+impl State {
+    /// Writes a TCP connection's entry into `FLOWS_V4`, marked in the flow filter.
+    pub fn enter_flows(&mut self, key: FlowKeyV4, entry: FlowV4) {
+        if key.proto == PROTO_TCP {
+            self.marked.insert(lb_common::flow_filter::slot(&key));
+        }
+        self.flows.insert(key, entry);
+    }
 }
 
 /// The monotonic coarse clock read just before and just after the program ran: its `now` lies in between.
@@ -498,7 +512,12 @@ impl Model {
         };
         self.tables.services.contains_key(&skey)
             || self.state.flows.contains_key(&rkey)
-            || (proto == PROTO_TCP && self.state.transient.contains_key(&rkey))
+            || (proto == PROTO_TCP
+                && (self.state.transient.contains_key(&rkey)
+                    || self
+                        .state
+                        .marked
+                        .contains(&lb_common::flow_filter::slot(&rkey))))
     }
 
     fn remove_flow(&mut self, key: FlowKeyV4) {
@@ -698,8 +717,8 @@ impl Model {
                 self.remove_flow(old);
             }
         }
-        self.state.flows.insert(rkey, rev.flow);
-        self.state.flows.insert(key, fwd.flow);
+        self.state.enter_flows(rkey, rev.flow);
+        self.state.enter_flows(key, fwd.flow);
         self.established_new(key, fwd.flow, rev.flow);
         if self.tables.cfg.syn_interval_ns != 0 {
             self.trusted.insert(key.src);

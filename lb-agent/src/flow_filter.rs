@@ -1,0 +1,97 @@
+//! User space's side of the flow filter (`lb_common::flow_filter`): marking the TCP entries the agent writes into
+//! `FLOWS_V4` (flow sync, tests) and rebuilding the filter during the GC's walk of the table, so bits of
+//! connections that left it stop costing the data plane a lookup.
+
+use crate::dataplane::MappedArray;
+use anyhow::Result;
+use aya::maps::MapData;
+use lb_common::{
+    flow_filter::{slot, ENTRIES, GENERATION_INDEX, WORDS},
+    FlowKeyV4, PROTO_TCP,
+};
+use std::sync::atomic::{AtomicU64, Ordering};
+
+/// The `FLOW_FILTER` map, mapped into this process.
+pub struct FlowFilterMap {
+    words: MappedArray,
+    /// The inactive generation was cleared by [`Self::begin_rebuild`] and awaits [`Self::finish_rebuild`].
+    rebuilding: bool,
+}
+
+impl FlowFilterMap {
+    /// Maps the filter (a `BPF_F_MMAPABLE` array of [`ENTRIES`] words).
+    pub fn open(data: &MapData) -> Result<Self> {
+        Ok(FlowFilterMap {
+            words: MappedArray::map(data, ENTRIES)?,
+            rebuilding: false,
+        })
+    }
+
+    fn word(&self, i: u32) -> &AtomicU64 {
+        assert!(i < ENTRIES);
+        // SAFETY: `i` is within the mapping, which lives as long as self; the data plane and other handles
+        // update the same words atomically too.
+        unsafe { AtomicU64::from_ptr(self.words.ptr().add(i as usize)) }
+    }
+
+    fn active(&self) -> u32 {
+        self.word(GENERATION_INDEX).load(Ordering::Acquire) as u32 & 1
+    }
+
+    /// Marks `key`, already written into `FLOWS_V4`, in both generations (TCP keys only: see
+    /// `lb_common::flow_filter`).
+    pub fn mark(&self, key: &FlowKeyV4) {
+        if key.proto != PROTO_TCP {
+            return;
+        }
+        let (w, bit) = slot(key);
+        for generation in 0..2 {
+            self.word(generation * WORDS + w)
+                .fetch_or(bit, Ordering::Release);
+        }
+    }
+
+    /// Whether the data plane would look `key` up (tests).
+    pub fn may_hold(&self, key: &FlowKeyV4) -> bool {
+        let (w, bit) = slot(key);
+        self.word(self.active() * WORDS + w).load(Ordering::Acquire) & bit != 0
+    }
+
+    /// Clears the inactive generation before a walk of `FLOWS_V4`. From now on everything written into the table
+    /// is marked there by its writer, and [`Self::finish_rebuild`] marks what the walk found.
+    pub fn begin_rebuild(&mut self) {
+        let inactive = 1 - self.active();
+        for i in 0..WORDS {
+            self.word(inactive * WORDS + i).store(0, Ordering::Relaxed);
+        }
+        // The clearing happens before the walk's first read of the table.
+        std::sync::atomic::fence(Ordering::SeqCst);
+        self.rebuilding = true;
+    }
+
+    /// Clears both generations (tests: their tables start empty).
+    pub fn clear(&mut self) {
+        for _ in 0..2 {
+            self.begin_rebuild();
+            self.finish_rebuild([]);
+        }
+    }
+
+    /// Marks the keys a walk that started after [`Self::begin_rebuild`] found, then makes the rebuilt generation
+    /// the active one. Without a preceding `begin_rebuild` it does nothing.
+    pub fn finish_rebuild<'a>(&mut self, keys: impl IntoIterator<Item = &'a FlowKeyV4>) {
+        if !std::mem::take(&mut self.rebuilding) {
+            return;
+        }
+        let inactive = 1 - self.active();
+        for key in keys {
+            if key.proto == PROTO_TCP {
+                let (w, bit) = slot(key);
+                self.word(inactive * WORDS + w)
+                    .fetch_or(bit, Ordering::Relaxed);
+            }
+        }
+        self.word(GENERATION_INDEX)
+            .store(inactive as u64, Ordering::Release);
+    }
+}
