@@ -44,12 +44,19 @@ pub fn open<C: Ctx>(
     };
     // SAFETY (`rs`, `fs`): this CPU's scratch slots; nothing else runs on this CPU meanwhile.
     unsafe { (*rs).flow = t.reverse(p, svc, now) };
-    let Some(snat_port) = alloc_snat_port(cfg, t, p, |rkey, csum_port| {
-        unsafe { (*rs).flow.csum_port = csum_port };
-        FLOWS_V4
-            .insert(rkey, unsafe { &(*rs).flow }, BPF_NOEXIST as u64)
-            .is_ok()
-    }) else {
+    // UDP entries are not in the flow filter: the claim itself (an insert that fails on a held key) decides.
+    let Some(snat_port) = alloc_snat_port(
+        cfg,
+        t,
+        p,
+        |_| false,
+        |rkey, csum_port| {
+            unsafe { (*rs).flow.csum_port = csum_port };
+            FLOWS_V4
+                .insert(rkey, unsafe { &(*rs).flow }, BPF_NOEXIST as u64)
+                .is_ok()
+        },
+    ) else {
         count(stat::DROP_SNAT_EXHAUSTED);
         with_service_stats(svc.id, |s| s.drop_snat_exhausted += 1);
         return Verdict::Drop;

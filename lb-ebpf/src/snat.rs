@@ -12,13 +12,16 @@ use crate::{
 
 /// Claims a free SNAT source port for a new flow: for each candidate port, `claim(reverse key, csum_port)` must
 /// store the reverse entry (with that port checksum delta) only if the key is free — atomically against other
-/// CPUs — so a port is never handed out twice. Ports that are service ports on the SNAT address are skipped, so a
-/// reply can never be mistaken for a new client connection. Returns the port in network order.
+/// CPUs — so a port is never handed out twice. `taken(reverse key)` rules a port out cheaply first (it runs before
+/// the service lookup, and most ports a full table rules out never get that far). Ports that are service ports on
+/// the SNAT address are skipped, so a reply can never be mistaken for a new client connection. Returns the port in
+/// network order.
 #[inline(always)]
 pub fn alloc_snat_port(
     cfg: &Config,
     t: &Target,
     p: &L4Pkt,
+    taken: impl Fn(&FlowKeyV4) -> bool,
     mut claim: impl FnMut(FlowKeyV4, u32) -> bool,
 ) -> Option<u16> {
     let proto = p.key.proto;
@@ -31,6 +34,17 @@ pub fn alloc_snat_port(
     while i < SNAT_PORT_TRIES {
         let port = ((min + rem(start + i, range)) as u16).to_be();
         i += 1;
+        let rkey = FlowKeyV4 {
+            src: t.node,
+            dst: t.snat,
+            sport: t.node_port,
+            dport: port,
+            proto,
+            _pad: [0; 3],
+        };
+        if taken(&rkey) {
+            continue;
+        }
         let skey = ServiceKey {
             addr: Addr::from_v4_raw(t.snat),
             port_be: port,
@@ -40,14 +54,6 @@ pub fn alloc_snat_port(
         if SERVICES.get_ptr(skey).is_some() {
             continue;
         }
-        let rkey = FlowKeyV4 {
-            src: t.node,
-            dst: t.snat,
-            sport: t.node_port,
-            dport: port,
-            proto,
-            _pad: [0; 3],
-        };
         let csum_port = csum::add(
             csum::diff16(t.node_port, svc_port),
             csum::diff16(port, client_port),

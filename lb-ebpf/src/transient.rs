@@ -59,12 +59,11 @@ pub fn open<C: Ctx>(
     // connection's cost, and a port skipped for a stale or shared bit is just one more try — or when a handshake
     // or closed connection holds it here (the insert fails).
     // SAFETY (`rev`, `fwd`): this CPU's scratch slots.
-    let port = alloc_snat_port(cfg, t, p, |rkey, csum_port| {
+    let port = alloc_snat_port(cfg, t, p, flow_filter::may_hold, |rkey, csum_port| {
         unsafe { (*rev).flow.csum_port = csum_port };
-        !flow_filter::may_hold(&rkey)
-            && TRANSIENT_V4
-                .insert(rkey, unsafe { &*rev }, BPF_NOEXIST as u64)
-                .is_ok()
+        TRANSIENT_V4
+            .insert(rkey, unsafe { &*rev }, BPF_NOEXIST as u64)
+            .is_ok()
     });
     let Some(port) = port else {
         count(stat::DROP_SNAT_EXHAUSTED);
