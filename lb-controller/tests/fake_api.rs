@@ -1,4 +1,5 @@
-//! The in-memory API server's semantics that the controllers (and the agent's tests) rely on.
+//! The in-memory API server's own semantics, which the controller benchmark (`examples/bench_controller.rs`)
+//! relies on; the controllers' and the agent's tests run against a real kube-apiserver.
 
 use std::time::Duration;
 

@@ -122,6 +122,10 @@ fn controller() -> Result<()> {
 
 /// `bench_openstack` (release) against the test OpenStack, which is started for it when it is not running.
 fn openstack() -> Result<()> {
+    // The benchmark runs the controllers against a real kube-apiserver of its own: etcd (a Debian package of the
+    // prerequisites) and the KUBEBUILDER_ASSETS binaries.
+    crate::prereq::all()?;
+    crate::prereq::kube_assets()?;
     // Built before the environment starts: the services and the compiler would share the 2 cores.
     run(
         &mut crate::util::cargo(&[

@@ -531,8 +531,7 @@ async fn user_data<F: CloudFactory>(
 ) -> Result<Result<String, Duration>, Error> {
     let names = machine_names(lbm);
     let secrets: Api<Secret> = Api::namespaced(ctx.client.clone(), &names.namespace);
-    // Kubernetes' token controller fills the token Secret asynchronously. (The in-memory test API server has no
-    // token controller: its tests write the token themselves.)
+    // Kubernetes' token controller fills the token Secret asynchronously: until it has, the machine waits.
     let token = match secrets.get_opt(&names.machine).await? {
         Some(s) => rbac::token_data(&s),
         None => None,
