@@ -520,6 +520,10 @@ fn update_snapshot(
     let transient_entries = gc
         .as_ref()
         .map_or(s.transient_entries, |r| r.transient_entries);
+    let flow_filter_bits = gc
+        .as_ref()
+        .and_then(|r| r.flow_filter_bits)
+        .unwrap_or(s.flow_filter_bits);
     *s = Snapshot {
         services,
         dataplane: stat::NAMES
@@ -532,6 +536,7 @@ fn update_snapshot(
         flow_capacity: opts.sizes.flows as u64,
         transient_entries,
         transient_capacity: opts.sizes.transient as u64,
+        flow_filter_bits,
         host: crate::hostmetrics::read(),
         config_applied: state.applied,
         config_generation: state.applied_generation.unwrap_or(0),

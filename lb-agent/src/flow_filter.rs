@@ -73,15 +73,19 @@ impl FlowFilterMap {
     pub fn clear(&mut self) {
         for _ in 0..2 {
             self.begin_rebuild();
-            self.finish_rebuild([]);
+            let _ = self.finish_rebuild([]);
         }
     }
 
     /// Marks the keys a walk that started after [`Self::begin_rebuild`] found, then makes the rebuilt generation
-    /// the active one. Without a preceding `begin_rebuild` it does nothing.
-    pub fn finish_rebuild<'a>(&mut self, keys: impl IntoIterator<Item = &'a FlowKeyV4>) {
+    /// the active one. Without a preceding `begin_rebuild` it does nothing. Returns the bits set in the new
+    /// active generation (of `2^BITS_LOG2`): the share of ports and SYNs that still cost a lookup or a try.
+    pub fn finish_rebuild<'a>(
+        &mut self,
+        keys: impl IntoIterator<Item = &'a FlowKeyV4>,
+    ) -> Option<u64> {
         if !std::mem::take(&mut self.rebuilding) {
-            return;
+            return None;
         }
         let inactive = 1 - self.active();
         for key in keys {
@@ -93,5 +97,14 @@ impl FlowFilterMap {
         }
         self.word(GENERATION_INDEX)
             .store(inactive as u64, Ordering::Release);
+        Some(
+            (0..WORDS)
+                .map(|i| {
+                    self.word(inactive * WORDS + i)
+                        .load(Ordering::Relaxed)
+                        .count_ones() as u64
+                })
+                .sum(),
+        )
     }
 }

@@ -29,6 +29,8 @@ pub struct GcReport {
     pub entries: u64,
     /// Entries left in `TRANSIENT_V4` (TCP handshakes and closed connections) after the pass.
     pub transient_entries: u64,
+    /// Bits set in the flow filter after this pass rebuilt it (`None` without a filter).
+    pub flow_filter_bits: Option<u64>,
     /// Entries deleted (both tables).
     pub deleted: u64,
     /// Connections this replica carried recently, for the peers' refresh (only when asked for).
@@ -54,11 +56,12 @@ pub fn collect(dp: &mut Dataplane, now: u64, refresh_window_ns: Option<u64>) -> 
         f.begin_rebuild();
     }
     let flows: HashMap<FlowKeyV4, FlowV4> = dp.flows()?.into_iter().collect();
-    if let Some(f) = dp.flow_filter() {
-        f.finish_rebuild(flows.keys());
-    }
+    let flow_filter_bits = dp
+        .flow_filter()
+        .and_then(|f| f.finish_rebuild(flows.keys()));
     let mut r = GcReport {
         entries: flows.len() as u64,
+        flow_filter_bits,
         refresh: refresh_window_ns
             .map(|w| crate::flowstore::refresh_events(&flows, now, w))
             .unwrap_or_default(),

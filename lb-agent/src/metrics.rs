@@ -42,6 +42,8 @@ pub struct Snapshot {
     /// Entries of TCP handshakes and closed connections in use, and their capacity.
     pub transient_entries: u64,
     pub transient_capacity: u64,
+    /// Bits set in the flow filter after the last GC pass rebuilt it (of `2^lb_common::flow_filter::BITS_LOG2`).
+    pub flow_filter_bits: u64,
     /// Host numbers (load1, memAvailable, …).
     pub host: BTreeMap<&'static str, f64>,
     /// Configurations applied successfully.
@@ -436,6 +438,19 @@ impl Collector for SnapshotCollector {
             "lb_transient_table_capacity",
             "Capacity for TCP handshakes and closed connections (entries).",
             &[(vec![], s.transient_capacity)],
+        )?;
+        gauge(
+            &mut enc,
+            "lb_flow_filter_bits_set",
+            "Bits set in the flow filter after the last GC pass rebuilt it; over lb_flow_filter_bits, the share \
+             of SNAT ports a new TCP connection skips as possibly held.",
+            &[(vec![], s.flow_filter_bits)],
+        )?;
+        gauge(
+            &mut enc,
+            "lb_flow_filter_bits",
+            "Bits of the flow filter (one generation).",
+            &[(vec![], 1u64 << lb_common::flow_filter::BITS_LOG2)],
         )?;
         counter(
             &mut enc,

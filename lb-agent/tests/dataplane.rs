@@ -477,7 +477,8 @@ both_hooks! {
         assert_eq!(h.stat(stat::DROP_SNAT_EXHAUSTED), 1);
         // The GC's walk rebuilds the filter from what the table holds: the stale marks are gone, the
         // connection's stay.
-        lb_agent::gc::collect(&mut h.dp, lb_agent::gc::now_ns(), None).unwrap();
+        let report = lb_agent::gc::collect(&mut h.dp, lb_agent::gc::now_ns(), None).unwrap();
+        assert!(matches!(report.flow_filter_bits, Some(1..=2)), "{:?}", report.flow_filter_bits);
         let filter = h.dp.flow_filter().unwrap();
         assert!(filter.may_hold(&key) && filter.may_hold(&rkey));
         assert!(free[1..].iter().all(|&port| !filter.may_hold(&rkey_of(port))));
