@@ -1,5 +1,6 @@
 //! `lb-agent`: runs on each load-balancer VM. Every flag can also be set by the environment variable shown
-//! in `--help`.
+//! in `--help`. Started as `yawollet` (a symlink in the VM image), it takes yawollet's flags and yawol's
+//! keepalived.conf instead ([`lb_agent::source::kubernetes::yawollet`]).
 
 use anyhow::{bail, Context, Result};
 use clap::{Parser, ValueEnum};
@@ -8,8 +9,9 @@ use lb_agent::dataplane::{AttachMode, MapSizes};
 use lb_agent::ha::{HaOptions, SyncSettings};
 use lb_agent::health::{HealthCheckSpec, HttpCheck};
 use lb_agent::metrics::SharedSnapshot;
-use lb_agent::source::kubernetes::KubeSettings;
+use lb_agent::source::kubernetes::{debug, yawollet, KubeSettings};
 use lb_agent::vrrp::VrrpOptions;
+use std::ffi::OsString;
 use std::net::{IpAddr, SocketAddr};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -135,6 +137,13 @@ struct Cli {
     /// Log format.
     #[arg(long, env = "LB_LOG_FORMAT", value_enum, default_value = "text")]
     log_format: LogFormat,
+    /// Log filter when RUST_LOG is not set (error, warn, info, debug, trace, or tracing's directives).
+    #[arg(long, env = "LB_LOG_LEVEL", default_value = "info")]
+    log_level: String,
+    /// Kubernetes mode: the user whose authorized_keys takes the key of the LoadBalancer's ad-hoc debug
+    /// annotations (yawol's `adHocDebug`, `adHocDebugSSHKey`), sshd started meanwhile; empty: not acted on.
+    #[arg(long, env = "LB_AD_HOC_DEBUG_USER", default_value = debug::DEFAULT_USER)]
+    ad_hoc_debug_user: String,
     /// VRRP virtual router id (1..=255, distinct per load balancer on the network); enables VRRP through
     /// keepalived, which moves the VIPs between the replicas.
     #[arg(long, env = "LB_VRRP_ROUTER_ID", value_parser = clap::value_parser!(u8).range(1..))]
@@ -233,17 +242,55 @@ fn parse_ports(s: &str) -> Result<(u16, u16)> {
     Ok((a, b))
 }
 
+/// The command line to parse: the process's own, or — started as `yawollet` — lb-agent's arguments for yawollet's
+/// flags and yawol's keepalived.conf, with the notes of that translation.
+fn command_line() -> Result<(Vec<OsString>, Vec<yawollet::Note>)> {
+    let argv: Vec<OsString> = std::env::args_os().collect();
+    if !argv
+        .first()
+        .is_some_and(|a| yawollet::invoked_as_yawollet(a))
+    {
+        return Ok((argv, Vec::new()));
+    }
+    let args: Vec<String> = argv[1..]
+        .iter()
+        .map(|a| a.to_string_lossy().into_owned())
+        .collect();
+    let conf = match std::fs::read_to_string(yawollet::KEEPALIVED_CONF) {
+        Ok(text) => Some(text),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
+        Err(e) => return Err(e).with_context(|| format!("reading {}", yawollet::KEEPALIVED_CONF)),
+    };
+    let t = yawollet::translate(&args, conf.as_deref()).context("yawollet compatibility")?;
+    let mut out = vec![OsString::from("lb-agent")];
+    out.extend(t.args.into_iter().map(OsString::from));
+    Ok((out, t.notes))
+}
+
 #[tokio::main]
 async fn main() -> Result<()> {
-    let cli = Cli::parse();
+    let (argv, notes) = command_line()?;
+    let cli = Cli::parse_from(&argv);
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+        .or_else(|_| tracing_subscriber::EnvFilter::try_new(&cli.log_level))
+        .with_context(|| format!("--log-level {:?}", cli.log_level))?;
     match cli.log_format {
         LogFormat::Text => tracing_subscriber::fmt().with_env_filter(filter).init(),
         LogFormat::Json => tracing_subscriber::fmt()
             .json()
             .with_env_filter(filter)
             .init(),
+    }
+    if !notes.is_empty() {
+        let args: Vec<_> = argv[1..].iter().map(|a| a.to_string_lossy()).collect();
+        tracing::info!(args = %args.join(" "), "started as yawollet: yawollet's flags and yawol's keepalived.conf translated");
+        for n in &notes {
+            if n.warning {
+                tracing::warn!("yawollet compatibility: {}", n.text);
+            } else {
+                tracing::info!("yawollet compatibility: {}", n.text);
+            }
+        }
     }
     let (min, max) = parse_ports(&cli.snat_ports)?;
     let opts = AgentOptions {
@@ -343,6 +390,8 @@ fn kube_settings(cli: &Cli, loadbalancer: &str) -> Result<KubeSettings> {
         requeue,
         clock: lb_agent::source::kubernetes::system_clock(),
         machine_revision: cli.machine_revision.clone(),
+        ad_hoc_debug: (!cli.ad_hoc_debug_user.is_empty())
+            .then(|| debug::AdHocDebugSettings::for_user(&cli.ad_hoc_debug_user)),
     })
 }
 

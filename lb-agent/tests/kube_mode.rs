@@ -291,6 +291,7 @@ impl Harness {
             requeue: REQUEUE,
             clock: Arc::new(move || Time(Timestamp::from_second(*c.lock().unwrap()).unwrap())),
             machine_revision: None,
+            ad_hoc_debug: None,
         };
         let (status_tx, status_rx) = watch::channel(AgentStatus::default());
         let snapshot: SharedSnapshot = Arc::new(std::sync::RwLock::new(sample_snapshot()));
@@ -987,6 +988,7 @@ async fn an_unreachable_api_server_is_retried_with_backoff() {
         requeue: REQUEUE,
         clock: kube_mode::system_clock(),
         machine_revision: None,
+        ad_hoc_debug: None,
     };
     let mode = kube_mode::start(client, settings, status_rx, SharedSnapshot::default());
     tokio::time::sleep(Duration::from_secs(2)).await;

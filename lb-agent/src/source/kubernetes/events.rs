@@ -29,6 +29,14 @@ pub mod event_reasons {
     pub const DATAPLANE_NOT_READY: &str = "DataplaneNotReady";
     /// Normal: a new configuration generation is in the data plane (yawol's reason for a new snapshot).
     pub const UPDATE: &str = "Update";
+    /// Warning (yawol's type and reason): ad-hoc debug access is on (the key installed, sshd started).
+    pub const AD_HOC_DEBUG_ENABLED: &str = "AdHocDebuggingEnabled";
+    /// Warning (yawol's reason): ad-hoc debug access was asked for and refused or failed.
+    pub const AD_HOC_DEBUG_NOT_ENABLED: &str = "AdHocDebuggingNotEnabled";
+    /// Normal: the ad-hoc debug key was removed (the annotation went).
+    pub const AD_HOC_DEBUG_DISABLED: &str = "AdHocDebuggingDisabled";
+    /// Warning: the LoadBalancer asks for log forwarding, which this image does not do.
+    pub const LOG_FORWARD_NOT_SUPPORTED: &str = "LogForwardNotSupported";
 }
 
 /// An Event to write on the LoadBalancerMachine.

@@ -11,16 +11,23 @@
 //!   the conditions `ConfigReady`, `DataplaneReady`, `DataplaneUpToDate` and the same truths as yawol's
 //!   `EnvoyReady` / `EnvoyUpToDate`, heartbeats every requeue period, and yawol's metric list.
 //!
-//! Both write core/v1 Events on the machine through one recorder ([`events`]).
+//! Both write core/v1 Events on the machine through one recorder ([`events`]). Besides the configuration the
+//! source acts on what else the LoadBalancer asks of a machine: ad-hoc debug access ([`debug`]) and log
+//! forwarding, which this image does not do — reported as the `LogForward=False` condition and a Warning Event,
+//! never ignored silently ([`LbFacts`]). The machine's revision, when no `--machine-revision` is given, comes from
+//! the LoadBalancerMachine's revision annotation (yawol-controller writes no flag for it): the reporter reads it
+//! and hands it to the source. [`yawollet`] translates yawollet's command line (yawol-compatible images).
 //!
 //! API errors never end either task: the watch retries with `lb_api::watch::WatchBackoff`, status writes
 //! with [`status::Backoff`]. Everything between the API and those actions is in plain functions
 //! ([`watch::config_from_lb`], [`status::conditions`], [`events::status_events`], [`status::metrics_list`],
 //! [`status::status_patch`]) covered by unit tests.
 
+pub mod debug;
 pub mod events;
 pub mod status;
 pub mod watch;
+pub mod yawollet;
 
 use crate::agent::{AgentStatus, ConfigState};
 use crate::health::HealthCheckSpec;
@@ -67,8 +74,19 @@ pub struct KubeSettings {
     pub requeue: Duration,
     /// Time source of heartbeats and metric timestamps.
     pub clock: Clock,
-    /// Revision of this machine's LoadBalancerSet (`--machine-revision`), compared with the LoadBalancer's.
+    /// Revision of this machine's LoadBalancerSet (`--machine-revision`), compared with the LoadBalancer's;
+    /// `None`: the LoadBalancerMachine's revision annotation.
     pub machine_revision: Option<String>,
+    /// Ad-hoc debug access on this machine (`None`: the annotations are not acted on, e.g. in tests).
+    pub ad_hoc_debug: Option<debug::AdHocDebugSettings>,
+}
+
+/// What the config source learnt from the LoadBalancer that goes into the machine's status but not into the
+/// data plane.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct LbFacts {
+    /// `spec.options.logForward` is enabled, to this Loki URL: not supported here (condition `LogForward=False`).
+    pub log_forward: Option<String>,
 }
 
 impl std::fmt::Debug for KubeSettings {
@@ -133,6 +151,8 @@ pub fn start(
 ) -> KubeMode {
     let (tx, rx) = channel::channel(ConfigState::Pending);
     let (stale_tx, stale_rx) = channel::channel(Some("not listed yet".to_string()));
+    let (facts_tx, facts_rx) = channel::channel(LbFacts::default());
+    let (revision_tx, revision_rx) = channel::channel(settings.machine_revision.clone());
     let recorder = Arc::new(Recorder::new(client.clone(), &settings));
     let lbs: Api<LoadBalancer> = Api::namespaced(client.clone(), &settings.namespace);
     let machines: Api<LoadBalancerMachine> = Api::namespaced(client, &settings.namespace);
@@ -142,6 +162,15 @@ pub fn start(
         tx,
         stale_tx,
         recorder.clone(),
+        watch::Extras {
+            facts: facts_tx,
+            revision: revision_rx,
+            ad_hoc_debug: settings
+                .ad_hoc_debug
+                .clone()
+                .map(|s| debug::AdHocDebug::new(s, &settings.machine)),
+            log_forward_reported: None,
+        },
     ));
     let reporter = tokio::spawn(status::run_status_reporter(
         machines,
@@ -151,6 +180,10 @@ pub fn start(
         status,
         stale_rx,
         snapshot,
+        status::Feedback {
+            facts: facts_rx,
+            revision: revision_tx,
+        },
     ));
     KubeMode {
         config: rx,

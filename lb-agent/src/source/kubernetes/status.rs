@@ -2,7 +2,7 @@
 //! (ours and yawol's names) and metrics, written on every change and as a heartbeat.
 
 use super::events::{status_events, truncate, Recorder};
-use super::KubeSettings;
+use super::{KubeSettings, LbFacts};
 use crate::agent::{AgentStatus, ConfigState};
 use crate::metrics::SharedSnapshot;
 use ::kube::api::{Api, Patch, PatchParams};
@@ -17,8 +17,17 @@ use std::time::Duration;
 use tokio::sync::watch;
 use tokio::time::Instant;
 
+/// Condition types of this agent beyond [`lb_api::constants::conditions`].
+pub mod types {
+    /// yawol's: keepalived's statistics can be read (yawollet: its stats file is fresh).
+    pub const KEEPALIVED_STATS_FILE: &str = "KeepalivedStatsFile";
+    /// Present only while the LoadBalancer asks for log forwarding: always False, this image ships no logs.
+    pub const LOG_FORWARD: &str = "LogForward";
+}
+
 /// Condition reasons. The yawol-named conditions use yawol's reasons where yawol has one, so dashboards
-/// and alerts written for yawol keep matching.
+/// and alerts written for yawol keep matching (`loadbalancermachine_condition{reason=…}`): yawollet uses
+/// `EnvoySnapshotUpToDate` for `EnvoyUpToDate` in both statuses, and so does this agent.
 pub mod reasons {
     /// `ConfigReady=True` (yawol's reason).
     pub const CONFIG_UP_TO_DATE: &str = "EnvoyConfigurationUpToDate";
@@ -40,14 +49,37 @@ pub mod reasons {
     pub const DATAPLANE_NOT_UP_TO_DATE: &str = "ConfigurationNotApplied";
     /// `EnvoyUpToDate=True` (yawol's reason).
     pub const ENVOY_UP_TO_DATE: &str = "EnvoySnapshotUpToDate";
-    /// `EnvoyUpToDate=False`.
-    pub const ENVOY_NOT_UP_TO_DATE: &str = "EnvoySnapshotNotUpToDate";
+    /// `EnvoyUpToDate=False` (yawol's reason: the same word as for True).
+    pub const ENVOY_NOT_UP_TO_DATE: &str = "EnvoySnapshotUpToDate";
     /// `KeepalivedMaster` (yawol's reason, both statuses).
     pub const KEEPALIVED_STATUS: &str = "KeepalivedStatus";
     /// `KeepalivedProcess=True` (yawol's reason).
     pub const KEEPALIVED_RUNNING: &str = "KeepalivedIsRunning";
-    /// `KeepalivedProcess=False`.
-    pub const KEEPALIVED_NOT_RUNNING: &str = "KeepalivedNotRunning";
+    /// `KeepalivedProcess=False` (yawol's reason when its process check fails).
+    pub const KEEPALIVED_NOT_RUNNING: &str = "CouldNotKeepalivedProcess";
+    /// `KeepalivedStatsFile=True` (yawol's reason).
+    pub const STATS_UP_TO_DATE: &str = "StatsUpToDate";
+    /// `KeepalivedStatsFile=False` (yawol's reason).
+    pub const COULD_NOT_READ_STATS: &str = "CouldNotReadStats";
+    /// `LogForward=False`.
+    pub const LOG_FORWARD_NOT_SUPPORTED: &str = "LogForwardNotSupported";
+}
+
+/// What the conditions depend on besides the agent's status.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Context {
+    /// From the LoadBalancer.
+    pub facts: LbFacts,
+    /// keepalived's statistics were read at the last metrics refresh.
+    pub keepalived_stats: bool,
+}
+
+/// The channels between the status reporter and the config source.
+pub(super) struct Feedback {
+    /// What the source learnt from the LoadBalancer.
+    pub facts: watch::Receiver<LbFacts>,
+    /// The machine's revision from its annotation, for the source (only sent without `--machine-revision`).
+    pub revision: watch::Sender<Option<String>>,
 }
 
 /// One condition's truth before it becomes a `NodeCondition`.
@@ -61,7 +93,7 @@ struct Truth {
 /// The agent's conditions under both naming schemes. The yawol names carry exactly the same status as
 /// ours: yawol-controller counts a machine ready when `ConfigReady`, `EnvoyReady` and `EnvoyUpToDate`
 /// are all True with a fresh heartbeat, and replaces it when one stays False for 3 minutes.
-fn truths(s: &AgentStatus) -> Vec<Truth> {
+fn truths(s: &AgentStatus, ctx: &Context) -> Vec<Truth> {
     let (config_ok, config_reason, config_msg) = match (&s.config_error, s.desired_generation) {
         (Some(e), _) => (false, reasons::CONFIG_FAILED, truncate(e)),
         (None, Some(g)) => (
@@ -149,6 +181,31 @@ fn truths(s: &AgentStatus) -> Vec<Truth> {
             reason: reasons::KEEPALIVED_STATUS,
             message: format!("VRRP state {state}"),
         });
+        v.push(Truth {
+            type_: types::KEEPALIVED_STATS_FILE,
+            ok: ctx.keepalived_stats,
+            reason: pick(
+                ctx.keepalived_stats,
+                reasons::STATS_UP_TO_DATE,
+                reasons::COULD_NOT_READ_STATS,
+            ),
+            message: if ctx.keepalived_stats {
+                "keepalived's statistics were read at the last refresh".to_string()
+            } else {
+                "keepalived's statistics could not be read".to_string()
+            },
+        });
+    }
+    if let Some(url) = &ctx.facts.log_forward {
+        v.push(Truth {
+            type_: types::LOG_FORWARD,
+            ok: false,
+            reason: reasons::LOG_FORWARD_NOT_SUPPORTED,
+            message: truncate(&format!(
+                "logForward to {url} is not supported by this load-balancer image (no log shipper); the machine's \
+                 logs stay in its journal"
+            )),
+        });
     }
     v
 }
@@ -182,12 +239,20 @@ fn up_to_date_message(s: &AgentStatus) -> String {
     }
 }
 
-/// The machine's new `status.conditions`: ours set from `status` (heartbeat = `now`; transition time
-/// only changes when a status flips), conditions written by others (`MarkedForDeletion`, keepalived)
-/// kept as they are, sorted by type like yawol's.
-pub fn conditions(prev: &[NodeCondition], status: &AgentStatus, now: &Time) -> Vec<NodeCondition> {
+/// The machine's new `status.conditions`: ours set from `status` and `ctx` (heartbeat = `now`; transition
+/// time only changes when a status flips), `LogForward` removed when the LoadBalancer no longer asks for it,
+/// conditions written by others (`MarkedForDeletion`) kept as they are, sorted by type like yawol's.
+pub fn conditions(
+    prev: &[NodeCondition],
+    status: &AgentStatus,
+    ctx: &Context,
+    now: &Time,
+) -> Vec<NodeCondition> {
     let mut out = prev.to_vec();
-    for t in truths(status) {
+    if ctx.facts.log_forward.is_none() {
+        out.retain(|c| c.type_ != types::LOG_FORWARD);
+    }
+    for t in truths(status, ctx) {
         let value = if t.ok { cond::TRUE } else { cond::FALSE };
         set_condition(&mut out, t.type_, value, t.reason, &t.message, now.clone());
     }
@@ -256,8 +321,9 @@ impl Backoff {
     }
 }
 
-/// Writes the machine's status on every change of the agent's status and at least every requeue
-/// period (heartbeat); runs until the agent's status channel closes.
+/// Writes the machine's status on every change of the agent's status (or of what the source learnt from the
+/// LoadBalancer) and at least every requeue period (heartbeat); runs until the agent's status channel closes.
+#[allow(clippy::too_many_arguments)]
 pub(super) async fn run_status_reporter(
     machines: Api<LoadBalancerMachine>,
     settings: KubeSettings,
@@ -266,6 +332,7 @@ pub(super) async fn run_status_reporter(
     mut status: watch::Receiver<AgentStatus>,
     mut stale: watch::Receiver<Option<String>>,
     snapshot: SharedSnapshot,
+    mut feedback: Feedback,
 ) {
     let what = format!(
         "LoadBalancerMachine {}/{}",
@@ -276,7 +343,7 @@ pub(super) async fn run_status_reporter(
     let mut seen = AgentStatus::default();
     // The status last written successfully: an unchanged status waits for the heartbeat, so health-check
     // churn (which re-sends the same status) does not turn into API writes.
-    let mut written: Option<AgentStatus> = None;
+    let mut written: Option<(AgentStatus, LbFacts)> = None;
     let mut deadline = Instant::now();
     // The agent's own status plus whether the configuration source is in sync — and whether the agent has taken
     // what the source last published: right after a relist the source is in sync while the agent loop may not have
@@ -308,10 +375,13 @@ pub(super) async fn run_status_reporter(
             }
             // The source ends only with the agent; then the branch above ends the loop.
             Ok(()) = stale.changed() => {}
+            Ok(()) = feedback.facts.changed() => {}
             _ = tokio::time::sleep_until(deadline) => {}
         }
         let current = current_status(&mut status, &mut stale);
-        if written.as_ref() == Some(&current) && Instant::now() < deadline {
+        let facts = feedback.facts.borrow_and_update().clone();
+        if written.as_ref() == Some(&(current.clone(), facts.clone())) && Instant::now() < deadline
+        {
             continue;
         }
         let events = status_events(&seen, &current, &config.borrow());
@@ -319,10 +389,19 @@ pub(super) async fn run_status_reporter(
             recorder.publish(e).await;
         }
         seen = current.clone();
-        match write_status(&machines, &settings, &current, &snapshot).await {
+        match write_status(
+            &machines,
+            &settings,
+            &current,
+            &facts,
+            &snapshot,
+            &feedback.revision,
+        )
+        .await
+        {
             Ok(()) => {
                 tracing::debug!(object = %what, "status written");
-                written = Some(current);
+                written = Some((current, facts));
                 backoff.reset();
                 deadline = Instant::now() + settings.requeue;
             }
@@ -336,12 +415,15 @@ pub(super) async fn run_status_reporter(
     }
 }
 
-/// Read-modify-write of the machine's status (conditions of others are kept), retried on conflicts.
+/// Read-modify-write of the machine's status (conditions of others are kept), retried on conflicts. Without
+/// `--machine-revision` the machine's revision annotation read on the way goes to `revision`.
 async fn write_status(
     machines: &Api<LoadBalancerMachine>,
     settings: &KubeSettings,
     status: &AgentStatus,
+    facts: &LbFacts,
     snapshot: &SharedSnapshot,
+    revision: &watch::Sender<Option<String>>,
 ) -> Result<()> {
     const ATTEMPTS: usize = 3;
     let name = &settings.machine;
@@ -354,20 +436,39 @@ async fn write_status(
             // kube's error text already includes its cause: one line, no `{:#}` chain repeating it.
             _ => anyhow::anyhow!("reading LoadBalancerMachine {}/{name}: {e}", settings.namespace),
         })?;
+        if settings.machine_revision.is_none() {
+            let annotated = lbm
+                .metadata
+                .annotations
+                .as_ref()
+                .and_then(|a| a.get(lb_api::constants::lb_annotations::REVISION))
+                .map(|r| r.trim().to_string());
+            revision.send_if_modified(|r| {
+                let changed = *r != annotated;
+                if changed {
+                    tracing::info!(revision = ?annotated, "the machine's revision (from its annotation)");
+                }
+                *r = annotated.clone();
+                changed
+            });
+        }
         let prev = lbm
             .status
             .as_ref()
             .and_then(|s| s.conditions.as_deref())
             .unwrap_or_default();
         let now = (settings.clock)();
-        let conds = conditions(prev, status, &now);
-        let metrics = metrics_list(
-            &snapshot
-                .read()
-                .unwrap_or_else(|e| e.into_inner())
-                .yawol_metrics(),
-            &now,
-        );
+        let (metrics, keepalived_stats) = {
+            let snap = snapshot.read().unwrap_or_else(|e| e.into_inner());
+            let stats = snap.ha.as_ref().is_some_and(|h| h.vrrp_stats.is_some());
+            (snap.yawol_metrics(), stats)
+        };
+        let ctx = Context {
+            facts: facts.clone(),
+            keepalived_stats,
+        };
+        let conds = conditions(prev, status, &ctx, &now);
+        let metrics = metrics_list(&metrics, &now);
         let patch = status_patch(lbm.metadata.resource_version.as_deref(), &conds, &metrics);
         match machines
             .patch_status(name, &PatchParams::default(), &Patch::Merge(&patch))
@@ -398,7 +499,7 @@ mod tests {
 
     #[test]
     fn the_message_names_the_hook_and_a_stale_source_is_not_up_to_date() {
-        let c = conditions(&[], &running(3), &t(0));
+        let c = conditions(&[], &running(3), &Context::default(), &t(0));
         assert_eq!(
             find(&c, cond::DATAPLANE_READY).message.as_deref(),
             Some("the data plane is attached (TC (tcx))")
@@ -411,7 +512,7 @@ mod tests {
             ),
             ..running(3)
         };
-        let c = conditions(&[], &stale, &t(0));
+        let c = conditions(&[], &stale, &Context::default(), &t(0));
         let up = find(&c, cond::DATAPLANE_UP_TO_DATE);
         assert_eq!(up.status, cond::FALSE);
         assert!(
@@ -427,19 +528,113 @@ mod tests {
     #[test]
     fn vrrp_state_becomes_keepalived_conditions() {
         let mut s = running(1);
-        let c = conditions(&[], &s, &t(0));
+        let c = conditions(&[], &s, &Context::default(), &t(0));
         assert!(
             c.iter().all(|c| !c.type_.starts_with("Keepalived")),
             "no VRRP, no conditions"
         );
         s.vrrp = Some(crate::vrrp::VrrpState::Master);
-        let c = conditions(&[], &s, &t(0));
+        let c = conditions(&[], &s, &Context::default(), &t(0));
         assert_eq!(find(&c, cond::KEEPALIVED_MASTER).status, cond::TRUE);
         assert_eq!(find(&c, cond::KEEPALIVED_PROCESS).status, cond::TRUE);
         s.vrrp = Some(crate::vrrp::VrrpState::Stopped);
-        let c = conditions(&c, &s, &t(1));
+        let c = conditions(&c, &s, &Context::default(), &t(1));
         assert_eq!(find(&c, cond::KEEPALIVED_MASTER).status, cond::FALSE);
         assert_eq!(find(&c, cond::KEEPALIVED_PROCESS).status, cond::FALSE);
+    }
+
+    /// What yawol-controller and yawol's dashboards read: the yawol-named conditions with yawollet's reasons.
+    #[test]
+    fn yawols_condition_types_and_reasons() {
+        let reason = |c: &[NodeCondition], ty: &str| {
+            let c = find(c, ty);
+            (c.status.clone(), c.reason.clone().unwrap())
+        };
+        let pair = |s: &str, r: &str| (s.to_string(), r.to_string());
+        let mut s = running(1);
+        s.vrrp = Some(crate::vrrp::VrrpState::Master);
+        let ctx = Context {
+            keepalived_stats: true,
+            ..Default::default()
+        };
+        let c = conditions(&[], &s, &ctx, &t(0));
+        assert_eq!(
+            reason(&c, "ConfigReady"),
+            pair("True", "EnvoyConfigurationUpToDate")
+        );
+        assert_eq!(reason(&c, "EnvoyReady"), pair("True", "EnvoyReady"));
+        assert_eq!(
+            reason(&c, "EnvoyUpToDate"),
+            pair("True", "EnvoySnapshotUpToDate")
+        );
+        assert_eq!(
+            reason(&c, "KeepalivedMaster"),
+            pair("True", "KeepalivedStatus")
+        );
+        assert_eq!(
+            reason(&c, "KeepalivedProcess"),
+            pair("True", "KeepalivedIsRunning")
+        );
+        assert_eq!(
+            reason(&c, "KeepalivedStatsFile"),
+            pair("True", "StatsUpToDate")
+        );
+        // The False side.
+        let down = AgentStatus {
+            dataplane_ready: false,
+            config_error: Some("bad".into()),
+            vrrp: Some(crate::vrrp::VrrpState::Stopped),
+            ..running(1)
+        };
+        let c = conditions(&c, &down, &Context::default(), &t(1));
+        assert_eq!(
+            reason(&c, "ConfigReady"),
+            pair("False", "EnvoyConfigurationFailed")
+        );
+        assert_eq!(reason(&c, "EnvoyReady"), pair("False", "EnvoyNotReady"));
+        assert_eq!(
+            reason(&c, "EnvoyUpToDate"),
+            pair("False", "EnvoySnapshotUpToDate")
+        );
+        assert_eq!(
+            reason(&c, "KeepalivedMaster"),
+            pair("False", "KeepalivedStatus")
+        );
+        assert_eq!(
+            reason(&c, "KeepalivedProcess"),
+            pair("False", "CouldNotKeepalivedProcess")
+        );
+        assert_eq!(
+            reason(&c, "KeepalivedStatsFile"),
+            pair("False", "CouldNotReadStats")
+        );
+    }
+
+    #[test]
+    fn log_forward_is_reported_false_while_asked_for() {
+        let ctx = Context {
+            facts: LbFacts {
+                log_forward: Some("http://loki:3100/loki/api/v1/push".into()),
+            },
+            ..Default::default()
+        };
+        let c = conditions(&[], &running(1), &ctx, &t(0));
+        let lf = find(&c, "LogForward");
+        assert_eq!(lf.status, "False");
+        assert_eq!(lf.reason.as_deref(), Some("LogForwardNotSupported"));
+        assert!(
+            lf.message.as_deref().unwrap().contains("http://loki:3100"),
+            "{lf:?}"
+        );
+        // Readiness is not affected: the three conditions yawol-controller checks stay True.
+        for ty in ["ConfigReady", "EnvoyReady", "EnvoyUpToDate"] {
+            assert_eq!(find(&c, ty).status, "True");
+        }
+        let c = conditions(&c, &running(1), &Context::default(), &t(1));
+        assert!(
+            c.iter().all(|c| c.type_ != "LogForward"),
+            "gone with the option"
+        );
     }
 
     fn find<'a>(c: &'a [NodeCondition], type_: &str) -> &'a NodeCondition {
@@ -450,7 +645,7 @@ mod tests {
 
     #[test]
     fn fresh_machine_gets_all_five_conditions_in_both_namings() {
-        let c = conditions(&[], &running(3), &t(0));
+        let c = conditions(&[], &running(3), &Context::default(), &t(0));
         let types: Vec<_> = c.iter().map(|c| c.type_.as_str()).collect();
         assert_eq!(
             types,
@@ -481,8 +676,8 @@ mod tests {
 
     #[test]
     fn heartbeat_moves_transition_time_only_on_flips() {
-        let first = conditions(&[], &running(1), &t(0));
-        let again = conditions(&first, &running(1), &t(30));
+        let first = conditions(&[], &running(1), &Context::default(), &t(0));
+        let again = conditions(&first, &running(1), &Context::default(), &t(30));
         for c in &again {
             assert_eq!(c.last_heartbeat_time, Some(t(30)));
             assert_eq!(
@@ -497,7 +692,7 @@ mod tests {
             desired_generation: Some(2),
             ..running(1)
         };
-        let c = conditions(&again, &lagging, &t(60));
+        let c = conditions(&again, &lagging, &Context::default(), &t(60));
         for ty in ["DataplaneUpToDate", "EnvoyUpToDate"] {
             assert_eq!(find(&c, ty).status, "False");
             assert_eq!(find(&c, ty).last_transition_time, Some(t(60)));
@@ -516,7 +711,12 @@ mod tests {
             last_heartbeat_time: Some(t(-5)),
             last_transition_time: Some(t(-5)),
         };
-        let c = conditions(std::slice::from_ref(&marked), &running(1), &t(0));
+        let c = conditions(
+            std::slice::from_ref(&marked),
+            &running(1),
+            &Context::default(),
+            &t(0),
+        );
         assert_eq!(c.len(), 6);
         assert_eq!(find(&c, "MarkedForDeletion"), &marked, "untouched");
     }
@@ -528,7 +728,7 @@ mod tests {
             desired_generation: Some(2),
             ..running(1)
         };
-        let c = conditions(&[], &s, &t(0));
+        let c = conditions(&[], &s, &Context::default(), &t(0));
         assert_eq!(find(&c, "ConfigReady").status, "False");
         assert_eq!(
             find(&c, "ConfigReady").reason.as_deref(),
@@ -555,14 +755,14 @@ mod tests {
             dataplane_ready: true,
             ..Default::default()
         };
-        let c = conditions(&[], &s, &t(0));
+        let c = conditions(&[], &s, &Context::default(), &t(0));
         assert_eq!(
             find(&c, "ConfigReady").reason.as_deref(),
             Some("ConfigurationPending")
         );
         assert_eq!(find(&c, "ConfigReady").status, "False");
         assert_eq!(find(&c, "DataplaneUpToDate").status, "False");
-        let c = conditions(&[], &AgentStatus::default(), &t(0));
+        let c = conditions(&[], &AgentStatus::default(), &Context::default(), &t(0));
         assert_eq!(find(&c, "EnvoyReady").status, "False");
         assert_eq!(
             find(&c, "EnvoyReady").reason.as_deref(),
@@ -573,7 +773,11 @@ mod tests {
     #[test]
     fn patch_carries_resource_version_and_yawol_metric_shape() {
         let m = metrics_list(&[("load1".into(), "0.5".into())], &t(0));
-        let p = status_patch(Some("42"), &conditions(&[], &running(1), &t(0)), &m);
+        let p = status_patch(
+            Some("42"),
+            &conditions(&[], &running(1), &Context::default(), &t(0)),
+            &m,
+        );
         assert_eq!(p["metadata"]["resourceVersion"], "42");
         assert_eq!(
             p["status"]["metrics"][0],

@@ -1,8 +1,9 @@
 //! The config source of Kubernetes mode: the one LoadBalancer, watched and turned into the agent's
 //! [`ConfigState`] (with the HA hints from its annotations).
 
+use super::debug::AdHocDebug;
 use super::events::{event_reasons, truncate, MachineEvent, Recorder};
-use super::KubeSettings;
+use super::{KubeSettings, LbFacts};
 use crate::agent::ConfigState;
 use crate::config::desired;
 use crate::health::HealthCheckSpec;
@@ -93,6 +94,29 @@ pub fn with_ha_hints(
     ConfigState::Valid(Arc::new(c), generation)
 }
 
+/// The Loki URL when the LoadBalancer asks for log forwarding (`spec.options.logForward.enabled`), which this
+/// image does not do.
+pub fn log_forward_target(lb: &LoadBalancer) -> Option<String> {
+    lb.spec
+        .options()
+        .log_forward
+        .as_ref()
+        .filter(|l| l.enabled)
+        .map(|l| l.loki_url.clone())
+}
+
+/// What the config source does besides the configuration (see the module documentation of Kubernetes mode).
+pub(super) struct Extras {
+    /// To the status reporter.
+    pub facts: watch::Sender<LbFacts>,
+    /// The machine's revision (the flag, or learnt by the status reporter from the LoadBalancerMachine).
+    pub revision: watch::Receiver<Option<String>>,
+    /// Ad-hoc debug access, when enabled.
+    pub ad_hoc_debug: Option<AdHocDebug>,
+    /// The log-forwarding target last reported by an Event (reported once per agent and target).
+    pub log_forward_reported: Option<String>,
+}
+
 /// Whether two states would make the agent do the same thing (no need to wake it).
 pub fn same_config(a: &ConfigState, b: &ConfigState) -> bool {
     match (a, b) {
@@ -118,6 +142,7 @@ pub(super) async fn run_config_source(
     tx: watch::Sender<ConfigState>,
     stale: watch::Sender<Option<String>>,
     recorder: Arc<Recorder>,
+    mut extras: Extras,
 ) {
     let name = &settings.loadbalancer;
     let what = format!("LoadBalancer {}/{name}", settings.namespace);
@@ -129,8 +154,19 @@ pub(super) async fn run_config_source(
         let mut stream = std::pin::pin!(watcher(lbs.clone(), cfg.clone()));
         // A relist (Init … InitDone) is buffered so a LoadBalancer missing after the relist is noticed.
         let mut relisted: Option<LoadBalancer> = None;
+        // The LoadBalancer last published, for a revision learnt later.
+        let mut last: Option<LoadBalancer> = None;
         let error = loop {
-            let Some(event) = stream.next().await else {
+            let event = tokio::select! {
+                event = stream.next() => event,
+                Ok(()) = extras.revision.changed() => {
+                    if let Some(lb) = &last {
+                        publish(lb, &settings, &tx, &recorder, &mut extras).await;
+                    }
+                    continue;
+                }
+            };
+            let Some(event) = event else {
                 break None;
             };
             match event {
@@ -138,7 +174,10 @@ pub(super) async fn run_config_source(
                 Ok(watcher::Event::InitApply(lb)) => relisted = Some(lb),
                 Ok(watcher::Event::InitDone) => {
                     match relisted.take() {
-                        Some(lb) => publish(&lb, &settings, &tx, &recorder).await,
+                        Some(lb) => {
+                            publish(&lb, &settings, &tx, &recorder, &mut extras).await;
+                            last = Some(lb);
+                        }
                         None => tracing::warn!(object = %what,
                             "not found; waiting for it (a configuration already in the data plane keeps forwarding)"),
                     }
@@ -146,7 +185,10 @@ pub(super) async fn run_config_source(
                         tracing::info!(object = %what, "listed again; the configuration source is in sync");
                     }
                 }
-                Ok(watcher::Event::Apply(lb)) => publish(&lb, &settings, &tx, &recorder).await,
+                Ok(watcher::Event::Apply(lb)) => {
+                    publish(&lb, &settings, &tx, &recorder, &mut extras).await;
+                    last = Some(lb);
+                }
                 Ok(watcher::Event::Delete(_)) => tracing::warn!(object = %what,
                     "deleted; the configuration in the data plane keeps forwarding until the machine is removed"),
                 Err(e) => break Some(e),
@@ -165,17 +207,44 @@ pub(super) async fn run_config_source(
     }
 }
 
-/// Sends the LoadBalancer's configuration to the agent if it changed; reports rejections.
+/// Sends the LoadBalancer's configuration to the agent if it changed; reports rejections. Acts on ad-hoc debug
+/// access and reports log forwarding first (they do not depend on the configuration).
 async fn publish(
     lb: &LoadBalancer,
     settings: &KubeSettings,
     tx: &watch::Sender<ConfigState>,
     recorder: &Recorder,
+    extras: &mut Extras,
 ) {
+    if let Some(debug) = &mut extras.ad_hoc_debug {
+        for e in debug.reconcile(lb).await {
+            recorder.publish(&e).await;
+        }
+    }
+    let log_forward = log_forward_target(lb);
+    if log_forward.is_some() && log_forward != extras.log_forward_reported {
+        let url = log_forward.clone().unwrap_or_default();
+        tracing::warn!(loki_url = %url, "the LoadBalancer asks for log forwarding, which this image does not do");
+        recorder
+            .publish(&MachineEvent {
+                warning: true,
+                reason: event_reasons::LOG_FORWARD_NOT_SUPPORTED,
+                message: truncate(&format!(
+                    "logForward to {url} is not supported by this load-balancer image (no log shipper); the \
+                     machine's logs stay in its journal"
+                )),
+            })
+            .await;
+    }
+    extras.log_forward_reported = log_forward.clone();
+    extras.facts.send_if_modified(|f| {
+        std::mem::replace(&mut f.log_forward, log_forward.clone()) != log_forward
+    });
+    let revision = extras.revision.borrow_and_update().clone();
     let state = with_ha_hints(
         config_from_lb(lb, &settings.health_check),
         lb,
-        settings.machine_revision.as_deref(),
+        revision.as_deref(),
     );
     // Status-only updates (replica counts, reconcile timestamps) must not wake the agent.
     if same_config(&tx.borrow(), &state) {

@@ -1,0 +1,650 @@
+//! yawol compatibility: the agent started as `yawollet` (a symlink to `lb-agent` in the VM image, run by
+//! `yawollet.service` with yawol-controller's `YAWOLLET_ARGS`) takes yawollet's flags and yawol's keepalived
+//! settings, and runs as lb-agent in Kubernetes mode. This is the one place that knows yawollet's command line
+//! and yawol's `keepalived.conf`; [`translate`] is pure and unit-tested, `main` applies it before parsing.
+//!
+//! yawollet's flags (yawol `cmd/yawollet/main.go`, pflag: `--flag=value` or `--flag value`):
+//!
+//! | yawollet flag | here |
+//! |---|---|
+//! | `--namespace`, `--loadbalancer-name`, `--loadbalancer-machine-name`, `--kubeconfig` | the same lb-agent flags |
+//! | `--requeue-time` (seconds) | `--requeue-period`, clamped to 5..170 s as yawollet does |
+//! | `--health-probe-bind-address` (`/readyz` for yawol's keepalived check script) | `--metrics-address`: `/readyz`, `/healthz` and `/metrics` are served there |
+//! | `--zap-encoder json\|console` | `--log-format json\|text` |
+//! | `--zap-log-level` | `--log-level` (zap's `debug`/`info`/`error`; a number N means debug) |
+//! | `--listen-address` (the VIP) | checked against keepalived's VIP; the data plane takes the VIP from the LoadBalancer's `status.portIP`, which yawol-controller writes into both |
+//! | `--listen-interface` | the interface when `keepalived.conf` names none |
+//! | `--keepalived-stats-file` | ignored: the agent reads keepalived's counters itself (SIGUSR2 into its own run directory) |
+//! | `--metrics-bind-address` | ignored: yawollet's controller-runtime metrics (off by default); lb-agent's `/metrics` is on the probe address |
+//! | `--zap-devel`, `--zap-stacktrace-level`, `--zap-time-encoding` | ignored (log cosmetics) |
+//! | anything else | ignored with a warning, so a newer yawol-controller's flag does not stop the load balancer |
+//!
+//! From yawol's `/etc/keepalived/keepalived.conf` (its one `vrrp_instance`) the agent **keeps** `interface` (the
+//! NIC the data plane attaches to), `virtual_router_id` and `priority` (the base priority) and checks the VIP. It
+//! **improves** the rest, because keepalived runs under the agent with the agent's own configuration
+//! ([`crate::vrrp`]): VRRPv3 adverts every 200 ms instead of `advert_int 4` (a dead master is replaced in
+//! ≈ 0.7 s instead of ≈ 12–15 s); eligibility from a track file the agent writes (data plane attached, latest
+//! configuration in the maps) instead of `vrrp_track_process envoy` and the readyz `vrrp_script`; a priority
+//! bonus of 100 for the newest revision instead of yawol's 160/150 weights; GARP on takeover and every 60 s
+//! instead of every 300 s. Not carried over: `authentication` (PASS is plain text in every advert and VRRPv3 has
+//! none; the security group's VRRP rule is what isolates load balancers, in yawol too) and yawol's script user
+//! settings (no scripts run).
+
+use anyhow::{bail, Context, Result};
+use std::net::IpAddr;
+use std::path::Path;
+
+/// Name the agent recognises in `argv[0]`: started under it, the arguments are yawollet's.
+pub const PROGRAM_NAME: &str = "yawollet";
+/// Where yawol-controller's user data writes the keepalived configuration.
+pub const KEEPALIVED_CONF: &str = "/etc/keepalived/keepalived.conf";
+
+/// Whether the process was started as `yawollet` (the file name in `argv[0]`).
+pub fn invoked_as_yawollet(argv0: &std::ffi::OsStr) -> bool {
+    Path::new(argv0).file_name() == Some(std::ffi::OsStr::new(PROGRAM_NAME))
+}
+
+/// lb-agent's arguments for a yawollet command line, and what was made of each yawollet flag.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Translation {
+    /// lb-agent's arguments (without the program name).
+    pub args: Vec<String>,
+    /// One line per decision, logged at start.
+    pub notes: Vec<Note>,
+}
+
+/// A decision of the translation.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Note {
+    /// A warning (a setting that could not be honoured or does not add up) rather than information.
+    pub warning: bool,
+    /// What happened.
+    pub text: String,
+}
+
+/// What yawol's keepalived.conf says about its VRRP instance (the first one).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct KeepalivedSettings {
+    /// `vrrp_instance` name (yawol: `ENVOY`).
+    pub instance: String,
+    /// `interface`.
+    pub interface: Option<String>,
+    /// `virtual_router_id`.
+    pub router_id: Option<u8>,
+    /// `priority`.
+    pub priority: Option<u8>,
+    /// `advert_int` as written (not used: the agent's interval applies).
+    pub advert_int: Option<String>,
+    /// The addresses of `virtual_ipaddress`.
+    pub vips: Vec<IpAddr>,
+    /// Further `vrrp_instance` names (ignored).
+    pub other_instances: Vec<String>,
+}
+
+/// yawollet's value flags (all others but `--zap-devel` take a value too; see [`translate`]).
+const BOOL_FLAGS: &[&str] = &["zap-devel"];
+
+/// Translates yawollet's arguments (without the program name) and the text of yawol's keepalived.conf (`None`:
+/// not there) into lb-agent's arguments. Errors: a required yawollet flag is missing, a value does not parse, or
+/// keepalived.conf has an invalid router id or priority.
+pub fn translate(yawollet_args: &[String], keepalived_conf: Option<&str>) -> Result<Translation> {
+    let mut notes = Vec::new();
+    let mut note = |warning: bool, text: String| notes.push(Note { warning, text });
+    let flags = parse_flags(yawollet_args, &mut note)?;
+    let get = |name: &str| {
+        flags
+            .iter()
+            .rev()
+            .find(|(n, _)| n == name)
+            .map(|(_, v)| v.as_str())
+    };
+    let mut args = Vec::new();
+    for name in [
+        "namespace",
+        "loadbalancer-name",
+        "loadbalancer-machine-name",
+    ] {
+        match get(name) {
+            Some(v) if !v.is_empty() => args.push(format!("--{name}={v}")),
+            _ => bail!("yawollet needs --{name} (from YAWOLLET_ARGS in /etc/yawol/env.conf)"),
+        }
+    }
+    if let Some(kc) = get("kubeconfig").filter(|v| !v.is_empty()) {
+        args.push(format!("--kubeconfig={kc}"));
+    }
+    if let Some(t) = get("requeue-time") {
+        let secs: i64 = t
+            .trim()
+            .parse()
+            .with_context(|| format!("--requeue-time={t:?} is not a number of seconds"))?;
+        // yawollet clamps to 5..170 s; so does the agent, with a warning of its own.
+        args.push(format!("--requeue-period={}s", secs.clamp(5, 170)));
+    }
+    // yawollet's default probe address is also where yawol's keepalived check script looks.
+    let probe = get("health-probe-bind-address").unwrap_or("127.0.0.1:8080");
+    args.push(format!("--metrics-address={probe}"));
+    note(
+        false,
+        format!(
+            "--health-probe-bind-address={probe}: /readyz, /healthz and /metrics are served there"
+        ),
+    );
+    if let Some(enc) = get("zap-encoder") {
+        match enc {
+            "json" => args.push("--log-format=json".into()),
+            "console" => args.push("--log-format=text".into()),
+            other => note(true, format!("--zap-encoder={other}: unknown; text logs")),
+        }
+    }
+    if let Some(level) = get("zap-log-level") {
+        match zap_level(level) {
+            Some(l) => args.push(format!("--log-level={l}")),
+            None => note(
+                true,
+                format!("--zap-log-level={level}: unknown; level info"),
+            ),
+        }
+    }
+    for ignored in [
+        "keepalived-stats-file",
+        "metrics-bind-address",
+        "zap-devel",
+        "zap-stacktrace-level",
+        "zap-time-encoding",
+    ] {
+        if let Some(v) = get(ignored) {
+            note(
+                false,
+                format!("--{ignored}={v}: ignored (see lb-agent's yawollet module)"),
+            );
+        }
+    }
+
+    let keepalived = match keepalived_conf {
+        Some(text) => Some(parse_keepalived_conf(text)?),
+        None => {
+            note(
+                true,
+                format!("{KEEPALIVED_CONF} not found: no VRRP, so no machine takes the VIP"),
+            );
+            None
+        }
+    };
+    let interface = keepalived
+        .as_ref()
+        .and_then(|k| k.interface.clone())
+        .or_else(|| get("listen-interface").map(str::to_string))
+        .unwrap_or_else(|| "eth0".to_string());
+    args.push(format!("--interface={interface}"));
+    if let Some(k) = &keepalived {
+        let router_id = k.router_id.with_context(|| {
+            format!(
+                "{KEEPALIVED_CONF}: vrrp_instance {} has no virtual_router_id",
+                k.instance
+            )
+        })?;
+        args.push(format!("--vrrp-router-id={router_id}"));
+        if let Some(p) = k.priority {
+            args.push(format!("--vrrp-priority={p}"));
+        }
+        note(
+            false,
+            format!(
+                "{KEEPALIVED_CONF}: kept interface {interface}, virtual_router_id {router_id}, priority {}; \
+                 keepalived runs under the agent (VRRPv3, its advert interval, track files){}",
+                k.priority.map_or("default".to_string(), |p| p.to_string()),
+                k.advert_int
+                    .as_ref()
+                    .map_or(String::new(), |a| format!(" instead of advert_int {a}")),
+            ),
+        );
+        for other in &k.other_instances {
+            note(
+                true,
+                format!(
+                    "{KEEPALIVED_CONF}: vrrp_instance {other} ignored (only the first one is used)"
+                ),
+            );
+        }
+        let listen: Option<IpAddr> = get("listen-address").and_then(|a| a.parse().ok());
+        if let Some(listen) = listen {
+            if !k.vips.contains(&listen) {
+                note(
+                    true,
+                    format!(
+                        "--listen-address={listen} is not keepalived's VIP ({}); the data plane serves the \
+                         LoadBalancer's status.portIP",
+                        k.vips.iter().map(|v| v.to_string()).collect::<Vec<_>>().join(", ")
+                    ),
+                );
+            }
+        }
+    }
+    Ok(Translation { args, notes })
+}
+
+/// `(name, value)` of each `--name=value` / `--name value` / `--bool-flag`; unknown flags noted and kept (so
+/// their values are not taken for positional arguments), positional arguments noted and dropped.
+fn parse_flags(
+    args: &[String],
+    note: &mut impl FnMut(bool, String),
+) -> Result<Vec<(String, String)>> {
+    const KNOWN: &[&str] = &[
+        "namespace",
+        "loadbalancer-name",
+        "loadbalancer-machine-name",
+        "listen-address",
+        "listen-interface",
+        "requeue-time",
+        "keepalived-stats-file",
+        "health-probe-bind-address",
+        "metrics-bind-address",
+        "kubeconfig",
+        "zap-devel",
+        "zap-encoder",
+        "zap-log-level",
+        "zap-stacktrace-level",
+        "zap-time-encoding",
+    ];
+    let mut out = Vec::new();
+    let mut it = args.iter().peekable();
+    while let Some(arg) = it.next() {
+        if arg == "--" {
+            if it.peek().is_some() {
+                note(true, "arguments after -- ignored".to_string());
+            }
+            break;
+        }
+        let Some(flag) = arg.strip_prefix("--") else {
+            note(
+                true,
+                format!("argument {arg:?} ignored (yawollet takes flags only)"),
+            );
+            continue;
+        };
+        let (name, value) = match flag.split_once('=') {
+            Some((n, v)) => (n.to_string(), v.to_string()),
+            None if BOOL_FLAGS.contains(&flag) => (flag.to_string(), "true".to_string()),
+            None => match it.peek() {
+                Some(v) if !v.starts_with("--") => (flag.to_string(), it.next().unwrap().clone()),
+                // A value flag without a value: pflag refuses it.
+                _ if KNOWN.contains(&flag) => bail!("yawollet flag --{flag} needs a value"),
+                _ => (flag.to_string(), String::new()),
+            },
+        };
+        if !KNOWN.contains(&name.as_str()) {
+            note(true, format!("unknown yawollet flag --{name} ignored"));
+        }
+        out.push((name, value));
+    }
+    Ok(out)
+}
+
+/// zap's level words and numbers as a tracing filter.
+fn zap_level(level: &str) -> Option<&'static str> {
+    match level {
+        "debug" => Some("debug"),
+        "info" => Some("info"),
+        "warn" => Some("warn"),
+        "error" | "dpanic" | "panic" | "fatal" => Some("error"),
+        // zap's custom levels: any positive number is more verbose than debug.
+        n => n
+            .parse::<i8>()
+            .ok()
+            .map(|n| if n > 0 { "debug" } else { "info" }),
+    }
+}
+
+/// Reads the first `vrrp_instance` of a keepalived.conf: `interface`, `virtual_router_id`, `priority`,
+/// `advert_int` and the addresses of `virtual_ipaddress`. Comments (`#`, `!`) and quoted strings are handled as
+/// keepalived does; other blocks and keywords are skipped.
+pub fn parse_keepalived_conf(text: &str) -> Result<KeepalivedSettings> {
+    let mut found: Option<KeepalivedSettings> = None;
+    let mut others = Vec::new();
+    // Open blocks, each with the keyword that opened it; `vrrp_instance` records whether it is the first one.
+    let mut stack: Vec<(String, bool)> = Vec::new();
+    for (lineno, statement) in statements(text) {
+        match statement.as_slice() {
+            [] => {}
+            [close] if close == "}" => {
+                if stack.pop().is_none() {
+                    bail!("keepalived.conf line {lineno}: '}}' without an open block");
+                }
+            }
+            [words @ .., open] if open == "{" => {
+                let keyword = words.first().cloned().unwrap_or_default();
+                let mut first = false;
+                if keyword == "vrrp_instance" && stack.is_empty() {
+                    let name = words.get(1).cloned().unwrap_or_default();
+                    if found.is_none() {
+                        found = Some(KeepalivedSettings {
+                            instance: name,
+                            ..Default::default()
+                        });
+                        first = true;
+                    } else {
+                        others.push(name);
+                    }
+                }
+                let inherited = stack.last().is_some_and(|(_, f)| *f);
+                stack.push((keyword, first || inherited));
+            }
+            words => {
+                let Some((block, true)) = stack.last() else {
+                    continue;
+                };
+                let s = found.as_mut().expect("an instance is open");
+                let value = || {
+                    words.get(1).cloned().with_context(|| {
+                        format!(
+                            "keepalived.conf line {lineno}: {} without a value",
+                            words[0]
+                        )
+                    })
+                };
+                match (block.as_str(), words[0].as_str()) {
+                    ("vrrp_instance", "interface") => s.interface = Some(value()?),
+                    ("vrrp_instance", "virtual_router_id") => {
+                        let v = value()?;
+                        match v.parse::<u8>() {
+                            Ok(id) if id > 0 => s.router_id = Some(id),
+                            _ => bail!("keepalived.conf line {lineno}: virtual_router_id {v} is not 1..=255"),
+                        }
+                    }
+                    ("vrrp_instance", "priority") => {
+                        let v = value()?;
+                        match v.parse::<u8>() {
+                            // 255 is the address owner, whose priority cannot move; the agent needs it to.
+                            Ok(p) if p > 0 => s.priority = Some(p.min(254)),
+                            _ => {
+                                bail!("keepalived.conf line {lineno}: priority {v} is not 1..=255")
+                            }
+                        }
+                    }
+                    ("vrrp_instance", "advert_int") => s.advert_int = Some(value()?),
+                    ("virtual_ipaddress", addr) => {
+                        let ip = addr.split('/').next().unwrap_or(addr);
+                        let ip: IpAddr = ip.parse().with_context(|| {
+                            format!("keepalived.conf line {lineno}: virtual_ipaddress {addr:?} is not an address")
+                        })?;
+                        s.vips.push(ip);
+                    }
+                    _ => {}
+                }
+            }
+        }
+    }
+    if !stack.is_empty() {
+        bail!("keepalived.conf: {} block(s) not closed", stack.len());
+    }
+    let mut s = found.context("keepalived.conf has no vrrp_instance")?;
+    s.other_instances = others;
+    Ok(s)
+}
+
+/// Statements with their line numbers: a line's words up to and including `{`, a lone `}`, or the words of a
+/// line; comments (`#`/`!` outside quotes) removed, quotes stripped.
+fn statements(text: &str) -> Vec<(usize, Vec<String>)> {
+    let mut out = Vec::new();
+    for (i, line) in text.lines().enumerate() {
+        let mut words: Vec<String> = Vec::new();
+        let mut word = String::new();
+        let mut quoted = false;
+        let flush = |word: &mut String, words: &mut Vec<String>| {
+            if !word.is_empty() {
+                words.push(std::mem::take(word));
+            }
+        };
+        for c in line.chars() {
+            match c {
+                '"' => quoted = !quoted,
+                '#' | '!' if !quoted => break,
+                // A brace ends a statement: what follows on the line is another one. `{` ends the statement that
+                // names the block, `}` is a statement of its own.
+                '{' if !quoted => {
+                    flush(&mut word, &mut words);
+                    words.push("{".to_string());
+                    out.push((i + 1, std::mem::take(&mut words)));
+                }
+                '}' if !quoted => {
+                    flush(&mut word, &mut words);
+                    if !words.is_empty() {
+                        out.push((i + 1, std::mem::take(&mut words)));
+                    }
+                    out.push((i + 1, vec!["}".to_string()]));
+                }
+                c if c.is_whitespace() && !quoted => flush(&mut word, &mut words),
+                c => word.push(c),
+            }
+        }
+        flush(&mut word, &mut words);
+        if !words.is_empty() {
+            out.push((i + 1, words));
+        }
+    }
+    out
+}
+
+/// yawol-controller's output, transcribed once for the boot test (`lb-agent/examples/yawol_boot/`).
+#[cfg(test)]
+#[allow(dead_code)]
+#[path = "../../../examples/yawol_boot/yawol.rs"]
+mod yawol_fixture;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// yawol-controller's output for a machine (the boot test's fixture), VIP 10.0.2.100.
+    fn machine(requeue_time: u32) -> yawol_fixture::Machine {
+        yawol_fixture::Machine {
+            kubeconfig: String::new(),
+            namespace: "yawol".into(),
+            loadbalancer: "default--web".into(),
+            machine: "default--web-1a2b3-x9y8z".into(),
+            vip: "10.0.2.100".into(),
+            requeue_time,
+            ntp_pools: vec![],
+            ntp_servers: vec![],
+            log_forward: Default::default(),
+            debug: false,
+        }
+    }
+
+    fn yawol_keepalived() -> String {
+        yawol_fixture::keepalived_conf("10.0.2.100")
+    }
+
+    /// `YAWOLLET_ARGS` as yawol writes them, split by systemd's `$YAWOLLET_ARGS` (note `--kubeconfig` with a
+    /// blank, and no `--requeue-time` for 0).
+    fn yawol_args(requeue: Option<u32>) -> Vec<String> {
+        yawol_fixture::yawollet_args(&machine(requeue.unwrap_or(0)))
+            .split_whitespace()
+            .map(str::to_string)
+            .collect()
+    }
+
+    #[test]
+    fn yawols_user_data_becomes_kubernetes_mode_with_vrrp() {
+        let t = translate(&yawol_args(Some(20)), Some(&yawol_keepalived())).unwrap();
+        assert_eq!(
+            t.args,
+            [
+                "--namespace=yawol",
+                "--loadbalancer-name=default--web",
+                "--loadbalancer-machine-name=default--web-1a2b3-x9y8z",
+                "--kubeconfig=/etc/yawol/kubeconfig",
+                "--requeue-period=20s",
+                "--metrics-address=127.0.0.1:8080",
+                "--interface=eth0",
+                "--vrrp-router-id=100",
+                "--vrrp-priority=50",
+            ]
+        );
+        assert!(t.notes.iter().all(|n| !n.warning), "{:?}", t.notes);
+        assert!(t
+            .notes
+            .iter()
+            .any(|n| n.text.contains("instead of advert_int 4")));
+    }
+
+    #[test]
+    fn keepalived_settings_of_the_first_instance() {
+        let k = parse_keepalived_conf(&yawol_keepalived()).unwrap();
+        assert_eq!(
+            k,
+            KeepalivedSettings {
+                instance: "ENVOY".into(),
+                interface: Some("eth0".into()),
+                router_id: Some(100),
+                priority: Some(50),
+                advert_int: Some("4".into()),
+                vips: vec!["10.0.2.100".parse().unwrap()],
+                other_instances: vec![],
+            }
+        );
+        // One-line blocks, prefixes and options after the address, a second instance, a comment after a value.
+        let k = parse_keepalived_conf(
+            "vrrp_instance A { interface ens3 ! the NIC\n virtual_router_id 7\n priority 255\n\
+             virtual_ipaddress { 192.0.2.1/32 dev ens3 label ens3:1\n2001:db8::1/128 }\n}\n\
+             vrrp_instance B {\n virtual_router_id 8\n}\n",
+        )
+        .unwrap();
+        assert_eq!(k.interface.as_deref(), Some("ens3"));
+        assert_eq!((k.router_id, k.priority), (Some(7), Some(254)), "255 → 254");
+        assert_eq!(
+            k.vips,
+            vec![
+                "192.0.2.1".parse::<IpAddr>().unwrap(),
+                "2001:db8::1".parse().unwrap()
+            ]
+        );
+        assert_eq!(k.other_instances, ["B"]);
+    }
+
+    #[test]
+    fn bad_keepalived_conf_is_an_error_naming_the_line() {
+        for (text, needle) in [
+            (
+                "vrrp_instance A {\n virtual_router_id 0\n}",
+                "line 2: virtual_router_id 0",
+            ),
+            ("vrrp_instance A {\n priority x\n}", "priority x"),
+            (
+                "vrrp_instance A {\n virtual_ipaddress {\n vip\n }\n}",
+                "line 3: virtual_ipaddress \"vip\"",
+            ),
+            ("vrrp_instance A {\n", "not closed"),
+            ("global_defs {\n}\n}", "without an open block"),
+            ("global_defs {\n}", "no vrrp_instance"),
+        ] {
+            let e = format!("{:#}", parse_keepalived_conf(text).unwrap_err());
+            assert!(e.contains(needle), "{needle:?} not in {e:?}");
+        }
+        let e = translate(
+            &yawol_args(None),
+            Some("vrrp_instance A {\n interface eth0\n}"),
+        )
+        .unwrap_err();
+        assert!(format!("{e:#}").contains("no virtual_router_id"), "{e:#}");
+    }
+
+    #[test]
+    fn flags_honoured_ignored_and_missing() {
+        let mut args = yawol_args(Some(1));
+        args.extend(
+            [
+                "--zap-encoder",
+                "json",
+                "--zap-log-level=2",
+                "--zap-devel",
+                "--keepalived-stats-file=",
+                "--future-flag",
+                "x",
+                "stray",
+            ]
+            .map(String::from),
+        );
+        let t = translate(&args, Some(&yawol_keepalived())).unwrap();
+        assert!(
+            t.args.contains(&"--requeue-period=5s".to_string()),
+            "clamped like yawollet"
+        );
+        assert!(t.args.contains(&"--log-format=json".to_string()));
+        assert!(t.args.contains(&"--log-level=debug".to_string()));
+        let warnings: Vec<&str> = t
+            .notes
+            .iter()
+            .filter(|n| n.warning)
+            .map(|n| n.text.as_str())
+            .collect();
+        assert_eq!(
+            warnings,
+            [
+                "unknown yawollet flag --future-flag ignored",
+                "argument \"stray\" ignored (yawollet takes flags only)"
+            ]
+        );
+        assert!(t
+            .notes
+            .iter()
+            .any(|n| n.text.starts_with("--zap-devel=true: ignored")));
+
+        let without_lbm: Vec<String> = yawol_args(None)
+            .into_iter()
+            .filter(|a| !a.starts_with("--loadbalancer-machine-name"))
+            .collect();
+        let e = translate(&without_lbm, Some(&yawol_keepalived())).unwrap_err();
+        assert!(e.to_string().contains("--loadbalancer-machine-name"), "{e}");
+        let e = translate(&["--namespace".to_string()], None).unwrap_err();
+        assert!(e.to_string().contains("--namespace needs a value"), "{e}");
+        let e = translate(
+            &[yawol_args(None), vec!["--requeue-time=soon".into()]].concat(),
+            None,
+        )
+        .unwrap_err();
+        assert!(e.to_string().contains("--requeue-time"), "{e}");
+    }
+
+    #[test]
+    fn without_keepalived_conf_no_vrrp_and_a_warning() {
+        let mut args = yawol_args(None);
+        args.push("--listen-interface=ens7".into());
+        let t = translate(&args, None).unwrap();
+        assert!(t.args.contains(&"--interface=ens7".to_string()));
+        assert!(t.args.iter().all(|a| !a.starts_with("--vrrp")));
+        assert!(t
+            .notes
+            .iter()
+            .any(|n| n.warning && n.text.contains("no VRRP")));
+        // Defaults: probe address 127.0.0.1:8080, eth0.
+        let t = translate(&yawol_args(None)[..3], None).unwrap();
+        assert!(t
+            .args
+            .contains(&"--metrics-address=127.0.0.1:8080".to_string()));
+        assert!(t.args.contains(&"--interface=eth0".to_string()));
+    }
+
+    #[test]
+    fn a_listen_address_other_than_keepalived_vip_is_a_warning() {
+        let args: Vec<String> = yawol_args(None)
+            .into_iter()
+            .map(|a| a.replace("--listen-address=10.0.2.100", "--listen-address=10.0.2.101"))
+            .collect();
+        let t = translate(&args, Some(&yawol_keepalived())).unwrap();
+        assert!(t.notes.iter().any(|n| n.warning
+            && n.text
+                .contains("10.0.2.101 is not keepalived's VIP (10.0.2.100)")));
+    }
+
+    #[test]
+    fn argv0_decides() {
+        assert!(invoked_as_yawollet(std::ffi::OsStr::new(
+            "/usr/local/bin/yawollet"
+        )));
+        assert!(invoked_as_yawollet(std::ffi::OsStr::new("yawollet")));
+        assert!(!invoked_as_yawollet(std::ffi::OsStr::new(
+            "/usr/local/bin/lb-agent"
+        )));
+    }
+}
