@@ -1,5 +1,5 @@
 //! `cargo xtask demo`: installs and builds what the demo needs, then runs `lb-testbed demo` (see
-//! `testbed/src/demo.rs`) and prints how long each step took.
+//! `testenv/netns/src/demo.rs`) and prints how long each step took.
 
 use crate::util::{binaries, cargo, cargo_executables, run, Steps};
 use anyhow::{Context, Result};

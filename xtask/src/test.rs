@@ -101,11 +101,11 @@ const STAGES: &[Stage] = &[
             // runs lb-testbed's own unit tests, which the unit stage's `--exclude lb-testbed` left out.
             let unit = unit_test_binary("lb-testbed")?;
             run(
-                Command::new(&unit).current_dir(root().join("testbed")),
+                Command::new(&unit).current_dir(root().join("testenv/netns")),
                 "lb-testbed unit tests",
             )?;
             let mut cmd = workspace_cargo(&["test"]);
-            for target in test_targets("testbed", false)? {
+            for target in test_targets("testenv/netns", false)? {
                 cmd.args(["--test", &target]);
             }
             run(&mut cmd, "cargo test --workspace --test <lb-testbed tests>")

@@ -76,9 +76,7 @@ pub fn find_artifact(env: &str, rel: &str) -> Result<PathBuf> {
     for dir in exe.ancestors().skip(1).take(3) {
         candidates.push(dir.join(rel));
     }
-    let ws = Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("..")
-        .join("target");
+    let ws = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../target");
     for d in ["debug", "release", ""] {
         candidates.push(ws.join(d).join(rel));
     }
