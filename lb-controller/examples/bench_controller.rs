@@ -12,7 +12,7 @@ use kube_testenv::fake_api::{FakeApiServer, ResourceKey};
 use lb_api::{OpenstackFlavorRef, OpenstackImageRef};
 use lb_controller::cloud::loadbalancer_spec::{ClassFilter, InfrastructureDefaults};
 use lb_controller::cloud::run::{run_controllers, RunConfig};
-use lb_controller::cloud::service::ServiceControllerConfig;
+use lb_controller::cloud::service;
 use lb_controller::metrics::Metrics;
 use lb_controller::process::http::Health;
 use serde_json::json;
@@ -98,7 +98,7 @@ async fn main() -> anyhow::Result<()> {
         target.put(&nodes_key, node(i, true));
     }
     let config = RunConfig {
-        service: ServiceControllerConfig {
+        service: service::Config {
             defaults: InfrastructureDefaults {
                 namespace: NS.into(),
                 auth_secret_name: "cloudprovider".into(),

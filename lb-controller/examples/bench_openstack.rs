@@ -30,10 +30,10 @@ use cascade::{connect, lb_json, Cascade, CascadeConfig, CALL_TIMEOUT};
 use clap::Parser;
 use lb_controller::metrics::Metrics;
 use lb_controller::openstack::clouds::SecretClouds;
-use lb_controller::openstack::loadbalancer::{LbControllerConfig, RolloutGate};
-use lb_controller::openstack::machine::LbmControllerConfig;
+use lb_controller::openstack::loadbalancer::{self, RolloutGate};
+use lb_controller::openstack::machine;
 use lb_controller::openstack::run::OpenStackTuning;
-use lb_controller::openstack::set::LbsControllerConfig;
+use lb_controller::openstack::set;
 use openstack_testenv::{LeakCheck, TestEnv};
 use serde_json::{json, Value};
 
@@ -258,18 +258,18 @@ async fn main() -> Result<()> {
     let metrics = Arc::new(Metrics::new());
     let calls = metrics.openstack_calls.clone();
     let config = CascadeConfig {
-        loadbalancer: LbControllerConfig {
+        loadbalancer: loadbalancer::Config {
             resync,
             deletion_poll: Duration::from_millis(500),
             rollout: RolloutGate::default(),
         },
         tuning: Some(OpenStackTuning {
-            sets: LbsControllerConfig::default(),
-            machines: LbmControllerConfig {
+            sets: set::Config::default(),
+            machines: machine::Config {
                 // The cascade sets the API server's URL.
                 api_endpoint: None,
                 resync,
-                ..LbmControllerConfig::default()
+                ..machine::Config::default()
             },
         }),
         heartbeat: Duration::from_secs(args.heartbeat),

@@ -12,10 +12,10 @@ use lb_api::{OpenstackFlavorRef, OpenstackImageRef};
 use crate::cloud::loadbalancer_spec::{ClassFilter, InfrastructureDefaults};
 use crate::metrics::Metrics;
 use crate::openstack::clouds::{CloudFactory, FileClouds, SdkClouds, SecretClouds};
-use crate::openstack::loadbalancer::{LbControllerConfig, RolloutGate};
-use crate::openstack::machine::LbmControllerConfig;
+use crate::openstack::loadbalancer::{self, RolloutGate};
+use crate::openstack::machine;
 use crate::openstack::run::{self, OpenStackRunConfig, OpenStackTuning};
-use crate::openstack::set::LbsControllerConfig;
+use crate::openstack::set;
 use crate::openstack::{CloudProviderConf, Credentials, OpenStackCalls};
 use crate::process::http::Health;
 use crate::process::leader::LeaderElectionConfig;
@@ -241,11 +241,11 @@ impl MachineArgs {
     pub fn tuning(&self) -> OpenStackTuning {
         let api_endpoint = self.api_endpoint.as_deref().map(str::trim);
         OpenStackTuning {
-            sets: LbsControllerConfig {
+            sets: set::Config {
                 scale_up_timeout: self.scale_up_timeout,
                 ..Default::default()
             },
-            machines: LbmControllerConfig {
+            machines: machine::Config {
                 api_endpoint: api_endpoint.filter(|s| !s.is_empty()).map(str::to_string),
                 ntp_servers: self
                     .ntp_servers
@@ -299,8 +299,8 @@ impl ControllerArgs {
     }
 
     /// LoadBalancer controller settings.
-    pub fn loadbalancer_config(&self) -> LbControllerConfig {
-        LbControllerConfig {
+    pub fn loadbalancer_config(&self) -> loadbalancer::Config {
+        loadbalancer::Config {
             resync: self.resync_period.max(Duration::from_secs(1)),
             rollout: RolloutGate {
                 master_for: self.rollout_master_for,

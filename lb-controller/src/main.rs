@@ -8,7 +8,7 @@ use anyhow::Context;
 use clap::Parser;
 use lb_controller::cli::{self, Cli, Command, LogFormat};
 use lb_controller::cloud::run::{run_controllers, RunConfig};
-use lb_controller::cloud::service::ServiceControllerConfig;
+use lb_controller::cloud::service;
 use lb_controller::metrics::Metrics;
 use lb_controller::openstack::run::{run_openstack_controllers_with, OpenStackRunConfig};
 use lb_controller::process::http::Health;
@@ -80,7 +80,7 @@ async fn run_controller(args: cli::RunArgs) -> anyhow::Result<()> {
     let health = Arc::new(Health::default());
     let instance = std::env::var("POD_NAME").unwrap_or_else(|_| hostname());
     let config = RunConfig {
-        service: ServiceControllerConfig {
+        service: service::Config {
             defaults: defaults.clone(),
             classes: args.class_filter(),
             resync: args.resync(),

@@ -14,9 +14,7 @@ use kube::{Api, Client};
 use lb_api::LoadBalancer;
 use lb_controller::openstack::clouds::FixedCloud;
 use lb_controller::openstack::fake::FakeCloud;
-use lb_controller::openstack::loadbalancer::{
-    run as run_lb_controller, LbContext, LbControllerConfig,
-};
+use lb_controller::openstack::loadbalancer::{self, run as run_lb_controller};
 use lb_controller::openstack::CloudErrorKind;
 use lb_controller::runtime::events::EventPublisher;
 use lb_controller::runtime::stop::Stop;
@@ -84,7 +82,7 @@ impl H {
 async fn start(prefix: &str) -> H {
     let (client, ns) = setup(prefix).await;
     let cloud = Arc::new(FakeCloud::new());
-    let ctx = Arc::new(LbContext {
+    let ctx = Arc::new(loadbalancer::Context {
         client: client.clone(),
         clouds: FixedCloud(cloud.clone()),
         events: Arc::new(EventPublisher::new(
@@ -92,7 +90,7 @@ async fn start(prefix: &str) -> H {
             "yawol-controller",
             "test",
         )),
-        config: LbControllerConfig {
+        config: loadbalancer::Config {
             resync: Duration::from_secs(300),
             deletion_poll: Duration::from_millis(20),
             ..Default::default()
@@ -224,7 +222,7 @@ async fn the_binarys_entry_point_reconciles_a_loadbalancer() {
         FixedCloud(cloud.clone()),
         OpenStackRunConfig {
             namespace: ns.clone(),
-            loadbalancer: LbControllerConfig::default(),
+            loadbalancer: loadbalancer::Config::default(),
             instance: "test".into(),
         },
         Arc::new(lb_controller::metrics::Metrics::new()),

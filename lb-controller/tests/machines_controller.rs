@@ -23,8 +23,8 @@ use kube::{Api, Client};
 use lb_api::LoadBalancerMachine;
 use lb_controller::openstack::clouds::FixedCloud;
 use lb_controller::openstack::fake::FakeCloud;
-use lb_controller::openstack::machine::metrics::LbmMetrics;
-use lb_controller::openstack::machine::{run, LbmContext, LbmControllerConfig};
+use lb_controller::openstack::machine::metrics::MachineMetrics;
+use lb_controller::openstack::machine::{self, run};
 use lb_controller::openstack::{Cloud, CloudErrorKind, PortSpec};
 use lb_controller::runtime::events::EventPublisher;
 use lb_controller::runtime::stop::Stop;
@@ -38,7 +38,7 @@ struct H {
     client: Client,
     ns: String,
     cloud: Arc<FakeCloud>,
-    metrics: Arc<LbmMetrics>,
+    metrics: Arc<MachineMetrics>,
     vip_port: String,
     task: tokio::task::JoinHandle<()>,
     lbs: Objects,
@@ -50,7 +50,12 @@ struct H {
 }
 
 impl H {
-    fn new(client: Client, ns: String, cloud: Arc<FakeCloud>, metrics: Arc<LbmMetrics>) -> Self {
+    fn new(
+        client: Client,
+        ns: String,
+        cloud: Arc<FakeCloud>,
+        metrics: Arc<MachineMetrics>,
+    ) -> Self {
         H {
             lbs: loadbalancers(&client, &ns),
             machines: loadbalancermachines(&client, &ns),
@@ -146,8 +151,8 @@ impl H {
     }
 }
 
-fn config() -> LbmControllerConfig {
-    LbmControllerConfig {
+fn config() -> machine::Config {
+    machine::Config {
         api_endpoint: Some("https://api.control.example:6443".into()),
         ntp_servers: vec!["ntp.example".into()],
         interface: "eth0".into(),
@@ -160,7 +165,7 @@ fn config() -> LbmControllerConfig {
 
 /// A namespace with a LoadBalancer that the LoadBalancer controller has already reconciled (security group, VIP
 /// port, VRRP router ID annotation, sync Secret) and the machine controller running.
-async fn start_with(prefix: &str, config: LbmControllerConfig) -> H {
+async fn start_with(prefix: &str, config: machine::Config) -> H {
     let (client, ns) = setup(prefix).await;
     let cloud = Arc::new(FakeCloud::new());
     let vip = cloud
@@ -212,8 +217,8 @@ async fn start_with(prefix: &str, config: LbmControllerConfig) -> H {
         .await
         .unwrap();
     cloud.clear_calls();
-    let metrics = Arc::new(LbmMetrics::default());
-    let ctx = Arc::new(LbmContext::new(
+    let metrics = Arc::new(MachineMetrics::default());
+    let ctx = Arc::new(machine::Context::new(
         client.clone(),
         FixedCloud(cloud.clone()),
         Arc::new(EventPublisher::new(client.clone(), "yawol-service", "test")),
@@ -548,7 +553,7 @@ async fn error_server_is_replaced_with_novas_fault_in_an_event() {
 async fn a_server_that_fails_later_is_replaced_at_the_next_resync() {
     let h = start_with(
         "lbm-late",
-        LbmControllerConfig {
+        machine::Config {
             resync: Duration::from_millis(100),
             ..config()
         },
@@ -698,7 +703,7 @@ async fn an_interrupted_create_is_adopted_not_duplicated() {
 async fn missing_api_endpoint_is_reported_and_boots_nothing() {
     let h = start_with(
         "lbm-no-endpoint",
-        LbmControllerConfig {
+        machine::Config {
             api_endpoint: None,
             ..config()
         },
@@ -794,7 +799,7 @@ async fn metrics_series_appear_and_disappear() {
 #[tokio::test]
 async fn the_binarys_entry_point_runs_the_machine_controller() {
     use lb_controller::cli::run_openstack_controllers;
-    use lb_controller::openstack::loadbalancer::LbControllerConfig;
+    use lb_controller::openstack::loadbalancer;
     use lb_controller::openstack::run::OpenStackRunConfig;
     use lb_controller::process::http::Health;
 
@@ -809,7 +814,7 @@ async fn the_binarys_entry_point_runs_the_machine_controller() {
         FixedCloud(cloud.clone()),
         OpenStackRunConfig {
             namespace: ns.clone(),
-            loadbalancer: LbControllerConfig::default(),
+            loadbalancer: loadbalancer::Config::default(),
             instance: "test".into(),
         },
         metrics.clone(),
@@ -842,7 +847,7 @@ async fn the_binarys_entry_point_runs_the_machine_controller() {
         client.clone(),
         ns.clone(),
         cloud.clone(),
-        Arc::new(LbmMetrics::default()),
+        Arc::new(MachineMetrics::default()),
     );
     wait("a LoadBalancerMachine", || async {
         Ok(!h.machines.list().await.is_empty())

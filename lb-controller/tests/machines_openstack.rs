@@ -30,8 +30,8 @@ use kube_testenv::{KubeEnv, Refusals};
 use lb_api::{LoadBalancer, LoadBalancerMachine};
 use lb_controller::openstack::clouds::FixedCloud;
 use lb_controller::openstack::loadbalancer::resources::{self as lb_openstack, DiscardStatus};
-use lb_controller::openstack::machine::metrics::LbmMetrics;
-use lb_controller::openstack::machine::{run, LbmContext, LbmControllerConfig};
+use lb_controller::openstack::machine::metrics::MachineMetrics;
+use lb_controller::openstack::machine::{self, run};
 use lb_controller::openstack::sdk::SdkCloud;
 use lb_controller::openstack::Cloud;
 use lb_controller::runtime::events::EventPublisher;
@@ -122,18 +122,18 @@ impl Harness {
                 }))?,
             )
             .await?;
-        let ctx = Arc::new(LbmContext::new(
+        let ctx = Arc::new(machine::Context::new(
             client.clone(),
             FixedCloud(cloud),
             Arc::new(EventPublisher::new(client, "yawol-service", "itest")),
-            Arc::new(LbmMetrics::default()),
-            LbmControllerConfig {
+            Arc::new(MachineMetrics::default()),
+            machine::Config {
                 // The VMs' kubeconfig names this API server, so the test can use it.
                 api_endpoint: Some(kube.url()),
                 poll: Duration::from_millis(500),
                 error_backoff_base: Duration::from_millis(500),
                 error_backoff_max: Duration::from_secs(5),
-                ..LbmControllerConfig::default()
+                ..machine::Config::default()
             },
         ));
         let task = tokio::spawn({

@@ -45,7 +45,7 @@
 //!   sends microversion 2.0, which Nova rejects with 406), so the session authenticates through a Keystone proxy
 //!   whose tokens point the catalog's compute endpoint at the Nova proxy. Nova's real quota error is covered by
 //!   `tests/machines_openstack.rs`.
-//! - The rollout gate is 1 s of VRRP mastership instead of 2 min (`LbControllerConfig::rollout`); an unhealthy
+//! - The rollout gate is 1 s of VRRP mastership instead of 2 min (`loadbalancer::Config::rollout`); an unhealthy
 //!   machine's 3-minute mark and 2-minute grace are passed by back-dating the condition times the agent and the
 //!   controller wrote, not by waiting.
 //!

@@ -19,8 +19,8 @@ use lb_api::{LoadBalancer, LoadBalancerMachine};
 use lb_controller::metrics::Metrics;
 use lb_controller::openstack::clouds::FixedCloud;
 use lb_controller::openstack::fake::FakeCloud;
-use lb_controller::openstack::loadbalancer::{LbContext, LbControllerConfig, RolloutGate};
-use lb_controller::openstack::set::{LbsContext, LbsControllerConfig};
+use lb_controller::openstack::loadbalancer::{self, RolloutGate};
+use lb_controller::openstack::set;
 use lb_controller::runtime::events::EventPublisher;
 use serde_json::{json, Value};
 
@@ -57,7 +57,7 @@ fn fast_gate() -> RolloutGate {
 async fn start(prefix: &str) -> H {
     start_with(
         prefix,
-        LbsControllerConfig {
+        set::Config {
             requeue: Duration::from_millis(50),
             scale_up_timeout: Duration::from_secs(3600),
             deletion_poll: Duration::from_millis(20),
@@ -67,23 +67,23 @@ async fn start(prefix: &str) -> H {
     .await
 }
 
-async fn start_with(prefix: &str, set_config: LbsControllerConfig) -> H {
+async fn start_with(prefix: &str, set_config: set::Config) -> H {
     let (client, ns) = setup(prefix).await;
     let cloud = Arc::new(FakeCloud::new());
     let metrics = Arc::new(Metrics::new());
     let events = Arc::new(EventPublisher::new(client.clone(), "yawol-service", "test"));
-    let ctx = Arc::new(LbContext {
+    let ctx = Arc::new(loadbalancer::Context {
         client: client.clone(),
         clouds: FixedCloud(cloud.clone()),
         events: events.clone(),
-        config: LbControllerConfig {
+        config: loadbalancer::Config {
             resync: Duration::from_secs(300),
             deletion_poll: Duration::from_millis(20),
             rollout: fast_gate(),
         },
         metrics: metrics.clone(),
     });
-    let set_ctx = Arc::new(LbsContext {
+    let set_ctx = Arc::new(set::Context {
         client: client.clone(),
         events,
         metrics: metrics.clone(),
@@ -932,7 +932,7 @@ async fn sets_the_binarys_entry_point_creates_sets_and_machines() {
         FixedCloud(Arc::new(FakeCloud::new())),
         OpenStackRunConfig {
             namespace: ns.clone(),
-            loadbalancer: LbControllerConfig::default(),
+            loadbalancer: loadbalancer::Config::default(),
             instance: "test".into(),
         },
         metrics.clone(),

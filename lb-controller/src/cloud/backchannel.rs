@@ -24,7 +24,7 @@ use crate::runtime::retry::Retries;
 use crate::runtime::watches;
 
 /// Shared state of the back-channel controllers.
-pub struct BackchannelContext {
+pub struct Context {
     /// Client of the cluster holding the Services.
     pub target: Client,
     /// Client of the cluster holding the LoadBalancers and their events.
@@ -73,10 +73,7 @@ pub fn publishable_ip(lb: &LoadBalancer) -> Option<&str> {
 }
 
 /// Reconciles one LoadBalancer: publish its IP on the Service.
-pub async fn reconcile(
-    lb: Arc<LoadBalancer>,
-    ctx: Arc<BackchannelContext>,
-) -> Result<Action, Error> {
+pub async fn reconcile(lb: Arc<LoadBalancer>, ctx: Arc<Context>) -> Result<Action, Error> {
     let started = Instant::now();
     let result = reconcile_ip(&lb, &ctx).await;
     ctx.metrics
@@ -87,7 +84,7 @@ pub async fn reconcile(
     result
 }
 
-async fn reconcile_ip(lb: &LoadBalancer, ctx: &BackchannelContext) -> Result<Action, Error> {
+async fn reconcile_ip(lb: &LoadBalancer, ctx: &Context) -> Result<Action, Error> {
     let (Some(ip), Some((namespace, name))) = (publishable_ip(lb), service_of(lb)) else {
         return Ok(Action::await_change());
     };
@@ -123,18 +120,14 @@ async fn reconcile_ip(lb: &LoadBalancer, ctx: &BackchannelContext) -> Result<Act
     info!(service = %format!("{namespace}/{name}"), ip, "published external IP");
     let reference: ObjectReference = service.object_ref(&());
     let message = format!("LoadBalancer is successfully created with IP {ip}");
-    if let Err(e) = ctx
-        .events
-        .publish(&reference, EventType::Normal, "creation", &message)
-        .await
-    {
-        warn!(error = %e, "could not publish event");
-    }
+    ctx.events
+        .publish_best_effort(&reference, EventType::Normal, "creation", &message)
+        .await;
     Ok(Action::await_change())
 }
 
 /// A failed reconcile is retried with the LoadBalancer's backoff (1 s doubling, at most a minute: [`Retries`]).
-pub fn error_policy(lb: Arc<LoadBalancer>, error: &Error, ctx: Arc<BackchannelContext>) -> Action {
+pub fn error_policy(lb: Arc<LoadBalancer>, error: &Error, ctx: Arc<Context>) -> Action {
     let reference = ObjectRef::from_obj(lb.as_ref());
     let (failures, delay) = ctx.retries.failed(&reference);
     warn!(loadbalancer = %reference, %error, failures, retry_in = ?delay, "back channel reconcile failed");
@@ -169,7 +162,7 @@ fn event_time(event: &Event) -> Option<k8s_openapi::jiff::Timestamp> {
 
 /// Watches Events in the control namespace and re-emits the forwardable ones on the Services.
 /// Runs until the watch stream ends (never, in practice); watch errors are retried with backoff.
-pub async fn forward_events(ctx: Arc<BackchannelContext>) {
+pub async fn forward_events(ctx: Arc<Context>) {
     let api: Api<Event> = Api::namespaced(ctx.control.clone(), &ctx.namespace);
     let config = watcher::Config::default().fields("involvedObject.kind=LoadBalancer");
     let mut forwarded: HashMap<String, i32> = HashMap::new();
@@ -214,7 +207,7 @@ pub async fn forward_events(ctx: Arc<BackchannelContext>) {
     }
 }
 
-async fn forward(ctx: &BackchannelContext, event: &Event) -> Result<(), kube::Error> {
+async fn forward(ctx: &Context, event: &Event) -> Result<(), kube::Error> {
     let Some(lb_name) = event.involved_object.name.as_deref() else {
         return Ok(());
     };

@@ -15,9 +15,9 @@ use kube::{Api, Client, ResourceExt};
 use lb_api::LoadBalancer;
 use tracing::{debug, info, warn};
 
-use crate::cloud::backchannel::{self, BackchannelContext};
+use crate::cloud::backchannel;
 use crate::cloud::endpoints::NodeFingerprint;
-use crate::cloud::service::{self, OwnWrites, ServiceContext, ServiceControllerConfig};
+use crate::cloud::service::{self, OwnWrites};
 use crate::metrics::Metrics;
 use crate::process::http::Health;
 use crate::runtime::events::EventPublisher;
@@ -29,7 +29,7 @@ use crate::runtime::watches;
 #[derive(Clone, Debug)]
 pub struct RunConfig {
     /// Service controller settings (defaults, classes, resync).
-    pub service: ServiceControllerConfig,
+    pub service: service::Config,
     /// Events older than this when first seen are not forwarded.
     pub event_max_age: Duration,
     /// Component name on the Events this controller publishes.
@@ -99,7 +99,7 @@ pub async fn run_controllers(
         &config.event_component,
         &config.instance,
     ));
-    let service_ctx = Arc::new(ServiceContext {
+    let service_ctx = Arc::new(service::Context {
         target: target.clone(),
         control: control.clone(),
         config: config.service.clone(),
@@ -112,7 +112,7 @@ pub async fn run_controllers(
         own_writes,
         releasing: Default::default(),
     });
-    let backchannel_ctx = Arc::new(BackchannelContext {
+    let backchannel_ctx = Arc::new(backchannel::Context {
         target: target.clone(),
         control: control.clone(),
         namespace: namespace.clone(),

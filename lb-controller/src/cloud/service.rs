@@ -24,13 +24,14 @@ use tracing::{debug, info, warn};
 use crate::cloud::endpoints;
 use crate::cloud::loadbalancer_spec::{self, ClassFilter, InfrastructureDefaults};
 use crate::metrics::Metrics;
+use crate::runtime::api_errors::{is_conflict, is_not_found};
 use crate::runtime::events::{EventPublisher, EventType};
 use crate::runtime::finalizer;
 use crate::runtime::retry::Retries;
 
 /// Static configuration of the Service controller.
 #[derive(Clone, Debug)]
-pub struct ServiceControllerConfig {
+pub struct Config {
     /// Infrastructure defaults (namespace of the LoadBalancers, networks, flavor, image ...).
     pub defaults: InfrastructureDefaults,
     /// Which Service classes are handled.
@@ -42,13 +43,13 @@ pub struct ServiceControllerConfig {
 }
 
 /// Shared state of the Service controller.
-pub struct ServiceContext {
+pub struct Context {
     /// Client of the cluster holding the Services and Nodes.
     pub target: Client,
     /// Client of the cluster holding the LoadBalancers.
     pub control: Client,
     /// Configuration.
-    pub config: ServiceControllerConfig,
+    pub config: Config,
     /// Cache of all Nodes (target cluster).
     pub nodes: Store<Node>,
     /// Cache of the LoadBalancers in the controller namespace (control cluster).
@@ -134,7 +135,7 @@ fn kube_err(action: impl Into<String>) -> impl FnOnce(kube::Error) -> Error {
 
 const CONTROLLER: &str = "service";
 
-impl ServiceContext {
+impl Context {
     fn lb_api(&self) -> Api<LoadBalancer> {
         Api::namespaced(self.control.clone(), &self.config.defaults.namespace)
     }
@@ -174,19 +175,14 @@ impl ServiceContext {
 
     async fn event(&self, service: &Service, type_: EventType, reason: &str, message: &str) {
         let reference: ObjectReference = service.object_ref(&());
-        if let Err(e) = self
-            .events
-            .publish(&reference, type_, reason, message)
-            .await
-        {
-            // Events are best effort; the state change itself already happened.
-            warn!(error = %e, reason, "could not publish event");
-        }
+        self.events
+            .publish_best_effort(&reference, type_, reason, message)
+            .await;
     }
 }
 
 /// Reconciles one Service.
-pub async fn reconcile(service: Arc<Service>, ctx: Arc<ServiceContext>) -> Result<Action, Error> {
+pub async fn reconcile(service: Arc<Service>, ctx: Arc<Context>) -> Result<Action, Error> {
     let started = Instant::now();
     let reference = ObjectRef::from_obj(service.as_ref());
     // Ours while it is a LoadBalancer Service of our class that is not being deleted; otherwise our LoadBalancer goes.
@@ -207,7 +203,7 @@ pub async fn reconcile(service: Arc<Service>, ctx: Arc<ServiceContext>) -> Resul
 }
 
 /// A failed reconcile is retried with the Service's backoff ([`Retries`]).
-pub fn error_policy(service: Arc<Service>, error: &Error, ctx: Arc<ServiceContext>) -> Action {
+pub fn error_policy(service: Arc<Service>, error: &Error, ctx: Arc<Context>) -> Action {
     let reference = ObjectRef::from_obj(service.as_ref());
     let (failures, delay) = ctx.retries.failed(&reference);
     warn!(service = %reference, error = %error, failures, retry_in = ?delay, "reconcile failed");
@@ -219,14 +215,14 @@ fn has_finalizer(service: &Service) -> bool {
 }
 
 /// The Services API of `service`'s namespace in the target cluster.
-fn service_api(service: &Service, ctx: &ServiceContext) -> Api<Service> {
+fn service_api(service: &Service, ctx: &Context) -> Api<Service> {
     Api::namespaced(ctx.target.clone(), &service.namespace().unwrap_or_default())
 }
 
 /// The Service's LoadBalancer as it should be: finalizer, validation, the desired spec applied in one write.
 async fn apply(
     service: &Service,
-    ctx: &ServiceContext,
+    ctx: &Context,
     reference: &ObjectRef<Service>,
 ) -> Result<Action, Error> {
     let namespace = service.namespace().unwrap_or_default();
@@ -291,7 +287,7 @@ async fn apply(
                 }
                 // The cache is behind the API server (e.g. we created it a moment ago): continue
                 // with the authoritative object so that no change waits for the next resync.
-                Err(kube::Error::Api(e)) if e.code == 409 => {
+                Err(e) if is_conflict(&e) => {
                     debug!(loadbalancer = lb_name, "already exists; reading it");
                     match ctx.lb_api().get_opt(&lb_name).await {
                         Ok(Some(lb)) => Arc::new(lb),
@@ -357,7 +353,7 @@ async fn apply(
 
 /// Service deleted, of another type or class: delete the LoadBalancer, wait until it is gone,
 /// then clear the ingress and release the Service.
-async fn cleanup(service: &Service, ctx: &ServiceContext) -> Result<Action, Error> {
+async fn cleanup(service: &Service, ctx: &Context) -> Result<Action, Error> {
     let lb_name = &naming::loadbalancer_name(
         &service.namespace().unwrap_or_default(),
         &service.name_any(),
@@ -404,7 +400,7 @@ async fn cleanup(service: &Service, ctx: &ServiceContext) -> Result<Action, Erro
                     ctx.metrics.loadbalancer_write("delete");
                     info!(loadbalancer = lb_name, "deleting LoadBalancer");
                 }
-                Err(kube::Error::Api(e)) if e.code == 404 => {}
+                Err(e) if is_not_found(&e) => {}
                 Err(e) => return Err(kube_err(format!("deleting LoadBalancer {lb_name}"))(e)),
             }
         }

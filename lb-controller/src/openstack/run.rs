@@ -10,9 +10,9 @@ use tracing::info;
 
 use crate::metrics::Metrics;
 use crate::openstack::clouds::CloudFactory;
-use crate::openstack::loadbalancer::{self, LbContext, LbControllerConfig};
-use crate::openstack::machine::{self, LbmControllerConfig};
-use crate::openstack::set::{self, LbsContext, LbsControllerConfig};
+use crate::openstack::loadbalancer;
+use crate::openstack::machine;
+use crate::openstack::set;
 use crate::process::http::Health;
 use crate::runtime::events::EventPublisher;
 use crate::runtime::stop::Stop;
@@ -23,7 +23,7 @@ pub struct OpenStackRunConfig {
     /// Namespace of the LoadBalancer objects.
     pub namespace: String,
     /// LoadBalancer controller settings (resync, deletion poll).
-    pub loadbalancer: LbControllerConfig,
+    pub loadbalancer: loadbalancer::Config,
     /// Instance name on the Events (pod name).
     pub instance: String,
 }
@@ -33,9 +33,9 @@ pub struct OpenStackRunConfig {
 #[derive(Clone, Debug)]
 pub struct OpenStackTuning {
     /// LoadBalancerSet controller.
-    pub sets: LbsControllerConfig,
+    pub sets: set::Config,
     /// LoadBalancerMachine controller.
-    pub machines: LbmControllerConfig,
+    pub machines: machine::Config,
 }
 
 /// Runs the OpenStack-side controllers (LoadBalancer, LoadBalancerSet, LoadBalancerMachine) over `client` with the
@@ -65,14 +65,14 @@ pub async fn run_openstack_controllers_with<F: CloudFactory>(
         lb_api::constants::defaults::USER_EVENT_COMPONENT,
         &config.instance,
     ));
-    let ctx = Arc::new(LbContext {
+    let ctx = Arc::new(loadbalancer::Context {
         client: client.clone(),
         clouds,
         events: events.clone(),
         config: config.loadbalancer,
         metrics: metrics.clone(),
     });
-    let set_ctx = Arc::new(LbsContext {
+    let set_ctx = Arc::new(set::Context {
         client: client.clone(),
         events,
         metrics,

@@ -15,6 +15,7 @@ use kube::{Api, Client};
 use tracing::{info, warn};
 
 use crate::metrics::Metrics;
+use crate::runtime::api_errors::is_conflict;
 
 /// Lease parameters (yawol's `--leases-*` flags).
 #[derive(Clone, Debug)]
@@ -151,7 +152,7 @@ impl Elector {
         };
         match result {
             Ok(_) => Ok(true),
-            Err(kube::Error::Api(e)) if e.code == 409 => Ok(false),
+            Err(e) if is_conflict(&e) => Ok(false),
             Err(e) => Err(e),
         }
     }

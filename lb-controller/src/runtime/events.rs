@@ -1,7 +1,7 @@
-//! Publishing core/v1 Events on Services, with client-go style aggregation: repeating the same
-//! (object, type, reason, message) bumps `count`/`lastTimestamp` of the existing Event instead of
-//! creating a new one. (kube-runtime's `Recorder` aggregates by reason only and would drop
-//! differing messages, which matters for forwarded OpenStack errors.)
+//! Publishing core/v1 Events (on Services, LoadBalancers, sets and machines), with client-go style aggregation:
+//! repeating the same (object, type, reason, message) bumps `count`/`lastTimestamp` of the existing Event instead of
+//! creating a new one. (kube-runtime's `Recorder` aggregates by reason only and would drop differing messages, which
+//! matters for forwarded OpenStack errors.)
 
 use std::collections::HashMap;
 
@@ -11,6 +11,9 @@ use kube::api::{Patch, PatchParams, PostParams};
 use kube::{Api, Client};
 use serde_json::json;
 use tokio::sync::Mutex;
+use tracing::warn;
+
+use crate::runtime::api_errors::is_not_found;
 
 /// Event type.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -58,8 +61,28 @@ impl EventPublisher {
         }
     }
 
-    /// Publishes an event about `object`. Failures are returned but callers usually only log
-    /// them: events are best effort.
+    /// Publishes an event about `object`; a failure is logged, not returned. What the controllers report: events are
+    /// best effort, the change they tell of has already happened (or its error is returned on its own way).
+    pub async fn publish_best_effort(
+        &self,
+        object: &ObjectReference,
+        type_: EventType,
+        reason: &str,
+        message: &str,
+    ) {
+        if let Err(e) = self.publish(object, type_, reason, message).await {
+            warn!(
+                error = %e,
+                reason,
+                namespace = object.namespace.as_deref().unwrap_or_default(),
+                name = object.name.as_deref().unwrap_or_default(),
+                "could not publish event"
+            );
+        }
+    }
+
+    /// Publishes an event about `object`, returning a failure (for a caller that counts what it published; most
+    /// want [`Self::publish_best_effort`]).
     pub async fn publish(
         &self,
         object: &ObjectReference,
@@ -88,7 +111,7 @@ impl EventPublisher {
                     return Ok(());
                 }
                 // The event expired or was deleted: create a new one below.
-                Err(kube::Error::Api(e)) if e.code == 404 => {}
+                Err(e) if is_not_found(&e) => {}
                 Err(e) => return Err(e),
             }
         }

@@ -13,6 +13,8 @@ use serde::de::DeserializeOwned;
 use serde_json::json;
 use std::fmt::Debug;
 
+use crate::runtime::api_errors::is_not_found;
+
 /// Whether `obj` carries `finalizer`.
 pub fn has<K: Resource>(obj: &K, finalizer: &str) -> bool {
     obj.finalizers().iter().any(|f| f == finalizer)
@@ -58,7 +60,7 @@ where
         // copy. Success, so the caller's cleanup after the removal (forgetting metric series) runs; before, the
         // 404 skipped it and the series of a deleted object stayed until the periodic sweep (seen against the
         // real API server).
-        Err(kube::Error::Api(status)) if status.code == 404 => Ok(()),
+        Err(e) if is_not_found(&e) => Ok(()),
         result => result,
     }
 }

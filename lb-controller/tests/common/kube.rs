@@ -231,7 +231,7 @@ impl OpenStackSide {
         namespace: &str,
     ) -> Self {
         use lb_controller::openstack::clouds::FixedCloud;
-        use lb_controller::openstack::loadbalancer::LbControllerConfig;
+        use lb_controller::openstack::loadbalancer;
         use lb_controller::openstack::run::OpenStackRunConfig;
         use lb_controller::process::http::Health;
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
@@ -240,7 +240,7 @@ impl OpenStackSide {
             FixedCloud(cloud),
             OpenStackRunConfig {
                 namespace: namespace.into(),
-                loadbalancer: LbControllerConfig::default(),
+                loadbalancer: loadbalancer::Config::default(),
                 instance: "test".into(),
             },
             std::sync::Arc::new(lb_controller::metrics::Metrics::new()),

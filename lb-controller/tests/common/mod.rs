@@ -35,7 +35,7 @@ use lb_api::LoadBalancer;
 use lb_api::{OpenstackFlavorRef, OpenstackImageRef};
 use lb_controller::cloud::loadbalancer_spec::{ClassFilter, InfrastructureDefaults};
 use lb_controller::cloud::run::{run_controllers, RunConfig};
-use lb_controller::cloud::service::ServiceControllerConfig;
+use lb_controller::cloud::service;
 use lb_controller::metrics::{Metrics, OperationLabels};
 use lb_controller::process::http::Health;
 use serde_json::{json, Value};
@@ -60,7 +60,7 @@ pub fn defaults() -> InfrastructureDefaults {
 
 pub fn run_config(classes: ClassFilter) -> RunConfig {
     RunConfig {
-        service: ServiceControllerConfig {
+        service: service::Config {
             defaults: defaults(),
             classes,
             resync: Duration::from_secs(600),

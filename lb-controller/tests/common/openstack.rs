@@ -29,7 +29,7 @@ use lb_api::{LoadBalancer, LoadBalancerMachine};
 use lb_controller::cli::run_openstack_controllers;
 use lb_controller::metrics::Metrics;
 use lb_controller::openstack::clouds::CloudFactory;
-use lb_controller::openstack::loadbalancer::{LbControllerConfig, RolloutGate};
+use lb_controller::openstack::loadbalancer::{self, RolloutGate};
 use lb_controller::openstack::run::{
     run_openstack_controllers_with, OpenStackRunConfig, OpenStackTuning,
 };
@@ -353,7 +353,7 @@ pub async fn vm_kubeconfig(nova: &AsyncOpenStack, server: &str) -> Result<String
 pub struct CascadeConfig {
     /// LoadBalancer controller: the rollout gate is 1 s of VRRP mastership instead of 2 min, so a rolling update
     /// finishes within a test; everything else as in production.
-    pub loadbalancer: LbControllerConfig,
+    pub loadbalancer: loadbalancer::Config,
     /// `None`: `run_openstack_controllers` (the binary's path, with its settings from the environment);
     /// `Some`: `run_openstack_controllers_with` these (the benchmark shortens the resync periods). Either way the
     /// machines' API endpoint is the test API server's URL, so the kubeconfig in their user data works.
@@ -365,7 +365,7 @@ pub struct CascadeConfig {
 impl Default for CascadeConfig {
     fn default() -> Self {
         CascadeConfig {
-            loadbalancer: LbControllerConfig {
+            loadbalancer: loadbalancer::Config {
                 resync: Duration::from_secs(300),
                 deletion_poll: Duration::from_millis(500),
                 rollout: RolloutGate {

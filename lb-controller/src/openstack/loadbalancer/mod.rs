@@ -40,6 +40,7 @@ use tracing::{debug, info, warn};
 use crate::metrics::Metrics;
 use crate::openstack::clouds::CloudFactory;
 use crate::openstack::{CloudError, CloudErrorKind};
+use crate::runtime::api_errors::{is_conflict, is_not_found};
 use crate::runtime::changes::{hash_of, relevant_changes};
 use crate::runtime::events::{EventPublisher, EventType};
 use crate::runtime::finalizer;
@@ -98,7 +99,7 @@ impl Default for RolloutGate {
 
 /// Settings of the LoadBalancer controller.
 #[derive(Clone, Debug)]
-pub struct LbControllerConfig {
+pub struct Config {
     /// OpenStack resync even without changes (yawol: 5 min); also the requeue period.
     pub resync: Duration,
     /// Poll interval while child LoadBalancerSets go away.
@@ -107,9 +108,9 @@ pub struct LbControllerConfig {
     pub rollout: RolloutGate,
 }
 
-impl Default for LbControllerConfig {
+impl Default for Config {
     fn default() -> Self {
-        LbControllerConfig {
+        Config {
             resync: Duration::from_secs(300),
             deletion_poll: Duration::from_secs(2),
             rollout: RolloutGate::default(),
@@ -118,7 +119,7 @@ impl Default for LbControllerConfig {
 }
 
 /// Shared state.
-pub struct LbContext<F: CloudFactory> {
+pub struct Context<F: CloudFactory> {
     /// Control-cluster client.
     pub client: Client,
     /// Cloud sessions.
@@ -126,7 +127,7 @@ pub struct LbContext<F: CloudFactory> {
     /// Events on the LoadBalancers (the back channel forwards them to the Service).
     pub events: Arc<EventPublisher>,
     /// Settings.
-    pub config: LbControllerConfig,
+    pub config: Config,
     /// `/metrics` (yawol's `loadbalancer_*` series, bad-input counts, reconciles).
     pub metrics: Arc<Metrics>,
 }
@@ -179,7 +180,7 @@ fn selector(lb: &LoadBalancer) -> String {
 
 /// Shared by the reconciles of one running controller.
 struct Running<F: CloudFactory> {
-    ctx: Arc<LbContext<F>>,
+    ctx: Arc<Context<F>>,
     sets: Store<LoadBalancerSet>,
     machines: Store<LoadBalancerMachine>,
     /// Router ids are allocated one at a time (list, pick, write), so two LoadBalancers never pick the same.
@@ -188,10 +189,6 @@ struct Running<F: CloudFactory> {
     reported: Reported,
     /// Failures per LoadBalancer, for the error policy's backoff.
     retries: Retries<ObjectRef<LoadBalancer>>,
-}
-
-fn is_status(e: &kube::Error, code: u16) -> bool {
-    matches!(e, kube::Error::Api(s) if s.code == code)
 }
 
 async fn reconcile<F: CloudFactory>(
@@ -210,14 +207,15 @@ async fn reconcile<F: CloudFactory>(
         .fresh(&lb.uid().unwrap_or_default(), &problems, result.is_ok())
     {
         run.ctx.metrics.invalid(CONTROLLER, "InvalidConfiguration");
-        publish(
-            &run.ctx,
-            &lb,
-            EventType::Warning,
-            "InvalidConfiguration",
-            &p,
-        )
-        .await;
+        run.ctx
+            .events
+            .publish_best_effort(
+                &object_ref(&lb),
+                EventType::Warning,
+                "InvalidConfiguration",
+                &p,
+            )
+            .await;
     }
     run.ctx
         .metrics
@@ -259,14 +257,14 @@ async fn cleanup<F: CloudFactory>(lb: &LoadBalancer, run: &Running<F>) -> Result
     }
     let cloud = ctx.clouds.cloud_for(lb).await.map_err(Error::Credentials)?;
     if let Err(e) = resources::delete(cloud.as_ref(), lb).await {
-        publish(
-            ctx,
-            lb,
-            EventType::Warning,
-            "OpenStackDeletionFailed",
-            &e.to_string(),
-        )
-        .await;
+        ctx.events
+            .publish_best_effort(
+                &object_ref(lb),
+                EventType::Warning,
+                "OpenStackDeletionFailed",
+                &e.to_string(),
+            )
+            .await;
         return Err(e.into());
     }
     // The owner reference lets the garbage collector do this too; explicit, so nothing depends on it.
@@ -275,7 +273,7 @@ async fn cleanup<F: CloudFactory>(lb: &LoadBalancer, run: &Running<F>) -> Result
         .delete(&sync_secret_name(lb), &DeleteParams::default())
         .await
     {
-        Err(e) if !is_status(&e, 404) => return Err(e.into()),
+        Err(e) if !is_not_found(&e) => return Err(e.into()),
         _ => {}
     }
     finalizer::remove(&api, lb, finalizers::LOADBALANCER).await?;
@@ -379,14 +377,14 @@ async fn ensure_cloud_resources<F: CloudFactory>(
     if resources::needs_openstack_reconcile(lb, now, ctx.config.resync) {
         match ctx.clouds.cloud_for(lb).await {
             Err(e) => {
-                publish(
-                    ctx,
-                    lb,
-                    EventType::Warning,
-                    "OpenStackCredentials",
-                    &format!("{e:#}"),
-                )
-                .await;
+                ctx.events
+                    .publish_best_effort(
+                        &object_ref(lb),
+                        EventType::Warning,
+                        "OpenStackCredentials",
+                        &format!("{e:#}"),
+                    )
+                    .await;
                 openstack_error = Some(Error::Credentials(e));
             }
             Ok(cloud) => {
@@ -400,18 +398,25 @@ async fn ensure_cloud_resources<F: CloudFactory>(
                     resources::reconcile(cloud.as_ref(), lb, status, &mut sink, &mut warnings)
                         .await;
                 for w in &warnings {
-                    publish(ctx, lb, EventType::Warning, "InvalidConfiguration", w).await;
+                    ctx.events
+                        .publish_best_effort(
+                            &object_ref(lb),
+                            EventType::Warning,
+                            "InvalidConfiguration",
+                            w,
+                        )
+                        .await;
                 }
                 match result {
                     Err(e) => {
-                        publish(
-                            ctx,
-                            lb,
-                            EventType::Warning,
-                            "OpenStackError",
-                            &e.to_string(),
-                        )
-                        .await;
+                        ctx.events
+                            .publish_best_effort(
+                                &object_ref(lb),
+                                EventType::Warning,
+                                "OpenStackError",
+                                &e.to_string(),
+                            )
+                            .await;
                         openstack_error = Some(e.into());
                     }
                     Ok(()) if status.external_ip != had_ip => {
@@ -419,7 +424,14 @@ async fn ensure_cloud_resources<F: CloudFactory>(
                             "external IP {}",
                             status.external_ip.as_deref().unwrap_or("-")
                         );
-                        publish(ctx, lb, EventType::Normal, "ExternalIPAssigned", &msg).await;
+                        ctx.events
+                            .publish_best_effort(
+                                &object_ref(lb),
+                                EventType::Normal,
+                                "ExternalIPAssigned",
+                                &msg,
+                            )
+                            .await;
                     }
                     Ok(()) => {}
                 }
@@ -470,11 +482,18 @@ async fn apply_sets<F: CloudFactory>(
                         new.spec.replicas
                     );
                     info!(lb = %name, "{msg}");
-                    publish(ctx, lb, EventType::Normal, "LoadBalancerSetCreated", &msg).await;
+                    ctx.events
+                        .publish_best_effort(
+                            &object_ref(lb),
+                            EventType::Normal,
+                            "LoadBalancerSetCreated",
+                            &msg,
+                        )
+                        .await;
                     sets.push(created);
                 }
                 // Our cache is behind, or the old set of that name is still being deleted: look again shortly.
-                Err(e) if is_status(&e, 409) => {
+                Err(e) if is_conflict(&e) => {
                     debug!(lb = %name, "set {} exists; retrying", new.name_any());
                     requeue = requeue.min(ctx.config.deletion_poll);
                     revision = None;
@@ -492,29 +511,29 @@ async fn apply_sets<F: CloudFactory>(
                 .await?;
             if *replicas == 0 {
                 let msg = format!("scaling old LoadBalancerSet {set} to 0: the current set is ready and holds the VIP");
-                publish(
-                    ctx,
-                    lb,
-                    EventType::Normal,
-                    "LoadBalancerSetScaledDown",
-                    &msg,
-                )
-                .await;
+                ctx.events
+                    .publish_best_effort(
+                        &object_ref(lb),
+                        EventType::Normal,
+                        "LoadBalancerSetScaledDown",
+                        &msg,
+                    )
+                    .await;
             }
         }
         for set in &plan.delete {
             match set_api.delete(set, &DeleteParams::default()).await {
-                Err(e) if !is_status(&e, 404) => return Err(e.into()),
+                Err(e) if !is_not_found(&e) => return Err(e.into()),
                 _ => {}
             }
-            publish(
-                ctx,
-                lb,
-                EventType::Normal,
-                "LoadBalancerSetDeleted",
-                &format!("deleted old LoadBalancerSet {set}"),
-            )
-            .await;
+            ctx.events
+                .publish_best_effort(
+                    &object_ref(lb),
+                    EventType::Normal,
+                    "LoadBalancerSetDeleted",
+                    &format!("deleted old LoadBalancerSet {set}"),
+                )
+                .await;
         }
         annotated = revision.filter(|r| revision_of(&lb.metadata).ok().flatten() != Some(*r));
         if let Some(d) = plan.recheck {
@@ -613,30 +632,18 @@ async fn ensure_sync_secret<F: CloudFactory>(
     };
     match api.create(&PostParams::default(), &secret).await {
         Ok(_) => {
-            publish(
-                ctx,
-                lb,
-                EventType::Normal,
-                "SyncSecretCreated",
-                &format!("created Secret {name} for state sync between the machines"),
-            )
-            .await;
+            ctx.events
+                .publish_best_effort(
+                    &object_ref(lb),
+                    EventType::Normal,
+                    "SyncSecretCreated",
+                    &format!("created Secret {name} for state sync between the machines"),
+                )
+                .await;
             Ok(())
         }
-        Err(e) if is_status(&e, 409) => Ok(()),
+        Err(e) if is_conflict(&e) => Ok(()),
         Err(e) => Err(e.into()),
-    }
-}
-
-async fn publish<F: CloudFactory>(
-    ctx: &LbContext<F>,
-    lb: &LoadBalancer,
-    t: EventType,
-    reason: &str,
-    msg: &str,
-) {
-    if let Err(e) = ctx.events.publish(&object_ref(lb), t, reason, msg).await {
-        warn!(error = %e, "publishing event");
     }
 }
 
@@ -674,7 +681,7 @@ fn machine_fingerprint(m: &LoadBalancerMachine) -> u64 {
 }
 
 /// Runs the LoadBalancer controller over the LoadBalancers of `namespace` until `shutdown`.
-pub async fn run<F: CloudFactory>(ctx: Arc<LbContext<F>>, namespace: &str, stop: Stop) {
+pub async fn run<F: CloudFactory>(ctx: Arc<Context<F>>, namespace: &str, stop: Stop) {
     let api: Api<LoadBalancer> = Api::namespaced(ctx.client.clone(), namespace);
     let sets: Api<LoadBalancerSet> = Api::namespaced(ctx.client.clone(), namespace);
     let machines: Api<LoadBalancerMachine> = Api::namespaced(ctx.client.clone(), namespace);

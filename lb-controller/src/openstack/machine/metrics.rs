@@ -8,9 +8,9 @@
 //! | `loadbalancermachine_deletion_timestamp` | lb, lbm, namespace | deletion timestamp (s since epoch), only while deleting |
 //! | `loadbalancermachine_openstack_errors_total` | step, kind | failed OpenStack steps of the machine controller |
 //!
-//! The per-machine series are replaced as a whole on every update ([`LbmMetrics::update`]), so a metric or condition
-//! the agent stops reporting disappears, and all of them go when the machine goes ([`LbmMetrics::remove`],
-//! [`LbmMetrics::retain`]). The families are registered on the binary's registry with [`LbmMetrics::register`].
+//! The per-machine series are replaced as a whole on every update ([`MachineMetrics::update`]), so a metric or condition
+//! the agent stops reporting disappears, and all of them go when the machine goes ([`MachineMetrics::remove`],
+//! [`MachineMetrics::retain`]). The families are registered on the binary's registry with [`MachineMetrics::register`].
 
 use std::collections::HashMap;
 use std::sync::atomic::AtomicU64;
@@ -116,7 +116,7 @@ struct Exported {
 
 /// The LoadBalancerMachine controller's metric families. Cheap to share behind an `Arc`.
 #[derive(Default)]
-pub struct LbmMetrics {
+pub struct MachineMetrics {
     /// `loadbalancermachine`.
     pub machine: Family<Labels, FloatGauge>,
     /// `loadbalancermachine_condition`.
@@ -155,7 +155,7 @@ fn set_int(g: &Gauge, v: i64) {
     g.set(v);
 }
 
-impl LbmMetrics {
+impl MachineMetrics {
     /// Registers the families (unprefixed, yawol's names).
     pub fn register(&self, registry: &mut Registry) {
         registry.register(
@@ -338,7 +338,7 @@ mod tests {
 
     #[test]
     fn series_follow_the_object_and_go_with_it() {
-        let metrics = LbmMetrics::default();
+        let metrics = MachineMetrics::default();
         metrics.update(&lbm(json!([m("load1", "1.5"), m("memFree", "100")]), false));
         let text = metrics.encode();
         assert!(
@@ -370,7 +370,7 @@ mod tests {
 
     #[test]
     fn errors_are_counted() {
-        let metrics = LbmMetrics::default();
+        let metrics = MachineMetrics::default();
         metrics.openstack_error("server", "Quota");
         metrics.openstack_error("server", "Quota");
         assert!(metrics.encode().contains(

@@ -7,11 +7,11 @@
 //! - `cleanup`: server, then port, then the RBAC objects, then the finalizer `yawol.stackit.cloud/controller4`.
 //!
 //! Metrics in [`metrics`]. Nothing blocks a worker: waiting for the token controller, for Nova to report ACTIVE or to
-//! finish a delete is a requeue after [`LbmControllerConfig::poll`]. A server in ERROR is deleted and booted again,
+//! finish a delete is a requeue after [`Config::poll`]. A server in ERROR is deleted and booted again,
 //! with a Warning event carrying Nova's fault text. OpenStack errors become Warning events (on the machine and on
 //! its LoadBalancer, so the cloud controller forwards them to the Service) and
 //! `loadbalancermachine_openstack_errors_total`; the status keeps what exists and the reconcile is retried with
-//! exponential backoff ([`LbmControllerConfig::error_backoff_base`] … [`LbmControllerConfig::error_backoff_max`]).
+//! exponential backoff ([`Config::error_backoff_base`] … [`Config::error_backoff_max`]).
 //! Every OpenStack object is found by name before it is created, so an interrupted reconcile resumes instead of
 //! duplicating.
 //!
@@ -43,11 +43,12 @@ use tracing::{debug, info, warn};
 use crate::openstack::clouds::CloudFactory;
 use crate::openstack::loadbalancer::ha;
 use crate::openstack::{Cloud, CloudError};
+use crate::runtime::api_errors::is_not_found;
 use crate::runtime::events::{EventPublisher, EventType};
 use crate::runtime::finalizer;
 use crate::runtime::retry::Retries;
 use cloudinit::UserDataParams;
-use metrics::LbmMetrics;
+use metrics::MachineMetrics;
 use plan::{
     created_time, credentials_key, identity, inputs_hash, lb_namespace, machine_names,
     machine_spec, openstack_due, qualified, server_action, status_patch, Blocked, ServerAction,
@@ -60,7 +61,7 @@ pub const FIELD_MANAGER: &str = "lb-controller";
 
 /// Settings of the LoadBalancerMachine controller.
 #[derive(Clone, Debug)]
-pub struct LbmControllerConfig {
+pub struct Config {
     /// API server URL as the VMs reach it, written into their kubeconfig (yawol's `API_ENDPOINT`). Without it no
     /// server is booted (a Warning event says why): the agent could not reach its objects.
     pub api_endpoint: Option<String>,
@@ -78,9 +79,9 @@ pub struct LbmControllerConfig {
     pub error_backoff_max: Duration,
 }
 
-impl Default for LbmControllerConfig {
+impl Default for Config {
     fn default() -> Self {
-        LbmControllerConfig {
+        Config {
             api_endpoint: None,
             ntp_servers: vec!["pool.ntp.org".into()],
             interface: "eth0".into(),
@@ -131,7 +132,7 @@ struct Prepared {
 }
 
 /// Shared state of the controller.
-pub struct LbmContext<F: CloudFactory> {
+pub struct Context<F: CloudFactory> {
     /// Control-cluster client.
     pub client: Client,
     /// Cloud sessions (keyed by the machine's `spec.infrastructure`: auth Secret and project).
@@ -139,9 +140,9 @@ pub struct LbmContext<F: CloudFactory> {
     /// Events on the machines and their LoadBalancers.
     pub events: Arc<EventPublisher>,
     /// `loadbalancermachine*` metrics.
-    pub metrics: Arc<LbmMetrics>,
+    pub metrics: Arc<MachineMetrics>,
     /// Settings.
-    pub config: LbmControllerConfig,
+    pub config: Config,
     /// Where reconciles are counted (`lb_cloud_controller_reconciles_total{controller="loadbalancermachine"}` and
     /// the duration histogram), next to the other two controllers'; [`prepare`] sets it.
     pub controller_metrics: Option<Arc<crate::metrics::Metrics>>,
@@ -150,16 +151,16 @@ pub struct LbmContext<F: CloudFactory> {
     retries: Retries<String>,
 }
 
-impl<F: CloudFactory> LbmContext<F> {
+impl<F: CloudFactory> Context<F> {
     /// A context; `events` should use yawol's `yawol-service` component so the back channel forwards them.
     pub fn new(
         client: Client,
         clouds: F,
         events: Arc<EventPublisher>,
-        metrics: Arc<LbmMetrics>,
-        config: LbmControllerConfig,
+        metrics: Arc<MachineMetrics>,
+        config: Config,
     ) -> Self {
-        LbmContext {
+        Context {
             client,
             clouds,
             events,
@@ -198,7 +199,7 @@ impl StatusWriter {
 
 /// Event targets of one reconcile and the OpenStack error path.
 struct Scope<'a, F: CloudFactory> {
-    ctx: &'a LbmContext<F>,
+    ctx: &'a Context<F>,
     machine: ObjectReference,
     name: String,
     lb: Option<ObjectReference>,
@@ -206,9 +207,10 @@ struct Scope<'a, F: CloudFactory> {
 
 impl<F: CloudFactory> Scope<'_, F> {
     async fn event(&self, t: EventType, reason: &str, msg: &str) {
-        if let Err(e) = self.ctx.events.publish(&self.machine, t, reason, msg).await {
-            warn!(error = %e, "publishing event");
-        }
+        let events = &self.ctx.events;
+        events
+            .publish_best_effort(&self.machine, t, reason, msg)
+            .await;
     }
 
     /// An event on the machine and, for the Service owner, on its LoadBalancer.
@@ -216,9 +218,8 @@ impl<F: CloudFactory> Scope<'_, F> {
         self.event(t, reason, msg).await;
         if let Some(lb) = &self.lb {
             let msg = format!("LoadBalancerMachine {}: {msg}", self.name);
-            if let Err(e) = self.ctx.events.publish(lb, t, reason, &msg).await {
-                warn!(error = %e, "publishing event");
-            }
+            let events = &self.ctx.events;
+            events.publish_best_effort(lb, t, reason, &msg).await;
         }
     }
 
@@ -252,7 +253,7 @@ pub const CONTROLLER: &str = "loadbalancermachine";
 /// One reconcile of a LoadBalancerMachine.
 pub async fn reconcile<F: CloudFactory>(
     lbm: Arc<LoadBalancerMachine>,
-    ctx: Arc<LbmContext<F>>,
+    ctx: Arc<Context<F>>,
 ) -> Result<Action, Error> {
     let started = std::time::Instant::now();
     let key = qualified(&lbm.namespace().unwrap_or_default(), &lbm.name_any());
@@ -272,7 +273,7 @@ pub async fn reconcile<F: CloudFactory>(
 
 async fn apply<F: CloudFactory>(
     lbm: &LoadBalancerMachine,
-    ctx: &LbmContext<F>,
+    ctx: &Context<F>,
 ) -> Result<Action, Error> {
     let names = machine_names(lbm);
     let key = qualified(&names.namespace, &names.machine);
@@ -522,7 +523,7 @@ async fn vip_of<F: CloudFactory, C: Cloud>(
 /// Renders the user data, or says how long to wait for what it needs (the ServiceAccount token, the
 /// LoadBalancer's VRRP router ID and sync secret).
 async fn user_data<F: CloudFactory>(
-    ctx: &LbmContext<F>,
+    ctx: &Context<F>,
     scope: &Scope<'_, F>,
     lbm: &LoadBalancerMachine,
     lb: &LoadBalancer,
@@ -620,7 +621,7 @@ async fn delete_rbac(client: &Client, namespace: &str, name: &str) -> Result<(),
     {
         match api.delete(name, &DeleteParams::default()).await {
             Ok(_) => Ok(()),
-            Err(kube::Error::Api(e)) if e.code == 404 => Ok(()),
+            Err(e) if is_not_found(&e) => Ok(()),
             Err(e) => Err(e),
         }
     }
@@ -643,7 +644,7 @@ async fn delete_rbac(client: &Client, namespace: &str, name: &str) -> Result<(),
 /// metrics and the finalizer. A failure at any point keeps the finalizer, so the next attempt finishes the job.
 async fn cleanup<F: CloudFactory>(
     lbm: &LoadBalancerMachine,
-    ctx: &LbmContext<F>,
+    ctx: &Context<F>,
 ) -> Result<Action, Error> {
     let names = machine_names(lbm);
     let key = qualified(&names.namespace, &names.machine);
@@ -704,12 +705,12 @@ async fn cleanup<F: CloudFactory>(
     Ok(Action::await_change())
 }
 
-/// Retries with per-machine exponential backoff ([`LbmControllerConfig::error_backoff_base`] doubling up to
-/// [`LbmControllerConfig::error_backoff_max`], [`Retries`]).
+/// Retries with per-machine exponential backoff ([`Config::error_backoff_base`] doubling up to
+/// [`Config::error_backoff_max`], [`Retries`]).
 pub fn error_policy<F: CloudFactory>(
     lbm: Arc<LoadBalancerMachine>,
     error: &Error,
-    ctx: Arc<LbmContext<F>>,
+    ctx: Arc<Context<F>>,
 ) -> Action {
     let key = qualified(&lbm.namespace().unwrap_or_default(), &lbm.name_any());
     let (failures, delay) = ctx.retries.failed(&key);
@@ -726,9 +727,9 @@ pub fn prepare<F: CloudFactory>(
     clouds: Arc<F>,
     metrics: &Arc<crate::metrics::Metrics>,
     instance: &str,
-    config: LbmControllerConfig,
-) -> Arc<LbmContext<Arc<F>>> {
-    let lbm_metrics = Arc::new(LbmMetrics::default());
+    config: Config,
+) -> Arc<Context<Arc<F>>> {
+    let lbm_metrics = Arc::new(MachineMetrics::default());
     metrics.register_more(|registry| lbm_metrics.register(registry));
     let events = Arc::new(EventPublisher::new(
         client.clone(),
@@ -738,14 +739,14 @@ pub fn prepare<F: CloudFactory>(
     if config.api_endpoint.is_none() {
         warn!("API_ENDPOINT is not set: LoadBalancerMachines get no servers until it is");
     }
-    let mut ctx = LbmContext::new(client, clouds, events, lbm_metrics, config);
+    let mut ctx = Context::new(client, clouds, events, lbm_metrics, config);
     ctx.controller_metrics = Some(metrics.clone());
     Arc::new(ctx)
 }
 
 /// Runs the LoadBalancerMachine controller over the machines of `namespace` until `shutdown`.
 pub async fn run<F: CloudFactory>(
-    ctx: Arc<LbmContext<F>>,
+    ctx: Arc<Context<F>>,
     namespace: &str,
     stop: crate::runtime::stop::Stop,
 ) {

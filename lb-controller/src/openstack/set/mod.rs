@@ -9,14 +9,14 @@
 //!
 //! Rules:
 //! - **Scale up** one machine at a time: a machine is created only while no machine of the set is *pending* (not
-//!   ready and younger than [`LbsControllerConfig::scale_up_timeout`]); a template that never boots therefore costs
+//!   ready and younger than [`Config::scale_up_timeout`]); a template that never boots therefore costs
 //!   one VM per timeout, not `replicas` VMs at once.
 //! - **Scale down** one machine per reconcile: unready first, then non-VRRP-masters, else the first by name
 //!   ([`health::scale_down_victim`]), so the VIP moves only when nothing else is left.
 //! - **Health** ([`health::machine_health`], with yawol's `Envoy*` conditions accepted for `Dataplane*`): bad for
 //!   3 minutes → condition `MarkedForDeletion`; still bad 2 minutes later → the machine is deleted and the next
 //!   reconcile creates its replacement; recovered → the mark is removed.
-//! - **Outage guard**: when at least [`LbsControllerConfig::outage_min_machines`] machines of the namespace have
+//! - **Outage guard**: when at least [`Config::outage_min_machines`] machines of the namespace have
 //!   reported heartbeats and *none* of them has a heartbeat younger than 3 minutes, every agent stopped reporting at
 //!   once. That is the API server (or the path from the VMs to it, or this controller's view of it) failing, not the
 //!   machines: their data planes keep forwarding without the API. While this holds no machine is marked, deleted for
@@ -35,7 +35,7 @@ use std::time::Duration;
 
 use futures::StreamExt;
 
-use k8s_openapi::api::core::v1::{NodeCondition, ObjectReference};
+use k8s_openapi::api::core::v1::NodeCondition;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use kube::api::{DeleteParams, ListParams, Patch, PatchParams, PostParams, Preconditions};
 use kube::runtime::controller::Action;
@@ -48,6 +48,7 @@ use serde_json::json;
 use tracing::{debug, info, warn};
 
 use crate::metrics::Metrics;
+use crate::runtime::api_errors::{is_conflict, is_not_found};
 use crate::runtime::changes::relevant_changes;
 use crate::runtime::events::{EventPublisher, EventType};
 use crate::runtime::finalizer;
@@ -79,7 +80,7 @@ pub enum Error {
 
 /// Settings of the LoadBalancerSet controller.
 #[derive(Clone, Debug)]
-pub struct LbsControllerConfig {
+pub struct Config {
     /// Periodic reconcile: machine health depends on time, not only on changes (yawol: 10–15 s).
     pub requeue: Duration,
     /// How long a new, not yet ready machine blocks the creation of the next one.
@@ -90,9 +91,9 @@ pub struct LbsControllerConfig {
     pub outage_min_machines: usize,
 }
 
-impl Default for LbsControllerConfig {
+impl Default for Config {
     fn default() -> Self {
-        LbsControllerConfig {
+        Config {
             requeue: Duration::from_secs(15),
             scale_up_timeout: Duration::from_secs(300),
             deletion_poll: Duration::from_secs(2),
@@ -102,7 +103,7 @@ impl Default for LbsControllerConfig {
 }
 
 /// Shared state of the controller.
-pub struct LbsContext {
+pub struct Context {
     /// Control-cluster client.
     pub client: Client,
     /// Events on the sets.
@@ -110,12 +111,12 @@ pub struct LbsContext {
     /// `/metrics`.
     pub metrics: Arc<Metrics>,
     /// Settings.
-    pub config: LbsControllerConfig,
+    pub config: Config,
 }
 
 /// Shared by the reconciles of one running controller.
 struct Running {
-    ctx: Arc<LbsContext>,
+    ctx: Arc<Context>,
     machines: Store<LoadBalancerMachine>,
     reported: Reported,
     /// Per set UID: the actions the outage guard last held (one event per change, not per reconcile).
@@ -126,28 +127,12 @@ struct Running {
 
 impl Running {
     async fn publish(&self, set: &LoadBalancerSet, t: EventType, reason: &str, msg: &str) {
-        publish(&self.ctx.events, &set.object_ref(&()), t, reason, msg).await;
+        let object = set.object_ref(&());
+        self.ctx
+            .events
+            .publish_best_effort(&object, t, reason, msg)
+            .await;
     }
-}
-
-async fn publish(
-    events: &EventPublisher,
-    object: &ObjectReference,
-    t: EventType,
-    reason: &str,
-    msg: &str,
-) {
-    if let Err(e) = events.publish(object, t, reason, msg).await {
-        warn!(error = %e, "publishing event");
-    }
-}
-
-fn is_not_found(e: &kube::Error) -> bool {
-    matches!(e, kube::Error::Api(s) if s.code == 404)
-}
-
-fn is_conflict(e: &kube::Error) -> bool {
-    matches!(e, kube::Error::Api(s) if s.code == 409)
 }
 
 /// One reconcile of a set: [`apply`], or [`cleanup`] once it is being deleted; bad input is reported once.
@@ -460,7 +445,7 @@ fn error_policy(set: Arc<LoadBalancerSet>, error: &Error, run: Arc<Running>) -> 
 }
 
 /// Runs the LoadBalancerSet controller over the sets of `namespace` until `shutdown`.
-pub async fn run(ctx: Arc<LbsContext>, namespace: &str, stop: Stop) {
+pub async fn run(ctx: Arc<Context>, namespace: &str, stop: Stop) {
     let sets: Api<LoadBalancerSet> = Api::namespaced(ctx.client.clone(), namespace);
     let machines: Api<LoadBalancerMachine> = Api::namespaced(ctx.client.clone(), namespace);
     let (store, writer) = reflector::store();

@@ -15,7 +15,7 @@ use lb_api::constants::{conditions, lb_annotations, lbm_annotations};
 use lb_api::{LoadBalancerMachine, LoadBalancerSet, LoadBalancerSetStatus};
 
 use super::health::{self, Health, CREATION_TIMEOUT, HEARTBEAT_STALE};
-use super::LbsControllerConfig;
+use super::Config;
 use crate::runtime::changes::hash_of;
 use crate::runtime::ownership;
 
@@ -243,7 +243,7 @@ pub fn plan_set(
     views: &[MachineView],
     now: jiff::Timestamp,
     outage: bool,
-    config: &LbsControllerConfig,
+    config: &Config,
 ) -> SetPlan {
     let mut plan = SetPlan::default();
     let desired = if set.metadata.deletion_timestamp.is_some() {

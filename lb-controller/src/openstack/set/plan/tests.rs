@@ -89,8 +89,8 @@ fn booting(name: &str, created_ago: i64) -> MachineView {
     view(&machine(name, created_ago, vec![]))
 }
 
-fn cfg() -> LbsControllerConfig {
-    LbsControllerConfig::default()
+fn cfg() -> Config {
+    Config::default()
 }
 
 #[test]
