@@ -1,16 +1,14 @@
 //! Prometheus metrics of the cloud controller and the OpenStack-side controllers (prometheus-client, OpenMetrics
-//! text at `/metrics`). yawol's object metrics ([`ObjectMetrics`]: `loadbalancer_*`, `loadbalancerset_*`) and
-//! `yawol_openstack` keep yawol's unprefixed names so existing dashboards work; everything of our own is prefixed
-//! `lb_cloud_controller_`. `yawol_openstack` is typed `unknown` so its samples keep yawol's name, without the
+//! text at `/metrics`): the process's registry and the `lb_cloud_controller_*` series. yawol's object series keep
+//! yawol's unprefixed names so existing dashboards work and live in their controller's room
+//! ([`crate::openstack::loadbalancer::metrics`], [`crate::openstack::set::metrics`] — registered here, so both sides
+//! list them — and [`crate::openstack::machine::metrics`], registered by that controller), as does `yawol_openstack`
+//! ([`crate::openstack::OpenStackCalls`]); everything of our own is prefixed `lb_cloud_controller_`. `yawol_openstack` is typed `unknown` so its samples keep yawol's name, without the
 //! `_total` OpenMetrics appends to counters ([`crate::openstack::CallCounter`]).
 
-use std::collections::HashMap;
 use std::sync::atomic::AtomicI64;
 use std::sync::Mutex;
 use std::time::Duration;
-
-use kube::ResourceExt;
-use lb_api::{LoadBalancer, LoadBalancerSet};
 
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
@@ -19,6 +17,8 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::Registry;
 
+use crate::openstack::loadbalancer::metrics::LoadBalancerMetrics;
+use crate::openstack::set::metrics::SetMetrics;
 use crate::openstack::OpenStackCalls;
 
 /// Labels of per-controller series.
@@ -80,8 +80,10 @@ pub struct Metrics {
     pub leader: Gauge<i64, AtomicI64>,
     /// `yawol_openstack{api,object,operation}` (unprefixed, as in yawol): pass it to the OpenStack sessions.
     pub openstack_calls: OpenStackCalls,
-    /// yawol's LoadBalancer and LoadBalancerSet series (unprefixed, as in yawol).
-    pub objects: ObjectMetrics,
+    /// yawol's `loadbalancer_*` series (unprefixed, as in yawol).
+    pub loadbalancers: LoadBalancerMetrics,
+    /// yawol's `loadbalancerset_*` series (unprefixed, as in yawol).
+    pub sets: SetMetrics,
     /// Bad input in LoadBalancers / LoadBalancerSets (each also a Warning event), by controller and reason.
     pub invalid_input: Family<InvalidInputLabels, Counter>,
     /// LoadBalancerMachines deleted by the set controller, by reason.
@@ -103,8 +105,10 @@ impl Metrics {
         let mut root = Registry::default();
         let openstack_calls = OpenStackCalls::default();
         openstack_calls.register(&mut root);
-        let objects = ObjectMetrics::default();
-        objects.register(&mut root);
+        let loadbalancers = LoadBalancerMetrics::default();
+        loadbalancers.register(&mut root);
+        let sets = SetMetrics::default();
+        sets.register(&mut root);
         let registry = root.sub_registry_with_prefix("lb_cloud_controller");
         let reconciles = Family::<ResultLabels, Counter>::default();
         let reconcile_duration = Family::<ControllerLabels, Histogram>::new_with_constructor(
@@ -184,7 +188,8 @@ impl Metrics {
             ingress_updates,
             leader,
             openstack_calls,
-            objects,
+            loadbalancers,
+            sets,
             invalid_input,
             machine_deletions,
             heartbeat_outage,
@@ -266,300 +271,26 @@ impl Metrics {
     }
 }
 
-/// Label set of the object series: yawol's label names (some camelCase), so a `Vec` of pairs.
+/// Label set of yawol's object series: yawol's label names (some camelCase, which the derive macro cannot spell), so
+/// a `Vec` of pairs. The LoadBalancer, set and machine series use it.
 pub type ObjectLabels = Vec<(String, String)>;
 
-type Gauges = Family<ObjectLabels, Gauge<i64, AtomicI64>>;
+/// A family of integer gauges over [`ObjectLabels`].
+pub(crate) type Gauges = Family<ObjectLabels, Gauge<i64, AtomicI64>>;
 
-/// The label sets of `loadbalancer_info` and `loadbalancer_openstack_info` of one LoadBalancer.
-type InfoLabels = (ObjectLabels, ObjectLabels);
-
-/// yawol's LoadBalancer and LoadBalancerSet gauges (seed 001's table). Every series of an object is removed when the
-/// object goes away ([`ObjectMetrics::forget_loadbalancer`], [`ObjectMetrics::forget_set`]); an info series whose
-/// labels change (a new external IP) replaces the old one instead of adding a second.
-#[derive(Clone, Default)]
-pub struct ObjectMetrics {
-    lb_info: Gauges,
-    lb_openstack_info: Gauges,
-    lb_replicas: Gauges,
-    lb_replicas_current: Gauges,
-    lb_replicas_ready: Gauges,
-    lb_deletion_timestamp: Gauges,
-    lbs_replicas: Gauges,
-    lbs_replicas_current: Gauges,
-    lbs_replicas_ready: Gauges,
-    lbs_deletion_timestamp: Gauges,
-    /// The info label sets last written per LoadBalancer (namespace, name), to remove them when they change.
-    info: std::sync::Arc<Mutex<HashMap<(String, String), InfoLabels>>>,
-    /// The sets with series, (namespace, name) → their label set.
-    sets: std::sync::Arc<Mutex<HashMap<(String, String), ObjectLabels>>>,
-}
-
-fn labels(pairs: &[(&str, &str)]) -> ObjectLabels {
+/// An [`ObjectLabels`] from borrowed pairs.
+pub(crate) fn labels(pairs: &[(&str, &str)]) -> ObjectLabels {
     pairs
         .iter()
         .map(|(k, v)| (k.to_string(), v.to_string()))
         .collect()
 }
 
-fn deletion_seconds(
+/// An object's deletion timestamp in seconds since the epoch, while it is being deleted.
+pub(crate) fn deletion_seconds(
     meta: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta,
 ) -> Option<i64> {
     meta.deletion_timestamp.as_ref().map(|t| t.0.as_second())
-}
-
-impl ObjectMetrics {
-    /// Registers the families under yawol's names.
-    pub fn register(&self, registry: &mut Registry) {
-        let families: [(&str, &str, &Gauges); 10] = [
-            (
-                "loadbalancer_info",
-                "Loadbalancer Info for LoadBalancer contains labels like isInternal, externalIP, tcpProxyProtocol, \
-                 tcpIdleTimeout, udpIdleTimeout, lokiEnabled",
-                &self.lb_info,
-            ),
-            (
-                "loadbalancer_openstack_info",
-                "Openstack Info contains labels with the OpenStackIDs for LoadBalancer",
-                &self.lb_openstack_info,
-            ),
-            (
-                "loadbalancer_replicas",
-                "Replicas for LoadBalancer (from lb.spec.replicas, 0 if marked for deletion)",
-                &self.lb_replicas,
-            ),
-            (
-                "loadbalancer_replicas_current",
-                "Current replicas for LoadBalancer (from lb.status.replicas)",
-                &self.lb_replicas_current,
-            ),
-            (
-                "loadbalancer_replicas_ready",
-                "Ready replicas for LoadBalancer (from lb.status.readyReplicas)",
-                &self.lb_replicas_ready,
-            ),
-            (
-                "loadbalancer_deletion_timestamp",
-                "Deletion timestamp of a LoadBalancer in seconds since epoch (only for LoadBalancers in deletion)",
-                &self.lb_deletion_timestamp,
-            ),
-            (
-                "loadbalancerset_replicas",
-                "Replicas for LoadBalancerSet (from lbs.spec.replicas, 0 if marked for deletion)",
-                &self.lbs_replicas,
-            ),
-            (
-                "loadbalancerset_replicas_current",
-                "Current replicas for LoadBalancerSet (from lbs.status.replicas)",
-                &self.lbs_replicas_current,
-            ),
-            (
-                "loadbalancerset_replicas_ready",
-                "Ready replicas for LoadBalancerSet (from lbs.status.readyReplicas)",
-                &self.lbs_replicas_ready,
-            ),
-            (
-                "loadbalancerset_deletion_timestamp",
-                "Deletion timestamp of a LoadBalancerSet in seconds since epoch (only for sets in deletion)",
-                &self.lbs_deletion_timestamp,
-            ),
-        ];
-        for (name, help, family) in families {
-            registry.register(name, help, family.clone());
-        }
-    }
-
-    /// Writes every series of a LoadBalancer from the object (status as the controller last wrote it).
-    pub fn observe_loadbalancer(&self, lb: &LoadBalancer) {
-        let ns = lb.namespace().unwrap_or_default();
-        let name = lb.name_any();
-        let id = labels(&[("lb", &name), ("namespace", &ns)]);
-        let opts = lb.spec.options();
-        let status = lb.status.clone().unwrap_or_default();
-        let duration =
-            |d: &Option<lb_api::GoDuration>| d.as_ref().map(|d| d.to_string()).unwrap_or_default();
-        let info = labels(&[
-            ("lb", &name),
-            ("namespace", &ns),
-            ("isInternal", &opts.is_internal().to_string()),
-            ("tcpProxyProtocol", &opts.tcp_proxy_protocol().to_string()),
-            ("externalIP", status.external_ip.as_deref().unwrap_or("")),
-            ("tcpIdleTimeout", &duration(&opts.tcp_idle_timeout)),
-            ("udpIdleTimeout", &duration(&opts.udp_idle_timeout)),
-            (
-                "lokiEnabled",
-                &opts
-                    .log_forward
-                    .as_ref()
-                    .is_some_and(|l| l.enabled)
-                    .to_string(),
-            ),
-        ]);
-        let openstack = labels(&[
-            ("lb", &name),
-            ("namespace", &ns),
-            ("portID", status.port_id.as_deref().unwrap_or("")),
-            ("floatingID", status.floating_id.as_deref().unwrap_or("")),
-            (
-                "securityGroupID",
-                status.security_group_id.as_deref().unwrap_or(""),
-            ),
-            (
-                "flavorID",
-                lb.spec.infrastructure.flavor.effective_id().unwrap_or(""),
-            ),
-        ]);
-        {
-            let mut known = self.info.lock().unwrap_or_else(|e| e.into_inner());
-            if let Some((old_info, old_os)) = known.insert(
-                (ns.clone(), name.clone()),
-                (info.clone(), openstack.clone()),
-            ) {
-                if old_info != info {
-                    self.lb_info.remove(&old_info);
-                }
-                if old_os != openstack {
-                    self.lb_openstack_info.remove(&old_os);
-                }
-            }
-        }
-        self.lb_info.get_or_create(&info).set(1);
-        self.lb_openstack_info.get_or_create(&openstack).set(1);
-        let deleting = deletion_seconds(&lb.metadata);
-        let desired = if deleting.is_some() {
-            0
-        } else {
-            lb.spec.replicas
-        };
-        self.lb_replicas.get_or_create(&id).set(i64::from(desired));
-        self.lb_replicas_current
-            .get_or_create(&id)
-            .set(i64::from(status.replicas.unwrap_or(0)));
-        self.lb_replicas_ready
-            .get_or_create(&id)
-            .set(i64::from(status.ready_replicas.unwrap_or(0)));
-        match deleting {
-            Some(t) => {
-                self.lb_deletion_timestamp.get_or_create(&id).set(t);
-            }
-            None => {
-                self.lb_deletion_timestamp.remove(&id);
-            }
-        }
-    }
-
-    /// Removes every series of a LoadBalancer (it is gone).
-    pub fn forget_loadbalancer(&self, namespace: &str, name: &str) {
-        let id = labels(&[("lb", name), ("namespace", namespace)]);
-        if let Some((info, openstack)) = self
-            .info
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .remove(&(namespace.to_string(), name.to_string()))
-        {
-            self.lb_info.remove(&info);
-            self.lb_openstack_info.remove(&openstack);
-        }
-        for family in [
-            &self.lb_replicas,
-            &self.lb_replicas_current,
-            &self.lb_replicas_ready,
-            &self.lb_deletion_timestamp,
-        ] {
-            family.remove(&id);
-        }
-    }
-
-    fn set_id(set: &LoadBalancerSet) -> ObjectLabels {
-        labels(&[
-            ("lb", &set.spec.template.spec.load_balancer_ref.name),
-            ("lbs", &set.name_any()),
-            ("namespace", &set.namespace().unwrap_or_default()),
-        ])
-    }
-
-    /// Writes every series of a LoadBalancerSet from the object.
-    pub fn observe_set(&self, set: &LoadBalancerSet) {
-        let id = Self::set_id(set);
-        self.sets.lock().unwrap_or_else(|e| e.into_inner()).insert(
-            (set.namespace().unwrap_or_default(), set.name_any()),
-            id.clone(),
-        );
-        let status = set.status.clone().unwrap_or_default();
-        let deleting = deletion_seconds(&set.metadata);
-        let desired = if deleting.is_some() {
-            0
-        } else {
-            set.spec.replicas
-        };
-        self.lbs_replicas.get_or_create(&id).set(i64::from(desired));
-        self.lbs_replicas_current
-            .get_or_create(&id)
-            .set(i64::from(status.replicas.unwrap_or(0)));
-        self.lbs_replicas_ready
-            .get_or_create(&id)
-            .set(i64::from(status.ready_replicas.unwrap_or(0)));
-        match deleting {
-            Some(t) => {
-                self.lbs_deletion_timestamp.get_or_create(&id).set(t);
-            }
-            None => {
-                self.lbs_deletion_timestamp.remove(&id);
-            }
-        }
-    }
-
-    /// Removes every series of a LoadBalancerSet (it is gone).
-    pub fn forget_set(&self, set: &LoadBalancerSet) {
-        self.sets
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .remove(&(set.namespace().unwrap_or_default(), set.name_any()));
-        self.remove_set_series(&Self::set_id(set));
-    }
-
-    /// Removes the series of the LoadBalancers for which `keep(namespace, name)` is false (a safety net for objects
-    /// that vanished without the controller seeing their deletion).
-    pub fn retain_loadbalancers(&self, keep: impl Fn(&str, &str) -> bool) {
-        let gone: Vec<(String, String)> = self
-            .info
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .keys()
-            .filter(|(ns, name)| !keep(ns, name))
-            .cloned()
-            .collect();
-        for (ns, name) in gone {
-            self.forget_loadbalancer(&ns, &name);
-        }
-    }
-
-    /// Removes the series of the sets for which `keep(namespace, name)` is false.
-    pub fn retain_sets(&self, keep: impl Fn(&str, &str) -> bool) {
-        let gone: Vec<ObjectLabels> = {
-            let mut sets = self.sets.lock().unwrap_or_else(|e| e.into_inner());
-            let keys: Vec<(String, String)> = sets
-                .keys()
-                .filter(|(ns, name)| !keep(ns, name))
-                .cloned()
-                .collect();
-            keys.iter().filter_map(|k| sets.remove(k)).collect()
-        };
-        for id in gone {
-            self.remove_set_series(&id);
-        }
-    }
-
-    fn remove_set_series(&self, id: &ObjectLabels) {
-        for family in [
-            &self.lbs_replicas,
-            &self.lbs_replicas_current,
-            &self.lbs_replicas_ready,
-            &self.lbs_deletion_timestamp,
-        ] {
-            family.remove(id);
-        }
-    }
 }
 
 #[cfg(test)]

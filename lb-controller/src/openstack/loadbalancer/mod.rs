@@ -16,6 +16,7 @@
 //! The cloud comes from a [`CloudFactory`] ([`crate::openstack::clouds`]); tests pass a fixed fake.
 
 pub mod ha;
+pub mod metrics;
 pub mod resources;
 pub mod sets;
 
@@ -233,9 +234,9 @@ async fn cleanup<F: CloudFactory>(lb: &LoadBalancer, run: &Running<F>) -> Result
     let ns = lb.namespace().unwrap_or_default();
     let name = lb.name_any();
     let api: Api<LoadBalancer> = Api::namespaced(ctx.client.clone(), &ns);
-    ctx.metrics.objects.observe_loadbalancer(lb);
+    ctx.metrics.loadbalancers.observe(lb);
     if !finalizer::has(lb, finalizers::LOADBALANCER) {
-        ctx.metrics.objects.forget_loadbalancer(&ns, &name);
+        ctx.metrics.loadbalancers.forget(&ns, &name);
         return Ok(Action::await_change());
     }
     let sets: Api<LoadBalancerSet> = Api::namespaced(ctx.client.clone(), &ns);
@@ -277,7 +278,7 @@ async fn cleanup<F: CloudFactory>(lb: &LoadBalancer, run: &Running<F>) -> Result
         _ => {}
     }
     finalizer::remove(&api, lb, finalizers::LOADBALANCER).await?;
-    ctx.metrics.objects.forget_loadbalancer(&ns, &name);
+    ctx.metrics.loadbalancers.forget(&ns, &name);
     run.reported.forget(&lb.uid().unwrap_or_default());
     info!(lb = %name, "OpenStack resources deleted");
     Ok(Action::await_change())
@@ -355,7 +356,7 @@ async fn apply<F: CloudFactory>(
     status.ready_replicas = Some(ready);
     let mut observed = lb.clone();
     observed.status = Some(status);
-    ctx.metrics.objects.observe_loadbalancer(&observed);
+    ctx.metrics.loadbalancers.observe(&observed);
 
     match openstack_error {
         Some(e) => Err(e),
@@ -745,8 +746,8 @@ async fn forget_vanished_loadbalancers(
     loop {
         tick.tick().await;
         metrics
-            .objects
-            .retain_loadbalancers(|ns, name| store.get(&ObjectRef::new(name).within(ns)).is_some());
+            .loadbalancers
+            .retain(|ns, name| store.get(&ObjectRef::new(name).within(ns)).is_some());
     }
 }
 

@@ -23,8 +23,10 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
 
-/// A label set in yawol's label names (some are camelCase, which the derive macro cannot spell).
-pub type Labels = Vec<(String, String)>;
+use crate::metrics::{labels as l, ObjectLabels};
+
+/// A label set in yawol's label names.
+pub type Labels = ObjectLabels;
 
 type FloatGauge = Gauge<f64, AtomicU64>;
 
@@ -39,13 +41,6 @@ pub struct MachineSeries {
     pub openstack_info: Labels,
     /// `loadbalancermachine_deletion_timestamp`, only while deleting.
     pub deletion_timestamp: Option<(Labels, f64)>,
-}
-
-fn l(pairs: &[(&str, &str)]) -> Labels {
-    pairs
-        .iter()
-        .map(|(k, v)| (k.to_string(), v.to_string()))
-        .collect()
 }
 
 /// The series of `lbm` (pure; unit-tested). Non-numeric agent metrics are skipped like in yawol.

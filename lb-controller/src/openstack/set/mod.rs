@@ -27,6 +27,7 @@
 //!   then drops its finalizer `stackit.cloud/loadbalancermachine`.
 
 pub mod health;
+pub mod metrics;
 pub mod plan;
 
 use std::collections::HashMap;
@@ -180,13 +181,13 @@ async fn cleanup(set: &LoadBalancerSet, run: &Running) -> Result<Action, Error> 
     let ctx = &run.ctx;
     if !finalizer::has(set, finalizers::LOADBALANCERSET) {
         // Not ours to finish (someone removed the finalizer): it goes any moment.
-        ctx.metrics.objects.forget_set(set);
+        ctx.metrics.sets.forget(set);
         return Ok(Action::await_change());
     }
     let ns = set.namespace().unwrap_or_default();
     let sets: Api<LoadBalancerSet> = Api::namespaced(ctx.client.clone(), &ns);
     let machines: Api<LoadBalancerMachine> = Api::namespaced(ctx.client.clone(), &ns);
-    ctx.metrics.objects.observe_set(set);
+    ctx.metrics.sets.observe(set);
     let live = live_machines(&machines, set).await?;
     for m in live
         .iter()
@@ -206,7 +207,7 @@ async fn cleanup(set: &LoadBalancerSet, run: &Running) -> Result<Action, Error> 
         return Ok(Action::requeue(ctx.config.deletion_poll));
     }
     finalizer::remove(&sets, set, finalizers::LOADBALANCERSET).await?;
-    ctx.metrics.objects.forget_set(set);
+    ctx.metrics.sets.forget(set);
     let uid = set.uid().unwrap_or_default();
     run.reported.forget(&uid);
     run.held
@@ -407,7 +408,7 @@ async fn apply(
     }
     let mut observed = set.clone();
     observed.status = Some(plan.status.clone());
-    ctx.metrics.objects.observe_set(&observed);
+    ctx.metrics.sets.observe(&observed);
     Ok(Action::requeue(ctx.config.requeue))
 }
 
@@ -482,7 +483,7 @@ async fn forget_vanished_sets(store: Store<LoadBalancerSet>, metrics: Arc<Metric
     let mut tick = tokio::time::interval(Duration::from_secs(60));
     loop {
         tick.tick().await;
-        metrics.objects.retain_sets(|ns, name| {
+        metrics.sets.retain(|ns, name| {
             store
                 .get(&reflector::ObjectRef::new(name).within(ns))
                 .is_some()
