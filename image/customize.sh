@@ -22,6 +22,24 @@ in_root update-initramfs -u -k all
 # replaced, not upgraded in place.
 in_root systemctl disable --quiet ssh.service keepalived.service apt-daily.timer apt-daily-upgrade.timer
 
+# yawol compatibility (image/README.md, "yawol compatibility"): the users yawol-controller's user data writes files for
+# (write_files fails on an unknown owner) — yawol (its kubeconfig) and promtail (its config) as system users
+# without a login —, yawol's debug user (the agent installs the key of the LoadBalancer's adHocDebug annotation
+# in its authorized_keys; no password: key only), the agent under yawollet's name, and yawollet.service, which
+# runs only when the user data wrote /etc/yawol/env.conf.
+in_root useradd --system --user-group --no-create-home --home-dir /var/lib/yawol --shell /usr/sbin/nologin yawol
+in_root useradd --system --user-group --no-create-home --home-dir /nonexistent --shell /usr/sbin/nologin promtail
+in_root useradd --create-home --shell /bin/bash --password '*' yawoldebug
+install -d -m 0700 "$root/home/yawoldebug/.ssh"
+install -m 0600 /dev/null "$root/home/yawoldebug/.ssh/authorized_keys"
+in_root chown -R yawoldebug:yawoldebug /home/yawoldebug/.ssh
+printf 'yawoldebug ALL=(ALL) NOPASSWD:ALL\n' >"$root/etc/sudoers.d/yawoldebug"
+chmod 0440 "$root/etc/sudoers.d/yawoldebug"
+install -d -m 0755 "$root/etc/yawol"
+install -d -m 0755 -o "$(in_root id -u yawol)" -g "$(in_root id -g yawol)" "$root/var/lib/yawol"
+ln -sf lb-agent "$root/usr/local/bin/yawollet"
+in_root systemctl enable --quiet yawollet.service
+
 # Nothing secret or machine-specific: root locked (no password), no SSH host keys (cloud-init makes new ones
 # on the first boot), empty machine-id (systemd generates one on the first boot), host name and resolver from
 # cloud-init and DHCP.

@@ -3,7 +3,9 @@
 # installs it under /run and starts it once cloud-init is done). Prints `LB-IMAGE-CHECK key=value` lines on
 # the serial console; the xtask judges them. Then powers the VM off.
 #
-# Environment (set by the xtask): FILE_VIP, ECHO_PORT, TRAFFIC_FLOWS — the file-mode data-plane check on eth1.
+# Environment (set by the xtask): USER_DATA — whose user data the VM booted with: `lb-controller` (then
+# FILE_VIP, ECHO_PORT: the file-mode data-plane check on eth1) or `yawol` (then VIP: the LoadBalancer's VIP on
+# eth0, REQUEUE: yawollet's requeue time); TRAFFIC_FLOWS — connections the xtask opens on `traffic=go`.
 set -u
 out() { printf 'LB-IMAGE-CHECK %s=%s\n' "$1" "$2" >/dev/ttyS0; }
 info() { printf 'LB-IMAGE-INFO %s\n' "$*" >/dev/ttyS0; }
@@ -47,19 +49,13 @@ EOF
 out cloud_init_warnings "$(grep -c 'WARNING' /var/log/cloud-init.log)"
 grep 'WARNING' /var/log/cloud-init.log | head -5 | while IFS= read -r l; do info "cloud-init: $l"; done
 
-# The files of lb-controller's user data (cloudinit.rs), with mode and owner.
-for f in /etc/lb-agent/kubeconfig /etc/lb-agent/agent.env /etc/lb-agent/sync-secret \
-    /etc/systemd/system/lb-agent.service /etc/chrony/chrony.conf; do
-    out "file:$f" "$(stat -c '%a:%U:%G' "$f" 2>/dev/null || echo missing)"
-done
-out kubeconfig_server "$(sed -n 's/^ *server: *//p' /etc/lb-agent/kubeconfig)"
-
 # Image properties.
 out nic_eth0 "$(test -e /sys/class/net/eth0 && echo 1 || echo 0)"
 out btf "$(test -s /sys/kernel/btf/vmlinux && echo 1 || echo 0)"
 out bpffs "$(findmnt -n -t bpf -o TARGET /sys/fs/bpf >/dev/null && echo 1 || echo 0)"
 out keepalived "$(command -v keepalived >/dev/null && keepalived --version 2>&1 | sed -n '1s/^Keepalived v\{0,1\}\([^ ]*\).*/\1/p' || echo missing)"
 out keepalived_unit "$(systemctl is-enabled keepalived.service 2>/dev/null)"
+out keepalived_unit_active "$(systemctl is-active keepalived.service 2>/dev/null)"
 out sshd_active "$(systemctl is-active ssh.service 2>/dev/null)"
 out sshd_enabled "$(systemctl is-enabled ssh.service 2>/dev/null)"
 out sshd_processes "$(pgrep -c -x sshd)"
@@ -70,12 +66,24 @@ out chrony "$(systemctl is-active chrony.service)"
 out root_fs_mib "$(df -m --output=size / | tail -1 | tr -d ' ')"
 out failed_units "$(systemctl --failed --no-legend --plain | cut -d' ' -f1 | paste -sd, -)"
 
-# The data plane for real: a second agent in file mode on eth1, a TCP service whose backend is the host (the
-# xtask's echo server behind QEMU's user network). The xtask opens TRAFFIC_FLOWS connections through it when it
-# reads traffic=go; they must show up as flows in this agent's counters.
-ip link set eth1 up && ip addr add "$FILE_VIP/24" dev eth1
-mkdir -p /run/lb-image-check
-cat >/run/lb-image-check/dataplane.yaml <<EOF
+# lb-controller's user data: its files, lb-agent.service retrying an API server that does not exist, and the
+# data plane for real through a second agent in file mode on eth1.
+lb_controller_checks() {
+    # The files of lb-controller's user data (cloudinit.rs), with mode and owner.
+    for f in /etc/lb-agent/kubeconfig /etc/lb-agent/agent.env /etc/lb-agent/sync-secret \
+        /etc/systemd/system/lb-agent.service /etc/chrony/chrony.conf; do
+        out "file:$f" "$(stat -c '%a:%U:%G' "$f" 2>/dev/null || echo missing)"
+    done
+    out kubeconfig_server "$(sed -n 's/^ *server: *//p' /etc/lb-agent/kubeconfig)"
+    # yawol compatibility stays out of the way: no /etc/yawol/env.conf, so yawollet.service is skipped.
+    out yawollet_condition "$(systemctl show -p ConditionResult --value yawollet.service)"
+
+    # The data plane for real: a second agent in file mode on eth1, a TCP service whose backend is the host (the
+    # xtask's echo server behind QEMU's user network). The xtask opens TRAFFIC_FLOWS connections through it when it
+    # reads traffic=go; they must show up as flows in this agent's counters.
+    ip link set eth1 up && ip addr add "$FILE_VIP/24" dev eth1
+    mkdir -p /run/lb-image-check
+    cat >/run/lb-image-check/dataplane.yaml <<EOF
 vip: $FILE_VIP
 ports:
   - {name: echo, protocol: TCP, port: 80, nodePort: $ECHO_PORT}
@@ -83,46 +91,133 @@ endpoints:
   - {name: host, addresses: [${FILE_VIP%.*}.2]}
 healthCheck: {interval: 1s, timeout: 1s, unhealthyThreshold: 2, healthyThreshold: 1}
 EOF
-systemd-run --quiet --unit=lb-agent-file /usr/local/bin/lb-agent --interface eth1 \
-    --config /run/lb-image-check/dataplane.yaml --metrics-address 127.0.0.1:9101 --max-flows 65536
-ready=0
-started=$(uptime_s)
-for _ in $(seq 120); do
-    [ "$(http_get 9101 /readyz | cut -d' ' -f1)" = 200 ] && { ready=1; break; }
-    sleep 0.5
-done
-out file_agent_ready "$ready"
-info "file-mode agent: ready=$ready after $(awk "BEGIN{print $(uptime_s) - $started}")s of polling"
-[ "$ready" = 1 ] || log_of lb-agent-file | tail -15 | while IFS= read -r l; do info "lb-agent-file: $l"; done
-out file_agent_mode "$(log_of lb-agent-file | sed -n 's/.*data plane attached.*mode=\([A-Za-z]*\).*/\1/p' | head -1)"
-out xdp_on_eth1 "$(ip -d link show eth1 | grep -q 'prog/xdp' && echo 1 || echo 0)"
-out traffic go
-flows=0
-for _ in $(seq 120); do
-    flows=$(http_get 9101 /metrics | sed -n 's/^lb_upstream_cx_total{.*} \([0-9]*\)$/\1/p' | head -1)
-    flows=${flows:-0}
-    [ "$flows" -ge "$TRAFFIC_FLOWS" ] && break
-    sleep 0.5
-done
-out file_agent_flows "$flows"
-log_of lb-agent-file | tail -5 | while IFS= read -r l; do info "lb-agent-file: $l"; done
+    systemd-run --quiet --unit=lb-agent-file /usr/local/bin/lb-agent --interface eth1 \
+        --config /run/lb-image-check/dataplane.yaml --metrics-address 127.0.0.1:9101 --max-flows 65536
+    ready=0
+    started=$(uptime_s)
+    for _ in $(seq 120); do
+        [ "$(http_get 9101 /readyz | cut -d' ' -f1)" = 200 ] && { ready=1; break; }
+        sleep 0.5
+    done
+    out file_agent_ready "$ready"
+    info "file-mode agent: ready=$ready after $(awk "BEGIN{print $(uptime_s) - $started}")s of polling"
+    [ "$ready" = 1 ] || log_of lb-agent-file | tail -15 | while IFS= read -r l; do info "lb-agent-file: $l"; done
+    out file_agent_mode "$(log_of lb-agent-file | sed -n 's/.*data plane attached.*mode=\([A-Za-z]*\).*/\1/p' | head -1)"
+    out xdp_on_eth1 "$(ip -d link show eth1 | grep -q 'prog/xdp' && echo 1 || echo 0)"
+    out traffic go
+    out file_agent_flows "$(flows_counted 9101)"
+    log_of lb-agent-file | tail -5 | while IFS= read -r l; do info "lb-agent-file: $l"; done
 
-# lb-agent.service as cloud-init started it: the API server does not exist, so it must be up, attached to eth0
-# and retrying the API — not restarting. Give it 20 s of running first.
-while [ "$(cut -d. -f1 /proc/uptime)" -lt "$(($(journal_mono lb-agent.service 'Kubernetes mode' | cut -d. -f1) + 20))" ]; do
-    sleep 1
-done
-out agent_active "$(systemctl is-active lb-agent.service)"
-out agent_restarts "$(systemctl show -p NRestarts --value lb-agent.service)"
-out agent_started_at "$(journal_mono lb-agent.service 'Kubernetes mode')"
-out agent_dataplane_at "$(journal_mono lb-agent.service 'data plane attached')"
-out agent_mode "$(log_of lb-agent.service | sed -n 's/.*data plane attached.*mode=\([A-Za-z]*\).*/\1/p' | head -1)"
-out agent_api_retrying "$(log_of lb-agent.service | grep -c -e 'watch failed; retrying' -e 'writing the status failed')"
-out xdp_on_eth0 "$(ip -d link show eth0 | grep -q 'prog/xdp' && echo 1 || echo 0)"
-out agent_pinned "$(test -d /sys/fs/bpf/lb/eth0 && echo 1 || echo 0)"
-out agent_healthz "$(http_get 9100 /healthz)"
-out agent_readyz "$(http_get 9100 /readyz | cut -d' ' -f1)"
-log_of lb-agent.service | tail -5 | while IFS= read -r l; do info "lb-agent: $l"; done
+    # lb-agent.service as cloud-init started it: the API server does not exist, so it must be up, attached to
+    # eth0 and retrying the API — not restarting. Give it 20 s of running first.
+    while [ "$(cut -d. -f1 /proc/uptime)" -lt "$(($(journal_mono lb-agent.service 'Kubernetes mode' | cut -d. -f1) + 20))" ]; do
+        sleep 1
+    done
+    out agent_active "$(systemctl is-active lb-agent.service)"
+    out agent_restarts "$(systemctl show -p NRestarts --value lb-agent.service)"
+    out agent_started_at "$(journal_mono lb-agent.service 'Kubernetes mode')"
+    out agent_dataplane_at "$(journal_mono lb-agent.service 'data plane attached')"
+    out agent_mode "$(log_of lb-agent.service | sed -n 's/.*data plane attached.*mode=\([A-Za-z]*\).*/\1/p' | head -1)"
+    out agent_api_retrying "$(log_of lb-agent.service | grep -c -e 'watch failed; retrying' -e 'writing the status failed')"
+    out xdp_on_eth0 "$(ip -d link show eth0 | grep -q 'prog/xdp' && echo 1 || echo 0)"
+    out agent_pinned "$(test -d /sys/fs/bpf/lb/eth0 && echo 1 || echo 0)"
+    out agent_healthz "$(http_get 9100 /healthz)"
+    out agent_readyz "$(http_get 9100 /readyz | cut -d' ' -f1)"
+    log_of lb-agent.service | tail -5 | while IFS= read -r l; do info "lb-agent: $l"; done
+}
+
+# yawol-controller's user data, byte for byte (lb-agent/examples/yawol_boot/yawol.rs) with a real API server on
+# the host: its files, its runcmd through the OpenRC shim, the agent started as yawollet reaching the API server,
+# holding the VIP through keepalived, forwarding, and acting on ad-hoc debug access.
+yawol_checks() {
+    for f in /etc/chrony/chrony.conf /etc/yawol/kubeconfig /etc/keepalived/keepalived.conf \
+        /var/lib/yawol/check_yawollet_health.sh /etc/promtail/promtail.yaml /etc/yawol/env.conf; do
+        out "file:$f" "$(stat -c '%a:%U:%G' "$f" 2>/dev/null || echo missing)"
+    done
+    info "env.conf: $(cat /etc/yawol/env.conf)"
+    # runcmd: eight OpenRC commands, each logged by the shim with its outcome.
+    journalctl -b -t rc-service -o cat --no-pager | while IFS= read -r l; do info "shim: $l"; done
+    out shim_calls "$(journalctl -b -t rc-service -o cat --no-pager | wc -l)"
+    out shim_failures "$(journalctl -b -t rc-service -o cat --no-pager | grep -c ': failed (')"
+    out lb_agent_unit "$(systemctl is-active lb-agent.service)"
+
+    # The agent as yawollet: attached, keepalived (under it, from yawol's settings) holding the VIP.
+    held=0
+    for _ in $(seq 90); do
+        ip -4 addr show dev eth0 | grep -q " $VIP/" && { held=1; break; }
+        sleep 1
+    done
+    out vip_on_eth0 "$held"
+    out yawollet_active "$(systemctl is-active yawollet.service)"
+    out agent_started_at "$(journal_mono yawollet.service 'started as yawollet')"
+    out agent_dataplane_at "$(journal_mono yawollet.service 'data plane attached')"
+    out agent_mode "$(log_of yawollet.service | sed -n 's/.*data plane attached.*mode=\([A-Za-z]*\).*/\1/p' | head -1)"
+    out xdp_on_eth0 "$(ip -d link show eth0 | grep -q 'prog/xdp' && echo 1 || echo 0)"
+    conf=/run/lb-agent/vrrp/keepalived.conf
+    out vrrp_router_id "$(sed -n 's/^ *virtual_router_id //p' $conf)"
+    out vrrp_priority "$(sed -n 's/^ *priority //p' $conf)"
+    out vrrp_advert_int "$(sed -n 's/^ *advert_int //p' $conf)"
+    out vrrp_priority_bonus "$(cat /run/lb-agent/vrrp/priority-bonus 2>/dev/null)"
+    out keepalived_under_agent "$(pgrep -c -f "keepalived .*$conf")"
+    ready=0
+    for _ in $(seq 60); do
+        [ "$(http_get 8080 /readyz | cut -d' ' -f1)" = 200 ] && { ready=1; break; }
+        sleep 1
+    done
+    out readyz_8080 "$(http_get 8080 /readyz | cut -d' ' -f1)"
+
+    # Connections from the host to the VIP (QEMU's port forward on eth0), through the data plane to the host.
+    out traffic go
+    out agent_flows "$(flows_counted 8080)"
+    traffic_done=$(cut -d. -f1 /proc/uptime)
+
+    # Ad-hoc debug: the xtask has the LoadBalancer annotated, then the annotations removed.
+    keys=/home/yawoldebug/.ssh/authorized_keys
+    out adhoc on
+    installed=0
+    for _ in $(seq 60); do
+        grep -q '^ssh-rsa ' $keys && [ "$(systemctl is-active ssh.service)" = active ] && { installed=1; break; }
+        sleep 1
+    done
+    out adhoc_key_installed "$installed"
+    out adhoc_sshd "$(systemctl is-active ssh.service)"
+    out adhoc_keys_mode "$(stat -c '%a:%U:%G' $keys)"
+    out adhoc off
+    removed=0
+    for _ in $(seq 60); do
+        [ ! -s $keys ] && [ "$(systemctl is-active ssh.service)" != active ] && { removed=1; break; }
+        sleep 1
+    done
+    out adhoc_key_removed "$removed"
+    out adhoc_sshd_after "$(systemctl is-active ssh.service)"
+
+    # Two heartbeats after the traffic, so the machine's status carries the flows; then the xtask reads it.
+    while [ "$(cut -d. -f1 /proc/uptime)" -lt "$((traffic_done + 2 * REQUEUE + 2))" ]; do
+        sleep 1
+    done
+    out yawollet_restarts "$(systemctl show -p NRestarts --value yawollet.service)"
+    out agent_refused "$(log_of yawollet.service | grep -c -i -e forbidden -e unauthorized -e ' 403' -e ' 401')"
+    log_of yawollet.service | grep -i -e forbidden -e unauthorized | head -3 | while IFS= read -r l; do info "refused: $l"; done
+    log_of yawollet.service | grep -e WARN -e ERROR | head -8 | while IFS= read -r l; do info "yawollet: $l"; done
+    out report go
+}
+
+# lb_upstream_cx_total of the agent whose metrics are on PORT, once it counts TRAFFIC_FLOWS (or after 60 s).
+flows_counted() {
+    flows=0
+    for _ in $(seq 120); do
+        flows=$(http_get "$1" /metrics | sed -n 's/^lb_upstream_cx_total{.*} \([0-9]*\)$/\1/p' | head -1)
+        flows=${flows:-0}
+        [ "$flows" -ge "$TRAFFIC_FLOWS" ] && break
+        sleep 0.5
+    done
+    echo "$flows"
+}
+
+case "$USER_DATA" in
+yawol) yawol_checks ;;
+*) lb_controller_checks ;;
+esac
 
 out done 1
 systemctl poweroff

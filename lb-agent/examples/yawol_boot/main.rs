@@ -36,7 +36,8 @@ const REVISION: &str = "loadbalancer.yawol.stackit.cloud/revision";
 /// yawol-controller's readiness: the three conditions True with a heartbeat younger than this.
 const READY_HEARTBEAT: Duration = Duration::from_secs(180);
 /// A well-formed `ssh-rsa` public key (yawol's pattern); nobody holds its private key.
-const DEBUG_KEY: &str = "ssh-rsa AAAAB3NzaC1yc2EAAAADAQABAAABAQDbootTestKeyNobodyHoldsThePrivateHalf0123456789+/=";
+const DEBUG_KEY: &str =
+    "ssh-rsa AAAAB3NzaC1yc2EAAAADAQABAAABAQDbootTestKeyNobodyHoldsThePrivateHalf0123456789+/=";
 
 #[derive(Parser)]
 struct Args {
@@ -108,11 +109,15 @@ async fn main() -> Result<()> {
             "options": options,
         }
     }))?;
-    lbs.create(&pp, &lb).await.context("creating the LoadBalancer")?;
+    lbs.create(&pp, &lb)
+        .await
+        .context("creating the LoadBalancer")?;
     lbs.patch_status(
         LB,
         &PatchParams::default(),
-        &Patch::Merge(json!({"status": {"portIP": args.vip, "portID": "vip-port-1", "replicas": 1}})),
+        &Patch::Merge(
+            json!({"status": {"portIP": args.vip, "portID": "vip-port-1", "replicas": 1}}),
+        ),
     )
     .await
     .context("the LoadBalancer's status")?;
@@ -123,7 +128,9 @@ async fn main() -> Result<()> {
         "spec": {"portID": "vip-port-1", "loadBalancerRef": {"name": LB, "namespace": ns},
                  "infrastructure": infrastructure}
     }))?;
-    lbms.create(&pp, &lbm).await.context("creating the LoadBalancerMachine")?;
+    lbms.create(&pp, &lbm)
+        .await
+        .context("creating the LoadBalancerMachine")?;
 
     // The machine's identity exactly as yawol-controller creates it (controllers/yawol-controller/
     // loadbalancermachine: ServiceAccount, a service-account-token Secret, Role with GetRoleRules, RoleBinding).
@@ -133,11 +140,23 @@ async fn main() -> Result<()> {
         ..Default::default()
     };
     Api::<ServiceAccount>::namespaced(admin.clone(), &ns)
-        .create(&pp, &ServiceAccount { metadata: meta(LBM), ..Default::default() })
+        .create(
+            &pp,
+            &ServiceAccount {
+                metadata: meta(LBM),
+                ..Default::default()
+            },
+        )
         .await?;
     let secrets: Api<Secret> = Api::namespaced(admin.clone(), &ns);
     let mut secret_meta = meta(LBM);
-    secret_meta.annotations = Some([("kubernetes.io/service-account.name".to_string(), LBM.to_string())].into());
+    secret_meta.annotations = Some(
+        [(
+            "kubernetes.io/service-account.name".to_string(),
+            LBM.to_string(),
+        )]
+        .into(),
+    );
     secrets
         .create(
             &pp,
@@ -149,7 +168,13 @@ async fn main() -> Result<()> {
         )
         .await?;
     Api::<Role>::namespaced(admin.clone(), &ns)
-        .create(&pp, &Role { metadata: meta(LBM), rules: Some(yawol::role_rules(LB, LBM)) })
+        .create(
+            &pp,
+            &Role {
+                metadata: meta(LBM),
+                rules: Some(yawol::role_rules(LB, LBM)),
+            },
+        )
         .await?;
     Api::<RoleBinding>::namespaced(admin.clone(), &ns)
         .create(
@@ -177,11 +202,19 @@ async fn main() -> Result<()> {
         if let (Some(t), Some(ca)) = (data.get("token"), data.get("ca.crt")) {
             break (String::from_utf8(t.0.clone())?, ca.0.clone());
         }
-        anyhow::ensure!(Instant::now() < deadline, "the token controller did not fill the machine's Secret");
+        anyhow::ensure!(
+            Instant::now() < deadline,
+            "the token controller did not fill the machine's Secret"
+        );
         tokio::time::sleep(Duration::from_millis(200)).await;
     };
     let port = env.url().rsplit(':').next().unwrap_or_default().to_string();
-    let kubeconfig = yawol::kubeconfig(&format!("https://{}:{port}", args.api_host), &ca, &token, &ns);
+    let kubeconfig = yawol::kubeconfig(
+        &format!("https://{}:{port}", args.api_host),
+        &ca,
+        &token,
+        &ns,
+    );
     let machine = yawol::Machine {
         kubeconfig,
         namespace: ns.clone(),
@@ -216,7 +249,8 @@ async fn main() -> Result<()> {
                     "yawol.stackit.cloud/adHocDebug": "true",
                     "yawol.stackit.cloud/adHocDebugSSHKey": DEBUG_KEY,
                 }}});
-                lbs.patch(LB, &PatchParams::default(), &Patch::Merge(patch)).await?;
+                lbs.patch(LB, &PatchParams::default(), &Patch::Merge(patch))
+                    .await?;
                 emit(json!({"adhoc": {"on": true, "key": DEBUG_KEY}}));
             }
             Some("adhoc-off") => {
@@ -224,12 +258,14 @@ async fn main() -> Result<()> {
                     "yawol.stackit.cloud/adHocDebug": null,
                     "yawol.stackit.cloud/adHocDebugSSHKey": null,
                 }}});
-                lbs.patch(LB, &PatchParams::default(), &Patch::Merge(patch)).await?;
+                lbs.patch(LB, &PatchParams::default(), &Patch::Merge(patch))
+                    .await?;
                 emit(json!({"adhoc": {"on": false}}));
             }
             Some("report") => {
                 let flows: u64 = words.next().and_then(|w| w.parse().ok()).unwrap_or(0);
-                let report = report(&admin, &lbms, &ns, args.port, flows, args.report_within).await?;
+                let report =
+                    report(&admin, &lbms, &ns, args.port, flows, args.report_within).await?;
                 let refused = refused_requests(&admin).await? - refused_before;
                 let mut r = report;
                 r["refused_requests"] = json!(refused);
@@ -321,14 +357,21 @@ fn yawol_ready(conditions: &[k8s_openapi::api::core::v1::NodeCondition]) -> (boo
     let now = k8s_openapi::jiff::Timestamp::now();
     for ty in ["ConfigReady", "EnvoyReady", "EnvoyUpToDate"] {
         let Some(c) = conditions.iter().find(|c| c.type_ == ty) else {
-            return (false, format!("required condition {ty} not present on machine"));
+            return (
+                false,
+                format!("required condition {ty} not present on machine"),
+            );
         };
         if c.status != "True" {
-            return (false, format!("condition {ty} is in status {} ({:?})", c.status, c.reason));
+            return (
+                false,
+                format!("condition {ty} is in status {} ({:?})", c.status, c.reason),
+            );
         }
-        let fresh = c.last_heartbeat_time.as_ref().is_some_and(|t| {
-            now.duration_since(t.0).as_secs() < READY_HEARTBEAT.as_secs() as i64
-        });
+        let fresh = c
+            .last_heartbeat_time
+            .as_ref()
+            .is_some_and(|t| now.duration_since(t.0).as_secs() < READY_HEARTBEAT.as_secs() as i64);
         if !fresh {
             return (false, format!("condition {ty} heartbeat is stale"));
         }

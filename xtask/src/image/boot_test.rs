@@ -1,29 +1,39 @@
-//! `cargo xtask image boot-test`: boots `target/image/lb-vm.qcow2` in QEMU (KVM when usable, else TCG), once
-//! with SeaBIOS and once with OVMF (UEFI), each time from a fresh copy-on-write overlay, with a NoCloud seed:
+//! `cargo xtask image boot-test`: boots `target/image/lb-vm.qcow2` in QEMU (KVM when usable, else TCG), each
+//! time from a fresh copy-on-write overlay, with a NoCloud seed — with lb-controller's user data once with SeaBIOS
+//! and once with OVMF (UEFI), and with yawol-controller's user data once (the first firmware):
 //!
-//! - `user-data`: exactly what lb-controller gives a replicated load balancer's VM, printed by the
+//! - `user-data`, lb-controller's: exactly what lb-controller gives a replicated load balancer's VM, printed by the
 //!   `render_user_data` example from `lb_controller::openstack::machine::cloudinit::user_data`. Its kubeconfig names
 //!   an API server that does not exist (192.0.2.1, TEST-NET-1; the VM's NIC is `restrict=on` anyway), with a real CA;
+//! - `user-data`, yawol's: what yawol-controller gives a machine (`GenerateUserData`, transcribed in
+//!   `lb-agent/examples/yawol_boot/yawol.rs`), written by the `yawol_boot` example, which runs a real kube-apiserver
+//!   (kube-testenv) on the host's loopback with the LoadBalancer, the machine and its identity under yawol's Role.
+//!   The VM reaches it at 10.0.2.2 (QEMU's user network) under the name `kubernetes.default.svc` that the server's
+//!   certificate carries; the agent, started as `yawollet`, holds the VIP 10.0.2.100 on eth0 through keepalived
+//!   and forwards to this process's echo server; ad-hoc debug is switched on and off by annotating the
+//!   LoadBalancer; at the end the machine's status is judged as yawol-controller would, from the API server;
 //! - `vendor-data`: the test's own part (never in the image) — a `bootcmd` that installs
 //!   `image/boot-test/check.sh` under /run and queues it after cloud-final. It prints `LB-IMAGE-CHECK key=value`
 //!   lines on the serial console and powers off.
 //!
-//! A second NIC (QEMU user network with a port forward) carries the data-plane check: the script starts a
-//! second agent in file mode on eth1 with one TCP service whose backend is this process's echo server on the
-//! host; on `traffic=go` this side opens connections through the forwarded port — each crosses the XDP program
-//! twice (DNAT+SNAT to the host and back) — and the guest counts the flows in that agent's metrics.
+//! With lb-controller's user data a second NIC (QEMU user network with a port forward) carries the data-plane
+//! check: the script starts a second agent in file mode on eth1 with one TCP service whose backend is this
+//! process's echo server on the host. On `traffic=go` this side opens connections through the forwarded port —
+//! each crosses the XDP program twice (DNAT+SNAT to the host and back) — and the guest counts the flows in the
+//! agent's metrics.
 //!
 //! Every key is compared with what it must be; failures are listed, the serial logs stay in
-//! `target/image/boot-test/<firmware>/serial.log`, timings go to `target/image/report.json`.
+//! `target/image/boot-test/<boot>/serial.log`, timings go to `target/image/report.json`.
 
 use super::{image_path, out_dir, recipe_dir, rootfs::remove_tree, write_report};
 use crate::util::{output, root, run};
 use anyhow::{bail, Context, Result};
 use std::collections::BTreeMap;
-use std::io::{Read, Write};
+use std::io::{BufRead, Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, ChildStdin, Command, Stdio};
+use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 /// The API server in the kubeconfig: TEST-NET-1 (RFC 5737), never routed.
@@ -33,8 +43,17 @@ const FILE_VIP: &str = "10.0.3.15";
 /// Why a KVM boot was given up: the kernel printed nothing within [`KVM_STALL_AFTER`].
 const KVM_STALLED: &str = "the guest kernel did not start under KVM";
 const KVM_STALL_AFTER: Duration = Duration::from_secs(45);
-/// Connections the host opens through the file-mode agent's data plane.
+/// Connections the host opens through the agent's data plane.
 const TRAFFIC_FLOWS: usize = 20;
+/// The yawol boot's VIP on eth0 (QEMU's default user network 10.0.2.0/24: the host is 10.0.2.2, the guest's DHCP
+/// address 10.0.2.15); keepalived adds it when the machine becomes master.
+const YAWOL_VIP: &str = "10.0.2.100";
+/// The name under which the yawol boot's VM reaches the API server (in the server certificate of kube-testenv).
+const YAWOL_API_HOST: &str = "kubernetes.default.svc";
+/// yawol-controller's `--yawollet-requeue-time` in the yawol boot (short: the test waits for two heartbeats).
+const YAWOL_REQUEUE: u32 = 10;
+/// logForward in the yawol boot's LoadBalancer (reported as not supported).
+const YAWOL_LOKI_URL: &str = "http://loki.example:3100/loki/api/v1/push";
 
 /// Which firmware to boot with.
 #[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -44,6 +63,17 @@ pub enum Firmware {
     /// OVMF (GRUB from the EFI system partition).
     Uefi,
     /// One boot each.
+    Both,
+}
+
+/// Whose user data to boot with.
+#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum UserData {
+    /// lb-controller's (one boot per firmware).
+    LbController,
+    /// yawol-controller's, with a real API server on the host (one boot, the first firmware).
+    Yawol,
+    /// Both.
     Both,
 }
 
@@ -67,7 +97,11 @@ pub struct BootTestArgs {
     /// Accelerator.
     #[arg(long, value_enum, default_value = "auto")]
     accel: Accel,
-    /// Give up on a boot after this many seconds (default: 150 with KVM, 300 with TCG).
+    /// Whose user data.
+    #[arg(long, value_enum, default_value = "both")]
+    user_data: UserData,
+    /// Give up on a boot after this many seconds (default: 150 with KVM, 300 with TCG; the yawol boot gets 100 s
+    /// more).
     #[arg(long)]
     timeout: Option<u64>,
 }
@@ -78,9 +112,19 @@ impl Default for BootTestArgs {
         BootTestArgs {
             firmware: Firmware::Both,
             accel: Accel::Auto,
+            user_data: UserData::Both,
             timeout: None,
         }
     }
+}
+
+/// Whose user data a boot has, and what goes with it.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    /// lb-controller's (its API server does not exist; a file-mode agent on eth1 carries the traffic).
+    LbController,
+    /// yawol-controller's, with the API server of the `yawol_boot` example.
+    Yawol,
 }
 
 /// Runs the boot test.
@@ -104,33 +148,67 @@ pub fn boot_test(args: &BootTestArgs) -> Result<()> {
     std::fs::create_dir_all(&dir)?;
 
     let echo_port = echo_server()?;
-    let seed = make_seed(&dir, echo_port)?;
     let virtual_bytes = virtual_size(&image)?;
     let firmwares: &[Firmware] = match args.firmware {
         Firmware::Both => &[Firmware::Bios, Firmware::Uefi],
         Firmware::Bios => &[Firmware::Bios],
         Firmware::Uefi => &[Firmware::Uefi],
     };
+    let fw_name = |fw: Firmware| if fw == Firmware::Bios { "bios" } else { "uefi" };
+    let mut plan: Vec<(String, Firmware, Kind)> = Vec::new();
+    if args.user_data != UserData::Yawol {
+        plan.extend(
+            firmwares
+                .iter()
+                .map(|&fw| (fw_name(fw).to_string(), fw, Kind::LbController)),
+        );
+    }
+    if args.user_data != UserData::LbController {
+        let fw = firmwares[0];
+        plan.push((format!("yawol-{}", fw_name(fw)), fw, Kind::Yawol));
+    }
+    let lb_seed = match plan.iter().any(|(_, _, k)| *k == Kind::LbController) {
+        true => Some(lb_controller_seed(&dir, echo_port)?),
+        false => None,
+    };
     let mut report = serde_json::Map::new();
     let mut failed = Vec::new();
-    for &fw in firmwares {
-        let name = if fw == Firmware::Bios { "bios" } else { "uefi" };
+    for (name, fw, kind) in plan {
+        let boot_dir = dir.join(&name);
+        std::fs::create_dir_all(&boot_dir)?;
+        let mut yawol = match kind {
+            Kind::Yawol => Some(YawolSide::start(&boot_dir, echo_port)?),
+            Kind::LbController => None,
+        };
+        let seed = match &yawol {
+            Some(y) => yawol_seed(&boot_dir, y)?,
+            None => lb_seed.clone().context("the lb-controller seed")?,
+        };
         let b = loop {
-            let timeout = Duration::from_secs(args.timeout.unwrap_or(if kvm { 150 } else { 300 }));
+            let base = if kvm { 150 } else { 300 };
+            let extra = if kind == Kind::Yawol { 100 } else { 0 };
+            let timeout = Duration::from_secs(args.timeout.unwrap_or(base) + extra);
             eprintln!(
-                "image: booting {} with {name} firmware ({}; timeout {}s)",
+                "image: booting {} with {} firmware and {} user data ({}; timeout {}s)",
                 image.display(),
+                fw_name(fw),
+                if kind == Kind::Yawol {
+                    "yawol-controller's"
+                } else {
+                    "lb-controller's"
+                },
                 if kvm { "KVM" } else { "TCG" },
                 timeout.as_secs()
             );
             let b = boot(
-                &dir.join(name),
+                &boot_dir,
                 &image,
                 &seed,
                 fw,
                 kvm,
                 timeout,
                 virtual_bytes,
+                yawol.as_mut(),
             )?;
             // /dev/kvm may open and still not run a Linux guest (seen with nested KVM): fall back to TCG.
             if kvm && args.accel == Accel::Auto && b.aborted.as_deref() == Some(KVM_STALLED) {
@@ -141,13 +219,13 @@ pub fn boot_test(args: &BootTestArgs) -> Result<()> {
             }
             break b;
         };
-        let failures = judge(&b, virtual_bytes);
-        print_result(name, &b, &failures);
+        let failures = judge(&b, virtual_bytes, kind);
+        print_result(&name, &b, &failures);
         if failures.is_empty() {
             // The VM's disk is only worth its space for looking into a failure; the logs stay.
-            let _ = std::fs::remove_file(dir.join(name).join("overlay.qcow2"));
+            let _ = std::fs::remove_file(boot_dir.join("overlay.qcow2"));
         }
-        report.insert(name.into(), b.json(&failures));
+        report.insert(name.clone(), b.json(&failures));
         failed.extend(failures.into_iter().map(|f| format!("{name}: {f}")));
     }
     report.insert("accel".into(), (if kvm { "kvm" } else { "tcg" }).into());
@@ -209,8 +287,9 @@ fn echo_server() -> Result<u16> {
     Ok(port)
 }
 
-/// The NoCloud seed: a small FAT image labelled CIDATA (mkfs.vfat + mcopy, nothing to mount).
-fn make_seed(dir: &Path, echo_port: u16) -> Result<PathBuf> {
+/// The seed of the lb-controller boots: lb-controller's user data for a replicated load balancer whose API server
+/// does not exist, with a real CA.
+fn lb_controller_seed(dir: &Path, echo_port: u16) -> Result<PathBuf> {
     // A real CA, as the controller would hand over; the agent parses it before it tries the API.
     let ca = dir.join("ca.pem");
     run(
@@ -263,35 +342,88 @@ fn make_seed(dir: &Path, echo_port: u16) -> Result<PathBuf> {
             .args(["--vrrp-router-id", "42", "--machine-revision", "1"]),
         "rendering the user data",
     )?;
-    let check = std::fs::read_to_string(recipe_dir().join("boot-test/check.sh"))?;
-    let vendor = serde_json::json!({
-        "bootcmd": [
-            // The script as an argument: cloud-init quotes list items for the shell itself.
-            ["sh", "-c", "printf '%s' \"$1\" > /run/lb-image-check.sh", "sh", check],
-            ["systemd-run", "--no-block", "--unit=lb-image-check",
-             "--property=After=cloud-final.service",
-             format!("--setenv=FILE_VIP={FILE_VIP}"),
-             format!("--setenv=ECHO_PORT={echo_port}"),
-             format!("--setenv=TRAFFIC_FLOWS={TRAFFIC_FLOWS}"),
-             "/bin/sh", "/run/lb-image-check.sh"],
+    write_seed(
+        &dir.join("seed-lb-controller"),
+        &user_data,
+        &[
+            ("USER_DATA", "lb-controller".into()),
+            ("FILE_VIP", FILE_VIP.into()),
+            ("ECHO_PORT", echo_port.to_string()),
         ],
-    });
-    let seed_dir = dir.join("seed");
-    std::fs::create_dir_all(&seed_dir)?;
-    std::fs::write(seed_dir.join("user-data"), &user_data)?;
+        &[],
+    )
+}
+
+/// The seed of the yawol boot: the user data the `yawol_boot` example wrote, and a hosts entry for the API
+/// server's name (the test's part: on OpenStack `API_ENDPOINT` resolves by DNS).
+fn yawol_seed(dir: &Path, y: &YawolSide) -> Result<PathBuf> {
+    let path = y.ready["user_data"]
+        .as_str()
+        .context("the yawol_boot example named no user data")?;
+    let user_data = std::fs::read_to_string(path).with_context(|| format!("reading {path}"))?;
+    let hosts = format!(
+        "grep -q ' {YAWOL_API_HOST}$' /etc/hosts || echo '10.0.2.2 {YAWOL_API_HOST}' >> /etc/hosts"
+    );
+    write_seed(
+        &dir.join("seed"),
+        &user_data,
+        &[
+            ("USER_DATA", "yawol".into()),
+            ("VIP", YAWOL_VIP.into()),
+            ("REQUEUE", YAWOL_REQUEUE.to_string()),
+        ],
+        &[serde_json::json!(["sh", "-c", hosts])],
+    )
+}
+
+/// A NoCloud seed (`<dir>.img`: a small FAT image labelled CIDATA, mkfs.vfat + mcopy, nothing to mount) with
+/// `user_data` and the test's vendor-data: `bootcmd` (`extra_bootcmd`, then installing check.sh and queueing it
+/// after cloud-final with `env` and TRAFFIC_FLOWS).
+fn write_seed(
+    dir: &Path,
+    user_data: &str,
+    env: &[(&str, String)],
+    extra_bootcmd: &[serde_json::Value],
+) -> Result<PathBuf> {
+    let check = std::fs::read_to_string(recipe_dir().join("boot-test/check.sh"))?;
+    let mut run_check = vec![
+        "systemd-run".to_string(),
+        "--no-block".into(),
+        "--unit=lb-image-check".into(),
+        "--property=After=cloud-final.service".into(),
+        format!("--setenv=TRAFFIC_FLOWS={TRAFFIC_FLOWS}"),
+    ];
+    run_check.extend(env.iter().map(|(k, v)| format!("--setenv={k}={v}")));
+    run_check.extend(["/bin/sh".into(), "/run/lb-image-check.sh".into()]);
+    let mut bootcmd = extra_bootcmd.to_vec();
+    bootcmd.extend([
+        // The script as an argument: cloud-init quotes list items for the shell itself.
+        serde_json::json!([
+            "sh",
+            "-c",
+            "printf '%s' \"$1\" > /run/lb-image-check.sh",
+            "sh",
+            check
+        ]),
+        serde_json::json!(run_check),
+    ]);
+    let vendor = serde_json::json!({ "bootcmd": bootcmd });
+    std::fs::create_dir_all(dir)?;
+    std::fs::write(dir.join("user-data"), user_data)?;
     // JSON is YAML: no quoting of the script can go wrong.
     std::fs::write(
-        seed_dir.join("vendor-data"),
+        dir.join("vendor-data"),
         format!(
             "#cloud-config\n{}\n",
             serde_json::to_string_pretty(&vendor)?
         ),
     )?;
     std::fs::write(
-        seed_dir.join("meta-data"),
+        dir.join("meta-data"),
         "instance-id: lb-image-boot-test\nlocal-hostname: lb-image-boot-test\n",
     )?;
-    let seed = dir.join("seed.img");
+    let seed = dir.with_extension("img");
+    let _ = std::fs::remove_file(&seed);
     run(
         Command::new("mkfs.vfat")
             .args(["-n", "CIDATA", "-C"])
@@ -303,10 +435,123 @@ fn make_seed(dir: &Path, echo_port: u16) -> Result<PathBuf> {
     let mut mcopy = Command::new("mcopy");
     mcopy.arg("-i").arg(&seed).env("MTOOLS_SKIP_CHECK", "1");
     for f in ["user-data", "vendor-data", "meta-data"] {
-        mcopy.arg(seed_dir.join(f));
+        mcopy.arg(dir.join(f));
     }
     run(mcopy.arg("::/"), "copying the seed files")?;
     Ok(seed)
+}
+
+/// The host side of the yawol boot: the `yawol_boot` example (a real API server with the LoadBalancer and its
+/// machine, see its documentation), talked to over its stdin and stdout. Dropping it closes its stdin, which ends
+/// it and its API server.
+struct YawolSide {
+    child: Child,
+    stdin: Option<ChildStdin>,
+    lines: mpsc::Receiver<serde_json::Value>,
+    /// Its `ready` answer (user data path, names).
+    ready: serde_json::Value,
+}
+
+impl YawolSide {
+    fn start(dir: &Path, echo_port: u16) -> Result<Self> {
+        // The workspace selection of the unit stage, which has built the example already.
+        run(
+            &mut crate::test::workspace_cargo(&[
+                "build",
+                "--quiet",
+                "--exclude",
+                "lb-testbed",
+                "--example",
+                "yawol_boot",
+            ]),
+            "building lb-agent's yawol_boot example",
+        )?;
+        let log = std::fs::File::create(dir.join("yawol-api.log"))?;
+        let mut child = Command::new(root().join("target/debug/examples/yawol_boot"))
+            .arg("--out")
+            .arg(dir)
+            .args(["--vip", YAWOL_VIP, "--backend", "10.0.2.2", "--node-port"])
+            .arg(echo_port.to_string())
+            .args(["--api-host", YAWOL_API_HOST, "--requeue-time"])
+            .arg(YAWOL_REQUEUE.to_string())
+            .args(["--loki-url", YAWOL_LOKI_URL])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(log)
+            .spawn()
+            .context("starting the yawol_boot example")?;
+        let stdout = child.stdout.take().context("yawol_boot's stdout")?;
+        let (tx, lines) = mpsc::channel();
+        std::thread::spawn(move || {
+            for line in std::io::BufReader::new(stdout).lines() {
+                let Ok(line) = line else { break };
+                if let Ok(v) = serde_json::from_str::<serde_json::Value>(&line) {
+                    if tx.send(v).is_err() {
+                        break;
+                    }
+                }
+            }
+        });
+        let stdin = child.stdin.take();
+        let mut side = YawolSide {
+            child,
+            stdin,
+            lines,
+            ready: serde_json::Value::Null,
+        };
+        side.ready = side
+            .answer("ready", Duration::from_secs(120))
+            .with_context(|| {
+                format!(
+                    "the yawol_boot example did not get ready; its log: {}",
+                    dir.join("yawol-api.log").display()
+                )
+            })?;
+        eprintln!(
+            "image: API server for the yawol boot on 127.0.0.1:{} (the VM's {YAWOL_API_HOST} → 10.0.2.2); YAWOLLET_ARGS={}",
+            side.ready["api_port"].as_str().unwrap_or("?"),
+            side.ready["yawollet_args"].as_str().unwrap_or("?")
+        );
+        Ok(side)
+    }
+
+    /// Sends `command` and waits for the answer named `key`.
+    fn ask(&mut self, command: &str, key: &str, within: Duration) -> Result<serde_json::Value> {
+        let stdin = self.stdin.as_mut().context("yawol_boot's stdin")?;
+        writeln!(stdin, "{command}")?;
+        stdin.flush()?;
+        self.answer(key, within)
+    }
+
+    fn answer(&mut self, key: &str, within: Duration) -> Result<serde_json::Value> {
+        let deadline = Instant::now() + within;
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match self.lines.recv_timeout(left) {
+                Ok(v) if v.get(key).is_some() => return Ok(v[key].clone()),
+                Ok(v) => eprintln!("image: yawol_boot said {v}"),
+                Err(_) => bail!(
+                    "no {key:?} from the yawol_boot example within {}s",
+                    within.as_secs()
+                ),
+            }
+        }
+    }
+}
+
+impl Drop for YawolSide {
+    fn drop(&mut self) {
+        drop(self.stdin.take());
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while Instant::now() < deadline {
+            if matches!(self.child.try_wait(), Ok(Some(_))) {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
 }
 
 /// What one boot reported.
@@ -324,6 +569,9 @@ struct Boot {
     /// Why the boot ended early, if it did.
     aborted: Option<String>,
     serial_log: PathBuf,
+    /// The yawol boot: the LoadBalancerMachine as the API server has it (the `yawol_boot` example's report), or why
+    /// there is none.
+    machine_report: Option<Result<serde_json::Value, String>>,
 }
 
 impl Boot {
@@ -351,12 +599,19 @@ impl Boot {
             "guest_uptime_agent_dataplane": self.num("agent_dataplane_at"),
             "echo_connections_ok": self.echo_ok,
             "checks": self.checks,
+            "machine_report": match &self.machine_report {
+                Some(Ok(r)) => r.clone(),
+                Some(Err(e)) => serde_json::json!({ "error": e }),
+                None => serde_json::Value::Null,
+            },
             "serial_log": self.serial_log,
         })
     }
 }
 
-/// Boots once and collects the report from the serial console.
+/// Boots once and collects the report from the serial console; with `yawol`, the yawol boot's network and host
+/// side.
+#[allow(clippy::too_many_arguments)]
 fn boot(
     dir: &Path,
     image: &Path,
@@ -365,6 +620,7 @@ fn boot(
     kvm: bool,
     timeout: Duration,
     virtual_bytes: u64,
+    yawol: Option<&mut YawolSide>,
 ) -> Result<Boot> {
     std::fs::create_dir_all(dir)?;
     // A fresh overlay per boot, 1 GiB larger than the image: the image stays untouched and growpart has room.
@@ -411,20 +667,30 @@ fn boot(
     .arg(format!(
         "if=virtio,format=raw,readonly=on,file={}",
         seed.display()
-    ))
-    // eth0: the agent's NIC as on OpenStack; restricted, so nothing leaves the host.
-    .args([
-        "-netdev",
-        "user,id=n0,restrict=on",
-        "-device",
-        "virtio-net-pci,netdev=n0",
-    ])
-    // eth1: the data-plane check; the host's echo server is 10.0.3.2:<port> from inside.
-    .arg("-netdev")
-    .arg(format!(
-        "user,id=n1,net=10.0.3.0/24,hostfwd=tcp:127.0.0.1:{fwd_port}-{FILE_VIP}:80"
-    ))
-    .args(["-device", "virtio-net-pci,netdev=n1"]);
+    ));
+    if yawol.is_some() {
+        // eth0: the agent's NIC, reaching the API server and the echo server on the host's loopback at 10.0.2.2;
+        // the host reaches the VIP through the port forward.
+        qemu.arg("-netdev")
+            .arg(format!(
+                "user,id=n0,hostfwd=tcp:127.0.0.1:{fwd_port}-{YAWOL_VIP}:80"
+            ))
+            .args(["-device", "virtio-net-pci,netdev=n0"]);
+    } else {
+        // eth0: the agent's NIC as on OpenStack; restricted, so nothing leaves the host.
+        qemu.args([
+            "-netdev",
+            "user,id=n0,restrict=on",
+            "-device",
+            "virtio-net-pci,netdev=n0",
+        ])
+        // eth1: the data-plane check; the host's echo server is 10.0.3.2:<port> from inside.
+        .arg("-netdev")
+        .arg(format!(
+            "user,id=n1,net=10.0.3.0/24,hostfwd=tcp:127.0.0.1:{fwd_port}-{FILE_VIP}:80"
+        ))
+        .args(["-device", "virtio-net-pci,netdev=n1"]);
+    }
     if fw == Firmware::Uefi {
         let vars = dir.join("OVMF_VARS.fd");
         std::fs::copy("/usr/share/OVMF/OVMF_VARS_4M.fd", &vars)?;
@@ -444,7 +710,7 @@ fn boot(
         .stderr(qemu_log)
         .spawn()
         .context("starting qemu-system-x86_64")?;
-    let result = watch(&mut child, &serial_log, fwd_port, t, timeout, kvm);
+    let result = watch(&mut child, &serial_log, fwd_port, t, timeout, kvm, yawol);
     // Whatever happened: no QEMU left behind.
     if child.try_wait()?.is_none() {
         let _ = child.kill();
@@ -456,7 +722,8 @@ fn boot(
     Ok(b)
 }
 
-/// Follows the serial log until QEMU exits or time is up; runs the host side of the data-plane check.
+/// Follows the serial log until QEMU exits or time is up; runs the host side of the data-plane check and, with
+/// `yawol`, of the ad-hoc debug check and the machine's report.
 fn watch(
     child: &mut Child,
     serial_log: &Path,
@@ -464,6 +731,7 @@ fn watch(
     t: Instant,
     timeout: Duration,
     kvm: bool,
+    mut yawol: Option<&mut YawolSide>,
 ) -> Result<Boot> {
     let mut b = Boot {
         checks: BTreeMap::new(),
@@ -473,6 +741,7 @@ fn watch(
         seconds_total: 0.0,
         aborted: None,
         serial_log: serial_log.to_path_buf(),
+        machine_report: None,
     };
     let mut seen = 0usize;
     let mut pending = String::new();
@@ -507,6 +776,30 @@ fn watch(
                     );
                 }
                 ("traffic", "go") => b.echo_ok = traffic(fwd_port),
+                ("adhoc", on_off) => {
+                    if let Some(y) = yawol.as_deref_mut() {
+                        let command = if on_off == "on" {
+                            "adhoc-on"
+                        } else {
+                            "adhoc-off"
+                        };
+                        if let Err(e) = y.ask(command, "adhoc", Duration::from_secs(30)) {
+                            b.infos.push(format!("host: {command}: {e:#}"));
+                        }
+                    }
+                }
+                ("report", "go") => {
+                    if let Some(y) = yawol.as_deref_mut() {
+                        eprintln!(
+                            "image: reading the LoadBalancerMachine as yawol-controller would"
+                        );
+                        let command = format!("report {TRAFFIC_FLOWS}");
+                        b.machine_report = Some(
+                            y.ask(&command, "report", Duration::from_secs(180))
+                                .map_err(|e| format!("{e:#}")),
+                        );
+                    }
+                }
                 ("done", _) => done_at = Some(Instant::now()),
                 _ => {}
             }
@@ -565,11 +858,49 @@ fn traffic(port: u16) -> usize {
     ok
 }
 
+/// The failures found in one boot's report.
+struct Judge<'a> {
+    b: &'a Boot,
+    fails: Vec<String>,
+}
+
+impl Judge<'_> {
+    /// `key` must be reported and satisfy `ok`; `what` says what it means.
+    fn want(&mut self, key: &str, what: &str, ok: impl Fn(&str) -> bool) {
+        match self.b.checks.get(key) {
+            Some(v) if ok(v) => {}
+            Some(v) => self.fails.push(format!("{what}: {key}={v}")),
+            None => self.fails.push(format!("{what}: {key} not reported")),
+        }
+    }
+
+    fn want_eq(&mut self, key: &str, what: &str, value: &str) {
+        self.want(key, what, |v| v == value);
+    }
+
+    fn want_positive(&mut self, key: &str, what: &str) {
+        self.want(key, what, |v| v.parse::<u64>().is_ok_and(|n| n > 0));
+    }
+
+    fn want_files(&mut self, files: &[(&str, &str)]) {
+        for (file, mode_owner) in files {
+            self.want_eq(
+                &format!("file:{file}"),
+                "user-data file with mode and owner",
+                mode_owner,
+            );
+        }
+    }
+}
+
 /// Compares the report with what it must be; returns the failures.
-fn judge(b: &Boot, virtual_bytes: u64) -> Vec<String> {
-    let mut fails = Vec::new();
+fn judge(b: &Boot, virtual_bytes: u64, kind: Kind) -> Vec<String> {
+    let mut j = Judge {
+        b,
+        fails: Vec::new(),
+    };
     if let Some(why) = &b.aborted {
-        fails.push(why.clone());
+        j.fails.push(why.clone());
     }
     if b.checks.is_empty() {
         // Nothing to compare: show where the boot stopped instead of every missing key.
@@ -578,136 +909,346 @@ fn judge(b: &Boot, virtual_bytes: u64) -> Vec<String> {
         let tail: Vec<&str> = text.lines().rev().take(15).collect();
         let qemu =
             std::fs::read_to_string(b.serial_log.with_file_name("qemu.log")).unwrap_or_default();
-        fails.push(format!(
+        j.fails.push(format!(
             "the check never ran; qemu.log: {:?}; last serial lines:\n      {}",
             qemu.trim(),
             tail.into_iter().rev().collect::<Vec<_>>().join("\n      ")
         ));
-        return fails;
+        return j.fails;
     }
-    let get = |k: &str| b.checks.get(k).map(String::as_str);
-    let mut want = |key: &str, what: &str, ok: &dyn Fn(&str) -> bool| match get(key) {
-        Some(v) if ok(v) => {}
-        Some(v) => fails.push(format!("{what}: {key}={v}")),
-        None => fails.push(format!("{what}: {key} not reported")),
-    };
-    let eq = |x: &'static str| move |v: &str| v == x;
-    let positive = |v: &str| v.parse::<u64>().is_ok_and(|n| n > 0);
-    want("cloud_init_status", "cloud-init must finish", &eq("done"));
-    want(
+    j.want_eq("cloud_init_status", "cloud-init must finish", "done");
+    j.want_eq(
         "cloud_init_warnings",
         "cloud-init must log no warnings (schema, modules)",
-        &eq("0"),
+        "0",
     );
-    want(
-        "cloud_init_errors",
-        "cloud-init must report no errors",
-        &eq("0"),
-    );
-    want(
+    j.want_eq("cloud_init_errors", "cloud-init must report no errors", "0");
+    j.want(
         "cloud_init_datasource",
         "the NoCloud seed must be the datasource",
-        &|v| v.starts_with("DataSourceNoCloud"),
+        |v| v.starts_with("DataSourceNoCloud"),
     );
-    for (file, mode) in [
-        ("/etc/lb-agent/kubeconfig", "600"),
-        ("/etc/lb-agent/agent.env", "600"),
-        ("/etc/lb-agent/sync-secret", "600"),
-        ("/etc/systemd/system/lb-agent.service", "644"),
-        ("/etc/chrony/chrony.conf", "644"),
-    ] {
-        let expect = format!("{mode}:root:root");
-        want(
-            &format!("file:{file}"),
-            "user-data file with mode and owner",
-            &|v| v == expect,
-        );
-    }
-    want(
-        "kubeconfig_server",
-        "the kubeconfig must name the test's API server",
-        &eq(API_SERVER),
-    );
-    want(
+    j.want_eq(
         "nic_eth0",
         "the NIC must be eth0 (the controller's default interface)",
-        &eq("1"),
+        "1",
     );
-    want("btf", "kernel BTF at /sys/kernel/btf/vmlinux", &eq("1"));
-    want("bpffs", "bpffs mounted at /sys/fs/bpf", &eq("1"));
-    want("keepalived", "keepalived installed", &|v| {
+    j.want_eq("btf", "kernel BTF at /sys/kernel/btf/vmlinux", "1");
+    j.want_eq("bpffs", "bpffs mounted at /sys/fs/bpf", "1");
+    j.want("keepalived", "keepalived installed", |v| {
         !v.is_empty() && !v.contains("missing")
     });
-    want(
+    j.want_eq(
         "keepalived_unit",
         "keepalived runs only under the agent",
-        &eq("disabled"),
+        "disabled",
     );
-    want("sshd_active", "sshd must not run without debug", &|v| {
+    j.want(
+        "keepalived_unit_active",
+        "Debian's keepalived.service must not run (keepalived runs under the agent)",
+        |v| v != "active",
+    );
+    j.want("sshd_active", "sshd must not run without debug", |v| {
         v != "active"
     });
-    want(
+    j.want_eq(
         "sshd_enabled",
         "sshd must not be enabled in the image",
-        &eq("disabled"),
+        "disabled",
     );
-    want("sshd_processes", "no sshd process", &eq("0"));
-    want(
-        "ssh_host_keys",
-        "host keys generated on first boot",
-        &positive,
-    );
-    want("root_password", "root locked", &eq("L"));
-    want(
+    j.want_eq("sshd_processes", "no sshd process", "0");
+    j.want_positive("ssh_host_keys", "host keys generated on first boot");
+    j.want_eq("root_password", "root locked", "L");
+    j.want_eq(
         "machine_id",
         "machine-id generated on first boot",
-        &eq("generated"),
+        "generated",
     );
-    want("chrony", "chrony running", &eq("active"));
-    want("failed_units", "no failed systemd units", &eq(""));
+    j.want_eq("chrony", "chrony running", "active");
+    j.want_eq("failed_units", "no failed systemd units", "");
     let image_mib = virtual_bytes >> 20;
-    want(
+    j.want(
         "root_fs_mib",
         "root filesystem grown to the disk (growpart)",
-        &|v| v.parse::<u64>().is_ok_and(|n| n > image_mib),
+        |v| v.parse::<u64>().is_ok_and(|n| n > image_mib),
     );
-    want("agent_active", "lb-agent.service running", &eq("active"));
-    want(
-        "agent_restarts",
-        "lb-agent must not crash on an unreachable API",
-        &eq("0"),
-    );
-    want(
-        "agent_api_retrying",
-        "lb-agent must log that it retries the API",
-        &positive,
-    );
-    want("agent_mode", "lb-agent attached the data plane", &|v| {
-        !v.is_empty()
-    });
-    want("xdp_on_eth0", "XDP program on eth0", &eq("1"));
-    want(
-        "agent_pinned",
-        "pinned maps under /sys/fs/bpf/lb/eth0",
-        &eq("1"),
-    );
-    want("agent_healthz", "lb-agent /healthz", &eq("200 ok"));
-    want(
-        "file_agent_ready",
-        "file-mode agent on eth1 ready",
-        &eq("1"),
-    );
-    want("xdp_on_eth1", "XDP program on eth1", &eq("1"));
-    want("file_agent_flows", "flows through the data plane", &|v| {
-        v.parse::<usize>().is_ok_and(|n| n >= TRAFFIC_FLOWS)
-    });
+    match kind {
+        Kind::LbController => judge_lb_controller(&mut j),
+        Kind::Yawol => judge_yawol(&mut j),
+    }
     if b.echo_ok != TRAFFIC_FLOWS {
-        fails.push(format!(
-            "connections echoed through eth1's data plane: {} of {TRAFFIC_FLOWS}",
+        j.fails.push(format!(
+            "connections echoed through the VM's data plane: {} of {TRAFFIC_FLOWS}",
             b.echo_ok
         ));
     }
-    fails
+    j.fails
+}
+
+fn judge_lb_controller(j: &mut Judge) {
+    j.want_files(&[
+        ("/etc/lb-agent/kubeconfig", "600:root:root"),
+        ("/etc/lb-agent/agent.env", "600:root:root"),
+        ("/etc/lb-agent/sync-secret", "600:root:root"),
+        ("/etc/systemd/system/lb-agent.service", "644:root:root"),
+        ("/etc/chrony/chrony.conf", "644:root:root"),
+    ]);
+    j.want_eq(
+        "kubeconfig_server",
+        "the kubeconfig must name the test's API server",
+        API_SERVER,
+    );
+    j.want_eq(
+        "yawollet_condition",
+        "yawollet.service must be skipped without yawol's env.conf",
+        "no",
+    );
+    j.want_eq("agent_active", "lb-agent.service running", "active");
+    j.want_eq(
+        "agent_restarts",
+        "lb-agent must not crash on an unreachable API",
+        "0",
+    );
+    j.want_positive(
+        "agent_api_retrying",
+        "lb-agent must log that it retries the API",
+    );
+    j.want("agent_mode", "lb-agent attached the data plane", |v| {
+        !v.is_empty()
+    });
+    j.want_eq("xdp_on_eth0", "XDP program on eth0", "1");
+    j.want_eq("agent_pinned", "pinned maps under /sys/fs/bpf/lb/eth0", "1");
+    j.want_eq("agent_healthz", "lb-agent /healthz", "200 ok");
+    j.want_eq("file_agent_ready", "file-mode agent on eth1 ready", "1");
+    j.want_eq("xdp_on_eth1", "XDP program on eth1", "1");
+    j.want("file_agent_flows", "flows through the data plane", |v| {
+        v.parse::<usize>().is_ok_and(|n| n >= TRAFFIC_FLOWS)
+    });
+}
+
+/// The yawol boot: yawol's files and runcmd, the agent as yawollet with yawol's VRRP settings, the readyz probe,
+/// traffic to the VIP, ad-hoc debug, and the machine's status as yawol-controller reads it.
+fn judge_yawol(j: &mut Judge) {
+    j.want_files(&[
+        ("/etc/chrony/chrony.conf", "644:root:root"),
+        ("/etc/yawol/kubeconfig", "600:yawol:yawol"),
+        ("/etc/keepalived/keepalived.conf", "644:root:root"),
+        ("/var/lib/yawol/check_yawollet_health.sh", "755:root:root"),
+        ("/etc/promtail/promtail.yaml", "644:promtail:promtail"),
+        ("/etc/yawol/env.conf", "644:root:root"),
+    ]);
+    j.want_eq(
+        "shim_calls",
+        "runcmd's eight OpenRC commands through the shim",
+        "8",
+    );
+    j.want_eq("shim_failures", "no OpenRC command failed", "0");
+    j.want(
+        "lb_agent_unit",
+        "lb-controller's unit is not part of it",
+        |v| v != "active",
+    );
+    j.want_eq(
+        "yawollet_active",
+        "yawollet.service (the agent) running",
+        "active",
+    );
+    j.want_eq("yawollet_restarts", "the agent never restarted", "0");
+    j.want("agent_mode", "the agent attached the data plane", |v| {
+        !v.is_empty()
+    });
+    j.want_eq("xdp_on_eth0", "XDP program on eth0", "1");
+    j.want_eq(
+        "vip_on_eth0",
+        "keepalived (under the agent) holds the VIP on eth0",
+        "1",
+    );
+    j.want_eq(
+        "vrrp_router_id",
+        "virtual_router_id kept from yawol's keepalived.conf",
+        "100",
+    );
+    j.want_eq(
+        "vrrp_priority",
+        "priority kept from yawol's keepalived.conf",
+        "50",
+    );
+    j.want_eq(
+        "vrrp_advert_int",
+        "the agent's advert interval instead of 4 s",
+        "0.20",
+    );
+    j.want_eq(
+        "vrrp_priority_bonus",
+        "newest revision (from the machine's annotation): priority bonus",
+        "100",
+    );
+    j.want_positive(
+        "keepalived_under_agent",
+        "keepalived runs with the agent's configuration",
+    );
+    j.want_eq(
+        "readyz_8080",
+        "/readyz on yawol's probe address 127.0.0.1:8080",
+        "200",
+    );
+    j.want("agent_flows", "flows through the data plane", |v| {
+        v.parse::<usize>().is_ok_and(|n| n >= TRAFFIC_FLOWS)
+    });
+    j.want_eq("adhoc_key_installed", "ad-hoc debug key installed", "1");
+    j.want_eq("adhoc_sshd", "sshd started for ad-hoc debugging", "active");
+    j.want_eq(
+        "adhoc_keys_mode",
+        "authorized_keys keeps its owner and mode",
+        "600:yawoldebug:yawoldebug",
+    );
+    j.want_eq(
+        "adhoc_key_removed",
+        "ad-hoc debug key removed with the annotation",
+        "1",
+    );
+    j.want(
+        "adhoc_sshd_after",
+        "sshd stopped with the annotation",
+        |v| v != "active",
+    );
+    j.want_eq(
+        "agent_refused",
+        "no Forbidden/Unauthorized in the agent's log",
+        "0",
+    );
+    let report = match &j.b.machine_report {
+        Some(Ok(r)) => r.clone(),
+        Some(Err(e)) => {
+            j.fails
+                .push(format!("the machine's status could not be read: {e}"));
+            return;
+        }
+        None => {
+            j.fails
+                .push("the machine's status was not read (no report=go)".into());
+            return;
+        }
+    };
+    let mut check = |ok: bool, what: String| {
+        if !ok {
+            j.fails.push(what);
+        }
+    };
+    check(
+        report["yawol_ready"] == true,
+        format!(
+            "yawol-controller would not count the machine ready: {}",
+            report["yawol_not_ready_because"]
+        ),
+    );
+    check(
+        report["keepalived_master"] == true,
+        "KeepalivedMaster must be True (the set has its keepalived master)".into(),
+    );
+    check(
+        report["refused_requests"] == 0,
+        format!(
+            "the API server refused requests under yawol's Role: {}",
+            report["refused_requests"]
+        ),
+    );
+    check(
+        report["flows_counted"].as_u64().unwrap_or(0) >= TRAFFIC_FLOWS as u64,
+        format!(
+            "TCP-80-upstream_cx_total in the machine's metrics: {}",
+            report["flows_counted"]
+        ),
+    );
+    check(
+        report["unparsable_metrics"]
+            .as_array()
+            .is_some_and(|a| a.is_empty()),
+        format!(
+            "metrics yawol-controller cannot parse: {}",
+            report["unparsable_metrics"]
+        ),
+    );
+    let metrics: Vec<&str> = report["metrics"]
+        .as_array()
+        .map(|a| a.iter().filter_map(|m| m[0].as_str()).collect())
+        .unwrap_or_default();
+    for name in [
+        "load1",
+        "load5",
+        "load15",
+        "uptime",
+        "memTotal",
+        "memFree",
+        "memAvailable",
+        "stealTime",
+        "numCPU",
+        "keepalivedIsMaster",
+        "keepalivedBecameMaster",
+        "keepalivedReleasedMaster",
+        "keepalivedAdvertisementsSent",
+        "keepalivedAdvertisementsReceived",
+        "TCP-80-upstream_cx_active",
+        "TCP-80-upstream_cx_total",
+        "TCP-80-upstream_cx_connect_fail",
+        "TCP-80-upstream_cx_rx_bytes_total",
+        "TCP-80-upstream_cx_tx_bytes_total",
+    ] {
+        check(
+            metrics.contains(&name),
+            format!("metric {name} missing in the machine's status"),
+        );
+    }
+    let condition = |ty: &str| {
+        report["conditions"]
+            .as_array()
+            .and_then(|a| a.iter().find(|c| c["type"] == ty))
+            .map(|c| {
+                format!(
+                    "{}/{}",
+                    c["status"].as_str().unwrap_or(""),
+                    c["reason"].as_str().unwrap_or("")
+                )
+            })
+            .unwrap_or_else(|| "missing".into())
+    };
+    for (ty, want) in [
+        ("ConfigReady", "True/EnvoyConfigurationUpToDate"),
+        ("EnvoyReady", "True/EnvoyReady"),
+        ("EnvoyUpToDate", "True/EnvoySnapshotUpToDate"),
+        ("KeepalivedMaster", "True/KeepalivedStatus"),
+        ("KeepalivedProcess", "True/KeepalivedIsRunning"),
+        ("KeepalivedStatsFile", "True/StatsUpToDate"),
+        ("LogForward", "False/LogForwardNotSupported"),
+    ] {
+        let got = condition(ty);
+        check(got == want, format!("condition {ty}: {got}, want {want}"));
+    }
+    let events: Vec<String> = report["events"]
+        .as_array()
+        .map(|a| {
+            a.iter()
+                .map(|e| {
+                    format!(
+                        "{} {}",
+                        e["type"].as_str().unwrap_or(""),
+                        e["reason"].as_str().unwrap_or("")
+                    )
+                })
+                .collect()
+        })
+        .unwrap_or_default();
+    for want in [
+        "Warning LogForwardNotSupported",
+        "Warning AdHocDebuggingEnabled",
+        "Normal AdHocDebuggingDisabled",
+        "Normal Update",
+    ] {
+        check(
+            events.iter().any(|e| e == want),
+            format!("Event {want} missing on the machine (events: {events:?})"),
+        );
+    }
 }
 
 fn print_result(name: &str, b: &Boot, failures: &[String]) {
@@ -717,6 +1258,42 @@ fn print_result(name: &str, b: &Boot, failures: &[String]) {
     }
     for i in &b.infos {
         println!("  info: {i}");
+    }
+    match &b.machine_report {
+        Some(Ok(r)) => {
+            println!("  LoadBalancerMachine as the API server has it:");
+            for c in r["conditions"].as_array().into_iter().flatten() {
+                println!(
+                    "    condition {:<20} {:<6} {}",
+                    c["type"].as_str().unwrap_or(""),
+                    c["status"].as_str().unwrap_or(""),
+                    c["reason"].as_str().unwrap_or("")
+                );
+            }
+            for m in r["metrics"].as_array().into_iter().flatten() {
+                println!(
+                    "    metric {:<36} {}",
+                    m[0].as_str().unwrap_or(""),
+                    m[1].as_str().unwrap_or("")
+                );
+            }
+            for e in r["events"].as_array().into_iter().flatten() {
+                println!(
+                    "    event {} {} on {} ({}): {}",
+                    e["type"].as_str().unwrap_or(""),
+                    e["reason"].as_str().unwrap_or(""),
+                    e["object"].as_str().unwrap_or(""),
+                    e["component"].as_str().unwrap_or(""),
+                    e["message"].as_str().unwrap_or("")
+                );
+            }
+            println!(
+                "    yawol-controller: ready={} keepalived master={}; requests refused by the API server: {}",
+                r["yawol_ready"], r["keepalived_master"], r["refused_requests"]
+            );
+        }
+        Some(Err(e)) => println!("  LoadBalancerMachine: not read: {e}"),
+        None => {}
     }
     let fw = b.firmware_seconds();
     let show = |x: Option<f64>| x.map_or("-".to_string(), |s| format!("{s:.1}s"));

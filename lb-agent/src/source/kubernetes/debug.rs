@@ -97,7 +97,7 @@ fn public_key_line(key: &str) -> Option<String> {
         "ecdsa-sha2-nistp521",
     ];
     let key = key.trim();
-    let mut parts = key.splitn(3, |c: char| c == ' ' || c == '\t');
+    let mut parts = key.splitn(3, [' ', '\t']);
     let kind = parts.next()?;
     let blob = parts.next()?;
     let comment = parts.next().map(str::trim).unwrap_or("");
