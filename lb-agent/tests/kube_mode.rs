@@ -1453,3 +1453,213 @@ async fn a_410_after_compaction_relists_at_once_and_up_to_date_waits_for_it() {
     h.wait_conditions("generation 3 up to date", |c| up_to_date_at(c, 3))
         .await;
 }
+
+/// yawol-controller's output (the boot test's fixture): here its per-machine Role.
+#[allow(dead_code)]
+#[path = "../examples/yawol_boot/yawol.rs"]
+mod yawol;
+
+/// On a machine a yawol-controller manages, the agent runs under yawol's Role (`GetRoleRules`: six rules, events
+/// in the core group only) with no `--machine-revision`. That Role is enough for all of Kubernetes mode — the
+/// watch, the status, Events, the revision from the machine's annotation, ad-hoc debug, the logForward report —
+/// and the API server refuses none of its requests.
+#[tokio::test]
+async fn under_yawols_role_revision_ad_hoc_debug_and_log_forward() {
+    const REVISION: &str = "loadbalancer.yawol.stackit.cloud/revision";
+    const KEY: &str = "ssh-rsa AAAAB3NzaC1yc2EAAAADAQABAAABAQDkubeModeTest+/=";
+    let env = KubeEnv::shared();
+    let cluster = Cluster::new(env).await;
+    let ns = cluster.ns.clone();
+    let mut lb = good_lb(&ns);
+    lb["metadata"]["annotations"] = json!({ REVISION: "2" });
+    lb["spec"]["options"]["logForward"] =
+        json!({"enabled": true, "lokiUrl": "http://loki.example:3100/loki/api/v1/push"});
+    let mut lbm = lbm_json(&ns, LBM, LB);
+    lbm["metadata"]["annotations"] = json!({ REVISION: "2" });
+    let pp = PostParams::default();
+    cluster
+        .lbms
+        .create(&pp, &serde_json::from_value(lbm).unwrap())
+        .await
+        .unwrap();
+    cluster
+        .lbs
+        .create(&pp, &serde_json::from_value(lb).unwrap())
+        .await
+        .unwrap();
+    set_port_ip(&cluster.lbs, VIP).await;
+
+    // The machine's identity as yawol-controller creates it.
+    let meta = || ObjectMeta {
+        name: Some(LBM.into()),
+        namespace: Some(ns.clone()),
+        ..Default::default()
+    };
+    Api::<ServiceAccount>::namespaced(cluster.admin.clone(), &ns)
+        .create(
+            &pp,
+            &ServiceAccount {
+                metadata: meta(),
+                ..Default::default()
+            },
+        )
+        .await
+        .unwrap();
+    Api::<Role>::namespaced(cluster.admin.clone(), &ns)
+        .create(
+            &pp,
+            &Role {
+                metadata: meta(),
+                rules: Some(yawol::role_rules(LB, LBM)),
+            },
+        )
+        .await
+        .unwrap();
+    let mut binding = rbac::role_binding(&MachineIdentity {
+        namespace: ns.clone(),
+        machine: LBM.into(),
+        machine_uid: String::new(),
+        loadbalancer: LB.into(),
+    });
+    binding.metadata.owner_references = None;
+    Api::<RoleBinding>::namespaced(cluster.admin.clone(), &ns)
+        .create(&pp, &binding)
+        .await
+        .unwrap();
+    let token = env.token(&cluster.admin, &ns, LBM).await.unwrap();
+    // A client outside the record waits for RBAC to take effect; the agent's records every refusal.
+    let probe: Api<LoadBalancerMachine> =
+        Api::namespaced(env.token_client(&token).await.unwrap(), &ns);
+    wait_for("yawol's Role in effect", || async {
+        Ok(!matches!(probe.get(LBM).await, Err(kube::Error::Api(s)) if s.code == 403))
+    })
+    .await
+    .unwrap();
+    let refusals = kube_testenv::Refusals::default();
+    let client = refusals
+        .client(&env.token_kubeconfig(&token), "agent")
+        .await
+        .unwrap();
+
+    // Ad-hoc debug on a key file of the test's, sshd played by a log of the calls.
+    let dir = std::env::temp_dir().join(format!("kube-mode-adhoc-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let keys = dir.join("authorized_keys");
+    std::fs::write(&keys, "").unwrap();
+    let calls = dir.join("sshd");
+    let sshd = |what: &str| {
+        vec![
+            "sh".to_string(),
+            "-c".to_string(),
+            format!("echo {what} >> {}", calls.display()),
+        ]
+    };
+    let settings = KubeSettings {
+        namespace: ns.clone(),
+        loadbalancer: LB.into(),
+        machine: LBM.into(),
+        health_check: HealthCheckSpec::default(),
+        requeue: REQUEUE,
+        clock: kube_mode::system_clock(),
+        machine_revision: None,
+        ad_hoc_debug: Some(kube_mode::debug::AdHocDebugSettings {
+            user: "yawoldebug".into(),
+            authorized_keys: keys.clone(),
+            start_sshd: sshd("start"),
+            stop_sshd: sshd("stop"),
+        }),
+    };
+    let (status_tx, status_rx) = watch::channel(AgentStatus::default());
+    let mode = kube_mode::start(client, settings, status_rx, SharedSnapshot::default());
+    tokio::spawn(fake_agent(
+        mode.config.clone(),
+        status_tx,
+        InEffect::default(),
+    ));
+
+    // The revision comes from the machine's annotation: this machine is of the newest revision.
+    let mut config = mode.config.clone();
+    tokio::time::timeout(
+        WITHIN,
+        config
+            .wait_for(|s| matches!(s, ConfigState::Valid(c, _) if c.newest_revision == Some(true))),
+    )
+    .await
+    .expect("the revision learnt from the machine's annotation")
+    .unwrap();
+    let machine = |c: &[NodeCondition]| {
+        ["ConfigReady", "EnvoyReady", "EnvoyUpToDate"]
+            .iter()
+            .all(|t| is(c, t, "True"))
+            && is(c, "LogForward", "False")
+    };
+    let c = eventually("ready, LogForward=False", || async {
+        let c = conditions_of(cluster.lbms.get_opt(LBM).await.unwrap().as_ref());
+        machine(&c).then_some(c)
+    })
+    .await;
+    assert_eq!(
+        find(&c, "LogForward").unwrap().reason.as_deref(),
+        Some("LogForwardNotSupported")
+    );
+
+    let annotate = |v: Value| {
+        let lbs = cluster.lbs.clone();
+        async move {
+            lbs.patch(
+                LB,
+                &PatchParams::default(),
+                &Patch::Merge(&json!({"metadata": {"annotations": v}})),
+            )
+            .await
+            .unwrap();
+        }
+    };
+    annotate(json!({
+        "yawol.stackit.cloud/adHocDebug": "true",
+        "yawol.stackit.cloud/adHocDebugSSHKey": KEY,
+    }))
+    .await;
+    eventually("the key installed", || async {
+        (std::fs::read_to_string(&keys).unwrap() == format!("{KEY}\n")).then_some(())
+    })
+    .await;
+    annotate(json!({
+        "yawol.stackit.cloud/adHocDebug": null,
+        "yawol.stackit.cloud/adHocDebugSSHKey": null,
+    }))
+    .await;
+    eventually("the key removed", || async {
+        std::fs::read_to_string(&keys)
+            .unwrap()
+            .is_empty()
+            .then_some(())
+    })
+    .await;
+    assert_eq!(std::fs::read_to_string(&calls).unwrap(), "start\nstop\n");
+    let events: Api<Event> = Api::namespaced(cluster.admin.clone(), &ns);
+    let reasons = eventually("the Events", || async {
+        let reasons: Vec<String> = events
+            .list(&ListParams::default())
+            .await
+            .unwrap()
+            .items
+            .into_iter()
+            .filter_map(|e| e.reason)
+            .collect();
+        [
+            "LogForwardNotSupported",
+            "AdHocDebuggingEnabled",
+            "AdHocDebuggingDisabled",
+        ]
+        .iter()
+        .all(|r| reasons.iter().any(|x| x == r))
+        .then_some(reasons)
+    })
+    .await;
+    assert!(reasons.iter().any(|r| r == "Update"), "{reasons:?}");
+    refusals.assert_none().unwrap();
+    drop(mode);
+    let _ = std::fs::remove_dir_all(&dir);
+}
