@@ -5,7 +5,8 @@
 //! the frames reached and, on a difference, the shortest sequence that shows it.
 //!
 //! `parsers`: the coverage-guided targets in `fuzz/` (libFuzzer through `libfuzzer-sys`): the flow-sync wire
-//! protocol, the agent's config, keepalived's output. They are built the way `cargo fuzz` builds them — the same
+//! protocol, the agent's config, keepalived's output, the controller's reading of OpenStack's answers and of
+//! yawol's `cloudprovider.conf`. They are built the way `cargo fuzz` builds them — the same
 //! instrumentation flags, for the host target explicitly so that build scripts and proc macros stay plain — but
 //! without installing cargo-fuzz: that would add a cargo install to every fresh machine for what three flags
 //! and a `cargo build` do. No sanitizer: Rust code has no memory errors for ASan to find here (the targets
@@ -45,7 +46,13 @@ pub enum FuzzCmd {
 }
 
 /// The parser targets, as named in `fuzz/Cargo.toml`.
-pub const PARSER_TARGETS: [&str; 3] = ["sync_wire", "agent_config", "keepalived"];
+pub const PARSER_TARGETS: [&str; 5] = [
+    "sync_wire",
+    "agent_config",
+    "keepalived",
+    "openstack_answers",
+    "cloudprovider_conf",
+];
 
 const HOST: &str = "x86_64-unknown-linux-gnu";
 

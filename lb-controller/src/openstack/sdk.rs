@@ -5,7 +5,7 @@ use anyhow::Context as _;
 use base64::Engine as _;
 use openstack_sdk::api::compute::v2 as nova;
 use openstack_sdk::api::network::v2 as neutron;
-use openstack_sdk::api::{ignore, ApiError, QueryAsync};
+use openstack_sdk::api::{ignore, raw, ApiError, AsyncClient, QueryAsync, RestEndpoint};
 use openstack_sdk::config::CloudConfig;
 use openstack_sdk::types::ServiceType;
 use openstack_sdk::AsyncOpenStack;
@@ -66,8 +66,8 @@ impl SdkCloud {
         &self.calls
     }
 
-    /// Runs one API call with the per-call timeout, counting it and classifying its error.
-    async fn call<T, E, F>(
+    /// Runs one API call with the per-call timeout, counting it.
+    async fn call<T, F>(
         &self,
         api: &str,
         object: &str,
@@ -76,8 +76,7 @@ impl SdkCloud {
         fut: F,
     ) -> CloudResult<T>
     where
-        F: std::future::Future<Output = Result<T, ApiError<E>>>,
-        E: std::error::Error + Send + Sync + 'static,
+        F: std::future::Future<Output = CloudResult<T>>,
     {
         self.calls.inc(api, object, operation);
         match tokio::time::timeout(self.timeout, fut).await {
@@ -86,9 +85,27 @@ impl SdkCloud {
                 what,
                 format!("no answer within {:?}", self.timeout),
             )),
-            Ok(Ok(v)) => Ok(v),
-            Ok(Err(e)) => Err(api_error(what, e)),
+            Ok(r) => r,
         }
+    }
+
+    /// One request's answer as JSON (see [`answer`]).
+    async fn ask<E: RestEndpoint + Sync>(
+        &self,
+        api: &str,
+        object: &str,
+        operation: &str,
+        what: &str,
+        req: E,
+    ) -> CloudResult<Value> {
+        self.call(
+            api,
+            object,
+            operation,
+            what,
+            answer(what, req, &self.client),
+        )
+        .await
     }
 
     async fn delete_call<E, F>(
@@ -102,10 +119,44 @@ impl SdkCloud {
         F: std::future::Future<Output = Result<(), ApiError<E>>>,
         E: std::error::Error + Send + Sync + 'static,
     {
+        let fut = async { fut.await.map_err(|e| api_error(what, e)) };
         match self.call(api, object, "delete", what, fut).await {
             Err(e) if e.is_not_found() => Ok(()),
             other => other,
         }
+    }
+}
+
+/// The body of one request's answer under the endpoint's response key (`port`, `ports`, …), or the cloud's
+/// error. This is openstack_sdk's `query_async` without its panic: that indexes the body by the response key,
+/// which panics when a 2xx body is JSON but not an object (`[]`, `"x"`, `1` — a proxy's or a broken cloud's
+/// answer would take the controller down); here it is an error naming what came instead. Public (hidden) for
+/// the `openstack_answers` fuzz target.
+#[doc(hidden)]
+pub async fn answer<E, C>(what: &str, req: E, client: &C) -> CloudResult<Value>
+where
+    E: RestEndpoint + Sync,
+    C: AsyncClient + Sync,
+{
+    let key = req.response_key();
+    // Statuses other than 2xx come back as the cloud's error (openstack_sdk reads its message).
+    let rsp = raw(req)
+        .query_async(client)
+        .await
+        .map_err(|e| api_error(what, e))?;
+    let body: Value = serde_json::from_slice(rsp.body())
+        .map_err(|e| unreadable(what, format!("the body is not JSON: {e}")))?;
+    let Some(key) = key else {
+        return Ok(body);
+    };
+    match body {
+        Value::Object(mut o) => o
+            .remove(key.as_ref())
+            .ok_or_else(|| unreadable(what, format!("no {key:?} in the answer"))),
+        other => Err(unreadable(
+            what,
+            format!("expected an object with {key:?}, got {}", json_kind(&other)),
+        )),
     }
 }
 
@@ -145,132 +196,264 @@ fn bad_request<E: std::fmt::Display>(what: &str) -> impl FnOnce(E) -> CloudError
     }
 }
 
-fn s(v: &Value, key: &str) -> String {
-    v.get(key)
-        .and_then(Value::as_str)
-        .unwrap_or_default()
-        .to_string()
+/// An answer the controllers cannot act on (the cloud's, or whatever answered in its place).
+fn unreadable(what: &str, problem: impl std::fmt::Display) -> CloudError {
+    CloudError::new(
+        CloudErrorKind::Other,
+        what,
+        format!("unreadable answer: {problem}"),
+    )
 }
 
-fn opt_s(v: &Value, key: &str) -> Option<String> {
-    v.get(key)
-        .and_then(Value::as_str)
-        .filter(|x| !x.is_empty())
-        .map(str::to_string)
-}
-
-fn parse_rule(v: &Value) -> SecurityGroupRule {
-    SecurityGroupRule {
-        id: s(v, "id"),
-        spec: RuleSpec {
-            direction: if s(v, "direction") == "egress" {
-                Direction::Egress
-            } else {
-                Direction::Ingress
-            },
-            ethertype: if s(v, "ethertype") == "IPv6" {
-                EtherType::V6
-            } else {
-                EtherType::V4
-            },
-            protocol: opt_s(v, "protocol"),
-            port_range_min: v
-                .get("port_range_min")
-                .and_then(Value::as_u64)
-                .map(|p| p as u16),
-            port_range_max: v
-                .get("port_range_max")
-                .and_then(Value::as_u64)
-                .map(|p| p as u16),
-            remote_ip_prefix: opt_s(v, "remote_ip_prefix"),
-            remote_group_id: opt_s(v, "remote_group_id"),
-        },
+fn json_kind(v: &Value) -> &'static str {
+    match v {
+        Value::Null => "null",
+        Value::Bool(_) => "a boolean",
+        Value::Number(_) => "a number",
+        Value::String(_) => "a string",
+        Value::Array(_) => "a list",
+        Value::Object(_) => "an object",
     }
 }
 
-fn parse_sg(v: &Value) -> SecurityGroup {
-    SecurityGroup {
-        id: s(v, "id"),
-        name: s(v, "name"),
-        rules: v["security_group_rules"]
-            .as_array()
-            .into_iter()
-            .flatten()
-            .map(parse_rule)
-            .collect(),
-    }
+/// The fields of one resource in an answer. Neutron and Nova always send the fields read as required here; one
+/// missing, or any field of the wrong type, is an error naming `resource.field` — never a default that a
+/// decision (delete by ID, compare rules, publish an address) would then act on.
+struct Fields<'a> {
+    what: &'a str,
+    resource: &'static str,
+    map: &'a serde_json::Map<String, Value>,
 }
 
-fn parse_fip(v: &Value) -> FloatingIp {
-    FloatingIp {
-        id: s(v, "id"),
-        address: s(v, "floating_ip_address"),
-        description: s(v, "description"),
-        port_id: opt_s(v, "port_id"),
-        status: s(v, "status"),
+impl<'a> Fields<'a> {
+    fn of(what: &'a str, resource: &'static str, v: &'a Value) -> CloudResult<Self> {
+        match v {
+            Value::Object(map) => Ok(Fields {
+                what,
+                resource,
+                map,
+            }),
+            other => Err(unreadable(
+                what,
+                format!("{resource}: expected an object, got {}", json_kind(other)),
+            )),
+        }
     }
-}
 
-fn parse_port(v: &Value) -> Port {
-    Port {
-        id: s(v, "id"),
-        name: s(v, "name"),
-        network_id: s(v, "network_id"),
-        fixed_ips: v["fixed_ips"]
-            .as_array()
-            .into_iter()
-            .flatten()
-            .map(|f| FixedIp {
-                ip_address: s(f, "ip_address"),
-                subnet_id: s(f, "subnet_id"),
+    fn error(&self, key: &str, problem: impl std::fmt::Display) -> CloudError {
+        unreadable(self.what, format!("{}.{key} {problem}", self.resource))
+    }
+
+    /// Present and not null.
+    fn get(&self, key: &str) -> Option<&'a Value> {
+        self.map.get(key).filter(|v| !v.is_null())
+    }
+
+    /// A string, possibly empty; absent or null reads as empty.
+    fn text(&self, key: &str) -> CloudResult<String> {
+        match self.get(key) {
+            None => Ok(String::new()),
+            Some(Value::String(s)) => Ok(s.clone()),
+            Some(other) => Err(self.error(key, format!("is {}, not a string", json_kind(other)))),
+        }
+    }
+
+    /// A non-empty string that must be there (IDs, addresses, states).
+    fn required(&self, key: &str) -> CloudResult<String> {
+        if self.get(key).is_none() {
+            return Err(self.error(key, "missing"));
+        }
+        let s = self.text(key)?;
+        if s.is_empty() {
+            return Err(self.error(key, "is empty"));
+        }
+        Ok(s)
+    }
+
+    /// A string that may be absent, null or empty (`None`).
+    fn optional(&self, key: &str) -> CloudResult<Option<String>> {
+        Ok(Some(self.text(key)?).filter(|s| !s.is_empty()))
+    }
+
+    /// A port number or null.
+    fn port(&self, key: &str) -> CloudResult<Option<u16>> {
+        match self.get(key) {
+            None => Ok(None),
+            Some(v) => v
+                .as_u64()
+                .and_then(|p| u16::try_from(p).ok())
+                .map(Some)
+                .ok_or_else(|| self.error(key, format!("is {v}, not a port number"))),
+        }
+    }
+
+    /// A list that must be there.
+    fn list(&self, key: &str) -> CloudResult<&'a [Value]> {
+        match self.get(key) {
+            None => Err(self.error(key, "missing")),
+            Some(Value::Array(a)) => Ok(a),
+            Some(other) => Err(self.error(key, format!("is {}, not a list", json_kind(other)))),
+        }
+    }
+
+    /// A list of strings that must be there.
+    fn strings(&self, key: &str) -> CloudResult<Vec<String>> {
+        self.list(key)?
+            .iter()
+            .map(|v| {
+                v.as_str()
+                    .map(str::to_string)
+                    .ok_or_else(|| self.error(key, format!("holds {}, not a string", json_kind(v))))
             })
-            .collect(),
-        security_groups: v["security_groups"]
-            .as_array()
-            .into_iter()
-            .flatten()
-            .filter_map(Value::as_str)
-            .map(str::to_string)
-            .collect(),
-        allowed_address_pairs: v["allowed_address_pairs"]
-            .as_array()
-            .into_iter()
-            .flatten()
-            .map(|p| s(p, "ip_address"))
-            .collect(),
-        device_id: s(v, "device_id"),
+            .collect()
     }
 }
 
-fn parse_server_group(v: &Value) -> ServerGroup {
+/// A list answer (`ports`, `servers`, …), each element read by `parse`.
+#[doc(hidden)]
+pub fn parse_list<T>(
+    what: &str,
+    v: &Value,
+    parse: impl Fn(&str, &Value) -> CloudResult<T>,
+) -> CloudResult<Vec<T>> {
+    match v {
+        Value::Array(items) => items.iter().map(|i| parse(what, i)).collect(),
+        other => Err(unreadable(
+            what,
+            format!("expected a list, got {}", json_kind(other)),
+        )),
+    }
+}
+
+/// A Neutron security-group rule.
+#[doc(hidden)]
+pub fn parse_rule(what: &str, v: &Value) -> CloudResult<SecurityGroupRule> {
+    let f = Fields::of(what, "security_group_rule", v)?;
+    Ok(SecurityGroupRule {
+        id: f.required("id")?,
+        spec: RuleSpec {
+            direction: match f.required("direction")?.as_str() {
+                "ingress" => Direction::Ingress,
+                "egress" => Direction::Egress,
+                other => return Err(f.error("direction", format!("is {other:?}"))),
+            },
+            ethertype: match f.required("ethertype")?.as_str() {
+                "IPv4" => EtherType::V4,
+                "IPv6" => EtherType::V6,
+                other => return Err(f.error("ethertype", format!("is {other:?}"))),
+            },
+            protocol: f.optional("protocol")?,
+            port_range_min: f.port("port_range_min")?,
+            port_range_max: f.port("port_range_max")?,
+            remote_ip_prefix: f.optional("remote_ip_prefix")?,
+            remote_group_id: f.optional("remote_group_id")?,
+        },
+    })
+}
+
+/// A Neutron security group with its rules.
+#[doc(hidden)]
+pub fn parse_sg(what: &str, v: &Value) -> CloudResult<SecurityGroup> {
+    let f = Fields::of(what, "security_group", v)?;
+    Ok(SecurityGroup {
+        id: f.required("id")?,
+        name: f.text("name")?,
+        rules: f
+            .list("security_group_rules")?
+            .iter()
+            .map(|r| parse_rule(what, r))
+            .collect::<CloudResult<_>>()?,
+    })
+}
+
+/// A Neutron floating IP.
+#[doc(hidden)]
+pub fn parse_fip(what: &str, v: &Value) -> CloudResult<FloatingIp> {
+    let f = Fields::of(what, "floatingip", v)?;
+    Ok(FloatingIp {
+        id: f.required("id")?,
+        address: f.required("floating_ip_address")?,
+        description: f.text("description")?,
+        port_id: f.optional("port_id")?,
+        status: f.required("status")?,
+    })
+}
+
+/// A Neutron port.
+#[doc(hidden)]
+pub fn parse_port(what: &str, v: &Value) -> CloudResult<Port> {
+    let f = Fields::of(what, "port", v)?;
+    Ok(Port {
+        id: f.required("id")?,
+        name: f.text("name")?,
+        network_id: f.required("network_id")?,
+        fixed_ips: f
+            .list("fixed_ips")?
+            .iter()
+            .map(|ip| {
+                let ip = Fields::of(what, "port.fixed_ips[]", ip)?;
+                Ok(FixedIp {
+                    ip_address: ip.required("ip_address")?,
+                    subnet_id: ip.required("subnet_id")?,
+                })
+            })
+            .collect::<CloudResult<_>>()?,
+        security_groups: f.strings("security_groups")?,
+        // Absent without Neutron's allowed-address-pairs extension.
+        allowed_address_pairs: match f.get("allowed_address_pairs") {
+            None => Vec::new(),
+            Some(_) => f
+                .list("allowed_address_pairs")?
+                .iter()
+                .map(|p| {
+                    Fields::of(what, "port.allowed_address_pairs[]", p)?.required("ip_address")
+                })
+                .collect::<CloudResult<_>>()?,
+        },
+        device_id: f.text("device_id")?,
+    })
+}
+
+/// A Nova server group.
+#[doc(hidden)]
+pub fn parse_server_group(what: &str, v: &Value) -> CloudResult<ServerGroup> {
+    let f = Fields::of(what, "server_group", v)?;
     // `policy` from microversion 2.64 on, `policies[0]` before.
-    let policy = opt_s(v, "policy")
-        .or_else(|| {
-            v["policies"]
-                .get(0)
-                .and_then(Value::as_str)
-                .map(str::to_string)
-        })
-        .unwrap_or_default();
-    ServerGroup {
-        id: s(v, "id"),
-        name: s(v, "name"),
+    let policy = match f.optional("policy")? {
+        Some(p) => p,
+        None => f
+            .strings("policies")?
+            .into_iter()
+            .next()
+            .ok_or_else(|| f.error("policies", "is empty"))?,
+    };
+    Ok(ServerGroup {
+        id: f.required("id")?,
+        name: f.text("name")?,
         policy,
-    }
+    })
 }
 
-fn parse_server(v: &Value) -> Server {
-    Server {
-        id: s(v, "id"),
-        name: s(v, "name"),
-        status: s(v, "status"),
-        fault: v
-            .get("fault")
-            .and_then(|f| f.get("message"))
-            .and_then(Value::as_str)
-            .map(str::to_string),
-        created: opt_s(v, "created"),
-    }
+/// A Nova server.
+#[doc(hidden)]
+pub fn parse_server(what: &str, v: &Value) -> CloudResult<Server> {
+    let f = Fields::of(what, "server", v)?;
+    Ok(Server {
+        id: f.required("id")?,
+        name: f.text("name")?,
+        status: f.required("status")?,
+        fault: match f.get("fault") {
+            None => None,
+            Some(fault) => Fields::of(what, "server.fault", fault)?.optional("message")?,
+        },
+        created: f.optional("created")?,
+    })
+}
+
+/// Nova's answer to a create: the new server's ID (and adminPass); the rest comes with the next get.
+#[doc(hidden)]
+pub fn parse_created_server(what: &str, v: &Value) -> CloudResult<String> {
+    Fields::of(what, "server", v)?.required("id")
 }
 
 impl Cloud for SdkCloud {
@@ -280,18 +463,9 @@ impl Cloud for SdkCloud {
             .name(name)
             .build()
             .map_err(bad_request(what))?;
-        let list: Vec<Value> = self
-            .call(
-                "neutron",
-                "group",
-                "list",
-                what,
-                req.query_async(&self.client),
-            )
-            .await?;
-        Ok(list
-            .iter()
-            .map(parse_sg)
+        let v = self.ask("neutron", "group", "list", what, req).await?;
+        Ok(parse_list(what, &v, parse_sg)?
+            .into_iter()
             .filter(|g| g.name == name)
             .collect())
     }
@@ -307,16 +481,8 @@ impl Cloud for SdkCloud {
             )
             .build()
             .map_err(bad_request(what))?;
-        let v: Value = self
-            .call(
-                "neutron",
-                "group",
-                "create",
-                what,
-                req.query_async(&self.client),
-            )
-            .await?;
-        Ok(parse_sg(&v))
+        let v = self.ask("neutron", "group", "create", what, req).await?;
+        parse_sg(what, &v)
     }
 
     async fn delete_security_group(&self, id: &str) -> CloudResult<()> {
@@ -374,16 +540,8 @@ impl Cloud for SdkCloud {
             .security_group_rule(b.build().map_err(bad_request(what))?)
             .build()
             .map_err(bad_request(what))?;
-        let v: Value = self
-            .call(
-                "neutron",
-                "rule",
-                "create",
-                what,
-                req.query_async(&self.client),
-            )
-            .await?;
-        Ok(parse_rule(&v))
+        let v = self.ask("neutron", "rule", "create", what, req).await?;
+        parse_rule(what, &v)
     }
 
     async fn delete_security_group_rule(&self, id: &str) -> CloudResult<()> {
@@ -411,18 +569,9 @@ impl Cloud for SdkCloud {
             b.description(d.as_str());
         }
         let req = b.build().map_err(bad_request(what))?;
-        let list: Vec<Value> = self
-            .call(
-                "neutron",
-                "floatingip",
-                "list",
-                what,
-                req.query_async(&self.client),
-            )
-            .await?;
-        Ok(list
-            .iter()
-            .map(parse_fip)
+        let v = self.ask("neutron", "floatingip", "list", what, req).await?;
+        Ok(parse_list(what, &v, parse_fip)?
+            .into_iter()
             .filter(|f| filter.address.as_ref().is_none_or(|a| &f.address == a))
             .filter(|f| {
                 filter
@@ -439,16 +588,8 @@ impl Cloud for SdkCloud {
             .id(id)
             .build()
             .map_err(bad_request(what))?;
-        let v: Value = self
-            .call(
-                "neutron",
-                "floatingip",
-                "get",
-                what,
-                req.query_async(&self.client),
-            )
-            .await?;
-        Ok(parse_fip(&v))
+        let v = self.ask("neutron", "floatingip", "get", what, req).await?;
+        parse_fip(what, &v)
     }
 
     async fn create_floating_ip(
@@ -467,16 +608,10 @@ impl Cloud for SdkCloud {
             )
             .build()
             .map_err(bad_request(what))?;
-        let v: Value = self
-            .call(
-                "neutron",
-                "floatingip",
-                "create",
-                what,
-                req.query_async(&self.client),
-            )
+        let v = self
+            .ask("neutron", "floatingip", "create", what, req)
             .await?;
-        Ok(parse_fip(&v))
+        parse_fip(what, &v)
     }
 
     async fn set_floating_ip_port(
@@ -495,16 +630,10 @@ impl Cloud for SdkCloud {
             )
             .build()
             .map_err(bad_request(what))?;
-        let v: Value = self
-            .call(
-                "neutron",
-                "floatingip",
-                "update",
-                what,
-                req.query_async(&self.client),
-            )
+        let v = self
+            .ask("neutron", "floatingip", "update", what, req)
             .await?;
-        Ok(parse_fip(&v))
+        parse_fip(what, &v)
     }
 
     async fn set_floating_ip_description(
@@ -523,16 +652,10 @@ impl Cloud for SdkCloud {
             )
             .build()
             .map_err(bad_request(what))?;
-        let v: Value = self
-            .call(
-                "neutron",
-                "floatingip",
-                "update",
-                what,
-                req.query_async(&self.client),
-            )
+        let v = self
+            .ask("neutron", "floatingip", "update", what, req)
             .await?;
-        Ok(parse_fip(&v))
+        parse_fip(what, &v)
     }
 
     async fn delete_floating_ip(&self, id: &str) -> CloudResult<()> {
@@ -556,18 +679,9 @@ impl Cloud for SdkCloud {
             .name(name)
             .build()
             .map_err(bad_request(what))?;
-        let list: Vec<Value> = self
-            .call(
-                "neutron",
-                "port",
-                "list",
-                what,
-                req.query_async(&self.client),
-            )
-            .await?;
-        Ok(list
-            .iter()
-            .map(parse_port)
+        let v = self.ask("neutron", "port", "list", what, req).await?;
+        Ok(parse_list(what, &v, parse_port)?
+            .into_iter()
             .filter(|p| p.name == name)
             .collect())
     }
@@ -578,16 +692,8 @@ impl Cloud for SdkCloud {
             .id(id)
             .build()
             .map_err(bad_request(what))?;
-        let v: Value = self
-            .call(
-                "neutron",
-                "port",
-                "get",
-                what,
-                req.query_async(&self.client),
-            )
-            .await?;
-        Ok(parse_port(&v))
+        let v = self.ask("neutron", "port", "get", what, req).await?;
+        parse_port(what, &v)
     }
 
     async fn create_port(&self, spec: &PortSpec) -> CloudResult<Port> {
@@ -625,16 +731,8 @@ impl Cloud for SdkCloud {
             .port(b.build().map_err(bad_request(what))?)
             .build()
             .map_err(bad_request(what))?;
-        let v: Value = self
-            .call(
-                "neutron",
-                "port",
-                "create",
-                what,
-                req.query_async(&self.client),
-            )
-            .await?;
-        Ok(parse_port(&v))
+        let v = self.ask("neutron", "port", "create", what, req).await?;
+        parse_port(what, &v)
     }
 
     async fn update_port(&self, id: &str, update: &PortUpdate) -> CloudResult<Port> {
@@ -666,16 +764,8 @@ impl Cloud for SdkCloud {
             .port(b.build().map_err(bad_request(what))?)
             .build()
             .map_err(bad_request(what))?;
-        let v: Value = self
-            .call(
-                "neutron",
-                "port",
-                "update",
-                what,
-                req.query_async(&self.client),
-            )
-            .await?;
-        Ok(parse_port(&v))
+        let v = self.ask("neutron", "port", "update", what, req).await?;
+        parse_port(what, &v)
     }
 
     async fn delete_port(&self, id: &str) -> CloudResult<()> {
@@ -698,18 +788,9 @@ impl Cloud for SdkCloud {
         let req = nova::server_group::list_20::Request::builder()
             .build()
             .map_err(bad_request(what))?;
-        let list: Vec<Value> = self
-            .call(
-                "nova",
-                "servergroup",
-                "list",
-                what,
-                req.query_async(&self.client),
-            )
-            .await?;
-        Ok(list
-            .iter()
-            .map(parse_server_group)
+        let v = self.ask("nova", "servergroup", "list", what, req).await?;
+        Ok(parse_list(what, &v, parse_server_group)?
+            .into_iter()
             .filter(|g| g.name == name)
             .collect())
     }
@@ -740,16 +821,8 @@ impl Cloud for SdkCloud {
             )
             .build()
             .map_err(bad_request(what))?;
-        let v: Value = self
-            .call(
-                "nova",
-                "servergroup",
-                "create",
-                what,
-                req.query_async(&self.client),
-            )
-            .await?;
-        Ok(parse_server_group(&v))
+        let v = self.ask("nova", "servergroup", "create", what, req).await?;
+        parse_server_group(what, &v)
     }
 
     async fn delete_server_group(&self, id: &str) -> CloudResult<()> {
@@ -775,18 +848,9 @@ impl Cloud for SdkCloud {
             .name(pattern.as_str())
             .build()
             .map_err(bad_request(what))?;
-        let list: Vec<Value> = self
-            .call(
-                "nova",
-                "server",
-                "list",
-                what,
-                req.query_async(&self.client),
-            )
-            .await?;
-        Ok(list
-            .iter()
-            .map(parse_server)
+        let v = self.ask("nova", "server", "list", what, req).await?;
+        Ok(parse_list(what, &v, parse_server)?
+            .into_iter()
             .filter(|s| s.name == name)
             .collect())
     }
@@ -797,10 +861,8 @@ impl Cloud for SdkCloud {
             .id(id)
             .build()
             .map_err(bad_request(what))?;
-        let v: Value = self
-            .call("nova", "server", "get", what, req.query_async(&self.client))
-            .await?;
-        Ok(parse_server(&v))
+        let v = self.ask("nova", "server", "get", what, req).await?;
+        parse_server(what, &v)
     }
 
     async fn create_server(&self, spec: &ServerSpec) -> CloudResult<Server> {
@@ -844,18 +906,10 @@ impl Cloud for SdkCloud {
             );
         }
         let req = req.build().map_err(bad_request(what))?;
-        let v: Value = self
-            .call(
-                "nova",
-                "server",
-                "create",
-                what,
-                req.query_async(&self.client),
-            )
-            .await?;
+        let v = self.ask("nova", "server", "create", what, req).await?;
         // The create answer carries only the ID (and adminPass); the rest comes with the next get.
         Ok(Server {
-            id: s(&v, "id"),
+            id: parse_created_server(what, &v)?,
             name: spec.name.clone(),
             status: "BUILD".into(),
             fault: None,
@@ -888,4 +942,112 @@ fn regex_escape(s: &str) -> String {
         out.push(c);
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use openstack_sdk::test::client::FakeOpenStackClient;
+    use serde_json::json;
+    use std::io::{Read, Write};
+
+    /// A real HTTP server on loopback that answers every request with `status` and `body`.
+    fn answering(status: &str, body: &'static str) -> String {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let status = status.to_string();
+        std::thread::spawn(move || {
+            for mut conn in listener.incoming().flatten() {
+                let mut req = Vec::new();
+                let mut buf = [0u8; 1024];
+                while !req.windows(4).any(|w| w == b"\r\n\r\n") {
+                    match conn.read(&mut buf) {
+                        Ok(0) | Err(_) => break,
+                        Ok(n) => req.extend_from_slice(&buf[..n]),
+                    }
+                }
+                let _ = write!(
+                    conn,
+                    "HTTP/1.1 {status}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\
+                     Connection: close\r\n\r\n{body}",
+                    body.len()
+                );
+            }
+        });
+        format!("http://{addr}/v2.0/")
+    }
+
+    async fn get_port(status: &str, body: &'static str) -> CloudResult<Port> {
+        let client = FakeOpenStackClient::new(answering(status, body));
+        let req = neutron::port::get::Request::builder()
+            .id("p1")
+            .build()
+            .unwrap();
+        let v = answer("reading port", req, &client).await?;
+        parse_port("reading port", &v)
+    }
+
+    /// openstack_sdk's `query_async` (which the calls used before) panics on a 2xx body that is JSON but not an
+    /// object; `answer` names what came instead. Non-JSON bodies and the cloud's errors keep their meaning.
+    #[tokio::test]
+    async fn an_answer_that_is_not_an_object_is_an_error_not_a_panic() {
+        let err = get_port("200 OK", "[]").await.unwrap_err();
+        assert_eq!(err.kind, CloudErrorKind::Other);
+        assert!(err.message.contains("\"port\""), "{err}");
+        let err = get_port("200 OK", "{}").await.unwrap_err();
+        assert!(err.message.contains("no \"port\""), "{err}");
+        let err = get_port("200 OK", "not json").await.unwrap_err();
+        assert!(err.message.contains("not JSON"), "{err}");
+        let err = get_port(
+            "404 Not Found",
+            r#"{"NeutronError": {"message": "Port p1 could not be found"}}"#,
+        )
+        .await
+        .unwrap_err();
+        assert!(err.is_not_found(), "{err}");
+        let port = get_port(
+            "200 OK",
+            r#"{"port": {"id": "p1", "name": "n", "network_id": "net", "device_id": "",
+                "fixed_ips": [{"ip_address": "10.0.0.5", "subnet_id": "s"}], "security_groups": ["g"],
+                "allowed_address_pairs": [{"ip_address": "10.0.0.9", "mac_address": "fa:16:3e:00:00:01"}]}}"#,
+        )
+        .await
+        .unwrap();
+        assert_eq!(port.primary_ip(), Some("10.0.0.5"));
+        assert_eq!(port.allowed_address_pairs, ["10.0.0.9"]);
+    }
+
+    /// Before, a port range beyond 65535 was cut to 16 bits (70000 read as 4464) and a resource without an ID, or
+    /// with a field of the wrong type, read as one with "" — silently, for the controllers to compare or delete.
+    #[test]
+    fn a_field_out_of_range_or_missing_is_named() {
+        let rule = json!({"id": "r", "direction": "ingress", "ethertype": "IPv4", "protocol": "tcp",
+            "port_range_min": 70000, "port_range_max": 70000});
+        let err = parse_rule("w", &rule).unwrap_err();
+        assert!(
+            err.message.contains("security_group_rule.port_range_min"),
+            "{err}"
+        );
+        let err = parse_fip(
+            "w",
+            &json!({"floating_ip_address": "1.2.3.4", "status": "DOWN"}),
+        )
+        .unwrap_err();
+        assert!(err.message.contains("floatingip.id missing"), "{err}");
+        let err = parse_server("w", &json!({"id": "s", "name": "n", "status": 3})).unwrap_err();
+        assert!(err.message.contains("server.status is a number"), "{err}");
+        let err = parse_rule(
+            "w",
+            &json!({"id": "r", "direction": "sideways", "ethertype": "IPv4"}),
+        )
+        .unwrap_err();
+        assert!(err.message.contains("direction is \"sideways\""), "{err}");
+        let err = parse_list("w", &json!({"ports": []}), parse_port).unwrap_err();
+        assert!(err.message.contains("expected a list"), "{err}");
+        let group = parse_server_group(
+            "w",
+            &json!({"id": "g", "name": "n", "policies": ["anti-affinity"]}),
+        );
+        assert_eq!(group.unwrap().policy, "anti-affinity");
+    }
 }
