@@ -89,6 +89,19 @@ impl Snapshot {
                 s.idle_expired.to_string(),
             ));
         }
+        // yawol's own idle-timeout series: Envoy's `tcp.envoytcp.idle_timeout`, one stat prefix shared by every
+        // TCP listener, so the sum over the TCP services (there whenever one exists).
+        let tcp: Vec<&ServiceMetrics> = self
+            .services
+            .iter()
+            .filter(|s| {
+                s.id.is_some_and(|id| id.protocol == crate::model::Protocol::Tcp)
+            })
+            .collect();
+        if !tcp.is_empty() {
+            let expired: u64 = tcp.iter().map(|s| s.idle_expired).sum();
+            v.push(("envoytcp-idle_timeout".to_string(), expired.to_string()));
+        }
         // yawol's names, units and text (loads and stealTime with two decimals).
         v.extend(crate::hostmetrics::yawol_metrics(&self.host));
         if let Some(stats) = self.ha.as_ref().and_then(|h| h.vrrp_stats.as_ref()) {
@@ -575,9 +588,20 @@ mod tests {
             ..Default::default()
         };
         let names = snap.yawol_metrics();
-        assert!(names.contains(&("TCP-80-upstream_cx_active".into(), "3".into())));
-        assert!(names.contains(&("TCP-80-upstream_cx_total".into(), "7".into())));
-        assert!(names.contains(&("TCP-80-upstream_cx_rx_bytes_total".into(), "200".into())));
+        // yawollet's per-port names (Envoy cluster `TCP-80`'s counters) and its TCP idle-timeout series.
+        for (name, value) in [
+            ("TCP-80-upstream_cx_active", "3"),
+            ("TCP-80-upstream_cx_total", "7"),
+            ("TCP-80-upstream_cx_connect_fail", "0"),
+            ("TCP-80-upstream_cx_rx_bytes_total", "200"),
+            ("TCP-80-upstream_cx_tx_bytes_total", "100"),
+            ("envoytcp-idle_timeout", "1"),
+        ] {
+            assert!(
+                names.contains(&(name.to_string(), value.to_string())),
+                "{name}={value} not in {names:?}"
+            );
+        }
         let reg = registry(Arc::new(RwLock::new(snap)));
         let mut out = String::new();
         prometheus_client::encoding::text::encode(&mut out, &reg).unwrap();
