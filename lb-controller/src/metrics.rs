@@ -10,6 +10,8 @@ use std::sync::atomic::AtomicI64;
 use std::sync::Mutex;
 use std::time::Duration;
 
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
@@ -286,11 +288,60 @@ pub(crate) fn labels(pairs: &[(&str, &str)]) -> ObjectLabels {
         .collect()
 }
 
-/// An object's deletion timestamp in seconds since the epoch, while it is being deleted.
-pub(crate) fn deletion_seconds(
-    meta: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta,
-) -> Option<i64> {
-    meta.deletion_timestamp.as_ref().map(|t| t.0.as_second())
+/// yawol's four replica gauges of one object kind (`<kind>_replicas`, `_replicas_current`, `_replicas_ready`,
+/// `_deletion_timestamp`), one series per object; each kind registers them under its names.
+#[derive(Clone, Default)]
+pub(crate) struct ReplicaGauges {
+    /// `spec.replicas`, 0 while the object is being deleted.
+    pub replicas: Gauges,
+    /// `status.replicas`.
+    pub current: Gauges,
+    /// `status.readyReplicas`.
+    pub ready: Gauges,
+    /// The deletion timestamp in seconds since the epoch, only while the object is being deleted.
+    pub deletion_timestamp: Gauges,
+}
+
+impl ReplicaGauges {
+    /// Writes the object's series `id`.
+    pub fn observe(
+        &self,
+        id: &ObjectLabels,
+        meta: &ObjectMeta,
+        spec_replicas: i32,
+        current: Option<i32>,
+        ready: Option<i32>,
+    ) {
+        let deleting = meta.deletion_timestamp.as_ref().map(|t| t.0.as_second());
+        let desired = if deleting.is_some() { 0 } else { spec_replicas };
+        self.replicas.get_or_create(id).set(i64::from(desired));
+        self.current
+            .get_or_create(id)
+            .set(i64::from(current.unwrap_or(0)));
+        self.ready
+            .get_or_create(id)
+            .set(i64::from(ready.unwrap_or(0)));
+        match deleting {
+            Some(t) => {
+                self.deletion_timestamp.get_or_create(id).set(t);
+            }
+            None => {
+                self.deletion_timestamp.remove(id);
+            }
+        }
+    }
+
+    /// Removes the object's series `id`.
+    pub fn remove(&self, id: &ObjectLabels) {
+        for family in [
+            &self.replicas,
+            &self.current,
+            &self.ready,
+            &self.deletion_timestamp,
+        ] {
+            family.remove(id);
+        }
+    }
 }
 
 #[cfg(test)]

@@ -10,7 +10,7 @@ use kube::ResourceExt;
 use lb_api::LoadBalancer;
 use prometheus_client::registry::Registry;
 
-use crate::metrics::{deletion_seconds, labels, Gauges, ObjectLabels};
+use crate::metrics::{labels, Gauges, ObjectLabels, ReplicaGauges};
 
 /// The label sets of `loadbalancer_info` and `loadbalancer_openstack_info` of one LoadBalancer.
 type InfoLabels = (ObjectLabels, ObjectLabels);
@@ -21,10 +21,7 @@ type InfoLabels = (ObjectLabels, ObjectLabels);
 pub struct LoadBalancerMetrics {
     info: Gauges,
     openstack_info: Gauges,
-    replicas: Gauges,
-    replicas_current: Gauges,
-    replicas_ready: Gauges,
-    deletion_timestamp: Gauges,
+    replicas: ReplicaGauges,
     /// The info label sets last written per LoadBalancer (namespace, name), to remove them when they change.
     written: Arc<Mutex<HashMap<(String, String), InfoLabels>>>,
 }
@@ -47,22 +44,22 @@ impl LoadBalancerMetrics {
             (
                 "loadbalancer_replicas",
                 "Replicas for LoadBalancer (from lb.spec.replicas, 0 if marked for deletion)",
-                &self.replicas,
+                &self.replicas.replicas,
             ),
             (
                 "loadbalancer_replicas_current",
                 "Current replicas for LoadBalancer (from lb.status.replicas)",
-                &self.replicas_current,
+                &self.replicas.current,
             ),
             (
                 "loadbalancer_replicas_ready",
                 "Ready replicas for LoadBalancer (from lb.status.readyReplicas)",
-                &self.replicas_ready,
+                &self.replicas.ready,
             ),
             (
                 "loadbalancer_deletion_timestamp",
                 "Deletion timestamp of a LoadBalancer in seconds since epoch (only for LoadBalancers in deletion)",
-                &self.deletion_timestamp,
+                &self.replicas.deletion_timestamp,
             ),
         ];
         for (name, help, family) in families {
@@ -126,27 +123,13 @@ impl LoadBalancerMetrics {
         }
         self.info.get_or_create(&info).set(1);
         self.openstack_info.get_or_create(&openstack).set(1);
-        let deleting = deletion_seconds(&lb.metadata);
-        let desired = if deleting.is_some() {
-            0
-        } else {
-            lb.spec.replicas
-        };
-        self.replicas.get_or_create(&id).set(i64::from(desired));
-        self.replicas_current
-            .get_or_create(&id)
-            .set(i64::from(status.replicas.unwrap_or(0)));
-        self.replicas_ready
-            .get_or_create(&id)
-            .set(i64::from(status.ready_replicas.unwrap_or(0)));
-        match deleting {
-            Some(t) => {
-                self.deletion_timestamp.get_or_create(&id).set(t);
-            }
-            None => {
-                self.deletion_timestamp.remove(&id);
-            }
-        }
+        self.replicas.observe(
+            &id,
+            &lb.metadata,
+            lb.spec.replicas,
+            status.replicas,
+            status.ready_replicas,
+        );
     }
 
     /// Removes every series of a LoadBalancer (it is gone).
@@ -161,14 +144,7 @@ impl LoadBalancerMetrics {
             self.info.remove(&info);
             self.openstack_info.remove(&openstack);
         }
-        for family in [
-            &self.replicas,
-            &self.replicas_current,
-            &self.replicas_ready,
-            &self.deletion_timestamp,
-        ] {
-            family.remove(&id);
-        }
+        self.replicas.remove(&id);
     }
 
     /// Removes the series of the LoadBalancers for which `keep(namespace, name)` is false (a safety net for objects

@@ -10,15 +10,12 @@ use kube::ResourceExt;
 use lb_api::LoadBalancerSet;
 use prometheus_client::registry::Registry;
 
-use crate::metrics::{deletion_seconds, labels, Gauges, ObjectLabels};
+use crate::metrics::{labels, Gauges, ObjectLabels, ReplicaGauges};
 
 /// The LoadBalancerSet gauges. Every series of a set is removed when it goes away ([`Self::forget`]).
 #[derive(Clone, Default)]
 pub struct SetMetrics {
-    replicas: Gauges,
-    replicas_current: Gauges,
-    replicas_ready: Gauges,
-    deletion_timestamp: Gauges,
+    replicas: ReplicaGauges,
     /// The sets with series, (namespace, name) → their label set.
     written: Arc<Mutex<HashMap<(String, String), ObjectLabels>>>,
 }
@@ -30,22 +27,22 @@ impl SetMetrics {
             (
                 "loadbalancerset_replicas",
                 "Replicas for LoadBalancerSet (from lbs.spec.replicas, 0 if marked for deletion)",
-                &self.replicas,
+                &self.replicas.replicas,
             ),
             (
                 "loadbalancerset_replicas_current",
                 "Current replicas for LoadBalancerSet (from lbs.status.replicas)",
-                &self.replicas_current,
+                &self.replicas.current,
             ),
             (
                 "loadbalancerset_replicas_ready",
                 "Ready replicas for LoadBalancerSet (from lbs.status.readyReplicas)",
-                &self.replicas_ready,
+                &self.replicas.ready,
             ),
             (
                 "loadbalancerset_deletion_timestamp",
                 "Deletion timestamp of a LoadBalancerSet in seconds since epoch (only for sets in deletion)",
-                &self.deletion_timestamp,
+                &self.replicas.deletion_timestamp,
             ),
         ];
         for (name, help, family) in families {
@@ -72,27 +69,13 @@ impl SetMetrics {
                 id.clone(),
             );
         let status = set.status.clone().unwrap_or_default();
-        let deleting = deletion_seconds(&set.metadata);
-        let desired = if deleting.is_some() {
-            0
-        } else {
-            set.spec.replicas
-        };
-        self.replicas.get_or_create(&id).set(i64::from(desired));
-        self.replicas_current
-            .get_or_create(&id)
-            .set(i64::from(status.replicas.unwrap_or(0)));
-        self.replicas_ready
-            .get_or_create(&id)
-            .set(i64::from(status.ready_replicas.unwrap_or(0)));
-        match deleting {
-            Some(t) => {
-                self.deletion_timestamp.get_or_create(&id).set(t);
-            }
-            None => {
-                self.deletion_timestamp.remove(&id);
-            }
-        }
+        self.replicas.observe(
+            &id,
+            &set.metadata,
+            set.spec.replicas,
+            status.replicas,
+            status.ready_replicas,
+        );
     }
 
     /// Removes every series of a LoadBalancerSet (it is gone).
@@ -101,7 +84,7 @@ impl SetMetrics {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .remove(&(set.namespace().unwrap_or_default(), set.name_any()));
-        self.remove_series(&Self::id(set));
+        self.replicas.remove(&Self::id(set));
     }
 
     /// Removes the series of the sets for which `keep(namespace, name)` is false.
@@ -116,18 +99,7 @@ impl SetMetrics {
             keys.iter().filter_map(|k| sets.remove(k)).collect()
         };
         for id in gone {
-            self.remove_series(&id);
-        }
-    }
-
-    fn remove_series(&self, id: &ObjectLabels) {
-        for family in [
-            &self.replicas,
-            &self.replicas_current,
-            &self.replicas_ready,
-            &self.deletion_timestamp,
-        ] {
-            family.remove(id);
+            self.replicas.remove(&id);
         }
     }
 }
