@@ -1193,6 +1193,7 @@ fn judge_yawol(j: &mut Judge) {
         "TCP-80-upstream_cx_connect_fail",
         "TCP-80-upstream_cx_rx_bytes_total",
         "TCP-80-upstream_cx_tx_bytes_total",
+        "envoytcp-idle_timeout",
     ] {
         check(
             metrics.contains(&name),
