@@ -280,6 +280,11 @@ pub type ObjectLabels = Vec<(String, String)>;
 /// A family of integer gauges over [`ObjectLabels`].
 pub(crate) type Gauges = Family<ObjectLabels, Gauge<i64, AtomicI64>>;
 
+/// The label value of an optional field as yawol writes it: `nil` when unset (dashboards and alerts match on it).
+pub(crate) fn or_nil(v: Option<&str>) -> &str {
+    v.unwrap_or("nil")
+}
+
 /// An [`ObjectLabels`] from borrowed pairs.
 pub(crate) fn labels(pairs: &[(&str, &str)]) -> ObjectLabels {
     pairs

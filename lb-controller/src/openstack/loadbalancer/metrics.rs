@@ -10,7 +10,7 @@ use kube::ResourceExt;
 use lb_api::LoadBalancer;
 use prometheus_client::registry::Registry;
 
-use crate::metrics::{labels, Gauges, ObjectLabels, ReplicaGauges};
+use crate::metrics::{labels, or_nil, Gauges, ObjectLabels, ReplicaGauges};
 
 /// The label sets of `loadbalancer_info` and `loadbalancer_openstack_info` of one LoadBalancer.
 type InfoLabels = (ObjectLabels, ObjectLabels);
@@ -74,14 +74,16 @@ impl LoadBalancerMetrics {
         let id = labels(&[("lb", &name), ("namespace", &ns)]);
         let opts = lb.spec.options();
         let status = lb.status.clone().unwrap_or_default();
-        let duration =
-            |d: &Option<lb_api::GoDuration>| d.as_ref().map(|d| d.to_string()).unwrap_or_default();
+        let duration = |d: &Option<lb_api::GoDuration>| {
+            d.as_ref()
+                .map_or_else(|| or_nil(None).to_string(), |d| d.to_string())
+        };
         let info = labels(&[
             ("lb", &name),
             ("namespace", &ns),
             ("isInternal", &opts.is_internal().to_string()),
             ("tcpProxyProtocol", &opts.tcp_proxy_protocol().to_string()),
-            ("externalIP", status.external_ip.as_deref().unwrap_or("")),
+            ("externalIP", or_nil(status.external_ip.as_deref())),
             ("tcpIdleTimeout", &duration(&opts.tcp_idle_timeout)),
             ("udpIdleTimeout", &duration(&opts.udp_idle_timeout)),
             (
@@ -96,15 +98,15 @@ impl LoadBalancerMetrics {
         let openstack = labels(&[
             ("lb", &name),
             ("namespace", &ns),
-            ("portID", status.port_id.as_deref().unwrap_or("")),
-            ("floatingID", status.floating_id.as_deref().unwrap_or("")),
+            ("portID", or_nil(status.port_id.as_deref())),
+            ("floatingID", or_nil(status.floating_id.as_deref())),
             (
                 "securityGroupID",
-                status.security_group_id.as_deref().unwrap_or(""),
+                or_nil(status.security_group_id.as_deref()),
             ),
             (
                 "flavorID",
-                lb.spec.infrastructure.flavor.effective_id().unwrap_or(""),
+                or_nil(lb.spec.infrastructure.flavor.effective_id()),
             ),
         ]);
         {

@@ -23,7 +23,7 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
 
-use crate::metrics::{labels as l, ObjectLabels};
+use crate::metrics::{labels as l, or_nil, ObjectLabels};
 
 /// A label set in yawol's label names.
 pub type Labels = ObjectLabels;
@@ -82,10 +82,10 @@ pub fn machine_series(lbm: &LoadBalancerMachine) -> MachineSeries {
     let infra = &lbm.spec.infrastructure;
     let mut openstack_info = l(&base);
     openstack_info.extend(l(&[
-        ("portID", status.default_port_id.as_deref().unwrap_or("")),
-        ("serverID", status.server_id.as_deref().unwrap_or("")),
-        ("flavorID", infra.flavor.effective_id().unwrap_or("")),
-        ("imageID", infra.image.effective_id().unwrap_or("")),
+        ("portID", or_nil(status.default_port_id.as_deref())),
+        ("serverID", or_nil(status.server_id.as_deref())),
+        ("flavorID", or_nil(infra.flavor.effective_id())),
+        ("imageID", or_nil(infra.image.effective_id())),
     ]));
     let deletion_timestamp = lbm
         .metadata
@@ -327,6 +327,13 @@ mod tests {
             assert!(s.openstack_info.contains(&(k.into(), v.into())), "{k}");
         }
         assert!(s.deletion_timestamp.is_none());
+        // A machine without a server or port yet: yawol writes `nil` for what is unset.
+        let mut fresh = lbm(json!([]), false);
+        fresh.status = None;
+        let f = machine_series(&fresh);
+        for k in ["portID", "serverID"] {
+            assert!(f.openstack_info.contains(&(k.into(), "nil".into())), "{k}");
+        }
         let d = machine_series(&lbm(json!([]), true));
         assert_eq!(d.deletion_timestamp.unwrap().1, 1767312000.0);
     }
