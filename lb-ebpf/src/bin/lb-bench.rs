@@ -3,6 +3,8 @@
 //! `BPF_PROG_TEST_RUN` with `repeat` reuses one buffer, and the load balancer rewrites it, so every repeat
 //! after the first would see a NATed packet. The wrappers copy a template packet into the frame first;
 //! `bench_restore` measures that copy alone so the report can subtract it.
+//!
+//! `storm_gen` is the netns e2e's malformed-frame storm (`lb-testbed stormgen`), a live-frames generator too.
 #![cfg_attr(target_arch = "bpf", no_std)]
 #![cfg_attr(target_arch = "bpf", no_main)]
 
@@ -230,6 +232,81 @@ mod programs {
             unsafe { *c += 1 };
         }
         xdp_action::XDP_DROP
+    }
+
+    // ---- The netns e2e's malformed storm: live-frames generator cycling through frame templates ----
+
+    /// Bytes of a storm template copied into the frame each run (every malformed kind's headers fit).
+    const STORM_BYTES: usize = 128;
+    /// Storm templates at most.
+    const STORM_KINDS: u32 = 16;
+
+    /// One storm frame: the first `STORM_BYTES` bytes and the frame's length. A longer frame's remaining
+    /// bytes come from the test run's `data_in`, which the kernel copied into every live frame.
+    #[repr(C)]
+    pub struct StormTemplate {
+        /// Frame length (≤ the test run's `data_in` length).
+        pub len: u32,
+        /// Padding.
+        pub _pad: u32,
+        /// The frame's first bytes.
+        pub data: [u8; STORM_BYTES],
+    }
+
+    /// The storm generator's state.
+    #[repr(C)]
+    pub struct StormCfg {
+        /// Templates in use (1..=`STORM_KINDS`).
+        pub n: u32,
+        /// Frame counter (one test run at a time, so no atomics).
+        pub counter: u32,
+    }
+
+    #[map]
+    static STORM: Array<StormTemplate> = Array::with_max_entries(STORM_KINDS, 0);
+    #[map]
+    static STORM_CFG: Array<StormCfg> = Array::with_max_entries(1, 0);
+    /// Frames sent per template.
+    #[map]
+    static STORM_SENT: PerCpuArray<u64> = PerCpuArray::with_max_entries(STORM_KINDS, 0);
+
+    /// Live-frames storm generator (`lb-testbed stormgen`): run i sends template `i % n` — its bytes copied
+    /// over the frame, the frame trimmed to its length (the kernel restores a live frame's length before
+    /// every run, not its bytes) — counts it, and `XDP_TX`es it.
+    #[xdp]
+    pub fn storm_gen(ctx: XdpContext) -> u32 {
+        let Some(c) = STORM_CFG.get_ptr_mut(0) else {
+            return xdp_action::XDP_ABORTED;
+        };
+        let (n, i) = unsafe { ((*c).n, (*c).counter) };
+        if n == 0 {
+            return xdp_action::XDP_ABORTED;
+        }
+        unsafe { (*c).counter = i.wrapping_add(1) };
+        let k = i % n;
+        let Some(t) = STORM.get_ptr(k) else {
+            return xdp_action::XDP_ABORTED;
+        };
+        let Some(dst) = ptr_at::<Xdp, [u8; STORM_BYTES]>(&Xdp(&ctx), 0) else {
+            return xdp_action::XDP_ABORTED;
+        };
+        let len = unsafe {
+            core::ptr::copy_nonoverlapping(&(*t).data, dst, 1);
+            (*t).len as i64
+        };
+        let cur = (ctx.data_end() - ctx.data()) as i64;
+        if len > cur {
+            return xdp_action::XDP_ABORTED;
+        }
+        if len < cur
+            && unsafe { aya_ebpf::helpers::bpf_xdp_adjust_tail(ctx.ctx, (len - cur) as i32) } != 0
+        {
+            return xdp_action::XDP_ABORTED;
+        }
+        if let Some(s) = STORM_SENT.get_ptr_mut(k) {
+            unsafe { *s += 1 };
+        }
+        xdp_action::XDP_TX
     }
 
     #[panic_handler]

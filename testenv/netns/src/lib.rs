@@ -7,6 +7,7 @@
 //! - [`load`]: many short TCP connections / UDP flows, every byte verified, latency percentiles.
 //! - [`hold`]: long-lived connections that must never break.
 //! - [`rawsend`]: malformed Ethernet frames through AF_PACKET.
+//! - [`stormgen`]: the same frames as a storm of XDP live frames (about twice one socket's rate).
 //! - [`synflood`]: SYNs from spoofed sources through AF_PACKET.
 //! - [`ha`]: two or three load-balancer replicas with VRRP and state sync sharing one VIP.
 //! - [`rig`]: the load balancer under test (topology + echo servers + the real agent); [`demo`] uses it.
@@ -23,6 +24,7 @@ pub mod load;
 pub mod process;
 pub mod rawsend;
 pub mod rig;
+pub mod stormgen;
 pub mod synflood;
 pub mod topology;
 

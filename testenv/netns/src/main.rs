@@ -36,6 +36,8 @@ enum Cmd {
     Hold(HoldArgs),
     /// Sends malformed Ethernet frames on an interface via AF_PACKET; prints counts as JSON.
     Rawsend(RawsendArgs),
+    /// The same frames as XDP live frames (`storm_gen` of lb-bench.o) for a while; prints counts as JSON.
+    Stormgen(StormgenArgs),
     /// SYNs from spoofed sources to VIP:port, as fast as one socket sends, for a while; prints JSON.
     Synflood(SynfloodArgs),
     /// Creates a topology for manual experiments, prints it as JSON, tears it down on SIGINT/SIGTERM.
@@ -204,8 +206,9 @@ struct SynfloodArgs {
     seed: u64,
 }
 
+/// The malformed frames' interface and addressing (`rawsend` and `stormgen`).
 #[derive(clap::Args)]
-struct RawsendArgs {
+struct FrameArgs {
     /// Interface to send on (in the current namespace).
     #[arg(long)]
     iface: String,
@@ -227,15 +230,63 @@ struct RawsendArgs {
     /// Base source port.
     #[arg(long, default_value_t = 40000)]
     src_port: u16,
+    /// Kinds to send (repeatable); default: all.
+    #[arg(long = "kind", value_enum)]
+    kinds: Vec<MalformedKind>,
+}
+
+impl FrameArgs {
+    fn params(&self) -> Result<FrameParams> {
+        Ok(FrameParams {
+            src_mac: match &self.src_mac {
+                Some(m) => parse_mac(m)?,
+                None => rawsend::iface_mac(&self.iface)?,
+            },
+            dst_mac: parse_mac(&self.dst_mac)?,
+            src_ip: match self.src_ip {
+                Some(ip) => ip,
+                None => iface_ipv4(&self.iface)?,
+            },
+            dst_ip: self.dst_ip,
+            dst_port: self.dst_port,
+            src_port: self.src_port,
+        })
+    }
+
+    fn kinds(&self) -> Vec<MalformedKind> {
+        if self.kinds.is_empty() {
+            MalformedKind::ALL.to_vec()
+        } else {
+            self.kinds.clone()
+        }
+    }
+}
+
+#[derive(clap::Args)]
+struct RawsendArgs {
+    #[command(flatten)]
+    frames: FrameArgs,
     /// Frames in total, cycling through the kinds.
     #[arg(long, default_value_t = 100)]
     count: u64,
     /// Instead of `--count`: send as fast as the socket takes them for this many seconds (a storm).
     #[arg(long)]
     seconds: Option<f64>,
-    /// Kinds to send (repeatable); default: all.
-    #[arg(long = "kind", value_enum)]
-    kinds: Vec<MalformedKind>,
+}
+
+#[derive(clap::Args)]
+struct StormgenArgs {
+    #[command(flatten)]
+    frames: FrameArgs,
+    /// `lb-bench.o` (built by `cargo xtask build-ebpf`), which holds `storm_gen`.
+    #[arg(long)]
+    object: PathBuf,
+    /// Seconds of storm.
+    #[arg(long)]
+    seconds: f64,
+    /// Live-frames batch size (frames per flush).
+    #[arg(long, default_value_t = 64)]
+    batch: u32,
 }
 
 #[derive(clap::Args)]
@@ -381,29 +432,28 @@ async fn run(cli: Cli) -> Result<i32> {
             Ok(if a.strict && report.broken > 0 { 1 } else { 0 })
         }
         Cmd::Rawsend(a) => {
-            let params = FrameParams {
-                src_mac: match a.src_mac {
-                    Some(m) => parse_mac(&m)?,
-                    None => rawsend::iface_mac(&a.iface)?,
-                },
-                dst_mac: parse_mac(&a.dst_mac)?,
-                src_ip: match a.src_ip {
-                    Some(ip) => ip,
-                    None => iface_ipv4(&a.iface)?,
-                },
-                dst_ip: a.dst_ip,
-                dst_port: a.dst_port,
-                src_port: a.src_port,
-            };
-            let kinds = if a.kinds.is_empty() {
-                MalformedKind::ALL.to_vec()
-            } else {
-                a.kinds
-            };
             let duration = a.seconds.map(Duration::from_secs_f64);
-            let report = rawsend::send(&a.iface, &kinds, a.count, duration, &params)?;
+            let report = rawsend::send(
+                &a.frames.iface,
+                &a.frames.kinds(),
+                a.count,
+                duration,
+                &a.frames.params()?,
+            )?;
             print_json(&report)?;
             Ok(if report.errors.is_empty() { 0 } else { 1 })
+        }
+        Cmd::Stormgen(a) => {
+            let report = lb_testbed::stormgen::storm(
+                &a.object,
+                &a.frames.iface,
+                &a.frames.kinds(),
+                Duration::from_secs_f64(a.seconds),
+                a.batch,
+                &a.frames.params()?,
+            )?;
+            print_json(&report)?;
+            Ok(0)
         }
         Cmd::Synflood(a) => {
             let report = lb_testbed::synflood::flood(&lb_testbed::synflood::FloodConfig {

@@ -263,6 +263,10 @@ pub struct RawSendReport {
     /// Frames the socket refused because its queue was full (a storm outrunning the interface): not sent,
     /// not an error.
     pub queue_full: u64,
+    /// `stormgen` only: frames generated (and so in `sent`) that the veth could not hand to its peer because
+    /// the peer's ring was full (`ethtool -S`: `xdp_xmit_errors`). Known only in total, not per kind.
+    #[serde(default)]
+    pub link_drops: u64,
 }
 
 /// An AF_PACKET raw socket bound for sending on one interface.
@@ -275,12 +279,7 @@ pub struct RawSocket {
 impl RawSocket {
     /// Opens a send-only AF_PACKET socket for `iface` (protocol 0: it never receives, so nothing piles up).
     pub fn open(iface: &str) -> Result<Self> {
-        let cname = CString::new(iface).context("interface name contains NUL")?;
-        // SAFETY: cname is a valid C string.
-        let ifindex = unsafe { libc::if_nametoindex(cname.as_ptr()) };
-        if ifindex == 0 {
-            bail!("interface {iface:?} not found in this network namespace");
-        }
+        let ifindex = ifindex(iface)?;
         // SAFETY: plain syscall; the result is checked.
         let fd = unsafe { libc::socket(libc::AF_PACKET, libc::SOCK_RAW | libc::SOCK_CLOEXEC, 0) };
         if fd < 0 {
@@ -326,6 +325,17 @@ impl RawSocket {
         }
         Ok(())
     }
+}
+
+/// The index of `iface` in the current network namespace.
+pub fn ifindex(iface: &str) -> Result<u32> {
+    let cname = CString::new(iface).context("interface name contains NUL")?;
+    // SAFETY: cname is a valid C string.
+    let ifindex = unsafe { libc::if_nametoindex(cname.as_ptr()) };
+    if ifindex == 0 {
+        bail!("interface {iface:?} not found in this network namespace");
+    }
+    Ok(ifindex)
 }
 
 /// Reads the MAC of `iface` (in the current network namespace) from sysfs.
