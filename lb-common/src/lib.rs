@@ -271,18 +271,19 @@ pub const fn fmix(mut h: u32) -> u32 {
 }
 
 /// `FLOW_FILTER`: which keys of TCP entries `FLOWS_V4` may hold, as a bitmap indexed by a hash of the key. A clear
-/// bit means "certainly not there", so a new connection's SYN skips the lookup of its own key and the SNAT port
-/// search skips the probe of each candidate reverse key in the large table — the cache misses that made a new
-/// flow cost several times an established packet. A set bit only means "look it up" (another key with the same
-/// bit, or a connection gone since).
+/// bit means "certainly not there". So a new connection's SYN looks its own key up only when the bit is set, and the
+/// SNAT port search takes a port whose reverse key's bit is set as taken without looking it up: the lookups in the
+/// large table that would only miss were most of what a new flow cost. A set bit may belong to another key with
+/// the same bit, or to a connection gone since: one more lookup, or one more port tried.
 ///
 /// Bits are never cleared one by one (a connection can leave `FLOWS_V4` in many ways, LRU eviction among them,
 /// without anyone seeing it); instead there are two generations, and the agent's GC rebuilds the inactive one
-/// from a walk of the table and then makes it the active one. Marks are set in both generations, after the entry
-/// is written (by the data plane when a handshake completes, by the agent when flow sync writes a peer's
-/// connection), so an entry is marked in the active generation from the moment it exists: a mark that the
-/// rebuild's clearing erased belongs to an entry written before the walk started, which the walk then marks.
-/// UDP entries are not marked: only TCP's new-connection path consults the filter, and keys carry the protocol.
+/// from a walk of the table and then makes it the active one. Marks are set in both generations right after the
+/// entry is written — by the data plane when a handshake completes (both keys are still held in `TRANSIENT_V4`
+/// until then, so no SYN can take the port or miss the connection in between), by the agent when flow sync
+/// writes a peer's connection. A mark that the rebuild's clearing erased belongs to an entry written before the
+/// walk started, which the walk then marks. UDP entries are not marked: only TCP's new-connection path consults
+/// the filter, and keys carry the protocol.
 pub mod flow_filter {
     use super::{fmix, FlowKeyV4};
 
