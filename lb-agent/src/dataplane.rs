@@ -771,11 +771,20 @@ pub fn pinned_link_program(pin: &Path) -> Result<String> {
         PinnedLink::from_pin(pin)
             .with_context(|| format!("opening pinned link {}", pin.display()))?,
     );
-    let id = link.info()?.program_id();
-    for p in aya::programs::loaded_programs().filter_map(|p| p.ok()) {
-        if p.id() == id {
-            return Ok(p.name_as_str().unwrap_or("?").to_string());
+    // The link's program can be replaced (and the old one freed) between reading its id and listing the programs
+    // — a trace starting or ending: then the link names another program, and that one is looked up.
+    let mut id = link.info()?.program_id();
+    for _ in 0..10 {
+        for p in aya::programs::loaded_programs().filter_map(|p| p.ok()) {
+            if p.id() == id {
+                return Ok(p.name_as_str().unwrap_or("?").to_string());
+            }
         }
+        let now = link.info()?.program_id();
+        if now == id {
+            break;
+        }
+        id = now;
     }
     bail!("program {id} of link {} not found", pin.display())
 }
