@@ -9,11 +9,11 @@ fn config_map(name: &str) -> ConfigMap {
     serde_json::from_value(serde_json::json!({"metadata": {"name": name}})).unwrap()
 }
 
-#[tokio::test]
-async fn tokens_are_authenticated_and_rbac_is_enforced() {
+/// A fresh namespace on the shared cluster with a ServiceAccount `nobody` (no Role), and a token for it.
+async fn nobody_in(prefix: &str) -> (&'static KubeEnv, String, String) {
     let env = KubeEnv::shared();
     let admin = env.client().await.unwrap();
-    let ns = env.namespace(&admin, "cluster").await.unwrap();
+    let ns = env.namespace(&admin, prefix).await.unwrap();
     let sa: ServiceAccount =
         serde_json::from_value(serde_json::json!({"metadata": {"name": "nobody"}})).unwrap();
     Api::<ServiceAccount>::namespaced(admin.clone(), &ns)
@@ -21,6 +21,12 @@ async fn tokens_are_authenticated_and_rbac_is_enforced() {
         .await
         .unwrap();
     let token = env.token(&admin, &ns, "nobody").await.unwrap();
+    (env, ns, token)
+}
+
+#[tokio::test]
+async fn tokens_are_authenticated_and_rbac_is_enforced() {
+    let (env, ns, token) = nobody_in("cluster").await;
     let nobody = env.token_client(&token).await.unwrap();
     let err = Api::<ConfigMap>::namespaced(nobody, &ns)
         .list(&ListParams::default())
@@ -68,16 +74,7 @@ async fn restart_keeps_data_and_compaction_expires_old_versions() {
 
 #[tokio::test]
 async fn refused_requests_are_recorded() {
-    let env = KubeEnv::shared();
-    let admin = env.client().await.unwrap();
-    let ns = env.namespace(&admin, "refusals").await.unwrap();
-    let sa: ServiceAccount =
-        serde_json::from_value(serde_json::json!({"metadata": {"name": "nobody"}})).unwrap();
-    Api::<ServiceAccount>::namespaced(admin.clone(), &ns)
-        .create(&PostParams::default(), &sa)
-        .await
-        .unwrap();
-    let token = env.token(&admin, &ns, "nobody").await.unwrap();
+    let (env, ns, token) = nobody_in("refusals").await;
     let refusals = kube_testenv::Refusals::default();
     let nobody = refusals
         .client(&env.token_kubeconfig(&token), "nobody")
