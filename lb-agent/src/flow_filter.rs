@@ -41,11 +41,15 @@ impl FlowFilterMap {
     /// Marks `key`, already written into `FLOWS_V4`, in both generations (TCP keys only: see
     /// `lb_common::flow_filter`).
     pub fn mark(&self, key: &FlowKeyV4) {
-        if key.proto != PROTO_TCP {
-            return;
-        }
-        let (w, bit) = slot(key);
         for generation in 0..2 {
+            self.mark_in(generation, key);
+        }
+    }
+
+    /// Sets the bit of `key` (if TCP) in `generation`.
+    fn mark_in(&self, generation: u32, key: &FlowKeyV4) {
+        if key.proto == PROTO_TCP {
+            let (w, bit) = slot(key);
             self.word(generation * WORDS + w)
                 .fetch_or(bit, Ordering::Release);
         }
@@ -89,11 +93,7 @@ impl FlowFilterMap {
         }
         let inactive = 1 - self.active();
         for key in keys {
-            if key.proto == PROTO_TCP {
-                let (w, bit) = slot(key);
-                self.word(inactive * WORDS + w)
-                    .fetch_or(bit, Ordering::Relaxed);
-            }
+            self.mark_in(inactive, key);
         }
         self.word(GENERATION_INDEX)
             .store(inactive as u64, Ordering::Release);
