@@ -154,7 +154,7 @@ impl Drop for MappedArray {
 /// Every map the agent programs, with the capacity setter's name.
 /// The maps pinned (they outlive the agent, and `lbctl` reads them). The flow-event ring buffer too, so that a
 /// traced program swapped in by `lbctl trace` publishes new flows to the same consumer.
-const MAPS: [&str; 14] = [
+const MAPS: [&str; 15] = [
     names::SERVICES,
     names::BACKENDS,
     names::MAGLEV,
@@ -165,6 +165,7 @@ const MAPS: [&str; 14] = [
     names::TRANSIENT_V4,
     names::TRUSTED_SOURCES,
     names::FLOW_FILTER,
+    names::HANDSHAKES,
     names::SERVICE_STATS,
     names::STATS,
     names::CONFIG,
@@ -652,6 +653,18 @@ impl Dataplane {
             Err(aya::maps::MapError::KeyNotFound) => Ok(None),
             Err(e) => Err(e.into()),
         }
+    }
+
+    /// The handshake in progress of a client's key (client → VIP): its reverse key and its entry in
+    /// `TRANSIENT_V4`, found the way the data plane finds it (see `lb_common::handshakes`).
+    pub fn handshake(&mut self, key: &FlowKeyV4) -> Result<Option<(FlowKeyV4, TransientV4)>> {
+        let index: aya::maps::Array<&mut MapData, FlowKeyV4> =
+            aya::maps::Array::try_from(self.map(names::HANDSHAKES)?)?;
+        let rkey = index.get(&lb_common::handshakes::slot(key), 0)?;
+        Ok(self
+            .transient_flow(&rkey)?
+            .filter(|t| t.handshake_of(key))
+            .map(|t| (rkey, t)))
     }
 
     /// Writes an entry of `TRANSIENT_V4` (tests).

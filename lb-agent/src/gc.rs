@@ -51,14 +51,21 @@ fn closed(f: &FlowV4, partner: Option<&FlowV4>) -> bool {
 /// With `refresh_window_ns`, the same walk also lists the connections used here within that window
 /// ([`crate::flowstore::refresh_events`]): state sync sends them so the peers' copies stay fresh.
 pub fn collect(dp: &mut Dataplane, now: u64, refresh_window_ns: Option<u64>) -> Result<GcReport> {
-    // The walk also rebuilds the flow filter: cleared before it, marked with what it finds after it.
+    // The walk also rebuilds the flow filter: cleared before it, marked with what it finds after it — the flow
+    // table's keys and the closed connections' in the transient table, walked second (see
+    // `lb_common::flow_filter`: a connection closing during the walks moves from the first to the second).
     if let Some(f) = dp.flow_filter() {
         f.begin_rebuild();
     }
     let flows: HashMap<FlowKeyV4, FlowV4> = dp.flows()?.into_iter().collect();
+    let transient = dp.transient_flows()?;
+    let closed_keys = transient
+        .iter()
+        .filter(|(_, t)| !t.handshake())
+        .map(|(k, _)| k);
     let flow_filter_bits = dp
         .flow_filter()
-        .and_then(|f| f.finish_rebuild(flows.keys()));
+        .and_then(|f| f.finish_rebuild(flows.keys().chain(closed_keys)));
     let mut r = GcReport {
         entries: flows.len() as u64,
         flow_filter_bits,
@@ -99,7 +106,6 @@ pub fn collect(dp: &mut Dataplane, now: u64, refresh_window_ns: Option<u64>) -> 
     r.entries = r.entries.saturating_sub(r.deleted);
     // Handshakes that never completed and closed connections past their time: the data plane already ignores
     // them and the LRU would recycle them; deleting them keeps the table's fill level honest.
-    let transient = dp.transient_flows()?;
     let mut stale = 0;
     for (k, t) in &transient {
         if t.stale(now) {

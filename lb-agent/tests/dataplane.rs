@@ -22,7 +22,8 @@ both_hooks! {
 
 use lb_agent::model::Protocol;
 use lb_common::{
-    stat, FlowKeyV4, FLOW_F_FIN, FLOW_F_FORWARD, FLOW_F_REVERSE, FLOW_F_RST, FLOW_F_SYN_ACK,
+    handshakes, stat, FlowKeyV4, FLOW_F_FIN, FLOW_F_FORWARD, FLOW_F_REVERSE, FLOW_F_RST,
+    FLOW_F_SYN_ACK,
 };
 use std::net::{IpAddr, Ipv4Addr};
 
@@ -63,6 +64,17 @@ fn reply_tcp(p: &Parsed, flags: Flags, payload: &[u8]) -> Vec<u8> {
     )
 }
 
+/// Two client ports from `from` up whose keys share a slot of the handshake index.
+fn colliding_ports(from: u16) -> (u16, u16) {
+    let mut seen = std::collections::HashMap::new();
+    (from..=u16::MAX)
+        .find_map(|port| {
+            seen.insert(handshakes::slot(&fwd_key(port, 6, WEB_PORT)), port)
+                .map(|other| (other, port))
+        })
+        .expect("thousands of ports in 2^20 slots collide")
+}
+
 /// Makes both entries of a flow look idle past their timeout. The timeout is shortened to 1 s because the
 /// monotonic clock may not have run for a whole TCP timeout since boot; a zero timeout stays zero.
 fn age(h: &mut Harness, key: &FlowKeyV4) {
@@ -81,13 +93,17 @@ both_hooks! {
         let p = syn(h, 40001);
         let key = fwd_key(40001, 6, WEB_PORT);
         assert_eq!(h.dp.flow(&key).unwrap(), None, "no established entry for a SYN");
-        let t = h.dp.transient_flow(&key).unwrap().expect("forward entry of the handshake");
-        assert_eq!(t.flow.flags & FLOW_F_FORWARD, FLOW_F_FORWARD);
-        assert_eq!(t.flow.new_dst, u32::from_ne_bytes(p.dst.octets()));
-        assert_eq!(u16::from_be(t.flow.new_sport), p.sport);
-        assert_eq!(t.flow.timeout_s, 3600, "the service's idle timeout, for later");
-        let rkey = t.flow.partner_key(6);
-        let r = h.dp.transient_flow(&rkey).unwrap().expect("reverse entry of the handshake");
+        // One entry per handshake, under its reverse key, holding both directions; the client's key finds it
+        // through the handshake index.
+        assert_eq!(h.dp.transient_flow(&key).unwrap(), None, "nothing under the client's key");
+        let (rkey, r) = h.dp.handshake(&key).unwrap().expect("the client's handshake");
+        assert_eq!(h.dp.transient_flows().unwrap(), vec![(rkey, r)]);
+        let t = r.fwd;
+        assert_eq!(t.flags & FLOW_F_FORWARD, FLOW_F_FORWARD);
+        assert_eq!(t.new_dst, u32::from_ne_bytes(p.dst.octets()));
+        assert_eq!(u16::from_be(t.new_sport), p.sport);
+        assert_eq!(t.timeout_s, 3600, "the service's idle timeout, for later");
+        assert_eq!(rkey, t.partner_key(6));
         assert_eq!(r.flow.flags & FLOW_F_REVERSE, FLOW_F_REVERSE);
         assert_eq!(r.flow.new_dst, u32::from_ne_bytes(CLIENT.octets()));
         assert_eq!(r.flow.mac, CLIENT_MAC, "replies go back where the client's frames came from");
@@ -104,10 +120,10 @@ both_hooks! {
         assert_eq!(v, Verdict::Tx);
         assert_eq!(parse(&out).dst, p.dst);
         let f = h.dp.flow(&key).unwrap().expect("established forward entry");
-        assert_eq!((f.new_dst, f.new_sport, f.timeout_s), (t.flow.new_dst, t.flow.new_sport, 3600));
+        assert_eq!((f.new_dst, f.new_sport, f.timeout_s), (t.new_dst, t.new_sport, 3600));
         let r = h.dp.flow(&rkey).unwrap().expect("established reverse entry");
         assert_eq!(r.flags & (FLOW_F_REVERSE | FLOW_F_SYN_ACK), FLOW_F_REVERSE);
-        assert_eq!(h.dp.transient_flows().unwrap(), vec![], "the handshake's entries are gone");
+        assert_eq!(h.dp.transient_flows().unwrap(), vec![], "the handshake's entry is gone");
         let s = h.svc_stats(&web(&[]).id);
         assert_eq!((s.handshakes, s.new_flows, s.rx_packets, s.tx_packets), (1, 1, 2, 1));
         assert_eq!(h.stat(stat::NEW_FLOWS), 1);
@@ -160,18 +176,59 @@ both_hooks! {
         let p = syn(h, 40007);
         h.run(&reply_tcp(&p, SYN_ACK, b""));
         let key = fwd_key(40007, 6, WEB_PORT);
-        for k in [key, h.dp.transient_flow(&key).unwrap().unwrap().flow.partner_key(6)] {
-            let mut t = h.dp.transient_flow(&k).unwrap().unwrap();
-            t.flow.last_seen_ns = 1;
-            h.dp.set_transient_flow(&k, &t).unwrap();
-        }
-        // Past the handshake timeout the ACK finds nothing; a SYN starts over.
+        let (rkey, mut t) = h.dp.handshake(&key).unwrap().unwrap();
+        t.flow.last_seen_ns = 1;
+        h.dp.set_transient_flow(&rkey, &t).unwrap();
+        // Past the handshake timeout the ACK finds nothing (and releases the entry); a SYN starts over.
         assert_eq!(h.run(&client_tcp(40007, ACK, b"")).0, Verdict::Drop);
         assert_eq!(h.stat(stat::DROP_NO_FLOW), 1);
+        assert_eq!(h.dp.transient_flows().unwrap(), vec![]);
         syn(h, 40007);
-        let t = h.dp.transient_flow(&key).unwrap().unwrap();
+        let (_, t) = h.dp.handshake(&key).unwrap().unwrap();
         assert!(t.flow.last_seen_ns > 1);
         assert_eq!(h.svc_stats(&web(&[]).id).handshakes, 2);
+        // A stale handshake that the ACK never touched is replaced by the client's next SYN on its port.
+        let (rkey, mut t) = h.dp.handshake(&key).unwrap().unwrap();
+        t.flow.last_seen_ns = 1;
+        h.dp.set_transient_flow(&rkey, &t).unwrap();
+        syn(h, 40007);
+        assert_eq!(h.svc_stats(&web(&[]).id).handshakes, 3);
+        assert_eq!(h.dp.transient_flows().unwrap().len(), 1, "one entry: replaced, not a second port");
+    }
+
+    fn a_retransmitted_syn_finds_its_handshake(h) {
+        h.apply(&[web(&[1, 2, 3])]);
+        let a = syn(h, 40091);
+        let b = syn(h, 40091);
+        assert_eq!((a.dst, a.sport), (b.dst, b.sport), "the same backend and SNAT port");
+        assert_eq!(h.svc_stats(&web(&[]).id).handshakes, 1);
+        assert_eq!(h.dp.transient_flows().unwrap().len(), 1);
+        h.run(&reply_tcp(&b, SYN_ACK, b""));
+        assert_eq!(h.run(&client_tcp(40091, ACK, b"")).0, Verdict::Tx);
+        assert!(h.dp.flow(&fwd_key(40091, 6, WEB_PORT)).unwrap().is_some());
+    }
+
+    fn a_handshake_index_slot_taken_by_another_client_is_repaired_by_the_syn_ack(h) {
+        let (p1, p2) = colliding_ports(1024);
+        h.apply(&[web(&[1])]);
+        let a = syn(h, p1);
+        let b = syn(h, p2);
+        // Each SYN-ACK points the slot back at its own handshake: both complete.
+        h.run(&reply_tcp(&a, SYN_ACK, b""));
+        assert_eq!(h.run(&client_tcp(p1, ACK, b"")).0, Verdict::Tx);
+        h.run(&reply_tcp(&b, SYN_ACK, b""));
+        assert_eq!(h.run(&client_tcp(p2, ACK, b"")).0, Verdict::Tx);
+        assert_eq!(h.dp.flows().unwrap().len(), 4);
+        // A slot taken between the SYN-ACK and the ACK: the ACK finds nothing and is dropped, counted; the
+        // backend's retransmitted SYN-ACK repairs it.
+        let (p3, p4) = colliding_ports(p2 + 1);
+        let c = syn(h, p3);
+        h.run(&reply_tcp(&c, SYN_ACK, b""));
+        syn(h, p4);
+        assert_eq!(h.run(&client_tcp(p3, ACK, b"")).0, Verdict::Drop);
+        assert_eq!(h.stat(stat::DROP_NO_FLOW), 1);
+        h.run(&reply_tcp(&c, SYN_ACK, b""));
+        assert_eq!(h.run(&client_tcp(p3, ACK, b"")).0, Verdict::Tx);
     }
 
     fn a_client_reset_during_the_handshake_reaches_the_backend(h) {
@@ -181,13 +238,17 @@ both_hooks! {
         assert_eq!(v, Verdict::Tx);
         assert_eq!((parse(&out).dst, parse(&out).sport), (p.dst, p.sport));
         let key = fwd_key(40008, 6, WEB_PORT);
-        let t = h.dp.transient_flow(&key).unwrap().unwrap();
-        let r = h.dp.transient_flow(&t.flow.partner_key(6)).unwrap().unwrap();
-        assert_eq!((t.flow.flags & FLOW_F_RST, r.flow.flags & FLOW_F_RST), (FLOW_F_RST, FLOW_F_RST));
+        let (_, t) = h.dp.handshake(&key).unwrap().unwrap();
+        assert_eq!(t.flow.flags & FLOW_F_RST, FLOW_F_RST);
         assert_eq!(h.dp.flow(&key).unwrap(), None);
-        // A new SYN on the port is a new handshake.
+        // The backend's answer to it still reaches the client.
+        assert_eq!(h.run(&reply_tcp(&p, RST, b"")).0, Verdict::Tx);
+        // A new SYN on the port is a new handshake, in the same entry.
         syn(h, 40008);
         assert_eq!(h.svc_stats(&web(&[]).id).handshakes, 2);
+        let (_, t) = h.dp.handshake(&key).unwrap().unwrap();
+        assert_eq!(t.flow.flags & FLOW_F_RST, 0);
+        assert_eq!(h.dp.transient_flows().unwrap().len(), 1);
     }
 
     fn a_closed_connection_leaves_the_flow_table_and_its_last_ack_passes(h) {
@@ -890,7 +951,7 @@ both_hooks! {
         // Over the rate: the unknown source is dropped before it costs a handshake entry, and counted.
         assert_eq!(h.run(&syn_from(spoofed, 1002)).0, Verdict::Drop);
         let key = FlowKeyV4 { src: u32::from_ne_bytes(spoofed.octets()), ..fwd_key(1002, 6, WEB_PORT) };
-        assert_eq!(h.dp.transient_flow(&key).unwrap(), None, "no handshake entry for a dropped SYN");
+        assert_eq!(h.dp.handshake(&key).unwrap(), None, "no handshake entry for a dropped SYN");
         assert_eq!(h.stat(stat::DROP_SYN_RATE), 1);
         assert_eq!(h.svc_stats(&web(&[]).id).drop_syn_rate, 1);
         // The client that completed a handshake still connects, and keeps its established connection.
@@ -902,7 +963,7 @@ both_hooks! {
         assert_eq!(h.run(&syn_from(spoofed, 1000)).0, Verdict::Drop);
         assert_eq!(h.stat(stat::DROP_SYN_RATE), 2);
         let key = FlowKeyV4 { src: u32::from_ne_bytes(spoofed.octets()), ..fwd_key(1000, 6, WEB_PORT) };
-        assert!(h.dp.transient_flow(&key).unwrap().is_some());
+        assert!(h.dp.handshake(&key).unwrap().is_some());
         // Without the guard every SYN opens a handshake again.
         set_syn_rate(h, 0, 0);
         assert_eq!(h.run(&syn_from(spoofed, 1003)).0, Verdict::Tx);

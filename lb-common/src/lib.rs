@@ -11,7 +11,7 @@
 
 /// Bumped whenever a pinned map's key or value layout changes. The agent pins maps under a directory named
 /// after it, so an upgrade with a new layout starts with fresh maps instead of misreading old ones.
-pub const LAYOUT_VERSION: u32 = 5;
+pub const LAYOUT_VERSION: u32 = 6;
 
 /// IP protocol number of TCP.
 pub const PROTO_TCP: u8 = 6;
@@ -270,22 +270,24 @@ pub const fn fmix(mut h: u32) -> u32 {
     h
 }
 
-/// `FLOW_FILTER`: which keys of TCP entries `FLOWS_V4` may hold, as a bitmap indexed by a hash of the key. A clear
-/// bit means "certainly not there". So a new connection's SYN looks its own key up only when the bit is set, and the
-/// SNAT port search takes a port whose reverse key's bit is set as taken without looking it up: the lookups in the
-/// large table that would only miss were most of what a new flow cost. A set bit may belong to another key with
-/// the same bit, or to a connection gone since: one more lookup, or one more port tried.
+/// `FLOW_FILTER`: which keys of TCP entries `FLOWS_V4` may hold — and which forward keys of closed connections
+/// `TRANSIENT_V4` may hold — as a bitmap indexed by a hash of the key. A clear bit means "certainly not there". So a
+/// new connection's SYN looks its own key up (in both tables) only when the bit is set, and the SNAT port search
+/// takes a port whose reverse key's bit is set as taken without looking it up: the lookups in the large tables
+/// that would only miss were most of what a new flow cost. A set bit may belong to another key with the same bit,
+/// or to a connection gone since: one more lookup, or one more port tried.
 ///
 /// Bits are never cleared one by one (a connection can leave `FLOWS_V4` in many ways, LRU eviction among them,
 /// without anyone seeing it); instead there are two generations, and the agent's GC rebuilds the inactive one
-/// from a walk of the table and then makes it the active one. Marks are set in both generations right after the
-/// entry is written — by the data plane when a handshake completes (both keys are still held in `TRANSIENT_V4`
-/// until then, so no SYN can take the port or miss the connection in between), by the agent when flow sync
-/// writes a peer's connection. A mark that the rebuild's clearing erased belongs to an entry written before the
-/// walk started, which the walk then marks. UDP entries are not marked: only TCP's new-connection path consults
-/// the filter, and keys carry the protocol.
+/// from a walk of both tables and then makes it the active one. Marks are set in both generations right after the
+/// entry is written — by the data plane when a handshake completes (its reverse key is still held in
+/// `TRANSIENT_V4` until then, so no SYN can take the port in between), by the agent when flow sync writes a peer's
+/// connection. A closed connection's forward key moves from `FLOWS_V4` to `TRANSIENT_V4` marked, and the walk of
+/// `TRANSIENT_V4` follows the walk of `FLOWS_V4`, so a move during the walks is seen by one of them. A mark that the
+/// rebuild's clearing erased belongs to an entry written before the walk started, which the walk then marks. UDP
+/// entries are not marked: only TCP's new-connection path consults the filter, and keys carry the protocol.
 pub mod flow_filter {
-    use super::{fmix, FlowKeyV4};
+    use super::{key_hash, FlowKeyV4};
 
     /// Bits per generation: 2^25 (4 MiB), about 11 % of bits set with 4M keys marked.
     pub const BITS_LOG2: u32 = 25;
@@ -299,33 +301,80 @@ pub mod flow_filter {
     /// The word (within a generation) and bit of `key`.
     #[inline(always)]
     pub const fn slot(key: &FlowKeyV4) -> (u32, u64) {
-        let mut h = fmix(0x6a09_e667 ^ key.src);
-        h = fmix(h ^ key.dst);
-        h = fmix(h ^ (((key.sport as u32) << 16) | key.dport as u32));
-        h = fmix(h ^ key.proto as u32);
+        let h = key_hash(0x6a09_e667, key);
         ((h >> 6) & (WORDS - 1), 1 << (h & 63))
     }
 }
 
+/// A hash of a whole flow key, seeded so that the tables indexed by it (the flow filter, the handshake index) do
+/// not collide for the same keys.
+#[inline(always)]
+pub const fn key_hash(seed: u32, key: &FlowKeyV4) -> u32 {
+    let mut h = fmix(seed ^ key.src);
+    h = fmix(h ^ key.dst);
+    h = fmix(h ^ (((key.sport as u32) << 16) | key.dport as u32));
+    fmix(h ^ key.proto as u32)
+}
+
+/// `HANDSHAKES`: where a client's handshake is. A handshake has one entry in `TRANSIENT_V4`, under its reverse key
+/// (backend → SNAT port), which the backend's SYN-ACK looks up; it holds the forward entry too (see
+/// [`TransientV4::fwd`]). The client's segments find that key here, in the slot of a hash of their own key: one
+/// array element written per SYN instead of a second entry in the LRU table, which cost about as much as
+/// everything else a new flow does. The slot is only a pointer: the entry it names counts only when its forward
+/// entry is the client's (a slot overwritten by another client's SYN of the same hash makes that handshake
+/// unreachable from the client's side — one in 2^20 per handshake in flight).
+pub mod handshakes {
+    use super::{key_hash, FlowKeyV4};
+
+    /// Slots: 2^20 (16 MiB).
+    pub const SLOTS_LOG2: u32 = 20;
+    /// Elements of the map.
+    pub const ENTRIES: u32 = 1 << SLOTS_LOG2;
+
+    /// The slot of a client's key (client → VIP).
+    #[inline(always)]
+    pub const fn slot(key: &FlowKeyV4) -> u32 {
+        key_hash(0xbb67_ae85, key) & (ENTRIES - 1)
+    }
+}
+
 /// Value of `TRANSIENT_V4`: a TCP flow that is not established. From the client's SYN until the client acknowledges
-/// the backend's SYN-ACK (a handshake), and after it closed (FIN both ways, or RST), both entries of a connection
-/// live in this small LRU table of their own instead of `FLOWS_V4`. So a flood of SYNs from spoofed sources, and the
-/// churn of short connections, recycle this table and never evict an established connection: only a completed
-/// handshake — an ACK that acknowledges the SYN-ACK the backend sent, which a spoofing sender never sees — enters
-/// `FLOWS_V4`.
+/// the backend's SYN-ACK (a handshake), and after it closed (FIN both ways, or RST), a connection lives in this small
+/// LRU table of its own instead of `FLOWS_V4`. So a flood of SYNs from spoofed sources, and the churn of short
+/// connections, recycle this table and never evict an established connection: only a completed handshake — an ACK
+/// that acknowledges the SYN-ACK the backend sent, which a spoofing sender never sees — enters `FLOWS_V4`.
+///
+/// A handshake is one entry, under its reverse key, holding both directions (`flow` and `fwd`); the client's side
+/// finds it through [`handshakes`]. A closed connection is two entries, one per key, as they were in `FLOWS_V4`
+/// (`fwd` zero).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct TransientV4 {
-    /// The entry as it will be in `FLOWS_V4` (handshake: `timeout_s` is the service's idle timeout) or as it was
-    /// there (closed: `timeout_s` is the closing timeout).
+    /// The entry as it will be in `FLOWS_V4` (handshake: its reverse entry, `timeout_s` the service's idle timeout)
+    /// or as it was there (closed: `timeout_s` is the closing timeout).
     pub flow: FlowV4,
-    /// Reverse entry of a handshake with [`FLOW_F_SYN_ACK`]: the SYN-ACK's sequence number + 1, network order.
+    /// A handshake with [`FLOW_F_SYN_ACK`]: the SYN-ACK's sequence number + 1, network order.
     pub ack_be: u32,
     /// Reserved, zero.
     pub _pad: u32,
+    /// A handshake: its forward entry as it will be in `FLOWS_V4`. Zero in a closed connection's entries.
+    pub fwd: FlowV4,
 }
 
 impl TransientV4 {
+    /// A handshake's entry (as opposed to one of a closed connection's two).
+    #[inline(always)]
+    pub fn handshake(&self) -> bool {
+        self.fwd.flags & FLOW_F_FORWARD != 0
+    }
+
+    /// Whether this handshake is the one of the client's key `key` (client → VIP): its forward entry is what that
+    /// key's packets become. (An index slot can name another client's handshake.)
+    #[inline(always)]
+    pub fn handshake_of(&self, key: &FlowKeyV4) -> bool {
+        self.handshake() && self.flow.partner_key(key.proto) == *key
+    }
+
     /// A closed flow (FIN or RST seen), as opposed to a handshake.
     #[inline(always)]
     pub fn closed(&self) -> bool {
@@ -611,6 +660,9 @@ pub mod map_names {
     pub const TRUSTED_SOURCES: &str = "TRUSTED_SOURCES";
     /// `Array<u64>` (memory-mappable) of [`super::flow_filter::ENTRIES`]: which TCP keys `FLOWS_V4` may hold.
     pub const FLOW_FILTER: &str = "FLOW_FILTER";
+    /// `Array<FlowKeyV4>` of [`super::handshakes::ENTRIES`]: the reverse key of a client's handshake, by a hash of
+    /// the client's key.
+    pub const HANDSHAKES: &str = "HANDSHAKES";
     /// `PerCpuArray<u64>`, one element: the SYN rate guard's state per CPU (theoretical arrival time, ns).
     pub const SYN_GUARD: &str = "SYN_GUARD";
     /// `PerCpuArray<ServiceStats>`.
@@ -637,7 +689,7 @@ pub mod defaults {
     pub const MAGLEV_SLOTS: u32 = 1 << 20;
     /// Connection-tracking entries (two per connection).
     pub const MAX_FLOWS: u32 = 1 << 20;
-    /// Entries for TCP handshakes and closed connections (two per connection).
+    /// Entries for TCP handshakes (one each) and closed connections (two each).
     pub const MAX_TRANSIENT: u32 = 1 << 17;
     /// Sources remembered as having completed a TCP handshake (the SYN rate guard's allow list).
     pub const MAX_TRUSTED_SOURCES: u32 = 1 << 16;
@@ -687,7 +739,7 @@ mod tests {
         assert_eq!(size_of::<SourceRangeKey>(), 20);
         assert_eq!(size_of::<FlowKeyV4>(), 16);
         assert_eq!(size_of::<FlowV4>(), 48);
-        assert_eq!(size_of::<TransientV4>(), 56);
+        assert_eq!(size_of::<TransientV4>(), 104);
         assert_eq!(size_of::<ServiceStats>(), 120);
         assert_eq!(size_of::<Config>(), 28);
         assert_eq!(size_of::<FlowEvent>(), 120);

@@ -9,6 +9,7 @@ use crate::{
     hdr::*,
     maps::{count, with_service_stats, FLOWS_V4, TRANSIENT_V4},
     process::Verdict,
+    transient,
 };
 
 /// ICMP: errors about one of our flows are translated (outer and inner headers) and sent the way the flow
@@ -59,16 +60,24 @@ pub(crate) fn translate<C: Ctx>(
             _pad: [0; 3],
         }
     };
-    // Established flows first, then handshakes and closed connections (a host unreachable for a SYN).
+    // Established flows first, then handshakes and closed connections (a host unreachable for a SYN): under the
+    // key itself, or a client's handshake through its index.
     let fl = match FLOWS_V4.get_ptr(key) {
         Some(fp) => unsafe { *fp },
-        None => match TRANSIENT_V4.get_ptr(key) {
-            Some(tp) if iproto == PROTO_TCP => unsafe { (*tp).flow },
-            _ => {
-                count(stat::PASS_ICMP_UNKNOWN);
-                return Verdict::Pass;
-            }
+        None if iproto == PROTO_TCP => match TRANSIENT_V4.get_ptr(key) {
+            Some(tp) => unsafe { (*tp).flow },
+            None => match transient::find(&key) {
+                Some(hp) => unsafe { (*hp).fwd },
+                None => {
+                    count(stat::PASS_ICMP_UNKNOWN);
+                    return Verdict::Pass;
+                }
+            },
         },
+        None => {
+            count(stat::PASS_ICMP_UNKNOWN);
+            return Verdict::Pass;
+        }
     };
     unsafe {
         // Outer header: from us, to the far side of the flow.

@@ -57,6 +57,12 @@ pub static TRANSIENT_V4: LruHashMap<FlowKeyV4, TransientV4> =
 pub static FLOW_FILTER: Array<u64> =
     Array::with_max_entries(lb_common::flow_filter::ENTRIES, BPF_F_MMAPABLE);
 
+/// Where a client's handshake is: its reverse key in `TRANSIENT_V4`, by a hash of the client's key (see
+/// `lb_common::handshakes`).
+#[map]
+pub static HANDSHAKES: Array<FlowKeyV4> =
+    Array::with_max_entries(lb_common::handshakes::ENTRIES, 0);
+
 /// Sources that completed a TCP handshake: the SYN rate guard lets them through (see `syn_guard`).
 #[map]
 pub static TRUSTED_SOURCES: LruHashMap<Addr, u8> =
@@ -67,7 +73,8 @@ pub static TRUSTED_SOURCES: LruHashMap<Addr, u8> =
 pub static SYN_GUARD: PerCpuArray<u64> = PerCpuArray::with_max_entries(1, 0);
 
 /// Per-CPU scratch space for transient entries under construction: the BPF stack (512 bytes) cannot hold them
-/// next to everything else on the new-flow path. Slot 0: reverse entry, slot 1: forward entry.
+/// next to everything else on the new-flow path. Slot 0: a handshake, or a closed connection's reverse entry; slot
+/// 1: a closed connection's forward entry.
 #[map]
 pub static SCRATCH: PerCpuArray<TransientV4> = PerCpuArray::with_max_entries(2, 0);
 

@@ -61,10 +61,10 @@ impl Target {
     #[inline(always)]
     pub fn forward(&self, p: &L4Pkt, svc: &Service, snat_port: u16, now: u64) -> FlowV4 {
         let key = &p.key;
-        FlowV4 {
+        let mut fl = FlowV4 {
             new_src: self.snat,
             new_dst: self.node,
-            new_sport: snat_port,
+            new_sport: 0,
             new_dport: self.node_port,
             mac: self.mac,
             flags: FLOW_F_FORWARD,
@@ -76,12 +76,21 @@ impl Target {
                 csum::diff32(key.src, self.snat),
                 csum::diff32(key.dst, self.node),
             ),
-            csum_port: csum::add(
-                csum::diff16(key.sport, snat_port),
-                csum::diff16(key.dport, self.node_port),
-            ),
+            csum_port: 0,
             last_seen_ns: now,
-        }
+        };
+        self.set_snat_port(p, &mut fl, snat_port);
+        fl
+    }
+
+    /// Gives a forward entry its SNAT port, and the port checksum delta that goes with it.
+    #[inline(always)]
+    pub fn set_snat_port(&self, p: &L4Pkt, fl: &mut FlowV4, snat_port: u16) {
+        fl.new_sport = snat_port;
+        fl.csum_port = csum::add(
+            csum::diff16(p.key.sport, snat_port),
+            csum::diff16(p.key.dport, self.node_port),
+        );
     }
 }
 
@@ -97,7 +106,12 @@ pub fn rewrite<C: Ctx>(c: &C, p: &L4Pkt, fl: &FlowV4) -> Verdict {
         (*p.ports).sport = fl.new_sport;
         (*p.ports).dport = fl.new_dport;
     }
+    // Bounds-checked again here: LLVM may merge this tail of the TCP and UDP paths, and the verifier then knows
+    // only the shorter UDP header to be in the packet.
     let (csum_p, csum_off) = p.csum();
+    if csum_p as usize + 2 > c.data_end() {
+        return Verdict::Drop;
+    }
     c.l4_csum(
         csum_off,
         csum_p,

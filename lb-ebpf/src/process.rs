@@ -142,7 +142,7 @@ pub fn process<C: Ctx>(c: &C) -> Verdict {
 /// service.
 #[inline(always)]
 fn l4<C: Ctx>(c: &C, cfg: &Config, p: &L4Pkt) -> Verdict {
-    let key = p.key;
+    let key = &p.key;
     let proto = key.proto;
     let syn = p.syn();
     let now = unsafe { bpf_ktime_get_coarse_ns() };
@@ -171,7 +171,7 @@ fn l4<C: Ctx>(c: &C, cfg: &Config, p: &L4Pkt) -> Verdict {
 
     // A SYN's own key is looked up only when the flow filter says a connection may hold it: for a new client
     // (nearly every SYN) that lookup would only miss, at the price of a cache miss in the large table.
-    let lookup = !syn || flow_filter::may_hold(&key);
+    let lookup = !syn || flow_filter::may_hold(key);
     if let Some(fp) = lookup.then(|| FLOWS_V4.get_ptr_mut(key)).flatten() {
         let fl = unsafe { &mut *fp };
         let forward = fl.flags & FLOW_F_FORWARD != 0;
@@ -184,14 +184,17 @@ fn l4<C: Ctx>(c: &C, cfg: &Config, p: &L4Pkt) -> Verdict {
         reopen = fp;
     }
     let svc = SERVICES.get_ptr(skey);
-    // Handshakes and closed connections: a client's segment to a service, or a backend's to a SNAT port. (Other
-    // traffic — SSH to the VM, a low port on the VIP — skips the lookup.)
-    let dport = u16::from_be(key.dport);
-    if p.is_tcp() && (svc.is_some() || (cfg.snat_port_min..=cfg.snat_port_max).contains(&dport)) {
+    // Handshakes and closed connections under this packet's own key: a backend's segment to a SNAT port, or a
+    // client's segment of a closed connection (a client's SYN only when the flow filter says there may be one).
+    // Other traffic — SSH to the VM, a low port on the VIP — skips the lookup.
+    let own = if svc.is_some() {
+        lookup
+    } else {
+        (cfg.snat_port_min..=cfg.snat_port_max).contains(&u16::from_be(key.dport))
+    };
+    if p.is_tcp() && own {
         if let Some(tp) = TRANSIENT_V4.get_ptr_mut(key) {
-            if let Some(v) =
-                transient::segment(c, cfg, p, unsafe { &mut *tp }, reopen_of(reopen), now)
-            {
+            if let Some(v) = transient::segment(c, p, unsafe { &mut *tp }, now) {
                 return v;
             }
         }
@@ -204,6 +207,14 @@ fn l4<C: Ctx>(c: &C, cfg: &Config, p: &L4Pkt) -> Verdict {
     // A reference into the map: a copy would take 40 bytes of the BPF stack.
     let svc = unsafe { &*svc };
     if p.is_tcp() && !syn {
+        // The client's handshake in progress.
+        if let Some(hp) = transient::find(key) {
+            if let Some(v) =
+                transient::client_segment(c, cfg, p, unsafe { &mut *hp }, reopen_of(reopen), now)
+            {
+                return v;
+            }
+        }
         // Only a SYN creates a TCP flow. A stray segment (state lost, port scan, ACK flood) is dropped:
         // the kernel would answer with a RST, which kills connections a peer replica may still carry.
         count(stat::DROP_NO_FLOW);

@@ -22,7 +22,7 @@ pub fn alloc_snat_port(
     t: &Target,
     p: &L4Pkt,
     taken: impl Fn(&FlowKeyV4) -> bool,
-    mut claim: impl FnMut(FlowKeyV4, u32) -> bool,
+    mut claim: impl FnMut(&FlowKeyV4, u32) -> bool,
 ) -> Option<u16> {
     let proto = p.key.proto;
     let min = cfg.snat_port_min as u32;
@@ -58,7 +58,7 @@ pub fn alloc_snat_port(
             csum::diff16(t.node_port, svc_port),
             csum::diff16(port, client_port),
         );
-        if claim(rkey, csum_port) {
+        if claim(&rkey, csum_port) {
             return Some(port);
         }
     }

@@ -2,13 +2,17 @@
 //! handshakes, from the client's SYN until the client acknowledges the backend's SYN-ACK, and connections after
 //! they closed. `FLOWS_V4` only receives a connection whose handshake completed (the client's ACK carries the
 //! SYN-ACK's sequence number + 1, which a sender of spoofed SYNs never sees), so floods and churn stay here.
+//!
+//! A handshake is one entry under its reverse key, holding both directions: the backend's segments find it by
+//! their own key, the client's through `HANDSHAKES` (see `lb_common::handshakes`). One LRU insert per SYN instead
+//! of two halved what a new flow costs.
 // Entries go into maps by reference to map memory (scratch slots, other maps' values): a copy would put them on
 // the 512-byte BPF stack, which the new-flow path already nearly fills.
 #![allow(clippy::needless_borrows_for_generic_args)]
 
 use aya_ebpf::bindings::BPF_NOEXIST;
 use lb_common::{
-    stat, Config, FlowKeyV4, FlowV4, Service, TransientV4, FLOW_F_FORWARD, FLOW_F_RST,
+    handshakes, stat, Config, FlowKeyV4, FlowV4, Service, TransientV4, FLOW_F_FORWARD, FLOW_F_RST,
     FLOW_F_SYN_ACK, PROTO_TCP, TCP_CLOSING_TIMEOUT_S,
 };
 
@@ -17,7 +21,7 @@ use crate::{
     ctx::Ctx,
     flow_filter,
     hdr::{TCP_ACK, TCP_RST, TCP_SYN},
-    maps::{count, with_service_stats, FLOWS_V4, SCRATCH, TRANSIENT_V4},
+    maps::{count, with_service_stats, FLOWS_V4, HANDSHAKES, SCRATCH, TRANSIENT_V4},
     nat::{forward, rewrite, Target},
     packet::L4Pkt,
     process::Verdict,
@@ -25,7 +29,7 @@ use crate::{
     syn_guard,
 };
 
-/// Per-CPU scratch slot `i` holding `flow` as a transient entry (see `maps::SCRATCH`).
+/// Per-CPU scratch slot `i` holding `flow` as a closed connection's entry (see `maps::SCRATCH`).
 #[inline(always)]
 fn scratch(i: u32, flow: &FlowV4) -> Option<*mut TransientV4> {
     let e = SCRATCH.get_ptr_mut(i)?;
@@ -34,12 +38,14 @@ fn scratch(i: u32, flow: &FlowV4) -> Option<*mut TransientV4> {
         (*e).flow = *flow;
         (*e).ack_be = 0;
         (*e)._pad = 0;
+        (*e).fwd = FlowV4::default();
     }
     Some(e)
 }
 
-/// A client's SYN for `svc` with no flow: claims a SNAT port, stores both entries of the handshake and forwards
-/// the SYN to the chosen backend.
+/// A client's SYN for `svc` without a flow of its own: claims a SNAT port and stores the handshake — or, when the
+/// port the search reaches holds this client's handshake already, it is a retransmitted SYN of it — and forwards
+/// the SYN to the backend.
 #[inline(always)]
 pub fn open<C: Ctx>(
     c: &C,
@@ -49,37 +55,60 @@ pub fn open<C: Ctx>(
     t: &Target,
     now: u64,
 ) -> Verdict {
-    let (Some(rev), Some(fwd)) = (scratch(0, &t.reverse(p, svc, now)), SCRATCH.get_ptr_mut(1))
-    else {
+    let Some(e) = SCRATCH.get_ptr_mut(0) else {
         count(stat::DROP_FLOW_INSERT);
         return Verdict::Drop;
     };
+    // SAFETY (`e`): this CPU's scratch slot.
+    unsafe {
+        (*e).flow = t.reverse(p, svc, now);
+        (*e).ack_be = 0;
+        (*e)._pad = 0;
+        (*e).fwd = t.forward(p, svc, 0, now);
+    }
+    // The client's own handshake, when the search meets it.
+    let mut retransmit: *mut TransientV4 = core::ptr::null_mut();
     // A port counts as taken when the flow filter says an established connection may hold its reverse key in
     // FLOWS_V4 — without a lookup there: a cache miss in the large table for every port tried was most of a new
     // connection's cost, and a port skipped for a stale or shared bit is just one more try — or when a handshake
     // or closed connection holds it here (the insert fails).
-    // SAFETY (`rev`, `fwd`): this CPU's scratch slots.
-    let port = alloc_snat_port(cfg, t, p, flow_filter::may_hold, |rkey, csum_port| {
-        unsafe { (*rev).flow.csum_port = csum_port };
-        TRANSIENT_V4
-            .insert(rkey, unsafe { &*rev }, BPF_NOEXIST as u64)
+    let claimed = alloc_snat_port(cfg, t, p, flow_filter::may_hold, |rkey, csum_port| {
+        unsafe {
+            (*e).flow.csum_port = csum_port;
+            t.set_snat_port(p, &mut (*e).fwd, rkey.dport);
+        }
+        if TRANSIENT_V4
+            .insert(rkey, unsafe { &*e }, BPF_NOEXIST as u64)
             .is_ok()
+        {
+            return true;
+        }
+        let Some(h) = TRANSIENT_V4.get_ptr_mut(rkey) else {
+            return false;
+        };
+        // SAFETY: a value of the map, valid under RCU for this program run.
+        if !unsafe { &*h }.handshake_of(&p.key) {
+            return false;
+        }
+        if unsafe { &*h }.stale(now) || unsafe { &*h }.closed() {
+            // This client's earlier handshake on the port is over: the new one takes its place.
+            return TRANSIENT_V4.insert(rkey, unsafe { &*e }, 0).is_ok();
+        }
+        retransmit = h;
+        true
     });
-    let Some(port) = port else {
+    if claimed.is_none() {
         count(stat::DROP_SNAT_EXHAUSTED);
         with_service_stats(svc.id, |s| s.drop_snat_exhausted += 1);
         return Verdict::Drop;
     };
-    unsafe {
-        (*fwd).flow = t.forward(p, svc, port, now);
-        (*fwd).ack_be = 0;
-        (*fwd)._pad = 0;
-    }
-    let fwd = unsafe { &*fwd };
-    if TRANSIENT_V4.insert(p.key, fwd, 0).is_err() {
-        let _ = TRANSIENT_V4.remove(fwd.flow.partner_key(PROTO_TCP));
-        count(stat::DROP_FLOW_INSERT);
-        return Verdict::Drop;
+    let e = unsafe { &*e };
+    index(&p.key, &e.fwd.partner_key(PROTO_TCP));
+    if !retransmit.is_null() {
+        // SAFETY: as above.
+        let h = unsafe { &mut *retransmit };
+        h.flow.last_seen_ns = now;
+        return forward(c, p, &h.fwd);
     }
     syn_guard::take(cfg, now);
     count(stat::NEW_HANDSHAKES);
@@ -88,23 +117,35 @@ pub fn open<C: Ctx>(
         s.rx_packets += 1;
         s.rx_bytes += p.tot as u64;
     });
-    rewrite(c, p, &fwd.flow)
+    rewrite(c, p, &e.fwd)
 }
 
-/// A TCP segment that matches an entry of `TRANSIENT_V4`. Returns `None` when the entry no longer counts (a
-/// handshake past its time, or a SYN on a closed connection's client port): the caller then treats the segment
-/// as one without a flow, so a SYN starts over.
+/// Points the client's `HANDSHAKES` slot at its handshake's reverse key.
 #[inline(always)]
-pub fn segment<C: Ctx>(
-    c: &C,
-    cfg: &Config,
-    p: &L4Pkt,
-    t: &mut TransientV4,
-    reopen: Option<*const FlowV4>,
-    now: u64,
-) -> Option<Verdict> {
-    let partner = t.flow.partner_key(PROTO_TCP);
-    if t.flow.flags & FLOW_F_FORWARD == 0 {
+fn index(key: &FlowKeyV4, rkey: &FlowKeyV4) {
+    if let Some(slot) = HANDSHAKES.get_ptr_mut(handshakes::slot(key)) {
+        // SAFETY: an element of an array map. Another CPU may write the same slot: either key is whole enough to
+        // be looked up, and only an entry that is this client's handshake counts.
+        unsafe { *slot = *rkey };
+    }
+}
+
+/// The handshake of the client's key `key` (client → VIP), if its `HANDSHAKES` slot names one.
+#[inline(always)]
+pub fn find(key: &FlowKeyV4) -> Option<*mut TransientV4> {
+    let rkey = HANDSHAKES.get_ptr(handshakes::slot(key))?;
+    // SAFETY (both): an element of an array map; a value of the map, valid under RCU for this program run.
+    let h = TRANSIENT_V4.get_ptr_mut(unsafe { &*rkey })?;
+    unsafe { &*h }.handshake_of(key).then_some(h)
+}
+
+/// A TCP segment that matches an entry of `TRANSIENT_V4` by its own key: a backend's segment of a handshake, or a
+/// segment of a closed connection. Returns `None` when the entry no longer counts (past its time, or a SYN on a
+/// closed connection's client port): the caller then treats the segment as one without a flow, so a SYN starts
+/// over.
+#[inline(always)]
+pub fn segment<C: Ctx>(c: &C, p: &L4Pkt, t: &mut TransientV4, now: u64) -> Option<Verdict> {
+    if t.handshake() {
         // The backend's side: its SYN-ACK records what the client must acknowledge; everything is forwarded.
         if t.stale(now) {
             return None;
@@ -112,83 +153,98 @@ pub fn segment<C: Ctx>(
         if !t.closed() && p.tcp_flags & (TCP_SYN | TCP_ACK) == TCP_SYN | TCP_ACK {
             t.flow.flags |= FLOW_F_SYN_ACK;
             t.ack_be = u32::from_be(p.seq_be()).wrapping_add(1).to_be();
+            // Written again, so that the client's ACK finds the handshake even if another client's SYN took the
+            // slot since its own SYN (and each retransmitted SYN-ACK repairs it).
+            index(&t.flow.partner_key(PROTO_TCP), &p.key);
         }
-        track(t, p, partner, now);
+        t.flow.last_seen_ns = now;
+        let _ = close_bit(&mut t.flow, p.tcp_flags, now);
         return Some(forward(c, p, &t.flow));
     }
-    if t.stale(now) || (p.syn() && t.closed()) {
-        // Release the reverse entry, and with it the SNAT port.
+    let partner = t.flow.partner_key(PROTO_TCP);
+    if t.stale(now) || (p.syn() && t.flow.flags & FLOW_F_FORWARD != 0) {
+        // Both entries go (the reverse one releases the SNAT port), so that a new handshake on the client port
+        // is not mistaken for the closed connection.
         let _ = TRANSIENT_V4.remove(partner);
+        let _ = TRANSIENT_V4.remove(p.key);
         return None;
     }
-    if t.closed() || p.syn() {
-        // The last segments of a closed connection, or a retransmitted SYN of this handshake.
-        track(t, p, partner, now);
-        return Some(forward(c, p, &t.flow));
+    // The last segments of a closed connection.
+    track(t, p, partner, now);
+    Some(forward(c, p, &t.flow))
+}
+
+/// A client's segment (not a SYN) of its handshake `h`, found through `HANDSHAKES`. Returns `None` when the
+/// handshake is past its time.
+#[inline(always)]
+pub fn client_segment<C: Ctx>(
+    c: &C,
+    cfg: &Config,
+    p: &L4Pkt,
+    h: &mut TransientV4,
+    reopen: Option<*const FlowV4>,
+    now: u64,
+) -> Option<Verdict> {
+    if h.stale(now) {
+        // Release the entry, and with it the SNAT port.
+        let _ = TRANSIENT_V4.remove(h.fwd.partner_key(PROTO_TCP));
+        return None;
     }
-    if p.tcp_flags & TCP_RST != 0 {
-        // The client gives up: the backend must hear it.
-        track(t, p, partner, now);
-        return Some(forward(c, p, &t.flow));
+    if h.closed() || p.tcp_flags & TCP_RST != 0 {
+        // The last segments of a reset handshake, or the client giving up: the backend must hear it.
+        h.flow.last_seen_ns = now;
+        let _ = close_bit(&mut h.flow, p.tcp_flags, now);
+        return Some(forward(c, p, &h.fwd));
     }
-    if p.tcp_flags & TCP_ACK != 0 {
-        if let Some(rp) = TRANSIENT_V4.get_ptr_mut(partner) {
-            // SAFETY: a value of the map, valid until its entry is removed (promote removes it last).
-            let rev = unsafe { &mut *rp };
-            if rev.flow.flags & FLOW_F_SYN_ACK != 0 && rev.ack_be == p.ack_be() {
-                return Some(promote(c, cfg, p, t, rev, reopen, now));
-            }
-        }
+    if p.tcp_flags & TCP_ACK != 0 && h.flow.flags & FLOW_F_SYN_ACK != 0 && h.ack_be == p.ack_be() {
+        return Some(promote(c, cfg, p, h, reopen, now));
     }
     // An ACK that does not acknowledge the backend's SYN-ACK (blind, spoofed, or before it), or a segment
     // without ACK: nothing a real client sends in this state.
     count(stat::DROP_HANDSHAKE);
-    with_service_stats(t.flow.svc_id, |s| s.drop_handshake += 1);
+    with_service_stats(h.flow.svc_id, |s| s.drop_handshake += 1);
     Some(Verdict::Drop)
 }
 
-/// The client completed the handshake: both entries move to `FLOWS_V4`, the connection counts as established
-/// and is published for the peers' sync, and the ACK is forwarded. `fwd` and `rev` are the entries in
+/// The client completed the handshake: both directions move to `FLOWS_V4`, the connection counts as established
+/// and is published for the peers' sync, and the ACK is forwarded. `h` is the handshake's entry in
 /// `TRANSIENT_V4`, removed last.
 #[inline(always)]
 fn promote<C: Ctx>(
     c: &C,
     cfg: &Config,
     p: &L4Pkt,
-    fwd: &mut TransientV4,
-    rev: &mut TransientV4,
+    h: &mut TransientV4,
     reopen: Option<*const FlowV4>,
     now: u64,
 ) -> Verdict {
-    fwd.flow.last_seen_ns = now;
-    rev.flow.last_seen_ns = now;
-    rev.flow.flags &= !FLOW_F_SYN_ACK;
+    let rkey = &h.fwd.partner_key(PROTO_TCP);
+    h.fwd.last_seen_ns = now;
+    h.flow.last_seen_ns = now;
+    h.flow.flags &= !FLOW_F_SYN_ACK;
     // The completing ACK may carry the client's FIN already.
-    let _ = close_bit(&mut fwd.flow, p.tcp_flags, now);
-    let rkey = fwd.flow.partner_key(PROTO_TCP);
+    let _ = close_bit(&mut h.fwd, p.tcp_flags, now);
     if let Some(old) = reopen {
         // An idle-expired connection on the same client port is replaced: release its reverse entry.
         // SAFETY: an entry of FLOWS_V4 found by this packet's lookup (map values stay valid under RCU).
         let old = unsafe { &*old }.partner_key(PROTO_TCP);
-        if old != rkey {
+        if old != *rkey {
             let _ = FLOWS_V4.remove(old);
         }
     }
     // Reverse first: once the forward entry exists, replies must find theirs.
-    if FLOWS_V4.insert(rkey, &rev.flow, 0).is_err() || FLOWS_V4.insert(p.key, &fwd.flow, 0).is_err()
-    {
+    if FLOWS_V4.insert(rkey, &h.flow, 0).is_err() || FLOWS_V4.insert(p.key, &h.fwd, 0).is_err() {
         let _ = FLOWS_V4.remove(rkey);
         count(stat::DROP_FLOW_INSERT);
         return Verdict::Drop;
     }
     // Marked once written (see `lb_common::flow_filter`); the reverse key is still held in TRANSIENT_V4 until the
     // end, so no other SYN can claim its port in between.
-    flow_filter::mark(&rkey);
+    flow_filter::mark(rkey);
     flow_filter::mark(&p.key);
-    established_new(cfg, &p.key, &fwd.flow, &rev.flow);
+    established_new(cfg, &p.key, &h.fwd, &h.flow);
     syn_guard::trust(cfg, p.key.src);
-    let v = forward(c, p, &fwd.flow);
-    let _ = TRANSIENT_V4.remove(p.key);
+    let v = forward(c, p, &h.fwd);
     let _ = TRANSIENT_V4.remove(rkey);
     v
 }

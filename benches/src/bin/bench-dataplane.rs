@@ -256,16 +256,14 @@ fn open_connection(b: &mut Bench, port: u16) -> Result<(Vec<u8>, Vec<u8>)> {
         proto: 6,
         _pad: [0; 3],
     };
-    let f =
-        b.dp.transient_flow(&key)?
-            .with_context(|| {
-                format!(
-                    "the SYN from port {port} opened no handshake (verdict {}, counters {:?})",
-                    verdict_name(verdict),
-                    b.dp.stats().unwrap_or_default()
-                )
-            })?
-            .flow;
+    let (_, f) = b.dp.handshake(&key)?.with_context(|| {
+        format!(
+            "the SYN from port {port} opened no handshake (verdict {}, counters {:?})",
+            verdict_name(verdict),
+            b.dp.stats().unwrap_or_default()
+        )
+    })?;
+    let f = f.fwd;
     let node = Ipv4Addr::from(f.new_dst.to_ne_bytes());
     let from_node = |flags, payload: &[u8]| {
         pad(tcp(
@@ -327,7 +325,7 @@ fn main() -> Result<()> {
     })?;
     let room = 2 * args.repeat * args.runs as u32 + 4096;
     let sizes = MapSizes {
-        // Room for every entry the new-flow case makes (two per SYN): measures inserts, not eviction.
+        // Room for every entry the new-flow case makes (one per SYN): measures inserts, not eviction.
         flows: room,
         transient: room,
         ..MapSizes::default()

@@ -205,10 +205,14 @@ fn state(fwd: &FlowV4, rev: Option<&FlowV4>, transient: bool) -> &'static str {
 pub fn flows(dp: &mut Dataplane, filter: &FlowFilter) -> Result<Vec<ConnectionView>> {
     let now = crate::gc::now_ns();
     let established = dp.flows()?;
+    // A handshake is one entry holding both directions: shown like a closed connection's two.
     let transient: Vec<(FlowKeyV4, FlowV4)> = dp
         .transient_flows()?
         .into_iter()
-        .map(|(k, t): (FlowKeyV4, TransientV4)| (k, t.flow))
+        .flat_map(|(k, t): (FlowKeyV4, TransientV4)| {
+            let fwd = t.handshake().then(|| (t.flow.partner_key(k.proto), t.fwd));
+            std::iter::once((k, t.flow)).chain(fwd)
+        })
         .collect();
     let mut out = Vec::new();
     for (table, entries) in [("flows", &established), ("transient", &transient)] {
