@@ -105,6 +105,11 @@ both_hooks! {
         assert_eq!(t.timeout_s, 3600, "the service's idle timeout, for later");
         assert_eq!(rkey, t.partner_key(6));
         assert_eq!(r.flow.flags & FLOW_F_REVERSE, FLOW_F_REVERSE);
+        // `lbctl flows` shows it as one connection, with both directions.
+        let shown = lb_agent::inspect::flows(&mut h.dp, &Default::default()).unwrap();
+        assert_eq!(shown.len(), 1);
+        assert_eq!((shown[0].state, shown[0].table), ("syn", "transient"));
+        assert_eq!((shown[0].snat.port(), shown[0].backend.ip()), (p.sport, IpAddr::V4(p.dst)));
         assert_eq!(r.flow.new_dst, u32::from_ne_bytes(CLIENT.octets()));
         assert_eq!(r.flow.mac, CLIENT_MAC, "replies go back where the client's frames came from");
         let s = h.svc_stats(&web(&[]).id);
