@@ -27,6 +27,12 @@ pub const CLIENTS: [Ipv4Addr; 3] = [
     Ipv4Addr::new(198, 51, 100, 11),
     Ipv4Addr::new(192, 0, 2, 7),
 ];
+/// Two clients whose keys (TCP to the VIP's port 80) share a `HANDSHAKES` slot: each one's SYN points the slot at
+/// its own handshake, and only the entry that is the client's own handshake counts (checked in `Gen::new`).
+const COLLIDING: [(Ipv4Addr, u16); 2] = [
+    (Ipv4Addr::new(198, 51, 100, 10), 40001),
+    (Ipv4Addr::new(198, 51, 100, 12), 25833),
+];
 /// A second address of the load balancer, used as SNAT address by some scenarios.
 pub const SNAT2: Ipv4Addr = Ipv4Addr::new(203, 0, 113, 2);
 /// Ports a client uses: few, so that connections on one port follow each other (reuse, reopen, expiry).
@@ -68,6 +74,17 @@ impl Gen {
     pub fn new(seed: u64) -> Self {
         let mut s = [0u8; 32];
         s[..8].copy_from_slice(&seed.to_le_bytes());
+        let [a, b] = COLLIDING.map(|(client, port)| {
+            lb_common::handshakes::slot(&FlowKeyV4 {
+                src: u32::from_ne_bytes(client.octets()),
+                dst: u32::from_ne_bytes(VIP.octets()),
+                sport: port.to_be(),
+                dport: 80u16.to_be(),
+                proto: PROTO_TCP,
+                _pad: [0; 3],
+            })
+        });
+        assert_eq!(a, b, "the colliding clients' HANDSHAKES slots");
         Gen {
             rng: TestRng::from_seed(RngAlgorithm::ChaCha, &s),
             isn: Default::default(),
@@ -148,8 +165,14 @@ impl Gen {
 
     /// The next operation, given what the model knows now.
     pub fn op(&mut self, model: &Model) -> Op {
-        let client = self.pick(&CLIENTS);
-        let cport = 40000 + self.below(CLIENT_PORTS as u32) as u16;
+        let (client, cport) = if self.chance(6) {
+            self.pick(&COLLIDING)
+        } else {
+            (
+                self.pick(&CLIENTS),
+                40000 + self.below(CLIENT_PORTS as u32) as u16,
+            )
+        };
         let (proto, sport_svc): (u8, u16) = match self.below(10) {
             0..=5 => (PROTO_TCP, 80),
             6..=7 => (PROTO_UDP, 53),
@@ -164,16 +187,20 @@ impl Gen {
             proto,
             _pad: [0; 3],
         };
+        // The client's connection: established, closed, or a handshake (one entry under its reverse key, which
+        // the backend answers even when another client's SYN took the slot the client finds it by).
+        let handshake = model.state.any_handshake(&key);
         let fwd = model
             .state
             .flows
             .get(&key)
             .copied()
-            .or_else(|| model.state.transient.get(&key).map(|t| t.flow));
+            .or_else(|| model.state.transient.get(&key).map(|t| t.flow))
+            .or_else(|| handshake.map(|(_, h)| h.fwd));
         if self.chance(4) {
             if let Some(f) = fwd {
-                // Age one direction or the other.
-                let (k, transient) = if self.chance(50) {
+                // Age one direction or the other (a handshake has one entry).
+                let (k, transient) = if handshake.is_none() && self.chance(50) {
                     (key, !model.state.flows.contains_key(&key))
                 } else {
                     let pk = f.partner_key(proto);

@@ -55,6 +55,10 @@ pub struct State {
     /// The flow filter's bits (`lb_common::flow_filter::slot`, the map's layout) of every TCP key that entered
     /// `FLOWS_V4` this epoch: a TCP SNAT port whose reverse key shares one counts as taken.
     pub marked: HashSet<(u32, u64)>,
+    /// `HANDSHAKES` slots (`lb_common::handshakes::slot` of a client's key) written this epoch: the reverse key of
+    /// a handshake. A slot not written this epoch can hold a key of an earlier one, whose entry no longer exists
+    /// or, if written again since, is another client's handshake: it finds nothing, like no slot.
+    pub handshakes: HashMap<u32, FlowKeyV4>,
     pub stats: Vec<u64>,
     pub svc_stats: HashMap<u32, ServiceStats>,
 }
@@ -67,6 +71,40 @@ impl State {
         }
         self.flows.insert(key, entry);
     }
+
+    /// Whether the flow filter may hold `key` (a mark of it or of a key with the same bit).
+    pub fn marked(&self, key: &FlowKeyV4) -> bool {
+        self.marked.contains(&lb_common::flow_filter::slot(key))
+    }
+
+    /// The handshake of the client's key `key`, as the data plane finds it: the slot's reverse key, and its entry
+    /// if that is this client's handshake.
+    pub fn handshake(&self, key: &FlowKeyV4) -> Option<(FlowKeyV4, TransientV4)> {
+        let rkey = *self.handshakes.get(&lb_common::handshakes::slot(key))?;
+        let t = *self.transient.get(&rkey)?;
+        handshake_of(&t, key).then_some((rkey, t))
+    }
+
+    /// A handshake of the client's key `key` wherever it is (what its backend was sent), even one its slot no
+    /// longer names.
+    pub fn any_handshake(&self, key: &FlowKeyV4) -> Option<(FlowKeyV4, TransientV4)> {
+        self.handshake(key).or_else(|| {
+            self.transient
+                .iter()
+                .find(|(_, t)| handshake_of(t, key))
+                .map(|(k, t)| (*k, *t))
+        })
+    }
+}
+
+/// A handshake's entry (both directions, under the reverse key), as opposed to one of a closed connection's two.
+fn is_handshake(t: &TransientV4) -> bool {
+    t.fwd.flags & FLOW_F_FORWARD != 0
+}
+
+/// Whether `t` is the handshake of the client's key `key`: its reverse entry leads back to that client.
+fn handshake_of(t: &TransientV4, key: &FlowKeyV4) -> bool {
+    is_handshake(t) && t.flow.partner_key(key.proto) == *key
 }
 
 /// The monotonic coarse clock read just before and just after the program ran: its `now` lies in between.
@@ -106,6 +144,8 @@ pub struct Model {
     pub state: State,
     /// Keys of both tables this frame read or wrote (the runner compares them with the kernel's).
     pub touched: Vec<FlowKeyV4>,
+    /// `HANDSHAKES` slots this frame wrote (the runner compares them with the kernel's).
+    pub indexed: Vec<u32>,
     /// What this frame publishes for the HA peers' sync (with `CFG_F_SYNC_EVENTS`): kind, key, entry, and for a
     /// new flow its reverse entry.
     pub events: Vec<(u8, FlowKeyV4, FlowV4, FlowV4)>,
@@ -214,6 +254,7 @@ impl Model {
                 ..Default::default()
             },
             touched: vec![],
+            indexed: vec![],
             events: vec![],
             guard_tat: None,
             trusted: HashSet::new(),
@@ -241,6 +282,7 @@ impl Model {
     /// Runs one frame through the model and checks the program's run against it.
     pub fn step(&mut self, frame: &[u8], run: &Run) -> Step<()> {
         self.touched.clear();
+        self.indexed.clear();
         self.events.clear();
         let (verdict, out) = self.process(frame, run)?;
         if verdict != run.verdict {
@@ -376,9 +418,11 @@ impl Model {
                 }
             }
         }
+        // A SYN's own key is looked up only when the flow filter may hold it; every other packet's always.
+        let lookup = !p.syn() || self.state.marked(&key);
         // Established flows and reply directions.
         let mut reopen = None;
-        if let Some(fl) = self.flow(key) {
+        if let Some(fl) = lookup.then(|| self.flow(key)).flatten() {
             let forward = fl.flags & FLOW_F_FORWARD != 0;
             let closing_syn = p.syn() && fl.flags & (FLOW_F_FIN | FLOW_F_RST) != 0;
             if !forward || !(closing_syn || self.expired(&fl, key.proto, clock)?) {
@@ -387,12 +431,17 @@ impl Model {
             reopen = Some(fl);
         }
         let svc = self.tables.services.get(&skey).copied();
-        let dport = u16::from_be(key.dport);
+        // Closed connections and handshakes under the packet's own key: a client's segment to a service (a SYN
+        // only when the filter may hold its key: a closed connection's forward key was marked in FLOWS_V4), a
+        // backend's to a SNAT port.
         let cfg = self.tables.cfg;
-        let snat_port = (cfg.snat_port_min..=cfg.snat_port_max).contains(&dport);
-        if p.tcp() && (svc.is_some() || snat_port) {
+        let own = match svc {
+            Some(_) => lookup,
+            None => (cfg.snat_port_min..=cfg.snat_port_max).contains(&u16::from_be(key.dport)),
+        };
+        if p.tcp() && own {
             if let Some(t) = self.transient(key) {
-                if let Some(v) = self.segment(f, p, t, reopen, run)? {
+                if let Some(v) = self.segment(f, p, t, run)? {
                     return Ok(v);
                 }
             }
@@ -402,6 +451,12 @@ impl Model {
             return Ok((Verdict::Pass, None));
         };
         if p.tcp() && !p.syn() {
+            // The client's handshake in progress, through its HANDSHAKES slot.
+            if let Some((rkey, h)) = self.find(&key) {
+                if let Some(v) = self.client_segment(f, p, rkey, h, reopen, run)? {
+                    return Ok(v);
+                }
+            }
             self.count(stat::DROP_NO_FLOW);
             self.svc(svc.id).drop_no_flow += 1;
             return Ok((Verdict::Drop, None));
@@ -422,7 +477,7 @@ impl Model {
         if range.len() as u32 <= SNAT_PORT_TRIES
             && range
                 .clone()
-                .all(|port| self.snat_port_held(&target, key.proto, port))
+                .all(|port| self.snat_port_held(&target, &key, port))
         {
             self.count(stat::DROP_SNAT_EXHAUSTED);
             self.svc(svc.id).drop_snat_exhausted += 1;
@@ -437,36 +492,87 @@ impl Model {
         }
         let port = raw16(run.out, p.l4_off);
         let in_range = (cfg.snat_port_min..=cfg.snat_port_max).contains(&u16::from_be(port));
-        if !in_range || self.snat_port_held(&target, key.proto, port) {
+        if !in_range || self.snat_port_held(&target, &key, port) {
             return differs(format!(
                 "SNAT port {} is outside the range, a service port or held by another flow",
                 u16::from_be(port)
             ));
         }
-        if let (Some(old), false) = (reopen, p.tcp()) {
+        if p.tcp() {
+            return self.open(f, p, &svc, &target, port, clock);
+        }
+        if let Some(old) = reopen {
             self.remove_flow(old.partner_key(key.proto));
         }
         let fwd = target.forward(p, &svc, port);
         let rev = target.reverse(p, &svc, port);
         let rkey = fwd.partner_key(key.proto);
         self.touched.push(rkey);
-        if p.tcp() {
-            // A handshake: both entries wait in the transient table.
-            self.state.transient.insert(rkey, transient(rev));
-            self.state.transient.insert(key, transient(fwd));
-            self.take_budget(clock)?;
-            self.count(stat::NEW_HANDSHAKES);
-            let s = self.svc(svc.id);
-            s.handshakes += 1;
-            s.rx_packets += 1;
-            s.rx_bytes += p.tot;
-        } else {
-            self.state.flows.insert(rkey, rev);
-            self.state.flows.insert(key, fwd);
-            self.established_new(key, fwd, rev);
-            self.count_dir(&fwd, p);
-        }
+        self.state.flows.insert(rkey, rev);
+        self.state.flows.insert(key, fwd);
+        self.established_new(key, fwd, rev);
+        self.count_dir(&fwd, p);
         Ok((Verdict::Tx, Some(rewrite(f, p, &fwd))))
+    }
+
+    /// A client's TCP SYN on SNAT port `port` (the program's choice, checked): the handshake waits in the transient
+    /// table, one entry under its reverse key holding both directions, found from the client's side through its
+    /// `HANDSHAKES` slot. When the port holds this client's handshake already, that one goes on (a retransmitted
+    /// SYN: no new handshake) unless it is over (stale or closed), and then the new one takes its place.
+    fn open(
+        &mut self,
+        f: &[u8],
+        p: &L4,
+        svc: &Service,
+        target: &Target,
+        port: u16,
+        clock: Clock,
+    ) -> Step<Answer> {
+        let key = p.key;
+        let fwd = target.forward(p, svc, port);
+        let rkey = fwd.partner_key(PROTO_TCP);
+        // `snat_port_held` let only a free port or this client's handshake through.
+        let current = match self.transient(rkey) {
+            Some(h) if !closed(&h.flow) && !stale(&h, clock)? => Some(h),
+            _ => None,
+        };
+        self.index(&key, rkey);
+        if let Some(mut h) = current {
+            h.flow.last_seen_ns = FRESH;
+            self.state.transient.insert(rkey, h);
+            self.count_dir(&h.fwd, p);
+            return Ok((Verdict::Tx, Some(rewrite(f, p, &h.fwd))));
+        }
+        let h = TransientV4 {
+            flow: target.reverse(p, svc, port),
+            fwd,
+            ..Default::default()
+        };
+        self.state.transient.insert(rkey, h);
+        self.take_budget(clock)?;
+        self.count(stat::NEW_HANDSHAKES);
+        let s = self.svc(svc.id);
+        s.handshakes += 1;
+        s.rx_packets += 1;
+        s.rx_bytes += p.tot;
+        Ok((Verdict::Tx, Some(rewrite(f, p, &fwd))))
+    }
+
+    /// Points the `HANDSHAKES` slot of the client's key `key` at its handshake's reverse key.
+    fn index(&mut self, key: &FlowKeyV4, rkey: FlowKeyV4) {
+        let slot = lb_common::handshakes::slot(key);
+        self.state.handshakes.insert(slot, rkey);
+        self.indexed.push(slot);
+    }
+
+    /// The handshake of the client's key `key`, found through its `HANDSHAKES` slot.
+    fn find(&mut self, key: &FlowKeyV4) -> Option<(FlowKeyV4, TransientV4)> {
+        let rkey = *self
+            .state
+            .handshakes
+            .get(&lb_common::handshakes::slot(key))?;
+        self.touched.push(rkey);
+        self.state.handshake(key)
     }
 
     /// The guard is on and this CPU used its budget: the next handshake is due after `now` (burst 0 here).
@@ -493,9 +599,11 @@ impl Model {
         Ok(())
     }
 
-    /// Whether SNAT port `port_be` cannot be given to a new flow to `t`: a service port of the SNAT address, or
-    /// the reverse key of another flow.
-    fn snat_port_held(&self, t: &Target, proto: u8, port_be: u16) -> bool {
+    /// Whether SNAT port `port_be` cannot be given to a new flow of the client's key `key` to `t`: a service port of
+    /// the SNAT address, or the reverse key of another flow (a TCP one's marked, or in the transient table as
+    /// anything but this client's handshake).
+    fn snat_port_held(&self, t: &Target, key: &FlowKeyV4, port_be: u16) -> bool {
+        let proto = key.proto;
         let skey = ServiceKey {
             addr: Addr::from_v4_raw(t.snat),
             port_be,
@@ -513,11 +621,12 @@ impl Model {
         self.tables.services.contains_key(&skey)
             || self.state.flows.contains_key(&rkey)
             || (proto == PROTO_TCP
-                && (self.state.transient.contains_key(&rkey)
+                && (self.state.marked(&rkey)
                     || self
                         .state
-                        .marked
-                        .contains(&lb_common::flow_filter::slot(&rkey))))
+                        .transient
+                        .get(&rkey)
+                        .is_some_and(|t| !handshake_of(t, key))))
     }
 
     fn remove_flow(&mut self, key: FlowKeyV4) {
@@ -633,50 +742,39 @@ impl Model {
         Some(bit)
     }
 
-    /// A segment with an entry in the transient table; `None` when the entry no longer counts.
-    fn segment(
-        &mut self,
-        f: &[u8],
-        p: &L4,
-        mut t: TransientV4,
-        reopen: Option<FlowV4>,
-        run: &Run,
-    ) -> Step<Option<Answer>> {
-        let clock = run.clock;
-        let partner = t.flow.partner_key(PROTO_TCP);
-        let closed = t.flow.flags & (FLOW_F_FIN | FLOW_F_RST) != 0;
-        let stale = stale(&t, clock)?;
-        if t.flow.flags & FLOW_F_FORWARD == 0 {
-            // The backend's side.
+    /// A TCP segment with an entry in the transient table under its own key: a backend's segment of a handshake,
+    /// or a segment of a closed connection. `None` when the entry no longer counts.
+    fn segment(&mut self, f: &[u8], p: &L4, mut t: TransientV4, run: &Run) -> Step<Option<Answer>> {
+        let stale = stale(&t, run.clock)?;
+        if is_handshake(&t) {
+            // The backend's side: its SYN-ACK records what the client must acknowledge, and points the client's
+            // slot at the handshake again.
             if stale {
                 return Ok(None);
             }
-            if !closed && p.flags & (TCP_SYN | TCP_ACK) == TCP_SYN | TCP_ACK {
+            if !closed(&t.flow) && p.flags & (TCP_SYN | TCP_ACK) == TCP_SYN | TCP_ACK {
                 t.flow.flags |= FLOW_F_SYN_ACK;
                 t.ack_be = p.seq.wrapping_add(1).to_be();
+                self.index(&t.flow.partner_key(PROTO_TCP), p.key);
             }
-            return Ok(Some(self.track_transient(f, p, t, partner)));
+            t.flow.last_seen_ns = FRESH;
+            self.close_bit(&mut t.flow, p.flags);
+            self.state.transient.insert(p.key, t);
+            self.count_dir(&t.flow, p);
+            return Ok(Some((Verdict::Tx, Some(rewrite(f, p, &t.flow)))));
         }
-        if stale || (p.syn() && closed) {
+        let partner = t.flow.partner_key(PROTO_TCP);
+        if stale || (p.syn() && t.flow.flags & FLOW_F_FORWARD != 0) {
+            // Both entries go.
             self.touched.push(partner);
             self.state.transient.remove(&partner);
+            self.state.transient.remove(&p.key);
             return Ok(None);
         }
-        if closed || p.syn() || p.flags & TCP_RST != 0 {
-            return Ok(Some(self.track_transient(f, p, t, partner)));
-        }
-        if p.flags & TCP_ACK != 0 {
-            if let Some(rev) = self.transient(partner) {
-                if rev.flow.flags & FLOW_F_SYN_ACK != 0 && u32::from_be(rev.ack_be) == p.ack {
-                    return Ok(Some(self.promote(f, p, t, rev, reopen)));
-                }
-            }
-        }
-        self.count(stat::DROP_HANDSHAKE);
-        self.svc(t.flow.svc_id).drop_handshake += 1;
-        Ok(Some((Verdict::Drop, None)))
+        Ok(Some(self.track_transient(f, p, t, partner)))
     }
 
+    /// The last segments of a closed connection: timestamp, FIN/RST (a RST closes the partner too), forwarded.
     fn track_transient(
         &mut self,
         f: &[u8],
@@ -697,36 +795,70 @@ impl Model {
         (Verdict::Tx, Some(rewrite(f, p, &t.flow)))
     }
 
+    /// A client's segment (not a SYN) of its handshake `h` (under `rkey`); `None` when the handshake is past its
+    /// time.
+    fn client_segment(
+        &mut self,
+        f: &[u8],
+        p: &L4,
+        rkey: FlowKeyV4,
+        mut h: TransientV4,
+        reopen: Option<FlowV4>,
+        run: &Run,
+    ) -> Step<Option<Answer>> {
+        if stale(&h, run.clock)? {
+            self.state.transient.remove(&rkey);
+            return Ok(None);
+        }
+        if closed(&h.flow) || p.flags & TCP_RST != 0 {
+            // A reset handshake's last segments, or the client giving up: the backend must hear it.
+            h.flow.last_seen_ns = FRESH;
+            self.close_bit(&mut h.flow, p.flags);
+            self.state.transient.insert(rkey, h);
+            self.count_dir(&h.fwd, p);
+            return Ok(Some((Verdict::Tx, Some(rewrite(f, p, &h.fwd)))));
+        }
+        if p.flags & TCP_ACK != 0
+            && h.flow.flags & FLOW_F_SYN_ACK != 0
+            && u32::from_be(h.ack_be) == p.ack
+        {
+            return Ok(Some(self.promote(f, p, rkey, h, reopen)));
+        }
+        self.count(stat::DROP_HANDSHAKE);
+        self.svc(h.flow.svc_id).drop_handshake += 1;
+        Ok(Some((Verdict::Drop, None)))
+    }
+
+    /// The client acknowledged the backend's SYN-ACK: both directions enter the flow table (marked), the handshake
+    /// leaves the transient table.
     fn promote(
         &mut self,
         f: &[u8],
         p: &L4,
-        mut fwd: TransientV4,
-        mut rev: TransientV4,
+        rkey: FlowKeyV4,
+        mut h: TransientV4,
         reopen: Option<FlowV4>,
     ) -> Answer {
         let key = p.key;
-        fwd.flow.last_seen_ns = FRESH;
-        rev.flow.last_seen_ns = FRESH;
-        rev.flow.flags &= !FLOW_F_SYN_ACK;
-        self.close_bit(&mut fwd.flow, p.flags);
-        let rkey = fwd.flow.partner_key(PROTO_TCP);
+        h.fwd.last_seen_ns = FRESH;
+        h.flow.last_seen_ns = FRESH;
+        h.flow.flags &= !FLOW_F_SYN_ACK;
+        self.close_bit(&mut h.fwd, p.flags);
         if let Some(old) = reopen {
             let old = old.partner_key(PROTO_TCP);
             if old != rkey {
                 self.remove_flow(old);
             }
         }
-        self.state.enter_flows(rkey, rev.flow);
-        self.state.enter_flows(key, fwd.flow);
-        self.established_new(key, fwd.flow, rev.flow);
+        self.state.enter_flows(rkey, h.flow);
+        self.state.enter_flows(key, h.fwd);
+        self.established_new(key, h.fwd, h.flow);
         if self.tables.cfg.syn_interval_ns != 0 {
             self.trusted.insert(key.src);
         }
-        self.count_dir(&fwd.flow, p);
-        self.state.transient.remove(&key);
+        self.count_dir(&h.fwd, p);
         self.state.transient.remove(&rkey);
-        (Verdict::Tx, Some(rewrite(f, p, &fwd.flow)))
+        (Verdict::Tx, Some(rewrite(f, p, &h.fwd)))
     }
 
     fn pick_backend(&mut self, p: &L4, svc: &Service) -> Result<Target, Verdict> {
@@ -804,15 +936,18 @@ impl Model {
             proto: iproto,
             _pad: [0; 3],
         };
+        // Established flows first, then (TCP) an entry under the key, then a client's handshake.
         let fl = match self.flow(key) {
-            Some(fl) => fl,
-            None => match self.transient(key) {
-                Some(t) if iproto == PROTO_TCP => t.flow,
-                _ => {
-                    self.count(stat::PASS_ICMP_UNKNOWN);
-                    return Ok((Verdict::Pass, None));
-                }
+            Some(fl) => Some(fl),
+            None if iproto == PROTO_TCP => match self.transient(key) {
+                Some(t) => Some(t.flow),
+                None => self.find(&key).map(|(_, h)| h.fwd),
             },
+            None => None,
+        };
+        let Some(fl) = fl else {
+            self.count(stat::PASS_ICMP_UNKNOWN);
+            return Ok((Verdict::Pass, None));
         };
         let mut o = f.to_vec();
         let set32 = |o: &mut Vec<u8>, at: usize, raw: u32| {
@@ -955,12 +1090,17 @@ impl Target {
     }
 }
 
+/// A closed connection's entry.
 fn transient(flow: FlowV4) -> TransientV4 {
     TransientV4 {
         flow,
-        ack_be: 0,
-        _pad: 0,
+        ..Default::default()
     }
+}
+
+/// FIN or RST seen.
+fn closed(fl: &FlowV4) -> bool {
+    fl.flags & (FLOW_F_FIN | FLOW_F_RST) != 0
 }
 
 /// Idle past the timeout at `now` (0 = never).
