@@ -689,8 +689,11 @@ pub mod defaults {
     pub const MAGLEV_SLOTS: u32 = 1 << 20;
     /// Connection-tracking entries (two per connection).
     pub const MAX_FLOWS: u32 = 1 << 20;
-    /// Entries for TCP handshakes (one each) and closed connections (two each).
-    pub const MAX_TRANSIENT: u32 = 1 << 17;
+    /// Entries for TCP handshakes (one each) and closed connections (two each). Each handshake holds a SNAT port:
+    /// a table that holds more handshakes than a few backends have ports lets a SYN flood fill their port ranges
+    /// (every SYN then tries 32 taken ports and is dropped) instead of recycling the oldest handshakes. 65 536 is
+    /// as many handshakes as the table held before a handshake became one entry (131 072 entries, two each).
+    pub const MAX_TRANSIENT: u32 = 1 << 16;
     /// Sources remembered as having completed a TCP handshake (the SYN rate guard's allow list).
     pub const MAX_TRUSTED_SOURCES: u32 = 1 << 16;
     /// New TCP handshakes per second per CPU before the SYN rate guard drops untrusted sources' SYNs. Each one

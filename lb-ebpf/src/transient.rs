@@ -68,6 +68,7 @@ pub fn open<C: Ctx>(
     }
     // The client's own handshake, when the search meets it.
     let mut retransmit: *mut TransientV4 = core::ptr::null_mut();
+    let own_slot = HANDSHAKES.get_ptr(handshakes::slot(&p.key));
     // A port counts as taken when the flow filter says an established connection may hold its reverse key in
     // FLOWS_V4 — without a lookup there: a cache miss in the large table for every port tried was most of a new
     // connection's cost, and a port skipped for a stale or shared bit is just one more try — or when a handshake
@@ -82,6 +83,13 @@ pub fn open<C: Ctx>(
             .is_ok()
         {
             return true;
+        }
+        // Taken — by this client's own handshake only if the client's index slot names the port. (Looking up
+        // every taken port would mark the entries holding them as used, and the LRU would then keep the flood's
+        // handshakes that block the search instead of recycling them.)
+        // SAFETY: an element of an array map.
+        if own_slot.is_none_or(|s| unsafe { *s } != *rkey) {
+            return false;
         }
         let Some(h) = TRANSIENT_V4.get_ptr_mut(rkey) else {
             return false;

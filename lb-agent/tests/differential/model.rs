@@ -517,8 +517,9 @@ impl Model {
 
     /// A client's TCP SYN on SNAT port `port` (the program's choice, checked): the handshake waits in the transient
     /// table, one entry under its reverse key holding both directions, found from the client's side through its
-    /// `HANDSHAKES` slot. When the port holds this client's handshake already, that one goes on (a retransmitted
-    /// SYN: no new handshake) unless it is over (stale or closed), and then the new one takes its place.
+    /// `HANDSHAKES` slot. When the port holds this client's handshake already and the client's slot names it, that
+    /// one goes on (a retransmitted SYN: no new handshake) unless it is over (stale or closed), and then the new one
+    /// takes its place.
     fn open(
         &mut self,
         f: &[u8],
@@ -601,7 +602,8 @@ impl Model {
 
     /// Whether SNAT port `port_be` cannot be given to a new flow of the client's key `key` to `t`: a service port of
     /// the SNAT address, or the reverse key of another flow (a TCP one's marked, or in the transient table as
-    /// anything but this client's handshake).
+    /// anything but this client's handshake that the client's slot names — the program looks a taken port up only
+    /// then).
     fn snat_port_held(&self, t: &Target, key: &FlowKeyV4, port_be: u16) -> bool {
         let proto = key.proto;
         let skey = ServiceKey {
@@ -622,11 +624,11 @@ impl Model {
             || self.state.flows.contains_key(&rkey)
             || (proto == PROTO_TCP
                 && (self.state.marked(&rkey)
-                    || self
-                        .state
-                        .transient
-                        .get(&rkey)
-                        .is_some_and(|t| !handshake_of(t, key))))
+                    || self.state.transient.get(&rkey).is_some_and(|t| {
+                        !(handshake_of(t, key)
+                            && self.state.handshakes.get(&lb_common::handshakes::slot(key))
+                                == Some(&rkey))
+                    })))
     }
 
     fn remove_flow(&mut self, key: FlowKeyV4) {
