@@ -1637,7 +1637,11 @@ async fn under_yawols_role_revision_ad_hoc_debug_and_log_forward() {
             .then_some(())
     })
     .await;
-    assert_eq!(std::fs::read_to_string(&calls).unwrap(), "start\nstop\n");
+    // sshd is stopped after the key file is emptied: wait for it too.
+    eventually("sshd started once and stopped once", || async {
+        (std::fs::read_to_string(&calls).unwrap() == "start\nstop\n").then_some(())
+    })
+    .await;
     let events: Api<Event> = Api::namespaced(cluster.admin.clone(), &ns);
     let reasons = eventually("the Events", || async {
         let reasons: Vec<String> = events

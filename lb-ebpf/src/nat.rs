@@ -1,9 +1,15 @@
 //! Full NAT: the two entries of a new flow (forward: client → SNAT, VIP → node; reverse: node → VIP, SNAT → client)
 //! and the rewrite of a packet by its entry — MACs, addresses, ports, and the checksums updated incrementally.
 
-use lb_common::{FlowV4, Service, FLOW_F_FORWARD, FLOW_F_REVERSE, PROTO_UDP};
+use lb_common::{stat, FlowV4, Service, FLOW_F_FORWARD, FLOW_F_REVERSE, PROTO_UDP};
 
-use crate::{csum, ctx::Ctx, maps::with_service_stats, packet::L4Pkt, process::Verdict};
+use crate::{
+    csum,
+    ctx::Ctx,
+    maps::{count, with_service_stats},
+    packet::L4Pkt,
+    process::Verdict,
+};
 
 /// Counts a packet of a flow (established or transient) in its direction and rewrites it.
 #[inline(always)]
@@ -107,9 +113,10 @@ pub fn rewrite<C: Ctx>(c: &C, p: &L4Pkt, fl: &FlowV4) -> Verdict {
         (*p.ports).dport = fl.new_dport;
     }
     // Bounds-checked again here: LLVM may merge this tail of the TCP and UDP paths, and the verifier then knows
-    // only the shorter UDP header to be in the packet.
+    // only the shorter UDP header to be in the packet. (The parser checked it: never taken.)
     let (csum_p, csum_off) = p.csum();
     if csum_p as usize + 2 > c.data_end() {
+        count(stat::DROP_MALFORMED);
         return Verdict::Drop;
     }
     c.l4_csum(
