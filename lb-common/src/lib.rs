@@ -320,7 +320,7 @@ pub const fn key_hash(seed: u32, key: &FlowKeyV4) -> u32 {
 /// (backend → SNAT port), which the backend's SYN-ACK looks up; it holds the forward entry too (see
 /// [`TransientV4::fwd`]). The client's segments find that key here, in the slot of a hash of their own key: one
 /// array element written per SYN (and again per SYN-ACK) instead of a second entry in the LRU table, which with its
-/// lookup cost about a third of a new flow. The slot is only a pointer: the entry it names counts only when its
+/// lookup cost up to a third of a new flow. The slot is only a pointer: the entry it names counts only when its
 /// forward entry is the client's (a slot overwritten by another client's SYN of the same hash makes that handshake
 /// unreachable from the client's side until the backend's next SYN-ACK — one in 2^20 per handshake in flight).
 pub mod handshakes {
