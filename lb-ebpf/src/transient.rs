@@ -68,7 +68,8 @@ pub fn open<C: Ctx>(
     }
     // The client's own handshake, when the search meets it.
     let mut retransmit: *mut TransientV4 = core::ptr::null_mut();
-    let own_slot = HANDSHAKES.get_ptr(handshakes::slot(&p.key));
+    // The client's index slot: read by the search, written at its end (one hash per SYN).
+    let own_slot = slot_of(&p.key);
     // A port counts as taken when the flow filter says an established connection may hold its reverse key in
     // FLOWS_V4 — without a lookup there: a cache miss in the large table for every port tried was most of a new
     // connection's cost, and a port skipped for a stale or shared bit is just one more try — or when a handshake
@@ -111,7 +112,7 @@ pub fn open<C: Ctx>(
         return Verdict::Drop;
     };
     let e = unsafe { &*e };
-    index(&p.key, &e.fwd.partner_key(PROTO_TCP));
+    point(own_slot, &e.fwd.partner_key(PROTO_TCP));
     if !retransmit.is_null() {
         // SAFETY: as above.
         let h = unsafe { &mut *retransmit };
@@ -128,10 +129,16 @@ pub fn open<C: Ctx>(
     rewrite(c, p, &e.fwd)
 }
 
-/// Points the client's `HANDSHAKES` slot at its handshake's reverse key.
+/// The `HANDSHAKES` slot of a client's key (client → VIP).
 #[inline(always)]
-fn index(key: &FlowKeyV4, rkey: &FlowKeyV4) {
-    if let Some(slot) = HANDSHAKES.get_ptr_mut(handshakes::slot(key)) {
+fn slot_of(key: &FlowKeyV4) -> Option<*mut FlowKeyV4> {
+    HANDSHAKES.get_ptr_mut(handshakes::slot(key))
+}
+
+/// Points a client's `HANDSHAKES` slot at its handshake's reverse key.
+#[inline(always)]
+fn point(slot: Option<*mut FlowKeyV4>, rkey: &FlowKeyV4) {
+    if let Some(slot) = slot {
         // SAFETY: an element of an array map. Another CPU may write the same slot: either key is whole enough to
         // be looked up, and only an entry that is this client's handshake counts.
         unsafe { *slot = *rkey };
@@ -141,7 +148,7 @@ fn index(key: &FlowKeyV4, rkey: &FlowKeyV4) {
 /// The handshake of the client's key `key` (client → VIP), if its `HANDSHAKES` slot names one.
 #[inline(always)]
 pub fn find(key: &FlowKeyV4) -> Option<*mut TransientV4> {
-    let rkey = HANDSHAKES.get_ptr(handshakes::slot(key))?;
+    let rkey = slot_of(key)?;
     // SAFETY (both): an element of an array map; a value of the map, valid under RCU for this program run.
     let h = TRANSIENT_V4.get_ptr_mut(unsafe { &*rkey })?;
     unsafe { &*h }.handshake_of(key).then_some(h)
@@ -163,7 +170,7 @@ pub fn segment<C: Ctx>(c: &C, p: &L4Pkt, t: &mut TransientV4, now: u64) -> Optio
             t.ack_be = u32::from_be(p.seq_be()).wrapping_add(1).to_be();
             // Written again, so that the client's ACK finds the handshake even if another client's SYN took the
             // slot since its own SYN (and each retransmitted SYN-ACK repairs it).
-            index(&t.flow.partner_key(PROTO_TCP), &p.key);
+            point(slot_of(&t.flow.partner_key(PROTO_TCP)), &p.key);
         }
         t.flow.last_seen_ns = now;
         let _ = close_bit(&mut t.flow, p.tcp_flags, now);

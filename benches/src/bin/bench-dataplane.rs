@@ -325,7 +325,8 @@ fn main() -> Result<()> {
     })?;
     let room = 2 * args.repeat * args.runs as u32 + 4096;
     let sizes = MapSizes {
-        // Room for every entry the new-flow case makes (one per SYN): measures inserts, not eviction.
+        // Room for every entry the new-flow case makes (one per SYN; sized for two, as when a handshake had two
+        // entries, so that runs of both designs compare): measures inserts, not eviction.
         flows: room,
         transient: room,
         ..MapSizes::default()
