@@ -585,7 +585,7 @@ impl Dataplane {
     pub fn flows(&mut self) -> Result<Vec<(FlowKeyV4, FlowV4)>> {
         let m: HashMap<&mut MapData, FlowKeyV4, FlowV4> =
             HashMap::try_from(self.map(names::FLOWS_V4)?)?;
-        Ok(m.iter().filter_map(|r| r.ok()).collect())
+        crate::map_batch::entries(&m).context("reading the flow table")
     }
 
     /// One flow entry.
@@ -630,11 +630,26 @@ impl Dataplane {
         ignore_missing(m.remove(key))
     }
 
+    /// Deletes flow entries in one call; missing ones are skipped. Returns how many were deleted.
+    pub fn remove_flows(&mut self, keys: &[FlowKeyV4]) -> Result<usize> {
+        let mut m: HashMap<&mut MapData, FlowKeyV4, FlowV4> =
+            HashMap::try_from(self.map(names::FLOWS_V4)?)?;
+        crate::map_batch::delete(&mut m, keys).context("deleting flow entries")
+    }
+
+    /// Deletes entries of `TRANSIENT_V4` in one call; missing ones are skipped.
+    pub fn remove_transient_flows(&mut self, keys: &[FlowKeyV4]) -> Result<usize> {
+        let mut m: HashMap<&mut MapData, FlowKeyV4, TransientV4> =
+            HashMap::try_from(self.map(names::TRANSIENT_V4)?)?;
+        crate::map_batch::delete(&mut m, keys)
+            .context("deleting handshake and closed-connection entries")
+    }
+
     /// A snapshot of every entry of `TRANSIENT_V4` (TCP handshakes and closed connections).
     pub fn transient_flows(&mut self) -> Result<Vec<(FlowKeyV4, TransientV4)>> {
         let m: HashMap<&mut MapData, FlowKeyV4, TransientV4> =
             HashMap::try_from(self.map(names::TRANSIENT_V4)?)?;
-        Ok(m.iter().filter_map(|r| r.ok()).collect())
+        crate::map_batch::entries(&m).context("reading the handshake and closed-connection table")
     }
 
     /// The SYN rate guard's trusted sources (`TRUSTED_SOURCES`).

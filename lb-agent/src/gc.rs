@@ -3,7 +3,7 @@
 
 use crate::dataplane::Dataplane;
 use anyhow::Result;
-use lb_common::{FlowKeyV4, FlowV4, FLOW_F_FIN, FLOW_F_FORWARD, FLOW_F_RST};
+use lb_common::{FlowKeyV4, FlowV4, FLOW_F_FORWARD};
 use std::collections::{BTreeSet, HashMap, HashSet};
 use std::net::{IpAddr, SocketAddr};
 
@@ -35,13 +35,6 @@ pub struct GcReport {
     pub deleted: u64,
     /// Connections this replica carried recently, for the peers' refresh (only when asked for).
     pub refresh: Vec<(lb_common::FlowEvent, u32)>,
-}
-
-/// A TCP connection that was reset, or saw FIN both ways, only lingers for late segments.
-fn closed(f: &FlowV4, partner: Option<&FlowV4>) -> bool {
-    let flags = f.flags | partner.map_or(0, |p| p.flags);
-    flags & FLOW_F_RST != 0
-        || (f.flags & FLOW_F_FIN != 0 && partner.is_some_and(|p| p.flags & FLOW_F_FIN != 0))
 }
 
 /// Walks the flow table once. A connection is expired when both of its entries are idle past their
@@ -90,7 +83,7 @@ pub fn collect(dp: &mut Dataplane, now: u64, refresh_window_ns: Option<u64>) -> 
                 delete.push(pk);
             }
             *r.expired.entry(f.svc_id).or_default() += 1;
-        } else if !closed(f, partner) {
+        } else if !f.connection_closed(partner) {
             *r.active.entry(f.svc_id).or_default() += 1;
         }
     }
@@ -99,20 +92,18 @@ pub fn collect(dp: &mut Dataplane, now: u64, refresh_window_ns: Option<u64>) -> 
             delete.push(*k);
         }
     }
-    for k in &delete {
-        dp.remove_flow(k)?;
-    }
+    dp.remove_flows(&delete)?;
     r.deleted = delete.len() as u64;
     r.entries = r.entries.saturating_sub(r.deleted);
     // Handshakes that never completed and closed connections past their time: the data plane already ignores
     // them and the LRU would recycle them; deleting them keeps the table's fill level honest.
-    let mut stale = 0;
-    for (k, t) in &transient {
-        if t.stale(now) {
-            dp.remove_transient_flow(k)?;
-            stale += 1;
-        }
-    }
+    let stale: Vec<FlowKeyV4> = transient
+        .iter()
+        .filter(|(_, t)| t.stale(now))
+        .map(|(k, _)| *k)
+        .collect();
+    dp.remove_transient_flows(&stale)?;
+    let stale = stale.len() as u64;
     r.deleted += stale;
     r.transient_entries = transient.len() as u64 - stale;
     Ok(r)
@@ -126,7 +117,7 @@ pub fn flush_udp_flows(dp: &mut Dataplane, backends: &BTreeSet<SocketAddr>) -> R
     if backends.is_empty() {
         return Ok(0);
     }
-    let mut n = 0;
+    let mut gone = Vec::new();
     for (k, f) in dp.flows()? {
         if k.proto != lb_common::PROTO_UDP || f.flags & FLOW_F_FORWARD == 0 {
             continue;
@@ -136,10 +127,9 @@ pub fn flush_udp_flows(dp: &mut Dataplane, backends: &BTreeSet<SocketAddr>) -> R
             u16::from_be(f.new_dport),
         );
         if backends.contains(&to) {
-            dp.remove_flow(&k)?;
-            dp.remove_flow(&f.partner_key(k.proto))?;
-            n += 1;
+            gone.extend([k, f.partner_key(k.proto)]);
         }
     }
-    Ok(n)
+    dp.remove_flows(&gone)?;
+    Ok(gone.len() as u64 / 2)
 }

@@ -8,7 +8,7 @@
 //! latest and its flow table has caught up with every reachable peer.
 
 use crate::dataplane::{interface_mac, Dataplane};
-use crate::flowstore::{Applied, BpfFlowStore};
+use crate::flowstore::BpfFlowStore;
 use crate::sync::{
     self, ApplyOutcome, FlowRecord, FlowStore, SyncCounters, SyncHandle, SyncOptions,
 };
@@ -117,17 +117,11 @@ impl FlowStore for SyncStore {
             .collect())
     }
 
-    fn apply(&mut self, rec: &FlowRecord) -> ApplyOutcome {
-        match self.0.apply(&rec.event, rec.age_ms) {
-            Ok(Applied::Written) => ApplyOutcome::Applied,
-            Ok(Applied::Unchanged) => ApplyOutcome::Unchanged,
-            Ok(Applied::Conflict) => ApplyOutcome::Conflict,
-            Ok(Applied::UnknownService) => ApplyOutcome::UnknownService,
-            Err(e) => {
-                tracing::debug!(error = %format!("{e:#}"), "applying a synced flow failed");
-                ApplyOutcome::Error
-            }
-        }
+    fn apply(&mut self, recs: &[FlowRecord]) -> Vec<ApplyOutcome> {
+        self.0.apply_batch(recs).unwrap_or_else(|e| {
+            tracing::debug!(error = %format!("{e:#}"), "applying synced flows failed");
+            vec![ApplyOutcome::Error; recs.len()]
+        })
     }
 }
 

@@ -14,6 +14,7 @@ pub mod health;
 pub mod hostmetrics;
 pub mod inspect;
 pub mod maglev;
+pub mod map_batch;
 pub mod metrics;
 pub mod model;
 pub mod neighbor;

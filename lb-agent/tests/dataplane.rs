@@ -986,7 +986,8 @@ mod state_sync {
     //! Two independent data planes: flows created on one and applied to the other through
     //! `BpfFlowStore` are translated identically by both.
     use super::*;
-    use lb_agent::flowstore::{Applied, BpfFlowStore};
+    use lb_agent::flowstore::BpfFlowStore;
+    use lb_agent::sync::ApplyOutcome;
     use std::sync::atomic::AtomicBool;
     use std::sync::Arc;
 
@@ -1019,10 +1020,10 @@ mod state_sync {
         let p = open(&mut a, 44000);
         let ev = read_event(&mut events).unwrap();
         assert_eq!(b.dp.trusted_sources().unwrap(), vec![]);
-        assert_eq!(store.apply(&ev, 250).unwrap(), Applied::Written);
+        assert_eq!(store.apply(&ev, 250).unwrap(), ApplyOutcome::Applied);
         assert_eq!(
             store.apply(&ev, 250).unwrap(),
-            Applied::Unchanged,
+            ApplyOutcome::Unchanged,
             "idempotent"
         );
         // The peer's completed handshake vouches for its client here too (the SYN rate guard lets it through).
@@ -1062,22 +1063,36 @@ mod state_sync {
         store.apply(&new, 0).unwrap();
         a.run(&reply_tcp(&p, RST, b""));
         let close = read_event(&mut events).unwrap();
-        assert_eq!(store.apply(&close, 0).unwrap(), Applied::Written);
+        assert_eq!(store.apply(&close, 0).unwrap(), ApplyOutcome::Applied);
+        // A reset ends the connection: both entries leave the flow table for the transient one, as on A.
         let key = fwd_key(45000, 6, WEB_PORT);
-        let fb = b.dp.flow(&key).unwrap().unwrap();
+        assert_eq!(b.dp.flow(&key).unwrap(), None);
+        assert_eq!(b.dp.flow(&new.fwd.partner_key(6)).unwrap(), None);
+        for k in [key, new.fwd.partner_key(6)] {
+            let t = b.dp.transient_flow(&k).unwrap().expect("closed entry");
+            assert_eq!(
+                t.flow.flags & FLOW_F_RST,
+                FLOW_F_RST,
+                "a reset closes both entries"
+            );
+            assert_eq!(t.flow.timeout_s, lb_common::TCP_CLOSING_TIMEOUT_S);
+        }
         assert_eq!(
-            fb.flags & FLOW_F_RST,
-            FLOW_F_RST,
-            "a reset closes both entries"
+            store.apply(&close, 0).unwrap(),
+            ApplyOutcome::Unchanged,
+            "idempotent"
         );
-        assert_eq!(fb.timeout_s, lb_common::TCP_CLOSING_TIMEOUT_S);
 
         // A flow for a service B does not have.
         let mut other = new;
         other.key.dport = 9999u16.to_be();
-        assert_eq!(store.apply(&other, 0).unwrap(), Applied::UnknownService);
+        assert_eq!(
+            store.apply(&other, 0).unwrap(),
+            ApplyOutcome::UnknownService
+        );
 
-        // Same client tuple, another backend: a conflict; a backup takes the peer's view.
+        // Same client tuple, another SNAT port: the peer's later record replaces its earlier copy here (not a
+        // conflict: this replica does not carry the connection itself).
         let mut moved = new;
         moved.key.sport = 45001u16.to_be();
         moved.fwd.new_sport = 50001u16.to_be();
@@ -1085,12 +1100,217 @@ mod state_sync {
         store.apply(&moved, 0).unwrap();
         let mut conflicting = moved;
         conflicting.fwd.new_sport = 50002u16.to_be();
-        assert_eq!(store.apply(&conflicting, 0).unwrap(), Applied::Conflict);
+        assert_eq!(store.apply(&conflicting, 0).unwrap(), ApplyOutcome::Applied);
         let k = conflicting.key;
         assert_eq!(b.dp.flow(&k).unwrap().unwrap().new_sport, 50002u16.to_be());
         assert!(
             b.dp.flow(&moved.fwd.partner_key(6)).unwrap().is_none(),
             "the replaced SNAT port is freed"
         );
+    }
+}
+
+mod sync_churn {
+    //! A backup's table under churn: connections opened, closed (FIN both ways, RST) and reopened on reused client
+    //! and SNAT ports on a master, its flow events applied to a backup in batches of varying size. The backup's
+    //! connection table must equal the master's — the same connections, translations and close state — and no
+    //! record may count as a conflict: nothing here is a split brain.
+    use super::*;
+    use lb_agent::flowstore::BpfFlowStore;
+    use lb_agent::sync::{ApplyOutcome, FlowRecord};
+    use lb_common::{FlowV4, FLOW_F_SYNCED};
+    use std::collections::BTreeMap;
+    use std::sync::atomic::AtomicBool;
+    use std::sync::Arc;
+
+    /// Master and backup with the same services; the master publishes flow events and SNATs to a range of 24
+    /// ports, so that ports are reused as soon as a connection closed.
+    fn pair() -> (
+        Harness,
+        Harness,
+        BpfFlowStore,
+        aya::maps::RingBuf<aya::maps::MapData>,
+    ) {
+        let mut a = Harness::new(Hook::Xdp);
+        let mut b = Harness::new(Hook::Xdp);
+        a.apply(&[web(&[1, 2, 3])]);
+        b.apply(&[web(&[1, 2, 3])]);
+        let store = BpfFlowStore::open(&mut b.dp, Arc::new(AtomicBool::new(false))).unwrap();
+        a.dp.set_config(&lb_common::Config {
+            flags: lb_common::CFG_F_SYNC_EVENTS,
+            snat_port_min: 40000,
+            snat_port_max: 40023,
+            ..Default::default()
+        })
+        .unwrap();
+        let events = a.dp.take_flow_events().unwrap();
+        (a, b, store, events)
+    }
+
+    /// The connection table as the sync must reproduce it: translations and close state, without ids, ages
+    /// and marks.
+    fn table(h: &mut Harness) -> BTreeMap<(u32, u32, u16, u16), (u32, u32, u16, u16, u8, u32)> {
+        let norm = |f: &FlowV4| {
+            let flags = f.flags & !FLOW_F_SYNCED;
+            (
+                f.new_src,
+                f.new_dst,
+                f.new_sport,
+                f.new_dport,
+                flags,
+                f.timeout_s,
+            )
+        };
+        h.dp.flows()
+            .unwrap()
+            .iter()
+            .map(|(k, f)| ((k.src, k.dst, k.sport, k.dport), norm(f)))
+            .collect()
+    }
+
+    /// Closed connections' entries in `TRANSIENT_V4`, by key.
+    fn closed(h: &mut Harness) -> BTreeMap<(u32, u32, u16, u16), (u32, u32, u16, u16)> {
+        h.dp.transient_flows()
+            .unwrap()
+            .iter()
+            .filter(|(_, t)| t.closed())
+            .map(|(k, t)| {
+                let f = &t.flow;
+                (
+                    (k.src, k.dst, k.sport, k.dport),
+                    (f.new_src, f.new_dst, f.new_sport, f.new_dport),
+                )
+            })
+            .collect()
+    }
+
+    /// Lets a closing connection's time run out (both entries of a closed one in `TRANSIENT_V4`, a half-closed
+    /// one's in `FLOWS_V4`), then runs the agent's GC pass, which deletes them.
+    fn pass_closing_timeout(h: &mut Harness) {
+        for (k, mut t) in h.dp.transient_flows().unwrap() {
+            if t.closed() {
+                t.flow.last_seen_ns = 1;
+                h.dp.set_transient_flow(&k, &t).unwrap();
+            }
+        }
+        for (k, mut f) in h.dp.flows().unwrap() {
+            if f.flags & (FLOW_F_FIN | FLOW_F_RST) != 0 {
+                f.last_seen_ns = 1;
+                h.dp.set_flow(&k, &f).unwrap();
+            }
+        }
+        lb_agent::gc::collect(&mut h.dp, lb_agent::gc::now_ns(), None).unwrap();
+    }
+
+    #[test]
+    fn the_backup_holds_the_masters_table_and_sees_no_conflict() {
+        let (mut a, mut b, mut store, mut events) = pair();
+        let mut outcomes = Vec::new();
+        let mut batch = 1;
+        // Client ports per SNAT port, from the new connections' records.
+        let mut snat_users: BTreeMap<u16, std::collections::BTreeSet<u16>> = BTreeMap::new();
+        let mut sync = |events: &mut aya::maps::RingBuf<aya::maps::MapData>,
+                        store: &mut BpfFlowStore,
+                        outcomes: &mut Vec<ApplyOutcome>| {
+            let mut recs = Vec::new();
+            while let Some(event) = read_event(events) {
+                if event.kind == lb_common::FLOW_EV_NEW {
+                    snat_users
+                        .entry(event.fwd.new_sport)
+                        .or_default()
+                        .insert(event.key.sport);
+                }
+                recs.push(FlowRecord { event, age_ms: 0 });
+            }
+            // Frames of 1, 2, 3 … 7 records: a connection's records are split across batches in every way.
+            for chunk in recs.chunks(batch) {
+                outcomes.extend(store.apply_batch(chunk).unwrap());
+                batch = batch % 7 + 1;
+            }
+        };
+        // Rounds of 12 client ports on 24 SNAT ports: ports a round frees are taken again by the next ones.
+        for round in 0..8u16 {
+            let ports: Vec<u16> = (0..12).map(|i| 41000 + (round % 3) * 12 + i).collect();
+            let mut open_now = Vec::new();
+            for &port in &ports {
+                open_now.push((port, open(&mut a, port)));
+            }
+            sync(&mut events, &mut store, &mut outcomes);
+            for (i, (port, p)) in open_now.iter().enumerate() {
+                match i % 4 {
+                    // FIN from the client first, then from the backend.
+                    0 => {
+                        assert_eq!(a.run(&client_tcp(*port, FIN_ACK, b"")).0, Verdict::Tx);
+                        assert_eq!(a.run(&reply_tcp(p, FIN_ACK, b"")).0, Verdict::Tx);
+                    }
+                    // The backend closes first.
+                    1 => {
+                        assert_eq!(a.run(&reply_tcp(p, FIN_ACK, b"")).0, Verdict::Tx);
+                        assert_eq!(a.run(&client_tcp(*port, FIN_ACK, b"")).0, Verdict::Tx);
+                    }
+                    // A reset.
+                    2 => assert_eq!(a.run(&client_tcp(*port, RST, b"")).0, Verdict::Tx),
+                    // Half closed: stays in the table.
+                    _ => assert_eq!(a.run(&client_tcp(*port, FIN_ACK, b"")).0, Verdict::Tx),
+                }
+                if i % 5 == 0 {
+                    sync(&mut events, &mut store, &mut outcomes);
+                }
+            }
+            sync(&mut events, &mut store, &mut outcomes);
+            assert_eq!(
+                table(&mut b),
+                table(&mut a),
+                "round {round}: the connection tables differ"
+            );
+            let closed_a = closed(&mut a);
+            let closed_b = closed(&mut b);
+            for (k, t) in &closed_a {
+                assert_eq!(
+                    closed_b.get(k),
+                    Some(t),
+                    "round {round}: a closed connection on the backup"
+                );
+            }
+            // The closing timeout passes on both: closed connections free their SNAT ports for the next round.
+            for h in [&mut a, &mut b] {
+                pass_closing_timeout(h);
+            }
+        }
+        assert!(outcomes.len() > 8 * 12 * 2, "{} records", outcomes.len());
+        drop(sync);
+        assert!(
+            snat_users.values().filter(|c| c.len() > 1).count() >= 8,
+            "SNAT ports reused by other clients: {snat_users:?}"
+        );
+        let conflicts = outcomes
+            .iter()
+            .filter(|o| **o == ApplyOutcome::Conflict)
+            .count();
+        assert_eq!(conflicts, 0, "outcomes: {outcomes:?}");
+    }
+
+    #[test]
+    fn a_split_brain_is_a_conflict() {
+        let (mut a, mut b, mut store, mut events) = pair();
+        // Both replicas carry the same client port at once, each with its own connection: B's data plane made its
+        // own (its SNAT range differs from A's, so the translations differ).
+        open(&mut a, 42000);
+        open(&mut b, 42000);
+        let ev = read_event(&mut events).unwrap();
+        assert_eq!(store.apply(&ev, 0).unwrap(), ApplyOutcome::Conflict);
+        // A copy of a peer's connection is superseded by the peer's later record without a conflict.
+        let (mut a2, mut b2, mut store2, mut events2) = pair();
+        let _ = &mut b2;
+        open(&mut a2, 42001);
+        let first = read_event(&mut events2).unwrap();
+        let mut moved = first;
+        moved.fwd.new_sport = 40007u16.to_be();
+        moved.rev = FlowV4 {
+            new_dport: 42001u16.to_be(),
+            ..first.rev
+        };
+        assert_eq!(store2.apply(&moved, 0).unwrap(), ApplyOutcome::Applied);
+        assert_eq!(store2.apply(&first, 0).unwrap(), ApplyOutcome::Applied);
     }
 }

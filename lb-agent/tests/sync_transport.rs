@@ -291,8 +291,8 @@ impl FlowStore for GatedStore {
         self.inner.dump()
     }
 
-    fn apply(&mut self, rec: &FlowRecord) -> ApplyOutcome {
-        self.inner.apply_record(rec)
+    fn apply(&mut self, recs: &[FlowRecord]) -> Vec<ApplyOutcome> {
+        self.inner.apply(recs)
     }
 }
 

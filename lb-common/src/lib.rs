@@ -245,6 +245,16 @@ impl FlowV4 {
         }
     }
 
+    /// Whether this entry's TCP connection is over — reset, or FIN seen in both directions — and only lingers for
+    /// its last segments. The data plane then moves both entries to `TRANSIENT_V4` (the flow sync does the same
+    /// with a peer's closes); the GC no longer counts the connection as active.
+    #[inline(always)]
+    pub fn connection_closed(&self, partner: Option<&FlowV4>) -> bool {
+        let flags = self.flags | partner.map_or(0, |p| p.flags);
+        flags & FLOW_F_RST != 0
+            || (self.flags & FLOW_F_FIN != 0 && partner.is_some_and(|p| p.flags & FLOW_F_FIN != 0))
+    }
+
     /// The key of the partner entry (the other direction of the same connection).
     #[inline(always)]
     pub const fn partner_key(&self, proto: u8) -> FlowKeyV4 {

@@ -183,8 +183,8 @@ impl FlowStore for MemoryFlowStore {
         Ok(out)
     }
 
-    fn apply(&mut self, rec: &FlowRecord) -> ApplyOutcome {
-        self.apply_record(rec)
+    fn apply(&mut self, recs: &[FlowRecord]) -> Vec<ApplyOutcome> {
+        recs.iter().map(|r| self.apply_record(r)).collect()
     }
 }
 
@@ -238,25 +238,25 @@ mod tests {
     fn applies_detects_conflicts_and_dumps() {
         let mut s = MemoryFlowStore::new();
         let a = new_flow(1000, 1);
-        assert_eq!(s.apply(&a), ApplyOutcome::Applied);
+        assert_eq!(s.apply_record(&a), ApplyOutcome::Applied);
         assert_eq!(s.len(), 2);
-        assert_eq!(s.apply(&a), ApplyOutcome::Unchanged);
-        assert_eq!(s.apply(&new_flow(1000, 2)), ApplyOutcome::Conflict);
+        assert_eq!(s.apply_record(&a), ApplyOutcome::Unchanged);
+        assert_eq!(s.apply_record(&new_flow(1000, 2)), ApplyOutcome::Conflict);
         assert_eq!(s.get(&a.event.key).unwrap().backend_id, 1);
         // FIN accumulates.
         let mut close = a;
         close.event.kind = FLOW_EV_CLOSE;
         close.event.fwd.flags |= FLOW_F_FIN;
         close.event.rev = FlowV4::default();
-        assert_eq!(s.apply(&close), ApplyOutcome::Applied);
-        assert_eq!(s.apply(&close), ApplyOutcome::Unchanged);
+        assert_eq!(s.apply_record(&close), ApplyOutcome::Applied);
+        assert_eq!(s.apply_record(&close), ApplyOutcome::Unchanged);
         // Refresh moves the age forward only.
         let mut refresh = a;
         refresh.event.kind = FLOW_EV_REFRESH;
         refresh.age_ms = 10;
-        assert_eq!(s.apply(&refresh), ApplyOutcome::Applied);
+        assert_eq!(s.apply_record(&refresh), ApplyOutcome::Applied);
         refresh.age_ms = 4000;
-        assert_eq!(s.apply(&refresh), ApplyOutcome::Unchanged);
+        assert_eq!(s.apply_record(&refresh), ApplyOutcome::Unchanged);
         assert!(s.age(&a.event.key).unwrap() < Duration::from_secs(1));
         let d = s.dump().unwrap();
         assert_eq!(d.len(), 1);

@@ -73,10 +73,10 @@ pub enum ApplyOutcome {
 pub trait FlowStore: Send + 'static {
     /// Every live flow as records (`FLOW_EV_NEW` with both entries), for a full resync to a peer.
     fn dump(&mut self) -> anyhow::Result<Vec<FlowRecord>>;
-    /// Applies one record received from a peer. Must be idempotent and must not move a flow's last use
-    /// backwards: records published while a dump is taken arrive twice, and a late refresh may carry an older
-    /// age than the dump did.
-    fn apply(&mut self, rec: &FlowRecord) -> ApplyOutcome;
+    /// Applies records received from a peer (a frame's worth), in order; one outcome per record. Must be
+    /// idempotent and must not move a flow's last use backwards: records published while a dump is taken arrive
+    /// twice, and a late refresh may carry an older age than the dump did.
+    fn apply(&mut self, recs: &[FlowRecord]) -> Vec<ApplyOutcome>;
 }
 
 /// Settings of [`start`]. [`SyncOptions::new`] fills in the defaults.

@@ -565,8 +565,8 @@ impl Tally {
     }
 }
 
-/// Applies a batch in a blocking thread. `apply` is a few syscalls per record on the real store, some
-/// hundred records per frame: too long for an async worker, and the store mutex may be held by a dump for a
+/// Applies a batch in a blocking thread. `apply` makes syscalls on the real store, some hundred records per
+/// frame: too long for an async worker, and the store mutex may be held by a dump for a
 /// second or more. One hop per frame keeps the overhead small and, awaited before the next frame is read,
 /// keeps the records in order.
 fn apply_batch(
@@ -575,10 +575,10 @@ fn apply_batch(
 ) -> impl Future<Output = Result<Tally, tokio::task::JoinError>> {
     let store = store.clone();
     tokio::task::spawn_blocking(move || {
-        let mut s = lock(&store);
+        let outcomes = lock(&store).apply(&recs);
         let mut t = Tally::default();
-        for r in &recs {
-            match s.apply(r) {
+        for o in outcomes {
+            match o {
                 ApplyOutcome::Applied => t.applied += 1,
                 ApplyOutcome::Unchanged => t.unchanged += 1,
                 ApplyOutcome::Conflict => t.conflict += 1,
