@@ -216,7 +216,7 @@ fn encode_ha(enc: &mut DescriptorEncoder, h: &crate::ha::HaSnapshot) -> std::fmt
         counter(
             enc,
             "lb_sync_conflicts",
-            "Peer records that translate a flow differently from this machine (split-brain guard; should stay 0).",
+            "Peer records for a connection this machine carries itself, translated differently: a split brain (0 otherwise).",
             &one(d.conflict),
         )?;
         counter(

@@ -1147,16 +1147,16 @@ mod sync_churn {
         (a, b, store, events)
     }
 
-    /// The connection table as the sync must reproduce it: translations and close state, without ids, ages
-    /// and marks.
-    fn table(h: &mut Harness) -> BTreeMap<(u32, u32, u16, u16), (u32, u32, u16, u16, u8, u32)> {
+    /// Addresses and ports of a key, or of a translation.
+    type Tuple = (u32, u32, u16, u16);
+
+    /// The connection table as the sync must reproduce it: translations, close state and timeouts, without ids,
+    /// ages and marks.
+    fn table(h: &mut Harness) -> BTreeMap<Tuple, (Tuple, u8, u32)> {
         let norm = |f: &FlowV4| {
             let flags = f.flags & !FLOW_F_SYNCED;
             (
-                f.new_src,
-                f.new_dst,
-                f.new_sport,
-                f.new_dport,
+                (f.new_src, f.new_dst, f.new_sport, f.new_dport),
                 flags,
                 f.timeout_s,
             )
@@ -1169,7 +1169,7 @@ mod sync_churn {
     }
 
     /// Closed connections' entries in `TRANSIENT_V4`, by key.
-    fn closed(h: &mut Harness) -> BTreeMap<(u32, u32, u16, u16), (u32, u32, u16, u16)> {
+    fn closed(h: &mut Harness) -> BTreeMap<Tuple, Tuple> {
         h.dp.transient_flows()
             .unwrap()
             .iter()
@@ -1278,7 +1278,6 @@ mod sync_churn {
             }
         }
         assert!(outcomes.len() > 8 * 12 * 2, "{} records", outcomes.len());
-        drop(sync);
         assert!(
             snat_users.values().filter(|c| c.len() > 1).count() >= 8,
             "SNAT ports reused by other clients: {snat_users:?}"

@@ -69,14 +69,146 @@ struct SyncRun {
     records_per_s: f64,
     master_agent_cpu_s: f64,
     backup_agent_cpu_s: f64,
-    cpu_ms_per_1000_flows: f64,
+    /// Both agents' CPU seconds per second without traffic.
+    idle_cpu_per_s: f64,
+    /// Both agents' CPU time over the run, less their idle CPU over the same time, per connection the master
+    /// synced.
+    cpu_us_per_connection: f64,
+    /// Records the backup refused as conflicts (a split brain only; none here).
+    conflicts: f64,
     peer_missing_flows: usize,
+    /// Forward flows the backup holds and the master does not (connections closed there, lingering here).
+    peer_extra_flows: usize,
 }
 
 #[derive(Serialize)]
 struct Report {
     setups: Vec<Setup>,
     sync: SyncRun,
+    apply: ApplyRun,
+}
+
+/// The receiving side's cost alone: a short connection's records (new, the client's FIN, the backend's FIN)
+/// applied to a loaded data plane's maps through the agent's store, in frames, with no traffic beside it.
+#[derive(Serialize)]
+struct ApplyRun {
+    connections: usize,
+    records_per_frame: usize,
+    /// CPU time of the applying thread per connection.
+    cpu_us_per_connection: f64,
+}
+
+/// Thread CPU time in seconds (`CLOCK_THREAD_CPUTIME_ID`).
+fn thread_cpu_s() -> f64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: a valid timespec pointer.
+    unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
+    ts.tv_sec as f64 + ts.tv_nsec as f64 * 1e-9
+}
+
+fn apply_cost(connections: usize, per_frame: usize) -> Result<ApplyRun> {
+    use lb_agent::dataplane::{Dataplane, MapSizes};
+    use lb_agent::flowstore::BpfFlowStore;
+    use lb_agent::model::{Protocol, ServiceId, ServiceSpec};
+    use lb_agent::programmer::Programmer;
+    use lb_agent::sync::FlowRecord;
+    use lb_common::{FlowEvent, FlowKeyV4, FlowV4, FLOW_EV_CLOSE, FLOW_EV_NEW, FLOW_F_FIN};
+    use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+    let sizes = MapSizes {
+        flows: 131_072,
+        transient: 65_536,
+        ..MapSizes::default()
+    };
+    let mut dp = Dataplane::load(&sizes, None)?;
+    let (vip, client, node) = (
+        Ipv4Addr::new(203, 0, 113, 1),
+        Ipv4Addr::new(198, 51, 100, 10),
+        Ipv4Addr::new(10, 0, 0, 11),
+    );
+    Programmer::new(sizes.services, sizes.backends, sizes.maglev_slots).apply(
+        &mut dp,
+        &[ServiceSpec {
+            id: ServiceId {
+                vip: IpAddr::V4(vip),
+                port: 80,
+                protocol: Protocol::Tcp,
+            },
+            snat: None,
+            idle_timeout: Duration::from_secs(3600),
+            source_ranges: vec![],
+            backends: vec![SocketAddr::new(IpAddr::V4(node), 30080)],
+        }],
+    )?;
+    let mut store = BpfFlowStore::open(&mut dp, Default::default())?;
+    let raw = |a: Ipv4Addr| u32::from_ne_bytes(a.octets());
+    let mut recs = Vec::with_capacity(connections * 3);
+    for i in 0..connections {
+        let cport = (10_000 + i % 50_000) as u16;
+        let sport = (1024 + (i * 7) % 60_000) as u16;
+        let key = FlowKeyV4 {
+            src: raw(client),
+            dst: raw(vip),
+            sport: cport.to_be(),
+            dport: 80u16.to_be(),
+            proto: 6,
+            _pad: [0; 3],
+        };
+        let fwd = FlowV4 {
+            new_src: raw(vip),
+            new_dst: raw(node),
+            new_sport: sport.to_be(),
+            new_dport: 30080u16.to_be(),
+            flags: lb_common::FLOW_F_FORWARD,
+            timeout_s: 3600,
+            ..Default::default()
+        };
+        let rev = FlowV4 {
+            new_src: raw(vip),
+            new_dst: raw(client),
+            new_sport: 80u16.to_be(),
+            new_dport: cport.to_be(),
+            flags: lb_common::FLOW_F_REVERSE,
+            timeout_s: 3600,
+            ..Default::default()
+        };
+        let ev = |kind, key, fwd, rev| FlowRecord {
+            event: FlowEvent {
+                kind,
+                _pad: [0; 7],
+                key,
+                fwd,
+                rev,
+            },
+            age_ms: 0,
+        };
+        recs.push(ev(FLOW_EV_NEW, key, fwd, rev));
+        let fin = |mut f: FlowV4| {
+            f.flags |= FLOW_F_FIN;
+            f
+        };
+        recs.push(ev(FLOW_EV_CLOSE, key, fin(fwd), FlowV4::default()));
+        recs.push(ev(
+            FLOW_EV_CLOSE,
+            fwd.partner_key(6),
+            fin(rev),
+            FlowV4::default(),
+        ));
+    }
+    // A connection's records in different frames, as under churn: new connections in one frame, their closes
+    // in later ones.
+    let t = thread_cpu_s();
+    for frame in recs.chunks(per_frame) {
+        store.apply_batch(frame)?;
+    }
+    let cpu = thread_cpu_s() - t;
+    Ok(ApplyRun {
+        connections,
+        records_per_frame: per_frame,
+        cpu_us_per_connection: cpu * 1e6 / connections as f64,
+    })
 }
 
 fn hold_args(r: &HaRig, a: &Args, timeout_ms: u64) -> Vec<String> {
@@ -197,11 +329,35 @@ fn sync_throughput(a: &Args) -> Result<SyncRun> {
     let (master, backup) = r.wait_master_and_backup(Duration::from_secs(60))?;
     let cpu = |h: Host| r.agent_pid(h).map_or(0.0, |p| process_cpu(p as i32));
     let m = |h: Host, name: &str| r.metric(h, name, "").unwrap_or(0.0);
+    // The agents' CPU without traffic (health checks, GC, metrics), subtracted below: what remains is the sync's
+    // cost (and the master's GC of the connections it carried).
+    let idle = Duration::from_secs(3);
+    let (im, ib) = (cpu(master), cpu(backup));
+    std::thread::sleep(idle);
+    let idle_cpu_per_s = (cpu(master) - im + cpu(backup) - ib) / idle.as_secs_f64();
     let (cm, cb) = (cpu(master), cpu(backup));
     let flows0 = r.metric(master, "lb_dataplane_packets_total", "reason=\"new_flows\"")?;
-    let sent0 = m(master, "lb_sync_records_sent_total");
     let applied0 =
         m(backup, "lb_sync_records_applied_total") + m(backup, "lb_sync_records_unchanged_total");
+    let sent0 = m(master, "lb_sync_records_sent_total");
+    // Every record the backup has dealt with, whatever the outcome.
+    let dropped = |reason: &str| {
+        r.metric(
+            backup,
+            "lb_sync_records_dropped_total",
+            &format!("reason=\"{reason}\""),
+        )
+        .unwrap_or(0.0)
+    };
+    let processed = || {
+        m(backup, "lb_sync_records_applied_total")
+            + m(backup, "lb_sync_records_unchanged_total")
+            + dropped("conflict")
+            + dropped("unknown_service")
+            + dropped("store_error")
+    };
+    let conflicts0 = dropped("conflict");
+    let processed0 = processed();
     let t = Instant::now();
     let target = format!("{}:{TCP_PORT}", r.vip);
     let n = a.sync_connections.to_string();
@@ -220,19 +376,18 @@ fn sync_throughput(a: &Args) -> Result<SyncRun> {
     let settle = Duration::from_millis(1500);
     std::thread::sleep(settle);
     let sent = m(master, "lb_sync_records_sent_total") - sent0;
-    let applied = || {
-        m(backup, "lb_sync_records_applied_total") + m(backup, "lb_sync_records_unchanged_total")
-            - applied0
-    };
     wait(
         "the peer to apply everything",
         Duration::from_secs(60),
-        || Ok(applied() >= sent),
+        || Ok(processed() - processed0 >= sent),
     )?;
-    let seconds = t.elapsed().as_secs_f64() - settle.as_secs_f64();
+    let busy = t.elapsed().as_secs_f64();
+    let seconds = busy - settle.as_secs_f64();
     let new_flows =
         r.metric(master, "lb_dataplane_packets_total", "reason=\"new_flows\"")? - flows0;
-    let applied = applied();
+    let applied = m(backup, "lb_sync_records_applied_total")
+        + m(backup, "lb_sync_records_unchanged_total")
+        - applied0;
     let (dm, db) = (cpu(master) - cm, cpu(backup) - cb);
     let fm = r.forward_flows(master)?;
     let fb = r.forward_flows(backup)?;
@@ -245,8 +400,12 @@ fn sync_throughput(a: &Args) -> Result<SyncRun> {
         records_per_s: applied / seconds,
         master_agent_cpu_s: dm,
         backup_agent_cpu_s: db,
-        cpu_ms_per_1000_flows: (dm + db) * 1e6 / new_flows.max(1.0),
+        idle_cpu_per_s,
+        cpu_us_per_connection: (dm + db - idle_cpu_per_s * busy).max(0.0) * 1e6
+            / new_flows.max(1.0),
+        conflicts: dropped("conflict") - conflicts0,
         peer_missing_flows: fm.keys().filter(|k| !fb.contains_key(k)).count(),
+        peer_extra_flows: fb.keys().filter(|k| !fm.contains_key(k)).count(),
     })
 }
 
@@ -255,6 +414,11 @@ fn main() -> Result<()> {
     if !lb_testbed::is_root() {
         bail!("bench failover needs root");
     }
+    let apply = apply_cost(a.sync_connections, 64)?;
+    println!(
+        "sync apply alone: {} connections (new, FIN, FIN) in frames of {} records: {:.1} µs CPU per connection",
+        apply.connections, apply.records_per_frame, apply.cpu_us_per_connection
+    );
     let ours = setup(
         "ours (200 ms adverts, sync)",
         &a,
@@ -297,20 +461,24 @@ fn main() -> Result<()> {
         &rows,
     );
     println!(
-        "sync: {} new flows in {:.1} s, {:.0} records/s applied on the peer, agents' CPU {:.2} + {:.2} s = {:.1} ms per 1000 flows, {} flows missing on the peer",
+        "sync: {} new flows in {:.1} s, {:.0} records/s applied on the peer, agents' CPU {:.2} + {:.2} s (idle {:.3} s/s) = {:.1} µs per synced connection, {} conflicts, {} flows missing on the peer, {} extra there",
         sync.new_flows,
         sync.seconds,
         sync.records_per_s,
         sync.master_agent_cpu_s,
         sync.backup_agent_cpu_s,
-        sync.cpu_ms_per_1000_flows,
-        sync.peer_missing_flows
+        sync.idle_cpu_per_s,
+        sync.cpu_us_per_connection,
+        sync.conflicts,
+        sync.peer_missing_flows,
+        sync.peer_extra_flows
     );
     let path = write_json(
         "failover",
         &Report {
             setups: vec![ours, anchor],
             sync,
+            apply,
         },
     )?;
     println!("JSON: {}", path.display());

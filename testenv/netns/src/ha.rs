@@ -345,12 +345,9 @@ impl HaRig {
         self.agents.get(&host).map(|a| a.pid())
     }
 
-    /// Every forward flow entry of replica `host` (client tuple → rewritten tuple), read from its pinned
-    /// connection-tracking map.
-    pub fn forward_flows(
-        &self,
-        host: Host,
-    ) -> Result<std::collections::HashMap<FlowKeyV4, (u32, u32, u16, u16)>> {
+    /// Every entry of replica `host`'s connection table (`FLOWS_V4`, forward and reverse), read from its pinned
+    /// map.
+    pub fn flow_table(&self, host: Host) -> Result<std::collections::HashMap<FlowKeyV4, FlowV4>> {
         let path = self
             .pin_dir
             .join(host.name())
@@ -361,9 +358,17 @@ impl HaRig {
             .with_context(|| format!("opening {}", path.display()))?;
         let map: aya::maps::HashMap<_, FlowKeyV4, FlowV4> =
             aya::maps::HashMap::try_from(aya::maps::Map::LruHashMap(data))?;
-        Ok(map
-            .iter()
-            .filter_map(|r| r.ok())
+        Ok(map.iter().filter_map(|r| r.ok()).collect())
+    }
+
+    /// Every forward flow entry of replica `host` (client tuple → rewritten tuple).
+    pub fn forward_flows(
+        &self,
+        host: Host,
+    ) -> Result<std::collections::HashMap<FlowKeyV4, (u32, u32, u16, u16)>> {
+        Ok(self
+            .flow_table(host)?
+            .into_iter()
             .filter(|(_, f)| f.flags & lb_common::FLOW_F_FORWARD != 0)
             .map(|(k, f)| (k, (f.new_src, f.new_dst, f.new_sport, f.new_dport)))
             .collect())
