@@ -2,7 +2,7 @@
 //! parsed one is validated without panicking; a refusal names a field.
 #![no_main]
 
-use lb_agent::config::{desired, LocalConfig};
+use lb_agent::source::config::{desired, LocalConfig};
 
 libfuzzer_sys::fuzz_target!(|data: &[u8]| {
     let Ok(text) = std::str::from_utf8(data) else {

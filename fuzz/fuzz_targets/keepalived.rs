@@ -2,7 +2,7 @@
 //! says.
 #![no_main]
 
-use lb_agent::vrrp::parse::{parse_data_state, parse_notify_line, VrrpStats};
+use lb_agent::ha::vrrp::parse::{parse_data_state, parse_notify_line, VrrpStats};
 
 libfuzzer_sys::fuzz_target!(|data: &[u8]| {
     let text = String::from_utf8_lossy(data);

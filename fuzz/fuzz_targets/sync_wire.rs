@@ -6,7 +6,7 @@
 //!   garbage — so the decoders behind the MAC (records, sequence numbers, kinds) get any payload.
 #![no_main]
 
-use lb_agent::sync::wire::{decode_records, decode_u64, read_frame, FrameKind, Opener, Sealer};
+use lb_agent::ha::sync::wire::{decode_records, decode_u64, read_frame, FrameKind, Opener, Sealer};
 
 const KEY: &[u8] = b"fuzz key";
 

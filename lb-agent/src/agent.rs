@@ -2,15 +2,17 @@
 //! collected; a metrics snapshot refreshed. Config sources ([`crate::source`]) feed it through a watch
 //! channel of [`ConfigState`], so the file and Kubernetes modes share everything from here on.
 
-use crate::config::DesiredConfig;
+use crate::dataplane::gc;
+use crate::dataplane::model::ServiceSpec;
+use crate::dataplane::neighbor;
+use crate::dataplane::programmer::{ip_to_addr, Programmer};
 use crate::dataplane::{AttachMode, Dataplane, MapSizes};
-use crate::gc;
 use crate::ha::{Ha, HaOptions, HaSnapshot};
 use crate::health::{HealthChecker, HealthMap};
-use crate::metrics::{ServiceMetrics, SharedSnapshot, Snapshot};
-use crate::model::ServiceSpec;
-use crate::neighbor;
-use crate::programmer::{ip_to_addr, Programmer};
+use crate::report::metrics::{ServiceMetrics, SharedSnapshot, Snapshot};
+use crate::report::AgentStatus;
+use crate::source::config::DesiredConfig;
+use crate::source::ConfigState;
 use anyhow::{Context, Result};
 use lb_common::{stat, NextHop, FLOW_F_FORWARD};
 use std::collections::{BTreeSet, HashMap};
@@ -19,50 +21,6 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::sync::watch;
-
-/// What a config source says.
-#[derive(Clone, Debug, Default)]
-pub enum ConfigState {
-    /// Nothing read yet.
-    #[default]
-    Pending,
-    /// A valid desired state with its generation (source-defined, increasing).
-    Valid(Arc<DesiredConfig>, u64),
-    /// The latest input was invalid; the last valid state keeps forwarding.
-    Invalid(String, u64),
-}
-
-/// What the agent reports about itself (Kubernetes mode turns it into conditions).
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct AgentStatus {
-    /// The data plane is loaded and attached.
-    pub dataplane_ready: bool,
-    /// The hook it is attached at (for the status message), once attached.
-    pub attached: Option<crate::dataplane::AttachMode>,
-    /// The latest config was invalid (message), or `None`.
-    pub config_error: Option<String>,
-    /// Generation of the latest input seen from the source.
-    pub desired_generation: Option<u64>,
-    /// Generation of the config now in the maps.
-    pub applied_generation: Option<u64>,
-    /// VRRP state, when this machine runs VRRP (`KeepalivedMaster`/`KeepalivedProcess` conditions).
-    pub vrrp: Option<crate::vrrp::VrrpState>,
-    /// Why `desired_generation` cannot be confirmed as the latest input (Kubernetes mode: the watch of the
-    /// LoadBalancer failed and has not relisted since, or the agent loop has not taken the latest published
-    /// generation yet); `None` when it can. Set by the status reporter, not by the agent loop.
-    pub source_stale: Option<String>,
-}
-
-impl AgentStatus {
-    /// The maps match the latest valid input, and the source is known to have given the latest input.
-    pub fn up_to_date(&self) -> bool {
-        self.source_stale.is_none()
-            && self.dataplane_ready
-            && self.config_error.is_none()
-            && self.applied_generation.is_some()
-            && self.applied_generation == self.desired_generation
-    }
-}
 
 /// Agent settings that are not part of the load balancer's config.
 #[derive(Clone, Debug)]
@@ -149,7 +107,7 @@ pub async fn run(
         resolved: dp
             .nexthops()?
             .into_iter()
-            .map(|(a, _)| crate::programmer::addr_to_ip(&a, true))
+            .map(|(a, _)| crate::dataplane::programmer::addr_to_ip(&a, true))
             .collect(),
         applied_generation: None,
     };
@@ -306,7 +264,7 @@ fn apply(
         .services
         .iter()
         .zip(&services)
-        .filter(|(c, _)| c.id.protocol == crate::model::Protocol::Udp)
+        .filter(|(c, _)| c.id.protocol == crate::dataplane::model::Protocol::Udp)
         .flat_map(|(c, e)| {
             c.backends
                 .iter()
@@ -439,7 +397,7 @@ fn refresh_nexthops(
     let resolved: BTreeSet<IpAddr> = dp
         .nexthops()?
         .into_iter()
-        .map(|(a, _)| crate::programmer::addr_to_ip(&a, true))
+        .map(|(a, _)| crate::dataplane::programmer::addr_to_ip(&a, true))
         .collect();
     let differs = resolved != state.resolved;
     state.resolved = resolved;
@@ -537,7 +495,7 @@ fn update_snapshot(
         transient_entries,
         transient_capacity: opts.sizes.transient as u64,
         flow_filter_bits,
-        host: crate::hostmetrics::read(),
+        host: crate::report::hostmetrics::read(),
         config_applied: state.applied,
         config_generation: state.applied_generation.unwrap_or(0),
         config_errors: state.errors,

@@ -1,27 +1,22 @@
-//! The load-balancer agent: loads the XDP data plane and programs it (see README "Architecture").
+//! The load-balancer agent: loads the XDP data plane and programs it (see docs/design.md).
 //!
-//! Flow of information: a config source ([`source::file`](mod@source::file) or [`source::kubernetes`])
-//! → [`config::DesiredConfig`] → health filtering ([`health`]) → [`programmer::Programmer`] → maps ([`dataplane::Dataplane`]).
+//! Rooms, each importing only from the rooms listed before it:
+//! - [`health`]: the backends' health checks.
+//! - [`dataplane`]: the data plane's user side — loading and pinning the programs, map access, the desired state
+//!   ([`dataplane::model`]) programmed into the maps ([`dataplane::programmer`], with [`dataplane::maglev`] and
+//!   the [`dataplane::arena`]), the flow filter, the GC, next hops.
+//! - [`ha`]: high availability — VRRP through keepalived ([`ha::vrrp`]), connection-state sync ([`ha::sync`])
+//!   and the flow store that applies a peer's records ([`ha::flowstore`]).
+//! - [`report`]: what the agent tells — metrics, host metrics, inspection and traces for `lbctl`.
+//! - [`source`]: where the desired config comes from — a file ([`source::file`](mod@source::file)) or
+//!   Kubernetes ([`source::kubernetes`]) — as a [`source::config::DesiredConfig`].
+//! - [`agent`]: the main loop: source → health filtering → programmer → maps, HA and reporting alongside.
 pub mod agent;
-pub mod arena;
-pub mod config;
 pub mod dataplane;
-pub mod flow_filter;
-pub mod flowstore;
-pub mod gc;
 pub mod ha;
 pub mod health;
-pub mod hostmetrics;
-pub mod inspect;
-pub mod maglev;
-pub mod map_batch;
-pub mod metrics;
-pub mod model;
-pub mod neighbor;
-pub mod programmer;
+pub mod report;
 pub mod source;
-pub mod sync;
-pub mod vrrp;
 
 /// TLS set-up shared by every client the agent builds.
 pub mod tls {

@@ -4,13 +4,14 @@
 
 use anyhow::{bail, Context, Result};
 use clap::{Parser, ValueEnum};
-use lb_agent::agent::{self, AgentOptions, AgentStatus};
+use lb_agent::agent::{self, AgentOptions};
 use lb_agent::dataplane::{AttachMode, MapSizes};
+use lb_agent::ha::vrrp::VrrpOptions;
 use lb_agent::ha::{HaOptions, SyncSettings};
 use lb_agent::health::{HealthCheckSpec, HttpCheck};
-use lb_agent::metrics::SharedSnapshot;
+use lb_agent::report::metrics::SharedSnapshot;
+use lb_agent::report::AgentStatus;
 use lb_agent::source::kubernetes::{debug, yawollet, KubeSettings};
-use lb_agent::vrrp::VrrpOptions;
 use std::ffi::OsString;
 use std::net::{IpAddr, SocketAddr};
 use std::path::{Path, PathBuf};
@@ -149,7 +150,7 @@ struct Cli {
     #[arg(long, env = "LB_VRRP_ROUTER_ID", value_parser = clap::value_parser!(u8).range(1..))]
     vrrp_router_id: Option<u8>,
     /// VRRP base priority (1..=254); the newest revision's machines get a bonus on top (Kubernetes mode).
-    #[arg(long, env = "LB_VRRP_PRIORITY", default_value_t = lb_agent::vrrp::DEFAULT_BASE_PRIORITY,
+    #[arg(long, env = "LB_VRRP_PRIORITY", default_value_t = lb_agent::ha::vrrp::DEFAULT_BASE_PRIORITY,
           value_parser = clap::value_parser!(u8).range(1..=254))]
     vrrp_priority: u8,
     /// VRRP advertisement interval (VRRPv3, multiple of 10 ms); a dead master is replaced after ~3 intervals.
@@ -162,7 +163,7 @@ struct Cli {
     #[arg(long, env = "LB_VRRP_RUN_DIR", default_value = "/run/lb-agent/vrrp")]
     vrrp_run_dir: PathBuf,
     /// The keepalived binary.
-    #[arg(long, env = "LB_KEEPALIVED_BINARY", default_value = lb_agent::vrrp::DEFAULT_KEEPALIVED_BIN)]
+    #[arg(long, env = "LB_KEEPALIVED_BINARY", default_value = lb_agent::ha::vrrp::DEFAULT_KEEPALIVED_BIN)]
     keepalived_binary: PathBuf,
     /// Listen address of connection-state sync (this machine's address on the VIP network and the sync port);
     /// enables sync with the peers.
@@ -348,7 +349,7 @@ async fn main() -> Result<()> {
     let metrics_addr = cli.metrics_address;
     let snap2 = snapshot.clone();
     tokio::spawn(async move {
-        if let Err(e) = lb_agent::metrics::serve(metrics_addr, snap2).await {
+        if let Err(e) = lb_agent::report::metrics::serve(metrics_addr, snap2).await {
             tracing::error!(error = %e, "metrics server stopped");
         }
     });

@@ -1,8 +1,8 @@
 //! The Grafana dashboard in `deploy/grafana/` (issue 18) queries only metrics that exist: every metric name in
 //! its queries is one that the agent or the controllers expose (rendered here from their real registries).
 
-use lb_agent::metrics::{registry, ServiceMetrics, Snapshot};
-use lb_agent::model::{Protocol, ServiceId};
+use lb_agent::dataplane::model::{Protocol, ServiceId};
+use lb_agent::report::metrics::{registry, ServiceMetrics, Snapshot};
 use std::collections::BTreeSet;
 use std::sync::{Arc, RwLock};
 
@@ -38,10 +38,10 @@ fn agent_metrics() -> String {
         }],
         dataplane: lb_common::stat::NAMES.iter().map(|n| (*n, 0)).collect(),
         backends: vec![("10.0.0.11:30080".parse().unwrap(), true)],
-        host: lb_agent::hostmetrics::read(),
+        host: lb_agent::report::hostmetrics::read(),
         ready: true,
         ha: Some(lb_agent::ha::HaSnapshot {
-            vrrp_state: Some(lb_agent::vrrp::VrrpState::Master),
+            vrrp_state: Some(lb_agent::ha::vrrp::VrrpState::Master),
             vrrp_stats: Some(Default::default()),
             sync: Some(Default::default()),
             ..Default::default()

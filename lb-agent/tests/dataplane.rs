@@ -20,7 +20,7 @@ both_hooks! {
     }
 }
 
-use lb_agent::model::Protocol;
+use lb_agent::dataplane::model::Protocol;
 use lb_common::{
     handshakes, stat, FlowKeyV4, FLOW_F_FIN, FLOW_F_FORWARD, FLOW_F_REVERSE, FLOW_F_RST,
     FLOW_F_SYN_ACK,
@@ -106,7 +106,7 @@ both_hooks! {
         assert_eq!(rkey, t.partner_key(6));
         assert_eq!(r.flow.flags & FLOW_F_REVERSE, FLOW_F_REVERSE);
         // `lbctl flows` shows it as one connection, with both directions.
-        let shown = lb_agent::inspect::flows(&mut h.dp, &Default::default()).unwrap();
+        let shown = lb_agent::report::inspect::flows(&mut h.dp, &Default::default()).unwrap();
         assert_eq!(shown.len(), 1);
         assert_eq!((shown[0].state, shown[0].table), ("syn", "transient"));
         assert_eq!((shown[0].snat.port(), shown[0].backend.ip()), (p.sport, IpAddr::V4(p.dst)));
@@ -497,7 +497,7 @@ both_hooks! {
 
     fn unknown_next_hop_goes_to_the_kernel_and_is_counted(h) {
         h.apply(&[web(&[1])]);
-        h.dp.remove_nexthop(&lb_agent::programmer::ip_to_addr(IpAddr::V4(node(1)))).unwrap();
+        h.dp.remove_nexthop(&lb_agent::dataplane::programmer::ip_to_addr(IpAddr::V4(node(1)))).unwrap();
         let f = client_tcp(40040, SYN, b"");
         let (v, out) = h.run(&f);
         assert_eq!(v, Verdict::Pass);
@@ -543,7 +543,7 @@ both_hooks! {
         assert_eq!(h.stat(stat::DROP_SNAT_EXHAUSTED), 1);
         // The GC's walk rebuilds the filter from what the table holds: the stale marks are gone, the
         // connection's stay.
-        let report = lb_agent::gc::collect(&mut h.dp, lb_agent::gc::now_ns(), None).unwrap();
+        let report = lb_agent::dataplane::gc::collect(&mut h.dp, lb_agent::dataplane::gc::now_ns(), None).unwrap();
         assert!(matches!(report.flow_filter_bits, Some(1..=2)), "{:?}", report.flow_filter_bits);
         let filter = h.dp.flow_filter().unwrap();
         assert!(filter.may_hold(&key) && filter.may_hold(&rkey));
@@ -986,8 +986,8 @@ mod state_sync {
     //! Two independent data planes: flows created on one and applied to the other through
     //! `BpfFlowStore` are translated identically by both.
     use super::*;
-    use lb_agent::flowstore::BpfFlowStore;
-    use lb_agent::sync::ApplyOutcome;
+    use lb_agent::ha::flowstore::BpfFlowStore;
+    use lb_agent::ha::sync::ApplyOutcome;
     use std::sync::atomic::AtomicBool;
     use std::sync::Arc;
 
@@ -1027,7 +1027,7 @@ mod state_sync {
             "idempotent"
         );
         // The peer's completed handshake vouches for its client here too (the SYN rate guard lets it through).
-        let client = lb_agent::programmer::ip_to_addr(IpAddr::V4(CLIENT));
+        let client = lb_agent::dataplane::programmer::ip_to_addr(IpAddr::V4(CLIENT));
         assert_eq!(b.dp.trusted_sources().unwrap(), vec![client]);
 
         // Client data and the backend's reply through B: exactly A's rewrite, no SYN needed.
@@ -1116,8 +1116,8 @@ mod sync_churn {
     //! connection table must equal the master's — the same connections, translations and close state — and no
     //! record may count as a conflict: nothing here is a split brain.
     use super::*;
-    use lb_agent::flowstore::BpfFlowStore;
-    use lb_agent::sync::{ApplyOutcome, FlowRecord};
+    use lb_agent::ha::flowstore::BpfFlowStore;
+    use lb_agent::ha::sync::{ApplyOutcome, FlowRecord};
     use lb_common::{FlowV4, FLOW_F_SYNCED};
     use std::collections::BTreeMap;
     use std::sync::atomic::AtomicBool;
@@ -1199,7 +1199,8 @@ mod sync_churn {
                 h.dp.set_flow(&k, &f).unwrap();
             }
         }
-        lb_agent::gc::collect(&mut h.dp, lb_agent::gc::now_ns(), None).unwrap();
+        lb_agent::dataplane::gc::collect(&mut h.dp, lb_agent::dataplane::gc::now_ns(), None)
+            .unwrap();
     }
 
     #[test]

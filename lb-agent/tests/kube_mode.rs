@@ -19,12 +19,13 @@ use kube::api::{
 use kube::runtime::{watcher, WatchStreamExt};
 use kube::Client;
 use kube_testenv::{wait_for, KubeEnv};
-use lb_agent::agent::{AgentStatus, ConfigState};
-use lb_agent::config::DesiredConfig;
+use lb_agent::dataplane::model::{Protocol, ServiceId};
 use lb_agent::health::HealthCheckSpec;
-use lb_agent::metrics::{ServiceMetrics, SharedSnapshot, Snapshot};
-use lb_agent::model::{Protocol, ServiceId};
+use lb_agent::report::metrics::{ServiceMetrics, SharedSnapshot, Snapshot};
+use lb_agent::report::AgentStatus;
+use lb_agent::source::config::DesiredConfig;
 use lb_agent::source::kubernetes::{self as kube_mode, KubeMode, KubeSettings};
+use lb_agent::source::ConfigState;
 use lb_api::{LoadBalancer, LoadBalancerMachine};
 use lb_controller::openstack::machine::rbac::{self, MachineIdentity};
 use serde_json::{json, Value};

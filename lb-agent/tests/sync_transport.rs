@@ -3,7 +3,7 @@
 //!
 //! No timed assertions: every test waits for a condition with a generous timeout.
 
-use lb_agent::sync::{
+use lb_agent::ha::sync::{
     self, wire, ApplyOutcome, FlowRecord, FlowStore, MemoryFlowStore, SyncHandle, SyncOptions,
 };
 use lb_common::{

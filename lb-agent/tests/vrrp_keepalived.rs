@@ -2,7 +2,7 @@
 //! of its own), one `Keepalived` supervisor per node whose keepalived runs inside the node's namespace through
 //! `ip netns exec`. Needs root and keepalived.
 
-use lb_agent::vrrp::{check_config, Keepalived, VrrpOptions, VrrpState};
+use lb_agent::ha::vrrp::{check_config, Keepalived, VrrpOptions, VrrpState};
 use std::net::IpAddr;
 use std::path::PathBuf;
 use std::process::Command;

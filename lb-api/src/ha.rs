@@ -1,6 +1,6 @@
 //! High-availability settings of one LoadBalancer's machines, chosen by the controller when it writes their
 //! cloud-init: the VRRP virtual router id, base priority and advert interval (the agent runs keepalived with
-//! them, see `lb_agent::vrrp`), and the port and shared secret of the connection-state sync between replicas.
+//! them, see `lb_agent::ha::vrrp`), and the port and shared secret of the connection-state sync between replicas.
 //! How they reach the agent (its flags, the secret's file) is the controller's cloud-init's business, not this
 //! crate's.
 //!

@@ -110,11 +110,11 @@ fn thread_cpu_s() -> f64 {
 }
 
 fn apply_cost(connections: usize, per_frame: usize) -> Result<ApplyRun> {
+    use lb_agent::dataplane::model::{Protocol, ServiceId, ServiceSpec};
+    use lb_agent::dataplane::programmer::Programmer;
     use lb_agent::dataplane::{Dataplane, MapSizes};
-    use lb_agent::flowstore::BpfFlowStore;
-    use lb_agent::model::{Protocol, ServiceId, ServiceSpec};
-    use lb_agent::programmer::Programmer;
-    use lb_agent::sync::FlowRecord;
+    use lb_agent::ha::flowstore::BpfFlowStore;
+    use lb_agent::ha::sync::FlowRecord;
     use lb_common::{FlowEvent, FlowKeyV4, FlowV4, FLOW_EV_CLOSE, FLOW_EV_NEW, FLOW_F_FIN};
     use std::net::{IpAddr, Ipv4Addr, SocketAddr};
     let sizes = MapSizes {

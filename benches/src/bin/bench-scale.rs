@@ -4,9 +4,9 @@
 
 use anyhow::{Context, Result};
 use clap::Parser;
+use lb_agent::dataplane::model::{Protocol, ServiceId, ServiceSpec};
+use lb_agent::dataplane::programmer::Programmer;
 use lb_agent::dataplane::{Dataplane, MapSizes};
-use lb_agent::model::{Protocol, ServiceId, ServiceSpec};
-use lb_agent::programmer::Programmer;
 use lb_benches::{in_netns, median, print_table, write_json};
 use lb_common::{FlowKeyV4, FlowV4};
 use lb_testbed::rig::{Rig, RigConfig, UDP_NODE_PORT};

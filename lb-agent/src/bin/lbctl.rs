@@ -4,7 +4,7 @@
 use anyhow::{bail, Context, Result};
 use clap::{Parser, Subcommand};
 use lb_agent::dataplane::{self, Dataplane};
-use lb_agent::inspect::{self, FlowFilter};
+use lb_agent::report::inspect::{self, FlowFilter};
 use lb_common::TraceFilter;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr, SocketAddrV4};
 use std::path::{Path, PathBuf};

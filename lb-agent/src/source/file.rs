@@ -1,7 +1,7 @@
-//! File mode's config source: a local YAML file ([`crate::config::LocalConfig`]), polled.
+//! File mode's config source: a local YAML file ([`crate::source::config::LocalConfig`]), polled.
 
-use crate::agent::ConfigState;
-use crate::config::DesiredConfig;
+use crate::source::config::DesiredConfig;
+use crate::source::ConfigState;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
@@ -19,7 +19,7 @@ pub fn watch_file(path: PathBuf, every: Duration) -> watch::Receiver<ConfigState
             match tokio::fs::read_to_string(&path).await {
                 Ok(text) if last.as_deref() != Some(text.as_str()) => {
                     generation += 1;
-                    let state = serde_yaml::from_str::<crate::config::LocalConfig>(&text)
+                    let state = serde_yaml::from_str::<crate::source::config::LocalConfig>(&text)
                         .map_err(|e| format!("{}: {e}", path.display()))
                         .and_then(|c| DesiredConfig::try_from(&c).map_err(|e| format!("{e:#}")));
                     let _ = tx.send(match state {

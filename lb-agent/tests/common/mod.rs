@@ -5,9 +5,9 @@
 pub mod packets;
 
 use aya::programs::{TestRun, TestRunOptions};
+use lb_agent::dataplane::model::{Protocol, ServiceId, ServiceSpec};
+use lb_agent::dataplane::programmer::{ip_to_addr, Programmer};
 use lb_agent::dataplane::{Dataplane, MapSizes, XDP_PROGRAM};
-use lb_agent::model::{Protocol, ServiceId, ServiceSpec};
-use lb_agent::programmer::{ip_to_addr, Programmer};
 use lb_common::NextHop;
 pub use packets::*;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};

@@ -11,7 +11,7 @@ use crate::common::{
 };
 use crate::model::Model;
 use etherparse::PacketBuilder;
-use lb_agent::model::{Protocol, ServiceSpec};
+use lb_agent::dataplane::model::{Protocol, ServiceSpec};
 use lb_common::{
     Config, FlowKeyV4, FlowV4, CFG_F_CHECK_DST_MAC, CFG_F_SYNC_EVENTS, FLOW_F_FORWARD,
     FLOW_F_REVERSE, FLOW_F_SYNCED, PROTO_TCP, PROTO_UDP,

@@ -2,7 +2,8 @@
 //! them on the LoadBalancerMachine for both the config source and the status reporter.
 
 use super::KubeSettings;
-use crate::agent::{AgentStatus, ConfigState};
+use crate::report::AgentStatus;
+use crate::source::ConfigState;
 use ::kube::api::{Api, PostParams};
 use ::kube::Client;
 use k8s_openapi::api::core::v1::{Event, EventSource, ObjectReference};

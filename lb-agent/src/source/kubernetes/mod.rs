@@ -29,9 +29,10 @@ pub mod status;
 pub mod watch;
 pub mod yawollet;
 
-use crate::agent::{AgentStatus, ConfigState};
 use crate::health::HealthCheckSpec;
-use crate::metrics::SharedSnapshot;
+use crate::report::metrics::SharedSnapshot;
+use crate::report::AgentStatus;
+use crate::source::ConfigState;
 use ::kube::api::Api;
 use ::kube::config::{KubeConfigOptions, Kubeconfig};
 use ::kube::{Client, Config};
@@ -194,7 +195,7 @@ pub fn start(
 /// Fixtures shared by the unit tests of the status reporter and the Event rules.
 #[cfg(test)]
 mod test_support {
-    use crate::agent::AgentStatus;
+    use crate::report::AgentStatus;
     use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
     use k8s_openapi::jiff::Timestamp;
 

@@ -3,8 +3,9 @@
 
 use super::events::{status_events, truncate, Recorder};
 use super::{KubeSettings, LbFacts};
-use crate::agent::{AgentStatus, ConfigState};
-use crate::metrics::SharedSnapshot;
+use crate::report::metrics::SharedSnapshot;
+use crate::report::AgentStatus;
+use crate::source::ConfigState;
 use ::kube::api::{Api, Patch, PatchParams};
 use anyhow::Result;
 use k8s_openapi::api::core::v1::NodeCondition;
@@ -177,7 +178,7 @@ fn truths(s: &AgentStatus, ctx: &Context) -> Vec<Truth> {
         });
         v.push(Truth {
             type_: cond::KEEPALIVED_MASTER,
-            ok: state == crate::vrrp::VrrpState::Master,
+            ok: state == crate::ha::vrrp::VrrpState::Master,
             reason: reasons::KEEPALIVED_STATUS,
             message: format!("VRRP state {state}"),
         });
@@ -533,11 +534,11 @@ mod tests {
             c.iter().all(|c| !c.type_.starts_with("Keepalived")),
             "no VRRP, no conditions"
         );
-        s.vrrp = Some(crate::vrrp::VrrpState::Master);
+        s.vrrp = Some(crate::ha::vrrp::VrrpState::Master);
         let c = conditions(&[], &s, &Context::default(), &t(0));
         assert_eq!(find(&c, cond::KEEPALIVED_MASTER).status, cond::TRUE);
         assert_eq!(find(&c, cond::KEEPALIVED_PROCESS).status, cond::TRUE);
-        s.vrrp = Some(crate::vrrp::VrrpState::Stopped);
+        s.vrrp = Some(crate::ha::vrrp::VrrpState::Stopped);
         let c = conditions(&c, &s, &Context::default(), &t(1));
         assert_eq!(find(&c, cond::KEEPALIVED_MASTER).status, cond::FALSE);
         assert_eq!(find(&c, cond::KEEPALIVED_PROCESS).status, cond::FALSE);
@@ -552,7 +553,7 @@ mod tests {
         };
         let pair = |s: &str, r: &str| (s.to_string(), r.to_string());
         let mut s = running(1);
-        s.vrrp = Some(crate::vrrp::VrrpState::Master);
+        s.vrrp = Some(crate::ha::vrrp::VrrpState::Master);
         let ctx = Context {
             keepalived_stats: true,
             ..Default::default()
@@ -583,7 +584,7 @@ mod tests {
         let down = AgentStatus {
             dataplane_ready: false,
             config_error: Some("bad".into()),
-            vrrp: Some(crate::vrrp::VrrpState::Stopped),
+            vrrp: Some(crate::ha::vrrp::VrrpState::Stopped),
             ..running(1)
         };
         let c = conditions(&c, &down, &Context::default(), &t(1));

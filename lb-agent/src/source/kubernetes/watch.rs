@@ -4,9 +4,9 @@
 use super::debug::AdHocDebug;
 use super::events::{event_reasons, truncate, MachineEvent, Recorder};
 use super::{KubeSettings, LbFacts};
-use crate::agent::ConfigState;
-use crate::config::desired;
 use crate::health::HealthCheckSpec;
+use crate::source::config::desired;
+use crate::source::ConfigState;
 use ::kube::api::Api;
 use ::kube::runtime::watcher;
 use futures::StreamExt;
@@ -281,7 +281,7 @@ async fn publish(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::model::Protocol;
+    use crate::dataplane::model::Protocol;
     use lb_api::constants::API_VERSION;
     use serde_json::json;
 

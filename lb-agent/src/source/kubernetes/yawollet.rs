@@ -22,7 +22,7 @@
 //! From yawol's `/etc/keepalived/keepalived.conf` (its one `vrrp_instance`) the agent **keeps** `interface` (the
 //! NIC the data plane attaches to), `virtual_router_id` and `priority` (the base priority) and checks the VIP. It
 //! **improves** the rest, because keepalived runs under the agent with the agent's own configuration
-//! ([`crate::vrrp`]): VRRPv3 adverts every 200 ms instead of `advert_int 4` (a dead master is replaced in
+//! ([`crate::ha::vrrp`]): VRRPv3 adverts every 200 ms instead of `advert_int 4` (a dead master is replaced in
 //! ≈ 0.7 s instead of ≈ 12–15 s); eligibility from a track file the agent writes (data plane attached, latest
 //! configuration in the maps) instead of `vrrp_track_process envoy` and the readyz `vrrp_script`; a priority
 //! bonus of 100 for the newest revision instead of yawol's 160/150 weights; GARP on takeover and every 60 s

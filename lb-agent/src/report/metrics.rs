@@ -1,7 +1,7 @@
 //! Prometheus `/metrics`, `/healthz` and `/readyz`, rendered from the agent's latest [`Snapshot`], and the
 //! yawol-named metric list written to `LoadBalancerMachine.status.metrics`.
 
-use crate::model::ServiceId;
+use crate::dataplane::model::ServiceId;
 use lb_common::ServiceStats;
 use prometheus_client::collector::Collector;
 use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
@@ -95,7 +95,7 @@ impl Snapshot {
             .services
             .iter()
             .filter(|s| {
-                s.id.is_some_and(|id| id.protocol == crate::model::Protocol::Tcp)
+                s.id.is_some_and(|id| id.protocol == crate::dataplane::model::Protocol::Tcp)
             })
             .collect();
         if !tcp.is_empty() {
@@ -103,7 +103,7 @@ impl Snapshot {
             v.push(("envoytcp-idle_timeout".to_string(), expired.to_string()));
         }
         // yawol's names, units and text (loads and stealTime with two decimals).
-        v.extend(crate::hostmetrics::yawol_metrics(&self.host));
+        v.extend(crate::report::hostmetrics::yawol_metrics(&self.host));
         if let Some(stats) = self.ha.as_ref().and_then(|h| h.vrrp_stats.as_ref()) {
             v.extend(stats.yawol_metrics());
         }
@@ -561,7 +561,7 @@ pub async fn serve(addr: SocketAddr, snapshot: SharedSnapshot) -> anyhow::Result
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::model::Protocol;
+    use crate::dataplane::model::Protocol;
 
     #[test]
     fn renders_services_and_yawol_names() {

@@ -7,7 +7,7 @@
 //! briefly, so replacing a table of `len` slots needs `len` free slots on top of the old one.
 //!
 //! This type only does the bookkeeping (no map access). Policy: **best fit**, ties broken by the
-//! lowest offset. Table sizes come from a short list of primes (`crate::maglev::PRIMES`), so
+//! lowest offset. Table sizes come from a short list of primes (`crate::dataplane::maglev::PRIMES`), so
 //! best fit tends to reuse a hole of exactly the right size and keeps big holes for big tables;
 //! it is also deterministic, which keeps tests and debugging simple. Both lookups are
 //! `O(log n)` in the number of free blocks.

@@ -1,5 +1,5 @@
-//! High availability on one replica: VRRP ([`crate::vrrp`], keepalived) decides who holds the VIP, and
-//! connection-state sync ([`crate::sync`]) gives every replica the flows of the others, so a new master
+//! High availability on one replica: VRRP ([`crate::ha::vrrp`], keepalived) decides who holds the VIP, and
+//! connection-state sync ([`crate::ha::sync`]) gives every replica the flows of the others, so a new master
 //! translates established connections exactly like the old one.
 //!
 //! The glue here: the data plane's flow events (ring buffer) go to the peers as they happen; the periodic GC
@@ -7,21 +7,23 @@
 //! only eligible for the VIP ([`Keepalived::set_healthy`]) while its data plane is attached, its config is the
 //! latest and its flow table has caught up with every reachable peer.
 
+pub mod flowstore;
+pub mod sync;
+pub mod vrrp;
+
 use crate::dataplane::{interface_mac, Dataplane};
-use crate::flowstore::BpfFlowStore;
-use crate::sync::{
-    self, ApplyOutcome, FlowRecord, FlowStore, SyncCounters, SyncHandle, SyncOptions,
-};
-use crate::vrrp::{Keepalived, VrrpOptions, VrrpState, VrrpStats};
 use anyhow::{Context, Result};
 use aya::maps::{MapData, RingBuf};
+use flowstore::BpfFlowStore;
 use lb_common::{FlowEvent, CFG_F_CHECK_DST_MAC, CFG_F_SYNC_EVENTS};
 use std::net::{IpAddr, SocketAddr};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
+use sync::{ApplyOutcome, FlowRecord, FlowStore, SyncCounters, SyncHandle, SyncOptions};
 use tokio::io::unix::AsyncFd;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
+use vrrp::{Keepalived, VrrpOptions, VrrpState, VrrpStats};
 
 /// Flow sync settings.
 #[derive(Clone, Debug)]

@@ -1,5 +1,5 @@
 //! The agent's internal model of what the data plane must do: one entry per (VIP, port, protocol). Both
-//! config sources (local file, Kubernetes) produce it; [`crate::programmer`] turns it into map writes.
+//! config sources (local file, Kubernetes) produce it; [`crate::dataplane::programmer`] turns it into map writes.
 
 use ipnet::IpNet;
 use std::net::{IpAddr, SocketAddr};

@@ -3,7 +3,7 @@
 
 use crate::dataplane::Dataplane;
 use anyhow::Result;
-use lb_common::{FlowKeyV4, FlowV4, FLOW_F_FORWARD};
+use lb_common::{FlowEvent, FlowKeyV4, FlowV4, FLOW_EV_REFRESH, FLOW_F_FORWARD, FLOW_F_SYNCED};
 use std::collections::{BTreeSet, HashMap, HashSet};
 use std::net::{IpAddr, SocketAddr};
 
@@ -34,7 +34,7 @@ pub struct GcReport {
     /// Entries deleted (both tables).
     pub deleted: u64,
     /// Connections this replica carried recently, for the peers' refresh (only when asked for).
-    pub refresh: Vec<(lb_common::FlowEvent, u32)>,
+    pub refresh: Vec<(FlowEvent, u32)>,
 }
 
 /// Walks the flow table once. A connection is expired when both of its entries are idle past their
@@ -42,7 +42,7 @@ pub struct GcReport {
 /// entry is gone (replaced by a new connection on the same client port, or evicted) go when idle.
 ///
 /// With `refresh_window_ns`, the same walk also lists the connections used here within that window
-/// ([`crate::flowstore::refresh_events`]): state sync sends them so the peers' copies stay fresh.
+/// ([`refresh_events`]): state sync sends them so the peers' copies stay fresh.
 pub fn collect(dp: &mut Dataplane, now: u64, refresh_window_ns: Option<u64>) -> Result<GcReport> {
     // The walk also rebuilds the flow filter: cleared before it, marked with what it finds after it — the flow
     // table's keys and the closed connections' in the transient table, walked second (see
@@ -63,7 +63,7 @@ pub fn collect(dp: &mut Dataplane, now: u64, refresh_window_ns: Option<u64>) -> 
         entries: flows.len() as u64,
         flow_filter_bits,
         refresh: refresh_window_ns
-            .map(|w| crate::flowstore::refresh_events(&flows, now, w))
+            .map(|w| refresh_events(&flows, now, w))
             .unwrap_or_default(),
         ..Default::default()
     };
@@ -132,4 +132,124 @@ pub fn flush_udp_flows(dp: &mut Dataplane, backends: &BTreeSet<SocketAddr>) -> R
     }
     dp.remove_flows(&gone)?;
     Ok(gone.len() as u64 / 2)
+}
+
+const NS_PER_MS: u64 = 1_000_000;
+
+/// Connections (forward entry + its reverse entry) of a table snapshot selected by `pick`, as events of `kind`
+/// with the age of the younger entry.
+pub fn connections(
+    flows: &std::collections::HashMap<FlowKeyV4, FlowV4>,
+    now: u64,
+    pick: impl Fn(&FlowV4, &FlowV4) -> bool,
+    kind: u8,
+) -> Vec<(FlowEvent, u32)> {
+    let mut out = Vec::new();
+    for (k, f) in flows {
+        if f.flags & FLOW_F_FORWARD == 0 {
+            continue;
+        }
+        let Some(r) = flows.get(&f.partner_key(k.proto)) else {
+            continue;
+        };
+        if !pick(f, r) {
+            continue;
+        }
+        let last = f.last_seen_ns.max(r.last_seen_ns);
+        let age_ms = (now.saturating_sub(last) / NS_PER_MS).min(u32::MAX as u64) as u32;
+        out.push((
+            FlowEvent {
+                kind,
+                _pad: [0; 7],
+                key: *k,
+                fwd: *f,
+                rev: *r,
+            },
+            age_ms,
+        ));
+    }
+    out
+}
+
+/// Connections this replica carried traffic for in the last `window_ns` (not just synced from a peer), for
+/// the periodic refresh that keeps the peers' copies from idling out and repairs lost events.
+pub fn refresh_events(
+    flows: &std::collections::HashMap<FlowKeyV4, FlowV4>,
+    now: u64,
+    window_ns: u64,
+) -> Vec<(FlowEvent, u32)> {
+    let local_recent = |e: &FlowV4| {
+        e.flags & FLOW_F_SYNCED == 0 && now.saturating_sub(e.last_seen_ns) <= window_ns
+    };
+    connections(
+        flows,
+        now,
+        |f, r| local_recent(f) || local_recent(r),
+        FLOW_EV_REFRESH,
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn entry(flags: u8, seen: u64, new: (u32, u32, u16, u16)) -> FlowV4 {
+        FlowV4 {
+            new_src: new.0,
+            new_dst: new.1,
+            new_sport: new.2,
+            new_dport: new.3,
+            flags,
+            last_seen_ns: seen,
+            ..Default::default()
+        }
+    }
+
+    fn table(
+        fwd_flags: u8,
+        rev_flags: u8,
+        seen: u64,
+    ) -> std::collections::HashMap<FlowKeyV4, FlowV4> {
+        let key = FlowKeyV4 {
+            src: 1,
+            dst: 2,
+            sport: 10,
+            dport: 80,
+            proto: 6,
+            _pad: [0; 3],
+        };
+        let fwd = entry(FLOW_F_FORWARD | fwd_flags, seen, (2, 3, 5000, 30080));
+        let rev = entry(lb_common::FLOW_F_REVERSE | rev_flags, seen, (2, 1, 80, 10));
+        [(key, fwd), (fwd.partner_key(6), rev)]
+            .into_iter()
+            .collect()
+    }
+
+    #[test]
+    fn connections_pair_entries_and_report_ages() {
+        let t = table(0, 0, 1_000 * NS_PER_MS);
+        let c = connections(&t, 3_500 * NS_PER_MS, |_, _| true, lb_common::FLOW_EV_NEW);
+        assert_eq!(c.len(), 1);
+        assert_eq!(c[0].1, 2_500);
+        assert_eq!(
+            c[0].0.rev.flags & lb_common::FLOW_F_REVERSE,
+            lb_common::FLOW_F_REVERSE
+        );
+    }
+
+    #[test]
+    fn refresh_skips_idle_and_merely_synced_connections() {
+        let now = 100_000 * NS_PER_MS;
+        let window = 10_000 * NS_PER_MS;
+        assert_eq!(
+            refresh_events(&table(0, 0, now - NS_PER_MS), now, window).len(),
+            1
+        );
+        assert!(refresh_events(&table(0, 0, now - 20_000 * NS_PER_MS), now, window).is_empty());
+        let synced = table(FLOW_F_SYNCED, FLOW_F_SYNCED, now - NS_PER_MS);
+        assert!(
+            refresh_events(&synced, now, window).is_empty(),
+            "no echo back to the peer"
+        );
+    }
 }

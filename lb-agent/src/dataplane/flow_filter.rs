@@ -2,7 +2,7 @@
 //! `FLOWS_V4` (flow sync, tests) and rebuilding the filter during the GC's walk of the table, so bits of
 //! connections that left it stop costing the data plane a lookup.
 
-use crate::dataplane::MappedArray;
+use super::mapped::MappedArray;
 use anyhow::Result;
 use aya::maps::MapData;
 use lb_common::{

@@ -7,10 +7,10 @@
 //!
 //! Established flows never look at tables: conntrack keeps them on their backend.
 
-use crate::arena::Arena;
+use crate::dataplane::arena::Arena;
+use crate::dataplane::maglev::{self, MaglevBackend};
+use crate::dataplane::model::{ServiceId, ServiceSpec};
 use crate::dataplane::Dataplane;
-use crate::maglev::{self, MaglevBackend};
-use crate::model::{ServiceId, ServiceSpec};
 use anyhow::{bail, Context, Result};
 use ipnet::IpNet;
 use lb_common::{Addr, Backend, Service, ServiceKey, FAMILY_V4, FAMILY_V6, SVC_F_SOURCE_RANGES};
@@ -463,8 +463,8 @@ pub fn service_key(id: &ServiceId) -> ServiceKey {
 
 fn service_id(key: &ServiceKey) -> Option<ServiceId> {
     let protocol = match key.proto {
-        lb_common::PROTO_TCP => crate::model::Protocol::Tcp,
-        lb_common::PROTO_UDP => crate::model::Protocol::Udp,
+        lb_common::PROTO_TCP => crate::dataplane::model::Protocol::Tcp,
+        lb_common::PROTO_UDP => crate::dataplane::model::Protocol::Udp,
         _ => return None,
     };
     Some(ServiceId {

@@ -5,8 +5,8 @@
 
 pub mod trace;
 
+use crate::dataplane::programmer::addr_to_ip;
 use crate::dataplane::Dataplane;
-use crate::programmer::addr_to_ip;
 use anyhow::Result;
 use lb_common::{
     stat, FlowKeyV4, FlowV4, ServiceStats, TransientV4, FAMILY_V4, FLOW_F_FIN, FLOW_F_FORWARD,
@@ -203,7 +203,7 @@ fn state(fwd: &FlowV4, rev: Option<&FlowV4>, transient: bool) -> &'static str {
 
 /// The connection table (both tables), filtered, oldest-idle last.
 pub fn flows(dp: &mut Dataplane, filter: &FlowFilter) -> Result<Vec<ConnectionView>> {
-    let now = crate::gc::now_ns();
+    let now = crate::dataplane::gc::now_ns();
     let established = dp.flows()?;
     // A handshake is one entry holding both directions: shown like a closed connection's two.
     let transient: Vec<(FlowKeyV4, FlowV4)> = dp

@@ -35,7 +35,7 @@
 
 /// Allowed table sizes: primes roughly doubling, smallest first. Every entry is verified prime
 /// by a unit test. [`table_size_for`] picks from this list so that services with similar
-/// backend counts share sizes, which keeps the arena (see `crate::arena`) less fragmented.
+/// backend counts share sizes, which keeps the arena (see `crate::dataplane::arena`) less fragmented.
 pub const PRIMES: &[u32] = &[
     251, 509, 1021, 2039, 4093, 8191, 16381, 32749, 65521, 131071,
 ];

@@ -19,13 +19,13 @@
 //!
 //! Records are applied a batch at a time (a sync frame's worth): reads go to the maps (or to what the batch
 //! already changed), and the batch's writes and deletes reach the maps at its end, a few syscalls for all of
-//! them (see [`crate::map_batch`]).
+//! them (see [`crate::dataplane::map_batch`]).
 
+use crate::dataplane::flow_filter::FlowFilterMap;
+use crate::dataplane::gc::{connections, now_ns};
+use crate::dataplane::map_batch;
 use crate::dataplane::Dataplane;
-use crate::flow_filter::FlowFilterMap;
-use crate::gc::now_ns;
-use crate::map_batch;
-use crate::sync::{ApplyOutcome, FlowRecord};
+use crate::ha::sync::{ApplyOutcome, FlowRecord};
 use anyhow::{Context, Result};
 use aya::maps::{HashMap, MapData};
 use lb_common::{
@@ -386,122 +386,4 @@ fn carried_here(e: &FlowV4, now: u64) -> bool {
 fn same_translation(a: &FlowV4, b: &FlowV4) -> bool {
     (a.new_src, a.new_dst, a.new_sport, a.new_dport)
         == (b.new_src, b.new_dst, b.new_sport, b.new_dport)
-}
-
-/// Connections (forward entry + its reverse entry) of a table snapshot selected by `pick`, as events of `kind`
-/// with the age of the younger entry.
-pub fn connections(
-    flows: &std::collections::HashMap<FlowKeyV4, FlowV4>,
-    now: u64,
-    pick: impl Fn(&FlowV4, &FlowV4) -> bool,
-    kind: u8,
-) -> Vec<(FlowEvent, u32)> {
-    let mut out = Vec::new();
-    for (k, f) in flows {
-        if f.flags & FLOW_F_FORWARD == 0 {
-            continue;
-        }
-        let Some(r) = flows.get(&f.partner_key(k.proto)) else {
-            continue;
-        };
-        if !pick(f, r) {
-            continue;
-        }
-        let last = f.last_seen_ns.max(r.last_seen_ns);
-        let age_ms = (now.saturating_sub(last) / NS_PER_MS).min(u32::MAX as u64) as u32;
-        out.push((
-            FlowEvent {
-                kind,
-                _pad: [0; 7],
-                key: *k,
-                fwd: *f,
-                rev: *r,
-            },
-            age_ms,
-        ));
-    }
-    out
-}
-
-/// Connections this replica carried traffic for in the last `window_ns` (not just synced from a peer), for
-/// the periodic refresh that keeps the peers' copies from idling out and repairs lost events.
-pub fn refresh_events(
-    flows: &std::collections::HashMap<FlowKeyV4, FlowV4>,
-    now: u64,
-    window_ns: u64,
-) -> Vec<(FlowEvent, u32)> {
-    let local_recent = |e: &FlowV4| {
-        e.flags & FLOW_F_SYNCED == 0 && now.saturating_sub(e.last_seen_ns) <= window_ns
-    };
-    connections(
-        flows,
-        now,
-        |f, r| local_recent(f) || local_recent(r),
-        FLOW_EV_REFRESH,
-    )
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn entry(flags: u8, seen: u64, new: (u32, u32, u16, u16)) -> FlowV4 {
-        FlowV4 {
-            new_src: new.0,
-            new_dst: new.1,
-            new_sport: new.2,
-            new_dport: new.3,
-            flags,
-            last_seen_ns: seen,
-            ..Default::default()
-        }
-    }
-
-    fn table(
-        fwd_flags: u8,
-        rev_flags: u8,
-        seen: u64,
-    ) -> std::collections::HashMap<FlowKeyV4, FlowV4> {
-        let key = FlowKeyV4 {
-            src: 1,
-            dst: 2,
-            sport: 10,
-            dport: 80,
-            proto: 6,
-            _pad: [0; 3],
-        };
-        let fwd = entry(FLOW_F_FORWARD | fwd_flags, seen, (2, 3, 5000, 30080));
-        let rev = entry(lb_common::FLOW_F_REVERSE | rev_flags, seen, (2, 1, 80, 10));
-        [(key, fwd), (fwd.partner_key(6), rev)]
-            .into_iter()
-            .collect()
-    }
-
-    #[test]
-    fn connections_pair_entries_and_report_ages() {
-        let t = table(0, 0, 1_000 * NS_PER_MS);
-        let c = connections(&t, 3_500 * NS_PER_MS, |_, _| true, FLOW_EV_NEW);
-        assert_eq!(c.len(), 1);
-        assert_eq!(c[0].1, 2_500);
-        assert_eq!(
-            c[0].0.rev.flags & lb_common::FLOW_F_REVERSE,
-            lb_common::FLOW_F_REVERSE
-        );
-    }
-
-    #[test]
-    fn refresh_skips_idle_and_merely_synced_connections() {
-        let now = 100_000 * NS_PER_MS;
-        let window = 10_000 * NS_PER_MS;
-        assert_eq!(
-            refresh_events(&table(0, 0, now - NS_PER_MS), now, window).len(),
-            1
-        );
-        assert!(refresh_events(&table(0, 0, now - 20_000 * NS_PER_MS), now, window).is_empty());
-        let synced = table(FLOW_F_SYNCED, FLOW_F_SYNCED, now - NS_PER_MS);
-        assert!(
-            refresh_events(&synced, now, window).is_empty(),
-            "no echo back to the peer"
-        );
-    }
 }

@@ -4,8 +4,8 @@
 //! types from `lb-api`) plus the VIP and agent-side settings, so the same YAML fragment works in both modes
 //! and the "frontend for the API server" use needs no cluster.
 
+use crate::dataplane::model::{Protocol, ServiceId, ServiceSpec};
 use crate::health::HealthCheckSpec;
-use crate::model::{Protocol, ServiceId, ServiceSpec};
 use anyhow::{anyhow, bail, Context, Result};
 use ipnet::IpNet;
 use k8s_openapi::api::core::v1::ServicePort;

@@ -1,7 +1,19 @@
 //! Loading, attaching and reading/writing the eBPF data plane. Knows the maps, not the load-balancer model
-//! (that is [`crate::programmer`]).
+//! (that is [`crate::dataplane::programmer`]).
 
-use crate::flow_filter::FlowFilterMap;
+pub mod arena;
+pub mod flow_filter;
+pub mod gc;
+pub mod maglev;
+pub mod map_batch;
+mod mapped;
+pub mod model;
+pub mod neighbor;
+pub mod programmer;
+
+use mapped::MappedArray;
+
+use crate::dataplane::flow_filter::FlowFilterMap;
 use anyhow::{anyhow, bail, Context, Result};
 use aya::{
     maps::{
@@ -92,63 +104,6 @@ pub struct Dataplane {
     maglev: Option<MappedArray>,
     /// The flow filter, marked for every TCP entry written here (`None` when only the pins were opened).
     flow_filter: Option<FlowFilterMap>,
-}
-
-/// A `BPF_F_MMAPABLE` array mapped into this process (the Maglev arena, the flow filter). The kernel lays array
-/// elements out 8-byte aligned, so each `u32` slot of the arena is the low half of a `u64` in the mapping.
-pub(crate) struct MappedArray {
-    ptr: *mut u64,
-    entries: usize,
-    bytes: usize,
-}
-
-// SAFETY: the mapping is owned by this struct and only accessed through `&mut Dataplane`.
-unsafe impl Send for MappedArray {}
-
-impl MappedArray {
-    pub(crate) fn map(data: &MapData, entries: u32) -> Result<Self> {
-        use std::os::fd::{AsFd, AsRawFd};
-        let page = 4096usize;
-        let bytes = (entries as usize * 8).div_ceil(page) * page;
-        // SAFETY: mapping a map fd the kernel created with BPF_F_MMAPABLE; checked for MAP_FAILED.
-        let ptr = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                bytes,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_SHARED,
-                data.fd().as_fd().as_raw_fd(),
-                0,
-            )
-        };
-        if ptr == libc::MAP_FAILED {
-            bail!(
-                "mmap of a memory-mappable array map failed: {}",
-                std::io::Error::last_os_error()
-            );
-        }
-        Ok(MappedArray {
-            ptr: ptr.cast(),
-            entries: entries as usize,
-            bytes,
-        })
-    }
-
-    pub(crate) fn ptr(&self) -> *mut u64 {
-        self.ptr
-    }
-
-    fn slots(&mut self) -> &mut [u64] {
-        // SAFETY: `entries` 8-byte elements are mapped read-write for the lifetime of self.
-        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.entries) }
-    }
-}
-
-impl Drop for MappedArray {
-    fn drop(&mut self) {
-        // SAFETY: unmapping exactly what `map` mapped.
-        unsafe { libc::munmap(self.ptr.cast(), self.bytes) };
-    }
 }
 
 /// Every map the agent programs, with the capacity setter's name.
@@ -585,7 +540,7 @@ impl Dataplane {
     pub fn flows(&mut self) -> Result<Vec<(FlowKeyV4, FlowV4)>> {
         let m: HashMap<&mut MapData, FlowKeyV4, FlowV4> =
             HashMap::try_from(self.map(names::FLOWS_V4)?)?;
-        crate::map_batch::entries(&m).context("reading the flow table")
+        crate::dataplane::map_batch::entries(&m).context("reading the flow table")
     }
 
     /// One flow entry.
@@ -634,14 +589,14 @@ impl Dataplane {
     pub fn remove_flows(&mut self, keys: &[FlowKeyV4]) -> Result<usize> {
         let mut m: HashMap<&mut MapData, FlowKeyV4, FlowV4> =
             HashMap::try_from(self.map(names::FLOWS_V4)?)?;
-        crate::map_batch::delete(&mut m, keys).context("deleting flow entries")
+        crate::dataplane::map_batch::delete(&mut m, keys).context("deleting flow entries")
     }
 
     /// Deletes entries of `TRANSIENT_V4` in one call; missing ones are skipped.
     pub fn remove_transient_flows(&mut self, keys: &[FlowKeyV4]) -> Result<usize> {
         let mut m: HashMap<&mut MapData, FlowKeyV4, TransientV4> =
             HashMap::try_from(self.map(names::TRANSIENT_V4)?)?;
-        crate::map_batch::delete(&mut m, keys)
+        crate::dataplane::map_batch::delete(&mut m, keys)
             .context("deleting handshake and closed-connection entries")
     }
 
@@ -649,7 +604,8 @@ impl Dataplane {
     pub fn transient_flows(&mut self) -> Result<Vec<(FlowKeyV4, TransientV4)>> {
         let m: HashMap<&mut MapData, FlowKeyV4, TransientV4> =
             HashMap::try_from(self.map(names::TRANSIENT_V4)?)?;
-        crate::map_batch::entries(&m).context("reading the handshake and closed-connection table")
+        crate::dataplane::map_batch::entries(&m)
+            .context("reading the handshake and closed-connection table")
     }
 
     /// The SYN rate guard's trusted sources (`TRUSTED_SOURCES`).

@@ -1,0 +1,34 @@
+//! What the agent says about itself, for the status a source reports (Kubernetes mode: the
+//! LoadBalancerMachine's conditions).
+
+/// What the agent reports about itself (Kubernetes mode turns it into conditions).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct AgentStatus {
+    /// The data plane is loaded and attached.
+    pub dataplane_ready: bool,
+    /// The hook it is attached at (for the status message), once attached.
+    pub attached: Option<crate::dataplane::AttachMode>,
+    /// The latest config was invalid (message), or `None`.
+    pub config_error: Option<String>,
+    /// Generation of the latest input seen from the source.
+    pub desired_generation: Option<u64>,
+    /// Generation of the config now in the maps.
+    pub applied_generation: Option<u64>,
+    /// VRRP state, when this machine runs VRRP (`KeepalivedMaster`/`KeepalivedProcess` conditions).
+    pub vrrp: Option<crate::ha::vrrp::VrrpState>,
+    /// Why `desired_generation` cannot be confirmed as the latest input (Kubernetes mode: the watch of the
+    /// LoadBalancer failed and has not relisted since, or the agent loop has not taken the latest published
+    /// generation yet); `None` when it can. Set by the status reporter, not by the agent loop.
+    pub source_stale: Option<String>,
+}
+
+impl AgentStatus {
+    /// The maps match the latest valid input, and the source is known to have given the latest input.
+    pub fn up_to_date(&self) -> bool {
+        self.source_stale.is_none()
+            && self.dataplane_ready
+            && self.config_error.is_none()
+            && self.applied_generation.is_some()
+            && self.applied_generation == self.desired_generation
+    }
+}
