@@ -288,6 +288,19 @@ async fn annotations_applied_and_changed_in_one_write() {
         .await;
     h.wait_event("default", "web", "Normal", "synced with the service")
         .await;
+    // Applied, but not honoured by the data plane yet: said on the Service, naming the port.
+    eventually("ProxyProtocolNotSupported event", || async {
+        h.events_for("default", "web")
+            .await
+            .iter()
+            .any(|(t, r, m, _)| {
+                t == "Warning"
+                    && r == "ProxyProtocolNotSupported"
+                    && m.contains("tcpProxyProtocol is not supported yet")
+                    && m.contains("TCP port(s) 80 ")
+            })
+    })
+    .await;
     // The watch may lag behind the GET above; then no further write may follow.
     eventually("the write seen by the watch", || async {
         writes.count() >= 1
