@@ -1462,10 +1462,11 @@ mod yawol;
 
 /// On a machine a yawol-controller manages, the agent runs under yawol's Role (`GetRoleRules`: six rules, events
 /// in the core group only) with no `--machine-revision`. That Role is enough for all of Kubernetes mode — the
-/// watch, the status, Events, the revision from the machine's annotation, ad-hoc debug, the logForward report —
-/// and the API server refuses none of its requests.
+/// watch, the status, Events, the revision from the machine's annotation, ad-hoc debug, the reports of logForward
+/// and PROXY protocol (not implemented: False conditions and Warning Events, while the machine is ready and
+/// forwards) — and the API server refuses none of its requests.
 #[tokio::test]
-async fn under_yawols_role_revision_ad_hoc_debug_and_log_forward() {
+async fn under_yawols_role_revision_ad_hoc_debug_and_unsupported_options() {
     const REVISION: &str = "loadbalancer.yawol.stackit.cloud/revision";
     const KEY: &str = "ssh-rsa AAAAB3NzaC1yc2EAAAADAQABAAABAQDkubeModeTest+/=";
     let env = KubeEnv::shared();
@@ -1475,6 +1476,9 @@ async fn under_yawols_role_revision_ad_hoc_debug_and_log_forward() {
     lb["metadata"]["annotations"] = json!({ REVISION: "2" });
     lb["spec"]["options"]["logForward"] =
         json!({"enabled": true, "lokiUrl": "http://loki.example:3100/loki/api/v1/push"});
+    // What yawol-controller and ours write for `tcpProxyProtocol: "true"` + `tcpProxyProtocolPortsFilter: "80,443"`.
+    lb["spec"]["options"]["tcpProxyProtocol"] = json!(true);
+    lb["spec"]["options"]["tcpProxyProtocolPortFilter"] = json!([80, 443]);
     let mut lbm = lbm_json(&ns, LBM, LB);
     lbm["metadata"]["annotations"] = json!({ REVISION: "2" });
     let pp = PostParams::default();
@@ -1594,8 +1598,9 @@ async fn under_yawols_role_revision_ad_hoc_debug_and_log_forward() {
             .iter()
             .all(|t| is(c, t, "True"))
             && is(c, "LogForward", "False")
+            && is(c, "ProxyProtocol", "False")
     };
-    let c = eventually("ready, LogForward=False", || async {
+    let c = eventually("ready, LogForward=False, ProxyProtocol=False", || async {
         let c = conditions_of(cluster.lbms.get_opt(LBM).await.unwrap().as_ref());
         machine(&c).then_some(c)
     })
@@ -1603,6 +1608,15 @@ async fn under_yawols_role_revision_ad_hoc_debug_and_log_forward() {
     assert_eq!(
         find(&c, "LogForward").unwrap().reason.as_deref(),
         Some("LogForwardNotSupported")
+    );
+    let pp = find(&c, "ProxyProtocol").unwrap();
+    assert_eq!(pp.reason.as_deref(), Some("ProxyProtocolNotSupported"));
+    assert!(
+        pp.message
+            .as_deref()
+            .unwrap()
+            .contains("TCP port(s) 80 are forwarded without a PROXY protocol header"),
+        "{pp:?}"
     );
 
     let annotate = |v: Value| {
@@ -1655,6 +1669,7 @@ async fn under_yawols_role_revision_ad_hoc_debug_and_log_forward() {
             .collect();
         [
             "LogForwardNotSupported",
+            "ProxyProtocolNotSupported",
             "AdHocDebuggingEnabled",
             "AdHocDebuggingDisabled",
         ]

@@ -172,6 +172,16 @@ impl LoadBalancerOptions {
             }
     }
 
+    /// The TCP service ports among `ports` that ask for a PROXY header, in their order: what an implementation
+    /// without PROXY protocol must report as not honoured.
+    pub fn tcp_proxy_protocol_ports(&self, ports: &[ServicePort]) -> Vec<i32> {
+        ports
+            .iter()
+            .filter(|p| port_protocol(p) == "TCP" && self.tcp_proxy_protocol_for_port(p.port))
+            .map(|p| p.port)
+            .collect()
+    }
+
     /// The source ranges (empty: allow all).
     pub fn source_ranges(&self) -> &[String] {
         self.load_balancer_source_ranges

@@ -29,6 +29,11 @@ fn loadbalancer_roundtrips_and_exposes_fields() {
     assert_eq!(options.udp_idle_timeout(), Ok(Duration::from_secs(90)));
     assert!(options.tcp_proxy_protocol_for_port(443));
     assert!(!options.tcp_proxy_protocol_for_port(80));
+    assert_eq!(
+        options.tcp_proxy_protocol_ports(spec.ports()),
+        [443],
+        "TCP ports in the filter only (53 is UDP)"
+    );
     assert_eq!(options.server_group_policy(), Some("soft-anti-affinity"));
     assert_eq!(options.source_ranges().len(), 2);
     let infra = &spec.infrastructure;

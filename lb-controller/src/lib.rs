@@ -9,7 +9,8 @@
 //!   Service controller), [`cloud::backchannel`] (external IP and events back to the Service), [`cloud::run`]
 //!   (caches, triggers, loops).
 //! - [`openstack`] (`lb-controller controller`, yawol-controller's role): the [`openstack::Cloud`] trait with its
-//!   implementations ([`openstack::sdk`] on `openstack_sdk`, [`openstack::fake`] for unit tests), credentials
+//!   implementations ([`openstack::sdk`] on `openstack_sdk`, `openstack::fake` for tests only, behind the
+//!   `fake-openstack` feature), credentials
 //!   ([`openstack::config`]) and which session serves a LoadBalancer ([`openstack::clouds`]); one folder per
 //!   controller, each `mod.rs` reading `reconcile → apply | cleanup` with its steps beside it:
 //!   - [`openstack::loadbalancer`]: the LoadBalancer's cloud resources ([`openstack::loadbalancer::resources`]:

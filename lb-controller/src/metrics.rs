@@ -72,7 +72,8 @@ pub struct Metrics {
     pub loadbalancer_writes: Family<OperationLabels, Counter>,
     /// Services rejected by validation (each distinct problem counted once).
     pub invalid_services: Counter,
-    /// Annotation values that were ignored (each distinct problem counted once).
+    /// Annotation values that were ignored or are not honoured, e.g. PROXY protocol (each distinct problem counted
+    /// once).
     pub annotation_warnings: Counter,
     /// Events re-emitted from LoadBalancers onto Services.
     pub events_forwarded: Counter,
@@ -162,7 +163,7 @@ impl Metrics {
         );
         registry.register(
             "annotation_warnings",
-            "Service annotation values ignored",
+            "Service annotation values ignored or not honoured",
             annotation_warnings.clone(),
         );
         registry.register(

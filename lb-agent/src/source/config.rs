@@ -6,7 +6,7 @@
 
 use crate::dataplane::model::{Protocol, ServiceId, ServiceSpec};
 use crate::health::HealthCheckSpec;
-use anyhow::{anyhow, bail, Context, Result};
+use anyhow::{bail, Context, Result};
 use ipnet::IpNet;
 use k8s_openapi::api::core::v1::ServicePort;
 use lb_api::loadbalancer::{LoadBalancerEndpoint, LoadBalancerOptions};
@@ -125,7 +125,27 @@ pub fn desired(
     options: &LoadBalancerOptions,
     health_check: HealthCheckSpec,
 ) -> Result<DesiredConfig> {
-    let mut errors = Vec::new();
+    checked(
+        vip,
+        snat,
+        ports,
+        endpoints,
+        options,
+        health_check,
+        Vec::new(),
+    )
+}
+
+/// [`desired`] with problems the caller already found (`errors`), reported together with the others.
+fn checked(
+    vip: IpAddr,
+    snat: Option<IpAddr>,
+    ports: &[ServicePort],
+    endpoints: &[LoadBalancerEndpoint],
+    options: &LoadBalancerOptions,
+    health_check: HealthCheckSpec,
+    mut errors: Vec<String>,
+) -> Result<DesiredConfig> {
     let tcp_idle = options
         .tcp_idle_timeout()
         .map_err(|e| errors.push(format!("options.tcpIdleTimeout: {e}")))
@@ -240,19 +260,90 @@ pub fn desired(
     })
 }
 
+/// A LoadBalancer option this agent does not implement.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum UnsupportedOption {
+    /// `options.logForward`: this image ships no logs.
+    LogForward,
+    /// `options.tcpProxyProtocol`: the data plane inserts no PROXY protocol header yet.
+    ProxyProtocol,
+}
+
+impl UnsupportedOption {
+    /// Every option this agent does not implement.
+    pub const ALL: [UnsupportedOption; 2] = [Self::LogForward, Self::ProxyProtocol];
+
+    /// The option's field in the LoadBalancer spec / the config file.
+    pub fn field(self) -> &'static str {
+        match self {
+            Self::LogForward => "options.logForward",
+            Self::ProxyProtocol => "options.tcpProxyProtocol",
+        }
+    }
+}
+
+/// An option the configuration asks for that this agent cannot honour, and what that means. Never ignored
+/// silently: Kubernetes mode reports it on the LoadBalancerMachine (a False condition and a Warning Event) and
+/// keeps forwarding, since the object is written by a controller from the user's Service; file mode refuses the
+/// file, as it does any other field it cannot honour.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Unsupported {
+    /// Which option.
+    pub option: UnsupportedOption,
+    /// For the operator: what is asked for and what happens instead.
+    pub message: String,
+}
+
+/// The options among `options` (for the service ports `ports`) that this agent does not implement.
+pub fn unsupported_options(
+    ports: &[ServicePort],
+    options: &LoadBalancerOptions,
+) -> Vec<Unsupported> {
+    let mut out = Vec::new();
+    if let Some(lf) = options.log_forward.as_ref().filter(|l| l.enabled) {
+        out.push(Unsupported {
+            option: UnsupportedOption::LogForward,
+            message: format!(
+                "logForward to {} is not supported by this load-balancer image (no log shipper); the machine's \
+                 logs stay in its journal",
+                lf.loki_url
+            ),
+        });
+    }
+    let proxied = options.tcp_proxy_protocol_ports(ports);
+    if !proxied.is_empty() {
+        let ports: Vec<String> = proxied.iter().map(i32::to_string).collect();
+        out.push(Unsupported {
+            option: UnsupportedOption::ProxyProtocol,
+            message: format!(
+                "tcpProxyProtocol is not supported yet: TCP port(s) {} are forwarded without a PROXY protocol \
+                 header, so the backends see the load balancer's address instead of the client's",
+                ports.join(", ")
+            ),
+        });
+    }
+    out
+}
+
 impl TryFrom<&LocalConfig> for DesiredConfig {
     type Error = anyhow::Error;
 
+    /// File mode: an option the agent cannot honour makes the file invalid (see [`Unsupported`]), reported with
+    /// the file's other problems.
     fn try_from(c: &LocalConfig) -> Result<Self> {
-        desired(
+        let unsupported: Vec<String> = unsupported_options(&c.ports, &c.options)
+            .into_iter()
+            .map(|u| format!("{}: {}", u.option.field(), u.message))
+            .collect();
+        checked(
             c.vip,
             c.snat_address,
             &c.ports,
             &c.endpoints,
             &c.options,
             c.health_check.clone(),
+            unsupported,
         )
-        .map_err(|e| anyhow!(e))
     }
 }
 
@@ -353,6 +444,33 @@ options:
             vec!["10.200.0.12:30053".parse().unwrap()],
             "node 11 is down for UDP too"
         );
+    }
+
+    #[test]
+    fn file_mode_refuses_options_it_cannot_honour() {
+        let with = |options: &str| {
+            let c: LocalConfig = serde_yaml::from_str(&format!("{GOOD}{options}")).unwrap();
+            DesiredConfig::try_from(&c).map(|_| ())
+        };
+        let e = with("  tcpProxyProtocol: true\n").unwrap_err().to_string();
+        assert!(
+            e.contains("options.tcpProxyProtocol: tcpProxyProtocol is not supported yet: TCP port(s) 80 are"),
+            "{e}"
+        );
+        let e = with(
+            "  logForward: {enabled: true, lokiUrl: \"http://loki:3100\"}\n  tcpProxyProtocol: true\n",
+        )
+        .unwrap_err()
+        .to_string();
+        for needle in [
+            "options.logForward: logForward to http://loki:3100",
+            "options.tcpProxyProtocol",
+        ] {
+            assert!(e.contains(needle), "missing {needle:?} in:\n{e}");
+        }
+        // Set but asking for nothing: accepted.
+        with("  tcpProxyProtocol: false\n  logForward: {enabled: false, lokiUrl: \"\"}\n").unwrap();
+        with("  tcpProxyProtocol: true\n  tcpProxyProtocolPortFilter: [443]\n").unwrap();
     }
 
     #[test]

@@ -60,6 +60,12 @@ pub fn service_of(lb: &LoadBalancer) -> Option<(String, String)> {
     Some((namespace.to_string(), name.to_string()))
 }
 
+/// `ingress[].ipMode` (Kubernetes ≥ 1.30): `VIP` lets kube-proxy short-circuit in-cluster traffic to the address
+/// straight to the Service's endpoints instead of sending it out through the load balancer. That loses nothing
+/// while the data plane inserts no PROXY header (it would have to become `Proxy` once it does, so that in-cluster
+/// clients get the header too).
+pub const INGRESS_IP_MODE: &str = "VIP";
+
 /// The IP to publish, if the LoadBalancer is ready: an external IP and either ready machines or
 /// zero desired machines (yawol PR #521: keep reporting the IP when scaled to 0).
 pub fn publishable_ip(lb: &LoadBalancer) -> Option<&str> {
@@ -99,17 +105,23 @@ async fn reconcile_ip(lb: &LoadBalancer, ctx: &Context) -> Result<Action, Error>
     if service.meta().deletion_timestamp.is_some() {
         return Ok(Action::await_change());
     }
-    let current: Vec<Option<&str>> = service
+    let current: Vec<(Option<&str>, Option<&str>)> = service
         .status
         .as_ref()
         .and_then(|s| s.load_balancer.as_ref())
         .and_then(|l| l.ingress.as_ref())
-        .map(|i| i.iter().map(|i| i.ip.as_deref()).collect())
+        .map(|i| {
+            i.iter()
+                .map(|i| (i.ip.as_deref(), i.ip_mode.as_deref()))
+                .collect()
+        })
         .unwrap_or_default();
-    if current == [Some(ip)] {
+    // Also rewrites ingresses published before `ipMode` was set.
+    if current == [(Some(ip), Some(INGRESS_IP_MODE))] {
         return Ok(Action::await_change());
     }
-    let patch = json!({"status": {"loadBalancer": {"ingress": [{"ip": ip}]}}});
+    let patch =
+        json!({"status": {"loadBalancer": {"ingress": [{"ip": ip, "ipMode": INGRESS_IP_MODE}]}}});
     api.patch_status(&name, &PatchParams::default(), &Patch::Merge(&patch))
         .await
         .map_err(|source| Error {
@@ -117,6 +129,10 @@ async fn reconcile_ip(lb: &LoadBalancer, ctx: &Context) -> Result<Action, Error>
             source,
         })?;
     ctx.metrics.ingress_updates.inc();
+    if current.iter().map(|(ip, _)| *ip).eq([Some(ip)]) {
+        // Only `ipMode` was added (an ingress published by an older version or by yawol): nothing to tell the user.
+        return Ok(Action::await_change());
+    }
     info!(service = %format!("{namespace}/{name}"), ip, "published external IP");
     let reference: ObjectReference = service.object_ref(&());
     let message = format!("LoadBalancer is successfully created with IP {ip}");

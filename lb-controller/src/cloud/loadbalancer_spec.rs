@@ -123,13 +123,43 @@ pub fn validate_service(service: &Service) -> Vec<String> {
     errors
 }
 
+/// Reasons of the Service controller's Warning events.
+pub mod reasons {
+    /// The Service cannot be served ([`super::validate_service`]); nothing is created or changed.
+    pub const VALIDATION: &str = "validation";
+    /// An annotation's value was ignored or a change of it refused; the rest is applied.
+    pub const ANNOTATION: &str = "annotation";
+    /// The Service asks for PROXY protocol, which the data plane does not send yet: the load balancer is created
+    /// and forwards, but the backends see the load balancer's address instead of the client's.
+    pub const PROXY_PROTOCOL_NOT_SUPPORTED: &str = "ProxyProtocolNotSupported";
+}
+
+/// A problem with a Service, reported as a Warning event on it.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct Warning {
+    /// The event's reason (one of [`reasons`]).
+    pub reason: &'static str,
+    /// The event's message.
+    pub message: String,
+}
+
+impl Warning {
+    /// Each message as a warning with `reason`.
+    pub fn all(reason: &'static str, messages: Vec<String>) -> Vec<Warning> {
+        messages
+            .into_iter()
+            .map(|message| Warning { reason, message })
+            .collect()
+    }
+}
+
 /// The result of translating a Service.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Desired {
     /// The LoadBalancer spec the Service asks for.
     pub spec: LoadBalancerSpec,
-    /// Problems with annotations that were ignored (reported as Warning events).
-    pub warnings: Vec<String>,
+    /// Annotations that were ignored or are not honoured (reported as Warning events).
+    pub warnings: Vec<Warning>,
 }
 
 /// Builds the desired LoadBalancer spec from a Service, the endpoints and the defaults.
@@ -179,6 +209,17 @@ pub fn desired_spec(
         ..Default::default()
     };
 
+    let mut warnings = Warning::all(reasons::ANNOTATION, warnings);
+    // Copied into the LoadBalancer all the same (yawol-compatible objects, and honoured once the data plane
+    // inserts the header), but never silently: the user's backends do not get what the Service asks for.
+    let proxied = options.tcp_proxy_protocol_ports(spec.ports.as_deref().unwrap_or_default());
+    if !proxied.is_empty() {
+        warnings.push(Warning {
+            reason: reasons::PROXY_PROTOCOL_NOT_SUPPORTED,
+            message: proxy_protocol_message(&proxied),
+        });
+    }
+
     Desired {
         spec: LoadBalancerSpec {
             selector,
@@ -193,6 +234,16 @@ pub fn desired_spec(
         },
         warnings,
     }
+}
+
+fn proxy_protocol_message(ports: &[i32]) -> String {
+    let ports: Vec<String> = ports.iter().map(i32::to_string).collect();
+    format!(
+        "annotation {} is not supported yet: the load balancer forwards TCP port(s) {} without a PROXY protocol \
+         header, so the backends see the load balancer's address instead of the client's",
+        ann::TCP_PROXY_PROTOCOL,
+        ports.join(", ")
+    )
 }
 
 /// The ports with `protocol` filled in (TCP when absent), as the LoadBalancer CRD's schema
@@ -636,7 +687,19 @@ mod tests {
             "yawol.stackit.cloud/additionalNetworks": "extra1,extra2",
         }));
         let d = desired_spec(&svc, vec![], &defaults());
-        assert!(d.warnings.is_empty(), "{:?}", d.warnings);
+        // Every annotation is applied; PROXY protocol is copied into the LoadBalancer but not honoured by the data
+        // plane yet, which must be said (a Warning event), never left silent.
+        assert_eq!(
+            d.warnings,
+            [Warning {
+                reason: "ProxyProtocolNotSupported",
+                message: "annotation yawol.stackit.cloud/tcpProxyProtocol is not supported yet: the load \
+                          balancer forwards TCP port(s) 80 without a PROXY protocol header, so the backends \
+                          see the load balancer's address instead of the client's"
+                    .into(),
+            }],
+            "the PROXY protocol warning, naming the affected port (443 is not a port of the Service)"
+        );
         let s = d.spec;
         let infra = &s.infrastructure;
         assert_eq!(infra.image.image_id.as_deref(), Some("img2"));
@@ -679,6 +742,42 @@ mod tests {
     }
 
     #[test]
+    fn proxy_protocol_warning_names_the_proxied_tcp_ports() {
+        let proxied = |annotations: Value| {
+            let mut svc = service(annotations);
+            let ports = svc.spec.as_mut().unwrap().ports.as_mut().unwrap();
+            for (port, protocol) in [(443, "TCP"), (53, "UDP")] {
+                ports.push(
+                    serde_json::from_value(
+                        json!({"port": port, "protocol": protocol, "nodePort": 30000 + port}),
+                    )
+                    .unwrap(),
+                );
+            }
+            desired_spec(&svc, vec![], &defaults())
+                .warnings
+                .into_iter()
+                .filter(|w| w.reason == reasons::PROXY_PROTOCOL_NOT_SUPPORTED)
+                .map(|w| w.message)
+                .collect::<Vec<_>>()
+        };
+        let all = proxied(json!({"yawol.stackit.cloud/tcpProxyProtocol": "true"}));
+        assert_eq!(all.len(), 1);
+        assert!(all[0].contains("TCP port(s) 80, 443 "), "{all:?}");
+        assert_eq!(
+            proxied(json!({"yawol.stackit.cloud/tcpProxyProtocol": "true",
+                           "yawol.stackit.cloud/tcpProxyProtocolPortsFilter": "8080"})),
+            Vec::<String>::new(),
+            "no port of the Service asks for the header: nothing is lost"
+        );
+        assert!(
+            proxied(json!({"yawol.stackit.cloud/tcpProxyProtocol": "false",
+                               "yawol.stackit.cloud/tcpProxyProtocolPortsFilter": "80"}))
+            .is_empty()
+        );
+    }
+
+    #[test]
     fn skip_default_network() {
         let svc = service(json!({
             "yawol.stackit.cloud/defaultNetworkID": "net2",
@@ -705,7 +804,18 @@ mod tests {
             "yawol.stackit.cloud/loadBalancerSourceRanges": "10.0.0.0/8,not-a-cidr",
         }));
         let d = desired_spec(&svc, vec![], &defaults());
-        assert_eq!(d.warnings.len(), 7, "{:#?}", d.warnings);
+        let reasons: Vec<_> = d.warnings.iter().map(|w| w.reason).collect();
+        assert_eq!(
+            reasons,
+            [["annotation"; 7].as_slice(), &["ProxyProtocolNotSupported"]].concat(),
+            "{:#?}",
+            d.warnings
+        );
+        assert!(
+            d.warnings[7].message.contains("TCP port(s) 80 "),
+            "an invalid filter means all TCP ports: {:?}",
+            d.warnings[7]
+        );
         let o = d.spec.options();
         assert_eq!(d.spec.replicas, 1);
         assert!(!o.is_internal());

@@ -22,7 +22,9 @@ use serde_json::json;
 use tracing::{debug, info, warn};
 
 use crate::cloud::endpoints;
-use crate::cloud::loadbalancer_spec::{self, ClassFilter, InfrastructureDefaults};
+use crate::cloud::loadbalancer_spec::{
+    self, reasons, ClassFilter, InfrastructureDefaults, Warning,
+};
 use crate::metrics::Metrics;
 use crate::runtime::api_errors::{is_conflict, is_not_found};
 use crate::runtime::events::{EventPublisher, EventType};
@@ -140,16 +142,16 @@ impl Context {
         Api::namespaced(self.control.clone(), &self.config.defaults.namespace)
     }
 
-    /// Emits the given warnings as events unless exactly this set was already reported.
+    /// Emits the given warnings as events unless exactly this set was already reported. All of a reconcile's
+    /// warnings go in one call: the fingerprint is one per Service.
     async fn report_warnings(
         &self,
         service: &Service,
         reference: &ObjectRef<Service>,
-        reason: &str,
-        warnings: &[String],
+        warnings: &[Warning],
     ) {
         let mut hasher = std::collections::hash_map::DefaultHasher::new();
-        (reason, warnings).hash(&mut hasher);
+        warnings.hash(&mut hasher);
         let fingerprint = hasher.finish();
         {
             let mut reported = self.reported.lock().unwrap();
@@ -161,8 +163,8 @@ impl Context {
                 return;
             }
         }
-        for message in warnings {
-            if reason == "validation" {
+        for Warning { reason, message } in warnings {
+            if *reason == reasons::VALIDATION {
                 self.metrics.invalid_services.inc();
             } else {
                 self.metrics.annotation_warnings.inc();
@@ -242,8 +244,8 @@ async fn apply(
 
     let errors = loadbalancer_spec::validate_service(service);
     if !errors.is_empty() {
-        ctx.report_warnings(service, reference, "validation", &errors)
-            .await;
+        let errors = Warning::all(reasons::VALIDATION, errors);
+        ctx.report_warnings(service, reference, &errors).await;
         // Nothing to retry until the Service changes.
         return Ok(Action::await_change());
     }
@@ -264,8 +266,7 @@ async fn apply(
     let existing = match cached {
         Some(lb) => ctx.own_writes.newest(lb),
         None => {
-            ctx.report_warnings(service, reference, "annotation", &warnings)
-                .await;
+            ctx.report_warnings(service, reference, &warnings).await;
             let lb = loadbalancer_spec::new_loadbalancer(
                 service,
                 desired.spec.clone(),
@@ -311,9 +312,8 @@ async fn apply(
 
     let (spec, immutable_warnings) =
         loadbalancer_spec::protect_immutable(desired.spec, &existing.spec, service);
-    warnings.extend(immutable_warnings);
-    ctx.report_warnings(service, reference, "annotation", &warnings)
-        .await;
+    warnings.extend(Warning::all(reasons::ANNOTATION, immutable_warnings));
+    ctx.report_warnings(service, reference, &warnings).await;
 
     let current_spec = serde_json::to_value(&existing.spec).expect("spec serialises");
     let desired_spec = serde_json::to_value(&spec).expect("spec serialises");

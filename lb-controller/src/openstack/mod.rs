@@ -6,7 +6,7 @@
 //! operations on the five resource kinds a load balancer needs (security groups and rules, floating IPs, ports,
 //! server groups, servers). The domain-level "ensure" steps (adopt by name, diff rules, never replace a floating IP)
 //! live in each controller's `resources.rs` ([`loadbalancer::resources`], [`machine::resources`]) and are written
-//! against the trait, so they are unit-tested with [`fake::FakeCloud`] and run against a real cloud with
+//! against the trait, so they are unit-tested with `fake::FakeCloud` and run against a real cloud with
 //! [`sdk::SdkCloud`] (`openstack_sdk`, async; credentials in [`config`]). Another cloud could plug in by implementing
 //! the trait.
 //!
@@ -15,6 +15,9 @@
 
 pub mod clouds;
 pub mod config;
+// Test code: in the unit tests, and for the integration tests through the `fake-openstack` feature, which only
+// lb-controller's dev-dependency on itself enables; never in the product binary.
+#[cfg(any(test, feature = "fake-openstack"))]
 pub mod fake;
 pub mod loadbalancer;
 pub mod machine;

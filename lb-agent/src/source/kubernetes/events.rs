@@ -36,8 +36,8 @@ pub mod event_reasons {
     pub const AD_HOC_DEBUG_NOT_ENABLED: &str = "AdHocDebuggingNotEnabled";
     /// Normal: the ad-hoc debug key was removed (the annotation went).
     pub const AD_HOC_DEBUG_DISABLED: &str = "AdHocDebuggingDisabled";
-    /// Warning: the LoadBalancer asks for log forwarding, which this image does not do.
-    pub const LOG_FORWARD_NOT_SUPPORTED: &str = "LogForwardNotSupported";
+    // Warning: an option the LoadBalancer asks for that this image does not implement; the reason is its
+    // condition's (`super::status::unsupported_condition`: `LogForwardNotSupported`, `ProxyProtocolNotSupported`).
 }
 
 /// An Event to write on the LoadBalancerMachine.

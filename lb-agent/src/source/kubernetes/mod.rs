@@ -12,9 +12,10 @@
 //!   `EnvoyReady` / `EnvoyUpToDate`, heartbeats every requeue period, and yawol's metric list.
 //!
 //! Both write core/v1 Events on the machine through one recorder ([`events`]). Besides the configuration the
-//! source acts on what else the LoadBalancer asks of a machine: ad-hoc debug access ([`debug`]) and log
-//! forwarding, which this image does not do — reported as the `LogForward=False` condition and a Warning Event,
-//! never ignored silently ([`LbFacts`]). The machine's revision, when no `--machine-revision` is given, comes from
+//! source acts on what else the LoadBalancer asks of a machine: ad-hoc debug access ([`debug`]), and options this
+//! image does not implement (log forwarding, PROXY protocol: [`crate::source::config::unsupported_options`]) — each
+//! reported as a False condition (`LogForward`, `ProxyProtocol`) and a Warning Event with the same reason, never
+//! ignored silently ([`LbFacts`]); the machine keeps forwarding. The machine's revision, when no `--machine-revision` is given, comes from
 //! the LoadBalancerMachine's revision annotation (yawol-controller writes no flag for it): the reporter reads it
 //! and hands it to the source. [`yawollet`] translates yawollet's command line (yawol-compatible images).
 //!
@@ -86,8 +87,9 @@ pub struct KubeSettings {
 /// data plane.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct LbFacts {
-    /// `spec.options.logForward` is enabled, to this Loki URL: not supported here (condition `LogForward=False`).
-    pub log_forward: Option<String>,
+    /// Options of the LoadBalancer this image does not implement (each a False condition,
+    /// [`status::unsupported_condition`]).
+    pub unsupported: Vec<crate::source::config::Unsupported>,
 }
 
 impl std::fmt::Debug for KubeSettings {
@@ -170,7 +172,7 @@ pub fn start(
                 .ad_hoc_debug
                 .clone()
                 .map(|s| debug::AdHocDebug::new(s, &settings.machine)),
-            log_forward_reported: None,
+            unsupported_reported: Vec::new(),
         },
     ));
     let reporter = tokio::spawn(status::run_status_reporter(

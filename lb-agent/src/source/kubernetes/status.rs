@@ -5,6 +5,7 @@ use super::events::{status_events, truncate, Recorder};
 use super::{KubeSettings, LbFacts};
 use crate::report::metrics::SharedSnapshot;
 use crate::report::AgentStatus;
+use crate::source::config::UnsupportedOption;
 use crate::source::ConfigState;
 use ::kube::api::{Api, Patch, PatchParams};
 use anyhow::Result;
@@ -24,6 +25,9 @@ pub mod types {
     pub const KEEPALIVED_STATS_FILE: &str = "KeepalivedStatsFile";
     /// Present only while the LoadBalancer asks for log forwarding: always False, this image ships no logs.
     pub const LOG_FORWARD: &str = "LogForward";
+    /// Present only while the LoadBalancer asks for PROXY protocol on one of its TCP ports: always False, the data
+    /// plane inserts no PROXY header yet (it forwards all the same).
+    pub const PROXY_PROTOCOL: &str = "ProxyProtocol";
 }
 
 /// Condition reasons. The yawol-named conditions use yawol's reasons where yawol has one, so dashboards
@@ -64,6 +68,19 @@ pub mod reasons {
     pub const COULD_NOT_READ_STATS: &str = "CouldNotReadStats";
     /// `LogForward=False`.
     pub const LOG_FORWARD_NOT_SUPPORTED: &str = "LogForwardNotSupported";
+    /// `ProxyProtocol=False`.
+    pub const PROXY_PROTOCOL_NOT_SUPPORTED: &str = "ProxyProtocolNotSupported";
+}
+
+/// The condition (type, reason) that reports an option this image does not implement; the Warning Event about it
+/// has the same reason.
+pub fn unsupported_condition(option: UnsupportedOption) -> (&'static str, &'static str) {
+    match option {
+        UnsupportedOption::LogForward => (types::LOG_FORWARD, reasons::LOG_FORWARD_NOT_SUPPORTED),
+        UnsupportedOption::ProxyProtocol => {
+            (types::PROXY_PROTOCOL, reasons::PROXY_PROTOCOL_NOT_SUPPORTED)
+        }
+    }
 }
 
 /// What the conditions depend on besides the agent's status.
@@ -197,15 +214,13 @@ fn truths(s: &AgentStatus, ctx: &Context) -> Vec<Truth> {
             },
         });
     }
-    if let Some(url) = &ctx.facts.log_forward {
+    for u in &ctx.facts.unsupported {
+        let (type_, reason) = unsupported_condition(u.option);
         v.push(Truth {
-            type_: types::LOG_FORWARD,
+            type_,
             ok: false,
-            reason: reasons::LOG_FORWARD_NOT_SUPPORTED,
-            message: truncate(&format!(
-                "logForward to {url} is not supported by this load-balancer image (no log shipper); the machine's \
-                 logs stay in its journal"
-            )),
+            reason,
+            message: truncate(&u.message),
         });
     }
     v
@@ -241,8 +256,9 @@ fn up_to_date_message(s: &AgentStatus) -> String {
 }
 
 /// The machine's new `status.conditions`: ours set from `status` and `ctx` (heartbeat = `now`; transition
-/// time only changes when a status flips), `LogForward` removed when the LoadBalancer no longer asks for it,
-/// conditions written by others (`MarkedForDeletion`) kept as they are, sorted by type like yawol's.
+/// time only changes when a status flips), `LogForward` / `ProxyProtocol` removed when the LoadBalancer no longer
+/// asks for the option, conditions written by others (`MarkedForDeletion`) kept as they are, sorted by type like
+/// yawol's.
 pub fn conditions(
     prev: &[NodeCondition],
     status: &AgentStatus,
@@ -250,8 +266,11 @@ pub fn conditions(
     now: &Time,
 ) -> Vec<NodeCondition> {
     let mut out = prev.to_vec();
-    if ctx.facts.log_forward.is_none() {
-        out.retain(|c| c.type_ != types::LOG_FORWARD);
+    for option in UnsupportedOption::ALL {
+        if ctx.facts.unsupported.iter().all(|u| u.option != option) {
+            let (type_, _) = unsupported_condition(option);
+            out.retain(|c| c.type_ != type_);
+        }
     }
     for t in truths(status, ctx) {
         let value = if t.ok { cond::TRUE } else { cond::FALSE };
@@ -612,14 +631,24 @@ mod tests {
     }
 
     #[test]
-    fn log_forward_is_reported_false_while_asked_for() {
-        let ctx = Context {
+    fn unsupported_options_are_reported_false_while_asked_for() {
+        let options = serde_json::from_value(json!({
+            "logForward": {"enabled": true, "lokiUrl": "http://loki:3100/loki/api/v1/push"},
+            "tcpProxyProtocol": true,
+        }))
+        .unwrap();
+        let ports: Vec<k8s_openapi::api::core::v1::ServicePort> = serde_json::from_value(json!([
+            {"port": 443, "protocol": "TCP", "nodePort": 30443},
+            {"port": 53, "protocol": "UDP", "nodePort": 30053},
+        ]))
+        .unwrap();
+        let both = Context {
             facts: LbFacts {
-                log_forward: Some("http://loki:3100/loki/api/v1/push".into()),
+                unsupported: crate::source::config::unsupported_options(&ports, &options),
             },
             ..Default::default()
         };
-        let c = conditions(&[], &running(1), &ctx, &t(0));
+        let c = conditions(&[], &running(1), &both, &t(0));
         let lf = find(&c, "LogForward");
         assert_eq!(lf.status, "False");
         assert_eq!(lf.reason.as_deref(), Some("LogForwardNotSupported"));
@@ -627,13 +656,35 @@ mod tests {
             lf.message.as_deref().unwrap().contains("http://loki:3100"),
             "{lf:?}"
         );
+        let pp = find(&c, "ProxyProtocol");
+        assert_eq!(pp.status, "False");
+        assert_eq!(pp.reason.as_deref(), Some("ProxyProtocolNotSupported"));
+        assert!(
+            pp.message
+                .as_deref()
+                .unwrap()
+                .contains("TCP port(s) 443 are"),
+            "the UDP port is not named: {pp:?}"
+        );
         // Readiness is not affected: the three conditions yawol-controller checks stay True.
         for ty in ["ConfigReady", "EnvoyReady", "EnvoyUpToDate"] {
             assert_eq!(find(&c, ty).status, "True");
         }
-        let c = conditions(&c, &running(1), &Context::default(), &t(1));
+        let proxy_only = Context {
+            facts: LbFacts {
+                unsupported: both.facts.unsupported[1..].to_vec(),
+            },
+            ..Default::default()
+        };
+        let c = conditions(&c, &running(1), &proxy_only, &t(1));
         assert!(
             c.iter().all(|c| c.type_ != "LogForward"),
+            "gone with the option"
+        );
+        assert_eq!(find(&c, "ProxyProtocol").status, "False");
+        let c = conditions(&c, &running(1), &Context::default(), &t(2));
+        assert!(
+            c.iter().all(|c| c.type_ != "ProxyProtocol"),
             "gone with the option"
         );
     }

@@ -3,9 +3,11 @@
 
 use super::debug::AdHocDebug;
 use super::events::{event_reasons, truncate, MachineEvent, Recorder};
+use super::status::unsupported_condition;
 use super::{KubeSettings, LbFacts};
 use crate::health::HealthCheckSpec;
 use crate::source::config::desired;
+use crate::source::config::{unsupported_options, Unsupported};
 use crate::source::ConfigState;
 use ::kube::api::Api;
 use ::kube::runtime::watcher;
@@ -94,17 +96,6 @@ pub fn with_ha_hints(
     ConfigState::Valid(Arc::new(c), generation)
 }
 
-/// The Loki URL when the LoadBalancer asks for log forwarding (`spec.options.logForward.enabled`), which this
-/// image does not do.
-pub fn log_forward_target(lb: &LoadBalancer) -> Option<String> {
-    lb.spec
-        .options()
-        .log_forward
-        .as_ref()
-        .filter(|l| l.enabled)
-        .map(|l| l.loki_url.clone())
-}
-
 /// What the config source does besides the configuration (see the module documentation of Kubernetes mode).
 pub(super) struct Extras {
     /// To the status reporter.
@@ -113,8 +104,8 @@ pub(super) struct Extras {
     pub revision: watch::Receiver<Option<String>>,
     /// Ad-hoc debug access, when enabled.
     pub ad_hoc_debug: Option<AdHocDebug>,
-    /// The log-forwarding target last reported by an Event (reported once per agent and target).
-    pub log_forward_reported: Option<String>,
+    /// The unsupported options last reported by Events (each reported once per agent while it stays the same).
+    pub unsupported_reported: Vec<Unsupported>,
 }
 
 /// Whether two states would make the agent do the same thing (no need to wake it).
@@ -208,7 +199,7 @@ pub(super) async fn run_config_source(
 }
 
 /// Sends the LoadBalancer's configuration to the agent if it changed; reports rejections. Acts on ad-hoc debug
-/// access and reports log forwarding first (they do not depend on the configuration).
+/// access and reports unsupported options first (they do not depend on the configuration's validity).
 async fn publish(
     lb: &LoadBalancer,
     settings: &KubeSettings,
@@ -221,24 +212,24 @@ async fn publish(
             recorder.publish(&e).await;
         }
     }
-    let log_forward = log_forward_target(lb);
-    if log_forward.is_some() && log_forward != extras.log_forward_reported {
-        let url = log_forward.clone().unwrap_or_default();
-        tracing::warn!(loki_url = %url, "the LoadBalancer asks for log forwarding, which this image does not do");
+    let unsupported = unsupported_options(lb.spec.ports(), lb.spec.options());
+    for u in &unsupported {
+        if extras.unsupported_reported.contains(u) {
+            continue;
+        }
+        tracing::warn!(option = u.option.field(), message = %u.message,
+            "the LoadBalancer asks for an option this image does not implement; forwarding without it");
         recorder
             .publish(&MachineEvent {
                 warning: true,
-                reason: event_reasons::LOG_FORWARD_NOT_SUPPORTED,
-                message: truncate(&format!(
-                    "logForward to {url} is not supported by this load-balancer image (no log shipper); the \
-                     machine's logs stay in its journal"
-                )),
+                reason: unsupported_condition(u.option).1,
+                message: truncate(&u.message),
             })
             .await;
     }
-    extras.log_forward_reported = log_forward.clone();
+    extras.unsupported_reported = unsupported.clone();
     extras.facts.send_if_modified(|f| {
-        std::mem::replace(&mut f.log_forward, log_forward.clone()) != log_forward
+        std::mem::replace(&mut f.unsupported, unsupported.clone()) != unsupported
     });
     let revision = extras.revision.borrow_and_update().clone();
     let state = with_ha_hints(
