@@ -300,7 +300,16 @@ fn measure_path(
                 kind.name()
             );
         }
-        if (ran_total as f64) < 0.9 * sent_total as f64 {
+        // A measurement needs (nearly) every frame to reach the program. A smoke run only needs them to reach it at all:
+        // its 0.2 s are one batch of live frames, and when other work on the machine delays the softirq that drains
+        // the veths, most of such a batch overflows their rings (seen: 26 % of the SYNs reached lb_xdp), which a few
+        // seconds of generation average out.
+        let needed = if args.smoke {
+            1.0
+        } else {
+            0.9 * sent_total as f64
+        };
+        if (ran_total as f64) < needed {
             bail!(
                 "{path} {}: {lb_prog} ran {ran_total} times for {sent_total} generated frames: the frames do not reach it",
                 kind.name()
