@@ -97,19 +97,11 @@ pub fn openstack_smoke(state: &Path) -> Result<()> {
 }
 
 impl Which {
-    /// The name on the command line.
-    fn name(self) -> &'static str {
-        match self {
-            Which::Dataplane => "dataplane",
-            Which::Controller => "controller",
-            Which::Pktgen => "pktgen",
-            Which::Synflood => "synflood",
-            Which::Connections => "connections",
-            Which::Scale => "scale",
-            Which::Failover => "failover",
-            Which::Openstack => "openstack",
-            Which::All => "all",
-        }
+    /// The name on the command line (clap's).
+    fn name(self) -> String {
+        self.to_possible_value()
+            .map(|v| v.get_name().to_owned())
+            .unwrap_or_default()
     }
 }
 
