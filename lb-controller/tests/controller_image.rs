@@ -393,5 +393,21 @@ async fn the_image_runs_serves_health_and_reconciles_a_service() {
         !logs.contains("Forbidden"),
         "a Forbidden was logged:\n{logs}"
     );
+    // Released, not left to expire: a standby takes over at its next try instead of after the lease's 15 s. Exit 0
+    // alone would also pass if the release's write were refused or never made (it ignores its error).
+    let released = Api::<Lease>::namespaced(admin.clone(), NAMESPACE)
+        .get("lb-cloud-controller")
+        .await
+        .unwrap()
+        .spec
+        .unwrap_or_default();
+    assert_eq!(
+        (
+            released.holder_identity.as_deref(),
+            released.lease_duration_seconds
+        ),
+        (None, Some(1)),
+        "the Lease after SIGTERM; logs:\n{logs}"
+    );
     drop(cleanup);
 }

@@ -5,8 +5,10 @@
 //! deletes no server during the outage nor after it, no machine is marked, deleted or replaced, the controllers keep
 //! running; the agents report again with their own tokens once the server is back, and a scale-up written after the
 //! outage reaches Nova. The API server refuses the controllers and agents nothing (no 401 or 403), except while it
-//! starts again: it already serves requests then, and answers 403 until its authorizer's caches have synced (seen:
-//! an agent's status patch in that second); those are printed and tolerated, the clients retry them.
+//! starts again: they reach it as soon as it listens, and it answers 403 until its authorizer's and admission's caches
+//! have synced (seen: an agent's status patch in that second); those are printed and tolerated, the clients retry
+//! them. That window ends when `restart_apiserver` returns, which is when a ServiceAccount's requests are served (not
+//! when `/readyz` says ok: a 403 after that failed this test); any refusal after it fails the test.
 //!
 //! The fake-cloud twin of this test (`openstack_controllers_api_outage.rs`, with the controllers' call counters of
 //! the in-memory cloud) runs in the unit stage; this one proves the same against the real cloud and with the
@@ -149,8 +151,9 @@ async fn a_minute_without_the_api_server_changes_nothing_in_openstack() -> Resul
         let back = jiff::Timestamp::now();
         kube.restart_apiserver().await?;
         let t_back = Instant::now();
-        // The restarted API server serves requests before it is ready, and until its authorizer's caches have synced
-        // it refuses them: those are the only refusals tolerated (the clients retry them like any error).
+        // The restarted API server serves requests before it is ready, and until its caches have synced it refuses
+        // them: those are the only refusals tolerated (the clients retry them like any error). `restart_apiserver`
+        // returned once a ServiceAccount is served; everything refused later counts.
         let starting = c.refusals.take_between(stopped_at, SystemTime::now());
         for r in &starting {
             eprintln!("refused while the API server started (tolerated): {r}");

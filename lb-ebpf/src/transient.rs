@@ -68,8 +68,19 @@ pub fn open<C: Ctx>(
     }
     // The client's own handshake, when the search meets it.
     let mut retransmit: *mut TransientV4 = core::ptr::null_mut();
-    // The client's index slot: read by the search, written at its end (one hash per SYN).
+    // The client's index slot: read here, written at the end of the search (one hash per SYN).
     let own_slot = slot_of(&p.key);
+    // The port it names, if it names one of this search's reverse keys (they differ only in the port). Read once
+    // before the search, field by field: read through the pointer inside the search, LLVM hoisted the address
+    // arithmetic above the null check, which the verifier refused ("pointer arithmetic on map_value_or_null", in
+    // lb-bench.o's inlining), and a copy of the whole key exceeds the stack limit.
+    // SAFETY: an element of an array map. Another CPU may write it meanwhile: a mix of two keys only costs the
+    // look-up below, which checks that the handshake is this client's.
+    let own_port = own_slot.and_then(|s| unsafe {
+        let k = &*s;
+        (k.src == t.node && k.dst == t.snat && k.sport == t.node_port && k.proto == p.key.proto)
+            .then_some(k.dport)
+    });
     // A port counts as taken when the flow filter says an established connection may hold its reverse key in
     // FLOWS_V4 — without a lookup there: a cache miss in the large table for every port tried was most of a new
     // connection's cost, and a port skipped for a stale or shared bit is just one more try — or when a handshake
@@ -88,8 +99,7 @@ pub fn open<C: Ctx>(
         // Taken — by this client's own handshake only if the client's index slot names the port. (Looking up
         // every taken port would mark the entries holding them as used, and the LRU would then keep the flood's
         // handshakes that block the search instead of recycling them.)
-        // SAFETY: an element of an array map.
-        if own_slot.is_none_or(|s| unsafe { *s } != *rkey) {
+        if own_port != Some(rkey.dport) {
             return false;
         }
         let Some(h) = TRANSIENT_V4.get_ptr_mut(rkey) else {

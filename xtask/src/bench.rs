@@ -1,10 +1,12 @@
 //! `cargo xtask bench <what>`: benchmarks that print a table and write JSON under `target/bench/`.
 //! Numbers come from here, never from timed assertions in tests.
 
-use crate::util::{root, run};
-use anyhow::Result;
+use crate::util::{cargo_executables, root, run};
+use anyhow::{Context, Result};
 use clap::ValueEnum;
+use std::path::{Path, PathBuf};
 use std::process::Command;
+use std::time::Instant;
 
 /// Which benchmark to run.
 #[derive(Clone, Copy, ValueEnum)]
@@ -34,119 +36,179 @@ pub enum Which {
     All,
 }
 
-/// Runs the chosen benchmarks.
-pub fn run_bench(which: Which) -> Result<()> {
-    match which {
-        Which::Dataplane => dataplane(),
-        Which::Controller => controller(),
-        Which::Pktgen => netns_bench("bench-pktgen"),
-        Which::Connections => netns_bench("bench-connections"),
-        Which::Synflood => netns_bench("bench-synflood"),
-        Which::Scale => netns_bench("bench-scale"),
-        Which::Failover => netns_bench("bench-failover"),
-        Which::Openstack => openstack(),
-        Which::All => {
-            dataplane()?;
-            controller()?;
-            netns_bench("bench-pktgen")?;
-            netns_bench("bench-synflood")?;
-            netns_bench("bench-connections")?;
-            netns_bench("bench-scale")?;
-            netns_bench("bench-failover")?;
-            openstack()
-        }
+/// Every kind, in the order `all` runs them.
+const ALL: [Which; 8] = [
+    Which::Dataplane,
+    Which::Controller,
+    Which::Pktgen,
+    Which::Synflood,
+    Which::Connections,
+    Which::Scale,
+    Which::Failover,
+    Which::Openstack,
+];
+
+/// Runs the chosen benchmarks. With `smoke`, each runs at a few seconds' size (its `--smoke`) from the dev-profile
+/// build the test stages share: that only proves it still loads and runs, and its JSON goes to `target/bench/smoke/`
+/// so that it never overwrites a measurement.
+pub fn run_bench(which: Which, smoke: bool) -> Result<()> {
+    let kinds: Vec<Which> = match which {
+        Which::All => ALL.to_vec(),
+        one => vec![one],
+    };
+    let bins = Binaries::build(&kinds, smoke)?;
+    for kind in kinds {
+        bins.run(kind)?;
+    }
+    Ok(())
+}
+
+/// The `bench-smoke` stage of `cargo xtask test`: every kind but `openstack` at smoke size, timed one by one. The
+/// openstack benchmark needs the test OpenStack, so the `openstack` stage runs its smoke run ([`openstack_smoke`]).
+pub fn smoke_stage() -> Result<()> {
+    let kinds: Vec<Which> = ALL
+        .into_iter()
+        .filter(|k| !matches!(k, Which::Openstack))
+        .collect();
+    let bins = Binaries::build(&kinds, true)?;
+    let mut times = Vec::new();
+    for kind in kinds {
+        let t = Instant::now();
+        let result = bins.run(kind);
+        times.push((kind.name(), t.elapsed()));
+        result.with_context(|| format!("bench {} --smoke", kind.name()))?;
+    }
+    eprintln!("bench smoke runs (wall time):");
+    for (name, d) in times {
+        eprintln!("    {name:<12} {:>6.1} s", d.as_secs_f64());
+    }
+    Ok(())
+}
+
+/// The openstack benchmark at smoke size against the environment `state` (already up): for the `openstack` stage.
+pub fn openstack_smoke(state: &Path) -> Result<()> {
+    let t = Instant::now();
+    Binaries::build(&[Which::Openstack], true)?.openstack(state)?;
+    eprintln!(
+        "bench openstack --smoke ok in {:.1} s",
+        t.elapsed().as_secs_f64()
+    );
+    Ok(())
+}
+
+impl Which {
+    /// The name on the command line (clap's).
+    fn name(self) -> String {
+        self.to_possible_value()
+            .map(|v| v.get_name().to_owned())
+            .unwrap_or_default()
     }
 }
 
-/// Builds the eBPF objects, the agent (which embeds `lb.o`), the test bed and the benchmarks in release,
-/// then runs `target/release/<bin>` from the workspace root (the rig finds `lb-agent` and `lb-testbed` next
-/// to it). Every such benchmark creates its own namespaces and removes them, also after a failure.
-fn netns_bench(bin: &str) -> Result<()> {
-    crate::ebpf::build()?;
-    run(
-        &mut crate::util::cargo(&[
-            "build",
-            "--release",
-            "--quiet",
-            "-p",
-            "lb-agent",
-            "-p",
-            "lb-testbed",
-            "-p",
-            "lb-benches",
-        ]),
-        "building the benchmarks",
-    )?;
-    run(
-        Command::new(root().join("target/release").join(bin)).current_dir(root()),
-        bin,
-    )
+/// The built benchmark programs: `target/<profile>/<bin>` and `target/<profile>/examples/<example>`.
+struct Binaries {
+    dir: PathBuf,
+    smoke: bool,
 }
 
-fn dataplane() -> Result<()> {
-    let out = crate::ebpf::build()?;
-    run(
-        crate::util::cargo(&[
-            "run",
-            "--release",
-            "--quiet",
-            "-p",
-            "lb-benches",
-            "--bin",
-            "bench-dataplane",
-            "--",
-        ])
-        .arg("--object")
-        .arg(out.join("lb-bench.o")),
-        "bench dataplane",
-    )
-}
+impl Binaries {
+    /// Builds the eBPF objects and what `kinds` run. A measurement builds in release; a smoke run builds the whole
+    /// workspace's binaries and examples in the dev profile, the test stages' artifacts (a release build of the
+    /// dependency graph would add minutes to `cargo xtask test`). The netns rigs find `lb-agent` and `lb-testbed`
+    /// next to the benchmark binary.
+    fn build(kinds: &[Which], smoke: bool) -> Result<Binaries> {
+        crate::ebpf::build()?;
+        if matches!(kinds, [Which::Openstack]) {
+            // Built before the environment starts: the services and the compiler would share the 2 cores. It starts
+            // its own real kube-apiserver: etcd (a Debian package of the prerequisites), KUBEBUILDER_ASSETS.
+            crate::prereq::all()?;
+            crate::prereq::kube_assets()?;
+        }
+        if smoke {
+            let built = cargo_executables(
+                &mut crate::test::workspace_cargo(&["build", "--bins", "--examples"]),
+                "building the benchmarks (dev profile)",
+            )?;
+            let dir = built
+                .iter()
+                .find(|b| b.target == "lb-agent" && b.kinds.iter().any(|k| k == "bin"))
+                .and_then(|b| b.executable.parent())
+                .context("cargo built no lb-agent binary")?
+                .to_path_buf();
+            return Ok(Binaries { dir, smoke });
+        }
+        let mut args = vec!["build", "--release", "--quiet"];
+        for kind in kinds {
+            args.extend_from_slice(match kind {
+                Which::Controller => &["-p", "lb-controller", "--example", "bench_controller"],
+                Which::Openstack => &["-p", "lb-controller", "--example", "bench_openstack"],
+                _ => &["-p", "lb-agent", "-p", "lb-testbed", "-p", "lb-benches"],
+            });
+        }
+        run(&mut crate::util::cargo(&args), "building the benchmarks")?;
+        Ok(Binaries {
+            dir: root().join("target/release"),
+            smoke,
+        })
+    }
 
-fn controller() -> Result<()> {
-    run(
-        crate::util::cargo(&[
-            "run",
-            "--release",
-            "--quiet",
-            "-p",
-            "lb-controller",
-            "--example",
-            "bench_controller",
-            "--",
-        ])
-        .arg("--json")
-        .arg(root().join("target/bench/controller.json")),
-        "bench controller",
-    )
-}
+    fn run(&self, kind: Which) -> Result<()> {
+        match kind {
+            Which::Dataplane => self.bin("bench-dataplane"),
+            Which::Controller => self.controller(),
+            Which::Pktgen => self.bin("bench-pktgen"),
+            Which::Connections => self.bin("bench-connections"),
+            Which::Synflood => self.bin("bench-synflood"),
+            Which::Scale => self.bin("bench-scale"),
+            Which::Failover => self.bin("bench-failover"),
+            Which::Openstack => crate::openstack::with_environment(|state| self.openstack(state)),
+            Which::All => unreachable!("run_bench expands all"),
+        }
+    }
 
-/// `bench_openstack` (release) against the test OpenStack, which is started for it when it is not running.
-fn openstack() -> Result<()> {
-    // The benchmark runs the controllers against a real kube-apiserver of its own: etcd (a Debian package of the
-    // prerequisites) and the KUBEBUILDER_ASSETS binaries.
-    crate::prereq::all()?;
-    crate::prereq::kube_assets()?;
-    // Built before the environment starts: the services and the compiler would share the 2 cores.
-    run(
-        &mut crate::util::cargo(&[
-            "build",
-            "--release",
-            "--quiet",
-            "-p",
-            "lb-controller",
-            "--example",
-            "bench_openstack",
-        ]),
-        "building bench_openstack",
-    )?;
-    crate::openstack::with_environment(|state| {
+    /// A benchmark with `--smoke` when this is a smoke run.
+    fn command(&self, path: PathBuf) -> Command {
+        let mut cmd = Command::new(path);
+        cmd.current_dir(root());
+        if self.smoke {
+            cmd.arg("--smoke");
+        }
+        cmd
+    }
+
+    /// A benchmark of `lb-benches`, run from the workspace root. Every such benchmark creates its own namespaces
+    /// and removes them, also after a failure.
+    fn bin(&self, name: &str) -> Result<()> {
+        run(&mut self.command(self.dir.join(name)), name)
+    }
+
+    /// Where an example benchmark writes its JSON.
+    fn json(&self, name: &str) -> PathBuf {
+        let dir = root().join("target/bench");
+        if self.smoke {
+            dir.join("smoke").join(name)
+        } else {
+            dir.join(name)
+        }
+    }
+
+    fn controller(&self) -> Result<()> {
         run(
-            Command::new(root().join("target/release/examples/bench_openstack"))
-                .current_dir(root())
+            self.command(self.dir.join("examples/bench_controller"))
+                .arg("--json")
+                .arg(self.json("controller.json")),
+            "bench controller",
+        )
+    }
+
+    /// `bench_openstack` against the test OpenStack whose state directory is `state`.
+    fn openstack(&self, state: &Path) -> Result<()> {
+        run(
+            self.command(self.dir.join("examples/bench_openstack"))
                 .env("LB_OPENSTACK_DIR", state)
                 .arg("--json")
-                .arg(root().join("target/bench/openstack.json")),
+                .arg(self.json("openstack.json")),
             "bench openstack",
         )
-    })
+    }
 }

@@ -39,6 +39,10 @@ enum Cmd {
         /// What to measure.
         #[arg(value_enum, default_value = "all")]
         which: bench::Which,
+        /// A few seconds each, no thresholds: proves every benchmark still loads and runs (the test stage
+        /// `bench-smoke` runs this); JSON under target/bench/smoke/.
+        #[arg(long)]
+        smoke: bool,
     },
     /// A real OpenStack control plane on 127.0.0.1 for tests and local development.
     Openstack {
@@ -64,7 +68,7 @@ fn main() -> Result<()> {
         Cmd::BuildEbpf => ebpf::build().map(|_| ()),
         Cmd::Demo { attach_mode } => demo::demo(&attach_mode),
         Cmd::Test(args) => test::run_all(args),
-        Cmd::Bench { which } => bench::run_bench(which),
+        Cmd::Bench { which, smoke } => bench::run_bench(which, smoke),
         Cmd::Openstack { cmd } => openstack::run(cmd),
         Cmd::Image { cmd } => image::run(cmd),
         Cmd::Chart => chart::render(),

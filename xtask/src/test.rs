@@ -112,6 +112,13 @@ const STAGES: &[Stage] = &[
         },
     },
     Stage {
+        // Every `cargo xtask bench` kind at smoke size (seconds each, no thresholds) on the netns rig and the real
+        // programs: a benchmark that no longer loads, runs or delivers fails here instead of in the next measuring
+        // session. `openstack` needs the test OpenStack: the openstack stage runs its smoke run.
+        name: "bench-smoke",
+        run: crate::bench::smoke_stage,
+    },
+    Stage {
         name: "openstack",
         run: crate::openstack::test_stage,
     },

@@ -63,6 +63,19 @@ struct Args {
     /// Only install the peers, then exit.
     #[arg(long)]
     install_only: bool,
+    /// Seconds of the keep-alive measurement.
+    #[arg(long, default_value_t = 5)]
+    keepalive_secs: u32,
+    /// Idle connections held through our data plane and the direct path.
+    #[arg(long, default_value_t = 10000)]
+    idle_connections: usize,
+    /// Seconds they are held (one message every 8 s).
+    #[arg(long, default_value_t = 12)]
+    idle_secs: u32,
+    /// A short run that only proves every path loads and serves (`cargo xtask test`): 200 connections and flows,
+    /// 1 s of iperf3 and keep-alive, 500 idle connections for 2 s, one run; JSON under target/bench/smoke/.
+    #[arg(long)]
+    smoke: bool,
 }
 
 #[derive(Serialize, Clone, Default)]
@@ -90,8 +103,8 @@ struct Row {
     keepalive_rps: f64,
     keepalive_x_direct: f64,
     error: Option<String>,
-    /// Of 10k connections held idle (one message every 8 s for 12 s), how many were established and never
-    /// broke; measured for our data plane and the direct path.
+    /// Of `--idle-connections` held idle (one message every 8 s for `--idle-secs`), how many were established and
+    /// never broke; measured for our data plane and the direct path.
     idle_10k_answering: Option<usize>,
 }
 
@@ -103,14 +116,20 @@ struct Target {
     tcp: SocketAddr,
     udp: Option<SocketAddr>,
     bulk: SocketAddr,
-    /// Also hold 10k idle connections and check they still answer (our data plane and the direct path).
+    /// Also hold idle connections and check they still answer (our data plane and the direct path).
     hold_idle: bool,
 }
 
 fn main() -> Result<()> {
-    let args = Args::parse();
+    let mut args = Args::parse();
+    if args.smoke {
+        (args.connections, args.udp_flows, args.runs) = (200, 200, 1);
+        (args.bulk_secs, args.keepalive_secs) = (1, 1);
+        (args.idle_connections, args.idle_secs) = (500, 2);
+    }
     lb_testbed::topology::preflight()?;
     Topology::cleanup_stale("lbc")?;
+    raise_open_files_limit()?;
     let threads = args.peer_threads.unwrap_or_else(|| {
         std::thread::available_parallelism()
             .map(|n| n.get())
@@ -126,14 +145,9 @@ fn main() -> Result<()> {
         ),
         ("/usr/sbin/nft", "nftables"),
     ])?;
+    // A peer that cannot be installed fails the benchmark: a table with its columns empty compares nothing.
     let envoy = if args.paths.iter().any(|p| p == "envoy") {
-        match ensure_envoy(ENVOY_VERSION) {
-            Ok(p) => Some(p),
-            Err(e) => {
-                eprintln!("envoy unavailable: {e:#}");
-                None
-            }
-        }
+        Some(ensure_envoy(ENVOY_VERSION).context("installing envoy")?)
     } else {
         None
     };
@@ -160,6 +174,7 @@ fn main() -> Result<()> {
     let targets = targets(&rows);
     let path = write_json(
         "connections",
+        args.smoke,
         &serde_json::json!({
             "connections": args.connections,
             "udp_flows": args.udp_flows,
@@ -173,6 +188,41 @@ fn main() -> Result<()> {
         }),
     )?;
     println!("  JSON: {}", path.display());
+    // Every path is measured and reported first, so one run shows every broken path; then a path that did not
+    // serve fails the benchmark (its row is an error, not a result).
+    let failed: Vec<String> = rows
+        .iter()
+        .filter_map(|r| Some(format!("{}: {}", r.path, r.error.as_ref()?)))
+        .collect();
+    if !failed.is_empty() {
+        bail!(
+            "{} path(s) failed:\n  {}",
+            failed.len(),
+            failed.join("\n  ")
+        );
+    }
+    Ok(())
+}
+
+/// Raises this process's soft limit of open files to its hard limit; the peers inherit it. Envoy keeps an upstream
+/// socket per UDP flow for its idle timeout: 10 000 flows under the usual soft limit of 1024 made it crash on
+/// EMFILE ("socket(2) failed ... Too many open files", then a segfault), and every later measurement of its row
+/// found nothing listening on the VIP.
+fn raise_open_files_limit() -> Result<()> {
+    let mut l = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: plain syscalls on a valid struct.
+    unsafe {
+        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut l) != 0 {
+            bail!("getrlimit: {}", std::io::Error::last_os_error());
+        }
+        l.rlim_cur = l.rlim_max;
+        if libc::setrlimit(libc::RLIMIT_NOFILE, &l) != 0 {
+            bail!("setrlimit: {}", std::io::Error::last_os_error());
+        }
+    }
     Ok(())
 }
 
@@ -375,9 +425,18 @@ fn run_plain(args: &Args, path: &str, threads: usize, envoy: Option<&Path>) -> R
         bulk,
         hold_idle: path == "direct",
     };
-    let row = measure(args, path, &t, || Ok(()));
-    if let (Err(_), Some(p)) = (&row, peer.as_ref()) {
-        eprintln!("  {path} log: {}{}", p.stdout(), p.stderr());
+    let mut row = measure(args, path, &t, || Ok(()));
+    if let Some(p) = peer.as_mut() {
+        // A peer that stopped serving mid-run (crashed, exited) fails its row, whatever the failure looked like.
+        if let Some(status) = p.try_wait()? {
+            row = Err(anyhow::anyhow!(
+                "{path} exited during the run ({status}): {}",
+                row.err().map(|e| format!("{e:#}")).unwrap_or_default()
+            ));
+        }
+        if row.is_err() {
+            eprintln!("  {path} log: {}{}", p.stdout(), p.stderr());
+        }
     }
     drop(peer);
     let _ = std::fs::remove_dir_all(&dir);
@@ -449,9 +508,9 @@ fn run_hold(
 }
 
 /// Requests per second on 256 kept-alive connections, each sending a 64-byte request and awaiting its echo
-/// back to back for 5 s (a 1 ms tick that bursts when behind: the cap, 256k requests/s, is far above what
+/// back to back for `secs` (a 1 ms tick that bursts when behind: the cap, 256k requests/s, is far above what
 /// this machine reaches).
-fn keepalive_rps(client_ns: &str, tcp: SocketAddr) -> Result<f64> {
+fn keepalive_rps(client_ns: &str, tcp: SocketAddr, secs: u32) -> Result<f64> {
     let r = run_hold(
         client_ns,
         tcp,
@@ -461,7 +520,7 @@ fn keepalive_rps(client_ns: &str, tcp: SocketAddr) -> Result<f64> {
             "--interval-ms",
             "1",
             "--duration-secs",
-            "5",
+            &secs.to_string(),
             "--message-size",
             "64",
         ],
@@ -472,19 +531,19 @@ fn keepalive_rps(client_ns: &str, tcp: SocketAddr) -> Result<f64> {
     Ok(r.round_trips as f64 / r.elapsed_s.max(1e-9))
 }
 
-/// Opens 10k TCP connections, keeps them idle but for one message every 8 s, for 12 s; returns how many were
-/// established and never broke.
-fn hold_idle(client_ns: &str, tcp: SocketAddr) -> Result<usize> {
+/// Opens `connections` TCP connections, keeps them idle but for one message every 8 s, for `secs`; returns how
+/// many were established and never broke.
+fn hold_idle(client_ns: &str, tcp: SocketAddr, connections: usize, secs: u32) -> Result<usize> {
     let r = run_hold(
         client_ns,
         tcp,
         &[
             "--connections",
-            "10000",
+            &connections.to_string(),
             "--interval-ms",
             "8000",
             "--duration-secs",
-            "12",
+            &secs.to_string(),
             "--connect-concurrency",
             "256",
         ],
@@ -593,10 +652,19 @@ fn measure(
     }
     let mut rps = Vec::new();
     for _ in 0..args.runs {
-        rps.push(keepalive_rps(&t.topo_client_ns, t.tcp)?);
+        rps.push(keepalive_rps(
+            &t.topo_client_ns,
+            t.tcp,
+            args.keepalive_secs,
+        )?);
     }
     let idle_10k_answering = if t.hold_idle {
-        Some(hold_idle(&t.topo_client_ns, t.tcp)?)
+        Some(hold_idle(
+            &t.topo_client_ns,
+            t.tcp,
+            args.idle_connections,
+            args.idle_secs,
+        )?)
     } else {
         None
     };
@@ -801,9 +869,11 @@ fn print_report(args: &Args, threads: usize, rows: &[Row]) {
     );
     for r in rows.iter().filter(|r| r.idle_10k_answering.is_some()) {
         println!(
-            "  10k idle held connections still answering after 12 s: {:<16} {} of 10000",
+            "  idle held connections still answering after {} s: {:<16} {} of {}",
+            args.idle_secs,
             r.path,
-            r.idle_10k_answering.unwrap_or(0)
+            r.idle_10k_answering.unwrap_or(0),
+            args.idle_connections
         );
     }
     for r in rows.iter().filter(|r| r.error.is_some()) {

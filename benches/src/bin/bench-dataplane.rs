@@ -37,6 +37,10 @@ struct Args {
     /// Flow-table size of the production-sized case (filled before it runs).
     #[arg(long, default_value_t = 4 << 20)]
     production_flows: u32,
+    /// A few seconds' run that only proves the benchmark loads and runs (`cargo xtask test`): 1000 repeats, one
+    /// run, a 64k-entry production table; JSON under target/bench/smoke/.
+    #[arg(long)]
+    smoke: bool,
 }
 
 const FRAME: usize = 64;
@@ -316,7 +320,10 @@ fn verdict_name(v: u32) -> &'static str {
 }
 
 fn main() -> Result<()> {
-    let args = Args::parse();
+    let mut args = Args::parse();
+    if args.smoke {
+        (args.repeat, args.runs, args.production_flows) = (1000, 1, 1 << 16);
+    }
     let obj = std::fs::read(&args.object).with_context(|| {
         format!(
             "reading {} (run `cargo xtask build-ebpf`)",
@@ -475,7 +482,7 @@ fn main() -> Result<()> {
         cases: results,
         targets,
     };
-    let path = write_json("dataplane", &report)?;
+    let path = write_json("dataplane", b.args.smoke, &report)?;
     println!("  JSON: {}", path.display());
     Ok(())
 }

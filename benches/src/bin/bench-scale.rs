@@ -32,6 +32,10 @@ struct Args {
     /// Repeats (median reported).
     #[arg(long, default_value_t = 3)]
     runs: usize,
+    /// A few seconds' run that only proves the benchmark runs (`cargo xtask test`): 10 000 flows, 10 services x
+    /// 10 backends, one run; JSON under target/bench/smoke/.
+    #[arg(long)]
+    smoke: bool,
 }
 
 #[derive(Serialize)]
@@ -190,7 +194,10 @@ fn config_to_packet(runs: usize) -> Result<Vec<f64>> {
 }
 
 fn main() -> Result<()> {
-    let args = Args::parse();
+    let mut args = Args::parse();
+    if args.smoke {
+        (args.flows, args.services, args.backends, args.runs) = (10_000, 10, 10, 1);
+    }
     lb_testbed::topology::preflight()?;
     Topology::cleanup_stale("lbs")?;
     let obj = std::fs::read(&args.object).with_context(|| {
@@ -334,7 +341,7 @@ fn main() -> Result<()> {
         config_to_packet_median_ms: c2p_med,
         targets,
     };
-    let path = write_json("scale", &report)?;
+    let path = write_json("scale", args.smoke, &report)?;
     println!("  JSON: {}", path.display());
     Ok(())
 }

@@ -33,6 +33,10 @@ struct Args {
     /// (handshakes per second per CPU).
     #[arg(long, value_delimiter = ',', default_value = "off,on")]
     guards: Vec<String>,
+    /// A few seconds' run that only proves the benchmark runs (`cargo xtask test`): 3 s of flood against 200 held
+    /// connections, every mode and guard; JSON under target/bench/smoke/.
+    #[arg(long)]
+    smoke: bool,
 }
 
 #[derive(Serialize)]
@@ -131,7 +135,10 @@ fn run(args: &Args, mode: &str, guard: &str) -> Result<Case> {
 }
 
 fn main() -> Result<()> {
-    let args = Args::parse();
+    let mut args = Args::parse();
+    if args.smoke {
+        (args.secs, args.held, args.interval_ms) = (3.0, 200, 500);
+    }
     lb_testbed::topology::preflight()?;
     let _stats = aya::sys::enable_stats(aya::sys::Stats::RunTime).ok();
     let mut cases = Vec::new();
@@ -182,7 +189,7 @@ fn main() -> Result<()> {
         ],
         &rows,
     );
-    let path = write_json("synflood", &cases)?;
+    let path = write_json("synflood", args.smoke, &cases)?;
     println!("  JSON: {}", path.display());
     Ok(())
 }

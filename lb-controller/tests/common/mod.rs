@@ -20,9 +20,9 @@ pub mod kube;
 pub mod openstack;
 
 use std::future::Future;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use ::kube::api::{
     DeleteParams, ListParams, Patch, PatchParams, PostParams, WatchEvent, WatchParams,
@@ -98,12 +98,12 @@ impl Cluster {
     }
 }
 
-/// A TCP proxy in front of an API server that counts connections (with the server down, every request attempt of
-/// the controllers is one connection) and can cut them: a stopping API server waits up to 10 s for the open watches,
-/// a crashed one just drops them.
+/// A TCP proxy in front of an API server that records when a connection was refused while it was down (with the
+/// server down, every request attempt of the controllers is one connection) and can cut them: a stopping API server
+/// waits up to 10 s for the open watches, a crashed one just drops them.
 struct Proxy {
     url: String,
-    connections: Arc<AtomicU64>,
+    refused: Arc<Mutex<Vec<Instant>>>,
     down: Arc<AtomicBool>,
     cut: tokio::sync::watch::Sender<u64>,
     task: tokio::task::JoinHandle<()>,
@@ -118,14 +118,14 @@ impl Proxy {
             .expect("an API server URL with a port");
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let port = listener.local_addr().unwrap().port();
-        let connections = Arc::new(AtomicU64::new(0));
+        let refused = Arc::new(Mutex::new(Vec::new()));
         let down = Arc::new(AtomicBool::new(false));
         let (cut, _) = tokio::sync::watch::channel(0u64);
-        let (counter, is_down, cuts) = (connections.clone(), down.clone(), cut.clone());
+        let (record, is_down, cuts) = (refused.clone(), down.clone(), cut.clone());
         let task = tokio::spawn(async move {
             while let Ok((mut client, _)) = listener.accept().await {
-                counter.fetch_add(1, Ordering::SeqCst);
                 if is_down.load(Ordering::SeqCst) {
+                    record.lock().unwrap().push(Instant::now());
                     continue;
                 }
                 let mut cut = cuts.subscribe();
@@ -143,14 +143,14 @@ impl Proxy {
         });
         Proxy {
             url: format!("https://127.0.0.1:{port}"),
-            connections,
+            refused,
             down,
             cut,
             task,
         }
     }
 
-    /// Down: open connections are cut, new ones closed at once (and counted).
+    /// Down: open connections are cut, new ones closed at once (and recorded).
     fn set_down(&self, down: bool) {
         self.down.store(down, Ordering::SeqCst);
         if down {
@@ -325,10 +325,12 @@ impl Harness {
             .len() as u64
     }
 
-    /// Connections the controllers opened so far (both clusters).
-    pub fn controller_connections(&self) -> u64 {
-        self.target_proxy.connections.load(Ordering::SeqCst)
-            + self.control_proxy.connections.load(Ordering::SeqCst)
+    /// When the controllers tried to connect while the API servers were down (both clusters), in order.
+    pub fn refused_connections(&self) -> Vec<Instant> {
+        let mut all = self.target_proxy.refused.lock().unwrap().clone();
+        all.extend(self.control_proxy.refused.lock().unwrap().iter());
+        all.sort();
+        all
     }
 
     /// Stops the API servers of both clusters (private ones only: [`Clusters::SplitPrivate`] or

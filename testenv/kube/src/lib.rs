@@ -23,7 +23,7 @@ pub use refusals::{Refusal, Refusals};
 
 use anyhow::{bail, Context, Result};
 use k8s_openapi::api::authentication::v1::{TokenRequest, TokenRequestSpec};
-use k8s_openapi::api::core::v1::{Namespace, ServiceAccount};
+use k8s_openapi::api::core::v1::{ConfigMap, Namespace, ServiceAccount};
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use kube::api::{Api, Patch, PatchParams, PostParams};
 use kube::config::{KubeConfigOptions, Kubeconfig};
@@ -48,7 +48,38 @@ pub struct KubeEnv {
     etcd_port: u16,
     pki: Pki,
     procs: Mutex<Procs>,
+    /// A token of the probe ServiceAccount (see [`KubeEnv::wait_serving`]), minted once at the first start.
+    probe_token: Mutex<Option<String>>,
 }
+
+/// Namespace and name of the probe: a ServiceAccount under a Role that may read and create ConfigMaps there, and the
+/// ConfigMap it reads.
+const PROBE_NS: &str = "kube-testenv";
+const PROBE: &str = "probe";
+const PROBE_OBJECTS: &str = "\
+apiVersion: v1
+kind: Namespace
+metadata: {name: kube-testenv}
+---
+apiVersion: v1
+kind: ServiceAccount
+metadata: {name: probe, namespace: kube-testenv}
+---
+apiVersion: rbac.authorization.k8s.io/v1
+kind: Role
+metadata: {name: probe, namespace: kube-testenv}
+rules: [{apiGroups: [\"\"], resources: [configmaps], verbs: [get, create]}]
+---
+apiVersion: rbac.authorization.k8s.io/v1
+kind: RoleBinding
+metadata: {name: probe, namespace: kube-testenv}
+roleRef: {apiGroup: rbac.authorization.k8s.io, kind: Role, name: probe}
+subjects: [{kind: ServiceAccount, name: probe, namespace: kube-testenv}]
+---
+apiVersion: v1
+kind: ConfigMap
+metadata: {name: probe, namespace: kube-testenv}
+";
 
 #[derive(Default)]
 struct Procs {
@@ -136,11 +167,13 @@ impl KubeEnv {
             pki,
             dir,
             procs: Mutex::new(Procs::default()),
+            probe_token: Mutex::new(None),
         };
         std::fs::write(env.dir.join("admin.kubeconfig"), env.admin_kubeconfig())?;
         env.start_etcd().await?;
         env.start_apiserver().await?;
         env.start_controller_manager()?;
+        env.wait_serving().await?;
         Ok(env)
     }
 
@@ -266,10 +299,52 @@ impl KubeEnv {
         }
     }
 
-    /// Starts the API server (again) on the same port and waits until it is ready; the controller manager too.
+    /// Starts the API server (again) on the same port and waits until it serves a ServiceAccount's requests as a
+    /// running server does ([`KubeEnv::wait_serving`]); the controller manager too.
     pub async fn restart_apiserver(&self) -> Result<()> {
         self.start_apiserver().await?;
-        self.start_controller_manager()
+        self.start_controller_manager()?;
+        self.wait_serving().await
+    }
+
+    /// Waits until the API server answers a ServiceAccount (not the admin, whom no RBAC rule or cache concerns) as
+    /// it will for the rest of the test: the probe's token authenticated, a GET its Role allows answered 200, and a
+    /// namespaced write (dry run) admitted. `/readyz` says ok earlier: a restarted server refused a ServiceAccount's
+    /// requests with 403 for about a second after it (its RBAC authorizer's and admission plugins' caches still
+    /// syncing), which failed tests that then counted every refusal.
+    async fn wait_serving(&self) -> Result<()> {
+        if self.probe_token.lock().unwrap().is_none() {
+            // The first start: made as admin, whose writes a starting server's admission can still refuse: retried.
+            let admin = self.client().await?;
+            self.wait_running("kube-apiserver", || async {
+                self.create_probe(&admin).await.map(|()| true)
+            })
+            .await?;
+        }
+        let token = self.probe_token.lock().unwrap().clone();
+        let token = token.context("the probe's token")?;
+        let probe: Api<ConfigMap> = Api::namespaced(self.token_client(&token).await?, PROBE_NS);
+        let write: ConfigMap =
+            serde_json::from_value(serde_json::json!({"metadata": {"name": "probe-write"}}))?;
+        let dry_run = PostParams {
+            dry_run: true,
+            ..PostParams::default()
+        };
+        self.wait_running("kube-apiserver", || async {
+            probe.get(PROBE).await?;
+            probe.create(&dry_run, &write).await?;
+            Ok(true)
+        })
+        .await
+    }
+
+    /// Creates (or finds) the probe's namespace, ServiceAccount, Role, RoleBinding and ConfigMap, and keeps a token of
+    /// the ServiceAccount (an hour: longer than a test binary runs).
+    async fn create_probe(&self, admin: &Client) -> Result<()> {
+        apply_rbac(admin, PROBE_OBJECTS, None).await?;
+        let token = self.token(admin, PROBE_NS, PROBE).await?;
+        *self.probe_token.lock().unwrap() = Some(token);
+        Ok(())
     }
 
     /// Compacts etcd's history up to its current revision, as the API server does every five minutes: a watch or
@@ -456,7 +531,7 @@ impl Drop for KubeEnv {
 }
 
 /// Applies the objects of a deployment manifest (YAML documents) except its Deployments — its ServiceAccounts,
-/// Roles, bindings — by server-side apply as `admin`. With `namespace`, they go there instead of the manifest's
+/// Roles, bindings, or any other object — by server-side apply as `admin`. With `namespace`, they go there instead of the manifest's
 /// namespace (each namespaced object and the bindings' subjects, what an operator installing it elsewhere changes);
 /// the rules stay exactly as written.
 pub async fn apply_rbac(admin: &Client, manifest: &str, namespace: Option<&str>) -> Result<()> {

@@ -1,5 +1,6 @@
 //! The test cluster itself: starts, authenticates admins and ServiceAccount tokens under RBAC, survives an API
-//! server restart, and answers 410 Gone after a compaction; `Refusals` records exactly the refused requests.
+//! server restart (and serves ServiceAccounts at once after it), and answers 410 Gone after a compaction; `Refusals`
+//! records exactly the refused requests.
 
 use k8s_openapi::api::core::v1::{ConfigMap, ServiceAccount};
 use kube::api::{Api, ListParams, PostParams};
@@ -70,6 +71,48 @@ async fn restart_keeps_data_and_compaction_expires_old_versions() {
         matches!(&err, kube::Error::Api(s) if s.code == 410),
         "a list at a compacted resourceVersion is 410 Gone: {err}"
     );
+}
+
+/// `restart_apiserver` returns when the server serves a ServiceAccount as it will for the rest of a test: its next
+/// requests — a read its Role allows and namespaced writes, which pass admission — are none of them refused. (With
+/// `/readyz` as the only check, a restarted server refused such requests with 403 for up to a second.)
+#[tokio::test]
+async fn a_restarted_api_server_serves_service_accounts_at_once() {
+    let env = KubeEnv::start().await.unwrap();
+    let admin = env.client().await.unwrap();
+    let ns = env.namespace(&admin, "restart").await.unwrap();
+    let rbac = "apiVersion: v1\nkind: ServiceAccount\nmetadata: {name: writer, namespace: x}\n---\n\
+        apiVersion: rbac.authorization.k8s.io/v1\nkind: Role\nmetadata: {name: writer, namespace: x}\n\
+        rules: [{apiGroups: [\"\"], resources: [configmaps], verbs: [get, create]}]\n---\n\
+        apiVersion: rbac.authorization.k8s.io/v1\nkind: RoleBinding\nmetadata: {name: writer, namespace: x}\n\
+        roleRef: {apiGroup: rbac.authorization.k8s.io, kind: Role, name: writer}\n\
+        subjects: [{kind: ServiceAccount, name: writer, namespace: x}]\n";
+    kube_testenv::apply_rbac(&admin, rbac, Some(&ns))
+        .await
+        .unwrap();
+    let token = env.token(&admin, &ns, "writer").await.unwrap();
+    // The Role in effect before the restart (RBAC takes a moment to see a new binding).
+    let before: Api<ConfigMap> = Api::namespaced(env.token_client(&token).await.unwrap(), &ns);
+    kube_testenv::wait_for("the writer's Role in effect", || async {
+        Ok(before.get_opt("none").await.is_ok())
+    })
+    .await
+    .unwrap();
+    env.stop_apiserver();
+    env.restart_apiserver().await.unwrap();
+    let refusals = kube_testenv::Refusals::default();
+    let writer = refusals
+        .client(&env.token_kubeconfig(&token), "writer")
+        .await
+        .unwrap();
+    let api: Api<ConfigMap> = Api::namespaced(writer, &ns);
+    for i in 0..5 {
+        api.get_opt("none").await.unwrap();
+        api.create(&PostParams::default(), &config_map(&format!("after-{i}")))
+            .await
+            .unwrap();
+    }
+    refusals.assert_none().unwrap();
 }
 
 #[tokio::test]

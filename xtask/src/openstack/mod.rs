@@ -47,8 +47,8 @@ pub fn run(cmd: OpenstackCmd) -> Result<()> {
 }
 
 /// The `openstack` stage of `cargo xtask test`: brings the environment up (idempotent), runs the ignored integration
-/// tests of `openstack-testenv` and `lb-controller` against it, and stops it again if it was not running before
-/// (state is kept, so the next start is quicker).
+/// tests of `openstack-testenv` and `lb-controller` and `bench openstack --smoke` against it, and stops it again if it
+/// was not running before (state is kept, so the next start is quicker).
 pub fn test_stage() -> Result<()> {
     let layout = Layout::from_env();
     let was_running = services::all_running(&layout);
@@ -61,12 +61,14 @@ pub fn test_stage() -> Result<()> {
                 cmd.args(["--test", &target]);
             }
         }
-        crate::util::run(
+        let tests = crate::util::run(
             cmd.env("LB_OPENSTACK_DIR", &layout.state)
                 // One test at a time: the leak check after each test sees the whole project.
                 .args(["--", "--ignored", "--test-threads=1"]),
             "OpenStack integration tests (openstack-testenv and lb-controller, --ignored)",
-        )
+        );
+        // `cargo xtask bench openstack` at smoke size, while the environment is up (see the bench-smoke stage).
+        tests.and_then(|()| crate::bench::openstack_smoke(&layout.state))
     });
     if !was_running {
         // Also after a failure: no stray services after CI. The logs stay in the state directory.
