@@ -134,7 +134,8 @@ pub fn flush_udp_flows(dp: &mut Dataplane, backends: &BTreeSet<SocketAddr>) -> R
     Ok(gone.len() as u64 / 2)
 }
 
-const NS_PER_MS: u64 = 1_000_000;
+/// Nanoseconds per millisecond (ages travel in ms, the data plane's clock is in ns).
+pub const NS_PER_MS: u64 = 1_000_000;
 
 /// Connections (forward entry + its reverse entry) of a table snapshot selected by `pick`, as events of `kind`
 /// with the age of the younger entry.

@@ -8,10 +8,11 @@ use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-/// A stand-in for the BPF connection-tracking maps, used where no data plane runs (the sync tests; the BPF
-/// store is tested elsewhere, in network namespaces). It follows the rules the real store is meant to: an
-/// entry that translates differently from the local one is a conflict and the local one wins; FIN/RST flags
-/// only accumulate; last-used times never move backwards. Clones share one table, so a test can keep a handle
+/// A stand-in for the BPF connection-tracking maps, used where no data plane runs (the sync transport's tests;
+/// the BPF store, `ha::flowstore`, is tested with the real maps). Its rules are simpler than the real store's:
+/// any entry that translates differently from the local one is a conflict and the local one wins (the real store
+/// counts a conflict only against a connection it carries itself, and mirrors closes); FIN/RST flags only
+/// accumulate; last-used times never move backwards. Clones share one table, so a test can keep a handle
 /// on the store it gave to [`super::start`].
 #[derive(Clone, Default)]
 pub struct MemoryFlowStore {
