@@ -1,7 +1,7 @@
 //! The one story a reader follows: a frame is parsed (Ethernet, IPv4, then TCP/UDP or ICMP), and a TCP or UDP
 //! packet follows its established flow, its handshake or closed connection, or opens a flow for a service. The
 //! rules live beside it by concern: `conntrack` (established flows), `transient` (handshakes and closed
-//! connections), `lb` (service, source ranges, Maglev), `snat`, `nat` (the rewrite), `icmp`. See README "Data
+//! connections), `lb` (service, source ranges, Maglev), `snat`, `nat` (the rewrite), `icmp`. See docs/design.md, "Data
 //! plane rules".
 
 use aya_ebpf::helpers::bpf_ktime_get_coarse_ns;

@@ -5,7 +5,7 @@
 //!
 //! A handshake is one entry under its reverse key, holding both directions: the backend's segments find it by
 //! their own key, the client's through `HANDSHAKES` (see `lb_common::handshakes`). One LRU insert per SYN instead
-//! of two took 5–35 % off what a new flow costs (`bench dataplane`, README).
+//! of two took 5–35 % off what a new flow costs (`bench dataplane`, docs/benchmarks.md).
 // Entries go into maps by reference to map memory (scratch slots, other maps' values): a copy would put them on
 // the 512-byte BPF stack, which the new-flow path already nearly fills.
 #![allow(clippy::needless_borrows_for_generic_args)]

@@ -6,7 +6,7 @@ use anyhow::{Context, Result};
 use std::process::Command;
 
 /// The user-space build of the demo: its two binaries in the dev profile, which skips the optimiser's time on the
-/// whole dependency graph (96 s on a fresh machine, see README); the packet path is the eBPF program, built in
+/// whole dependency graph (96 s on a fresh machine, see docs/development.md); the packet path is the eBPF program, built in
 /// release by `build-ebpf` either way. The binaries' paths come from cargo's messages below, so this is the one
 /// place that decides the profile.
 const BUILD: &[&str] = &["build", "-p", "lb-agent", "-p", "lb-testbed", "--bins"];

@@ -145,7 +145,7 @@ fn ensure_bpf_linker() -> Result<PathBuf> {
         .env_remove("RUSTFLAGS");
     run(
         &mut cmd,
-        "building bpf-linker (needs crates.io; see README 'Toolchain' if this keeps failing)",
+        "building bpf-linker (needs crates.io; see docs/development.md, \"Building\", if this keeps failing)",
     )?;
     if !bin.exists() {
         bail!(

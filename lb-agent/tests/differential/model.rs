@@ -1,4 +1,4 @@
-//! A reference model of the data plane, written from README's "Data plane rules" in plain host Rust: its own frame
+//! A reference model of the data plane, written from docs/design.md's "Data plane rules" in plain host Rust: its own frame
 //! parser, its own checksum arithmetic (whole-word RFC 1624 updates from the fields as they were and are, not
 //! the per-flow deltas the program stores), its own tables. Given what user space programmed and a frame, it
 //! says what the program must answer, what the frame must look like afterwards, which counters move and how
@@ -1152,7 +1152,7 @@ fn prefix_match(addr: &[u8; 4], net: &[u8; 4], len: u32) -> bool {
     a & mask == n & mask
 }
 
-/// murmur3's finaliser over the 5-tuple, seeded: the README's "seeded 5-tuple hash" that replicas share.
+/// murmur3's finaliser over the 5-tuple, seeded: docs/design.md's "seeded 5-tuple hash" that replicas share.
 pub fn flow_hash(k: &FlowKeyV4, seed: u32) -> u32 {
     fn fmix(mut h: u32) -> u32 {
         h ^= h >> 16;
