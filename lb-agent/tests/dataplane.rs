@@ -991,8 +991,11 @@ mod state_sync {
     use std::sync::atomic::AtomicBool;
     use std::sync::Arc;
 
-    /// Replica A publishing its flow events (returned), replica B with a store to apply them to.
-    fn pair() -> (
+    /// Replica A publishing its flow events (returned), replica B with a store to apply them to; A SNATs to
+    /// `snat` (first, last port) when given.
+    pub(super) fn pair(
+        snat: Option<(u16, u16)>,
+    ) -> (
         Harness,
         Harness,
         BpfFlowStore,
@@ -1005,18 +1008,21 @@ mod state_sync {
         b.apply(&[dns(&[1, 2])]);
         b.apply(&[dns(&[1, 2]), web(&[1, 2, 3])]);
         let store = BpfFlowStore::open(&mut b.dp, Arc::new(AtomicBool::new(false))).unwrap();
-        a.dp.set_config(&lb_common::Config {
+        let mut cfg = lb_common::Config {
             flags: lb_common::CFG_F_SYNC_EVENTS,
             ..Default::default()
-        })
-        .unwrap();
+        };
+        if let Some((min, max)) = snat {
+            (cfg.snat_port_min, cfg.snat_port_max) = (min, max);
+        }
+        a.dp.set_config(&cfg).unwrap();
         let events = a.dp.take_flow_events().unwrap();
         (a, b, store, events)
     }
 
     #[test]
     fn a_synced_flow_is_translated_like_on_its_origin() {
-        let (mut a, mut b, mut store, mut events) = pair();
+        let (mut a, mut b, mut store, mut events) = pair(None);
         let p = open(&mut a, 44000);
         let ev = read_event(&mut events).unwrap();
         assert_eq!(b.dp.trusted_sources().unwrap(), vec![]);
@@ -1057,7 +1063,7 @@ mod state_sync {
 
     #[test]
     fn closes_and_unknown_services_and_conflicts() {
-        let (mut a, mut b, mut store, mut events) = pair();
+        let (mut a, mut b, mut store, mut events) = pair(None);
         let p = open(&mut a, 45000);
         let new = read_event(&mut events).unwrap();
         store.apply(&new, 0).unwrap();
@@ -1120,31 +1126,16 @@ mod sync_churn {
     use lb_agent::ha::sync::{ApplyOutcome, FlowRecord};
     use lb_common::{FlowV4, FLOW_F_SYNCED};
     use std::collections::BTreeMap;
-    use std::sync::atomic::AtomicBool;
-    use std::sync::Arc;
 
-    /// Master and backup with the same services; the master publishes flow events and SNATs to a range of 24
-    /// ports, so that ports are reused as soon as a connection closed.
+    /// A master publishing its flow events and SNATing to 24 ports (so that ports are reused as soon as a
+    /// connection closed), a backup with a store to apply them to.
     fn pair() -> (
         Harness,
         Harness,
         BpfFlowStore,
         aya::maps::RingBuf<aya::maps::MapData>,
     ) {
-        let mut a = Harness::new(Hook::Xdp);
-        let mut b = Harness::new(Hook::Xdp);
-        a.apply(&[web(&[1, 2, 3])]);
-        b.apply(&[web(&[1, 2, 3])]);
-        let store = BpfFlowStore::open(&mut b.dp, Arc::new(AtomicBool::new(false))).unwrap();
-        a.dp.set_config(&lb_common::Config {
-            flags: lb_common::CFG_F_SYNC_EVENTS,
-            snat_port_min: 40000,
-            snat_port_max: 40023,
-            ..Default::default()
-        })
-        .unwrap();
-        let events = a.dp.take_flow_events().unwrap();
-        (a, b, store, events)
+        super::state_sync::pair(Some((40000, 40023)))
     }
 
     /// Addresses and ports of a key, or of a translation.
