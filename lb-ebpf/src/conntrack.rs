@@ -4,19 +4,18 @@
 
 use aya_ebpf::bindings::BPF_NOEXIST;
 use lb_common::{
-    stat, Config, FlowEvent, FlowKeyV4, FlowV4, Service, CFG_F_SYNC_EVENTS, FLOW_EV_CLOSE,
-    FLOW_EV_NEW, FLOW_F_FIN, FLOW_F_RST, FLOW_F_SYNCED, PROTO_TCP, TCP_CLOSING_TIMEOUT_S,
+    stat, Config, FlowEvent, FlowKeyV4, FlowV4, Service, TransientV4, CFG_F_SYNC_EVENTS,
+    FLOW_EV_CLOSE, FLOW_EV_NEW, FLOW_F_FIN, FLOW_F_RST, FLOW_F_SYNCED, PROTO_TCP,
+    TCP_CLOSING_TIMEOUT_S,
 };
 
 use crate::{
-    ctx::Ctx,
+    ctx::{Ctx, Verdict},
     hdr::{TCP_FIN, TCP_RST},
-    maps::{count, with_service_stats, FLOWS_V4, FLOW_EVENTS, SCRATCH},
+    maps::{count, with_service_stats, FLOWS_V4, FLOW_EVENTS, SCRATCH, TRANSIENT_V4},
     nat::{forward, Target},
     packet::L4Pkt,
-    process::Verdict,
     snat::alloc_snat_port,
-    transient,
 };
 
 const NS_PER_S: u64 = 1_000_000_000;
@@ -85,7 +84,7 @@ pub fn established<C: Ctx>(c: &C, cfg: &Config, p: &L4Pkt, fl: &mut FlowV4, now:
     let closed = track(cfg, &p.key, fl, p.key.proto, p.tcp_flags, now);
     let v = forward(c, p, fl);
     if closed {
-        transient::retire(&p.key, fl);
+        retire(&p.key, fl);
     }
     v
 }
@@ -194,4 +193,38 @@ pub fn expired(fl: &FlowV4, proto: u8, now: u64) -> bool {
             .get_ptr(fl.partner_key(proto))
             .map(|p| unsafe { &*p })
     })
+}
+
+/// Per-CPU scratch slot `i` holding `flow` as a closed connection's entry (see `maps::SCRATCH`).
+#[inline(always)]
+fn scratch(i: u32, flow: &FlowV4) -> Option<*mut TransientV4> {
+    let e = SCRATCH.get_ptr_mut(i)?;
+    // SAFETY: this CPU's slot; nothing else runs on it while this program does.
+    unsafe {
+        (*e).flow = *flow;
+        (*e).ack_be = 0;
+        (*e)._pad = 0;
+        (*e).fwd = FlowV4::default();
+    }
+    Some(e)
+}
+
+/// A connection that just closed (see [`established`]) leaves `FLOWS_V4`: both entries, as they are now, go
+/// to `TRANSIENT_V4` for their last segments, so closed connections never push established ones out of the
+/// big table.
+// Entries go into the map by reference to their scratch slot: a copy would land on the BPF stack.
+#[allow(clippy::needless_borrows_for_generic_args)]
+#[inline(always)]
+pub fn retire(key: &FlowKeyV4, fl: &FlowV4) {
+    let pkey = fl.partner_key(key.proto);
+    if let Some(pp) = FLOWS_V4.get_ptr(pkey) {
+        if let Some(e) = scratch(0, unsafe { &*pp }) {
+            let _ = TRANSIENT_V4.insert(pkey, unsafe { &*e }, 0);
+        }
+    }
+    if let Some(e) = scratch(1, fl) {
+        let _ = TRANSIENT_V4.insert(key, unsafe { &*e }, 0);
+    }
+    let _ = FLOWS_V4.remove(key);
+    let _ = FLOWS_V4.remove(pkey);
 }

@@ -139,3 +139,14 @@ impl Ctx for Tc<'_> {
         }
     }
 }
+
+/// What to do with the packet; each hook maps it to its own return code.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub enum Verdict {
+    /// Hand to the kernel unchanged.
+    Pass,
+    /// Drop.
+    Drop,
+    /// Send back out of the interface it came in on (rewritten).
+    Tx,
+}

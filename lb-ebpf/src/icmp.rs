@@ -5,10 +5,9 @@ use lb_common::{stat, FlowKeyV4, PROTO_TCP, PROTO_UDP};
 
 use crate::{
     csum,
-    ctx::{ptr_at, Ctx},
+    ctx::{ptr_at, Ctx, Verdict},
     hdr::*,
     maps::{count, with_service_stats, FLOWS_V4, TRANSIENT_V4},
-    process::Verdict,
     transient,
 };
 

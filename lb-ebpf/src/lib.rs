@@ -14,6 +14,7 @@ pub mod conntrack;
 pub mod csum;
 pub mod ctx;
 pub mod flow_filter;
+pub mod hash;
 pub mod hdr;
 pub mod icmp;
 pub mod lb;

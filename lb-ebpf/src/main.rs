@@ -13,8 +13,8 @@ mod programs {
         programs::{TcContext, XdpContext},
     };
     use lb_ebpf::{
-        ctx::{Tc, Xdp},
-        process::{process, Verdict},
+        ctx::{Tc, Verdict, Xdp},
+        process::process,
         trace::traced,
     };
 

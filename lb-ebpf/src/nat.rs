@@ -5,10 +5,9 @@ use lb_common::{stat, FlowV4, Service, FLOW_F_FORWARD, FLOW_F_REVERSE, PROTO_UDP
 
 use crate::{
     csum,
-    ctx::Ctx,
+    ctx::{Ctx, Verdict},
     maps::{count, with_service_stats},
     packet::L4Pkt,
-    process::Verdict,
 };
 
 /// Counts a packet of a flow (established or transient) in its direction and rewrites it.

@@ -12,7 +12,7 @@ use lb_common::{
 
 use crate::{
     conntrack,
-    ctx::{ptr_at, Ctx},
+    ctx::{ptr_at, Ctx, Verdict},
     flow_filter,
     hdr::*,
     icmp,
@@ -21,17 +21,6 @@ use crate::{
     packet::{flow_key, L4Pkt},
     syn_guard, transient,
 };
-
-/// What to do with the packet; each hook maps it to its own return code.
-#[derive(Clone, Copy, PartialEq, Eq)]
-pub enum Verdict {
-    /// Hand to the kernel unchanged.
-    Pass,
-    /// Drop.
-    Drop,
-    /// Send back out of the interface it came in on (rewritten).
-    Tx,
-}
 
 /// Processes one frame.
 #[inline(always)]

@@ -4,7 +4,7 @@ use lb_common::{Addr, Config, FlowKeyV4, ServiceKey, FAMILY_V4, SNAT_PORT_TRIES}
 
 use crate::{
     csum,
-    lb::{fmix, rem},
+    hash::{fmix, rem},
     maps::SERVICES,
     nat::Target,
     packet::L4Pkt,

@@ -10,11 +10,7 @@ use aya_ebpf::{
 };
 use lb_common::{stat, TraceEvent, TraceFilter, TRACE_HDR};
 
-use crate::{
-    ctx::Ctx,
-    maps::STATS,
-    process::{process, Verdict},
-};
+use crate::{ctx::Ctx, ctx::Verdict, maps::STATS, process::process};
 
 /// What to report (written by `lbctl`; this program's own map, never pinned).
 #[map]

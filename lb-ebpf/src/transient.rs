@@ -18,30 +18,15 @@ use lb_common::{
 
 use crate::{
     conntrack::{close_bit, established_new},
-    ctx::Ctx,
+    ctx::{Ctx, Verdict},
     flow_filter,
     hdr::{TCP_ACK, TCP_RST, TCP_SYN},
     maps::{count, with_service_stats, FLOWS_V4, HANDSHAKES, SCRATCH, TRANSIENT_V4},
     nat::{forward, rewrite, Target},
     packet::L4Pkt,
-    process::Verdict,
     snat::alloc_snat_port,
     syn_guard,
 };
-
-/// Per-CPU scratch slot `i` holding `flow` as a closed connection's entry (see `maps::SCRATCH`).
-#[inline(always)]
-fn scratch(i: u32, flow: &FlowV4) -> Option<*mut TransientV4> {
-    let e = SCRATCH.get_ptr_mut(i)?;
-    // SAFETY: this CPU's slot; nothing else runs on it while this program does.
-    unsafe {
-        (*e).flow = *flow;
-        (*e).ack_be = 0;
-        (*e)._pad = 0;
-        (*e).fwd = FlowV4::default();
-    }
-    Some(e)
-}
 
 /// A client's SYN for `svc` without a flow of its own: claims a SNAT port and stores the handshake — or, when the
 /// port the search reaches holds this client's handshake already, it is a retransmitted SYN of it — and forwards
@@ -272,24 +257,6 @@ fn promote<C: Ctx>(
     let v = forward(c, p, &h.fwd);
     let _ = TRANSIENT_V4.remove(rkey);
     v
-}
-
-/// A connection that just closed (see `conntrack::established`) leaves `FLOWS_V4`: both entries, as they are now, go
-/// to `TRANSIENT_V4` for their last segments, so closed connections never push established ones out of the
-/// big table.
-#[inline(always)]
-pub fn retire(key: &FlowKeyV4, fl: &FlowV4) {
-    let pkey = fl.partner_key(key.proto);
-    if let Some(pp) = FLOWS_V4.get_ptr(pkey) {
-        if let Some(e) = scratch(0, unsafe { &*pp }) {
-            let _ = TRANSIENT_V4.insert(pkey, unsafe { &*e }, 0);
-        }
-    }
-    if let Some(e) = scratch(1, fl) {
-        let _ = TRANSIENT_V4.insert(key, unsafe { &*e }, 0);
-    }
-    let _ = FLOWS_V4.remove(key);
-    let _ = FLOWS_V4.remove(pkey);
 }
 
 /// Timestamp and FIN/RST of a transient entry; a RST closes the partner too.

@@ -17,9 +17,9 @@ mod programs {
         programs::XdpContext,
     };
     use lb_ebpf::{
-        ctx::{ptr_at, Xdp},
+        ctx::{ptr_at, Verdict, Xdp},
         hdr::EthHdr,
-        process::{process, Verdict},
+        process::process,
     };
 
     /// Bytes of the template packet (every benchmark frame has exactly this size).
