@@ -349,6 +349,9 @@ fn connect_cycled_ports(client_ns: &str, vip: Ipv4Addr) -> Result<Vec<std::net::
             for i in 0..=PORT_MASK {
                 let sock = tokio::net::TcpSocket::new_v4()?;
                 sock.set_reuseaddr(true)?;
+                // Closed with a reset, not a FIN: a FIN would leave the port in TIME_WAIT towards VIP:80 for a
+                // minute, and the next attach mode connecting from the same port failed with EADDRINUSE.
+                sock.set_zero_linger()?;
                 sock.bind((Ipv4Addr::UNSPECIFIED, 20000 + i as u16).into())?;
                 let s =
                     tokio::time::timeout(Duration::from_secs(5), sock.connect((vip, 80).into()))
