@@ -92,6 +92,18 @@ fn assert_consistent(r: &HaRig, hosts: &[Host]) {
     }
 }
 
+/// Cuts the master's link (a dead VM) and waits until the backup holds the VIP; returns the takeover time.
+fn kill_master(r: &HaRig, master: Host, backup: Host) -> Duration {
+    let t0 = Instant::now();
+    r.cut_link(master, true).unwrap();
+    wait_until(
+        "the backup to take the VIP",
+        Duration::from_secs(10),
+        || r.vip_holders().unwrap().contains(&backup),
+    );
+    t0.elapsed()
+}
+
 fn report(what: &str, rep: &HoldReport) {
     println!(
         "{what}: {} TCP + {} UDP, broken {}, survival {:.2} %, longest gap {:.0} ms, round trips {}",
@@ -114,14 +126,7 @@ fn master_dies_and_connections_survive() {
     wait_synced(&r, master, backup);
     assert_consistent(&r, &[master, backup]);
 
-    let t0 = Instant::now();
-    r.cut_link(master, true).unwrap();
-    wait_until(
-        "the backup to take the VIP",
-        Duration::from_secs(10),
-        || r.vip_holders().unwrap().contains(&backup),
-    );
-    let takeover = t0.elapsed();
+    let takeover = kill_master(&r, master, backup);
     std::thread::sleep(Duration::from_secs(4));
     let rep = hold.stop().unwrap();
     report("master link cut", &rep);
@@ -203,12 +208,7 @@ fn a_restarted_peer_resyncs_and_can_take_over() {
         Some(master),
         "a rejoining peer must not take the VIP"
     );
-    r.cut_link(master, true).unwrap();
-    wait_until(
-        "the backup to take the VIP",
-        Duration::from_secs(10),
-        || r.vip_holders().unwrap().contains(&backup),
-    );
+    kill_master(&r, master, backup);
     std::thread::sleep(Duration::from_secs(4));
     let rep = hold.stop().unwrap();
     report("takeover by a resynced peer", &rep);
@@ -344,14 +344,7 @@ fn the_master_dies_during_churn_and_held_connections_survive() {
         let args: Vec<&str> = args.iter().map(String::as_str).collect();
         let hold = r.start_hold(&args).unwrap();
         wait_synced(&r, master, backup);
-        let t0 = Instant::now();
-        r.cut_link(master, true).unwrap();
-        wait_until(
-            "the backup to take the VIP",
-            Duration::from_secs(10),
-            || r.vip_holders().unwrap().contains(&backup),
-        );
-        let takeover = t0.elapsed();
+        let takeover = kill_master(&r, master, backup);
         std::thread::sleep(Duration::from_secs(4));
         stop.store(true, std::sync::atomic::Ordering::Relaxed);
         let rep = hold.stop().unwrap();
