@@ -126,7 +126,7 @@ EOF
     log_of lb-agent.service | tail -5 | while IFS= read -r l; do info "lb-agent: $l"; done
 }
 
-# yawol-controller's user data, byte for byte (lb-agent/examples/yawol_boot/yawol.rs) with a real API server on
+# yawol-controller's user data, byte for byte (testenv/support/src/yawol.rs) with a real API server on
 # the host: its files, its runcmd through the OpenRC shim, the agent started as yawollet reaching the API server,
 # holding the VIP through keepalived, forwarding, and acting on ad-hoc debug access.
 yawol_checks() {

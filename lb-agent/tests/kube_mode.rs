@@ -1456,9 +1456,7 @@ async fn a_410_after_compaction_relists_at_once_and_up_to_date_waits_for_it() {
 }
 
 /// yawol-controller's output (the boot test's fixture): here its per-machine Role.
-#[allow(dead_code)]
-#[path = "../examples/yawol_boot/yawol.rs"]
-mod yawol;
+use lb_test_support::yawol;
 
 /// On a machine a yawol-controller manages, the agent runs under yawol's Role (`GetRoleRules`: six rules, events
 /// in the core group only) with no `--machine-revision`. That Role is enough for all of Kubernetes mode — the

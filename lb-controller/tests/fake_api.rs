@@ -1,4 +1,4 @@
-//! The in-memory API server's own semantics, which the controller benchmark (`examples/bench_controller.rs`)
+//! The in-memory API server's own semantics, which the controller benchmark (`benches/controller/src/bin/bench-controller.rs`)
 //! relies on; the controllers' and the agent's tests run against a real kube-apiserver.
 
 use std::time::Duration;

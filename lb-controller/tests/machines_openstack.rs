@@ -20,10 +20,6 @@ use std::time::{Duration, Instant};
 use anyhow::{ensure, Context, Result};
 use base64::Engine as _;
 use common::kube::{events, loadbalancermachines, loadbalancers, secrets, Objects};
-use common::openstack::{
-    connect, controller_token, nova_group_members, nova_server, user_data_files, vm_kubeconfig,
-    STEP,
-};
 use kube::api::{DeleteParams, PostParams};
 use kube::{Api, Client};
 use kube_testenv::{KubeEnv, Refusals};
@@ -35,6 +31,10 @@ use lb_controller::openstack::machine::{self, run};
 use lb_controller::openstack::sdk::SdkCloud;
 use lb_controller::openstack::Cloud;
 use lb_controller::runtime::events::EventPublisher;
+use lb_test_support::cascade::{
+    connect, controller_token, nova_group_members, nova_server, user_data_files, vm_kubeconfig,
+    STEP,
+};
 use openstack_sdk::api::QueryAsync;
 use openstack_sdk::AsyncOpenStack;
 use openstack_testenv::{Fault, FaultProxy, LeakCheck, Rule, TestEnv};

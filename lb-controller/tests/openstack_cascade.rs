@@ -26,7 +26,7 @@
 //!   into security group, floating IP, VIP lookup and VM port creation and into the VM port's deletion: Warning
 //!   events with Neutron's text, retries, and in the end exactly one of everything and nothing left.
 //! - `cascade_nova_5xx_and_lost_answers_are_retried_without_duplicates`: Nova behind `FaultProxy` (found through the
-//!   catalog of a Keystone proxy, see `common::openstack::NovaProxy`) answers 503 to a server group's creation and
+//!   catalog of a Keystone proxy, see `cascade::NovaProxy`) answers 503 to a server group's creation and
 //!   then 500 after creating it, 500 after booting the first machine's server, 503 to the second machine's server
 //!   create and to the read of its booting server, and 503 / 500-after-deleting to server deletes: Warning events
 //!   with Nova's text, retries, the group and the server that Nova made behind an error are adopted (one group, one
@@ -54,23 +54,22 @@
 //! cargo test --workspace --exclude lb-testbed --test openstack_cascade -- --ignored --test-threads=1 --nocapture`
 //! (prints timings).
 
-mod common;
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{ensure, Context, Result};
-use common::openstack::{
-    condition, connect, connect_counted, connect_routed, delete_flavor, ensure_flavor, finish,
-    lb_json, nova_group_members, nova_server, nova_servers_are, ready, revision, server_ids,
-    servers_named, user_data_files, Cascade, CascadeConfig, Kind, NovaProxy, CALL_TIMEOUT,
-    CONTROLLER_SERVICE_ACCOUNT, STEP,
-};
 use kube_testenv::KubeEnv;
 use lb_api::constants::{conditions, lb_annotations};
 use lb_controller::metrics::Metrics;
 use lb_controller::openstack::clouds::{FixedCloud, SecretClouds};
 use lb_controller::openstack::{Cloud, FloatingIpFilter};
+use lb_test_support::cascade::{
+    self, condition, connect, connect_counted, connect_routed, delete_flavor, ensure_flavor,
+    finish, lb_json, nova_group_members, nova_server, nova_servers_are, ready, revision,
+    server_ids, servers_named, user_data_files, Cascade, CascadeConfig, Kind, NovaProxy,
+    CALL_TIMEOUT, CONTROLLER_SERVICE_ACCOUNT, STEP,
+};
 use openstack_testenv::{Fault, FaultProxy, LeakCheck, Rule, TestEnv};
 use serde_json::{json, Value};
 
@@ -333,7 +332,7 @@ async fn cascade_lifecycle_create_update_scale_heal_delete() -> Result<()> {
             .unwrap_or_default();
         for cond in conds.iter_mut() {
             if cond["type"] == conditions::MARKED_FOR_DELETION {
-                cond["lastTransitionTime"] = json!(common::openstack::ago(130));
+                cond["lastTransitionTime"] = json!(cascade::ago(130));
             }
         }
         c.report(&sick, conds).await?;

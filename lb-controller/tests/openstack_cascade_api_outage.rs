@@ -1,5 +1,5 @@
 //! A 60 s outage of the control cluster's API server under the whole OpenStack-side cascade against the real
-//! OpenStack of `cargo xtask openstack up` (`common::openstack::Cascade`: the controllers as the binary starts them,
+//! OpenStack of `cargo xtask openstack up` (`cascade::Cascade`: the controllers as the binary starts them,
 //! under `deploy/openstack-controller.yaml`'s RBAC with a real token; the agents played with their VMs' kubeconfig,
 //! trying to report through the outage). A LoadBalancer with two ready machines loses nothing: Nova creates and
 //! deletes no server during the outage nor after it, no machine is marked, deleted or replaced, the controllers keep
@@ -18,20 +18,19 @@
 //! `--ignored --test-threads=1`. By hand: `cargo xtask openstack up && cargo test --workspace --exclude lb-testbed
 //! --test openstack_cascade_api_outage -- --ignored --nocapture` (prints timings).
 
-mod common;
 
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
 
 use anyhow::{ensure, Context, Result};
-use common::openstack::{
-    connect, finish, lb_json, ready, servers_named, wait_for, Cascade, CascadeConfig, CALL_TIMEOUT,
-    STEP,
-};
 use kube_testenv::KubeEnv;
 use lb_api::constants::conditions;
 use lb_controller::metrics::Metrics;
 use lb_controller::openstack::clouds::SecretClouds;
+use lb_test_support::cascade::{
+    self, connect, finish, lb_json, ready, servers_named, wait_for, Cascade, CascadeConfig,
+    CALL_TIMEOUT, STEP,
+};
 use openstack_testenv::{LeakCheck, TestEnv};
 use serde_json::json;
 
@@ -73,7 +72,7 @@ fn live_machines(c: &Cascade, lb: &str) -> Vec<String> {
     c.machines_of(lb)
         .iter()
         .filter(|m| m["metadata"]["deletionTimestamp"].is_null())
-        .map(common::openstack::name_of)
+        .map(cascade::name_of)
         .collect()
 }
 

@@ -6,15 +6,14 @@
 //! `#[ignore]`d so a plain `cargo test` needs no cloud; the `openstack` stage of `cargo xtask test` runs them with
 //! `--ignored --test-threads=1`. Without the environment they fail (`TestEnv::load` names the command to run).
 
-mod common;
 
 use anyhow::{ensure, Context, Result};
-use common::openstack::connect;
 use lb_api::{LoadBalancer, LoadBalancerStatus};
 use lb_controller::openstack::loadbalancer::resources::{self as lb_openstack, DiscardStatus};
 use lb_controller::openstack::machine::resources::{self as machine, MachineSpec};
 use lb_controller::openstack::sdk::SdkCloud;
 use lb_controller::openstack::{Cloud, CloudErrorKind};
+use lb_test_support::cascade::connect;
 use openstack_testenv::{Fault, FaultProxy, LeakCheck, Rule, TestEnv};
 use std::time::{Duration, Instant};
 

@@ -105,7 +105,7 @@ impl Which {
     }
 }
 
-/// The built benchmark programs: `target/<profile>/<bin>` and `target/<profile>/examples/<example>`.
+/// The built benchmark programs: `target/<profile>/<bin>`.
 struct Binaries {
     dir: PathBuf,
     smoke: bool,
@@ -140,8 +140,7 @@ impl Binaries {
         let mut args = vec!["build", "--release", "--quiet"];
         for kind in kinds {
             args.extend_from_slice(match kind {
-                Which::Controller => &["-p", "lb-controller", "--example", "bench_controller"],
-                Which::Openstack => &["-p", "lb-controller", "--example", "bench_openstack"],
+                Which::Controller | Which::Openstack => &["-p", "lb-controller-benches"],
                 _ => &["-p", "lb-agent", "-p", "lb-testbed", "-p", "lb-benches"],
             });
         }
@@ -182,7 +181,7 @@ impl Binaries {
         run(&mut self.command(self.dir.join(name)), name)
     }
 
-    /// Where an example benchmark writes its JSON.
+    /// Where a benchmark that is told its JSON's path (controller, openstack) writes it.
     fn json(&self, name: &str) -> PathBuf {
         let dir = root().join("target/bench");
         if self.smoke {
@@ -194,17 +193,17 @@ impl Binaries {
 
     fn controller(&self) -> Result<()> {
         run(
-            self.command(self.dir.join("examples/bench_controller"))
+            self.command(self.dir.join("bench-controller"))
                 .arg("--json")
                 .arg(self.json("controller.json")),
             "bench controller",
         )
     }
 
-    /// `bench_openstack` against the test OpenStack whose state directory is `state`.
+    /// `bench-openstack` against the test OpenStack whose state directory is `state`.
     fn openstack(&self, state: &Path) -> Result<()> {
         run(
-            self.command(self.dir.join("examples/bench_openstack"))
+            self.command(self.dir.join("bench-openstack"))
                 .env("LB_OPENSTACK_DIR", state)
                 .arg("--json")
                 .arg(self.json("openstack.json")),

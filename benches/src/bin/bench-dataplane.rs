@@ -5,9 +5,6 @@
 //! template frame (see `lb-ebpf/src/bin/lb-bench.rs`). The wrapper's own cost (`restore` minus bare
 //! `XDP_TX`) is measured and subtracted: `net = wrapped − (restore − tx)`; ratio = `net / reflector`.
 
-#[path = "../../../lb-agent/tests/common/packets.rs"]
-mod packets;
-
 use anyhow::{bail, Context, Result};
 use aya::maps::Array;
 use aya::programs::{TestRun, TestRunOptions};
@@ -17,7 +14,7 @@ use lb_agent::dataplane::programmer::{ip_to_addr, Programmer};
 use lb_agent::dataplane::{Dataplane, MapSizes};
 use lb_benches::{median, write_json};
 use lb_common::{FlowKeyV4, FlowV4, NextHop, FLOW_F_FORWARD, FLOW_F_REVERSE};
-use packets::*;
+use lb_test_support::packets::*;
 use serde::Serialize;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::path::PathBuf;

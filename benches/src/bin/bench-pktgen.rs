@@ -13,9 +13,6 @@
 //! forwarded rate is "the whole chain on one core"; the in-program cost per packet on the LB's interface
 //! comes from `BPF_ENABLE_STATS` (run_time_ns / run_cnt) of the program attached there.
 
-#[path = "../../../lb-agent/tests/common/packets.rs"]
-mod packets;
-
 use anyhow::{bail, Context, Result};
 use aya::maps::{Array, PerCpuArray};
 use aya::programs::{TestRun, TestRunAttrs, TestRunOptions, Xdp, XdpMode};
@@ -23,9 +20,9 @@ use aya::Ebpf;
 use clap::Parser;
 use lb_agent::dataplane::{Dataplane, MapSizes};
 use lb_benches::{fmt_num, in_netns, median, pin_cpu, print_table, prog_stats, write_json};
+use lb_test_support::packets::*;
 use lb_testbed::rig::{Rig, RigConfig};
 use lb_testbed::{Host, Topology, TopologyConfig};
-use packets::*;
 use serde::Serialize;
 use std::net::Ipv4Addr;
 use std::path::PathBuf;

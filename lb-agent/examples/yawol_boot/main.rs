@@ -14,7 +14,7 @@
 //!   of refused requests (401/403) — the VM's agent is the only client that could be refused;
 //! - end of stdin: stops the cluster and exits.
 
-mod yawol;
+use lb_test_support::yawol;
 
 use anyhow::{Context, Result};
 use clap::Parser;

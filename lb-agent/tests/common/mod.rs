@@ -2,7 +2,7 @@
 //! `BPF_PROG_TEST_RUN`, once through the XDP entry point and once through the TC one. Needs root.
 #![allow(dead_code)]
 
-pub mod packets;
+pub use lb_test_support::packets;
 
 use aya::programs::{TestRun, TestRunOptions};
 use lb_agent::dataplane::model::{Protocol, ServiceId, ServiceSpec};

@@ -11,13 +11,12 @@
 //! connection); the test's own reads and writes use admin clients directly. Waiting polls the API (every 50 ms,
 //! at most 60 s), so the tests do not depend on timing.
 //!
-//! [`openstack`]: the helpers of the real-OpenStack tests (sessions, Nova's view, leak check and sweep, the whole
-//! OpenStack-side cascade on a real API server with the agents played).
+//! The real-OpenStack tests' helpers (sessions, Nova's view, leak check and sweep, the whole OpenStack-side cascade
+//! on a real API server with the agents played) are `lb_test_support::cascade`, shared with `bench openstack`.
 
 #![allow(dead_code)]
 
 pub mod kube;
-pub mod openstack;
 
 use std::future::Future;
 use std::sync::atomic::{AtomicBool, Ordering};

@@ -1,5 +1,5 @@
 //! `FakeApiServer`: an in-memory, in-process stand-in for kube-apiserver, kept for the controller benchmark
-//! (`lb-controller/examples/bench_controller.rs`: thousands of objects without an API server's own cost in the
+//! (`benches/controller/src/bin/bench-controller.rs`: thousands of objects without an API server's own cost in the
 //! numbers) and its own tests; its schema check ([`validate`]) also serves a unit test. Everything that judges
 //! Kubernetes behaviour runs against the real API server ([`crate::KubeEnv`]). It is a `tower::Service` that a
 //! real [`kube::Client`] talks to, so the controllers run unmodified (reflectors, watches, patches, finalizers)

@@ -6,7 +6,7 @@
 //!   `render_user_data` example from `lb_controller::openstack::machine::cloudinit::user_data`. Its kubeconfig names
 //!   an API server that does not exist (192.0.2.1, TEST-NET-1; the VM's NIC is `restrict=on` anyway), with a real CA;
 //! - `user-data`, yawol's: what yawol-controller gives a machine (`GenerateUserData`, transcribed in
-//!   `lb-agent/examples/yawol_boot/yawol.rs`), written by the `yawol_boot` example, which runs a real kube-apiserver
+//!   `testenv/support/src/yawol.rs`), written by the `yawol_boot` example, which runs a real kube-apiserver
 //!   (kube-testenv) on the host's loopback with the LoadBalancer, the machine and its identity under yawol's Role.
 //!   The VM reaches it at 10.0.2.2 (QEMU's user network) under the name `kubernetes.default.svc` that the server's
 //!   certificate carries; the agent, started as `yawollet`, holds the VIP 10.0.2.100 on eth0 through keepalived

@@ -425,15 +425,10 @@ fn statements(text: &str) -> Vec<(usize, Vec<String>)> {
     out
 }
 
-/// yawol-controller's output, transcribed once for the boot test (`lb-agent/examples/yawol_boot/`).
-#[cfg(test)]
-#[allow(dead_code)]
-#[path = "../../../examples/yawol_boot/yawol.rs"]
-mod yawol_fixture;
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use lb_test_support::yawol as yawol_fixture;
 
     /// yawol-controller's output for a machine (the boot test's fixture), VIP 10.0.2.100.
     fn machine(requeue_time: u32) -> yawol_fixture::Machine {

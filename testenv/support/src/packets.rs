@@ -1,6 +1,4 @@
 //! Frames for data-plane tests and benchmarks, built with etherparse, and a parser of what comes out.
-//! (Shared with `benches/` through `#[path]`.)
-#![allow(dead_code)]
 
 use etherparse::{IpNumber, Ipv4Header, PacketBuilder, TcpHeader, UdpHeader};
 use std::net::Ipv4Addr;

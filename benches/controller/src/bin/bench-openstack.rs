@@ -9,24 +9,20 @@
 //! 3. time from its deletion to the LoadBalancer object gone (every server, port, floating IP, group deleted), then
 //!    the leak check over the project.
 //!
-//! The harness (`tests/common/openstack.rs`) plays the agents (with their VMs' kubeconfig): a machine reports ready
+//! The harness (`lb_test_support::cascade`) plays the agents (with their VMs' kubeconfig): a machine reports ready
 //! as soon as its server is ACTIVE (the fake driver boots nothing), so the times are the controllers' and the
 //! cloud's, without an image's boot time; the set controller creates machines one after another, each once the
 //! previous is ready.
 //!
 //! `cargo xtask bench openstack` (starts the environment if needed, writes `target/bench/openstack.json`), or by
 //! hand with the environment up:
-//! `cargo run --release -p lb-controller --example bench_openstack -- --json target/bench/openstack.json`
-
-#[path = "../tests/common/openstack.rs"]
-mod cascade;
+//! `cargo run --release -p lb-benches --bin bench-openstack -- --json target/bench/openstack.json`
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
-use cascade::{connect, lb_json, Cascade, CascadeConfig, CALL_TIMEOUT};
 use clap::Parser;
 use lb_controller::metrics::Metrics;
 use lb_controller::openstack::clouds::SecretClouds;
@@ -34,6 +30,7 @@ use lb_controller::openstack::loadbalancer::{self, RolloutGate};
 use lb_controller::openstack::machine;
 use lb_controller::openstack::run::OpenStackTuning;
 use lb_controller::openstack::set;
+use lb_test_support::cascade::{self, connect, lb_json, Cascade, CascadeConfig, CALL_TIMEOUT};
 use openstack_testenv::{LeakCheck, TestEnv};
 use serde_json::{json, Value};
 

@@ -2,7 +2,7 @@
 //! 1. time until N new Services all have correct LoadBalancer objects;
 //! 2. time until a node going NotReady is reflected in all N LoadBalancers, and back.
 //!
-//! `cargo run --release -p lb-controller --example bench_controller -- --json bench.json`
+//! `cargo xtask bench controller`, or `cargo run --release -p lb-benches --bin bench-controller -- --json bench.json`
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};

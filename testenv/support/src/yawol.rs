@@ -1,8 +1,8 @@
 //! What yawol-controller gives a LoadBalancerMachine's VM, transcribed from yawol (`github:stackitcloud/yawol`,
 //! `internal/helper/loadbalancermachine.go` `GenerateUserData` and its helpers, `internal/helper/yawollet.go`
 //! `GetRoleRules`, the LBM controller's `getKubeConfigForServiceAccount`): byte for byte where the output is text,
-//! so the image is tested with exactly what a yawol operator's VMs receive. Test fixture only (the boot test's
-//! cluster helper and lb-agent's unit tests include this file); nothing here is product code.
+//! so the image is tested with exactly what a yawol operator's VMs receive. Test fixture only (lb-agent's
+//! yawollet tests and the boot test's cluster helper `lb-agent/examples/yawol_boot`); nothing here is product code.
 
 use base64::Engine as _;
 use k8s_openapi::api::rbac::v1::PolicyRule;

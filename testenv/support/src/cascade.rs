@@ -1,12 +1,9 @@
-//! Shared by the real-OpenStack tests (`tests/openstack_lb.rs`, `tests/machines_openstack.rs`,
-//! `tests/openstack_cascade.rs`, `tests/openstack_cascade_api_outage.rs`) and the OpenStack benchmark
-//! (`examples/bench_openstack.rs` includes this file by path): sessions on the environment of
-//! `cargo xtask openstack up`, Nova's view of a server, the leak check plus sweep that ends every test, the
+//! Shared by lb-controller's real-OpenStack tests (`openstack_lb`, `machines_openstack`, `openstack_cascade`,
+//! `openstack_cascade_api_outage`) and `bench openstack`: sessions on the environment of `cargo xtask openstack
+//! up`, Nova's view of a server, the leak check plus sweep that ends every test, the
 //! controllers' token under `deploy/openstack-controller.yaml`'s RBAC, and [`Cascade`]: the OpenStack-side
 //! controllers started through `cli::run_openstack_controllers` on a real API server (kube-testenv) under that
 //! RBAC, with the machines' agents played by a background task using the kubeconfig from their VMs' user data.
-
-#![allow(dead_code)]
 
 use std::collections::{HashMap, HashSet};
 use std::future::Future;
@@ -135,8 +132,8 @@ pub async fn nova_server(admin: &AsyncOpenStack, id: &str) -> Result<Value> {
     use openstack_sdk::api::compute::v2::server::get_20;
     let mut req = get_20::Request::builder();
     req.id(id).header(
-        axum::http::HeaderName::from_static("openstack-api-version"),
-        axum::http::HeaderValue::from_static("compute 2.79"),
+        http::HeaderName::from_static("openstack-api-version"),
+        http::HeaderValue::from_static("compute 2.79"),
     );
     let v: Value = req.build()?.query_async(admin).await?;
     Ok(v)
@@ -324,7 +321,7 @@ pub fn lb_json(env: &TestEnv, ns: &str, name: &str, replicas: i32, options: Valu
 /// The deployment manifest whose ServiceAccount and Role the controllers run under.
 pub const CONTROLLER_MANIFEST: &str = concat!(
     env!("CARGO_MANIFEST_DIR"),
-    "/../deploy/openstack-controller.yaml"
+    "/../../deploy/openstack-controller.yaml"
 );
 /// Its ServiceAccount.
 pub const CONTROLLER_SERVICE_ACCOUNT: &str = "lb-openstack-controller";
