@@ -60,6 +60,7 @@ pub async fn run(
     shutdown: impl std::future::Future<Output = ()>,
 ) -> Result<()> {
     let mut dp = Dataplane::load(&opts.sizes, opts.pin_dir.as_deref())?;
+    let _kernel_log = crate::report::kernel_log::spawn(&mut dp)?;
     let mut ha = Ha::start(opts.ha.clone(), &mut dp).await?;
     let (flags, local_mac) = ha.dataplane_settings(&opts.interface)?;
     dp.set_config(&lb_common::Config {

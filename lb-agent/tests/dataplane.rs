@@ -1305,3 +1305,75 @@ mod sync_churn {
         assert_eq!(store2.apply(&first, 0).unwrap(), ApplyOutcome::Applied);
     }
 }
+
+/// The lines lb-ebpf's `klog` writes to the programs' log ring (aya-log), as the agent's logger gets them.
+#[derive(Clone, Default)]
+struct KernelLog(std::sync::Arc<std::sync::Mutex<Vec<String>>>);
+
+impl log::Log for KernelLog {
+    fn enabled(&self, _: &log::Metadata) -> bool {
+        true
+    }
+    fn log(&self, r: &log::Record) {
+        self.0
+            .lock()
+            .unwrap()
+            .push(format!("{} {}: {}", r.level(), r.target(), r.args()));
+    }
+    fn flush(&self) {}
+}
+
+/// Keeps the test on one CPU: the kernel side rate-limits per CPU, and a thread moved between runs would be
+/// allowed a line on each.
+fn pin_to_one_cpu() {
+    // SAFETY: plain syscalls on this thread's own affinity with a zeroed, then filled, cpu_set_t.
+    unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        assert_eq!(
+            libc::sched_getaffinity(0, std::mem::size_of_val(&set), &mut set),
+            0
+        );
+        let cpu = (0..libc::CPU_SETSIZE as usize)
+            .find(|&c| libc::CPU_ISSET(c, &set))
+            .unwrap();
+        libc::CPU_ZERO(&mut set);
+        libc::CPU_SET(cpu, &mut set);
+        assert_eq!(
+            libc::sched_setaffinity(0, std::mem::size_of_val(&set), &set),
+            0
+        );
+    }
+}
+
+both_hooks! {
+    fn rare_events_reach_the_agents_log_with_their_details_once_per_second(h) {
+        pin_to_one_cpu();
+        let lines = KernelLog::default();
+        let mut ring = aya_log::EbpfLogger::init_with_logger(h.dp.ebpf_mut().unwrap(), lines.clone()).unwrap();
+        // One SNAT port for the backend: the second connection finds none, twice.
+        h.dp.set_config(&lb_common::Config { snat_port_min: 40000, snat_port_max: 40000, hash_seed: 7, ..Default::default() }).unwrap();
+        h.apply(&[web(&[1])]);
+        open(h, 43000);
+        for sport in [43001, 43002] {
+            assert_eq!(h.run(&client_tcp(sport, SYN, b"")).0, Verdict::Drop);
+        }
+        assert_eq!(h.stat(stat::DROP_SNAT_EXHAUSTED), 2);
+        // Malformed frames, many: counted each, logged once.
+        let mut bad = client_tcp(43003, SYN, b"");
+        bad[14] = 0x44;
+        for _ in 0..50 {
+            assert_eq!(h.run(&bad).0, Verdict::Drop);
+        }
+        assert_eq!(h.stat(stat::DROP_MALFORMED), 50);
+        ring.flush();
+        let lines = lines.0.lock().unwrap().clone();
+        let backend = format!("{}:{WEB_NODE_PORT}", node(1));
+        let snat: Vec<_> = lines.iter().filter(|l| l.contains("no free SNAT port")).collect();
+        assert_eq!(snat.len(), 1, "one line for two drops within a second: {lines:?}");
+        assert!(snat[0].starts_with("WARN lb_ebpf::klog:") && snat[0].contains(&backend), "{lines:?}");
+        let malformed: Vec<_> = lines.iter().filter(|l| l.contains("malformed frame")).collect();
+        assert_eq!(malformed.len(), 1, "one line for 50 frames within a second: {lines:?}");
+        assert!(malformed[0].contains("IPv4 version or header length invalid"), "{lines:?}");
+        assert_eq!(lines.len(), 2, "nothing else: {lines:?}");
+    }
+}

@@ -54,7 +54,6 @@
 //! cargo test --workspace --exclude lb-testbed --test openstack_cascade -- --ignored --test-threads=1 --nocapture`
 //! (prints timings).
 
-
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 

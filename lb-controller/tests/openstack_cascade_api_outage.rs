@@ -18,7 +18,6 @@
 //! `--ignored --test-threads=1`. By hand: `cargo xtask openstack up && cargo test --workspace --exclude lb-testbed
 //! --test openstack_cascade_api_outage -- --ignored --nocapture` (prints timings).
 
-
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
 

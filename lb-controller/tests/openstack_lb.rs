@@ -6,7 +6,6 @@
 //! `#[ignore]`d so a plain `cargo test` needs no cloud; the `openstack` stage of `cargo xtask test` runs them with
 //! `--ignored --test-threads=1`. Without the environment they fail (`TestEnv::load` names the command to run).
 
-
 use anyhow::{ensure, Context, Result};
 use lb_api::{LoadBalancer, LoadBalancerStatus};
 use lb_controller::openstack::loadbalancer::resources::{self as lb_openstack, DiscardStatus};

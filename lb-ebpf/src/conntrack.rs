@@ -12,6 +12,7 @@ use lb_common::{
 use crate::{
     ctx::{Ctx, Verdict},
     hdr::{TCP_FIN, TCP_RST},
+    klog,
     maps::{count, with_service_stats, FLOWS_V4, FLOW_EVENTS, SCRATCH, TRANSIENT_V4},
     nat::{forward, Target},
     packet::L4Pkt,
@@ -58,6 +59,7 @@ pub fn open<C: Ctx>(
     ) else {
         count(stat::DROP_SNAT_EXHAUSTED);
         with_service_stats(svc.id, |s| s.drop_snat_exhausted += 1);
+        klog::snat_exhausted(svc.id, t.node, t.node_port, t.snat, now);
         return Verdict::Drop;
     };
     unsafe { (*fs).flow = t.forward(p, svc, snat_port, now) };
@@ -70,6 +72,7 @@ pub fn open<C: Ctx>(
     if FLOWS_V4.insert(key, fwd, 0).is_err() {
         let _ = FLOWS_V4.remove(rkey);
         count(stat::DROP_FLOW_INSERT);
+        klog::flow_insert_failed(svc.id, now);
         return Verdict::Drop;
     }
     established_new(cfg, &key, fwd, rev);

@@ -10,6 +10,7 @@ use lb_common::{
 use crate::{
     ctx::Verdict,
     hash::{flow_hash, rem},
+    klog,
     maps::{count, with_service_stats, BACKENDS, MAGLEV, NEXTHOPS, SOURCE_RANGES},
     nat::Target,
     packet::L4Pkt,
@@ -42,14 +43,17 @@ pub fn pick_backend(cfg: &Config, p: &L4Pkt, svc: &Service) -> Result<Target, Ve
     let slot = svc.table_offset + rem(hash, svc.table_size);
     let Some(&backend_id) = MAGLEV.get(slot) else {
         count(stat::DROP_BAD_BACKEND);
+        klog::bad_backend(svc.id, slot);
         return Err(Verdict::Drop);
     };
     let Some(backend) = BACKENDS.get(backend_id) else {
         count(stat::DROP_BAD_BACKEND);
+        klog::bad_backend(svc.id, slot);
         return Err(Verdict::Drop);
     };
     if backend.family != FAMILY_V4 {
         count(stat::DROP_BAD_BACKEND);
+        klog::bad_backend(svc.id, slot);
         return Err(Verdict::Drop);
     }
     let Some(nh) = NEXTHOPS.get_ptr(backend.addr) else {

@@ -17,6 +17,7 @@ pub mod flow_filter;
 pub mod hash;
 pub mod hdr;
 pub mod icmp;
+pub mod klog;
 pub mod lb;
 pub mod maps;
 pub mod nat;

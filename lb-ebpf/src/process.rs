@@ -16,6 +16,7 @@ use crate::{
     flow_filter,
     hdr::*,
     icmp,
+    klog::{self, Malformed},
     lb::pick_backend,
     maps::{count, with_service_stats, CONFIG, FLOWS_V4, SERVICES, TRANSIENT_V4, VIPS},
     packet::{flow_key, L4Pkt},
@@ -27,6 +28,7 @@ use crate::{
 pub fn process<C: Ctx>(c: &C) -> Verdict {
     let Some(eth) = ptr_at::<C, EthHdr>(c, 0) else {
         count(stat::DROP_MALFORMED);
+        klog::malformed(Malformed::Ethernet, c.packet_len() as u32);
         return Verdict::Drop;
     };
     // SAFETY (all header dereferences below): pointers come from `ptr_at`, which checked the bounds.
@@ -42,12 +44,14 @@ pub fn process<C: Ctx>(c: &C) -> Verdict {
     }
     let Some(ip) = ptr_at::<C, Ipv4Hdr>(c, ETH_LEN) else {
         count(stat::DROP_MALFORMED);
+        klog::malformed(Malformed::Ipv4Header, c.packet_len() as u32);
         return Verdict::Drop;
     };
     let vihl = unsafe { (*ip).vihl };
     let ihl = (vihl & 0x0f) as usize;
     if vihl >> 4 != 4 || ihl < 5 {
         count(stat::DROP_MALFORMED);
+        klog::malformed(Malformed::Ipv4Version, c.packet_len() as u32);
         return Verdict::Drop;
     }
     let hl = ihl * 4;
@@ -55,6 +59,7 @@ pub fn process<C: Ctx>(c: &C) -> Verdict {
     // Trailing bytes after `tot` are link padding and allowed; a length beyond the frame is not.
     if tot < hl || tot + ETH_LEN > c.packet_len() {
         count(stat::DROP_MALFORMED);
+        klog::malformed(Malformed::Ipv4Length, c.packet_len() as u32);
         return Verdict::Drop;
     }
     if ihl > 5 {
@@ -79,11 +84,13 @@ pub fn process<C: Ctx>(c: &C) -> Verdict {
         PROTO_TCP => {
             let Some(tcp) = ptr_at::<C, TcpHdr>(c, l4_off) else {
                 count(stat::DROP_MALFORMED);
+                klog::malformed(Malformed::Tcp, c.packet_len() as u32);
                 return Verdict::Drop;
             };
             let doff = (unsafe { (*tcp).doff } >> 4) as usize * 4;
             if doff < TCP_LEN || hl + doff > tot {
                 count(stat::DROP_MALFORMED);
+                klog::malformed(Malformed::Tcp, c.packet_len() as u32);
                 return Verdict::Drop;
             }
             let p = unsafe {
@@ -102,10 +109,12 @@ pub fn process<C: Ctx>(c: &C) -> Verdict {
         PROTO_UDP => {
             let Some(udp) = ptr_at::<C, UdpHdr>(c, l4_off) else {
                 count(stat::DROP_MALFORMED);
+                klog::malformed(Malformed::Udp, c.packet_len() as u32);
                 return Verdict::Drop;
             };
             if hl + UDP_LEN > tot {
                 count(stat::DROP_MALFORMED);
+                klog::malformed(Malformed::Udp, c.packet_len() as u32);
                 return Verdict::Drop;
             }
             let p = L4Pkt {
@@ -152,6 +161,7 @@ fn l4<C: Ctx>(c: &C, cfg: &Config, p: &L4Pkt) -> Verdict {
         if let Some(svc) = SERVICES.get_ptr(skey) {
             if !syn_guard::trusted(key.src) {
                 count(stat::DROP_SYN_RATE);
+                klog::syn_guard_dropping(unsafe { (*svc).id }, key.src, now);
                 with_service_stats(unsafe { (*svc).id }, |s| s.drop_syn_rate += 1);
                 return Verdict::Drop;
             }

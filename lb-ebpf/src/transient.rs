@@ -21,6 +21,7 @@ use crate::{
     ctx::{Ctx, Verdict},
     flow_filter,
     hdr::{TCP_ACK, TCP_RST, TCP_SYN},
+    klog,
     maps::{count, with_service_stats, FLOWS_V4, HANDSHAKES, SCRATCH, TRANSIENT_V4},
     nat::{forward, rewrite, Target},
     packet::L4Pkt,
@@ -104,6 +105,7 @@ pub fn open<C: Ctx>(
     if claimed.is_none() {
         count(stat::DROP_SNAT_EXHAUSTED);
         with_service_stats(svc.id, |s| s.drop_snat_exhausted += 1);
+        klog::snat_exhausted(svc.id, t.node, t.node_port, t.snat, now);
         return Verdict::Drop;
     };
     let e = unsafe { &*e };
@@ -246,6 +248,7 @@ fn promote<C: Ctx>(
     if FLOWS_V4.insert(rkey, &h.flow, 0).is_err() || FLOWS_V4.insert(p.key, &h.fwd, 0).is_err() {
         let _ = FLOWS_V4.remove(rkey);
         count(stat::DROP_FLOW_INSERT);
+        klog::flow_insert_failed(h.fwd.svc_id, now);
         return Verdict::Drop;
     }
     // Marked once written (see `lb_common::flow_filter`); the reverse key is still held in TRANSIENT_V4 until the

@@ -4,6 +4,7 @@
 
 pub mod hostmetrics;
 pub mod inspect;
+pub mod kernel_log;
 pub mod metrics;
 mod status;
 
