@@ -60,16 +60,19 @@ pub async fn run(
     shutdown: impl std::future::Future<Output = ()>,
 ) -> Result<()> {
     let mut dp = Dataplane::load(&opts.sizes, opts.pin_dir.as_deref())?;
-    let mut ha = Ha::start(opts.ha.clone(), &mut dp).await?;
+    let mut ha = Ha::start(opts.ha.clone(), &mut dp.maps).await?;
     let (flags, local_mac) = ha.dataplane_settings(&opts.interface)?;
-    dp.set_config(&lb_common::Config {
-        flags,
-        local_mac,
-        ..opts.dataplane
-    })?;
+    dp.maps.config.set(
+        lb_common::CONFIG_INDEX,
+        &lb_common::Config {
+            flags,
+            local_mac,
+            ..opts.dataplane
+        },
+    )?;
     let mut programmer = if opts.pin_dir.is_some() {
         Programmer::adopt(
-            &mut dp,
+            &mut dp.maps,
             opts.sizes.services,
             opts.sizes.backends,
             opts.sizes.maglev_slots,
@@ -105,7 +108,9 @@ pub async fn run(
         last_no_nexthop: 0,
         udp_down: BTreeSet::new(),
         resolved: dp
-            .nexthops()?
+            .maps
+            .nexthops
+            .entries()?
             .into_iter()
             .map(|(a, _)| crate::dataplane::programmer::addr_to_ip(&a, true))
             .collect(),
@@ -171,7 +176,7 @@ pub async fn run(
                 }
             }
             _ = tick.tick() => {
-                let stats = dp.stats()?;
+                let stats = dp.maps.stats.totals()?;
                 let no_nh = stats[stat::PASS_NO_NEXTHOP as usize];
                 if last_nh.elapsed() >= opts.neighbor_interval || no_nh != state.last_no_nexthop {
                     state.last_no_nexthop = no_nh;
@@ -187,7 +192,7 @@ pub async fn run(
                     last_gc = Instant::now();
                     // Connections used since the last pass (plus slack: data-plane timestamps move once a second).
                     let window = ha.syncing().then(|| (opts.gc_interval * 2 + Duration::from_secs(1)).as_nanos() as u64);
-                    let r = gc::collect(&mut dp, gc::now_ns(), window)?;
+                    let r = gc::collect(&mut dp.maps, gc::now_ns(), window)?;
                     ha.publish_refresh(&r.refresh);
                     for (svc, n) in &r.expired {
                         *state.idle_expired.entry(*svc).or_default() += n;
@@ -276,7 +281,7 @@ fn apply(
     let newly_down: BTreeSet<_> = down.difference(&state.udp_down).copied().collect();
     state.udp_down = down;
     let t = Instant::now();
-    match programmer.apply(dp, &services) {
+    match programmer.apply(&mut dp.maps, &services) {
         Ok(r) => {
             state.applied += 1;
             tracing::info!(
@@ -290,7 +295,7 @@ fn apply(
             let generation = state.generation;
             state.applied_generation = generation;
             status_tx.send_modify(|s| s.applied_generation = generation);
-            match gc::flush_udp_flows(dp, &newly_down) {
+            match gc::flush_udp_flows(&mut dp.maps, &newly_down) {
                 Ok(0) => {}
                 Ok(n) => {
                     tracing::info!(flows = n, backends = ?newly_down, "moved UDP flows off unhealthy backends")
@@ -323,7 +328,8 @@ fn refresh_nexthops(
         return Ok(false);
     };
     let ips: BTreeSet<IpAddr> = cfg.backends().iter().map(|b| b.ip()).collect();
-    let existing: HashMap<lb_common::Addr, NextHop> = dp.nexthops()?.into_iter().collect();
+    let existing: HashMap<lb_common::Addr, NextHop> =
+        dp.maps.nexthops.entries()?.into_iter().collect();
     let mut changed: HashMap<u32, [u8; 6]> = HashMap::new();
     let deadline = Instant::now() + wait;
     let mut pending: BTreeSet<IpAddr> = if only_new {
@@ -355,7 +361,7 @@ fn refresh_nexthops(
                                     changed.insert(u32::from_ne_bytes(v4.octets()), nh.mac);
                                 }
                             }
-                            dp.set_nexthop(&addr, &nh)?;
+                            dp.maps.nexthops.insert(&addr, &nh)?;
                         }
                     }
                 }
@@ -381,21 +387,23 @@ fn refresh_nexthops(
     }
     for addr in existing.keys() {
         if !ips.iter().any(|ip| ip_to_addr(*ip) == *addr) {
-            dp.remove_nexthop(addr)?;
+            dp.maps.nexthops.remove(addr)?;
         }
     }
     if !changed.is_empty() {
-        for (k, mut f) in dp.flows()? {
+        for (k, mut f) in dp.maps.flows.entries()? {
             if f.flags & FLOW_F_FORWARD != 0 {
                 if let Some(mac) = changed.get(&f.new_dst) {
                     f.mac = *mac;
-                    dp.set_flow(&k, &f)?;
+                    dp.maps.set_flow(&k, &f)?;
                 }
             }
         }
     }
     let resolved: BTreeSet<IpAddr> = dp
-        .nexthops()?
+        .maps
+        .nexthops
+        .entries()?
         .into_iter()
         .map(|(a, _)| crate::dataplane::programmer::addr_to_ip(&a, true))
         .collect();
@@ -461,7 +469,7 @@ fn update_snapshot(
         .filter_map(|m| m.id.map(|id| (id, m.active)))
         .collect();
     for (id, idx) in programmer.service_indices() {
-        let stats = dp.service_stats(idx).unwrap_or_default();
+        let stats = dp.maps.service_stats.total(idx).unwrap_or_default();
         let active = match &gc {
             Some(r) => r.active.get(&idx).copied().unwrap_or(0),
             None => prev.get(id).copied().unwrap_or(0),
