@@ -59,63 +59,9 @@ pub async fn run(
     snapshot: SharedSnapshot,
     shutdown: impl std::future::Future<Output = ()>,
 ) -> Result<()> {
-    let mut dp = Dataplane::load(&opts.sizes, opts.pin_dir.as_deref())?;
-    let _kernel_log = crate::report::kernel_log::spawn(&mut dp)?;
-    let mut ha = Ha::start(opts.ha.clone(), &mut dp).await?;
-    let (flags, local_mac) = ha.dataplane_settings(&opts.interface)?;
-    dp.set_config(&lb_common::Config {
-        flags,
-        local_mac,
-        ..opts.dataplane
-    })?;
-    let mut programmer = if opts.pin_dir.is_some() {
-        Programmer::adopt(
-            &mut dp,
-            opts.sizes.services,
-            opts.sizes.backends,
-            opts.sizes.maglev_slots,
-        )
-        .context("adopting pinned maps")?
-    } else {
-        Programmer::new(
-            opts.sizes.services,
-            opts.sizes.backends,
-            opts.sizes.maglev_slots,
-        )
-    };
-    if !programmer.is_empty() {
-        tracing::info!(
-            services = programmer.len(),
-            "adopted the previous agent's services; flows keep running"
-        );
-    }
-    let mode = dp.attach(&opts.interface, opts.attach_mode)?;
-    tracing::info!(interface = %opts.interface, ?mode, "data plane attached");
-    status_tx.send_modify(|s| {
-        s.dataplane_ready = true;
-        s.attached = Some(mode);
-    });
-
-    let (mut hc, mut health_rx) = HealthChecker::new()?;
-    let mut state = LoopState {
-        current: None,
-        generation: None,
-        idle_expired: HashMap::new(),
-        applied: 0,
-        errors: 0,
-        last_no_nexthop: 0,
-        udp_down: BTreeSet::new(),
-        resolved: dp
-            .nexthops()?
-            .into_iter()
-            .map(|(a, _)| crate::dataplane::programmer::addr_to_ip(&a, true))
-            .collect(),
-        applied_generation: None,
-    };
+    let mut agent = Agent::start(opts, status_tx, snapshot).await?;
     let mut tick = tokio::time::interval(Duration::from_secs(1));
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    let mut last_gc = Instant::now();
-    let mut last_nh = Instant::now() - opts.neighbor_interval;
     tokio::pin!(shutdown);
     // The initial value of a watch channel is not a change: look at it once.
     let mut config_changed = true;
@@ -123,38 +69,7 @@ pub async fn run(
         if config_changed {
             config_changed = false;
             let cs = config_rx.borrow_and_update().clone();
-            match cs {
-                ConfigState::Pending => {}
-                ConfigState::Valid(cfg, generation) => {
-                    hc.set_targets(&cfg.health_check, &cfg.health_targets());
-                    state.current = Some(cfg);
-                    state.generation = Some(generation);
-                    status_tx.send_modify(|s| {
-                        s.config_error = None;
-                        s.desired_generation = Some(generation);
-                    });
-                    // Resolve the new backends' next hops before they enter tables (bounded wait for ARP);
-                    // known ones are refreshed by the periodic pass, off the config path.
-                    refresh_nexthops(&mut dp, &mut state, &opts, Duration::from_millis(500), true)?;
-                    apply(
-                        &mut dp,
-                        &mut programmer,
-                        &mut state,
-                        &health_rx.borrow(),
-                        &opts,
-                        &status_tx,
-                    );
-                    update_ha(&mut ha, &state, &opts, &status_tx).await?;
-                }
-                ConfigState::Invalid(msg, generation) => {
-                    tracing::error!(error = %msg, "configuration rejected; the last valid one keeps forwarding");
-                    state.errors += 1;
-                    status_tx.send_modify(|s| {
-                        s.config_error = Some(msg);
-                        s.desired_generation = Some(generation);
-                    });
-                }
-            }
+            agent.take_config(cs).await?;
         }
         tokio::select! {
             _ = &mut shutdown => break,
@@ -165,69 +80,470 @@ pub async fn run(
                 }
                 config_changed = true;
             }
-            r = health_rx.changed() => {
+            r = agent.health_rx.changed() => {
                 if r.is_ok() {
-                    let health = health_rx.borrow_and_update().clone();
-                    apply(&mut dp, &mut programmer, &mut state, &health, &opts, &status_tx);
+                    // Seen: `apply` programs the backends' health as it is now.
+                    agent.health_rx.borrow_and_update();
+                    agent.apply();
                 }
             }
-            _ = tick.tick() => {
-                let stats = dp.stats()?;
-                let no_nh = stats[stat::PASS_NO_NEXTHOP as usize];
-                if last_nh.elapsed() >= opts.neighbor_interval || no_nh != state.last_no_nexthop {
-                    state.last_no_nexthop = no_nh;
-                    match refresh_nexthops(&mut dp, &mut state, &opts, Duration::ZERO, false) {
-                        Ok(true) => apply(&mut dp, &mut programmer, &mut state, &health_rx.borrow(), &opts, &status_tx),
-                        Ok(false) => {}
-                        Err(e) => tracing::warn!(error = %e, "next-hop refresh failed"),
-                    }
-                    last_nh = Instant::now();
-                }
-                let mut active = None;
-                if last_gc.elapsed() >= opts.gc_interval {
-                    last_gc = Instant::now();
-                    // Connections used since the last pass (plus slack: data-plane timestamps move once a second).
-                    let window = ha.syncing().then(|| (opts.gc_interval * 2 + Duration::from_secs(1)).as_nanos() as u64);
-                    let r = gc::collect(&mut dp, gc::now_ns(), window)?;
-                    ha.publish_refresh(&r.refresh);
-                    for (svc, n) in &r.expired {
-                        *state.idle_expired.entry(*svc).or_default() += n;
-                    }
-                    let fill = r.entries as f64 / opts.sizes.flows as f64;
-                    if fill > 0.9 {
-                        tracing::warn!(entries = r.entries, capacity = opts.sizes.flows, "flow table over 90% full: the oldest flows get evicted; raise --max-flows");
-                    }
-                    active = Some(r);
-                }
-                update_ha(&mut ha, &state, &opts, &status_tx).await?;
-                let ha_snap = opts.ha.enabled().then_some(ha.snapshot().await);
-                update_snapshot(&mut dp, &programmer, &state, &health_rx.borrow(), &opts, &snapshot, active, &stats, ha_snap);
-            }
+            _ = tick.tick() => agent.tick().await?,
         }
     }
-    ha.stop(opts.detach_on_exit).await;
-    if opts.detach_on_exit || opts.pin_dir.is_none() {
-        tracing::info!("detaching the data plane");
-    } else {
-        tracing::info!("exiting; the pinned data plane keeps forwarding");
-    }
-    drop(dp);
+    agent.stop().await;
     Ok(())
 }
 
-struct LoopState {
+/// The main loop's state, owned by [`run`]: the data plane and what programs it, HA, the health checks, where
+/// the loop reports, and what it remembers between events.
+struct Agent {
+    opts: AgentOptions,
+    dp: Dataplane,
+    programmer: Programmer,
+    ha: Ha,
+    hc: HealthChecker,
+    health_rx: watch::Receiver<HealthMap>,
+    status_tx: watch::Sender<AgentStatus>,
+    snapshot: SharedSnapshot,
+    /// The last valid config and its generation.
     current: Option<Arc<DesiredConfig>>,
     generation: Option<u64>,
-    idle_expired: HashMap<u32, u64>,
+    /// Generation now in the maps.
+    applied_generation: Option<u64>,
+    /// Configs applied and failures (rejected or refused by the maps), for the metrics.
     applied: u64,
     errors: u64,
+    /// Idle expiries per service id since the start.
+    idle_expired: HashMap<u32, u64>,
+    /// The data plane's "no next hop" counter at the last next-hop refresh: a change triggers one.
     last_no_nexthop: u64,
     /// UDP backends currently out of the tables (health), to notice the ones that just left.
     udp_down: BTreeSet<std::net::SocketAddr>,
     /// Backend addresses with a next hop in the map; only they go into tables.
     resolved: BTreeSet<IpAddr>,
-    /// Generation now in the maps.
-    applied_generation: Option<u64>,
+    last_gc: Instant,
+    last_nh: Instant,
+}
+
+impl Agent {
+    /// Loads and attaches the data plane (adopting what a previous agent pinned), and opens HA.
+    async fn start(
+        opts: AgentOptions,
+        status_tx: watch::Sender<AgentStatus>,
+        snapshot: SharedSnapshot,
+    ) -> Result<Self> {
+        let mut dp = Dataplane::load(&opts.sizes, opts.pin_dir.as_deref())?;
+        crate::report::kernel_log::spawn(&mut dp)?;
+        let ha = Ha::start(opts.ha.clone(), &mut dp.maps).await?;
+        let (flags, local_mac) = ha.dataplane_settings(&opts.interface)?;
+        dp.maps.config.set(
+            lb_common::CONFIG_INDEX,
+            &lb_common::Config {
+                flags,
+                local_mac,
+                ..opts.dataplane
+            },
+        )?;
+        let programmer = if opts.pin_dir.is_some() {
+            Programmer::adopt(
+                &mut dp.maps,
+                opts.sizes.services,
+                opts.sizes.backends,
+                opts.sizes.maglev_slots,
+            )
+            .context("adopting pinned maps")?
+        } else {
+            Programmer::new(
+                opts.sizes.services,
+                opts.sizes.backends,
+                opts.sizes.maglev_slots,
+            )
+        };
+        if !programmer.is_empty() {
+            tracing::info!(
+                services = programmer.len(),
+                "adopted the previous agent's services; flows keep running"
+            );
+        }
+        let mode = dp.attach(&opts.interface, opts.attach_mode)?;
+        tracing::info!(interface = %opts.interface, ?mode, "data plane attached");
+        status_tx.send_modify(|s| {
+            s.dataplane_ready = true;
+            s.attached = Some(mode);
+        });
+        let (hc, health_rx) = HealthChecker::new()?;
+        let resolved = resolved_nexthops(&dp)?;
+        let last_nh = Instant::now() - opts.neighbor_interval;
+        Ok(Agent {
+            opts,
+            dp,
+            programmer,
+            ha,
+            hc,
+            health_rx,
+            status_tx,
+            snapshot,
+            current: None,
+            generation: None,
+            applied_generation: None,
+            applied: 0,
+            errors: 0,
+            idle_expired: HashMap::new(),
+            last_no_nexthop: 0,
+            udp_down: BTreeSet::new(),
+            resolved,
+            last_gc: Instant::now(),
+            last_nh,
+        })
+    }
+
+    /// Takes what the config source published: a valid config goes into the maps (and to HA and the health
+    /// checks); an invalid one is reported while the last valid one keeps forwarding.
+    async fn take_config(&mut self, cs: ConfigState) -> Result<()> {
+        match cs {
+            ConfigState::Pending => {}
+            ConfigState::Valid(cfg, generation) => {
+                self.hc
+                    .set_targets(&cfg.health_check, &cfg.health_targets());
+                self.current = Some(cfg);
+                self.generation = Some(generation);
+                self.status_tx.send_modify(|s| {
+                    s.config_error = None;
+                    s.desired_generation = Some(generation);
+                });
+                // Resolve the new backends' next hops before they enter tables (bounded wait for ARP); known
+                // ones are refreshed by the periodic pass, off the config path.
+                self.refresh_nexthops(Duration::from_millis(500), true)?;
+                self.apply();
+                self.update_ha().await?;
+            }
+            ConfigState::Invalid(msg, generation) => {
+                tracing::error!(error = %msg, "configuration rejected; the last valid one keeps forwarding");
+                self.errors += 1;
+                self.status_tx.send_modify(|s| {
+                    s.config_error = Some(msg);
+                    s.desired_generation = Some(generation);
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// The once-a-second pass: next hops (periodically, or when the data plane met an unknown one), idle flows
+    /// (every GC interval), HA, and the metrics snapshot.
+    async fn tick(&mut self) -> Result<()> {
+        let stats = self.dp.maps.stats.totals()?;
+        let no_nh = stats[stat::PASS_NO_NEXTHOP as usize];
+        if self.last_nh.elapsed() >= self.opts.neighbor_interval || no_nh != self.last_no_nexthop {
+            self.last_no_nexthop = no_nh;
+            match self.refresh_nexthops(Duration::ZERO, false) {
+                Ok(true) => self.apply(),
+                Ok(false) => {}
+                Err(e) => tracing::warn!(error = %e, "next-hop refresh failed"),
+            }
+            self.last_nh = Instant::now();
+        }
+        let mut gc = None;
+        if self.last_gc.elapsed() >= self.opts.gc_interval {
+            self.last_gc = Instant::now();
+            gc = Some(self.collect_flows()?);
+        }
+        self.update_ha().await?;
+        let ha = self.opts.ha.enabled().then_some(self.ha.snapshot().await);
+        self.update_snapshot(gc, &stats, ha);
+        Ok(())
+    }
+
+    /// One GC pass over the flow tables; with sync, the connections used since the last pass go to the peers.
+    fn collect_flows(&mut self) -> Result<gc::GcReport> {
+        let gc_interval = self.opts.gc_interval;
+        // Connections used since the last pass (plus slack: data-plane timestamps move once a second).
+        let window = self
+            .ha
+            .syncing()
+            .then(|| (gc_interval * 2 + Duration::from_secs(1)).as_nanos() as u64);
+        let r = gc::collect(&mut self.dp.maps, gc::now_ns(), window)?;
+        self.ha.publish_refresh(&r.refresh);
+        for (svc, n) in &r.expired {
+            *self.idle_expired.entry(*svc).or_default() += n;
+        }
+        let capacity = self.opts.sizes.flows;
+        if r.entries as f64 / capacity as f64 > 0.9 {
+            tracing::warn!(
+                entries = r.entries,
+                capacity,
+                "flow table over 90% full: the oldest flows get evicted; raise --max-flows"
+            );
+        }
+        Ok(r)
+    }
+
+    /// Stops HA; the data plane stays attached when pinned (unless `detach_on_exit`).
+    async fn stop(self) {
+        let Agent { opts, dp, ha, .. } = self;
+        ha.stop(opts.detach_on_exit).await;
+        if opts.detach_on_exit || opts.pin_dir.is_none() {
+            tracing::info!("detaching the data plane");
+        } else {
+            tracing::info!("exiting; the pinned data plane keeps forwarding");
+        }
+        drop(dp);
+    }
+
+    /// Programs the config as the backends' health and next hops allow now. Failures are reported (status,
+    /// counters); the services keep their previous state.
+    fn apply(&mut self) {
+        let Some(cfg) = self.current.clone() else {
+            return;
+        };
+        let services = effective(
+            &cfg,
+            &self.health_rx.borrow(),
+            &self.resolved,
+            self.opts.snat_override,
+        );
+        // UDP backends that just left: move their flows (see gc::flush_udp_flows).
+        let down: BTreeSet<std::net::SocketAddr> = cfg
+            .services
+            .iter()
+            .zip(&services)
+            .filter(|(c, _)| c.id.protocol == crate::dataplane::model::Protocol::Udp)
+            .flat_map(|(c, e)| {
+                c.backends
+                    .iter()
+                    .filter(|b| !e.backends.contains(b))
+                    .copied()
+                    .collect::<Vec<_>>()
+            })
+            .collect();
+        let newly_down: BTreeSet<_> = down.difference(&self.udp_down).copied().collect();
+        self.udp_down = down;
+        let t = Instant::now();
+        match self.programmer.apply(&mut self.dp.maps, &services) {
+            Ok(r) => {
+                self.applied += 1;
+                tracing::info!(
+                    added = r.added,
+                    updated = r.updated,
+                    removed = r.removed,
+                    unchanged = r.unchanged,
+                    elapsed_ms = t.elapsed().as_secs_f64() * 1e3,
+                    "configuration applied"
+                );
+                let generation = self.generation;
+                self.applied_generation = generation;
+                self.status_tx
+                    .send_modify(|s| s.applied_generation = generation);
+                match gc::flush_udp_flows(&mut self.dp.maps, &newly_down) {
+                    Ok(0) => {}
+                    Ok(n) => {
+                        tracing::info!(flows = n, backends = ?newly_down, "moved UDP flows off unhealthy backends")
+                    }
+                    Err(e) => {
+                        tracing::warn!(error = %e, "moving UDP flows off unhealthy backends failed")
+                    }
+                }
+            }
+            Err(e) => {
+                self.errors += 1;
+                tracing::error!(error = %format!("{e:#}"), "applying the configuration failed; services keep their previous state");
+                let msg = format!("{e:#}");
+                self.status_tx.send_modify(|s| s.config_error = Some(msg));
+            }
+        }
+    }
+
+    /// Resolves backend addresses (only those without a next hop yet when `only_new`), waiting up to `wait` for
+    /// ARP to answer; updates changed MACs, including in the flows that cached them. Returns whether the set of
+    /// resolved addresses changed.
+    fn refresh_nexthops(&mut self, wait: Duration, only_new: bool) -> Result<bool> {
+        let Some(cfg) = &self.current else {
+            return Ok(false);
+        };
+        let maps = &mut self.dp.maps;
+        let ips: BTreeSet<IpAddr> = cfg.backends().iter().map(|b| b.ip()).collect();
+        let existing: HashMap<lb_common::Addr, NextHop> =
+            maps.nexthops.entries()?.into_iter().collect();
+        let mut changed: HashMap<u32, [u8; 6]> = HashMap::new();
+        let deadline = Instant::now() + wait;
+        let mut pending: BTreeSet<IpAddr> = if only_new {
+            ips.difference(&self.resolved).copied().collect()
+        } else {
+            ips.clone()
+        };
+        let interface = &self.opts.interface;
+        loop {
+            for ip in pending.clone() {
+                let addr = ip_to_addr(ip);
+                match neighbor::resolve(ip) {
+                    Ok(Some(r)) => {
+                        pending.remove(&ip);
+                        if r.dev != *interface {
+                            tracing::warn!(backend = %ip, dev = %r.dev, %interface,
+                                "backend is routed via another interface; the data plane sends out of the attached one");
+                        }
+                        let nh = NextHop {
+                            mac: r.mac,
+                            _pad: 0,
+                            ifindex: 0,
+                        };
+                        match existing.get(&addr) {
+                            Some(old) if old.mac == nh.mac => {}
+                            old => {
+                                if old.is_some() {
+                                    tracing::info!(backend = %ip, "next-hop MAC changed");
+                                    if let IpAddr::V4(v4) = ip {
+                                        changed.insert(u32::from_ne_bytes(v4.octets()), nh.mac);
+                                    }
+                                }
+                                maps.nexthops.insert(&addr, &nh)?;
+                            }
+                        }
+                    }
+                    // A known MAC stays until a new one is learnt (a node that stopped answering ARP is the
+                    // health checks' business).
+                    Ok(None) if existing.contains_key(&addr) => {
+                        pending.remove(&ip);
+                    }
+                    Ok(None) => {}
+                    Err(e) => {
+                        pending.remove(&ip);
+                        tracing::warn!(backend = %ip, error = %e, "cannot resolve next hop");
+                    }
+                }
+            }
+            if pending.is_empty() || Instant::now() >= deadline {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        for ip in &pending {
+            tracing::debug!(backend = %ip, "next hop not resolved yet; kept out of the tables");
+        }
+        for addr in existing.keys() {
+            if !ips.iter().any(|ip| ip_to_addr(*ip) == *addr) {
+                maps.nexthops.remove(addr)?;
+            }
+        }
+        if !changed.is_empty() {
+            for (k, mut f) in maps.flows.entries()? {
+                if f.flags & FLOW_F_FORWARD != 0 {
+                    if let Some(mac) = changed.get(&f.new_dst) {
+                        f.mac = *mac;
+                        maps.set_flow(&k, &f)?;
+                    }
+                }
+            }
+        }
+        let resolved = resolved_nexthops(&self.dp)?;
+        let differs = resolved != self.resolved;
+        self.resolved = resolved;
+        Ok(differs)
+    }
+
+    /// Keeps VRRP and sync in line with the loop: VIPs and eligibility, peers and revision from the config source.
+    async fn update_ha(&mut self) -> Result<()> {
+        if !self.opts.ha.enabled() {
+            return Ok(());
+        }
+        let ready = self.status_tx.borrow().up_to_date();
+        let vips = self.current.as_ref().map(|c| c.vips()).unwrap_or_default();
+        self.ha.update(ready, vips).await?;
+        let vrrp = self.ha.vrrp_state();
+        self.status_tx.send_if_modified(|s| {
+            let changed = s.vrrp != vrrp;
+            s.vrrp = vrrp;
+            changed
+        });
+        if let Some(cfg) = &self.current {
+            if let (Some(peers), Some(sync)) = (&cfg.sync_peers, &self.opts.ha.sync) {
+                let port = sync.listen.port();
+                self.ha.set_peers(
+                    peers
+                        .iter()
+                        .map(|ip| std::net::SocketAddr::new(*ip, port))
+                        .collect(),
+                );
+            }
+            if let Some(newest) = cfg.newest_revision {
+                self.ha
+                    .set_priority_bonus(if newest { NEWEST_REVISION_BONUS } else { 0 });
+            }
+        }
+        Ok(())
+    }
+
+    /// Refreshes the metrics snapshot: per-service counters and active connections (from this tick's GC pass,
+    /// or as the last pass counted them), the data plane's counters `stats`, health, HA.
+    fn update_snapshot(&self, gc: Option<gc::GcReport>, stats: &[u64], ha: Option<HaSnapshot>) {
+        let mut services = Vec::new();
+        let prev: HashMap<_, _> = self
+            .snapshot
+            .read()
+            .unwrap()
+            .services
+            .iter()
+            .filter_map(|m| m.id.map(|id| (id, m.active)))
+            .collect();
+        for (id, idx) in self.programmer.service_indices() {
+            let stats = self.dp.maps.service_stats.total(idx).unwrap_or_default();
+            let active = match &gc {
+                Some(r) => r.active.get(&idx).copied().unwrap_or(0),
+                None => prev.get(id).copied().unwrap_or(0),
+            };
+            services.push(ServiceMetrics {
+                id: Some(*id),
+                stats,
+                active,
+                idle_expired: self.idle_expired.get(&idx).copied().unwrap_or(0),
+            });
+        }
+        let mut s = self.snapshot.write().unwrap();
+        let flow_entries = gc.as_ref().map_or(s.flow_entries, |r| r.entries);
+        let transient_entries = gc
+            .as_ref()
+            .map_or(s.transient_entries, |r| r.transient_entries);
+        let flow_filter_bits = gc
+            .as_ref()
+            .and_then(|r| r.flow_filter_bits)
+            .unwrap_or(s.flow_filter_bits);
+        *s = Snapshot {
+            services,
+            dataplane: stat::NAMES
+                .iter()
+                .copied()
+                .zip(stats.iter().copied())
+                .collect(),
+            backends: self
+                .health_rx
+                .borrow()
+                .iter()
+                .map(|(a, h)| (*a, *h))
+                .collect(),
+            flow_entries,
+            flow_capacity: self.opts.sizes.flows as u64,
+            transient_entries,
+            transient_capacity: self.opts.sizes.transient as u64,
+            flow_filter_bits,
+            host: crate::report::hostmetrics::read(),
+            config_applied: self.applied,
+            config_generation: self.applied_generation.unwrap_or(0),
+            config_errors: self.errors,
+            ready: self.applied > 0,
+            ha,
+        };
+    }
+}
+
+/// The backend addresses with a next hop in the map.
+fn resolved_nexthops(dp: &Dataplane) -> Result<BTreeSet<IpAddr>> {
+    Ok(dp
+        .maps
+        .nexthops
+        .keys()?
+        .into_iter()
+        .map(|a| crate::dataplane::programmer::addr_to_ip(&a, true))
+        .collect())
 }
 
 /// The services as they must be in the maps now: healthy backends whose next hop is known, SNAT override
@@ -236,271 +552,14 @@ fn effective(
     cfg: &DesiredConfig,
     health: &HealthMap,
     resolved: &BTreeSet<IpAddr>,
-    opts: &AgentOptions,
+    snat_override: Option<IpAddr>,
 ) -> Vec<ServiceSpec> {
     let mut services = cfg.effective(health);
     for s in &mut services {
         s.backends.retain(|b| resolved.contains(&b.ip()));
-        if let Some(snat) = opts.snat_override {
+        if let Some(snat) = snat_override {
             s.snat = Some(snat);
         }
     }
     services
-}
-
-fn apply(
-    dp: &mut Dataplane,
-    programmer: &mut Programmer,
-    state: &mut LoopState,
-    health: &HealthMap,
-    opts: &AgentOptions,
-    status_tx: &watch::Sender<AgentStatus>,
-) {
-    let Some(cfg) = state.current.clone() else {
-        return;
-    };
-    let services = effective(&cfg, health, &state.resolved, opts);
-    // UDP backends that just left: move their flows (see gc::flush_udp_flows).
-    let down: BTreeSet<std::net::SocketAddr> = cfg
-        .services
-        .iter()
-        .zip(&services)
-        .filter(|(c, _)| c.id.protocol == crate::dataplane::model::Protocol::Udp)
-        .flat_map(|(c, e)| {
-            c.backends
-                .iter()
-                .filter(|b| !e.backends.contains(b))
-                .copied()
-                .collect::<Vec<_>>()
-        })
-        .collect();
-    let newly_down: BTreeSet<_> = down.difference(&state.udp_down).copied().collect();
-    state.udp_down = down;
-    let t = Instant::now();
-    match programmer.apply(dp, &services) {
-        Ok(r) => {
-            state.applied += 1;
-            tracing::info!(
-                added = r.added,
-                updated = r.updated,
-                removed = r.removed,
-                unchanged = r.unchanged,
-                elapsed_ms = t.elapsed().as_secs_f64() * 1e3,
-                "configuration applied"
-            );
-            let generation = state.generation;
-            state.applied_generation = generation;
-            status_tx.send_modify(|s| s.applied_generation = generation);
-            match gc::flush_udp_flows(dp, &newly_down) {
-                Ok(0) => {}
-                Ok(n) => {
-                    tracing::info!(flows = n, backends = ?newly_down, "moved UDP flows off unhealthy backends")
-                }
-                Err(e) => {
-                    tracing::warn!(error = %e, "moving UDP flows off unhealthy backends failed")
-                }
-            }
-        }
-        Err(e) => {
-            state.errors += 1;
-            tracing::error!(error = %format!("{e:#}"), "applying the configuration failed; services keep their previous state");
-            let msg = format!("{e:#}");
-            status_tx.send_modify(|s| s.config_error = Some(msg));
-        }
-    }
-}
-
-/// Resolves backend addresses (only those without a next hop yet when `only_new`), waiting up to `wait` for
-/// ARP to answer; updates changed MACs, including in the flows that cached them. Returns whether the set of
-/// resolved addresses changed.
-fn refresh_nexthops(
-    dp: &mut Dataplane,
-    state: &mut LoopState,
-    opts: &AgentOptions,
-    wait: Duration,
-    only_new: bool,
-) -> Result<bool> {
-    let Some(cfg) = &state.current else {
-        return Ok(false);
-    };
-    let ips: BTreeSet<IpAddr> = cfg.backends().iter().map(|b| b.ip()).collect();
-    let existing: HashMap<lb_common::Addr, NextHop> = dp.nexthops()?.into_iter().collect();
-    let mut changed: HashMap<u32, [u8; 6]> = HashMap::new();
-    let deadline = Instant::now() + wait;
-    let mut pending: BTreeSet<IpAddr> = if only_new {
-        ips.difference(&state.resolved).copied().collect()
-    } else {
-        ips.clone()
-    };
-    loop {
-        for ip in pending.clone() {
-            let addr = ip_to_addr(ip);
-            match neighbor::resolve(ip) {
-                Ok(Some(r)) => {
-                    pending.remove(&ip);
-                    if r.dev != opts.interface {
-                        tracing::warn!(backend = %ip, dev = %r.dev, interface = %opts.interface,
-                            "backend is routed via another interface; the data plane sends out of the attached one");
-                    }
-                    let nh = NextHop {
-                        mac: r.mac,
-                        _pad: 0,
-                        ifindex: 0,
-                    };
-                    match existing.get(&addr) {
-                        Some(old) if old.mac == nh.mac => {}
-                        old => {
-                            if old.is_some() {
-                                tracing::info!(backend = %ip, "next-hop MAC changed");
-                                if let IpAddr::V4(v4) = ip {
-                                    changed.insert(u32::from_ne_bytes(v4.octets()), nh.mac);
-                                }
-                            }
-                            dp.set_nexthop(&addr, &nh)?;
-                        }
-                    }
-                }
-                // A known MAC stays until a new one is learnt (a node that stopped answering ARP is the
-                // health checks' business).
-                Ok(None) if existing.contains_key(&addr) => {
-                    pending.remove(&ip);
-                }
-                Ok(None) => {}
-                Err(e) => {
-                    pending.remove(&ip);
-                    tracing::warn!(backend = %ip, error = %e, "cannot resolve next hop");
-                }
-            }
-        }
-        if pending.is_empty() || Instant::now() >= deadline {
-            break;
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    for ip in &pending {
-        tracing::debug!(backend = %ip, "next hop not resolved yet; kept out of the tables");
-    }
-    for addr in existing.keys() {
-        if !ips.iter().any(|ip| ip_to_addr(*ip) == *addr) {
-            dp.remove_nexthop(addr)?;
-        }
-    }
-    if !changed.is_empty() {
-        for (k, mut f) in dp.flows()? {
-            if f.flags & FLOW_F_FORWARD != 0 {
-                if let Some(mac) = changed.get(&f.new_dst) {
-                    f.mac = *mac;
-                    dp.set_flow(&k, &f)?;
-                }
-            }
-        }
-    }
-    let resolved: BTreeSet<IpAddr> = dp
-        .nexthops()?
-        .into_iter()
-        .map(|(a, _)| crate::dataplane::programmer::addr_to_ip(&a, true))
-        .collect();
-    let differs = resolved != state.resolved;
-    state.resolved = resolved;
-    Ok(differs)
-}
-
-/// Keeps VRRP and sync in line with the loop: VIPs and eligibility, peers and revision from the config source.
-async fn update_ha(
-    ha: &mut Ha,
-    state: &LoopState,
-    opts: &AgentOptions,
-    status_tx: &watch::Sender<AgentStatus>,
-) -> Result<()> {
-    if !opts.ha.enabled() {
-        return Ok(());
-    }
-    let ready = status_tx.borrow().up_to_date();
-    let vips = state.current.as_ref().map(|c| c.vips()).unwrap_or_default();
-    ha.update(ready, vips).await?;
-    let vrrp = ha.vrrp_state();
-    status_tx.send_if_modified(|s| {
-        let changed = s.vrrp != vrrp;
-        s.vrrp = vrrp;
-        changed
-    });
-    if let Some(cfg) = &state.current {
-        if let (Some(peers), Some(sync)) = (&cfg.sync_peers, &opts.ha.sync) {
-            let port = sync.listen.port();
-            ha.set_peers(
-                peers
-                    .iter()
-                    .map(|ip| std::net::SocketAddr::new(*ip, port))
-                    .collect(),
-            );
-        }
-        if let Some(newest) = cfg.newest_revision {
-            ha.set_priority_bonus(if newest { NEWEST_REVISION_BONUS } else { 0 });
-        }
-    }
-    Ok(())
-}
-
-#[allow(clippy::too_many_arguments)]
-fn update_snapshot(
-    dp: &mut Dataplane,
-    programmer: &Programmer,
-    state: &LoopState,
-    health: &HealthMap,
-    opts: &AgentOptions,
-    snapshot: &SharedSnapshot,
-    gc: Option<gc::GcReport>,
-    stats: &[u64],
-    ha: Option<HaSnapshot>,
-) {
-    let mut services = Vec::new();
-    let prev: HashMap<_, _> = snapshot
-        .read()
-        .unwrap()
-        .services
-        .iter()
-        .filter_map(|m| m.id.map(|id| (id, m.active)))
-        .collect();
-    for (id, idx) in programmer.service_indices() {
-        let stats = dp.service_stats(idx).unwrap_or_default();
-        let active = match &gc {
-            Some(r) => r.active.get(&idx).copied().unwrap_or(0),
-            None => prev.get(id).copied().unwrap_or(0),
-        };
-        services.push(ServiceMetrics {
-            id: Some(*id),
-            stats,
-            active,
-            idle_expired: state.idle_expired.get(&idx).copied().unwrap_or(0),
-        });
-    }
-    let mut s = snapshot.write().unwrap();
-    let flow_entries = gc.as_ref().map_or(s.flow_entries, |r| r.entries);
-    let transient_entries = gc
-        .as_ref()
-        .map_or(s.transient_entries, |r| r.transient_entries);
-    let flow_filter_bits = gc
-        .as_ref()
-        .and_then(|r| r.flow_filter_bits)
-        .unwrap_or(s.flow_filter_bits);
-    *s = Snapshot {
-        services,
-        dataplane: stat::NAMES
-            .iter()
-            .copied()
-            .zip(stats.iter().copied())
-            .collect(),
-        backends: health.iter().map(|(a, h)| (*a, *h)).collect(),
-        flow_entries,
-        flow_capacity: opts.sizes.flows as u64,
-        transient_entries,
-        transient_capacity: opts.sizes.transient as u64,
-        flow_filter_bits,
-        host: crate::report::hostmetrics::read(),
-        config_applied: state.applied,
-        config_generation: state.applied_generation.unwrap_or(0),
-        config_errors: state.errors,
-        ready: state.applied > 0,
-        ha,
-    };
 }

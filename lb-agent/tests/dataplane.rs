@@ -78,12 +78,12 @@ fn colliding_ports(from: u16) -> (u16, u16) {
 /// Makes both entries of a flow look idle past their timeout. The timeout is shortened to 1 s because the
 /// monotonic clock may not have run for a whole TCP timeout since boot; a zero timeout stays zero.
 fn age(h: &mut Harness, key: &FlowKeyV4) {
-    let f = h.dp.flow(key).unwrap().expect("flow exists");
+    let f = h.dp.maps.flows.get(key).unwrap().expect("flow exists");
     for k in [*key, f.partner_key(key.proto)] {
-        let mut e = h.dp.flow(&k).unwrap().expect("entry exists");
+        let mut e = h.dp.maps.flows.get(&k).unwrap().expect("entry exists");
         e.last_seen_ns = 1;
         e.timeout_s = e.timeout_s.min(1);
-        h.dp.set_flow(&k, &e).unwrap();
+        h.dp.maps.set_flow(&k, &e).unwrap();
     }
 }
 
@@ -92,12 +92,12 @@ both_hooks! {
         h.apply(&[web(&[1, 2, 3])]);
         let p = syn(h, 40001);
         let key = fwd_key(40001, 6, WEB_PORT);
-        assert_eq!(h.dp.flow(&key).unwrap(), None, "no established entry for a SYN");
+        assert_eq!(h.dp.maps.flows.get(&key).unwrap(), None, "no established entry for a SYN");
         // One entry per handshake, under its reverse key, holding both directions; the client's key finds it
         // through the handshake index.
-        assert_eq!(h.dp.transient_flow(&key).unwrap(), None, "nothing under the client's key");
-        let (rkey, r) = h.dp.handshake(&key).unwrap().expect("the client's handshake");
-        assert_eq!(h.dp.transient_flows().unwrap(), vec![(rkey, r)]);
+        assert_eq!(h.dp.maps.transient.get(&key).unwrap(), None, "nothing under the client's key");
+        let (rkey, r) = h.dp.maps.handshake(&key).unwrap().expect("the client's handshake");
+        assert_eq!(h.dp.maps.transient.entries().unwrap(), vec![(rkey, r)]);
         let t = r.fwd;
         assert_eq!(t.flags & FLOW_F_FORWARD, FLOW_F_FORWARD);
         assert_eq!(t.new_dst, u32::from_ne_bytes(p.dst.octets()));
@@ -106,7 +106,7 @@ both_hooks! {
         assert_eq!(rkey, t.partner_key(6));
         assert_eq!(r.flow.flags & FLOW_F_REVERSE, FLOW_F_REVERSE);
         // `lbctl flows` shows it as one connection, with both directions.
-        let shown = lb_agent::report::inspect::flows(&mut h.dp, &Default::default()).unwrap();
+        let shown = lb_agent::report::inspect::flows(&h.dp.maps, &Default::default()).unwrap();
         assert_eq!(shown.len(), 1);
         assert_eq!((shown[0].state, shown[0].table), ("syn", "transient"));
         assert_eq!((shown[0].snat.port(), shown[0].backend.ip()), (p.sport, IpAddr::V4(p.dst)));
@@ -118,17 +118,17 @@ both_hooks! {
 
         // The backend's SYN-ACK records what the client must acknowledge; the client's ACK completes it.
         assert_eq!(h.run(&reply_tcp(&p, SYN_ACK, b"")).0, Verdict::Tx);
-        let r = h.dp.transient_flow(&rkey).unwrap().unwrap();
+        let r = h.dp.maps.transient.get(&rkey).unwrap().unwrap();
         assert_eq!(r.flow.flags & FLOW_F_SYN_ACK, FLOW_F_SYN_ACK);
         assert_eq!(u32::from_be(r.ack_be), SEQ + 1);
         let (v, out) = h.run(&client_tcp(40001, ACK, b""));
         assert_eq!(v, Verdict::Tx);
         assert_eq!(parse(&out).dst, p.dst);
-        let f = h.dp.flow(&key).unwrap().expect("established forward entry");
+        let f = h.dp.maps.flows.get(&key).unwrap().expect("established forward entry");
         assert_eq!((f.new_dst, f.new_sport, f.timeout_s), (t.new_dst, t.new_sport, 3600));
-        let r = h.dp.flow(&rkey).unwrap().expect("established reverse entry");
+        let r = h.dp.maps.flows.get(&rkey).unwrap().expect("established reverse entry");
         assert_eq!(r.flags & (FLOW_F_REVERSE | FLOW_F_SYN_ACK), FLOW_F_REVERSE);
-        assert_eq!(h.dp.transient_flows().unwrap(), vec![], "the handshake's entry is gone");
+        assert_eq!(h.dp.maps.transient.entries().unwrap(), vec![], "the handshake's entry is gone");
         let s = h.svc_stats(&web(&[]).id);
         assert_eq!((s.handshakes, s.new_flows, s.rx_packets, s.tx_packets), (1, 1, 2, 1));
         assert_eq!(h.stat(stat::NEW_FLOWS), 1);
@@ -150,12 +150,12 @@ both_hooks! {
             CLIENT_MAC, LB_MAC, (CLIENT, 40005), (VIP, WEB_PORT), Flags::default(), (SEQ, 0), b"",
         );
         assert_eq!(h.run(&bare).0, Verdict::Drop);
-        assert_eq!(h.dp.flow(&key).unwrap(), None);
+        assert_eq!(h.dp.maps.flows.get(&key).unwrap(), None);
         assert_eq!(h.stat(stat::DROP_HANDSHAKE), 3);
         assert_eq!(h.svc_stats(&web(&[]).id).drop_handshake, 3);
         // The real ACK still completes it.
         assert_eq!(h.run(&client_tcp(40005, ACK, b"")).0, Verdict::Tx);
-        assert!(h.dp.flow(&key).unwrap().is_some());
+        assert!(h.dp.maps.flows.get(&key).unwrap().is_some());
     }
 
     fn a_syn_flood_never_touches_established_connections(h) {
@@ -167,8 +167,8 @@ both_hooks! {
             let frame = tcp(CLIENT_MAC, LB_MAC, src, 1024 + (i % 60000) as u16, VIP, WEB_PORT, SYN, b"");
             assert_eq!(h.run(&frame).0, Verdict::Tx);
         }
-        assert_eq!(h.dp.flows().unwrap().len(), 2, "only the established connection's two entries");
-        assert!(h.dp.transient_flows().unwrap().len() <= 1024);
+        assert_eq!(h.dp.maps.flows.entries().unwrap().len(), 2, "only the established connection's two entries");
+        assert!(h.dp.maps.transient.entries().unwrap().len() <= 1024);
         let (v, out) = h.run(&client_tcp(40006, ACK, b"still here"));
         assert_eq!(v, Verdict::Tx);
         assert_eq!(parse(&out).dst, held.dst);
@@ -181,24 +181,24 @@ both_hooks! {
         let p = syn(h, 40007);
         h.run(&reply_tcp(&p, SYN_ACK, b""));
         let key = fwd_key(40007, 6, WEB_PORT);
-        let (rkey, mut t) = h.dp.handshake(&key).unwrap().unwrap();
+        let (rkey, mut t) = h.dp.maps.handshake(&key).unwrap().unwrap();
         t.flow.last_seen_ns = 1;
-        h.dp.set_transient_flow(&rkey, &t).unwrap();
+        h.dp.maps.transient.insert(&rkey, &t).unwrap();
         // Past the handshake timeout the ACK finds nothing (and releases the entry); a SYN starts over.
         assert_eq!(h.run(&client_tcp(40007, ACK, b"")).0, Verdict::Drop);
         assert_eq!(h.stat(stat::DROP_NO_FLOW), 1);
-        assert_eq!(h.dp.transient_flows().unwrap(), vec![]);
+        assert_eq!(h.dp.maps.transient.entries().unwrap(), vec![]);
         syn(h, 40007);
-        let (_, t) = h.dp.handshake(&key).unwrap().unwrap();
+        let (_, t) = h.dp.maps.handshake(&key).unwrap().unwrap();
         assert!(t.flow.last_seen_ns > 1);
         assert_eq!(h.svc_stats(&web(&[]).id).handshakes, 2);
         // A stale handshake that the ACK never touched is replaced by the client's next SYN on its port.
-        let (rkey, mut t) = h.dp.handshake(&key).unwrap().unwrap();
+        let (rkey, mut t) = h.dp.maps.handshake(&key).unwrap().unwrap();
         t.flow.last_seen_ns = 1;
-        h.dp.set_transient_flow(&rkey, &t).unwrap();
+        h.dp.maps.transient.insert(&rkey, &t).unwrap();
         syn(h, 40007);
         assert_eq!(h.svc_stats(&web(&[]).id).handshakes, 3);
-        assert_eq!(h.dp.transient_flows().unwrap().len(), 1, "one entry: replaced, not a second port");
+        assert_eq!(h.dp.maps.transient.entries().unwrap().len(), 1, "one entry: replaced, not a second port");
     }
 
     fn a_retransmitted_syn_finds_its_handshake(h) {
@@ -207,10 +207,10 @@ both_hooks! {
         let b = syn(h, 40091);
         assert_eq!((a.dst, a.sport), (b.dst, b.sport), "the same backend and SNAT port");
         assert_eq!(h.svc_stats(&web(&[]).id).handshakes, 1);
-        assert_eq!(h.dp.transient_flows().unwrap().len(), 1);
+        assert_eq!(h.dp.maps.transient.entries().unwrap().len(), 1);
         h.run(&reply_tcp(&b, SYN_ACK, b""));
         assert_eq!(h.run(&client_tcp(40091, ACK, b"")).0, Verdict::Tx);
-        assert!(h.dp.flow(&fwd_key(40091, 6, WEB_PORT)).unwrap().is_some());
+        assert!(h.dp.maps.flows.get(&fwd_key(40091, 6, WEB_PORT)).unwrap().is_some());
     }
 
     fn a_handshake_index_slot_taken_by_another_client_is_repaired_by_the_syn_ack(h) {
@@ -223,7 +223,7 @@ both_hooks! {
         assert_eq!(h.run(&client_tcp(p1, ACK, b"")).0, Verdict::Tx);
         h.run(&reply_tcp(&b, SYN_ACK, b""));
         assert_eq!(h.run(&client_tcp(p2, ACK, b"")).0, Verdict::Tx);
-        assert_eq!(h.dp.flows().unwrap().len(), 4);
+        assert_eq!(h.dp.maps.flows.entries().unwrap().len(), 4);
         // A slot taken between the SYN-ACK and the ACK: the ACK finds nothing and is dropped, counted; the
         // backend's retransmitted SYN-ACK repairs it.
         let (p3, p4) = colliding_ports(p2 + 1);
@@ -243,17 +243,17 @@ both_hooks! {
         assert_eq!(v, Verdict::Tx);
         assert_eq!((parse(&out).dst, parse(&out).sport), (p.dst, p.sport));
         let key = fwd_key(40008, 6, WEB_PORT);
-        let (_, t) = h.dp.handshake(&key).unwrap().unwrap();
+        let (_, t) = h.dp.maps.handshake(&key).unwrap().unwrap();
         assert_eq!(t.flow.flags & FLOW_F_RST, FLOW_F_RST);
-        assert_eq!(h.dp.flow(&key).unwrap(), None);
+        assert_eq!(h.dp.maps.flows.get(&key).unwrap(), None);
         // The backend's answer to it still reaches the client.
         assert_eq!(h.run(&reply_tcp(&p, RST, b"")).0, Verdict::Tx);
         // A new SYN on the port is a new handshake, in the same entry.
         syn(h, 40008);
         assert_eq!(h.svc_stats(&web(&[]).id).handshakes, 2);
-        let (_, t) = h.dp.handshake(&key).unwrap().unwrap();
+        let (_, t) = h.dp.maps.handshake(&key).unwrap().unwrap();
         assert_eq!(t.flow.flags & FLOW_F_RST, 0);
-        assert_eq!(h.dp.transient_flows().unwrap().len(), 1);
+        assert_eq!(h.dp.maps.transient.entries().unwrap().len(), 1);
     }
 
     fn a_closed_connection_leaves_the_flow_table_and_its_last_ack_passes(h) {
@@ -261,10 +261,10 @@ both_hooks! {
         let p = open(h, 40009);
         let key = fwd_key(40009, 6, WEB_PORT);
         assert_eq!(h.run(&client_tcp(40009, FIN_ACK, b"")).0, Verdict::Tx);
-        assert!(h.dp.flow(&key).unwrap().is_some(), "half closed: the backend may still send");
+        assert!(h.dp.maps.flows.get(&key).unwrap().is_some(), "half closed: the backend may still send");
         assert_eq!(h.run(&reply_tcp(&p, FIN_ACK, b"")).0, Verdict::Tx);
-        assert_eq!(h.dp.flows().unwrap(), vec![], "closed both ways: out of the flow table");
-        let t = h.dp.transient_flow(&key).unwrap().expect("moved to the transient table");
+        assert_eq!(h.dp.maps.flows.entries().unwrap(), vec![], "closed both ways: out of the flow table");
+        let t = h.dp.maps.transient.get(&key).unwrap().expect("moved to the transient table");
         assert_eq!((t.flow.flags & FLOW_F_FIN, t.flow.timeout_s), (FLOW_F_FIN, 10));
         let (v, out) = h.run(&client_tcp(40009, ACK, b""));
         assert_eq!(v, Verdict::Tx, "the last ACK");
@@ -277,7 +277,7 @@ both_hooks! {
         let p = syn(h, 40012);
         h.run(&reply_tcp(&p, SYN_ACK, b""));
         assert_eq!(h.run(&client_tcp(40012, FIN_ACK, b"GET / HTTP/1.0\r\n\r\n")).0, Verdict::Tx);
-        let f = h.dp.flow(&fwd_key(40012, 6, WEB_PORT)).unwrap().expect("established");
+        let f = h.dp.maps.flows.get(&fwd_key(40012, 6, WEB_PORT)).unwrap().expect("established");
         assert_eq!((f.flags & FLOW_F_FIN, f.timeout_s), (FLOW_F_FIN, 10));
     }
 
@@ -299,13 +299,13 @@ both_hooks! {
         let p = open(h, 40011);
         let key = fwd_key(40011, 6, WEB_PORT);
         let (f, r) = {
-            let f = h.dp.flow(&key).unwrap().unwrap();
-            (f, h.dp.flow(&f.partner_key(6)).unwrap().unwrap())
+            let f = h.dp.maps.flows.get(&key).unwrap().unwrap();
+            (f, h.dp.maps.flows.get(&f.partner_key(6)).unwrap().unwrap())
         };
         let mut fresh = Harness::new(h.hook);
         fresh.apply(&[web(&[1])]);
-        fresh.dp.set_flow(&key, &f).unwrap();
-        fresh.dp.set_flow(&f.partner_key(6), &r).unwrap();
+        fresh.dp.maps.set_flow(&key, &f).unwrap();
+        fresh.dp.maps.set_flow(&f.partner_key(6), &r).unwrap();
         let (v, out) = fresh.run(&client_tcp(40011, ACK, b"after failover"));
         assert_eq!(v, Verdict::Tx);
         assert_eq!((parse(&out).dst, parse(&out).sport), (p.dst, p.sport));
@@ -350,7 +350,7 @@ both_hooks! {
         assert_eq!((p.src, p.dport, p.proto), (VIP, DNS_NODE_PORT, 17));
         assert!(p.ip_csum_ok && p.l4_csum_ok && !p.udp_csum_zero);
         assert_eq!(p.payload, b"query");
-        let f = h.dp.flow(&fwd_key(5353, 17, DNS_PORT)).unwrap().unwrap();
+        let f = h.dp.maps.flows.get(&fwd_key(5353, 17, DNS_PORT)).unwrap().unwrap();
         assert_eq!(f.timeout_s, 60, "UDP default idle timeout");
         let back = udp(p.dst_mac, LB_MAC, p.dst, p.dport, p.src, p.sport, b"answer");
         let (v, out) = h.run(&back);
@@ -431,7 +431,7 @@ both_hooks! {
         }
         assert_eq!(h.stat(stat::DROP_NO_FLOW), 4);
         assert_eq!(h.svc_stats(&web(&[]).id).drop_no_flow, 4);
-        assert!(h.dp.flows().unwrap().is_empty(), "no state created");
+        assert!(h.dp.maps.flows.entries().unwrap().is_empty(), "no state created");
     }
 
     fn source_ranges_allow_and_deny_tcp_and_udp(h) {
@@ -455,7 +455,7 @@ both_hooks! {
         w.source_ranges.clear();
         h.apply(&[w, d]);
         assert_eq!(h.run(&f).0, Verdict::Tx);
-        assert!(h.dp.source_ranges().unwrap().iter().all(|(_, _, len)| *len == 16), "stale ranges removed");
+        assert!(h.dp.maps.source_ranges.entries().iter().all(|(_, _, len)| *len == 16), "stale ranges removed");
     }
 
     fn maglev_spreads_new_flows_and_backend_changes_keep_established_ones(h) {
@@ -497,18 +497,18 @@ both_hooks! {
 
     fn unknown_next_hop_goes_to_the_kernel_and_is_counted(h) {
         h.apply(&[web(&[1])]);
-        h.dp.remove_nexthop(&lb_agent::dataplane::programmer::ip_to_addr(IpAddr::V4(node(1)))).unwrap();
+        h.dp.maps.nexthops.remove(&lb_agent::dataplane::programmer::ip_to_addr(IpAddr::V4(node(1)))).unwrap();
         let f = client_tcp(40040, SYN, b"");
         let (v, out) = h.run(&f);
         assert_eq!(v, Verdict::Pass);
         assert_eq!(out, f, "passed unchanged");
         assert_eq!(h.stat(stat::PASS_NO_NEXTHOP), 1);
         assert_eq!(h.svc_stats(&web(&[]).id).pass_no_nexthop, 1);
-        assert!(h.dp.flows().unwrap().is_empty(), "no half-made flow");
+        assert!(h.dp.maps.flows.entries().unwrap().is_empty(), "no half-made flow");
     }
 
     fn snat_ports_avoid_service_ports_and_existing_flows(h) {
-        h.dp.set_config(&lb_common::Config { snat_port_min: 40000, snat_port_max: 40003, hash_seed: 7, ..Default::default() }).unwrap();
+        h.dp.maps.config.set(lb_common::CONFIG_INDEX, &lb_common::Config { snat_port_min: 40000, snat_port_max: 40003, hash_seed: 7, ..Default::default() }).unwrap();
         // A service on port 40001 of the VIP: replies to that port would look like new connections.
         h.apply(&[web(&[1]), spec(Protocol::Tcp, 40001, 31000, &[1])]);
         let mut ports = Vec::new();
@@ -524,12 +524,12 @@ both_hooks! {
     }
 
     fn a_snat_port_the_flow_filter_marks_is_skipped_until_the_gc_rebuilds_it(h) {
-        h.dp.set_config(&lb_common::Config { snat_port_min: 40000, snat_port_max: 40003, hash_seed: 7, ..Default::default() }).unwrap();
+        h.dp.maps.config.set(lb_common::CONFIG_INDEX, &lb_common::Config { snat_port_min: 40000, snat_port_max: 40003, hash_seed: 7, ..Default::default() }).unwrap();
         h.apply(&[web(&[1])]);
         let p = open(h, 43100);
         let key = fwd_key(43100, 6, WEB_PORT);
-        let rkey = h.dp.flow(&key).unwrap().unwrap().partner_key(6);
-        let filter = h.dp.flow_filter().unwrap();
+        let rkey = h.dp.maps.flows.get(&key).unwrap().unwrap().partner_key(6);
+        let filter = &h.dp.maps.flow_filter;
         assert!(filter.may_hold(&key) && filter.may_hold(&rkey), "a completed handshake marks both keys");
         // Marks that no connection holds (a connection gone since, or another key's bit) on all free ports but
         // one: the next SYN takes that one without looking the others up, the one after finds none.
@@ -543,9 +543,9 @@ both_hooks! {
         assert_eq!(h.stat(stat::DROP_SNAT_EXHAUSTED), 1);
         // The GC's walk rebuilds the filter from what the table holds: the stale marks are gone, the
         // connection's stay.
-        let report = lb_agent::dataplane::gc::collect(&mut h.dp, lb_agent::dataplane::gc::now_ns(), None).unwrap();
+        let report = lb_agent::dataplane::gc::collect(&mut h.dp.maps, lb_agent::dataplane::gc::now_ns(), None).unwrap();
         assert!(matches!(report.flow_filter_bits, Some(1..=2)), "{:?}", report.flow_filter_bits);
-        let filter = h.dp.flow_filter().unwrap();
+        let filter = &h.dp.maps.flow_filter;
         assert!(filter.may_hold(&key) && filter.may_hold(&rkey));
         assert!(free[1..].iter().all(|&port| !filter.may_hold(&rkey_of(port))));
         let p2 = syn(h, 43102);
@@ -555,16 +555,16 @@ both_hooks! {
     fn a_connection_made_while_the_filter_is_rebuilt_stays_marked(h) {
         h.apply(&[web(&[1])]);
         // The rebuild clears its generation, then a handshake completes that the walk does not see.
-        h.dp.flow_filter().unwrap().begin_rebuild();
+        h.dp.maps.flow_filter.begin_rebuild();
         open(h, 43200);
-        h.dp.flow_filter().unwrap().finish_rebuild([]);
+        h.dp.maps.flow_filter.finish_rebuild([]);
         let key = fwd_key(43200, 6, WEB_PORT);
-        let rkey = h.dp.flow(&key).unwrap().unwrap().partner_key(6);
-        let filter = h.dp.flow_filter().unwrap();
+        let rkey = h.dp.maps.flows.get(&key).unwrap().unwrap().partner_key(6);
+        let filter = &h.dp.maps.flow_filter;
         assert!(filter.may_hold(&key) && filter.may_hold(&rkey), "marked in both generations by the data plane");
         // A SYN on it is looked up, so it still follows the connection (a stray SYN, not a new handshake).
         h.run(&client_tcp(43200, SYN, b""));
-        assert_eq!(h.dp.transient_flow(&key).unwrap(), None);
+        assert_eq!(h.dp.maps.transient.get(&key).unwrap(), None);
     }
 
     fn configured_snat_address_is_used(h) {
@@ -584,14 +584,14 @@ both_hooks! {
         h.apply(&[dns(&[1, 2, 3])]);
         h.run(&client_udp(5370, b"a"));
         let key = fwd_key(5370, 17, DNS_PORT);
-        let before = h.dp.flow(&key).unwrap().unwrap();
+        let before = h.dp.maps.flows.get(&key).unwrap().unwrap();
         age(h, &key);
         let (v, _) = h.run(&client_udp(5370, b"b"));
         assert_eq!(v, Verdict::Tx);
         assert_eq!(h.svc_stats(&dns(&[]).id).new_flows, 2, "expired flow replaced");
-        let after = h.dp.flow(&key).unwrap().unwrap();
+        let after = h.dp.maps.flows.get(&key).unwrap().unwrap();
         assert!(after.last_seen_ns > 1);
-        assert!(h.dp.flow(&before.partner_key(17)).unwrap().is_none() || before.new_sport == after.new_sport,
+        assert!(h.dp.maps.flows.get(&before.partner_key(17)).unwrap().is_none() || before.new_sport == after.new_sport,
             "the old reverse entry is released");
     }
 
@@ -611,9 +611,9 @@ both_hooks! {
             parse(&out)
         };
         let key = fwd_key(5371, 17, DNS_PORT);
-        let mut f = h.dp.flow(&key).unwrap().unwrap();
+        let mut f = h.dp.maps.flows.get(&key).unwrap().unwrap();
         f.last_seen_ns = 1;
-        h.dp.set_flow(&key, &f).unwrap();
+        h.dp.maps.set_flow(&key, &f).unwrap();
         // Only the forward entry is stale; the backend keeps streaming, so the flow stays.
         let (v, out) = h.run(&client_udp(5371, b"b"));
         assert_eq!(v, Verdict::Tx);
@@ -627,7 +627,7 @@ both_hooks! {
         h.apply(&[d]);
         h.run(&client_udp(5372, b"a"));
         let key = fwd_key(5372, 17, DNS_PORT);
-        assert_eq!(h.dp.flow(&key).unwrap().unwrap().timeout_s, 0);
+        assert_eq!(h.dp.maps.flows.get(&key).unwrap().unwrap().timeout_s, 0);
         age(h, &key);
         h.run(&client_udp(5372, b"b"));
         assert_eq!(h.svc_stats(&dns(&[]).id).new_flows, 1);
@@ -638,16 +638,16 @@ both_hooks! {
         let p = open(h, 40070);
         let key = fwd_key(40070, 6, WEB_PORT);
         h.run(&client_tcp(40070, FIN_ACK, b""));
-        let f = h.dp.flow(&key).unwrap().unwrap();
+        let f = h.dp.maps.flows.get(&key).unwrap().unwrap();
         assert_eq!(f.flags & FLOW_F_FIN, FLOW_F_FIN);
         assert_eq!(f.timeout_s, 10);
-        let r = h.dp.flow(&f.partner_key(6)).unwrap().unwrap();
+        let r = h.dp.maps.flows.get(&f.partner_key(6)).unwrap().unwrap();
         assert_eq!(r.timeout_s, 3600, "the other direction may still send (half close)");
         // A reset from the backend ends both directions (and moves them to the transient table).
         h.run(&reply_tcp(&p, RST, b""));
-        let r = h.dp.transient_flow(&f.partner_key(6)).unwrap().unwrap().flow;
+        let r = h.dp.maps.transient.get(&f.partner_key(6)).unwrap().unwrap().flow;
         assert_eq!((r.flags & FLOW_F_RST, r.timeout_s), (FLOW_F_RST, 10));
-        let f = h.dp.transient_flow(&key).unwrap().unwrap().flow;
+        let f = h.dp.maps.transient.get(&key).unwrap().unwrap().flow;
         assert_eq!(f.flags & FLOW_F_RST, FLOW_F_RST);
         assert_eq!(h.svc_stats(&web(&[]).id).closed_flows, 2);
     }
@@ -656,15 +656,15 @@ both_hooks! {
         h.apply(&[web(&[1])]);
         let first = open(h, 40080);
         let key = fwd_key(40080, 6, WEB_PORT);
-        let old = h.dp.flow(&key).unwrap().unwrap();
+        let old = h.dp.maps.flows.get(&key).unwrap().unwrap();
         h.run(&client_tcp(40080, RST, b""));
         // A retransmitted SYN on a live flow reuses it; after the reset a SYN is a new connection.
         let second = open(h, 40080);
         assert_eq!(h.svc_stats(&web(&[]).id).new_flows, 2);
-        let new = h.dp.flow(&key).unwrap().unwrap();
+        let new = h.dp.maps.flows.get(&key).unwrap().unwrap();
         assert_eq!(new.flags & FLOW_F_RST, 0);
         if new.new_sport != old.new_sport {
-            assert!(h.dp.flow(&old.partner_key(6)).unwrap().is_none(), "old reverse entry released");
+            assert!(h.dp.maps.flows.get(&old.partner_key(6)).unwrap().is_none(), "old reverse entry released");
         }
         assert_eq!(first.dst, second.dst);
     }
@@ -675,7 +675,7 @@ both_hooks! {
         let b = open(h, 40090);
         assert_eq!((a.dst, a.sport), (b.dst, b.sport));
         assert_eq!(h.svc_stats(&web(&[]).id).new_flows, 1);
-        assert_eq!(h.dp.flows().unwrap().len(), 2);
+        assert_eq!(h.dp.maps.flows.entries().unwrap().len(), 2);
     }
 
     fn icmp_frag_needed_from_a_node_reaches_the_client_translated(h) {
@@ -844,7 +844,7 @@ both_hooks! {
             }
         }
         assert_eq!(h.stat(stat::DROP_MALFORMED), n - refused);
-        assert!(h.dp.flows().unwrap().is_empty());
+        assert!(h.dp.maps.flows.entries().unwrap().is_empty());
         // Ethernet padding after the IP packet is fine.
         let mut padded = client_udp(5392, b"x");
         padded.extend_from_slice(&[0u8; 20]);
@@ -865,12 +865,17 @@ fn client_syn_to(dst_mac: [u8; 6], sport: u16) -> Vec<u8> {
 }
 
 fn set_flags(h: &mut Harness, flags: u32) {
-    h.dp.set_config(&lb_common::Config {
-        flags,
-        local_mac: LB_MAC,
-        ..Default::default()
-    })
-    .unwrap();
+    h.dp.maps
+        .config
+        .set(
+            lb_common::CONFIG_INDEX,
+            &lb_common::Config {
+                flags,
+                local_mac: LB_MAC,
+                ..Default::default()
+            },
+        )
+        .unwrap();
 }
 
 both_hooks! {
@@ -882,7 +887,7 @@ both_hooks! {
         set_flags(h, lb_common::CFG_F_CHECK_DST_MAC);
         assert_eq!(h.run(&client_syn_to(other, 41001)).0, Verdict::Pass, "another replica's frame");
         assert_eq!(h.stat(stat::PASS_OTHER_HOST), 1);
-        assert!(h.dp.flow(&fwd_key(41001, 6, WEB_PORT)).unwrap().is_none(), "no flow for it");
+        assert!(h.dp.maps.flows.get(&fwd_key(41001, 6, WEB_PORT)).unwrap().is_none(), "no flow for it");
         assert_eq!(h.run(&client_syn_to(LB_MAC, 41002)).0, Verdict::Tx, "ours");
     }
 }
@@ -890,7 +895,7 @@ both_hooks! {
 both_hooks! {
     fn new_and_closing_flows_are_published_for_sync(h) {
         h.apply(&[web(&[1, 2])]);
-        let mut events = h.dp.take_flow_events().unwrap();
+        let mut events = h.dp.maps.take_flow_events().unwrap();
         open(h, 42000);
         assert!(events.next().is_none(), "nothing published while sync is off");
         set_flags(h, lb_common::CFG_F_SYNC_EVENTS);
@@ -899,9 +904,9 @@ both_hooks! {
         let ev = read_event(&mut events).expect("a new-flow event");
         assert_eq!(ev.kind, lb_common::FLOW_EV_NEW);
         assert_eq!(ev.key, key);
-        let fwd = h.dp.flow(&key).unwrap().unwrap();
+        let fwd = h.dp.maps.flows.get(&key).unwrap().unwrap();
         assert_eq!(ev.fwd, fwd);
-        assert_eq!(ev.rev, h.dp.flow(&fwd.partner_key(6)).unwrap().unwrap());
+        assert_eq!(ev.rev, h.dp.maps.flows.get(&fwd.partner_key(6)).unwrap().unwrap());
         // Established traffic publishes nothing; the first FIN of a direction does.
         h.run(&client_tcp(42001, ACK, b"x"));
         assert!(read_event(&mut events).is_none());
@@ -920,13 +925,13 @@ both_hooks! {
         h.apply(&[web(&[1, 2])]);
         open(h, 43000);
         let key = fwd_key(43000, 6, WEB_PORT);
-        let mut f = h.dp.flow(&key).unwrap().unwrap();
+        let mut f = h.dp.maps.flows.get(&key).unwrap().unwrap();
         f.flags |= lb_common::FLOW_F_SYNCED;
         f.last_seen_ns = 1;
         f.timeout_s = 0;
-        h.dp.set_flow(&key, &f).unwrap();
+        h.dp.maps.set_flow(&key, &f).unwrap();
         assert_eq!(h.run(&client_tcp(43000, ACK, b"x")).0, Verdict::Tx);
-        let f = h.dp.flow(&key).unwrap().unwrap();
+        let f = h.dp.maps.flows.get(&key).unwrap().unwrap();
         assert_eq!(f.flags & lb_common::FLOW_F_SYNCED, 0, "used here now: refreshed by this replica");
         assert!(f.last_seen_ns > 1);
     }
@@ -935,7 +940,12 @@ both_hooks! {
 /// Turns the SYN rate guard on: `rate` handshakes per second with a burst of `burst` (per CPU; a test runs on
 /// one CPU and takes well under a second, so nothing refills).
 fn set_syn_rate(h: &mut Harness, rate: u32, burst: u32) {
-    h.dp.set_config(&lb_common::Config::default().with_syn_rate(rate, burst))
+    h.dp.maps
+        .config
+        .set(
+            lb_common::CONFIG_INDEX,
+            &lb_common::Config::default().with_syn_rate(rate, burst),
+        )
         .unwrap();
 }
 
@@ -956,7 +966,7 @@ both_hooks! {
         // Over the rate: the unknown source is dropped before it costs a handshake entry, and counted.
         assert_eq!(h.run(&syn_from(spoofed, 1002)).0, Verdict::Drop);
         let key = FlowKeyV4 { src: u32::from_ne_bytes(spoofed.octets()), ..fwd_key(1002, 6, WEB_PORT) };
-        assert_eq!(h.dp.handshake(&key).unwrap(), None, "no handshake entry for a dropped SYN");
+        assert_eq!(h.dp.maps.handshake(&key).unwrap(), None, "no handshake entry for a dropped SYN");
         assert_eq!(h.stat(stat::DROP_SYN_RATE), 1);
         assert_eq!(h.svc_stats(&web(&[]).id).drop_syn_rate, 1);
         // The client that completed a handshake still connects, and keeps its established connection.
@@ -968,7 +978,7 @@ both_hooks! {
         assert_eq!(h.run(&syn_from(spoofed, 1000)).0, Verdict::Drop);
         assert_eq!(h.stat(stat::DROP_SYN_RATE), 2);
         let key = FlowKeyV4 { src: u32::from_ne_bytes(spoofed.octets()), ..fwd_key(1000, 6, WEB_PORT) };
-        assert!(h.dp.handshake(&key).unwrap().is_some());
+        assert!(h.dp.maps.handshake(&key).unwrap().is_some());
         // Without the guard every SYN opens a handshake again.
         set_syn_rate(h, 0, 0);
         assert_eq!(h.run(&syn_from(spoofed, 1003)).0, Verdict::Tx);
@@ -1007,7 +1017,7 @@ mod state_sync {
         a.apply(&[web(&[1, 2, 3]), dns(&[1, 2])]);
         b.apply(&[dns(&[1, 2])]);
         b.apply(&[dns(&[1, 2]), web(&[1, 2, 3])]);
-        let store = BpfFlowStore::open(&mut b.dp, Arc::new(AtomicBool::new(false))).unwrap();
+        let store = BpfFlowStore::open(&b.dp.maps, Arc::new(AtomicBool::new(false))).unwrap();
         let mut cfg = lb_common::Config {
             flags: lb_common::CFG_F_SYNC_EVENTS,
             ..Default::default()
@@ -1015,8 +1025,8 @@ mod state_sync {
         if let Some((min, max)) = snat {
             (cfg.snat_port_min, cfg.snat_port_max) = (min, max);
         }
-        a.dp.set_config(&cfg).unwrap();
-        let events = a.dp.take_flow_events().unwrap();
+        a.dp.maps.config.set(lb_common::CONFIG_INDEX, &cfg).unwrap();
+        let events = a.dp.maps.take_flow_events().unwrap();
         (a, b, store, events)
     }
 
@@ -1025,7 +1035,7 @@ mod state_sync {
         let (mut a, mut b, mut store, mut events) = pair(None);
         let p = open(&mut a, 44000);
         let ev = read_event(&mut events).unwrap();
-        assert_eq!(b.dp.trusted_sources().unwrap(), vec![]);
+        assert_eq!(b.dp.maps.trusted_sources.keys().unwrap(), vec![]);
         assert_eq!(store.apply(&ev, 250).unwrap(), ApplyOutcome::Applied);
         assert_eq!(
             store.apply(&ev, 250).unwrap(),
@@ -1034,7 +1044,7 @@ mod state_sync {
         );
         // The peer's completed handshake vouches for its client here too (the SYN rate guard lets it through).
         let client = lb_agent::dataplane::programmer::ip_to_addr(IpAddr::V4(CLIENT));
-        assert_eq!(b.dp.trusted_sources().unwrap(), vec![client]);
+        assert_eq!(b.dp.maps.trusted_sources.keys().unwrap(), vec![client]);
 
         // Client data and the backend's reply through B: exactly A's rewrite, no SYN needed.
         let data = client_tcp(44000, ACK, b"hello");
@@ -1049,9 +1059,11 @@ mod state_sync {
         assert_eq!(parse(&oa), parse(&ob));
         // B counts the flow under its own id for the service.
         let key = fwd_key(44000, 6, WEB_PORT);
-        let fb = b.dp.flow(&key).unwrap().unwrap();
+        let fb = b.dp.maps.flows.get(&key).unwrap().unwrap();
         let svc_b =
-            b.dp.services()
+            b.dp.maps
+                .services
+                .entries()
                 .unwrap()
                 .into_iter()
                 .find(|(k, _)| k.port_be == WEB_PORT.to_be())
@@ -1063,7 +1075,7 @@ mod state_sync {
 
     #[test]
     fn closes_and_unknown_services_and_conflicts() {
-        let (mut a, mut b, mut store, mut events) = pair(None);
+        let (mut a, b, mut store, mut events) = pair(None);
         let p = open(&mut a, 45000);
         let new = read_event(&mut events).unwrap();
         store.apply(&new, 0).unwrap();
@@ -1072,10 +1084,10 @@ mod state_sync {
         assert_eq!(store.apply(&close, 0).unwrap(), ApplyOutcome::Applied);
         // A reset ends the connection: both entries leave the flow table for the transient one, as on A.
         let key = fwd_key(45000, 6, WEB_PORT);
-        assert_eq!(b.dp.flow(&key).unwrap(), None);
-        assert_eq!(b.dp.flow(&new.fwd.partner_key(6)).unwrap(), None);
+        assert_eq!(b.dp.maps.flows.get(&key).unwrap(), None);
+        assert_eq!(b.dp.maps.flows.get(&new.fwd.partner_key(6)).unwrap(), None);
         for k in [key, new.fwd.partner_key(6)] {
-            let t = b.dp.transient_flow(&k).unwrap().expect("closed entry");
+            let t = b.dp.maps.transient.get(&k).unwrap().expect("closed entry");
             assert_eq!(
                 t.flow.flags & FLOW_F_RST,
                 FLOW_F_RST,
@@ -1108,9 +1120,16 @@ mod state_sync {
         conflicting.fwd.new_sport = 50002u16.to_be();
         assert_eq!(store.apply(&conflicting, 0).unwrap(), ApplyOutcome::Applied);
         let k = conflicting.key;
-        assert_eq!(b.dp.flow(&k).unwrap().unwrap().new_sport, 50002u16.to_be());
+        assert_eq!(
+            b.dp.maps.flows.get(&k).unwrap().unwrap().new_sport,
+            50002u16.to_be()
+        );
         assert!(
-            b.dp.flow(&moved.fwd.partner_key(6)).unwrap().is_none(),
+            b.dp.maps
+                .flows
+                .get(&moved.fwd.partner_key(6))
+                .unwrap()
+                .is_none(),
             "the replaced SNAT port is freed"
         );
     }
@@ -1152,7 +1171,9 @@ mod sync_churn {
                 f.timeout_s,
             )
         };
-        h.dp.flows()
+        h.dp.maps
+            .flows
+            .entries()
             .unwrap()
             .iter()
             .map(|(k, f)| ((k.src, k.dst, k.sport, k.dport), norm(f)))
@@ -1161,7 +1182,9 @@ mod sync_churn {
 
     /// Closed connections' entries in `TRANSIENT_V4`, by key.
     fn closed(h: &mut Harness) -> BTreeMap<Tuple, Tuple> {
-        h.dp.transient_flows()
+        h.dp.maps
+            .transient
+            .entries()
             .unwrap()
             .iter()
             .filter(|(_, t)| t.closed())
@@ -1178,19 +1201,19 @@ mod sync_churn {
     /// Lets a closing connection's time run out (both entries of a closed one in `TRANSIENT_V4`, a half-closed
     /// one's in `FLOWS_V4`), then runs the agent's GC pass, which deletes them.
     fn pass_closing_timeout(h: &mut Harness) {
-        for (k, mut t) in h.dp.transient_flows().unwrap() {
+        for (k, mut t) in h.dp.maps.transient.entries().unwrap() {
             if t.closed() {
                 t.flow.last_seen_ns = 1;
-                h.dp.set_transient_flow(&k, &t).unwrap();
+                h.dp.maps.transient.insert(&k, &t).unwrap();
             }
         }
-        for (k, mut f) in h.dp.flows().unwrap() {
+        for (k, mut f) in h.dp.maps.flows.entries().unwrap() {
             if f.flags & (FLOW_F_FIN | FLOW_F_RST) != 0 {
                 f.last_seen_ns = 1;
-                h.dp.set_flow(&k, &f).unwrap();
+                h.dp.maps.set_flow(&k, &f).unwrap();
             }
         }
-        lb_agent::dataplane::gc::collect(&mut h.dp, lb_agent::dataplane::gc::now_ns(), None)
+        lb_agent::dataplane::gc::collect(&mut h.dp.maps, lb_agent::dataplane::gc::now_ns(), None)
             .unwrap();
     }
 
@@ -1351,7 +1374,7 @@ both_hooks! {
         let lines = KernelLog::default();
         let mut ring = aya_log::EbpfLogger::init_with_logger(h.dp.ebpf_mut().unwrap(), lines.clone()).unwrap();
         // One SNAT port for the backend: the second connection finds none, twice.
-        h.dp.set_config(&lb_common::Config { snat_port_min: 40000, snat_port_max: 40000, hash_seed: 7, ..Default::default() }).unwrap();
+        h.dp.maps.config.set(lb_common::CONFIG_INDEX, &lb_common::Config { snat_port_min: 40000, snat_port_max: 40000, hash_seed: 7, ..Default::default() }).unwrap();
         h.apply(&[web(&[1])]);
         open(h, 43000);
         for sport in [43001, 43002] {

@@ -120,7 +120,7 @@ fn load(obj: &[u8], sizes: &MapSizes) -> Result<Dataplane> {
     let mut denied = svc(Protocol::Tcp, 8443, 30443);
     denied.source_ranges = vec!["192.0.2.0/24".parse()?];
     programmer.apply(
-        &mut dp,
+        &mut dp.maps,
         &[
             svc(Protocol::Tcp, 80, 30080),
             svc(Protocol::Udp, 53, 30053),
@@ -128,7 +128,7 @@ fn load(obj: &[u8], sizes: &MapSizes) -> Result<Dataplane> {
         ],
     )?;
     for i in 0..NODES {
-        dp.set_nexthop(
+        dp.maps.nexthops.insert(
             &ip_to_addr(IpAddr::V4(node_ip(i))),
             &NextHop {
                 mac: node_mac(i + 1),
@@ -179,8 +179,8 @@ fn fill(dp: &mut Dataplane, capacity: u32) -> Result<u32> {
             last_seen_ns: u64::MAX / 2,
             ..Default::default()
         };
-        dp.set_flow(&fwd_key, &fwd)?;
-        dp.set_flow(&fwd.partner_key(6), &rev)?;
+        dp.maps.set_flow(&fwd_key, &fwd)?;
+        dp.maps.set_flow(&fwd.partner_key(6), &rev)?;
         n += 2;
         i += 1;
     }
@@ -257,11 +257,11 @@ fn open_connection(b: &mut Bench, port: u16) -> Result<(Vec<u8>, Vec<u8>)> {
         proto: 6,
         _pad: [0; 3],
     };
-    let (_, f) = b.dp.handshake(&key)?.with_context(|| {
+    let (_, f) = b.dp.maps.handshake(&key)?.with_context(|| {
         format!(
             "the SYN from port {port} opened no handshake (verdict {}, counters {:?})",
             verdict_name(verdict),
-            b.dp.stats().unwrap_or_default()
+            b.dp.maps.stats.totals().unwrap_or_default()
         )
     })?;
     let f = f.fwd;
@@ -292,7 +292,9 @@ fn open_connection(b: &mut Bench, port: u16) -> Result<(Vec<u8>, Vec<u8>)> {
         b.set_template(frame, false)?;
         b.run("bench_lb", frame, 1)?;
     }
-    b.dp.flow(&key)?
+    b.dp.maps
+        .flows
+        .get(&key)?
         .with_context(|| format!("the connection from port {port} was not established"))?;
     Ok((seg, from_node(ACK, b"0123456789")))
 }
@@ -404,7 +406,10 @@ fn main() -> Result<()> {
     case(&mut b, "tcp_established_full", &seg, false)?;
     // A SYN flood with the rate guard on, over its rate: what a spoofed SYN costs once the guard drops it. (Other
     // sources than the cases above, whose handshakes are still in the table.)
-    b.dp.set_config(&lb_common::Config::default().with_syn_rate(1, 1))?;
+    b.dp.maps.config.set(
+        lb_common::CONFIG_INDEX,
+        &lb_common::Config::default().with_syn_rate(1, 1),
+    )?;
     let spoofed = pad(tcp(
         CLIENT_MAC,
         LB_MAC,

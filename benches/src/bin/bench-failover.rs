@@ -134,7 +134,7 @@ fn apply_cost(connections: usize, per_frame: usize) -> Result<ApplyRun> {
         Ipv4Addr::new(10, 0, 0, 11),
     );
     Programmer::new(sizes.services, sizes.backends, sizes.maglev_slots).apply(
-        &mut dp,
+        &mut dp.maps,
         &[ServiceSpec {
             id: ServiceId {
                 vip: IpAddr::V4(vip),
@@ -147,7 +147,7 @@ fn apply_cost(connections: usize, per_frame: usize) -> Result<ApplyRun> {
             backends: vec![SocketAddr::new(IpAddr::V4(node), 30080)],
         }],
     )?;
-    let mut store = BpfFlowStore::open(&mut dp, Default::default())?;
+    let mut store = BpfFlowStore::open(&dp.maps, Default::default())?;
     let raw = |a: Ipv4Addr| u32::from_ne_bytes(a.octets());
     let mut recs = Vec::with_capacity(connections * 3);
     for i in 0..connections {

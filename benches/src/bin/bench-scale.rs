@@ -109,7 +109,7 @@ fn fill_flows(dp: &mut Dataplane, n: u32) -> Result<()> {
             proto: 6,
             _pad: [0; 3],
         };
-        dp.set_flow(&key, &v)?;
+        dp.maps.set_flow(&key, &v)?;
     }
     Ok(())
 }
@@ -248,14 +248,14 @@ fn main() -> Result<()> {
         let mut dp = Dataplane::load_object(&obj, &sizes, None)?;
         let mut p = Programmer::new(sizes.services, sizes.backends, sizes.maglev_slots);
         let t = Instant::now();
-        p.apply(&mut dp, &a)?;
+        p.apply(&mut dp.maps, &a)?;
         cold.push(t.elapsed().as_secs_f64());
         let t = Instant::now();
-        p.apply(&mut dp, &a)?;
+        p.apply(&mut dp.maps, &a)?;
         noop.push(t.elapsed().as_secs_f64());
         // Every service's backends move to another NodePort: every table rewritten.
         let t = Instant::now();
-        p.apply(&mut dp, &b)?;
+        p.apply(&mut dp.maps, &b)?;
         change.push(t.elapsed().as_secs_f64());
     }
     let (cold, change, noop) = (median(cold), median(change), median(noop));

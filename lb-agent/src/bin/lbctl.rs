@@ -121,11 +121,11 @@ fn main() -> Result<()> {
         }
         _ => {}
     }
-    let mut dp = Dataplane::open_pinned(&pin)?;
+    let dp = Dataplane::open_pinned(&pin)?;
     match cli.cmd {
         Cmd::Trace { .. } | Cmd::Program => unreachable!("handled above"),
         Cmd::Services => {
-            let services = inspect::services(&mut dp)?;
+            let services = inspect::services(&dp.maps)?;
             if cli.json {
                 return print_json(&services);
             }
@@ -173,7 +173,7 @@ fn main() -> Result<()> {
                 service,
                 state,
             };
-            let flows = inspect::flows(&mut dp, &filter)?;
+            let flows = inspect::flows(&dp.maps, &filter)?;
             let counts = inspect::count_by_state(&flows);
             if cli.json {
                 return print_json(
@@ -201,7 +201,7 @@ fn main() -> Result<()> {
             println!("{} connections: {}", flows.len(), by_state.join(", "));
         }
         Cmd::Counters { interval } => {
-            let counters = inspect::counters(&mut dp, Duration::from_secs_f64(interval))?;
+            let counters = inspect::counters(&dp.maps, Duration::from_secs_f64(interval))?;
             if cli.json {
                 return print_json(&counters);
             }

@@ -7,12 +7,14 @@ use anyhow::Result;
 use aya::maps::MapData;
 use lb_common::{
     flow_filter::{slot, ENTRIES, GENERATION_INDEX, WORDS},
-    FlowKeyV4, PROTO_TCP,
+    map_names as names, FlowKeyV4, PROTO_TCP,
 };
 use std::sync::atomic::{AtomicU64, Ordering};
 
 /// The `FLOW_FILTER` map, mapped into this process.
 pub struct FlowFilterMap {
+    /// The map itself, kept for [`Self::reopen`].
+    data: MapData,
     words: MappedArray,
     /// The inactive generation was cleared by [`Self::begin_rebuild`] and awaits [`Self::finish_rebuild`].
     rebuilding: bool,
@@ -20,11 +22,17 @@ pub struct FlowFilterMap {
 
 impl FlowFilterMap {
     /// Maps the filter (a `BPF_F_MMAPABLE` array of [`ENTRIES`] words).
-    pub fn open(data: &MapData) -> Result<Self> {
+    pub fn open(data: MapData) -> Result<Self> {
         Ok(FlowFilterMap {
-            words: MappedArray::map(data, ENTRIES)?,
+            words: MappedArray::map(&data, ENTRIES)?,
+            data,
             rebuilding: false,
         })
+    }
+
+    /// A second mapping of the filter, for a task that writes `FLOWS_V4` through its own handle (flow sync).
+    pub fn reopen(&self) -> Result<Self> {
+        Self::open(super::maps::reopen(names::FLOW_FILTER, &self.data)?)
     }
 
     fn word(&self, i: u32) -> &AtomicU64 {

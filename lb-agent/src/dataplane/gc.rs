@@ -1,7 +1,7 @@
 //! Connection-tracking housekeeping: expires idle flows (the data plane only ignores them), counts active
 //! connections and idle expiries per service, and watches the table's fill level.
 
-use crate::dataplane::Dataplane;
+use crate::dataplane::Maps;
 use anyhow::Result;
 use lb_common::{FlowEvent, FlowKeyV4, FlowV4, FLOW_EV_REFRESH, FLOW_F_FORWARD, FLOW_F_SYNCED};
 use std::collections::{BTreeSet, HashMap, HashSet};
@@ -29,7 +29,7 @@ pub struct GcReport {
     pub entries: u64,
     /// Entries left in `TRANSIENT_V4` (TCP handshakes and closed connections) after the pass.
     pub transient_entries: u64,
-    /// Bits set in the flow filter after this pass rebuilt it (`None` without a filter).
+    /// Bits set in the flow filter after this pass rebuilt it.
     pub flow_filter_bits: Option<u64>,
     /// Entries deleted (both tables).
     pub deleted: u64,
@@ -43,22 +43,20 @@ pub struct GcReport {
 ///
 /// With `refresh_window_ns`, the same walk also lists the connections used here within that window
 /// ([`refresh_events`]): state sync sends them so the peers' copies stay fresh.
-pub fn collect(dp: &mut Dataplane, now: u64, refresh_window_ns: Option<u64>) -> Result<GcReport> {
+pub fn collect(maps: &mut Maps, now: u64, refresh_window_ns: Option<u64>) -> Result<GcReport> {
     // The walk also rebuilds the flow filter: cleared before it, marked with what it finds after it — the flow
     // table's keys and the closed connections' in the transient table, walked second (see
     // `lb_common::flow_filter`: a connection closing during the walks moves from the first to the second).
-    if let Some(f) = dp.flow_filter() {
-        f.begin_rebuild();
-    }
-    let flows: HashMap<FlowKeyV4, FlowV4> = dp.flows()?.into_iter().collect();
-    let transient = dp.transient_flows()?;
+    maps.flow_filter.begin_rebuild();
+    let flows: HashMap<FlowKeyV4, FlowV4> = maps.flows.entries()?.into_iter().collect();
+    let transient = maps.transient.entries()?;
     let closed_keys = transient
         .iter()
         .filter(|(_, t)| !t.handshake())
         .map(|(k, _)| k);
-    let flow_filter_bits = dp
-        .flow_filter()
-        .and_then(|f| f.finish_rebuild(flows.keys().chain(closed_keys)));
+    let flow_filter_bits = maps
+        .flow_filter
+        .finish_rebuild(flows.keys().chain(closed_keys));
     let mut r = GcReport {
         entries: flows.len() as u64,
         flow_filter_bits,
@@ -92,7 +90,7 @@ pub fn collect(dp: &mut Dataplane, now: u64, refresh_window_ns: Option<u64>) -> 
             delete.push(*k);
         }
     }
-    dp.remove_flows(&delete)?;
+    maps.flows.remove_many(&delete)?;
     r.deleted = delete.len() as u64;
     r.entries = r.entries.saturating_sub(r.deleted);
     // Handshakes that never completed and closed connections past their time: the data plane already ignores
@@ -102,7 +100,7 @@ pub fn collect(dp: &mut Dataplane, now: u64, refresh_window_ns: Option<u64>) -> 
         .filter(|(_, t)| t.stale(now))
         .map(|(k, _)| *k)
         .collect();
-    dp.remove_transient_flows(&stale)?;
+    maps.transient.remove_many(&stale)?;
     let stale = stale.len() as u64;
     r.deleted += stale;
     r.transient_entries = transient.len() as u64 - stale;
@@ -113,12 +111,12 @@ pub fn collect(dp: &mut Dataplane, now: u64, refresh_window_ns: Option<u64>) -> 
 /// healthy backend instead of following conntrack to a dead one until the idle timeout. TCP flows are left
 /// alone: a dead backend answers them with a RST (or they time out), which tells the client to reconnect.
 /// Returns the number of flows moved.
-pub fn flush_udp_flows(dp: &mut Dataplane, backends: &BTreeSet<SocketAddr>) -> Result<u64> {
+pub fn flush_udp_flows(maps: &mut Maps, backends: &BTreeSet<SocketAddr>) -> Result<u64> {
     if backends.is_empty() {
         return Ok(0);
     }
     let mut gone = Vec::new();
-    for (k, f) in dp.flows()? {
+    for (k, f) in maps.flows.entries()? {
         if k.proto != lb_common::PROTO_UDP || f.flags & FLOW_F_FORWARD == 0 {
             continue;
         }
@@ -130,7 +128,7 @@ pub fn flush_udp_flows(dp: &mut Dataplane, backends: &BTreeSet<SocketAddr>) -> R
             gone.extend([k, f.partner_key(k.proto)]);
         }
     }
-    dp.remove_flows(&gone)?;
+    maps.flows.remove_many(&gone)?;
     Ok(gone.len() as u64 / 2)
 }
 

@@ -12,7 +12,8 @@ pub(crate) struct MappedArray {
     bytes: usize,
 }
 
-// SAFETY: the mapping is owned by this struct and only accessed through `&mut Dataplane`.
+// SAFETY: the mapping is owned by this struct; writes go through `&mut self` (the Maglev arena) or are atomic (the
+// flow filter).
 unsafe impl Send for MappedArray {}
 
 impl MappedArray {
@@ -48,7 +49,12 @@ impl MappedArray {
         self.ptr
     }
 
-    pub(crate) fn slots(&mut self) -> &mut [u64] {
+    pub(crate) fn slots(&self) -> &[u64] {
+        // SAFETY: `entries` 8-byte elements are mapped for the lifetime of self.
+        unsafe { std::slice::from_raw_parts(self.ptr, self.entries) }
+    }
+
+    pub(crate) fn slots_mut(&mut self) -> &mut [u64] {
         // SAFETY: `entries` 8-byte elements are mapped read-write for the lifetime of self.
         unsafe { std::slice::from_raw_parts_mut(self.ptr, self.entries) }
     }

@@ -1,5 +1,5 @@
-//! Loading, attaching and reading/writing the eBPF data plane. Knows the maps, not the load-balancer model
-//! (that is [`crate::dataplane::programmer`]).
+//! Loading and attaching the eBPF data plane; its maps, typed, are [`Maps`]. Knows the maps, not the
+//! load-balancer model (that is [`crate::dataplane::programmer`]).
 
 pub mod arena;
 pub mod flow_filter;
@@ -7,19 +7,16 @@ pub mod gc;
 pub mod maglev;
 pub mod map_batch;
 mod mapped;
+pub mod maps;
 pub mod model;
 pub mod neighbor;
 pub mod programmer;
 
-use mapped::MappedArray;
+pub use maps::Maps;
 
-use crate::dataplane::flow_filter::FlowFilterMap;
 use anyhow::{anyhow, bail, Context, Result};
 use aya::{
-    maps::{
-        lpm_trie::{Key as LpmKey, LpmTrie},
-        Array, HashMap, Map, MapData, PerCpuArray, PerCpuValues, RingBuf,
-    },
+    maps::{Map, MapData},
     programs::{
         links::{FdLink, PinnedLink},
         tc::{self, SchedClassifier, TcAttachOptions, TcAttachType},
@@ -27,10 +24,7 @@ use aya::{
     },
     Ebpf, EbpfLoader,
 };
-use lb_common::{
-    map_names as names, stat, Addr, Backend, Config, FlowKeyV4, FlowV4, NextHop, Service,
-    ServiceKey, ServiceStats, SourceRangeKey, TransientV4, CONFIG_INDEX, LAYOUT_VERSION,
-};
+use lb_common::{map_names as names, LAYOUT_VERSION};
 use std::path::{Path, PathBuf};
 
 /// The data-plane object, built by `cargo xtask build-ebpf` and embedded by `build.rs`.
@@ -96,36 +90,13 @@ pub enum AttachMode {
 
 /// The loaded data plane — or only its maps, opened from their pins ([`Dataplane::open_pinned`]).
 pub struct Dataplane {
-    /// The loaded object; `None` when the maps were opened from their pins (no programs then).
+    /// The loaded object; `None` when the maps were opened from their pins (no programs then). Its maps are
+    /// taken out into `maps`; the programs keep referring to them (the fds stay open there).
     ebpf: Option<Ebpf>,
-    /// The maps opened from their pins, by name (only without `ebpf`).
-    pinned: std::collections::HashMap<&'static str, Map>,
     pin_dir: Option<PathBuf>,
-    maglev: Option<MappedArray>,
-    /// The flow filter, marked for every TCP entry written here (`None` when only the pins were opened).
-    flow_filter: Option<FlowFilterMap>,
+    /// Every map the agent reads or writes, typed.
+    pub maps: Maps,
 }
-
-/// Every map the agent programs, with the capacity setter's name.
-/// The maps pinned (they outlive the agent, and `lbctl` reads them). The flow-event ring buffer too, so that a
-/// traced program swapped in by `lbctl trace` publishes new flows to the same consumer.
-const MAPS: [&str; 15] = [
-    names::SERVICES,
-    names::BACKENDS,
-    names::MAGLEV,
-    names::NEXTHOPS,
-    names::SOURCE_RANGES,
-    names::VIPS,
-    names::FLOWS_V4,
-    names::TRANSIENT_V4,
-    names::TRUSTED_SOURCES,
-    names::FLOW_FILTER,
-    names::HANDSHAKES,
-    names::SERVICE_STATS,
-    names::STATS,
-    names::CONFIG,
-    names::FLOW_EVENTS,
-];
 
 impl Dataplane {
     /// Loads the embedded data-plane object. With `pin_dir`, maps are pinned there (and re-used if already
@@ -157,40 +128,24 @@ impl Dataplane {
             .map_max_entries(names::SOURCE_RANGES, sizes.source_ranges)
             .map_max_entries(names::TRUSTED_SOURCES, sizes.trusted_sources);
         let pins: Vec<(&str, PathBuf)> = match &pin_dir {
-            Some(dir) => MAPS.iter().map(|m| (*m, dir.join(m))).collect(),
+            Some(dir) => Maps::NAMES.iter().map(|m| (*m, dir.join(m))).collect(),
             None => Vec::new(),
         };
         for (name, path) in &pins {
             loader.map_pin_path(name, path.as_path());
         }
-        let ebpf = loader.load(obj).context(
+        let mut ebpf = loader.load(obj).context(
             "loading the eBPF object (map creation or pinned-map reuse failed; a pinned map with another size \
              must be removed from bpffs first)",
         )?;
-        let maglev = match ebpf.map(names::MAGLEV) {
-            Some(aya::maps::Map::Array(data)) => match MappedArray::map(data, sizes.maglev_slots) {
-                Ok(m) => Some(m),
-                Err(e) => {
-                    tracing::warn!(error = %e, "Maglev tables will be written slot by slot (slower)");
-                    None
-                }
-            },
-            _ => None,
-        };
-        // Without the mapping the agent could not mark the entries it writes, and the data plane would skip their
-        // lookups: no fallback, a clear error.
-        let flow_filter = match ebpf.map(names::FLOW_FILTER) {
-            Some(aya::maps::Map::Array(data)) => {
-                Some(FlowFilterMap::open(data).context("mapping the flow filter")?)
-            }
-            _ => bail!("the eBPF object has no {} array", names::FLOW_FILTER),
-        };
+        let maps = Maps::open(|name| {
+            ebpf.take_map(name)
+                .ok_or_else(|| anyhow!("map {name} missing from the object"))
+        })?;
         Ok(Dataplane {
             ebpf: Some(ebpf),
-            pinned: Default::default(),
             pin_dir,
-            maglev,
-            flow_filter,
+            maps,
         })
     }
 
@@ -198,8 +153,7 @@ impl Dataplane {
     /// loaded or created, and the data plane is not touched.
     pub fn open_pinned(pin_dir: &Path) -> Result<Self> {
         let dir = pin_dir.join(format!("v{LAYOUT_VERSION}"));
-        let mut pinned = std::collections::HashMap::new();
-        for name in MAPS {
+        let maps = Maps::open(|name| {
             let path = dir.join(name);
             let data = MapData::from_pin(&path).with_context(|| {
                 format!(
@@ -207,14 +161,12 @@ impl Dataplane {
                     path.display()
                 )
             })?;
-            pinned.insert(name, Map::from_map_data(data)?);
-        }
+            Ok(Map::from_map_data(data)?)
+        })?;
         Ok(Dataplane {
             ebpf: None,
-            pinned,
             pin_dir: Some(dir),
-            maglev: None,
-            flow_filter: None,
+            maps,
         })
     }
 
@@ -223,7 +175,7 @@ impl Dataplane {
         self.pin_dir.as_deref()
     }
 
-    /// The loaded object, for programs and maps not wrapped here (tests and benchmarks).
+    /// The loaded object, for programs, and for maps not in [`Maps`] (tests and benchmarks).
     pub fn ebpf_mut(&mut self) -> Result<&mut Ebpf> {
         self.ebpf
             .as_mut()
@@ -345,341 +297,6 @@ impl Dataplane {
         } else {
             adopt_pinned_link(self.xdp_program(program)?, pin)
         }
-    }
-
-    fn map(&mut self, name: &str) -> Result<&mut aya::maps::Map> {
-        match &mut self.ebpf {
-            Some(ebpf) => ebpf.map_mut(name),
-            None => self.pinned.get_mut(name),
-        }
-        .ok_or_else(|| anyhow!("map {name} missing from the object"))
-    }
-
-    /// Writes the global settings.
-    pub fn set_config(&mut self, cfg: &Config) -> Result<()> {
-        let mut m: Array<&mut MapData, Config> = Array::try_from(self.map(names::CONFIG)?)?;
-        m.set(CONFIG_INDEX, cfg, 0)?;
-        Ok(())
-    }
-
-    /// Inserts or replaces a service (atomic for packets).
-    pub fn set_service(&mut self, key: &ServiceKey, svc: &Service) -> Result<()> {
-        let mut m: HashMap<&mut MapData, ServiceKey, Service> =
-            HashMap::try_from(self.map(names::SERVICES)?)?;
-        m.insert(key, svc, 0)
-            .with_context(|| format!("writing service {key:?} (services map full?)"))?;
-        Ok(())
-    }
-
-    /// Removes a service.
-    pub fn remove_service(&mut self, key: &ServiceKey) -> Result<()> {
-        let mut m: HashMap<&mut MapData, ServiceKey, Service> =
-            HashMap::try_from(self.map(names::SERVICES)?)?;
-        ignore_missing(m.remove(key))
-    }
-
-    /// All services in the map.
-    pub fn services(&mut self) -> Result<Vec<(ServiceKey, Service)>> {
-        let m: HashMap<&mut MapData, ServiceKey, Service> =
-            HashMap::try_from(self.map(names::SERVICES)?)?;
-        Ok(m.iter().filter_map(|r| r.ok()).collect())
-    }
-
-    /// Writes backend slot `id`.
-    pub fn set_backend(&mut self, id: u32, b: &Backend) -> Result<()> {
-        let mut m: Array<&mut MapData, Backend> = Array::try_from(self.map(names::BACKENDS)?)?;
-        m.set(id, b, 0)
-            .with_context(|| format!("writing backend slot {id}"))?;
-        Ok(())
-    }
-
-    /// Reads backend slot `id`.
-    pub fn backend(&mut self, id: u32) -> Result<Backend> {
-        let m: Array<&mut MapData, Backend> = Array::try_from(self.map(names::BACKENDS)?)?;
-        Ok(m.get(&id, 0)?)
-    }
-
-    /// Writes a Maglev table into the arena at `offset`.
-    pub fn write_table(&mut self, offset: u32, table: &[u32]) -> Result<()> {
-        if let Some(m) = self.maglev.as_mut() {
-            let range = offset as usize..offset as usize + table.len();
-            let Some(dst) = m.slots().get_mut(range) else {
-                bail!(
-                    "Maglev table [{offset}, +{}) is outside the arena",
-                    table.len()
-                );
-            };
-            for (d, id) in dst.iter_mut().zip(table) {
-                // Little-endian host: the low half of the element is the u32 the program reads.
-                *d = *id as u64;
-            }
-            // The service switch that makes packets use this slice is a later bpf() syscall, which orders
-            // these stores before it.
-            return Ok(());
-        }
-        let mut m: Array<&mut MapData, u32> = Array::try_from(self.map(names::MAGLEV)?)?;
-        for (i, id) in table.iter().enumerate() {
-            m.set(offset + i as u32, id, 0)
-                .with_context(|| format!("writing Maglev slot {}", offset as usize + i))?;
-        }
-        Ok(())
-    }
-
-    /// Reads `len` arena slots from `offset`.
-    pub fn read_table(&mut self, offset: u32, len: u32) -> Result<Vec<u32>> {
-        if let Some(m) = self.maglev.as_mut() {
-            let range = offset as usize..offset as usize + len as usize;
-            return m
-                .slots()
-                .get(range)
-                .map(|s| s.iter().map(|v| *v as u32).collect())
-                .with_context(|| format!("Maglev table [{offset}, +{len}) is outside the arena"));
-        }
-        let m: Array<&mut MapData, u32> = Array::try_from(self.map(names::MAGLEV)?)?;
-        (offset..offset + len)
-            .map(|i| m.get(&i, 0).map_err(Into::into))
-            .collect()
-    }
-
-    /// Sets the next hop of an address.
-    pub fn set_nexthop(&mut self, addr: &Addr, nh: &NextHop) -> Result<()> {
-        let mut m: HashMap<&mut MapData, Addr, NextHop> =
-            HashMap::try_from(self.map(names::NEXTHOPS)?)?;
-        m.insert(addr, nh, 0).context("writing a next hop")?;
-        Ok(())
-    }
-
-    /// Removes the next hop of an address.
-    pub fn remove_nexthop(&mut self, addr: &Addr) -> Result<()> {
-        let mut m: HashMap<&mut MapData, Addr, NextHop> =
-            HashMap::try_from(self.map(names::NEXTHOPS)?)?;
-        ignore_missing(m.remove(addr))
-    }
-
-    /// All next hops.
-    pub fn nexthops(&mut self) -> Result<Vec<(Addr, NextHop)>> {
-        let m: HashMap<&mut MapData, Addr, NextHop> =
-            HashMap::try_from(self.map(names::NEXTHOPS)?)?;
-        Ok(m.iter().filter_map(|r| r.ok()).collect())
-    }
-
-    /// Allows `addr/prefix_len` for service `svc_id`.
-    pub fn add_source_range(&mut self, svc_id: u32, addr: Addr, prefix_len: u32) -> Result<()> {
-        let mut m: LpmTrie<&mut MapData, SourceRangeKey, u8> =
-            LpmTrie::try_from(self.map(names::SOURCE_RANGES)?)?;
-        m.insert(&source_range_key(svc_id, addr, prefix_len), 1, 0)
-            .context("writing a source range (source-range map full?)")?;
-        Ok(())
-    }
-
-    /// Removes `addr/prefix_len` for service `svc_id`.
-    pub fn remove_source_range(&mut self, svc_id: u32, addr: Addr, prefix_len: u32) -> Result<()> {
-        let mut m: LpmTrie<&mut MapData, SourceRangeKey, u8> =
-            LpmTrie::try_from(self.map(names::SOURCE_RANGES)?)?;
-        ignore_missing(m.remove(&source_range_key(svc_id, addr, prefix_len)))
-    }
-
-    /// All source-range entries as (svc id, address, CIDR prefix length).
-    pub fn source_ranges(&mut self) -> Result<Vec<(u32, Addr, u32)>> {
-        let m: LpmTrie<&mut MapData, SourceRangeKey, u8> =
-            LpmTrie::try_from(self.map(names::SOURCE_RANGES)?)?;
-        Ok(m.keys()
-            .filter_map(|k| k.ok())
-            .map(|k| {
-                let d = k.data();
-                (
-                    u32::from_be(d.svc_id_be),
-                    d.addr,
-                    k.prefix_len() - lb_common::SOURCE_RANGE_ID_BITS,
-                )
-            })
-            .collect())
-    }
-
-    /// Marks an address as carrying services (fragment policy).
-    pub fn add_vip(&mut self, addr: &Addr) -> Result<()> {
-        let mut m: HashMap<&mut MapData, Addr, u32> = HashMap::try_from(self.map(names::VIPS)?)?;
-        m.insert(addr, 1, 0).context("writing a VIP address")?;
-        Ok(())
-    }
-
-    /// Unmarks an address.
-    pub fn remove_vip(&mut self, addr: &Addr) -> Result<()> {
-        let mut m: HashMap<&mut MapData, Addr, u32> = HashMap::try_from(self.map(names::VIPS)?)?;
-        ignore_missing(m.remove(addr))
-    }
-
-    /// All VIP addresses.
-    pub fn vips(&mut self) -> Result<Vec<Addr>> {
-        let m: HashMap<&mut MapData, Addr, u32> = HashMap::try_from(self.map(names::VIPS)?)?;
-        Ok(m.keys().filter_map(|k| k.ok()).collect())
-    }
-
-    /// Takes the flow-event ring buffer (`lb_common::FlowEvent`s for connection-state sync); it has one consumer,
-    /// so this succeeds once.
-    pub fn take_flow_events(&mut self) -> Result<RingBuf<MapData>> {
-        let m = self
-            .ebpf_mut()?
-            .take_map(names::FLOW_EVENTS)
-            .ok_or_else(|| anyhow!("map {} missing or already taken", names::FLOW_EVENTS))?;
-        Ok(RingBuf::try_from(m)?)
-    }
-
-    /// A second, independent handle on one of the maps, for a task that must not borrow the data plane (the sync
-    /// receiver writes flows while the main loop owns `self`).
-    pub fn open_map(&mut self, name: &str) -> Result<Map> {
-        let data = match self.map(name)? {
-            Map::HashMap(d) | Map::LruHashMap(d) | Map::Array(d) | Map::PerCpuArray(d) => d,
-            _ => bail!("map {name}: no second handle for this map type"),
-        };
-        let id = data.info()?.id();
-        Ok(Map::from_map_data(MapData::from_id(id)?)?)
-    }
-
-    /// A snapshot of every IPv4 flow entry.
-    pub fn flows(&mut self) -> Result<Vec<(FlowKeyV4, FlowV4)>> {
-        let m: HashMap<&mut MapData, FlowKeyV4, FlowV4> =
-            HashMap::try_from(self.map(names::FLOWS_V4)?)?;
-        crate::dataplane::map_batch::entries(&m).context("reading the flow table")
-    }
-
-    /// One flow entry.
-    pub fn flow(&mut self, key: &FlowKeyV4) -> Result<Option<FlowV4>> {
-        let m: HashMap<&mut MapData, FlowKeyV4, FlowV4> =
-            HashMap::try_from(self.map(names::FLOWS_V4)?)?;
-        match m.get(key, 0) {
-            Ok(v) => Ok(Some(v)),
-            Err(aya::maps::MapError::KeyNotFound) => Ok(None),
-            Err(e) => Err(e.into()),
-        }
-    }
-
-    /// Writes a flow entry (tests, state sync), marked in the flow filter.
-    pub fn set_flow(&mut self, key: &FlowKeyV4, v: &FlowV4) -> Result<()> {
-        let mut m: HashMap<&mut MapData, FlowKeyV4, FlowV4> =
-            HashMap::try_from(self.map(names::FLOWS_V4)?)?;
-        m.insert(key, v, 0)?;
-        if let Some(f) = &self.flow_filter {
-            f.mark(key);
-        }
-        Ok(())
-    }
-
-    /// The flow filter of this data plane (`None` when only the pins were opened).
-    pub fn flow_filter(&mut self) -> Option<&mut FlowFilterMap> {
-        self.flow_filter.as_mut()
-    }
-
-    /// A second mapping of the flow filter, for a task that writes `FLOWS_V4` through its own handle (flow sync).
-    pub fn open_flow_filter(&mut self) -> Result<FlowFilterMap> {
-        match self.open_map(names::FLOW_FILTER)? {
-            Map::Array(data) => FlowFilterMap::open(&data),
-            _ => bail!("{} is not an array", names::FLOW_FILTER),
-        }
-    }
-
-    /// Deletes a flow entry.
-    pub fn remove_flow(&mut self, key: &FlowKeyV4) -> Result<()> {
-        let mut m: HashMap<&mut MapData, FlowKeyV4, FlowV4> =
-            HashMap::try_from(self.map(names::FLOWS_V4)?)?;
-        ignore_missing(m.remove(key))
-    }
-
-    /// Deletes flow entries in one call; missing ones are skipped. Returns how many were deleted.
-    pub fn remove_flows(&mut self, keys: &[FlowKeyV4]) -> Result<usize> {
-        let mut m: HashMap<&mut MapData, FlowKeyV4, FlowV4> =
-            HashMap::try_from(self.map(names::FLOWS_V4)?)?;
-        crate::dataplane::map_batch::delete(&mut m, keys).context("deleting flow entries")
-    }
-
-    /// Deletes entries of `TRANSIENT_V4` in one call; missing ones are skipped.
-    pub fn remove_transient_flows(&mut self, keys: &[FlowKeyV4]) -> Result<usize> {
-        let mut m: HashMap<&mut MapData, FlowKeyV4, TransientV4> =
-            HashMap::try_from(self.map(names::TRANSIENT_V4)?)?;
-        crate::dataplane::map_batch::delete(&mut m, keys)
-            .context("deleting handshake and closed-connection entries")
-    }
-
-    /// A snapshot of every entry of `TRANSIENT_V4` (TCP handshakes and closed connections).
-    pub fn transient_flows(&mut self) -> Result<Vec<(FlowKeyV4, TransientV4)>> {
-        let m: HashMap<&mut MapData, FlowKeyV4, TransientV4> =
-            HashMap::try_from(self.map(names::TRANSIENT_V4)?)?;
-        crate::dataplane::map_batch::entries(&m)
-            .context("reading the handshake and closed-connection table")
-    }
-
-    /// The SYN rate guard's trusted sources (`TRUSTED_SOURCES`).
-    pub fn trusted_sources(&mut self) -> Result<Vec<Addr>> {
-        let m: HashMap<&mut MapData, Addr, u8> =
-            HashMap::try_from(self.map(names::TRUSTED_SOURCES)?)?;
-        Ok(m.keys().filter_map(|r| r.ok()).collect())
-    }
-
-    /// One entry of `TRANSIENT_V4`.
-    pub fn transient_flow(&mut self, key: &FlowKeyV4) -> Result<Option<TransientV4>> {
-        let m: HashMap<&mut MapData, FlowKeyV4, TransientV4> =
-            HashMap::try_from(self.map(names::TRANSIENT_V4)?)?;
-        match m.get(key, 0) {
-            Ok(v) => Ok(Some(v)),
-            Err(aya::maps::MapError::KeyNotFound) => Ok(None),
-            Err(e) => Err(e.into()),
-        }
-    }
-
-    /// The handshake in progress of a client's key (client → VIP): its reverse key and its entry in
-    /// `TRANSIENT_V4`, found the way the data plane finds it (see `lb_common::handshakes`).
-    pub fn handshake(&mut self, key: &FlowKeyV4) -> Result<Option<(FlowKeyV4, TransientV4)>> {
-        let index: aya::maps::Array<&mut MapData, FlowKeyV4> =
-            aya::maps::Array::try_from(self.map(names::HANDSHAKES)?)?;
-        let rkey = index.get(&lb_common::handshakes::slot(key), 0)?;
-        Ok(self
-            .transient_flow(&rkey)?
-            .filter(|t| t.handshake_of(key))
-            .map(|t| (rkey, t)))
-    }
-
-    /// Writes an entry of `TRANSIENT_V4` (tests).
-    pub fn set_transient_flow(&mut self, key: &FlowKeyV4, v: &TransientV4) -> Result<()> {
-        let mut m: HashMap<&mut MapData, FlowKeyV4, TransientV4> =
-            HashMap::try_from(self.map(names::TRANSIENT_V4)?)?;
-        m.insert(key, v, 0)?;
-        Ok(())
-    }
-
-    /// Deletes an entry of `TRANSIENT_V4`.
-    pub fn remove_transient_flow(&mut self, key: &FlowKeyV4) -> Result<()> {
-        let mut m: HashMap<&mut MapData, FlowKeyV4, TransientV4> =
-            HashMap::try_from(self.map(names::TRANSIENT_V4)?)?;
-        ignore_missing(m.remove(key))
-    }
-
-    /// Global counters summed over CPUs, indexed like `lb_common::stat`.
-    pub fn stats(&mut self) -> Result<Vec<u64>> {
-        let m: PerCpuArray<&mut MapData, u64> = PerCpuArray::try_from(self.map(names::STATS)?)?;
-        (0..stat::COUNT)
-            .map(|i| Ok(m.get(&i, 0)?.iter().sum()))
-            .collect()
-    }
-
-    /// Counters of service `id` summed over CPUs.
-    pub fn service_stats(&mut self, id: u32) -> Result<ServiceStats> {
-        let m: PerCpuArray<&mut MapData, ServiceStats> =
-            PerCpuArray::try_from(self.map(names::SERVICE_STATS)?)?;
-        let per_cpu = m.get(&id, 0)?;
-        Ok(sum_service_stats(per_cpu.iter()))
-    }
-
-    /// Zeroes the counters of service `id` (when the id is given to a new service).
-    pub fn reset_service_stats(&mut self, id: u32) -> Result<()> {
-        let mut m: PerCpuArray<&mut MapData, ServiceStats> =
-            PerCpuArray::try_from(self.map(names::SERVICE_STATS)?)?;
-        let n = aya::util::nr_cpus().map_err(|(_, e)| e)?;
-        m.set(
-            id,
-            PerCpuValues::try_from(vec![ServiceStats::default(); n])?,
-            0,
-        )?;
-        Ok(())
     }
 }
 
@@ -823,51 +440,6 @@ fn mode_tag(mode: AttachMode) -> &'static str {
         AttachMode::Tc => "tc",
         _ => "xdp",
     }
-}
-
-fn source_range_key(svc_id: u32, addr: Addr, prefix_len: u32) -> LpmKey<SourceRangeKey> {
-    LpmKey::new(
-        lb_common::SOURCE_RANGE_ID_BITS + prefix_len,
-        SourceRangeKey {
-            svc_id_be: svc_id.to_be(),
-            addr,
-        },
-    )
-}
-
-fn ignore_missing(r: Result<(), aya::maps::MapError>) -> Result<()> {
-    match r {
-        Ok(()) | Err(aya::maps::MapError::KeyNotFound) => Ok(()),
-        Err(aya::maps::MapError::SyscallError(e))
-            if e.io_error.raw_os_error() == Some(libc::ENOENT) =>
-        {
-            Ok(())
-        }
-        Err(e) => Err(e.into()),
-    }
-}
-
-/// Sums per-CPU service counters.
-pub fn sum_service_stats<'a>(it: impl Iterator<Item = &'a ServiceStats>) -> ServiceStats {
-    let mut t = ServiceStats::default();
-    for s in it {
-        t.rx_packets += s.rx_packets;
-        t.rx_bytes += s.rx_bytes;
-        t.tx_packets += s.tx_packets;
-        t.tx_bytes += s.tx_bytes;
-        t.new_flows += s.new_flows;
-        t.closed_flows += s.closed_flows;
-        t.drop_source_range += s.drop_source_range;
-        t.drop_no_backend += s.drop_no_backend;
-        t.drop_snat_exhausted += s.drop_snat_exhausted;
-        t.drop_no_flow += s.drop_no_flow;
-        t.pass_no_nexthop += s.pass_no_nexthop;
-        t.icmp_translated += s.icmp_translated;
-        t.handshakes += s.handshakes;
-        t.drop_handshake += s.drop_handshake;
-        t.drop_syn_rate += s.drop_syn_rate;
-    }
-    t
 }
 
 /// Turns a program load error into one that carries the verifier log.

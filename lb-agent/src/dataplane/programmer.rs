@@ -10,7 +10,7 @@
 use crate::dataplane::arena::Arena;
 use crate::dataplane::maglev::{self, MaglevBackend};
 use crate::dataplane::model::{ServiceId, ServiceSpec};
-use crate::dataplane::Dataplane;
+use crate::dataplane::Maps;
 use anyhow::{bail, Context, Result};
 use ipnet::IpNet;
 use lb_common::{Addr, Backend, Service, ServiceKey, FAMILY_V4, FAMILY_V6, SVC_F_SOURCE_RANGES};
@@ -68,14 +68,14 @@ impl Programmer {
     /// Re-adopts what a previous agent left in pinned maps, so that the next [`Self::apply`] replaces it
     /// step by step (flows keep running meanwhile) instead of starting from scratch.
     pub fn adopt(
-        dp: &mut Dataplane,
+        maps: &mut Maps,
         max_services: u32,
         max_backends: u32,
         maglev_slots: u32,
     ) -> Result<Self> {
         let mut p = Programmer::new(max_services, max_backends, maglev_slots);
         let mut used = Vec::new();
-        for (key, value) in dp.services()? {
+        for (key, value) in maps.services.entries()? {
             let Some(id) = service_id(&key) else {
                 continue;
             };
@@ -94,26 +94,26 @@ impl Programmer {
         }
         p.arena = Arena::from_used(maglev_slots, &used).context("pinned Maglev tables overlap")?;
         let by_svc: HashMap<u32, ServiceId> = p.services.iter().map(|(k, a)| (a.id, *k)).collect();
-        for (svc, addr, len) in dp.source_ranges()? {
+        for (svc, addr, len) in maps.source_ranges.entries() {
             if let Some(sid) = by_svc.get(&svc) {
                 if let Ok(net) = IpNet::new(addr_to_ip(&addr, sid.vip.is_ipv4()), len as u8) {
                     p.services.get_mut(sid).unwrap().source_ranges.insert(net);
                 }
             }
         }
-        for a in dp.vips()? {
+        for a in maps.vips.keys()? {
             p.vips.insert(addr_to_ip(&a, true));
         }
         // Backend slots in use: every slot that any adopted table references. They are released when the
         // adopted tables are replaced.
         let mut slots = BTreeSet::new();
         for a in p.services.values() {
-            for id in dp.read_table(a.table.0, a.table.1)? {
+            for id in maps.maglev.read(a.table.0, a.table.1)? {
                 slots.insert(id);
             }
         }
         for id in slots {
-            let b = dp.backend(id)?;
+            let b = maps.backends.get(id)?;
             if b.family == 0 {
                 continue;
             }
@@ -184,7 +184,7 @@ impl Programmer {
 
     /// Makes the maps equal to `desired`. On error, services already switched keep their new state and the
     /// others their old one; every service stays consistent and the next apply converges.
-    pub fn apply(&mut self, dp: &mut Dataplane, desired: &[ServiceSpec]) -> Result<ApplyReport> {
+    pub fn apply(&mut self, maps: &mut Maps, desired: &[ServiceSpec]) -> Result<ApplyReport> {
         Self::validate(desired)?;
         let mut report = ApplyReport::default();
         let wanted: BTreeSet<ServiceId> = desired.iter().map(|s| s.id).collect();
@@ -197,21 +197,21 @@ impl Programmer {
             .copied()
             .collect();
         for id in gone {
-            self.remove(dp, &id)?;
+            self.remove(maps, &id)?;
             report.removed += 1;
         }
         for spec in desired {
-            match self.upsert(dp, spec)? {
+            match self.upsert(maps, spec)? {
                 Change::Added => report.added += 1,
                 Change::Updated => report.updated += 1,
                 Change::Unchanged => report.unchanged += 1,
             }
         }
-        self.sync_vips(dp, desired)?;
+        self.sync_vips(maps, desired)?;
         Ok(report)
     }
 
-    fn upsert(&mut self, dp: &mut Dataplane, spec: &ServiceSpec) -> Result<Change> {
+    fn upsert(&mut self, maps: &mut Maps, spec: &ServiceSpec) -> Result<Change> {
         let mut backends = spec.backends.clone();
         backends.sort();
         backends.dedup();
@@ -233,7 +233,7 @@ impl Programmer {
                         self.services.len()
                     );
                 };
-                dp.reset_service_stats(id)?;
+                maps.service_stats.reset(id)?;
                 (id, true)
             }
         };
@@ -253,7 +253,7 @@ impl Programmer {
                 .map(|b| {
                     Ok(MaglevBackend {
                         key: b.to_string().into_bytes(),
-                        id: self.acquire_backend(dp, *b)?,
+                        id: self.acquire_backend(maps, *b)?,
                         weight: 1,
                     })
                 })
@@ -262,7 +262,7 @@ impl Programmer {
             let t = maglev::build(&mb, size);
             let Some(offset) = self.arena.alloc(size) else {
                 for b in &backends {
-                    self.release_backend(dp, *b)?;
+                    self.release_backend(maps, *b)?;
                 }
                 bail!(
                     "service {}: no room for a Maglev table of {size} slots ({} free of {}); raise --maglev-slots",
@@ -271,7 +271,7 @@ impl Programmer {
                     self.arena.total()
                 );
             };
-            dp.write_table(offset, &t)?;
+            maps.maglev.write(offset, &t)?;
             (offset, size)
         };
 
@@ -280,7 +280,8 @@ impl Programmer {
             .map(|a| a.source_ranges.clone())
             .unwrap_or_default();
         for r in ranges.difference(&old_ranges) {
-            dp.add_source_range(svc_idx, ip_to_addr(r.addr()), r.prefix_len() as u32)?;
+            maps.source_ranges
+                .insert(svc_idx, ip_to_addr(r.addr()), r.prefix_len() as u32)?;
         }
 
         let value = Service {
@@ -298,11 +299,12 @@ impl Programmer {
         };
         let changed = existing.as_ref().map(|a| a.value) != Some(value);
         if changed {
-            dp.set_service(&key, &value)?;
+            maps.services.insert(&key, &value)?;
         }
 
         for r in old_ranges.difference(&ranges) {
-            dp.remove_source_range(svc_idx, ip_to_addr(r.addr()), r.prefix_len() as u32)?;
+            maps.source_ranges
+                .remove(svc_idx, ip_to_addr(r.addr()), r.prefix_len() as u32)?;
         }
         let ranges_changed = ranges != old_ranges;
         self.services.insert(
@@ -324,10 +326,10 @@ impl Programmer {
                 match &old.backends {
                     Some(bs) => {
                         for b in bs.clone() {
-                            self.release_backend(dp, b)?;
+                            self.release_backend(maps, b)?;
                         }
                     }
-                    None => self.release_orphan_backends(dp)?,
+                    None => self.release_orphan_backends(maps)?,
                 }
             }
         }
@@ -340,13 +342,14 @@ impl Programmer {
         })
     }
 
-    fn remove(&mut self, dp: &mut Dataplane, id: &ServiceId) -> Result<()> {
+    fn remove(&mut self, maps: &mut Maps, id: &ServiceId) -> Result<()> {
         let Some(a) = self.services.get(id).cloned() else {
             return Ok(());
         };
-        dp.remove_service(&service_key(id))?;
+        maps.services.remove(&service_key(id))?;
         for r in &a.source_ranges {
-            dp.remove_source_range(a.id, ip_to_addr(r.addr()), r.prefix_len() as u32)?;
+            maps.source_ranges
+                .remove(a.id, ip_to_addr(r.addr()), r.prefix_len() as u32)?;
         }
         if a.table.1 > 0 {
             self.arena.free(a.table.0, a.table.1);
@@ -355,16 +358,16 @@ impl Programmer {
         match &a.backends {
             Some(bs) => {
                 for b in bs {
-                    self.release_backend(dp, *b)?;
+                    self.release_backend(maps, *b)?;
                 }
             }
-            None => self.release_orphan_backends(dp)?,
+            None => self.release_orphan_backends(maps)?,
         }
         self.free_service_ids.insert(a.id);
         Ok(())
     }
 
-    fn acquire_backend(&mut self, dp: &mut Dataplane, b: SocketAddr) -> Result<u32> {
+    fn acquire_backend(&mut self, maps: &mut Maps, b: SocketAddr) -> Result<u32> {
         if let Some((id, refs)) = self.backend_ids.get_mut(&b) {
             *refs += 1;
             return Ok(*id);
@@ -372,7 +375,7 @@ impl Programmer {
         let Some(id) = self.free_backend_ids.pop_first() else {
             bail!("backend {b}: the backends map is full; raise --max-backends");
         };
-        dp.set_backend(
+        maps.backends.set(
             id,
             &Backend {
                 addr: ip_to_addr(b.ip()),
@@ -385,7 +388,7 @@ impl Programmer {
         Ok(id)
     }
 
-    fn release_backend(&mut self, dp: &mut Dataplane, b: SocketAddr) -> Result<()> {
+    fn release_backend(&mut self, maps: &mut Maps, b: SocketAddr) -> Result<()> {
         let adopted = self.adopted_tables_remain();
         let Some((id, refs)) = self.backend_ids.get_mut(&b) else {
             return Ok(());
@@ -394,7 +397,7 @@ impl Programmer {
         if *refs == 0 && !adopted {
             let id = *id;
             self.backend_ids.remove(&b);
-            dp.set_backend(id, &Backend::default())?;
+            maps.backends.set(id, &Backend::default())?;
             self.free_backend_ids.insert(id);
         }
         Ok(())
@@ -402,7 +405,7 @@ impl Programmer {
 
     /// Adopted backend slots carry no reference counts; once no adopted table is left, every slot without
     /// a reference is free.
-    fn release_orphan_backends(&mut self, dp: &mut Dataplane) -> Result<()> {
+    fn release_orphan_backends(&mut self, maps: &mut Maps) -> Result<()> {
         if self.adopted_tables_remain() {
             return Ok(());
         }
@@ -414,7 +417,7 @@ impl Programmer {
             .collect();
         for b in orphans {
             let (id, _) = self.backend_ids.remove(&b).unwrap();
-            dp.set_backend(id, &Backend::default())?;
+            maps.backends.set(id, &Backend::default())?;
             self.free_backend_ids.insert(id);
         }
         Ok(())
@@ -424,17 +427,17 @@ impl Programmer {
         self.services.values().any(|a| a.backends.is_none())
     }
 
-    fn sync_vips(&mut self, dp: &mut Dataplane, desired: &[ServiceSpec]) -> Result<()> {
+    fn sync_vips(&mut self, maps: &mut Maps, desired: &[ServiceSpec]) -> Result<()> {
         let mut want = BTreeSet::new();
         for s in desired {
             want.insert(s.id.vip);
             want.insert(s.snat.unwrap_or(s.id.vip));
         }
         for ip in want.difference(&self.vips) {
-            dp.add_vip(&ip_to_addr(*ip))?;
+            maps.vips.insert(&ip_to_addr(*ip), &1)?;
         }
         for ip in self.vips.difference(&want) {
-            dp.remove_vip(&ip_to_addr(*ip))?;
+            maps.vips.remove(&ip_to_addr(*ip))?;
         }
         self.vips = want;
         Ok(())

@@ -23,15 +23,13 @@
 
 use crate::dataplane::flow_filter::FlowFilterMap;
 use crate::dataplane::gc::{connections, now_ns, NS_PER_MS};
-use crate::dataplane::map_batch;
-use crate::dataplane::Dataplane;
+use crate::dataplane::maps::{Maps, Table};
 use crate::ha::sync::{ApplyOutcome, FlowRecord};
 use anyhow::{Context, Result};
-use aya::maps::{HashMap, MapData};
 use lb_common::{
-    map_names as names, Addr, FlowEvent, FlowKeyV4, FlowV4, NextHop, Service, ServiceKey,
-    TransientV4, FAMILY_V4, FLOW_EV_CLOSE, FLOW_EV_NEW, FLOW_EV_REFRESH, FLOW_F_FIN,
-    FLOW_F_FORWARD, FLOW_F_RST, FLOW_F_SYNCED, PROTO_TCP, TCP_CLOSING_TIMEOUT_S,
+    Addr, FlowEvent, FlowKeyV4, FlowV4, NextHop, Service, ServiceKey, TransientV4, FAMILY_V4,
+    FLOW_EV_CLOSE, FLOW_EV_NEW, FLOW_EV_REFRESH, FLOW_F_FIN, FLOW_F_FORWARD, FLOW_F_RST,
+    FLOW_F_SYNCED, PROTO_TCP, TCP_CLOSING_TIMEOUT_S,
 };
 use std::collections::HashMap as StdMap;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -40,17 +38,17 @@ use std::sync::Arc;
 /// Backend id of entries written by the sync (ids are per replica).
 pub const SYNCED_BACKEND_ID: u32 = u32::MAX;
 
-/// Handles on the pinned maps, independent of the agent's [`Dataplane`].
+/// Handles on the data plane's maps, independent of the agent's [`Maps`].
 pub struct BpfFlowStore {
-    flows: HashMap<MapData, FlowKeyV4, FlowV4>,
-    transient: HashMap<MapData, FlowKeyV4, TransientV4>,
+    flows: Table<FlowKeyV4, FlowV4>,
+    transient: Table<FlowKeyV4, TransientV4>,
     /// Marked for every connection written here, as the data plane marks its own (`lb_common::flow_filter`).
     filter: FlowFilterMap,
-    services: HashMap<MapData, ServiceKey, Service>,
-    nexthops: HashMap<MapData, Addr, NextHop>,
+    services: Table<ServiceKey, Service>,
+    nexthops: Table<Addr, NextHop>,
     /// The SYN rate guard's trusted sources: a peer's completed handshake vouches for its client here too, so
     /// after a failover the new master lets the old master's clients through a flood.
-    trusted: HashMap<MapData, Addr, u8>,
+    trusted: Table<Addr, u8>,
     master: Arc<AtomicBool>,
 }
 
@@ -78,28 +76,21 @@ struct Staged<V> {
 impl BpfFlowStore {
     /// Opens second handles on the flow, service and next-hop maps. `master` says whether this replica holds the
     /// VIP (it wins conflicts).
-    pub fn open(dp: &mut Dataplane, master: Arc<AtomicBool>) -> Result<Self> {
+    pub fn open(maps: &Maps, master: Arc<AtomicBool>) -> Result<Self> {
         Ok(BpfFlowStore {
-            flows: HashMap::try_from(dp.open_map(names::FLOWS_V4)?).context("flow map handle")?,
-            transient: HashMap::try_from(dp.open_map(names::TRANSIENT_V4)?)
-                .context("transient map handle")?,
-            filter: dp.open_flow_filter().context("flow filter mapping")?,
-            services: HashMap::try_from(dp.open_map(names::SERVICES)?)
-                .context("service map handle")?,
-            nexthops: HashMap::try_from(dp.open_map(names::NEXTHOPS)?)
-                .context("next-hop map handle")?,
-            trusted: HashMap::try_from(dp.open_map(names::TRUSTED_SOURCES)?)
-                .context("trusted-source map handle")?,
+            flows: maps.flows.reopen()?,
+            transient: maps.transient.reopen()?,
+            filter: maps.flow_filter.reopen().context("flow filter mapping")?,
+            services: maps.services.reopen()?,
+            nexthops: maps.nexthops.reopen()?,
+            trusted: maps.trusted_sources.reopen()?,
             master,
         })
     }
 
     /// Every connection with both entries, as [`FLOW_EV_NEW`] events with their ages in ms.
     pub fn dump(&self) -> Result<Vec<(FlowEvent, u32)>> {
-        let flows: StdMap<FlowKeyV4, FlowV4> = map_batch::entries(&self.flows)
-            .context("reading the flow table")?
-            .into_iter()
-            .collect();
+        let flows: StdMap<FlowKeyV4, FlowV4> = self.flows.entries()?.into_iter().collect();
         Ok(connections(&flows, now_ns(), |_, _| true, FLOW_EV_NEW))
     }
 
@@ -135,18 +126,28 @@ impl BpfFlowStore {
     /// filter after the write (see `lb_common::flow_filter`), then deletions, then the transient table.
     fn commit(&mut self, b: Batch) -> Result<()> {
         let (writes, deletes) = split(b.flows);
-        map_batch::update(&mut self.flows, &writes).context("writing synced flows")?;
+        self.flows
+            .insert_many(&writes)
+            .context("writing synced flows")?;
         for (k, _) in &writes {
             self.filter.mark(k);
         }
-        map_batch::delete(&mut self.flows, &deletes).context("deleting replaced flows")?;
+        self.flows
+            .remove_many(&deletes)
+            .context("deleting replaced flows")?;
         let (writes, deletes) = split(b.transient);
-        map_batch::update(&mut self.transient, &writes).context("writing closed connections")?;
-        map_batch::delete(&mut self.transient, &deletes).context("deleting closed connections")?;
+        self.transient
+            .insert_many(&writes)
+            .context("writing closed connections")?;
+        self.transient
+            .remove_many(&deletes)
+            .context("deleting closed connections")?;
         let mut trusted: Vec<(Addr, u8)> = b.trusted.into_iter().map(|a| (a, 1)).collect();
         trusted.sort_unstable_by_key(|(a, _)| a.bytes);
         trusted.dedup();
-        map_batch::update(&mut self.trusted, &trusted).context("writing trusted sources")?;
+        self.trusted
+            .insert_many(&trusted)
+            .context("writing trusted sources")?;
         Ok(())
     }
 
@@ -154,7 +155,7 @@ impl BpfFlowStore {
         if let Some(s) = b.flows.get(k) {
             return Ok(s.now);
         }
-        let v = lookup(&self.flows, k)?;
+        let v = self.flows.get(k)?;
         b.flows.insert(
             *k,
             Staged {
@@ -170,7 +171,7 @@ impl BpfFlowStore {
         if let Some(s) = b.services.get(k) {
             return Ok(*s);
         }
-        let s = lookup(&self.services, k)?;
+        let s = self.services.get(k)?;
         b.services.insert(*k, s);
         Ok(s)
     }
@@ -179,7 +180,7 @@ impl BpfFlowStore {
         if let Some(n) = b.nexthops.get(a) {
             return Ok(*n);
         }
-        let n = lookup(&self.nexthops, a)?;
+        let n = self.nexthops.get(a)?;
         b.nexthops.insert(*a, n);
         Ok(n)
     }
@@ -276,7 +277,7 @@ impl BpfFlowStore {
     fn closed_here(&self, b: &mut Batch, key: &FlowKeyV4, fwd: &FlowV4) -> Result<bool> {
         let t = match b.transient.get(key) {
             Some(s) => s.now,
-            None => lookup(&self.transient, key)?,
+            None => self.transient.get(key)?,
         };
         Ok(t.is_some_and(|t| t.closed() && same_translation(&t.flow, fwd)))
     }
@@ -368,14 +369,6 @@ fn split<V: Copy>(m: StdMap<FlowKeyV4, Staged<V>>) -> (Vec<(FlowKeyV4, V)>, Vec<
         }
     }
     (writes, deletes)
-}
-
-fn lookup<K: aya::Pod, V: aya::Pod>(m: &HashMap<MapData, K, V>, k: &K) -> Result<Option<V>> {
-    match m.get(k, 0) {
-        Ok(v) => Ok(Some(v)),
-        Err(aya::maps::MapError::KeyNotFound) => Ok(None),
-        Err(e) => Err(e.into()),
-    }
 }
 
 /// Whether this replica carries the connection of entry `e` itself: made or used by its own traffic (not a

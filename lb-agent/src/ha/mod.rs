@@ -11,7 +11,7 @@ pub mod flowstore;
 pub mod sync;
 pub mod vrrp;
 
-use crate::dataplane::{interface_mac, Dataplane};
+use crate::dataplane::{interface_mac, Maps};
 use anyhow::{Context, Result};
 use aya::maps::{MapData, RingBuf};
 use flowstore::BpfFlowStore;
@@ -130,7 +130,7 @@ impl FlowStore for SyncStore {
 impl Ha {
     /// Opens what sync needs; sync itself (listener, peers, ring-buffer reader) starts once the first config is
     /// applied, keepalived with the first VIPs (it refuses an instance without one) — both in [`Self::update`].
-    pub async fn start(opts: HaOptions, dp: &mut Dataplane) -> Result<Ha> {
+    pub async fn start(opts: HaOptions, maps: &mut Maps) -> Result<Ha> {
         let master = Arc::new(AtomicBool::new(false));
         let mut ha = Ha {
             vrrp_opts: opts.vrrp,
@@ -145,12 +145,12 @@ impl Ha {
             stats: None,
         };
         if let Some(s) = opts.sync {
-            let store = SyncStore(BpfFlowStore::open(dp, master)?);
+            let store = SyncStore(BpfFlowStore::open(maps, master)?);
             let (peers_tx, peers_rx) = watch::channel(s.peers.clone());
             ha.pending_sync = Some(PendingSync {
                 settings: s,
                 store,
-                events: dp.take_flow_events()?,
+                events: maps.take_flow_events()?,
                 peers_rx,
             });
             ha.peers_tx = Some(peers_tx);

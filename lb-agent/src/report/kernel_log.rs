@@ -7,19 +7,18 @@ use anyhow::{Context, Result};
 use aya_log::EbpfLogger;
 use tokio::io::unix::AsyncFd;
 use tokio::io::Interest;
-use tokio::task::JoinHandle;
 
 use crate::dataplane::Dataplane;
 
 /// Starts forwarding the loaded programs' log lines (aya-log → `log` → the agent's tracing subscriber, which
-/// takes `log` records). Ends with the runtime.
-pub fn spawn(dp: &mut Dataplane) -> Result<JoinHandle<()>> {
+/// takes `log` records), on a task detached from the caller: it ends with the runtime.
+pub fn spawn(dp: &mut Dataplane) -> Result<()> {
     let logger =
         EbpfLogger::init(dp.ebpf_mut()?).context("opening the data plane's log ring (AYA_LOGS)")?;
     // SAFETY: the logger owns the ring buffer's fd and keeps it open, unreplaced, while the AsyncFd holds it.
     let mut ring = unsafe { AsyncFd::register_with_interest(logger, Interest::READABLE) }
         .context("polling the data plane's log ring")?;
-    Ok(tokio::spawn(async move {
+    tokio::spawn(async move {
         loop {
             let mut ready = match ring.readable_mut().await {
                 Ok(ready) => ready,
@@ -33,5 +32,6 @@ pub fn spawn(dp: &mut Dataplane) -> Result<JoinHandle<()>> {
             ready.get_inner_mut().flush();
             ready.clear_ready();
         }
-    }))
+    });
+    Ok(())
 }

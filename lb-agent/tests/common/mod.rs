@@ -73,15 +73,17 @@ impl Harness {
         dp.xdp_program(XDP_PROGRAM).expect("XDP program loads");
         dp.tc_program().expect("TC program loads");
         for i in 1..=4 {
-            dp.set_nexthop(
-                &ip_to_addr(IpAddr::V4(node(i))),
-                &NextHop {
-                    mac: node_mac(i),
-                    _pad: 0,
-                    ifindex: 0,
-                },
-            )
-            .unwrap();
+            dp.maps
+                .nexthops
+                .insert(
+                    &ip_to_addr(IpAddr::V4(node(i))),
+                    &NextHop {
+                        mac: node_mac(i),
+                        _pad: 0,
+                        ifindex: 0,
+                    },
+                )
+                .unwrap();
         }
         let programmer = Programmer::new(sizes.services, sizes.backends, sizes.maglev_slots);
         Harness {
@@ -93,7 +95,9 @@ impl Harness {
 
     /// Programs the services.
     pub fn apply(&mut self, specs: &[ServiceSpec]) {
-        self.programmer.apply(&mut self.dp, specs).expect("apply");
+        self.programmer
+            .apply(&mut self.dp.maps, specs)
+            .expect("apply");
     }
 
     /// Runs one frame through the hook under test; returns the verdict and the frame afterwards.
@@ -129,7 +133,7 @@ impl Harness {
 
     /// Global counter `idx` (see `lb_common::stat`).
     pub fn stat(&mut self, idx: u32) -> u64 {
-        self.dp.stats().unwrap()[idx as usize]
+        self.dp.maps.stats.totals().unwrap()[idx as usize]
     }
 
     /// Counters of a service.
@@ -138,7 +142,7 @@ impl Harness {
             .programmer
             .service_index(id)
             .expect("service programmed");
-        self.dp.service_stats(idx).unwrap()
+        self.dp.maps.service_stats.total(idx).unwrap()
     }
 }
 

@@ -99,7 +99,7 @@ fn campaign(hook: Hook, seed: u64, frames: usize) -> Report {
         libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set);
     }
     let mut h = Harness::new(hook);
-    let mut events = h.dp.take_flow_events().unwrap();
+    let mut events = h.dp.maps.take_flow_events().unwrap();
     let mut gen = Gen::new(seed);
     let start = Instant::now();
     let mut report = Report {
@@ -112,7 +112,7 @@ fn campaign(hook: Hook, seed: u64, frames: usize) -> Report {
         secs: 0.0,
         counters: vec![],
     };
-    let before = h.dp.stats().unwrap();
+    let before = h.dp.maps.stats.totals().unwrap();
     while report.frames < frames {
         let scenario = gen.scenario();
         let mut model = setup(&mut h, &scenario);
@@ -148,7 +148,7 @@ fn campaign(hook: Hook, seed: u64, frames: usize) -> Report {
         }
     }
     report.secs = start.elapsed().as_secs_f64();
-    let after = h.dp.stats().unwrap();
+    let after = h.dp.maps.stats.totals().unwrap();
     report.counters = after.iter().zip(&before).map(|(a, b)| a - b).collect();
     report
 }
@@ -156,15 +156,18 @@ fn campaign(hook: Hook, seed: u64, frames: usize) -> Report {
 /// Programs an epoch's scenario on empty flow tables and returns a model of it.
 fn setup(h: &mut Harness, s: &Scenario) -> Model {
     h.apply(&s.specs);
-    h.dp.set_config(&s.cfg).unwrap();
-    for (k, _) in h.dp.flows().unwrap() {
-        h.dp.remove_flow(&k).unwrap();
+    h.dp.maps
+        .config
+        .set(lb_common::CONFIG_INDEX, &s.cfg)
+        .unwrap();
+    for (k, _) in h.dp.maps.flows.entries().unwrap() {
+        h.dp.maps.flows.remove(&k).unwrap();
     }
-    for (k, _) in h.dp.transient_flows().unwrap() {
-        h.dp.remove_transient_flow(&k).unwrap();
+    for (k, _) in h.dp.maps.transient.entries().unwrap() {
+        h.dp.maps.transient.remove(&k).unwrap();
     }
     // Empty tables, empty flow filter (the model starts with no marks).
-    h.dp.flow_filter().unwrap().clear();
+    h.dp.maps.flow_filter.clear();
     // The SYN rate guard starts with its whole budget and nobody trusted, like the model.
     let ebpf = h.dp.ebpf_mut().unwrap();
     let mut guard: aya::maps::PerCpuArray<_, u64> =
@@ -177,10 +180,8 @@ fn setup(h: &mut Harness, s: &Scenario) -> Model {
             0,
         )
         .unwrap();
-    let mut trusted: aya::maps::HashMap<_, lb_common::Addr, u8> =
-        aya::maps::HashMap::try_from(ebpf.map_mut("TRUSTED_SOURCES").unwrap()).unwrap();
-    let known: Vec<_> = trusted.keys().filter_map(|k| k.ok()).collect();
-    for k in known {
+    let trusted = &mut h.dp.maps.trusted_sources;
+    for k in trusted.keys().unwrap() {
         trusted.remove(&k).unwrap();
     }
     let mut t = Tables {
@@ -188,35 +189,42 @@ fn setup(h: &mut Harness, s: &Scenario) -> Model {
         ..Default::default()
     };
     let mut svc_stats = HashMap::new();
-    for (k, svc) in h.dp.services().unwrap() {
+    for (k, svc) in h.dp.maps.services.entries().unwrap() {
         if svc.table_size > 0 {
-            let table = h.dp.read_table(svc.table_offset, svc.table_size).unwrap();
+            let table =
+                h.dp.maps
+                    .maglev
+                    .read(svc.table_offset, svc.table_size)
+                    .unwrap();
             for id in &table {
-                t.backends.insert(*id, h.dp.backend(*id).unwrap());
+                t.backends.insert(*id, h.dp.maps.backends.get(*id).unwrap());
             }
             t.maglev.insert(svc.table_offset, table);
         }
-        svc_stats.insert(svc.id, h.dp.service_stats(svc.id).unwrap());
+        svc_stats.insert(svc.id, h.dp.maps.service_stats.total(svc.id).unwrap());
         t.services.insert(k, svc);
     }
     t.nexthops =
-        h.dp.nexthops()
+        h.dp.maps
+            .nexthops
+            .entries()
             .unwrap()
             .into_iter()
             .map(|(a, nh)| (a, nh.mac))
             .collect();
     t.source_ranges =
-        h.dp.source_ranges()
-            .unwrap()
+        h.dp.maps
+            .source_ranges
+            .entries()
             .into_iter()
             .map(|(id, a, len)| (id, a.bytes[..4].try_into().unwrap(), len))
             .collect();
-    t.vips = h.dp.vips().unwrap().into_iter().collect();
+    t.vips = h.dp.maps.vips.keys().unwrap().into_iter().collect();
     // The fragment rule reads this set: every VIP and SNAT address must be in it.
     for svc in t.services.iter().flat_map(|(k, s)| [k.addr, s.snat_addr]) {
         assert!(t.vips.contains(&svc), "{svc:?} missing from VIPS");
     }
-    Model::new(t, h.dp.stats().unwrap(), svc_stats)
+    Model::new(t, h.dp.maps.stats.totals().unwrap(), svc_stats)
 }
 
 fn coarse_now() -> u64 {
@@ -244,17 +252,17 @@ fn apply(
                 f.timeout_s = f.timeout_s.min(1);
             };
             if *transient {
-                if let Some(mut t) = h.dp.transient_flow(key).unwrap() {
+                if let Some(mut t) = h.dp.maps.transient.get(key).unwrap() {
                     age(&mut t.flow);
-                    h.dp.set_transient_flow(key, &t).unwrap();
+                    h.dp.maps.transient.insert(key, &t).unwrap();
                 }
                 if let Some(t) = m.state.transient.get_mut(key) {
                     age(&mut t.flow);
                 }
             } else {
-                if let Some(mut f) = h.dp.flow(key).unwrap() {
+                if let Some(mut f) = h.dp.maps.flows.get(key).unwrap() {
                     age(&mut f);
-                    h.dp.set_flow(key, &f).unwrap();
+                    h.dp.maps.set_flow(key, &f).unwrap();
                 }
                 if let Some(f) = m.state.flows.get_mut(key) {
                     age(f);
@@ -281,8 +289,8 @@ fn apply(
             );
             let rkey = fwd.partner_key(key.proto);
             // Reverse first, as the flow store writes them.
-            h.dp.set_flow(&rkey, &rev).unwrap();
-            h.dp.set_flow(key, &fwd).unwrap();
+            h.dp.maps.set_flow(&rkey, &rev).unwrap();
+            h.dp.maps.set_flow(key, &fwd).unwrap();
             m.state.enter_flows(rkey, rev);
             m.state.enter_flows(*key, fwd);
             Ok(())
@@ -313,7 +321,7 @@ fn apply(
                     clock,
                 },
             )?;
-            let stats = h.dp.stats().unwrap();
+            let stats = h.dp.maps.stats.totals().unwrap();
             if stats != m.state.stats {
                 return Err(Fault::Differs(format!(
                     "counters differ: {}",
@@ -366,7 +374,7 @@ fn compare_events(events: &mut Events, m: &Model, clock: Clock) -> Result<(), Fa
 
 /// Compares one key's entries in both tables, adopting the timestamps the program wrote.
 fn compare_key(h: &mut Harness, m: &mut Model, k: &FlowKeyV4, clock: Clock) -> Result<(), Fault> {
-    let kernel = h.dp.flow(k).unwrap();
+    let kernel = h.dp.maps.flows.get(k).unwrap();
     match (m.state.flows.get(k).copied(), kernel) {
         (None, None) => {}
         (Some(e), Some(a)) => {
@@ -379,7 +387,7 @@ fn compare_key(h: &mut Harness, m: &mut Model, k: &FlowKeyV4, clock: Clock) -> R
             )))
         }
     }
-    let kernel = h.dp.transient_flow(k).unwrap();
+    let kernel = h.dp.maps.transient.get(k).unwrap();
     match (m.state.transient.get(k).copied(), kernel) {
         (None, None) => {}
         (Some(e), Some(a)) => {
@@ -414,11 +422,8 @@ fn compare_slots(
     m: &Model,
     slots: impl Iterator<Item = u32>,
 ) -> Result<(), Fault> {
-    let ebpf = h.dp.ebpf_mut().unwrap();
-    let map: aya::maps::Array<_, FlowKeyV4> =
-        aya::maps::Array::try_from(ebpf.map(lb_common::map_names::HANDSHAKES).unwrap()).unwrap();
     for slot in slots {
-        let kernel = map.get(&slot, 0).unwrap();
+        let kernel = h.dp.maps.handshakes.get(slot).unwrap();
         let model = m.state.handshakes[&slot];
         if kernel != model {
             return Err(Fault::Differs(format!(
@@ -431,8 +436,8 @@ fn compare_slots(
 
 /// Both tables whole, the `HANDSHAKES` slots written, and the services' counters.
 fn compare_all(h: &mut Harness, m: &Model) -> Result<(), Fault> {
-    let flows: HashMap<_, _> = h.dp.flows().unwrap().into_iter().collect();
-    let transient: HashMap<_, _> = h.dp.transient_flows().unwrap().into_iter().collect();
+    let flows: HashMap<_, _> = h.dp.maps.flows.entries().unwrap().into_iter().collect();
+    let transient: HashMap<_, _> = h.dp.maps.transient.entries().unwrap().into_iter().collect();
     let fresh = m
         .state
         .flows
@@ -485,7 +490,7 @@ fn compare_all(h: &mut Harness, m: &Model) -> Result<(), Fault> {
     }
     compare_slots(h, m, m.state.handshakes.keys().copied())?;
     for (id, expected) in &m.state.svc_stats {
-        let actual = h.dp.service_stats(*id).unwrap();
+        let actual = h.dp.maps.service_stats.total(*id).unwrap();
         if *expected != actual {
             return Err(Fault::Differs(format!(
                 "service {id} counters:\n  model  {expected:?}\n  kernel {actual:?}"

@@ -6,7 +6,7 @@
 pub mod trace;
 
 use crate::dataplane::programmer::addr_to_ip;
-use crate::dataplane::Dataplane;
+use crate::dataplane::Maps;
 use anyhow::Result;
 use lb_common::{
     stat, FlowKeyV4, FlowV4, ServiceStats, TransientV4, FAMILY_V4, FLOW_F_FIN, FLOW_F_FORWARD,
@@ -99,12 +99,12 @@ fn v4(raw: u32, port_be: u16) -> SocketAddr {
 }
 
 /// The services, their backends and counters.
-pub fn services(dp: &mut Dataplane) -> Result<Vec<ServiceView>> {
-    let flows = dp.flows()?;
+pub fn services(maps: &Maps) -> Result<Vec<ServiceView>> {
+    let flows = maps.flows.entries()?;
     let mut out = Vec::new();
-    for (key, svc) in dp.services()? {
+    for (key, svc) in maps.services.entries()? {
         let table = if svc.table_size > 0 {
-            dp.read_table(svc.table_offset, svc.table_size)?
+            maps.maglev.read(svc.table_offset, svc.table_size)?
         } else {
             vec![]
         };
@@ -115,7 +115,7 @@ pub fn services(dp: &mut Dataplane) -> Result<Vec<ServiceView>> {
             *ids.entry(*id).or_default() += 1;
         }
         for (id, slots) in ids {
-            let b = dp.backend(id)?;
+            let b = maps.backends.get(id)?;
             if b.family != 0 {
                 let ip = addr_to_ip(&b.addr, b.family == FAMILY_V4);
                 *share
@@ -151,7 +151,7 @@ pub fn services(dp: &mut Dataplane) -> Result<Vec<ServiceView>> {
             idle_timeout_s: svc.idle_timeout_s,
             source_ranges: svc.flags & SVC_F_SOURCE_RANGES != 0,
             backends: views,
-            counters: service_counters(&dp.service_stats(svc.id)?),
+            counters: service_counters(&maps.service_stats.total(svc.id)?),
         });
     }
     out.sort_by_key(|s| (s.vip, s.port, s.protocol));
@@ -202,12 +202,13 @@ fn state(fwd: &FlowV4, rev: Option<&FlowV4>, transient: bool) -> &'static str {
 }
 
 /// The connection table (both tables), filtered, oldest-idle last.
-pub fn flows(dp: &mut Dataplane, filter: &FlowFilter) -> Result<Vec<ConnectionView>> {
+pub fn flows(maps: &Maps, filter: &FlowFilter) -> Result<Vec<ConnectionView>> {
     let now = crate::dataplane::gc::now_ns();
-    let established = dp.flows()?;
+    let established = maps.flows.entries()?;
     // A handshake is one entry holding both directions: shown like a closed connection's two.
-    let transient: Vec<(FlowKeyV4, FlowV4)> = dp
-        .transient_flows()?
+    let transient: Vec<(FlowKeyV4, FlowV4)> = maps
+        .transient
+        .entries()?
         .into_iter()
         .flat_map(|(k, t): (FlowKeyV4, TransientV4)| {
             let fwd = t.handshake().then(|| (t.flow.partner_key(k.proto), t.fwd));
@@ -261,10 +262,10 @@ pub struct CounterView {
 }
 
 /// The data plane's global counters, read twice `interval` apart for their rates.
-pub fn counters(dp: &mut Dataplane, interval: Duration) -> Result<Vec<CounterView>> {
-    let before = dp.stats()?;
+pub fn counters(maps: &Maps, interval: Duration) -> Result<Vec<CounterView>> {
+    let before = maps.stats.totals()?;
     std::thread::sleep(interval);
-    let after = dp.stats()?;
+    let after = maps.stats.totals()?;
     Ok((0..stat::COUNT as usize)
         .map(|i| CounterView {
             name: stat::NAMES[i],

@@ -175,19 +175,22 @@ pub fn start(
             unsupported_reported: Vec::new(),
         },
     ));
-    let reporter = tokio::spawn(status::run_status_reporter(
-        machines,
-        settings,
-        recorder,
-        rx.clone(),
-        status,
-        stale_rx,
-        snapshot,
-        status::Feedback {
-            facts: facts_rx,
-            revision: revision_tx,
-        },
-    ));
+    let reporter = tokio::spawn(
+        status::StatusReporter {
+            machines,
+            settings,
+            recorder,
+            config: rx.clone(),
+            status,
+            stale: stale_rx,
+            snapshot,
+            feedback: status::Feedback {
+                facts: facts_rx,
+                revision: revision_tx,
+            },
+        }
+        .run(),
+    );
     KubeMode {
         config: rx,
         tasks: vec![source, reporter],

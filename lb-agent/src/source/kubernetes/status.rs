@@ -341,41 +341,89 @@ impl Backoff {
     }
 }
 
-/// Writes the machine's status on every change of the agent's status (or of what the source learnt from the
-/// LoadBalancer) and at least every requeue period (heartbeat); runs until the agent's status channel closes.
-#[allow(clippy::too_many_arguments)]
-pub(super) async fn run_status_reporter(
-    machines: Api<LoadBalancerMachine>,
-    settings: KubeSettings,
-    recorder: Arc<Recorder>,
-    config: watch::Receiver<ConfigState>,
-    mut status: watch::Receiver<AgentStatus>,
-    mut stale: watch::Receiver<Option<String>>,
-    snapshot: SharedSnapshot,
-    mut feedback: Feedback,
-) {
-    let what = format!(
-        "LoadBalancerMachine {}/{}",
-        settings.namespace, settings.machine
-    );
-    let mut backoff = Backoff::new(settings.requeue);
-    // Events compare against an agent that has done nothing yet.
-    let mut seen = AgentStatus::default();
-    // The status last written successfully: an unchanged status waits for the heartbeat, so health-check
-    // churn (which re-sends the same status) does not turn into API writes.
-    let mut written: Option<(AgentStatus, LbFacts)> = None;
-    let mut deadline = Instant::now();
-    // The agent's own status plus whether the configuration source is in sync — and whether the agent has taken
-    // what the source last published: right after a relist the source is in sync while the agent loop may not have
-    // seen the new generation yet, and its status would claim the old one is up to date.
-    let current_status = |status: &mut watch::Receiver<AgentStatus>,
-                          stale: &mut watch::Receiver<Option<String>>| {
-        let status = status.borrow_and_update().clone();
-        let published = match &*config.borrow() {
+/// The status reporter: writes the machine's status on every change of the agent's status (or of what the source
+/// learnt from the LoadBalancer) and at least every requeue period (heartbeat).
+pub(super) struct StatusReporter {
+    pub machines: Api<LoadBalancerMachine>,
+    pub settings: KubeSettings,
+    pub recorder: Arc<Recorder>,
+    /// What the config source published.
+    pub config: watch::Receiver<ConfigState>,
+    /// What the agent loop publishes.
+    pub status: watch::Receiver<AgentStatus>,
+    /// Why the config source is not in sync with the API server (`None`: it is).
+    pub stale: watch::Receiver<Option<String>>,
+    /// The agent's metrics.
+    pub snapshot: SharedSnapshot,
+    pub feedback: Feedback,
+}
+
+impl StatusReporter {
+    /// Runs until the agent's status channel closes.
+    pub(super) async fn run(mut self) {
+        let what = format!(
+            "LoadBalancerMachine {}/{}",
+            self.settings.namespace, self.settings.machine
+        );
+        let mut backoff = Backoff::new(self.settings.requeue);
+        // Events compare against an agent that has done nothing yet.
+        let mut seen = AgentStatus::default();
+        // The status last written successfully: an unchanged status waits for the heartbeat, so health-check
+        // churn (which re-sends the same status) does not turn into API writes.
+        let mut written: Option<(AgentStatus, LbFacts)> = None;
+        let mut deadline = Instant::now();
+        loop {
+            tokio::select! {
+                r = self.status.changed() => {
+                    if r.is_err() {
+                        tracing::info!("the agent stopped; status reporting ends");
+                        return;
+                    }
+                }
+                // The source ends only with the agent; then the branch above ends the loop.
+                Ok(()) = self.stale.changed() => {}
+                Ok(()) = self.feedback.facts.changed() => {}
+                _ = tokio::time::sleep_until(deadline) => {}
+            }
+            let current = self.current_status();
+            let facts = self.feedback.facts.borrow_and_update().clone();
+            if written.as_ref() == Some(&(current.clone(), facts.clone()))
+                && Instant::now() < deadline
+            {
+                continue;
+            }
+            let events = status_events(&seen, &current, &self.config.borrow());
+            for e in &events {
+                self.recorder.publish(e).await;
+            }
+            seen = current.clone();
+            match self.write_status(&current, &facts).await {
+                Ok(()) => {
+                    tracing::debug!(object = %what, "status written");
+                    written = Some((current, facts));
+                    backoff.reset();
+                    deadline = Instant::now() + self.settings.requeue;
+                }
+                Err(e) => {
+                    let delay = backoff.next_delay();
+                    tracing::warn!(object = %what, error = %format!("{e:#}"), retry_in = ?delay, "writing the status failed");
+                    written = None;
+                    deadline = Instant::now() + delay;
+                }
+            }
+        }
+    }
+
+    /// The agent's own status plus whether the configuration source is in sync — and whether the agent has taken
+    /// what the source last published: right after a relist the source is in sync while the agent loop may not
+    /// have seen the new generation yet, and its status would claim the old one is up to date.
+    fn current_status(&mut self) -> AgentStatus {
+        let status = self.status.borrow_and_update().clone();
+        let published = match &*self.config.borrow() {
             ConfigState::Valid(_, g) | ConfigState::Invalid(_, g) => Some(*g),
             ConfigState::Pending => None,
         };
-        let source_stale = stale.borrow_and_update().clone().or_else(|| {
+        let source_stale = self.stale.borrow_and_update().clone().or_else(|| {
             published
                 .filter(|g| status.desired_generation != Some(*g))
                 .map(|g| format!("the agent has not taken generation {g} of the LoadBalancer yet"))
@@ -384,132 +432,78 @@ pub(super) async fn run_status_reporter(
             source_stale,
             ..status
         }
-    };
-    loop {
-        tokio::select! {
-            r = status.changed() => {
-                if r.is_err() {
-                    tracing::info!("the agent stopped; status reporting ends");
-                    return;
-                }
-            }
-            // The source ends only with the agent; then the branch above ends the loop.
-            Ok(()) = stale.changed() => {}
-            Ok(()) = feedback.facts.changed() => {}
-            _ = tokio::time::sleep_until(deadline) => {}
-        }
-        let current = current_status(&mut status, &mut stale);
-        let facts = feedback.facts.borrow_and_update().clone();
-        if written.as_ref() == Some(&(current.clone(), facts.clone())) && Instant::now() < deadline
-        {
-            continue;
-        }
-        let events = status_events(&seen, &current, &config.borrow());
-        for e in &events {
-            recorder.publish(e).await;
-        }
-        seen = current.clone();
-        match write_status(
-            &machines,
-            &settings,
-            &current,
-            &facts,
-            &snapshot,
-            &feedback.revision,
-        )
-        .await
-        {
-            Ok(()) => {
-                tracing::debug!(object = %what, "status written");
-                written = Some((current, facts));
-                backoff.reset();
-                deadline = Instant::now() + settings.requeue;
-            }
-            Err(e) => {
-                let delay = backoff.next_delay();
-                tracing::warn!(object = %what, error = %format!("{e:#}"), retry_in = ?delay, "writing the status failed");
-                written = None;
-                deadline = Instant::now() + delay;
-            }
-        }
     }
-}
 
-/// Read-modify-write of the machine's status (conditions of others are kept), retried on conflicts. Without
-/// `--machine-revision` the machine's revision annotation read on the way goes to `revision`.
-async fn write_status(
-    machines: &Api<LoadBalancerMachine>,
-    settings: &KubeSettings,
-    status: &AgentStatus,
-    facts: &LbFacts,
-    snapshot: &SharedSnapshot,
-    revision: &watch::Sender<Option<String>>,
-) -> Result<()> {
-    const ATTEMPTS: usize = 3;
-    let name = &settings.machine;
-    for attempt in 1..=ATTEMPTS {
-        let lbm = machines.get(name).await.map_err(|e| match &e {
-            ::kube::Error::Api(s) if s.is_not_found() => anyhow::anyhow!(
-                "LoadBalancerMachine {}/{name} does not exist (check --namespace and --loadbalancer-machine-name)",
-                settings.namespace
-            ),
-            // kube's error text already includes its cause: one line, no `{:#}` chain repeating it.
-            _ => anyhow::anyhow!("reading LoadBalancerMachine {}/{name}: {e}", settings.namespace),
-        })?;
-        if settings.machine_revision.is_none() {
-            let annotated = lbm
-                .metadata
-                .annotations
-                .as_ref()
-                .and_then(|a| a.get(lb_api::constants::lb_annotations::REVISION))
-                .map(|r| r.trim().to_string());
-            revision.send_if_modified(|r| {
-                let changed = *r != annotated;
-                if changed {
-                    tracing::info!(revision = ?annotated, "the machine's revision (from its annotation)");
-                }
-                *r = annotated.clone();
-                changed
-            });
-        }
-        let prev = lbm
-            .status
-            .as_ref()
-            .and_then(|s| s.conditions.as_deref())
-            .unwrap_or_default();
-        let now = (settings.clock)();
-        let (metrics, keepalived_stats) = {
-            let snap = snapshot.read().unwrap_or_else(|e| e.into_inner());
-            let stats = snap.ha.as_ref().is_some_and(|h| h.vrrp_stats.is_some());
-            (snap.yawol_metrics(), stats)
-        };
-        let ctx = Context {
-            facts: facts.clone(),
-            keepalived_stats,
-        };
-        let conds = conditions(prev, status, &ctx, &now);
-        let metrics = metrics_list(&metrics, &now);
-        let patch = status_patch(lbm.metadata.resource_version.as_deref(), &conds, &metrics);
-        match machines
-            .patch_status(name, &PatchParams::default(), &Patch::Merge(&patch))
-            .await
-        {
-            Ok(_) => return Ok(()),
-            Err(::kube::Error::Api(s)) if s.is_conflict() && attempt < ATTEMPTS => {
-                tracing::debug!(
-                    attempt,
-                    "LoadBalancerMachine changed meanwhile; retrying the status write"
-                );
-            }
-            Err(e) => {
-                return Err(anyhow::anyhow!(
-                    "patching LoadBalancerMachine {}/{name} status: {e}",
+    /// Read-modify-write of the machine's status (conditions of others are kept), retried on conflicts. Without
+    /// `--machine-revision` the machine's revision annotation read on the way goes to the source.
+    async fn write_status(&self, status: &AgentStatus, facts: &LbFacts) -> Result<()> {
+        const ATTEMPTS: usize = 3;
+        let (machines, settings) = (&self.machines, &self.settings);
+        let name = &settings.machine;
+        for attempt in 1..=ATTEMPTS {
+            let lbm = machines.get(name).await.map_err(|e| match &e {
+                ::kube::Error::Api(s) if s.is_not_found() => anyhow::anyhow!(
+                    "LoadBalancerMachine {}/{name} does not exist (check --namespace and --loadbalancer-machine-name)",
                     settings.namespace
-                ))
+                ),
+                // kube's error text already includes its cause: one line, no `{:#}` chain repeating it.
+                _ => anyhow::anyhow!("reading LoadBalancerMachine {}/{name}: {e}", settings.namespace),
+            })?;
+            if settings.machine_revision.is_none() {
+                let annotated = lbm
+                    .metadata
+                    .annotations
+                    .as_ref()
+                    .and_then(|a| a.get(lb_api::constants::lb_annotations::REVISION))
+                    .map(|r| r.trim().to_string());
+                self.feedback.revision.send_if_modified(|r| {
+                    let changed = *r != annotated;
+                    if changed {
+                        tracing::info!(revision = ?annotated, "the machine's revision (from its annotation)");
+                    }
+                    *r = annotated.clone();
+                    changed
+                });
+            }
+            let prev = lbm
+                .status
+                .as_ref()
+                .and_then(|s| s.conditions.as_deref())
+                .unwrap_or_default();
+            let now = (settings.clock)();
+            let (metrics, keepalived_stats) = {
+                let snap = self.snapshot.read().unwrap_or_else(|e| e.into_inner());
+                let stats = snap.ha.as_ref().is_some_and(|h| h.vrrp_stats.is_some());
+                (snap.yawol_metrics(), stats)
+            };
+            let ctx = Context {
+                facts: facts.clone(),
+                keepalived_stats,
+            };
+            let conds = conditions(prev, status, &ctx, &now);
+            let metrics = metrics_list(&metrics, &now);
+            let patch = status_patch(lbm.metadata.resource_version.as_deref(), &conds, &metrics);
+            match machines
+                .patch_status(name, &PatchParams::default(), &Patch::Merge(&patch))
+                .await
+            {
+                Ok(_) => return Ok(()),
+                Err(::kube::Error::Api(s)) if s.is_conflict() && attempt < ATTEMPTS => {
+                    tracing::debug!(
+                        attempt,
+                        "LoadBalancerMachine changed meanwhile; retrying the status write"
+                    );
+                }
+                Err(e) => {
+                    return Err(anyhow::anyhow!(
+                        "patching LoadBalancerMachine {}/{name} status: {e}",
+                        settings.namespace
+                    ))
+                }
             }
         }
+        unreachable!("the last attempt returns")
     }
-    unreachable!("the last attempt returns")
 }
 
 #[cfg(test)]
