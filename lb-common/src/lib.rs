@@ -428,6 +428,57 @@ pub struct FlowEvent {
     pub rev: FlowV4,
 }
 
+/// A rare data-plane event with its details, for the agent's log (`KLOG_EVENTS` ring buffer; see
+/// `lb-ebpf/src/klog.rs`). At most one per kind per CPU per second.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct KernelEvent {
+    /// `klog::KIND_*`.
+    pub kind: u8,
+    /// [`klog::KIND_MALFORMED`]: `klog::MALFORMED_*`, why the parser refused the frame.
+    pub why: u8,
+    /// A port, network order (the backend's node port for [`klog::KIND_SNAT_EXHAUSTED`]).
+    pub port_be: u16,
+    /// The service's id, where the event has one.
+    pub svc_id: u32,
+    /// An IPv4 address, network order (the backend for SNAT exhaustion, the source for the SYN guard), or the
+    /// Maglev slot for [`klog::KIND_BAD_BACKEND`], or the frame's length for [`klog::KIND_MALFORMED`].
+    pub value: u32,
+    /// Reserved, zero.
+    pub _pad: u32,
+}
+
+/// [`KernelEvent`] kinds and reasons; each kind is named after the counter that counts it.
+pub mod klog {
+    /// No free SNAT port towards a backend (`drop_snat_exhausted`).
+    pub const KIND_SNAT_EXHAUSTED: u8 = 0;
+    /// A new flow's entries refused by the connection table (`drop_flow_insert`).
+    pub const KIND_FLOW_INSERT: u8 = 1;
+    /// A Maglev slot naming no IPv4 backend (`drop_bad_backend`).
+    pub const KIND_BAD_BACKEND: u8 = 2;
+    /// The SYN guard dropping SYNs of untrusted sources (`drop_syn_rate`).
+    pub const KIND_SYN_GUARD: u8 = 3;
+    /// A frame dropped as malformed (`drop_malformed`).
+    pub const KIND_MALFORMED: u8 = 4;
+    /// Number of kinds.
+    pub const KINDS: u32 = 5;
+
+    /// Shorter than an Ethernet header.
+    pub const MALFORMED_ETHERNET: u8 = 0;
+    /// The IPv4 header is cut short.
+    pub const MALFORMED_IPV4_HEADER: u8 = 1;
+    /// Version not 4, or IHL < 5.
+    pub const MALFORMED_IPV4_VERSION: u8 = 2;
+    /// Total length below the header length or beyond the frame.
+    pub const MALFORMED_IPV4_LENGTH: u8 = 3;
+    /// The TCP header is cut short, or its data offset is out of bounds.
+    pub const MALFORMED_TCP: u8 = 4;
+    /// The UDP header is cut short or beyond the IPv4 total length.
+    pub const MALFORMED_UDP: u8 = 5;
+    /// The ICMP header is cut short.
+    pub const MALFORMED_ICMP: u8 = 6;
+}
+
 /// Bytes of a traced packet's headers kept before and after the program (Ethernet + IPv4 + TCP with room for
 /// options, or an ICMP error with the quoted IPv4 header and ports).
 pub const TRACE_HDR: usize = 96;
@@ -731,6 +782,7 @@ mod pod {
     unsafe impl aya::Pod for super::FlowV4 {}
     unsafe impl aya::Pod for super::TransientV4 {}
     unsafe impl aya::Pod for super::ServiceStats {}
+    unsafe impl aya::Pod for super::KernelEvent {}
     unsafe impl aya::Pod for super::Config {}
     unsafe impl aya::Pod for super::FlowEvent {}
     unsafe impl aya::Pod for super::TraceFilter {}

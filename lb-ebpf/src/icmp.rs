@@ -7,7 +7,7 @@ use crate::{
     csum,
     ctx::{ptr_at, Ctx, Verdict},
     hdr::*,
-    klog::{self, Malformed},
+    klog,
     maps::{count, with_service_stats, FLOWS_V4, TRANSIENT_V4},
     transient,
 };
@@ -26,7 +26,7 @@ pub(crate) fn translate<C: Ctx>(
 ) -> Verdict {
     let (Some(ih), true) = (ptr_at::<C, IcmpHdr>(c, l4_off), l4_off + ICMP_LEN <= end) else {
         count(stat::DROP_MALFORMED);
-        klog::malformed(Malformed::Icmp, c.packet_len() as u32);
+        klog::malformed(lb_common::klog::MALFORMED_ICMP, c.packet_len());
         return Verdict::Drop;
     };
     let ty = unsafe { (*ih).ty };

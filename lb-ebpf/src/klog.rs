@@ -1,168 +1,113 @@
-//! The rare things an operator wants in the agent's log with their details, sent through aya-log (the agent
-//! forwards them to its own log with target `lb_ebpf`): a backend's SNAT ports exhausted, a flow the tables
-//! could not store, a Maglev table that points nowhere, the SYN guard dropping, a frame the parser refused.
+//! The rare things an operator wants in the agent's log with their details: a backend's SNAT ports exhausted, a
+//! flow the table refused, a Maglev slot naming no backend, the SYN guard dropping, a frame the parser refused.
+//! Each becomes a small fixed record ([`KernelEvent`]) on `KLOG_EVENTS`, which the agent turns into a log line.
 //!
-//! Counters stay the record of how often; a line here says which service, backend or source. Each function is
-//! called only on the branch that counts its event — never for a forwarded packet — and writes at most one line
-//! per kind per CPU per second ([`due`]): a flood of dropped SYNs or malformed frames costs each packet one
-//! per-CPU array read and a compare with the time the packet path already has, not a record. Writing a line is a
-//! BPF function of its own (`inline(never)`), so the log code stays out of the packet paths.
+//! Counters stay the record of how often; a line says which service, backend or source. [`event`] is called only
+//! on the branch that counts its event — never for a forwarded packet — and writes at most one record per kind
+//! per CPU per second: a flood of dropped SYNs or malformed frames costs each packet a call, a per-CPU array read
+//! and a compare with the time the packet path already has.
+//!
+//! Why not aya-log: its record writer is costly to verify (the formatting of each `warn!` walks bounded loops over
+//! every literal and argument). Five of them added 195k verified instructions to each fast program (365k → 561k)
+//! and pushed the traced programs of `lbctl trace` past the verifier's limit of a million; a fixed record costs
+//! the verifier a few dozen, and the text is written in the agent.
 
-use aya_ebpf::{helpers::bpf_ktime_get_coarse_ns, macros::map, maps::PerCpuArray};
-use aya_log_ebpf::warn;
+use aya_ebpf::{helpers::bpf_ktime_get_coarse_ns, macros::map, maps::PerCpuArray, maps::RingBuf};
+use lb_common::{klog::*, KernelEvent};
 
-/// Kinds, each rate-limited on its own.
-const SNAT_EXHAUSTED: u32 = 0;
-const FLOW_INSERT: u32 = 1;
-const BAD_BACKEND: u32 = 2;
-const SYN_GUARD: u32 = 3;
-const MALFORMED: u32 = 4;
-const KINDS: u32 = 5;
-
-/// At most one line per kind per CPU in this time.
+/// At most one record per kind per CPU in this time.
 const INTERVAL_NS: u64 = 1_000_000_000;
 
-/// When this CPU last wrote a line of each kind (ns, `bpf_ktime_get_coarse_ns`; never pinned: a restarted agent
-/// may log again at once).
+/// The records, read by the agent (never pinned: each agent reads the programs it loaded).
+#[map]
+static KLOG_EVENTS: RingBuf = RingBuf::with_byte_size(1 << 16, 0);
+
+/// When this CPU last wrote a record of each kind (ns, `bpf_ktime_get_coarse_ns`).
 #[map]
 static KLOG_LAST: PerCpuArray<u64> = PerCpuArray::with_max_entries(KINDS, 0);
 
-/// Whether a line of `kind` may be written at `now` (the packet path's coarse clock, ns) on this CPU, and if so
-/// records that it is. The caller's clock, not one read here: a clock read per dropped SYN of a flood cost
-/// 30–100 ns (bench dataplane, `tcp_syn_guard_drop_full`).
-#[inline(always)]
-fn due(kind: u32, now: u64) -> bool {
+/// Records event `kind` unless this CPU recorded one of that kind less than a second before `now` (the packet
+/// path's coarse clock, ns; 0 = read it here). A global BPF function (`extern "C"`, `no_mangle`, returning a
+/// scalar as those must): the verifier checks it once on its own, and at each call only the arguments.
+#[no_mangle]
+#[inline(never)]
+pub extern "C" fn lb_klog_event(
+    kind_why: u32,
+    svc_id: u32,
+    value: u32,
+    port_be: u32,
+    now: u64,
+) -> u32 {
+    let kind = kind_why & 0xff;
     let Some(last) = KLOG_LAST.get_ptr_mut(kind) else {
-        return false;
+        return 0;
+    };
+    let now = if now == 0 {
+        unsafe { bpf_ktime_get_coarse_ns() }
+    } else {
+        now
     };
     // SAFETY: this CPU's slot; nothing else runs on this CPU meanwhile.
     unsafe {
         if *last != 0 && now.wrapping_sub(*last) < INTERVAL_NS {
-            return false;
+            return 0;
         }
         *last = now;
     }
-    true
-}
-
-/// No free SNAT port towards a backend (addresses and ports in network order, as in the packet).
-#[inline(always)]
-pub fn snat_exhausted(svc_id: u32, node: u32, node_port: u16, snat: u32, now: u64) {
-    if due(SNAT_EXHAUSTED, now) {
-        write_snat_exhausted(svc_id, node, node_port, snat);
-    }
-}
-
-#[inline(never)]
-fn write_snat_exhausted(svc_id: u32, node: u32, node_port: u16, snat: u32) {
-    warn!(
-        &(),
-        "service {}: no free SNAT port from {:i} towards backend {:i}:{}; new connections to it are dropped \
-         (drop_snat_exhausted)",
+    let Some(mut e) = KLOG_EVENTS.reserve::<KernelEvent>(0) else {
+        return 0;
+    };
+    e.write(KernelEvent {
+        kind: kind as u8,
+        why: (kind_why >> 8) as u8,
+        port_be: port_be as u16,
         svc_id,
-        u32::from_be(snat),
-        u32::from_be(node),
-        u16::from_be(node_port)
+        value,
+        _pad: 0,
+    });
+    e.submit(0);
+    0
+}
+
+/// No free SNAT port towards a backend (address and port in network order, as in the packet).
+#[inline(never)]
+pub fn snat_exhausted(svc_id: u32, node: u32, node_port_be: u16, now: u64) {
+    lb_klog_event(
+        KIND_SNAT_EXHAUSTED as u32,
+        svc_id,
+        node,
+        node_port_be as u32,
+        now,
     );
 }
 
 /// A new flow's entries could not be written to the connection table (`FLOWS_V4`).
-#[inline(always)]
-pub fn flow_insert_failed(svc_id: u32, now: u64) {
-    if due(FLOW_INSERT, now) {
-        write_flow_insert_failed(svc_id);
-    }
-}
-
 #[inline(never)]
-fn write_flow_insert_failed(svc_id: u32) {
-    warn!(
-        &(),
-        "service {}: the connection table refused a new flow's entries; the packet is dropped \
-         (drop_flow_insert)",
-        svc_id
-    );
+pub fn flow_insert_failed(svc_id: u32, now: u64) {
+    lb_klog_event(KIND_FLOW_INSERT as u32, svc_id, 0, 0, now);
 }
 
 /// The service's Maglev slot or the backend it names is empty: the agent's tables are inconsistent.
-#[inline(always)]
-pub fn bad_backend(svc_id: u32, slot: u32) {
-    // A new flow's path without a clock of its own yet; a broken table is rare, the clock read is fine here.
-    if due(BAD_BACKEND, unsafe { bpf_ktime_get_coarse_ns() }) {
-        write_bad_backend(svc_id, slot);
-    }
-}
-
 #[inline(never)]
-fn write_bad_backend(svc_id: u32, slot: u32) {
-    warn!(
-        &(),
-        "service {}: Maglev slot {} names no backend; the packet is dropped (drop_bad_backend)",
-        svc_id,
-        slot
-    );
+pub fn bad_backend(svc_id: u32, slot: u32) {
+    lb_klog_event(KIND_BAD_BACKEND as u32, svc_id, slot, 0, 0);
 }
 
-/// A SYN from an untrusted source dropped over the new-handshake rate (address in network order).
+/// A SYN from an untrusted source dropped over the new-handshake rate (address in network order). Inlined, unlike
+/// the others: a flood takes this path for every packet.
 #[inline(always)]
 pub fn syn_guard_dropping(svc_id: u32, src: u32, now: u64) {
-    if due(SYN_GUARD, now) {
-        write_syn_guard_dropping(svc_id, src);
-    }
+    lb_klog_event(KIND_SYN_GUARD as u32, svc_id, src, 0, now);
 }
 
+/// A frame dropped as malformed (`why`: `MALFORMED_*`), before the packet path reads its clock.
 #[inline(never)]
-fn write_syn_guard_dropping(svc_id: u32, src: u32) {
-    warn!(
-        &(),
-        "service {}: SYN guard dropping SYNs over the new-handshake rate on this CPU from sources that never \
-         completed a handshake (one of them: {:i}) (drop_syn_rate)",
-        svc_id,
-        u32::from_be(src)
-    );
-}
-
-/// Why the parser refused a frame.
-#[derive(Clone, Copy)]
-#[repr(u8)]
-pub enum Malformed {
-    /// Shorter than an Ethernet header.
-    Ethernet,
-    /// The IPv4 header is cut short.
-    Ipv4Header,
-    /// Version not 4, or IHL < 5.
-    Ipv4Version,
-    /// Total length below the header length or beyond the frame.
-    Ipv4Length,
-    /// The TCP header is cut short, or its data offset is out of bounds.
-    Tcp,
-    /// The UDP header is cut short or beyond the IPv4 total length.
-    Udp,
-    /// The ICMP header is cut short.
-    Icmp,
-}
-
-/// A frame dropped as malformed (before the packet path reads its clock).
-#[inline(always)]
-pub fn malformed(why: Malformed, len: u32) {
-    if due(MALFORMED, unsafe { bpf_ktime_get_coarse_ns() }) {
-        write_malformed(why, len);
-    }
-}
-
-#[inline(never)]
-fn write_malformed(why: Malformed, len: u32) {
-    let what = match why {
-        Malformed::Ethernet => "shorter than an Ethernet header",
-        Malformed::Ipv4Header => "IPv4 header cut short",
-        Malformed::Ipv4Version => "IPv4 version or header length invalid",
-        Malformed::Ipv4Length => "IPv4 total length out of bounds",
-        Malformed::Tcp => "TCP header cut short or data offset out of bounds",
-        Malformed::Udp => "UDP header cut short or beyond the IPv4 length",
-        Malformed::Icmp => "ICMP header cut short",
-    };
-    warn!(
-        &(),
-        "dropped a malformed frame of {} bytes: {} (drop_malformed)", len, what
+pub fn malformed(why: u8, len: usize) {
+    lb_klog_event(
+        KIND_MALFORMED as u32 | (why as u32) << 8,
+        0,
+        len as u32,
+        0,
+        0,
     );
 }

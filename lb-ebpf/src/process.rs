@@ -15,8 +15,7 @@ use crate::{
     ctx::{ptr_at, Ctx, Verdict},
     flow_filter,
     hdr::*,
-    icmp,
-    klog::{self, Malformed},
+    icmp, klog,
     lb::pick_backend,
     maps::{count, with_service_stats, CONFIG, FLOWS_V4, SERVICES, TRANSIENT_V4, VIPS},
     packet::{flow_key, L4Pkt},
@@ -28,7 +27,7 @@ use crate::{
 pub fn process<C: Ctx>(c: &C) -> Verdict {
     let Some(eth) = ptr_at::<C, EthHdr>(c, 0) else {
         count(stat::DROP_MALFORMED);
-        klog::malformed(Malformed::Ethernet, c.packet_len() as u32);
+        klog::malformed(lb_common::klog::MALFORMED_ETHERNET, c.packet_len());
         return Verdict::Drop;
     };
     // SAFETY (all header dereferences below): pointers come from `ptr_at`, which checked the bounds.
@@ -44,14 +43,14 @@ pub fn process<C: Ctx>(c: &C) -> Verdict {
     }
     let Some(ip) = ptr_at::<C, Ipv4Hdr>(c, ETH_LEN) else {
         count(stat::DROP_MALFORMED);
-        klog::malformed(Malformed::Ipv4Header, c.packet_len() as u32);
+        klog::malformed(lb_common::klog::MALFORMED_IPV4_HEADER, c.packet_len());
         return Verdict::Drop;
     };
     let vihl = unsafe { (*ip).vihl };
     let ihl = (vihl & 0x0f) as usize;
     if vihl >> 4 != 4 || ihl < 5 {
         count(stat::DROP_MALFORMED);
-        klog::malformed(Malformed::Ipv4Version, c.packet_len() as u32);
+        klog::malformed(lb_common::klog::MALFORMED_IPV4_VERSION, c.packet_len());
         return Verdict::Drop;
     }
     let hl = ihl * 4;
@@ -59,7 +58,7 @@ pub fn process<C: Ctx>(c: &C) -> Verdict {
     // Trailing bytes after `tot` are link padding and allowed; a length beyond the frame is not.
     if tot < hl || tot + ETH_LEN > c.packet_len() {
         count(stat::DROP_MALFORMED);
-        klog::malformed(Malformed::Ipv4Length, c.packet_len() as u32);
+        klog::malformed(lb_common::klog::MALFORMED_IPV4_LENGTH, c.packet_len());
         return Verdict::Drop;
     }
     if ihl > 5 {
@@ -84,13 +83,13 @@ pub fn process<C: Ctx>(c: &C) -> Verdict {
         PROTO_TCP => {
             let Some(tcp) = ptr_at::<C, TcpHdr>(c, l4_off) else {
                 count(stat::DROP_MALFORMED);
-                klog::malformed(Malformed::Tcp, c.packet_len() as u32);
+                klog::malformed(lb_common::klog::MALFORMED_TCP, c.packet_len());
                 return Verdict::Drop;
             };
             let doff = (unsafe { (*tcp).doff } >> 4) as usize * 4;
             if doff < TCP_LEN || hl + doff > tot {
                 count(stat::DROP_MALFORMED);
-                klog::malformed(Malformed::Tcp, c.packet_len() as u32);
+                klog::malformed(lb_common::klog::MALFORMED_TCP, c.packet_len());
                 return Verdict::Drop;
             }
             let p = unsafe {
@@ -109,12 +108,12 @@ pub fn process<C: Ctx>(c: &C) -> Verdict {
         PROTO_UDP => {
             let Some(udp) = ptr_at::<C, UdpHdr>(c, l4_off) else {
                 count(stat::DROP_MALFORMED);
-                klog::malformed(Malformed::Udp, c.packet_len() as u32);
+                klog::malformed(lb_common::klog::MALFORMED_UDP, c.packet_len());
                 return Verdict::Drop;
             };
             if hl + UDP_LEN > tot {
                 count(stat::DROP_MALFORMED);
-                klog::malformed(Malformed::Udp, c.packet_len() as u32);
+                klog::malformed(lb_common::klog::MALFORMED_UDP, c.packet_len());
                 return Verdict::Drop;
             }
             let p = L4Pkt {

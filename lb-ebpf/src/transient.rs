@@ -105,7 +105,7 @@ pub fn open<C: Ctx>(
     if claimed.is_none() {
         count(stat::DROP_SNAT_EXHAUSTED);
         with_service_stats(svc.id, |s| s.drop_snat_exhausted += 1);
-        klog::snat_exhausted(svc.id, t.node, t.node_port, t.snat, now);
+        klog::snat_exhausted(svc.id, t.node, t.node_port, now);
         return Verdict::Drop;
     };
     let e = unsafe { &*e };
