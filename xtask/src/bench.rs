@@ -28,6 +28,9 @@ pub enum Which {
     /// VRRP failover between replicas: takeover time, traffic pause and surviving connections over 10
     /// failovers, next to yawol's keepalived timing without sync; sync throughput and CPU (root).
     Failover,
+    /// LoadBalancer port change → first packet through the new port: the real agent in Kubernetes mode against a
+    /// real kube-apiserver, XDP on the netns rig, 50 changes (root).
+    KubeConfig,
     /// The OpenStack-side controllers against the real OpenStack of `cargo xtask openstack up` (started if needed,
     /// stopped again afterwards): new LoadBalancer to floating IP and to ACTIVE servers, deletion, OpenStack calls
     /// per reconcile in steady state.
@@ -37,7 +40,7 @@ pub enum Which {
 }
 
 /// Every kind, in the order `all` runs them.
-const ALL: [Which; 8] = [
+const ALL: [Which; 9] = [
     Which::Dataplane,
     Which::Controller,
     Which::Pktgen,
@@ -45,6 +48,7 @@ const ALL: [Which; 8] = [
     Which::Connections,
     Which::Scale,
     Which::Failover,
+    Which::KubeConfig,
     Which::Openstack,
 ];
 
@@ -118,6 +122,10 @@ impl Binaries {
     /// next to the benchmark binary.
     fn build(kinds: &[Which], smoke: bool) -> Result<Binaries> {
         crate::ebpf::build()?;
+        if kinds.iter().any(|k| matches!(k, Which::KubeConfig)) {
+            // A real kube-apiserver (kube-testenv): KUBEBUILDER_ASSETS made absolute for the benchmark's process.
+            crate::prereq::kube_assets()?;
+        }
         if matches!(kinds, [Which::Openstack]) {
             // Built before the environment starts: the services and the compiler would share the 2 cores. It starts
             // its own real kube-apiserver: etcd (a Debian package of the prerequisites), KUBEBUILDER_ASSETS.
@@ -141,6 +149,19 @@ impl Binaries {
         for kind in kinds {
             args.extend_from_slice(match kind {
                 Which::Controller | Which::Openstack => &["-p", "lb-controller-benches"],
+                // `--bins` too: with a target named, cargo builds only the named ones, and the rig starts the
+                // lb-agent and lb-testbed binaries.
+                Which::KubeConfig => &[
+                    "-p",
+                    "lb-agent",
+                    "-p",
+                    "lb-testbed",
+                    "-p",
+                    "lb-benches",
+                    "--bins",
+                    "--example",
+                    "bench-kube-config",
+                ],
                 _ => &["-p", "lb-agent", "-p", "lb-testbed", "-p", "lb-benches"],
             });
         }
@@ -160,6 +181,7 @@ impl Binaries {
             Which::Synflood => self.bin("bench-synflood"),
             Which::Scale => self.bin("bench-scale"),
             Which::Failover => self.bin("bench-failover"),
+            Which::KubeConfig => self.bin("examples/bench-kube-config"),
             Which::Openstack => crate::openstack::with_environment(|state| self.openstack(state)),
             Which::All => unreachable!("run_bench expands all"),
         }

@@ -11,6 +11,8 @@
 //! - [`synflood`]: SYNs from spoofed sources through AF_PACKET.
 //! - [`ha`]: two or three load-balancer replicas with VRRP and state sync sharing one VIP.
 //! - [`rig`]: the load balancer under test (topology + echo servers + the real agent); [`demo`] uses it.
+//! - `kube_rig` (feature `kubernetes`): the rig's agent in Kubernetes mode against a real API server.
+//! - [`forward`]: a TCP forwarder from a namespace to the caller's loopback (how that agent reaches the API server).
 //! - [`process`]: command runner with clear errors, [`ChildGuard`], tool/root checks, [`binary_path`].
 //!
 //! The same functions are available as subcommands of the `lb-testbed` binary (run inside a namespace with
@@ -18,8 +20,11 @@
 
 pub mod demo;
 pub mod echo;
+pub mod forward;
 pub mod ha;
 pub mod hold;
+#[cfg(feature = "kubernetes")]
+pub mod kube_rig;
 pub mod load;
 pub mod process;
 pub mod rawsend;

@@ -1,7 +1,8 @@
 //! A load balancer under test: a [`Topology`] with echo servers on every backend, the real `lb-agent` in the
-//! lb namespace with a LoadBalancer-shaped config file, and the VIP on the lb's interface. Shared by the
-//! end-to-end tests and `lb-testbed demo`.
+//! lb namespace with a LoadBalancer-shaped config file (or, with [`RigConfig::kubernetes`], in Kubernetes mode),
+//! and the VIP on the lb's interface. Shared by the end-to-end tests and `lb-testbed demo`.
 
+use crate::forward::Forward;
 use crate::hold::HoldReport;
 use crate::load::LoadReport;
 use crate::synflood::FloodReport;
@@ -9,7 +10,7 @@ use crate::{ChildGuard, Host, Topology, TopologyConfig};
 use anyhow::{anyhow, bail, Context, Result};
 use std::collections::BTreeMap;
 use std::io::{Read, Write};
-use std::net::{Ipv4Addr, TcpStream};
+use std::net::{Ipv4Addr, SocketAddr, TcpStream};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
@@ -23,6 +24,8 @@ pub const UDP_PORT: u16 = 53;
 pub const UDP_NODE_PORT: u16 = 30053;
 /// Where the agent serves metrics inside the lb namespace.
 pub const METRICS: &str = "127.0.0.1:9100";
+/// Last octet of the VIP in the topology's /24.
+pub const VIP_OCTET: u8 = 100;
 
 /// How to build the rig.
 #[derive(Clone, Debug)]
@@ -46,6 +49,23 @@ pub struct RigConfig {
     /// Keep GRO on the bridge ports even with native XDP on the lb (only to show what it breaks: the
     /// bridge then hands the lb's veth super-packets, which single-buffer native XDP drops).
     pub bridge_gro_with_native_xdp: bool,
+    /// Run the agent in Kubernetes mode instead of on the config file (`options` and `configured_backends` then
+    /// have no effect: the LoadBalancer object says what to balance).
+    pub kubernetes: Option<KubeAgent>,
+}
+
+/// The agent in Kubernetes mode: its configuration comes from its LoadBalancer object (see
+/// `lb_testbed::kube_rig`, which creates the objects and this).
+#[derive(Clone, Debug)]
+pub struct KubeAgent {
+    /// Kubernetes-mode flags (namespace, LoadBalancer and machine names) as the controller writes them into a
+    /// VM's cloud-init, without `--interface` and `--kubeconfig`: the rig gives its own.
+    pub args: Vec<String>,
+    /// The machine's kubeconfig (written to the rig's directory).
+    pub kubeconfig: String,
+    /// The API server's address on this machine. A forwarder listens on the same address in the lb namespace, so
+    /// the kubeconfig's server URL (and the serving certificate's IP) hold there as they do here.
+    pub api_server: SocketAddr,
 }
 
 impl RigConfig {
@@ -61,6 +81,7 @@ impl RigConfig {
             agent_args: Vec::new(),
             topology: TopologyConfig::default(),
             bridge_gro_with_native_xdp: false,
+            kubernetes: None,
         })
     }
 }
@@ -98,6 +119,8 @@ pub struct Rig {
     pub cfg: RigConfig,
     echo: BTreeMap<usize, ChildGuard>,
     agent: Option<ChildGuard>,
+    /// The API server forwarded into the lb namespace (Kubernetes mode).
+    api_forward: Option<Forward>,
     xdp_pass: Option<ChildGuard>,
     dir: PathBuf,
     pin_dir: PathBuf,
@@ -123,7 +146,7 @@ impl Rig {
             ..topology
         })?;
         on_topology(topo.id());
-        let vip = topo.addr(100);
+        let vip = topo.addr(VIP_OCTET);
         topo.add_addr(Host::Lb, vip)?;
         let dir = std::env::temp_dir().join(format!("{}-rig", topo.id()));
         std::fs::create_dir_all(&dir)?;
@@ -134,6 +157,7 @@ impl Rig {
             cfg,
             echo: BTreeMap::new(),
             agent: None,
+            api_forward: None,
             xdp_pass: None,
             dir,
             pin_dir,
@@ -144,8 +168,12 @@ impl Rig {
         for i in 1..=rig.cfg.backends {
             rig.start_backend(i)?;
         }
-        let n = rig.cfg.configured_backends;
-        rig.write_config(&rig.config_yaml(&(1..=n).collect::<Vec<_>>(), &rig.cfg.options.clone()))?;
+        if rig.cfg.kubernetes.is_none() {
+            let n = rig.cfg.configured_backends;
+            rig.write_config(
+                &rig.config_yaml(&(1..=n).collect::<Vec<_>>(), &rig.cfg.options.clone()),
+            )?;
+        }
         rig.start_agent()?;
         Ok(rig)
     }
@@ -195,8 +223,6 @@ impl Rig {
             self.cfg.agent_bin.display().to_string(),
             "--interface".into(),
             self.topo.ifname(Host::Lb).into(),
-            "--config".into(),
-            self.config_path().display().to_string(),
             "--attach-mode".into(),
             self.cfg.attach_mode.clone(),
             "--pin-dir".into(),
@@ -208,6 +234,23 @@ impl Rig {
             "--metrics-address".into(),
             METRICS.into(),
         ];
+        match self.cfg.kubernetes.clone() {
+            None => argv.extend(["--config".into(), self.config_path().display().to_string()]),
+            Some(k) => {
+                if self.api_forward.is_none() {
+                    self.api_forward = Some(Forward::start(
+                        &self.topo,
+                        Host::Lb,
+                        k.api_server,
+                        k.api_server,
+                    )?);
+                }
+                let kubeconfig = self.dir.join("kubeconfig");
+                std::fs::write(&kubeconfig, &k.kubeconfig)?;
+                argv.push(format!("--kubeconfig={}", kubeconfig.display()));
+                argv.extend(k.args);
+            }
+        }
         argv.extend(self.cfg.agent_args.iter().cloned());
         let child = self.topo.spawn(Host::Lb, &argv)?;
         self.agent = Some(child);
@@ -279,6 +322,33 @@ impl Rig {
     /// The agent's pin directory (what `lbctl --pin-dir` reads).
     pub fn pin_dir(&self) -> &Path {
         &self.pin_dir
+    }
+
+    /// `lbctl` with this rig's pin directory and `args`, to run in the lb's namespace as an operator on the VM
+    /// would (the agent's bpffs view).
+    pub fn lbctl_argv(&self, args: &[&str]) -> Result<Vec<String>> {
+        let bin = find_artifact("LB_LBCTL_BIN", "lbctl")?;
+        let mut argv = vec![
+            bin.display().to_string(),
+            "--pin-dir".into(),
+            self.pin_dir.display().to_string(),
+        ];
+        argv.extend(args.iter().map(|a| a.to_string()));
+        Ok(argv)
+    }
+
+    /// `lbctl --json <args>` in the lb's namespace: what the maps hold.
+    pub fn lbctl_json(&self, args: &[&str]) -> Result<serde_json::Value> {
+        let mut argv = self.lbctl_argv(&["--json"])?;
+        argv.extend(args.iter().map(|a| a.to_string()));
+        let out = self.topo.exec_unchecked(Host::Lb, &argv)?;
+        if !out.status.success() {
+            bail!(
+                "lbctl {args:?}: {}",
+                String::from_utf8_lossy(&out.stderr).trim()
+            );
+        }
+        serde_json::from_slice(&out.stdout).with_context(|| format!("lbctl {args:?} output"))
     }
 
     /// Runs `lb-testbed load` in the client namespace with `args` (targets default to the VIP services).
@@ -453,6 +523,7 @@ impl Drop for Rig {
         if let Some(mut a) = self.agent.take() {
             a.kill();
         }
+        self.api_forward.take();
         self.echo.clear();
         self.xdp_pass.take();
         let _ = std::fs::remove_dir_all(&self.pin_dir);

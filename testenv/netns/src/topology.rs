@@ -133,6 +133,20 @@ impl Default for TopologyConfig {
     }
 }
 
+impl TopologyConfig {
+    /// The address `host` will have: known before the topology exists, for objects that name it (a
+    /// LoadBalancer's endpoints).
+    pub fn ip(&self, host: Host) -> Ipv4Addr {
+        self.addr(host.octet())
+    }
+
+    /// An address in the /24 by last octet (see [`Topology::addr`]).
+    pub fn addr(&self, last_octet: u8) -> Ipv4Addr {
+        let o = self.subnet.octets();
+        Ipv4Addr::new(o[0], o[1], o[2], last_octet)
+    }
+}
+
 /// Everything a caller needs to know about one host.
 #[derive(Debug, Clone)]
 pub struct HostInfo {
@@ -200,7 +214,6 @@ impl Topology {
         let n = TOPOLOGY_COUNTER.fetch_add(1, Ordering::Relaxed);
         let id = format!("{}-{}-{}", cfg.prefix, std::process::id(), n);
         let switch_ns = format!("{id}-sw");
-        let base = cfg.subnet.octets();
         if cfg.lb_replicas == 0 || cfg.lb_replicas > 5 {
             bail!("lb_replicas must be in 1..=5, got {}", cfg.lb_replicas);
         }
@@ -210,7 +223,7 @@ impl Topology {
         let hosts: BTreeMap<Host, HostInfo> = all
             .into_iter()
             .map(|h| {
-                let ip = Ipv4Addr::new(base[0], base[1], base[2], h.octet());
+                let ip = cfg.ip(h);
                 let o = ip.octets();
                 let info = HostInfo {
                     host: h,

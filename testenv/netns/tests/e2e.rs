@@ -483,22 +483,14 @@ fn malformed_storm_during_traffic_is_dropped_and_counted() {
     assert!(storm.errors.is_empty(), "{:?}", storm.errors);
 }
 
+/// `lbctl` with the rig's pin directory and `args`, to run in the lb's namespace.
+fn lbctl_argv(r: &Rig, args: &[&str]) -> Vec<String> {
+    r.lbctl_argv(args).unwrap()
+}
+
 /// `lbctl` (issue 18) reads what the agent pinned: the connections a client holds are listed established with
 /// their client, service and backend; the services show every backend with its share and the held flows; the
 /// counters are the ones `/metrics` reports.
-/// `lbctl` with the rig's pin directory and `args`, to run in the lb's namespace as an operator on the VM would
-/// (the agent's bpffs view).
-fn lbctl_argv(r: &Rig, args: &[&str]) -> Vec<String> {
-    let bin = lb_testbed::rig::find_artifact("LB_LBCTL_BIN", "lbctl").unwrap();
-    let mut argv = vec![
-        bin.display().to_string(),
-        "--pin-dir".into(),
-        r.pin_dir().display().to_string(),
-    ];
-    argv.extend(args.iter().map(|a| a.to_string()));
-    argv
-}
-
 #[test]
 fn lbctl_lists_held_connections_services_and_counters_native_xdp() {
     lbctl_lists_held_connections_services_and_counters("xdp");
@@ -526,17 +518,7 @@ fn lbctl_lists_held_connections_services_and_counters(mode: &str) {
             "200",
         ])
         .unwrap();
-    let lbctl = |args: &[&str]| -> serde_json::Value {
-        let mut argv = lbctl_argv(&r, &["--json"]);
-        argv.extend(args.iter().map(|a| a.to_string()));
-        let out = r.topo.exec_unchecked(Host::Lb, &argv).unwrap();
-        assert!(
-            out.status.success(),
-            "lbctl {args:?}: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        serde_json::from_slice(&out.stdout).unwrap()
-    };
+    let lbctl = |args: &[&str]| -> serde_json::Value { r.lbctl_json(args).unwrap() };
     let client = r.topo.ip(Host::Client).to_string();
     for (service, n) in [(&tcp, 40), (&udp, 10)] {
         // UDP flows exist from their first datagram on: hold staggers them over its interval.
