@@ -70,10 +70,10 @@ pub struct Metrics {
     pub reconcile_duration: Family<ControllerLabels, Histogram>,
     /// Writes to LoadBalancer objects by operation.
     pub loadbalancer_writes: Family<OperationLabels, Counter>,
-    /// Services rejected by validation (each distinct problem counted once).
+    /// Services rejected by validation or for their IP families (each distinct problem counted once).
     pub invalid_services: Counter,
-    /// Annotation values that were ignored or are not honoured, e.g. PROXY protocol (each distinct problem counted
-    /// once).
+    /// Annotation values that were ignored or are not honoured, e.g. PROXY protocol, and served Services' IP-family
+    /// problems (IPv6 not served, no node with IPv4) (each distinct problem counted once).
     pub annotation_warnings: Counter,
     /// Events re-emitted from LoadBalancers onto Services.
     pub events_forwarded: Counter,
@@ -158,12 +158,12 @@ impl Metrics {
         );
         registry.register(
             "invalid_services",
-            "Services rejected by validation",
+            "Services rejected by validation or for their IP families",
             invalid_services.clone(),
         );
         registry.register(
             "annotation_warnings",
-            "Service annotation values ignored or not honoured",
+            "Service annotation values ignored or not honoured, IP families not fully served",
             annotation_warnings.clone(),
         );
         registry.register(

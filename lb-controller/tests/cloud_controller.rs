@@ -693,24 +693,276 @@ async fn node_heartbeats_do_not_cause_writes() {
     h.stop().await;
 }
 
-/// The IPv4 part of the dual-stack test: kube-testenv's cluster is IPv4 single-stack, see
-/// `ipv6_and_dual_stack_filtering`.
+/// The Service's IP-family condition as (status, reason, message).
+async fn family_condition(h: &Harness, name: &str) -> Option<(String, String, String)> {
+    h.service("default", name)
+        .await?
+        .status?
+        .conditions?
+        .into_iter()
+        .find(|c| c.type_ == "LoadBalancerIPFamilies")
+        .map(|c| (c.status, c.reason, c.message))
+}
+
+/// Waits until the condition has `status` and `reason`; returns its message.
+async fn wait_family_condition(h: &Harness, name: &str, status: &str, reason: &str) -> String {
+    common::poll(&format!("{name}: condition {status}/{reason}"), || async {
+        family_condition(h, name)
+            .await
+            .filter(|(s, r, _)| s == status && r == reason)
+            .map(|(_, _, m)| m)
+    })
+    .await
+}
+
+/// Warning events about the Service with this reason: (message, count).
+async fn warnings(h: &Harness, name: &str, reason: &str) -> Vec<(String, i32)> {
+    h.events_for("default", name)
+        .await
+        .into_iter()
+        .filter(|(t, r, _, _)| t == "Warning" && r == reason)
+        .map(|(_, _, m, c)| (m, c))
+        .collect()
+}
+
+async fn wait_warning(h: &Harness, name: &str, reason: &str, contains: &str) {
+    eventually(
+        &format!("{name}: {reason} event with {contains:?}"),
+        || async {
+            warnings(h, name, reason)
+                .await
+                .iter()
+                .any(|(m, _)| m.contains(contains))
+        },
+    )
+    .await;
+}
+
+/// kube-testenv's API server has IPv4 and IPv6 service ranges, so every combination a user can write exists here.
+/// IPv4 is served; PreferDualStack is served over IPv4 with a warning; IPv6 single-stack and RequireDualStack are
+/// refused like invalid Services; never an IPv6 endpoint; each Service says so in its condition.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn dual_stack_filtering() {
+async fn ip_families_are_served_partly_or_refused_never_silently() {
     let mut h = Harness::new(Clusters::Split, ClassFilter::default()).await;
     h.put_node("node-a", "True", &["10.0.0.1", "fd00::1"]).await;
     h.put_node("node-b", "True", &["fd00::2"]).await;
     h.run().await;
     h.create_service("default", "v4", json!({}), json!({"ipFamilies": ["IPv4"]}))
         .await;
-    // No ipFamilies: the server fills in the cluster's (IPv4).
-    h.create_service("default", "plain", json!({}), json!({}))
+    // No ipFamilies: the server fills in its first range's (IPv4), single-stack.
+    let plain = h
+        .create_service("default", "plain", json!({}), json!({}))
         .await;
-    for lb in ["default--v4", "default--plain"] {
-        let v4 = h.wait_lb(lb, lb, |_| true).await;
-        assert_eq!(endpoint_names(&v4), ["node-a"]);
-        assert_eq!(v4.spec.endpoints()[0].addresses(), ["10.0.0.1"]);
+    assert_eq!(
+        plain.spec.as_ref().unwrap().ip_families.as_deref(),
+        Some(["IPv4".to_string()].as_slice())
+    );
+    let v6 = h
+        .create_service("default", "v6", json!({}), json!({"ipFamilies": ["IPv6"]}))
+        .await;
+    assert_eq!(
+        v6.spec.unwrap().ip_family_policy.as_deref(),
+        Some("SingleStack")
+    );
+    h.create_service(
+        "default",
+        "require",
+        json!({}),
+        json!({"ipFamilyPolicy": "RequireDualStack"}),
+    )
+    .await;
+    let prefer = h
+        .create_service(
+            "default",
+            "prefer",
+            json!({}),
+            json!({"ipFamilyPolicy": "PreferDualStack"}),
+        )
+        .await;
+    assert_eq!(
+        prefer.spec.unwrap().ip_families.unwrap(),
+        ["IPv4", "IPv6"],
+        "the API server is dual-stack"
+    );
+
+    for name in ["v4", "plain", "prefer"] {
+        let lb = h.wait_lb(&format!("default--{name}"), name, |_| true).await;
+        assert_eq!(endpoint_names(&lb), ["node-a"], "{name}");
+        assert_eq!(
+            lb.spec.endpoints()[0].addresses(),
+            ["10.0.0.1"],
+            "{name}: IPv4 only"
+        );
     }
+    for name in ["v4", "plain"] {
+        let message = wait_family_condition(&h, name, "True", "Served").await;
+        assert_eq!(message, "ipFamilies [IPv4]: served over IPv4");
+    }
+    let message = wait_family_condition(&h, "prefer", "False", "IPFamilyNotSupported").await;
+    assert!(message.contains("IPv6 not served yet"), "{message}");
+    wait_warning(
+        &h,
+        "prefer",
+        "IPFamilyNotSupported",
+        "publishes only its IPv4 address",
+    )
+    .await;
+
+    for (name, says) in [("v6", "without IPv4"), ("require", "RequireDualStack")] {
+        wait_warning(&h, name, "IPFamilyNotSupported", says).await;
+        let message = wait_family_condition(&h, name, "False", "IPFamilyNotSupported").await;
+        assert!(message.contains("no LoadBalancer is created"), "{message}");
+        assert!(
+            h.lb(&format!("default--{name}")).await.is_none(),
+            "{name}: refused"
+        );
+    }
+    assert_eq!(h.metrics.invalid_services.get(), 2, "the two refusals");
+    // The served IPv4 Services got no warning at all.
+    for name in ["v4", "plain"] {
+        let events = h.events_for("default", name).await;
+        assert!(
+            events.iter().all(|(t, _, _, _)| t != "Warning"),
+            "{name}: {events:?}"
+        );
+    }
+
+    // A node change re-runs every Service: nothing is reported twice, no condition is rewritten.
+    let before = h.metrics.reconcile_count("service");
+    h.put_node("node-c", "True", &["10.0.0.3"]).await;
+    h.wait_lb("default--v4", "node-c added", |lb| {
+        endpoint_names(lb).len() == 2
+    })
+    .await;
+    h.wait_reconciles(before, 5).await;
+    for name in ["v6", "require", "prefer"] {
+        assert_eq!(
+            warnings(&h, name, "IPFamilyNotSupported").await.len(),
+            1,
+            "{name}: one event"
+        );
+        assert!(
+            warnings(&h, name, "IPFamilyNotSupported")
+                .await
+                .iter()
+                .all(|(_, count)| *count == 1),
+            "{name}: reported once"
+        );
+    }
+
+    // The condition is one entry among the Service's status: the ingress and a condition of somebody else's stay.
+    h.set_lb_status(
+        "default--prefer",
+        json!({"externalIP": "192.0.2.20", "replicas": 1, "readyReplicas": 1}),
+    )
+    .await;
+    eventually("prefer's ingress", || async {
+        h.service("default", "prefer")
+            .await
+            .and_then(|s| {
+                lb_controller::cloud::loadbalancer_spec::service_ingress_ip(&s).map(str::to_string)
+            })
+            .as_deref()
+            == Some("192.0.2.20")
+    })
+    .await;
+    h.service_api("default")
+        .patch_status(
+            "prefer",
+            &PatchParams::default(),
+            &Patch::Strategic(json!({"status": {"conditions": [{
+                "type": "Other", "status": "True", "reason": "Someone", "message": "",
+                "lastTransitionTime": "2024-01-01T00:00:00Z",
+            }]}})),
+        )
+        .await
+        .unwrap();
+    // Back to single-stack: the server drops IPv6, the Service is fully served.
+    h.patch_service(
+        "default",
+        "prefer",
+        json!({"spec": {"ipFamilyPolicy": "SingleStack"}}),
+    )
+    .await;
+    wait_family_condition(&h, "prefer", "True", "Served").await;
+    let status = h
+        .service("default", "prefer")
+        .await
+        .unwrap()
+        .status
+        .unwrap();
+    assert!(
+        status
+            .conditions
+            .unwrap()
+            .iter()
+            .any(|c| c.type_ == "Other"),
+        "the other condition is kept"
+    );
+    assert_eq!(
+        status.load_balancer.unwrap().ingress.unwrap()[0]
+            .ip
+            .as_deref(),
+        Some("192.0.2.20"),
+        "the ingress is kept"
+    );
+
+    // RequireDualStack relaxed: served, the LoadBalancer appears.
+    h.patch_service(
+        "default",
+        "require",
+        json!({"spec": {"ipFamilyPolicy": "PreferDualStack"}}),
+    )
+    .await;
+    let lb = h
+        .wait_lb("default--require", "served once relaxed", |_| true)
+        .await;
+    assert!(lb
+        .spec
+        .endpoints()
+        .iter()
+        .all(|e| e.addresses().iter().all(|a| !a.contains(':'))));
+    wait_family_condition(&h, "require", "False", "IPFamilyNotSupported").await;
+    wait_warning(&h, "require", "IPFamilyNotSupported", "not served yet").await;
+
+    // Another type: the LoadBalancer goes and so does the condition.
+    h.patch_service("default", "v4", json!({"spec": {"type": "ClusterIP"}}))
+        .await;
+    eventually("v4's condition removed", || async {
+        h.lb("default--v4").await.is_none() && family_condition(&h, "v4").await.is_none()
+    })
+    .await;
+    h.stop().await;
+}
+
+/// Nodes with only IPv6 InternalIPs: the LoadBalancer is created (its address is allocated and stays) without
+/// backends, and the Service says why; once the nodes get IPv4 addresses they become its endpoints.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nodes_without_ipv4_are_a_warning_not_zero_backends_quietly() {
+    let mut h = Harness::new(Clusters::Split, ClassFilter::default()).await;
+    h.put_node("node-a", "True", &["fd00::1"]).await;
+    h.put_node("node-b", "True", &["fd00::2"]).await;
+    h.run().await;
+    h.create_service("default", "web", json!({}), json!({}))
+        .await;
+    let lb = h.wait_lb(LB, "created without backends", |_| true).await;
+    assert!(lb.spec.endpoints().is_empty());
+    wait_warning(&h, "web", "NoIPv4Nodes", "none of the 2 node(s)").await;
+    let message = wait_family_condition(&h, "web", "False", "NoIPv4Nodes").await;
+    assert!(
+        message.contains("no backends until the nodes get IPv4 addresses"),
+        "{message}"
+    );
+
+    h.put_node("node-a", "True", &["10.0.0.1", "fd00::1"]).await;
+    let lb = h
+        .wait_lb(LB, "node-a's IPv4 address", |lb| {
+            !lb.spec.endpoints().is_empty()
+        })
+        .await;
+    assert_eq!(lb.spec.endpoints()[0].addresses(), ["10.0.0.1"]);
+    wait_family_condition(&h, "web", "True", "Served").await;
+    assert_eq!(warnings(&h, "web", "NoIPv4Nodes").await.len(), 1);
     h.stop().await;
 }
 

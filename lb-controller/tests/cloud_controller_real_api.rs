@@ -128,6 +128,22 @@ async fn runs_under_the_deploy_rbac_with_a_real_token() {
     .await
     .unwrap();
 
+    // The Service's IP-family condition, written to its status under the same RBAC.
+    let services: Api<Service> = Api::namespaced(admin.clone(), &ns);
+    wait_for("the Service's IP-family condition", || async {
+        Ok(services
+            .get("web")
+            .await?
+            .status
+            .and_then(|s| s.conditions)
+            .is_some_and(|c| {
+                c.iter()
+                    .any(|c| c.type_ == "LoadBalancerIPFamilies" && c.status == "True")
+            }))
+    })
+    .await
+    .unwrap();
+
     // The OpenStack side reports the address; the controller writes it into the Service's status.
     lbs.patch_status(
         &lb_name,
@@ -136,7 +152,6 @@ async fn runs_under_the_deploy_rbac_with_a_real_token() {
     )
     .await
     .unwrap();
-    let services: Api<Service> = Api::namespaced(admin.clone(), &ns);
     wait_for("the Service's ingress IP", || async {
         Ok(services
             .get("web")

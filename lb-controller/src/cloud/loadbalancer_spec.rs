@@ -132,6 +132,11 @@ pub mod reasons {
     /// The Service asks for PROXY protocol, which the data plane does not send yet: the load balancer is created
     /// and forwards, but the backends see the load balancer's address instead of the client's.
     pub const PROXY_PROTOCOL_NOT_SUPPORTED: &str = "ProxyProtocolNotSupported";
+    /// The Service asks for an IP family the data plane does not forward (IPv6): refused, or served over IPv4 only
+    /// ([`crate::cloud::ip_families`]).
+    pub const IP_FAMILY_NOT_SUPPORTED: &str = "IPFamilyNotSupported";
+    /// No node that would receive traffic has an IPv4 InternalIP: the LoadBalancer has no backends.
+    pub const NO_IPV4_NODES: &str = "NoIPv4Nodes";
 }
 
 /// A problem with a Service, reported as a Warning event on it.

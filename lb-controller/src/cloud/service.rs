@@ -21,7 +21,7 @@ use lb_api::{naming, LoadBalancer};
 use serde_json::json;
 use tracing::{debug, info, warn};
 
-use crate::cloud::endpoints;
+use crate::cloud::ip_families;
 use crate::cloud::loadbalancer_spec::{
     self, reasons, ClassFilter, InfrastructureDefaults, Warning,
 };
@@ -143,12 +143,14 @@ impl Context {
     }
 
     /// Emits the given warnings as events unless exactly this set was already reported. All of a reconcile's
-    /// warnings go in one call: the fingerprint is one per Service.
+    /// warnings go in one call: the fingerprint is one per Service. `refused`: the Service is not served (counted
+    /// as invalid, not as a warning about a served one).
     async fn report_warnings(
         &self,
         service: &Service,
         reference: &ObjectRef<Service>,
         warnings: &[Warning],
+        refused: bool,
     ) {
         let mut hasher = std::collections::hash_map::DefaultHasher::new();
         warnings.hash(&mut hasher);
@@ -164,7 +166,7 @@ impl Context {
             }
         }
         for Warning { reason, message } in warnings {
-            if *reason == reasons::VALIDATION {
+            if refused {
                 self.metrics.invalid_services.inc();
             } else {
                 self.metrics.annotation_warnings.inc();
@@ -242,23 +244,24 @@ async fn apply(
         return Ok(Action::await_change());
     }
 
-    let errors = loadbalancer_spec::validate_service(service);
-    if !errors.is_empty() {
-        let errors = Warning::all(reasons::VALIDATION, errors);
-        ctx.report_warnings(service, reference, &errors).await;
-        // Nothing to retry until the Service changes.
-        return Ok(Action::await_change());
-    }
-
-    let ip_families = service
-        .spec
-        .as_ref()
-        .and_then(|s| s.ip_families.clone())
-        .unwrap_or_default();
     let nodes = ctx.nodes.state();
-    let endpoints = endpoints::endpoints_for(nodes.iter().map(|n| n.as_ref()), &ip_families);
+    let families = ip_families::decide(service, nodes.iter().map(|n| n.as_ref()));
+    write_condition(service, ctx, &families.verdict).await?;
+    let errors = loadbalancer_spec::validate_service(service);
+    let endpoints = match families.endpoints {
+        Some(endpoints) if errors.is_empty() => endpoints,
+        _ => {
+            let mut problems = Warning::all(reasons::VALIDATION, errors);
+            problems.extend(families.warnings);
+            ctx.report_warnings(service, reference, &problems, true)
+                .await;
+            // Nothing to retry until the Service changes.
+            return Ok(Action::await_change());
+        }
+    };
     let desired = loadbalancer_spec::desired_spec(service, endpoints, &ctx.config.defaults);
     let mut warnings = desired.warnings;
+    warnings.extend(families.warnings);
 
     let cached = ctx
         .loadbalancers
@@ -266,7 +269,8 @@ async fn apply(
     let existing = match cached {
         Some(lb) => ctx.own_writes.newest(lb),
         None => {
-            ctx.report_warnings(service, reference, &warnings).await;
+            ctx.report_warnings(service, reference, &warnings, false)
+                .await;
             let lb = loadbalancer_spec::new_loadbalancer(
                 service,
                 desired.spec.clone(),
@@ -313,7 +317,8 @@ async fn apply(
     let (spec, immutable_warnings) =
         loadbalancer_spec::protect_immutable(desired.spec, &existing.spec, service);
     warnings.extend(Warning::all(reasons::ANNOTATION, immutable_warnings));
-    ctx.report_warnings(service, reference, &warnings).await;
+    ctx.report_warnings(service, reference, &warnings, false)
+        .await;
 
     let current_spec = serde_json::to_value(&existing.spec).expect("spec serialises");
     let desired_spec = serde_json::to_value(&spec).expect("spec serialises");
@@ -349,6 +354,32 @@ async fn apply(
             .await;
     }
     Ok(Action::requeue(ctx.config.resync))
+}
+
+/// Sets the Service's IP-family condition (see [`ip_families::condition_patch`]); no write when it says that already.
+async fn write_condition(
+    service: &Service,
+    ctx: &Context,
+    verdict: &ip_families::Verdict,
+) -> Result<(), Error> {
+    let now =
+        k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(k8s_openapi::jiff::Timestamp::now());
+    let Some(patch) = ip_families::condition_patch(service, verdict, now) else {
+        return Ok(());
+    };
+    service_api(service, ctx)
+        .patch_status(
+            &service.name_any(),
+            &PatchParams::default(),
+            &Patch::Strategic(&patch),
+        )
+        .await
+        .map_err(kube_err(format!(
+            "writing the {} condition of service {}",
+            ip_families::CONDITION_TYPE,
+            service.name_any()
+        )))?;
+    Ok(())
 }
 
 /// Service deleted, of another type or class: delete the LoadBalancer, wait until it is gone,
@@ -410,23 +441,27 @@ async fn cleanup(service: &Service, ctx: &Context) -> Result<Action, Error> {
         return Ok(Action::await_change());
     }
     let api = service_api(service, ctx);
-    if loadbalancer_spec::service_ingress_ip(service).is_some()
+    let has_ingress = loadbalancer_spec::service_ingress_ip(service).is_some()
         || service
             .status
             .as_ref()
             .and_then(|s| s.load_balancer.as_ref())
             .and_then(|l| l.ingress.as_ref())
-            .is_some_and(|i| !i.is_empty())
-    {
-        let patch = json!({"status": {"loadBalancer": {"ingress": null}}});
+            .is_some_and(|i| !i.is_empty());
+    // Our condition goes with the ingress: whoever serves the Service now says what it serves.
+    let mut patch = ip_families::condition_removal(service).unwrap_or_else(|| json!({}));
+    if has_ingress {
+        patch["status"]["loadBalancer"] = json!({"ingress": null});
+    }
+    if patch != json!({}) {
         api.patch_status(
             &service.name_any(),
             &PatchParams::default(),
-            &Patch::Merge(&patch),
+            &Patch::Strategic(&patch),
         )
         .await
         .map_err(kube_err(format!(
-            "clearing ingress of service {}",
+            "clearing the status of service {}",
             service.name_any()
         )))?;
     }

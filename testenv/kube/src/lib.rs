@@ -430,7 +430,9 @@ impl KubeEnv {
         .arg("--service-account-issuer=https://kubernetes.default.svc")
         .arg("--authorization-mode=RBAC")
         .arg("--anonymous-auth=false")
-        .arg("--service-cluster-ip-range=10.96.0.0/16");
+        // Dual-stack service ranges, IPv4 first: a Service that names no family stays IPv4 single-stack (the
+        // server's default is the first range's family), and IPv6 or dual-stack Services can be created at all.
+        .arg("--service-cluster-ip-range=10.96.0.0/16,fd00:10:96::/112");
         let proc = Proc::spawn("kube-apiserver", cmd, &self.dir)?;
         self.procs.lock().unwrap().apiserver = Some(proc);
         let client = self.client().await?;
