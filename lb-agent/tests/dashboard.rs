@@ -1,4 +1,4 @@
-//! The Grafana dashboard in `deploy/grafana/` (issue 18) queries only metrics that exist: every metric name in
+//! The Grafana dashboard in `deploy/grafana/` queries only metrics that exist: every metric name in
 //! its queries is one that the agent or the controllers expose (rendered here from their real registries).
 
 use lb_agent::dataplane::model::{Protocol, ServiceId};

@@ -1,4 +1,4 @@
-//! The Helm chart `deploy/helm/xdp-lb` (issue 18), rendered by the real helm (`HELM_BIN`: `cargo xtask test` sets it
+//! The Helm chart `deploy/helm/xdp-lb`, rendered by the real helm (`HELM_BIN`: `cargo xtask test` sets it
 //! to the pinned binary it installs; `cargo xtask chart` prints its path): it lints, the plain manifests
 //! `deploy/cloud-controller.yaml` and `deploy/openstack-controller.yaml` are exactly its rendering (this file is the
 //! one place that says how; `UPDATE_MANIFESTS=1` writes them, which `cargo xtask chart` does), missing required

@@ -1,4 +1,4 @@
-//! lb-controller's OCI image (issue 18), as `cargo xtask image controller` builds it, run by podman (rootful, no
+//! lb-controller's OCI image, as `cargo xtask image controller` builds it, run by podman (rootful, no
 //! daemon) against the real API server: it runs as user 65532 on a read-only root with every capability dropped,
 //! under the ServiceAccount and RBAC of the generated `deploy/cloud-controller.yaml` with a real token, with
 //! leader election; it serves `/healthz` and `/metrics`, reconciles a Service of type LoadBalancer into a

@@ -488,7 +488,7 @@ fn lbctl_argv(r: &Rig, args: &[&str]) -> Vec<String> {
     r.lbctl_argv(args).unwrap()
 }
 
-/// `lbctl` (issue 18) reads what the agent pinned: the connections a client holds are listed established with
+/// `lbctl` reads what the agent pinned: the connections a client holds are listed established with
 /// their client, service and backend; the services show every backend with its share and the held flows; the
 /// counters are the ones `/metrics` reports.
 #[test]
@@ -599,7 +599,7 @@ fn lbctl_trace_shows_decisions_and_always_puts_the_fast_program_back_tc() {
     lbctl_trace_shows_decisions_and_always_puts_the_fast_program_back("tc", "lb_tc");
 }
 
-/// `lbctl trace` (issue 18): a client's packets with their decisions — a SYN opening a handshake towards a node,
+/// `lbctl trace`: a client's packets with their decisions — a SYN opening a handshake towards a node,
 /// a malformed frame dropped with its reason — while the traced program is on the agent's link; afterwards the
 /// fast program is back, also when the trace was killed with SIGKILL.
 fn lbctl_trace_shows_decisions_and_always_puts_the_fast_program_back(mode: &str, fast: &str) {
