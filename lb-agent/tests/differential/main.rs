@@ -1,4 +1,4 @@
-//! Differential fuzzing of the data plane (issue 16): generated conversations, hostile and corrupted frames go
+//! Differential fuzzing of the data plane: generated conversations, hostile and corrupted frames go
 //! through the real XDP and TC programs (`BPF_PROG_TEST_RUN`) and through `model`, a reference model written from
 //! docs/design.md's "Data plane rules". Every frame's verdict, output bytes and counters, and every flow-table entry it
 //! touches, must agree; both tables are compared whole at the end of each epoch. A difference fails with the seed

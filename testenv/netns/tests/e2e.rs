@@ -353,7 +353,7 @@ fn agent_killed_and_restarted_during_transfer_breaks_nothing() {
     assert_spread(&rep, 100, 30, &[]);
 }
 
-/// The live storm of issue 16: malformed frames of every kind, as XDP live frames from the client's namespace
+/// The live storm: malformed frames of every kind, as XDP live frames from the client's namespace
 /// (`lb-testbed stormgen`, the rig's highest rate), for 30 s while 1000 held connections and 100 UDP flows
 /// exchange data. None of them breaks (a wrong translation would break its echo too), new connections
 /// afterwards work, and every malformed frame that reached the load balancer is counted under its reason.
