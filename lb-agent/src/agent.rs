@@ -518,7 +518,7 @@ impl Agent {
                 .health_rx
                 .borrow()
                 .iter()
-                .map(|(a, h)| (*a, *h))
+                .map(|((p, a), h)| (*p, *a, *h))
                 .collect(),
             flow_entries,
             flow_capacity: self.opts.sizes.flows as u64,

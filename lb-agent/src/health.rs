@@ -1,11 +1,15 @@
 //! Active health checks of backends (node:NodePort): TCP connect by default, or an HTTP(S) GET with an
-//! expected status (for API-server backends: `/healthz`). Results drive which backends are in the Maglev
-//! tables; established flows are never cut by a check.
+//! expected status (for API-server backends: `/healthz`); UDP backends with a request/reply probe when one is
+//! configured. Results drive which backends are in the Maglev tables; established flows are never cut by a
+//! check.
 
-use anyhow::{bail, Result};
+use crate::dataplane::model::Protocol;
+use anyhow::{bail, Context, Result};
 use serde::{Deserialize, Deserializer};
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
@@ -26,8 +30,10 @@ pub struct HealthCheckSpec {
     pub unhealthy_threshold: u32,
     /// Consecutive successes that bring it back.
     pub healthy_threshold: u32,
-    /// HTTP(S) check instead of a TCP connect.
+    /// TCP backends: HTTP(S) check instead of a TCP connect.
     pub http: Option<HttpCheck>,
+    /// UDP backends: request/reply probe. Without it a UDP backend follows its node's TCP checks.
+    pub udp: Option<UdpCheck>,
 }
 
 impl Default for HealthCheckSpec {
@@ -39,12 +45,14 @@ impl Default for HealthCheckSpec {
             unhealthy_threshold: 3,
             healthy_threshold: 2,
             http: None,
+            udp: None,
         }
     }
 }
 
 impl HealthCheckSpec {
-    /// Checks the settings for values that cannot work.
+    /// Checks the settings for values that cannot work, including TLS files that cannot be read or parsed
+    /// (so a bad file is reported with the configuration, not later by every check).
     pub fn validate(&self) -> Result<()> {
         if self.interval.is_zero() || self.timeout.is_zero() {
             bail!("interval and timeout must be > 0");
@@ -59,6 +67,13 @@ impl HealthCheckSpec {
             if !(100..=599).contains(&h.expected_status) {
                 bail!("http.expectedStatus must be an HTTP status code");
             }
+            h.tls_material()?;
+        }
+        if let Some(u) = &self.udp {
+            u.payload.bytes().context("udp.payload")?;
+            if let Some(e) = &u.expect {
+                e.bytes().context("udp.expect")?;
+            }
         }
         Ok(())
     }
@@ -70,17 +85,196 @@ impl HealthCheckSpec {
 pub struct HttpCheck {
     /// Request path, e.g. `/healthz`.
     pub path: String,
-    /// Use TLS. The backend's certificate is not verified: the check asks "is it up", and node
-    /// certificates rarely name the address the load balancer uses.
+    /// Use TLS. Without `caFile` the backend's certificate is not verified (yawol's checks do not verify
+    /// either, and node certificates rarely name the address the load balancer uses).
     #[serde(default)]
     pub https: bool,
     /// Status that counts as healthy.
     #[serde(default = "ok_status")]
     pub expected_status: u16,
+    /// PEM bundle of the CA(s) the backend's certificate must chain to; the certificate must then also name
+    /// `serverName`, or the backend's IP address when no `serverName` is set.
+    #[serde(default)]
+    pub ca_file: Option<PathBuf>,
+    /// PEM client certificate (chain) presented to the backend; needs `clientKeyFile`.
+    #[serde(default)]
+    pub client_cert_file: Option<PathBuf>,
+    /// PEM private key of `clientCertFile`.
+    #[serde(default)]
+    pub client_key_file: Option<PathBuf>,
+    /// DNS name sent as SNI (and `Host`) and, with `caFile`, verified; backends are addressed by IP.
+    #[serde(default)]
+    pub server_name: Option<String>,
 }
 
 fn ok_status() -> u16 {
     200
+}
+
+/// What the TLS files of an [`HttpCheck`] hold, read once per settings change.
+#[derive(Clone, Default)]
+struct TlsMaterial {
+    /// Empty: any server certificate is accepted.
+    roots: Vec<reqwest::Certificate>,
+    identity: Option<reqwest::Identity>,
+}
+
+fn read_file(p: &Path) -> Result<Vec<u8>> {
+    std::fs::read(p).with_context(|| format!("reading {}", p.display()))
+}
+
+impl HttpCheck {
+    /// A plain HTTP GET of `path` wanting 200, no TLS settings.
+    pub fn get(path: &str) -> Self {
+        HttpCheck {
+            path: path.into(),
+            https: false,
+            expected_status: ok_status(),
+            ca_file: None,
+            client_cert_file: None,
+            client_key_file: None,
+            server_name: None,
+        }
+    }
+
+    /// Reads and parses the TLS files; every combination that cannot be honoured is an error.
+    fn tls_material(&self) -> Result<TlsMaterial> {
+        let uses_tls = self.ca_file.is_some()
+            || self.client_cert_file.is_some()
+            || self.client_key_file.is_some()
+            || self.server_name.is_some();
+        if uses_tls && !self.https {
+            bail!("http.caFile, clientCertFile, clientKeyFile and serverName need https: true");
+        }
+        if let Some(n) = &self.server_name {
+            // An IP would be dialled instead of the backend; the backend's own IP is what is verified without
+            // a name anyway.
+            if n.parse::<std::net::IpAddr>().is_ok()
+                || rustls::pki_types::ServerName::try_from(n.as_str()).is_err()
+            {
+                bail!("http.serverName {n:?} must be a DNS name");
+            }
+        }
+        let roots = match &self.ca_file {
+            None => Vec::new(),
+            Some(p) => {
+                let roots = reqwest::Certificate::from_pem_bundle(&read_file(p)?)
+                    .with_context(|| format!("http.caFile {}", p.display()))?;
+                if roots.is_empty() {
+                    bail!("http.caFile {}: no PEM certificate", p.display());
+                }
+                roots
+            }
+        };
+        let identity = match (&self.client_cert_file, &self.client_key_file) {
+            (None, None) => None,
+            (Some(c), Some(k)) => {
+                let mut pem = read_file(c)?;
+                pem.push(b'\n');
+                pem.extend(read_file(k)?);
+                Some(reqwest::Identity::from_pem(&pem).with_context(|| {
+                    format!(
+                        "http.clientCertFile {} / clientKeyFile {}",
+                        c.display(),
+                        k.display()
+                    )
+                })?)
+            }
+            _ => bail!("http.clientCertFile and http.clientKeyFile go together"),
+        };
+        Ok(TlsMaterial { roots, identity })
+    }
+
+    /// A client and URL for checking `addr`. One client per backend: with a server name, the name must
+    /// resolve to that backend.
+    fn client_for(&self, tls: &TlsMaterial, addr: SocketAddr) -> Result<(reqwest::Client, String)> {
+        let mut b = reqwest::Client::builder().no_proxy();
+        let authority = match &self.server_name {
+            Some(n) => {
+                b = b.resolve(n, addr);
+                format!("{n}:{}", addr.port())
+            }
+            None => addr.to_string(),
+        };
+        if self.https {
+            if tls.roots.is_empty() {
+                b = b.danger_accept_invalid_certs(true);
+            } else {
+                // Only the configured CA: a public CA must not vouch for a backend.
+                b = b.tls_built_in_root_certs(false);
+                for c in &tls.roots {
+                    b = b.add_root_certificate(c.clone());
+                }
+            }
+            if let Some(id) = &tls.identity {
+                b = b.identity(id.clone());
+            }
+        }
+        let scheme = if self.https { "https" } else { "http" };
+        Ok((b.build()?, format!("{scheme}://{authority}{}", self.path)))
+    }
+}
+
+/// Bytes in the config: `{text: "..."}` or `{hex: "..."}`.
+#[derive(Clone, Debug, Default, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct Bytes {
+    /// UTF-8 text, sent as is.
+    pub text: Option<String>,
+    /// Hex digits (whitespace allowed), for binary protocols.
+    pub hex: Option<String>,
+}
+
+impl Bytes {
+    /// These bytes as text.
+    pub fn text(t: &str) -> Self {
+        Bytes {
+            text: Some(t.into()),
+            hex: None,
+        }
+    }
+
+    /// These bytes as hex digits.
+    pub fn hex(h: &str) -> Self {
+        Bytes {
+            text: None,
+            hex: Some(h.into()),
+        }
+    }
+
+    /// The bytes meant.
+    pub fn bytes(&self) -> Result<Vec<u8>> {
+        match (&self.text, &self.hex) {
+            (Some(t), None) => Ok(t.as_bytes().to_vec()),
+            (None, Some(h)) => {
+                let digits: Vec<u8> = h.bytes().filter(|c| !c.is_ascii_whitespace()).collect();
+                if !digits.len().is_multiple_of(2) {
+                    bail!("hex {h:?} has an odd number of digits");
+                }
+                digits
+                    .chunks(2)
+                    .map(|p| {
+                        std::str::from_utf8(p)
+                            .ok()
+                            .and_then(|s| u8::from_str_radix(s, 16).ok())
+                            .with_context(|| format!("hex {h:?} is not hex"))
+                    })
+                    .collect()
+            }
+            _ => bail!("give exactly one of text and hex"),
+        }
+    }
+}
+
+/// A UDP probe: send `payload` from a connected socket, wait for a reply.
+#[derive(Clone, Debug, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct UdpCheck {
+    /// The request datagram.
+    pub payload: Bytes,
+    /// What the reply must start with; unset: any reply counts.
+    #[serde(default)]
+    pub expect: Option<Bytes>,
 }
 
 fn go_duration<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
@@ -88,15 +282,139 @@ fn go_duration<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
     lb_api::duration::parse_go_duration(&s).map_err(serde::de::Error::custom)
 }
 
+/// A checked backend: TCP and UDP backends may share an address (a NodePort number per protocol).
+pub type HealthTarget = (Protocol, SocketAddr);
+
 /// Health of every checked backend (true = takes new flows).
-pub type HealthMap = BTreeMap<SocketAddr, bool>;
+pub type HealthMap = BTreeMap<HealthTarget, bool>;
+
+/// How one backend is checked, prepared once per task.
+enum Probe {
+    Tcp,
+    Http {
+        client: reqwest::Client,
+        url: String,
+        expected_status: u16,
+    },
+    Udp {
+        payload: Vec<u8>,
+        expect: Option<Vec<u8>>,
+    },
+    /// The settings cannot be used (e.g. a TLS file changed since validation): every check fails with this.
+    Broken(String),
+}
+
+impl Probe {
+    fn new(
+        spec: &HealthCheckSpec,
+        tls: &Result<Arc<TlsMaterial>, String>,
+        t: HealthTarget,
+    ) -> Self {
+        let prepared = || -> Result<Probe> {
+            Ok(match (t.0, &spec.http, &spec.udp) {
+                (Protocol::Tcp, None, _) => Probe::Tcp,
+                (Protocol::Tcp, Some(h), _) => {
+                    let tls = tls.as_ref().map_err(|e| anyhow::anyhow!("{e}"))?;
+                    let (client, url) = h.client_for(tls, t.1)?;
+                    Probe::Http {
+                        client,
+                        url,
+                        expected_status: h.expected_status,
+                    }
+                }
+                (Protocol::Udp, _, Some(u)) => Probe::Udp {
+                    payload: u.payload.bytes()?,
+                    expect: u.expect.as_ref().map(Bytes::bytes).transpose()?,
+                },
+                (Protocol::Udp, _, None) => bail!("no UDP probe configured"),
+            })
+        };
+        prepared().unwrap_or_else(|e| Probe::Broken(format!("{e:#}")))
+    }
+
+    /// One check.
+    async fn check(&self, addr: SocketAddr, timeout: Duration) -> Result<()> {
+        match self {
+            Probe::Tcp => {
+                tokio::time::timeout(timeout, tokio::net::TcpStream::connect(addr))
+                    .await
+                    .map_err(|_| anyhow::anyhow!("connect timed out"))??;
+                Ok(())
+            }
+            Probe::Http {
+                client,
+                url,
+                expected_status,
+            } => {
+                let resp = client
+                    .get(url)
+                    .timeout(timeout)
+                    .send()
+                    .await
+                    .with_context(|| format!("GET {url}"))?;
+                if resp.status().as_u16() != *expected_status {
+                    bail!(
+                        "GET {url}: status {} (want {expected_status})",
+                        resp.status()
+                    );
+                }
+                Ok(())
+            }
+            Probe::Udp { payload, expect } => {
+                tokio::time::timeout(timeout, udp_probe(addr, payload, expect.as_deref()))
+                    .await
+                    .map_err(|_| anyhow::anyhow!("no UDP reply within {timeout:?}"))?
+            }
+            Probe::Broken(e) => bail!("{e}"),
+        }
+    }
+}
+
+/// Sends `payload` to `addr` from a connected socket (so an ICMP port unreachable comes back as
+/// ECONNREFUSED and fails the check at once) and waits for a reply.
+async fn udp_probe(addr: SocketAddr, payload: &[u8], expect: Option<&[u8]>) -> Result<()> {
+    let any: SocketAddr = if addr.is_ipv4() {
+        "0.0.0.0:0".parse()?
+    } else {
+        "[::]:0".parse()?
+    };
+    let sock = tokio::net::UdpSocket::bind(any).await?;
+    sock.connect(addr).await?;
+    let refused = |e: std::io::Error| match e.kind() {
+        std::io::ErrorKind::ConnectionRefused => anyhow::anyhow!("port unreachable (ICMP)"),
+        _ => e.into(),
+    };
+    sock.send(payload).await.map_err(refused)?;
+    let mut buf = vec![0u8; 65536];
+    let n = sock.recv(&mut buf).await.map_err(refused)?;
+    match expect {
+        Some(want) if !buf[..n].starts_with(want) => bail!(
+            "UDP reply {:?} does not start with {:?}",
+            String::from_utf8_lossy(&buf[..n.min(64)]),
+            String::from_utf8_lossy(want)
+        ),
+        _ => Ok(()),
+    }
+}
+
+/// TLS material for `spec` (none needed: empty), or why it cannot be had.
+fn tls_for(spec: &HealthCheckSpec) -> Result<Arc<TlsMaterial>, String> {
+    match &spec.http {
+        Some(h) => h
+            .tls_material()
+            .map(Arc::new)
+            .map_err(|e| format!("health-check TLS settings: {e:#}")),
+        None => Ok(Arc::default()),
+    }
+}
 
 /// Runs one check task per backend and publishes the health map.
 pub struct HealthChecker {
     tx: watch::Sender<HealthMap>,
-    spec: HealthCheckSpec,
-    tasks: HashMap<SocketAddr, JoinHandle<()>>,
-    client: reqwest::Client,
+    /// `None` until the first settings arrive.
+    spec: Option<HealthCheckSpec>,
+    tls: Result<Arc<TlsMaterial>, String>,
+    tasks: HashMap<HealthTarget, JoinHandle<()>>,
 }
 
 impl HealthChecker {
@@ -104,16 +422,12 @@ impl HealthChecker {
     pub fn new() -> Result<(Self, watch::Receiver<HealthMap>)> {
         let (tx, rx) = watch::channel(HealthMap::new());
         crate::tls::install_crypto_provider();
-        let client = reqwest::Client::builder()
-            .danger_accept_invalid_certs(true)
-            .no_proxy()
-            .build()?;
         Ok((
             HealthChecker {
                 tx,
-                spec: HealthCheckSpec::default(),
+                spec: None,
+                tls: Ok(Arc::default()),
                 tasks: HashMap::new(),
-                client,
             },
             rx,
         ))
@@ -121,17 +435,32 @@ impl HealthChecker {
 
     /// Checks exactly `targets` with `spec`. New backends start healthy (optimistic, so an agent restart
     /// or a config change never empties a service) and are checked at once; removed ones are forgotten.
-    pub fn set_targets(&mut self, spec: &HealthCheckSpec, targets: &BTreeSet<SocketAddr>) {
-        if *spec != self.spec {
+    pub fn set_targets(&mut self, spec: &HealthCheckSpec, targets: &BTreeSet<HealthTarget>) {
+        if self.spec.as_ref() != Some(spec) {
             // New rules: start over, optimistic, rather than judge with results of the old ones.
             for (_, t) in self.tasks.drain() {
                 t.abort();
             }
             self.tx.send_modify(|m| m.clear());
-            self.spec = spec.clone();
+            self.spec = Some(spec.clone());
+            // The TLS files are read once per settings change (and at start).
+            self.tls = tls_for(spec);
+            if let Err(e) = &self.tls {
+                tracing::error!(error = %e, "HTTPS health checks cannot run: backends fail them");
+            }
+            if let Some(h) = spec
+                .http
+                .as_ref()
+                .filter(|h| h.https && h.ca_file.is_none())
+            {
+                tracing::warn!(
+                    path = %h.path,
+                    "HTTPS health checks accept any backend certificate (no CA file configured)"
+                );
+            }
         }
-        self.tasks.retain(|addr, task| {
-            let keep = targets.contains(addr);
+        self.tasks.retain(|t, task| {
+            let keep = targets.contains(t);
             if !keep {
                 task.abort();
             }
@@ -143,19 +472,18 @@ impl HealthChecker {
                 m.entry(*t).or_insert(true);
             }
         });
-        if !self.spec.enabled {
+        if !spec.enabled {
             return;
         }
         for t in targets {
             if self.tasks.contains_key(t) {
                 continue;
             }
-            let tx = self.tx.clone();
-            let spec = self.spec.clone();
-            let client = self.client.clone();
-            let addr = *t;
-            self.tasks
-                .insert(addr, tokio::spawn(check_loop(addr, spec, client, tx)));
+            let probe = Probe::new(spec, &self.tls, *t);
+            self.tasks.insert(
+                *t,
+                tokio::spawn(check_loop(*t, spec.clone(), probe, self.tx.clone())),
+            );
         }
     }
 }
@@ -169,27 +497,29 @@ impl Drop for HealthChecker {
 }
 
 async fn check_loop(
-    addr: SocketAddr,
+    target: HealthTarget,
     spec: HealthCheckSpec,
-    client: reqwest::Client,
+    probe: Probe,
     tx: watch::Sender<HealthMap>,
 ) {
+    let addr = target.1;
+    let protocol = target.0.name();
     let mut ok_run = 0u32;
     let mut fail_run = 0u32;
     let mut ticker = tokio::time::interval(spec.interval);
     ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         ticker.tick().await;
-        let result = check_once(addr, &spec, &client).await;
-        let healthy_now = tx.borrow().get(&addr).copied().unwrap_or(true);
+        let result = probe.check(addr, spec.timeout).await;
+        let healthy_now = tx.borrow().get(&target).copied().unwrap_or(true);
         match result {
             Ok(()) => {
                 ok_run += 1;
                 fail_run = 0;
                 if !healthy_now && ok_run >= spec.healthy_threshold {
-                    tracing::info!(backend = %addr, "backend healthy again");
+                    tracing::info!(backend = %addr, protocol, "backend healthy again");
                     tx.send_modify(|m| {
-                        if let Some(h) = m.get_mut(&addr) {
+                        if let Some(h) = m.get_mut(&target) {
                             *h = true;
                         }
                     });
@@ -199,9 +529,9 @@ async fn check_loop(
                 fail_run += 1;
                 ok_run = 0;
                 if healthy_now && fail_run >= spec.unhealthy_threshold {
-                    tracing::warn!(backend = %addr, error = %e, "backend unhealthy: no new flows");
+                    tracing::warn!(backend = %addr, protocol, error = format!("{e:#}"), "backend unhealthy: no new flows");
                     tx.send_modify(|m| {
-                        if let Some(h) = m.get_mut(&addr) {
+                        if let Some(h) = m.get_mut(&target) {
                             *h = false;
                         }
                     });
@@ -211,33 +541,12 @@ async fn check_loop(
     }
 }
 
-/// One check: TCP connect, or an HTTP(S) GET with the expected status.
-pub async fn check_once(
-    addr: SocketAddr,
-    spec: &HealthCheckSpec,
-    client: &reqwest::Client,
-) -> Result<()> {
-    match &spec.http {
-        None => {
-            tokio::time::timeout(spec.timeout, tokio::net::TcpStream::connect(addr))
-                .await
-                .map_err(|_| anyhow::anyhow!("connect timed out"))??;
-            Ok(())
-        }
-        Some(h) => {
-            let scheme = if h.https { "https" } else { "http" };
-            let url = format!("{scheme}://{addr}{}", h.path);
-            let resp = client.get(&url).timeout(spec.timeout).send().await?;
-            if resp.status().as_u16() != h.expected_status {
-                bail!(
-                    "GET {url}: status {} (want {})",
-                    resp.status(),
-                    h.expected_status
-                );
-            }
-            Ok(())
-        }
-    }
+/// One check of `target` as `spec` says (TCP connect, HTTP(S) GET, UDP probe); the error says why it failed.
+pub async fn check_once(target: HealthTarget, spec: &HealthCheckSpec) -> Result<()> {
+    crate::tls::install_crypto_provider();
+    Probe::new(spec, &tls_for(spec), target)
+        .check(target.1, spec.timeout)
+        .await
 }
 
 #[cfg(test)]
@@ -254,29 +563,29 @@ mod tests {
         }
     }
 
-    async fn wait_for(rx: &mut watch::Receiver<HealthMap>, addr: SocketAddr, want: bool) {
+    async fn wait_for(rx: &mut watch::Receiver<HealthMap>, t: HealthTarget, want: bool) {
         tokio::time::timeout(Duration::from_secs(5), async {
             loop {
-                if rx.borrow().get(&addr) == Some(&want) {
+                if rx.borrow().get(&t) == Some(&want) {
                     return;
                 }
                 rx.changed().await.unwrap();
             }
         })
         .await
-        .unwrap_or_else(|_| panic!("{addr} never became healthy={want}"));
+        .unwrap_or_else(|_| panic!("{t:?} never became healthy={want}"));
     }
 
     #[tokio::test]
     async fn tcp_check_takes_a_dead_backend_out_and_back_in() {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap();
+        let addr = (Protocol::Tcp, listener.local_addr().unwrap());
         let (mut hc, mut rx) = HealthChecker::new().unwrap();
         hc.set_targets(&fast(), &[addr].into());
         assert_eq!(rx.borrow().get(&addr), Some(&true), "starts healthy");
         drop(listener);
         wait_for(&mut rx, addr, false).await;
-        let _listener = tokio::net::TcpListener::bind(addr).await.unwrap();
+        let _listener = tokio::net::TcpListener::bind(addr.1).await.unwrap();
         wait_for(&mut rx, addr, true).await;
         hc.set_targets(&fast(), &BTreeSet::new());
         assert!(rx.borrow().is_empty(), "removed targets are forgotten");
@@ -303,18 +612,13 @@ mod tests {
             }
         });
         let spec = HealthCheckSpec {
-            http: Some(HttpCheck {
-                path: "/healthz".into(),
-                https: false,
-                expected_status: 200,
-            }),
+            http: Some(HttpCheck::get("/healthz")),
             ..fast()
         };
+        let addr = (Protocol::Tcp, addr);
         let (mut hc, mut rx) = HealthChecker::new().unwrap();
         hc.set_targets(&spec, &[addr].into());
-        assert!(check_once(addr, &spec, &reqwest::Client::new())
-            .await
-            .is_ok());
+        check_once(addr, &spec).await.unwrap();
         status.store(503, std::sync::atomic::Ordering::SeqCst);
         wait_for(&mut rx, addr, false).await;
         status.store(200, std::sync::atomic::Ordering::SeqCst);

@@ -8,7 +8,7 @@ use lb_agent::agent::{self, AgentOptions};
 use lb_agent::dataplane::{AttachMode, MapSizes};
 use lb_agent::ha::vrrp::VrrpOptions;
 use lb_agent::ha::{HaOptions, SyncSettings};
-use lb_agent::health::{HealthCheckSpec, HttpCheck};
+use lb_agent::health::{Bytes, HealthCheckSpec, HttpCheck, UdpCheck};
 use lb_agent::report::metrics::SharedSnapshot;
 use lb_agent::report::AgentStatus;
 use lb_agent::source::kubernetes::{debug, yawollet, KubeSettings};
@@ -78,12 +78,43 @@ struct Cli {
     /// Kubernetes mode: HTTP GET this path (e.g. /healthz) instead of a TCP connect.
     #[arg(long, env = "LB_HC_HTTP_PATH")]
     hc_http_path: Option<String>,
-    /// Kubernetes mode: the HTTP check uses TLS (certificate not verified).
+    /// Kubernetes mode: the HTTP check uses TLS (certificate verified only with --hc-ca-file).
     #[arg(long, env = "LB_HC_HTTPS", requires = "hc_http_path")]
     hc_https: bool,
     /// Kubernetes mode: HTTP status that counts as healthy.
     #[arg(long, env = "LB_HC_EXPECTED_STATUS", default_value_t = 200)]
     hc_expected_status: u16,
+    /// Kubernetes mode: PEM CA bundle the HTTPS check verifies backends against (chain, and the server name
+    /// or else the backend's IP address).
+    #[arg(long, env = "LB_HC_CA_FILE", requires = "hc_https")]
+    hc_ca_file: Option<PathBuf>,
+    /// Kubernetes mode: PEM client certificate the HTTPS check presents.
+    #[arg(long, env = "LB_HC_CLIENT_CERT", requires_all = ["hc_https", "hc_client_key"])]
+    hc_client_cert: Option<PathBuf>,
+    /// Kubernetes mode: PEM private key of --hc-client-cert.
+    #[arg(long, env = "LB_HC_CLIENT_KEY", requires = "hc_client_cert")]
+    hc_client_key: Option<PathBuf>,
+    /// Kubernetes mode: DNS name the HTTPS check sends as SNI and Host (and verifies, with --hc-ca-file).
+    #[arg(long, env = "LB_HC_SERVER_NAME", requires = "hc_https")]
+    hc_server_name: Option<String>,
+    /// Kubernetes mode: probe UDP backends with this request (text); without a UDP probe a UDP backend
+    /// follows its node's TCP checks.
+    #[arg(long, env = "LB_HC_UDP_PAYLOAD", group = "hc_udp_probe")]
+    hc_udp_payload: Option<String>,
+    /// Kubernetes mode: the UDP probe's request as hex.
+    #[arg(long, env = "LB_HC_UDP_PAYLOAD_HEX", group = "hc_udp_probe")]
+    hc_udp_payload_hex: Option<String>,
+    /// Kubernetes mode: the UDP probe's reply must start with this text (default: any reply).
+    #[arg(
+        long,
+        env = "LB_HC_UDP_EXPECT",
+        requires = "hc_udp_probe",
+        conflicts_with = "hc_udp_expect_hex"
+    )]
+    hc_udp_expect: Option<String>,
+    /// Kubernetes mode: the UDP probe's reply must start with these bytes (hex).
+    #[arg(long, env = "LB_HC_UDP_EXPECT_HEX", requires = "hc_udp_probe")]
+    hc_udp_expect_hex: Option<String>,
     /// Attach mode.
     #[arg(long, env = "LB_ATTACH_MODE", value_enum, default_value = "xdp")]
     attach_mode: Mode,
@@ -223,13 +254,31 @@ impl Cli {
             timeout: self.hc_timeout,
             unhealthy_threshold: self.hc_unhealthy_threshold,
             healthy_threshold: self.hc_healthy_threshold,
-            http: self.hc_http_path.clone().map(|path| HttpCheck {
-                path,
+            http: self.hc_http_path.as_deref().map(|path| HttpCheck {
                 https: self.hc_https,
                 expected_status: self.hc_expected_status,
+                ca_file: self.hc_ca_file.clone(),
+                client_cert_file: self.hc_client_cert.clone(),
+                client_key_file: self.hc_client_key.clone(),
+                server_name: self.hc_server_name.clone(),
+                ..HttpCheck::get(path)
+            }),
+            udp: bytes_flag(&self.hc_udp_payload, &self.hc_udp_payload_hex).map(|payload| {
+                UdpCheck {
+                    payload,
+                    expect: bytes_flag(&self.hc_udp_expect, &self.hc_udp_expect_hex),
+                }
             }),
         }
     }
+}
+
+/// A text or hex flag pair as [`Bytes`] (clap lets at most one be given).
+fn bytes_flag(text: &Option<String>, hex: &Option<String>) -> Option<Bytes> {
+    (text.is_some() || hex.is_some()).then(|| Bytes {
+        text: text.clone(),
+        hex: hex.clone(),
+    })
 }
 
 fn parse_ports(s: &str) -> Result<(u16, u16)> {

@@ -37,7 +37,7 @@ fn agent_metrics() -> String {
             ..Default::default()
         }],
         dataplane: lb_common::stat::NAMES.iter().map(|n| (*n, 0)).collect(),
-        backends: vec![("10.0.0.11:30080".parse().unwrap(), true)],
+        backends: vec![(Protocol::Tcp, "10.0.0.11:30080".parse().unwrap(), true)],
         host: lb_agent::report::hostmetrics::read(),
         ready: true,
         ha: Some(lb_agent::ha::HaSnapshot {

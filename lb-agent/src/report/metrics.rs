@@ -1,7 +1,7 @@
 //! Prometheus `/metrics`, `/healthz` and `/readyz`, rendered from the agent's latest [`Snapshot`], and the
 //! yawol-named metric list written to `LoadBalancerMachine.status.metrics`.
 
-use crate::dataplane::model::ServiceId;
+use crate::dataplane::model::{Protocol, ServiceId};
 use lb_common::ServiceStats;
 use prometheus_client::collector::Collector;
 use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
@@ -33,8 +33,8 @@ pub struct Snapshot {
     pub services: Vec<ServiceMetrics>,
     /// Global data-plane counters by name.
     pub dataplane: Vec<(&'static str, u64)>,
-    /// Backend health.
-    pub backends: Vec<(SocketAddr, bool)>,
+    /// Backend health, per protocol (TCP and UDP backends may share an address).
+    pub backends: Vec<(Protocol, SocketAddr, bool)>,
     /// Connection-tracking entries in use and the capacity.
     pub flow_entries: u64,
     /// Capacity of the connection-tracking map.
@@ -420,7 +420,15 @@ impl Collector for SnapshotCollector {
         let be: Vec<_> = s
             .backends
             .iter()
-            .map(|(a, h)| (vec![("backend", a.to_string())], *h as i64))
+            .map(|(p, a, h)| {
+                (
+                    vec![
+                        ("backend", a.to_string()),
+                        ("protocol", p.name().to_string()),
+                    ],
+                    *h as i64,
+                )
+            })
             .collect();
         gauge(
             &mut enc,
@@ -583,7 +591,7 @@ mod tests {
                 idle_expired: 1,
             }],
             dataplane: vec![("drop_malformed", 2)],
-            backends: vec![("10.0.0.11:30080".parse().unwrap(), true)],
+            backends: vec![(Protocol::Tcp, "10.0.0.11:30080".parse().unwrap(), true)],
             ready: true,
             ..Default::default()
         };
@@ -618,7 +626,7 @@ mod tests {
             "{out}"
         );
         assert!(
-            out.contains("lb_backend_healthy{backend=\"10.0.0.11:30080\"} 1"),
+            out.contains("lb_backend_healthy{backend=\"10.0.0.11:30080\",protocol=\"TCP\"} 1"),
             "{out}"
         );
     }

@@ -5,7 +5,7 @@
 //! and the "frontend for the API server" use needs no cluster.
 
 use crate::dataplane::model::{Protocol, ServiceId, ServiceSpec};
-use crate::health::HealthCheckSpec;
+use crate::health::{HealthCheckSpec, HealthMap, HealthTarget};
 use anyhow::{bail, Context, Result};
 use ipnet::IpNet;
 use k8s_openapi::api::core::v1::ServicePort;
@@ -78,37 +78,41 @@ impl DesiredConfig {
             .collect()
     }
 
-    /// Backends that are actively checked: those of TCP services. UDP has no protocol-independent probe
-    /// (a NodePort may silently drop anything that is not its application's request), so UDP backends
-    /// follow their node's TCP checks instead (see [`udp_backend_healthy`]).
-    pub fn health_targets(&self) -> BTreeSet<SocketAddr> {
+    /// Backends that are actively checked: those of TCP services, and those of UDP services when a UDP probe
+    /// is configured. UDP has no protocol-independent probe (a NodePort may silently drop anything that is not
+    /// its application's request), so without one UDP backends follow their node's TCP checks instead (see
+    /// [`udp_backend_healthy`]).
+    pub fn health_targets(&self) -> BTreeSet<HealthTarget> {
         self.services
             .iter()
-            .filter(|s| s.id.protocol == Protocol::Tcp)
-            .flat_map(|s| s.backends.iter().copied())
+            .filter(|s| s.id.protocol == Protocol::Tcp || self.health_check.udp.is_some())
+            .flat_map(|s| s.backends.iter().map(|b| (s.id.protocol, *b)))
             .collect()
     }
 }
 
-/// A UDP backend is healthy unless its node has checked TCP backends and all of them are down.
-pub fn udp_backend_healthy(b: &SocketAddr, health: &crate::health::HealthMap) -> bool {
-    let mut checked = health.iter().filter(|(a, _)| a.ip() == b.ip()).peekable();
+/// A UDP backend without its own probe is healthy unless its node has checked TCP backends and all of them
+/// are down.
+pub fn udp_backend_healthy(b: &SocketAddr, health: &HealthMap) -> bool {
+    let mut checked = health
+        .iter()
+        .filter(|((p, a), _)| *p == Protocol::Tcp && a.ip() == b.ip())
+        .peekable();
     checked.peek().is_none() || checked.any(|(_, up)| *up)
 }
 
 impl DesiredConfig {
     /// The services as they must be in the maps now: configured backends minus unhealthy ones.
-    pub fn effective(&self, health: &crate::health::HealthMap) -> Vec<ServiceSpec> {
+    pub fn effective(&self, health: &HealthMap) -> Vec<ServiceSpec> {
         self.services
             .iter()
             .map(|s| {
                 let mut s = s.clone();
-                match s.id.protocol {
-                    Protocol::Tcp => s
-                        .backends
-                        .retain(|b| health.get(b).copied().unwrap_or(true)),
-                    Protocol::Udp => s.backends.retain(|b| udp_backend_healthy(b, health)),
-                }
+                let protocol = s.id.protocol;
+                s.backends.retain(|b| match health.get(&(protocol, *b)) {
+                    Some(up) => *up,
+                    None => protocol == Protocol::Tcp || udp_backend_healthy(b, health),
+                });
                 s
             })
             .collect()
@@ -434,9 +438,9 @@ options:
         let c: LocalConfig = serde_yaml::from_str(GOOD).unwrap();
         let d = DesiredConfig::try_from(&c).unwrap();
         assert_eq!(d.health_targets().len(), 2, "only TCP backends are probed");
-        let mut h = crate::health::HealthMap::new();
-        h.insert("10.200.0.11:30080".parse().unwrap(), false);
-        h.insert("10.200.0.12:30080".parse().unwrap(), true);
+        let mut h = HealthMap::new();
+        h.insert((Protocol::Tcp, "10.200.0.11:30080".parse().unwrap()), false);
+        h.insert((Protocol::Tcp, "10.200.0.12:30080".parse().unwrap()), true);
         let e = d.effective(&h);
         assert_eq!(e[0].backends, vec!["10.200.0.12:30080".parse().unwrap()]);
         assert_eq!(
@@ -444,6 +448,33 @@ options:
             vec!["10.200.0.12:30053".parse().unwrap()],
             "node 11 is down for UDP too"
         );
+    }
+
+    #[test]
+    fn a_udp_probe_checks_udp_backends_themselves() {
+        let c: LocalConfig = serde_yaml::from_str(&format!(
+            "{GOOD}healthCheck:\n  udp: {{payload: {{hex: \"00 01\"}}, expect: {{text: ok}}}}\n"
+        ))
+        .unwrap();
+        let d = DesiredConfig::try_from(&c).unwrap();
+        let udp: SocketAddr = "10.200.0.12:30053".parse().unwrap();
+        assert!(d.health_targets().contains(&(Protocol::Udp, udp)));
+        assert_eq!(d.health_targets().len(), 4, "TCP and UDP backends");
+        // The probe decides, not the node's TCP checks: node 11 is down for TCP but its UDP probe answers.
+        let mut h = HealthMap::new();
+        h.insert((Protocol::Tcp, "10.200.0.11:30080".parse().unwrap()), false);
+        h.insert((Protocol::Udp, "10.200.0.11:30053".parse().unwrap()), true);
+        h.insert((Protocol::Udp, udp), false);
+        assert_eq!(
+            d.effective(&h)[1].backends,
+            vec!["10.200.0.11:30053".parse().unwrap()]
+        );
+        let bad: LocalConfig = serde_yaml::from_str(&format!(
+            "{GOOD}healthCheck:\n  udp: {{payload: {{hex: abc}}}}\n"
+        ))
+        .unwrap();
+        let e = DesiredConfig::try_from(&bad).unwrap_err().to_string();
+        assert!(e.contains("healthCheck: udp.payload"), "{e}");
     }
 
     #[test]
