@@ -293,14 +293,14 @@ fn parse_ports(s: &str) -> Result<(u16, u16)> {
 }
 
 /// The command line to parse: the process's own, or — started as `yawollet` — lb-agent's arguments for yawollet's
-/// flags and yawol's keepalived.conf, with the notes of that translation.
-fn command_line() -> Result<(Vec<OsString>, Vec<yawollet::Note>)> {
+/// flags and yawol's keepalived.conf, with that translation (its notes and what yawollet does differently).
+fn command_line() -> Result<(Vec<OsString>, Option<yawollet::Translation>)> {
     let argv: Vec<OsString> = std::env::args_os().collect();
     if !argv
         .first()
         .is_some_and(|a| yawollet::invoked_as_yawollet(a))
     {
-        return Ok((argv, Vec::new()));
+        return Ok((argv, None));
     }
     let args: Vec<String> = argv[1..]
         .iter()
@@ -313,13 +313,13 @@ fn command_line() -> Result<(Vec<OsString>, Vec<yawollet::Note>)> {
     };
     let t = yawollet::translate(&args, conf.as_deref()).context("yawollet compatibility")?;
     let mut out = vec![OsString::from("lb-agent")];
-    out.extend(t.args.into_iter().map(OsString::from));
-    Ok((out, t.notes))
+    out.extend(t.args.iter().map(OsString::from));
+    Ok((out, Some(t)))
 }
 
 #[tokio::main]
 async fn main() -> Result<()> {
-    let (argv, notes) = command_line()?;
+    let (argv, as_yawollet) = command_line()?;
     let cli = Cli::parse_from(&argv);
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .or_else(|_| tracing_subscriber::EnvFilter::try_new(&cli.log_level))
@@ -331,10 +331,10 @@ async fn main() -> Result<()> {
             .with_env_filter(filter)
             .init(),
     }
-    if !notes.is_empty() {
+    if let Some(yawollet::Translation { notes, .. }) = &as_yawollet {
         let args: Vec<_> = argv[1..].iter().map(|a| a.to_string_lossy()).collect();
         tracing::info!(args = %args.join(" "), "started as yawollet: yawollet's flags and yawol's keepalived.conf translated");
-        for n in &notes {
+        for n in notes {
             if n.warning {
                 tracing::warn!("yawollet compatibility: {}", n.text);
             } else {
@@ -384,7 +384,7 @@ async fn main() -> Result<()> {
     let config_rx = match (&cli.config, &cli.loadbalancer_name) {
         (Some(path), None) => lb_agent::source::file::watch_file(path.clone(), Duration::from_millis(50)),
         (None, Some(lb)) => {
-            let settings = kube_settings(&cli, lb)?;
+            let settings = kube_settings(&cli, lb, as_yawollet.as_ref().map(|t| t.compat))?;
             tracing::info!(namespace = %settings.namespace, loadbalancer = %settings.loadbalancer,
                 machine = %settings.machine, requeue = ?settings.requeue, "Kubernetes mode");
             let client = lb_agent::source::kubernetes::client(cli.kubeconfig.as_deref()).await?;
@@ -414,7 +414,11 @@ async fn main() -> Result<()> {
 }
 
 /// Kubernetes-mode settings from the flags; every required flag is named when missing.
-fn kube_settings(cli: &Cli, loadbalancer: &str) -> Result<KubeSettings> {
+fn kube_settings(
+    cli: &Cli,
+    loadbalancer: &str,
+    yawollet: Option<yawollet::Compat>,
+) -> Result<KubeSettings> {
     let namespace = cli
         .namespace
         .clone()
@@ -442,6 +446,7 @@ fn kube_settings(cli: &Cli, loadbalancer: &str) -> Result<KubeSettings> {
         machine_revision: cli.machine_revision.clone(),
         ad_hoc_debug: (!cli.ad_hoc_debug_user.is_empty())
             .then(|| debug::AdHocDebugSettings::for_user(&cli.ad_hoc_debug_user)),
+        yawollet,
     })
 }
 

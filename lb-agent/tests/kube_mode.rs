@@ -293,6 +293,7 @@ impl Harness {
             clock: Arc::new(move || Time(Timestamp::from_second(*c.lock().unwrap()).unwrap())),
             machine_revision: None,
             ad_hoc_debug: None,
+            yawollet: None,
         };
         let (status_tx, status_rx) = watch::channel(AgentStatus::default());
         let snapshot: SharedSnapshot = Arc::new(std::sync::RwLock::new(sample_snapshot()));
@@ -990,6 +991,7 @@ async fn an_unreachable_api_server_is_retried_with_backoff() {
         clock: kube_mode::system_clock(),
         machine_revision: None,
         ad_hoc_debug: None,
+        yawollet: None,
     };
     let mode = kube_mode::start(client, settings, status_rx, SharedSnapshot::default());
     tokio::time::sleep(Duration::from_secs(2)).await;
@@ -1462,7 +1464,8 @@ use lb_test_support::yawol;
 /// in the core group only) with no `--machine-revision`. That Role is enough for all of Kubernetes mode — the
 /// watch, the status, Events, the revision from the machine's annotation, ad-hoc debug, the reports of logForward
 /// and PROXY protocol (not implemented: False conditions and Warning Events, while the machine is ready and
-/// forwards) — and the API server refuses none of its requests.
+/// forwards) — and the API server refuses none of its requests. Started as yawollet, it writes yawollet's
+/// steady-state `ConfigReady` reason and attributes its Events to `yawollet`.
 #[tokio::test]
 async fn under_yawols_role_revision_ad_hoc_debug_and_unsupported_options() {
     const REVISION: &str = "loadbalancer.yawol.stackit.cloud/revision";
@@ -1572,6 +1575,10 @@ async fn under_yawols_role_revision_ad_hoc_debug_and_unsupported_options() {
             start_sshd: sshd("start"),
             stop_sshd: sshd("stop"),
         }),
+        // Started as yawollet, as on such a machine.
+        yawollet: Some(kube_mode::yawollet::Compat {
+            keepalived_stats: true,
+        }),
     };
     let (status_tx, status_rx) = watch::channel(AgentStatus::default());
     let mode = kube_mode::start(client, settings, status_rx, SharedSnapshot::default());
@@ -1607,6 +1614,14 @@ async fn under_yawols_role_revision_ad_hoc_debug_and_unsupported_options() {
         find(&c, "LogForward").unwrap().reason.as_deref(),
         Some("LogForwardNotSupported")
     );
+    // yawollet's steady-state reason: "updated" was for the write that reported the new configuration.
+    eventually("ConfigReady=True/EnvoyConfigurationCreated", || async {
+        let c = conditions_of(cluster.lbms.get_opt(LBM).await.unwrap().as_ref());
+        (find(&c, "ConfigReady").and_then(|c| c.reason.as_deref())
+            == Some("EnvoyConfigurationCreated"))
+        .then_some(())
+    })
+    .await;
     let pp = find(&c, "ProxyProtocol").unwrap();
     assert_eq!(pp.reason.as_deref(), Some("ProxyProtocolNotSupported"));
     assert!(
@@ -1656,15 +1671,8 @@ async fn under_yawols_role_revision_ad_hoc_debug_and_unsupported_options() {
     })
     .await;
     let events: Api<Event> = Api::namespaced(cluster.admin.clone(), &ns);
-    let reasons = eventually("the Events", || async {
-        let reasons: Vec<String> = events
-            .list(&ListParams::default())
-            .await
-            .unwrap()
-            .items
-            .into_iter()
-            .filter_map(|e| e.reason)
-            .collect();
+    let items = eventually("the Events", || async {
+        let items = events.list(&ListParams::default()).await.unwrap().items;
         [
             "LogForwardNotSupported",
             "ProxyProtocolNotSupported",
@@ -1672,11 +1680,21 @@ async fn under_yawols_role_revision_ad_hoc_debug_and_unsupported_options() {
             "AdHocDebuggingDisabled",
         ]
         .iter()
-        .all(|r| reasons.iter().any(|x| x == r))
-        .then_some(reasons)
+        .all(|r| items.iter().any(|e| e.reason.as_deref() == Some(r)))
+        .then_some(items)
     })
     .await;
-    assert!(reasons.iter().any(|r| r == "Update"), "{reasons:?}");
+    let reasons: Vec<&str> = items.iter().filter_map(|e| e.reason.as_deref()).collect();
+    assert!(reasons.contains(&"Update"), "{reasons:?}");
+    // yawollet's recorder name, so filters and alerts on the component keep finding them.
+    for e in &items {
+        let component = e.source.as_ref().and_then(|s| s.component.as_deref());
+        assert_eq!(
+            (component, e.reporting_component.as_deref()),
+            (Some("yawollet"), Some("yawollet")),
+            "{e:?}"
+        );
+    }
     refusals.assert_none().unwrap();
     drop(mode);
     let _ = std::fs::remove_dir_all(&dir);

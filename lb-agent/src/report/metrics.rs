@@ -60,9 +60,9 @@ pub struct Snapshot {
 }
 
 impl Snapshot {
-    /// yawol's per-port metric list (`TCP-80-upstream_cx_active`, …) plus host metrics, for
-    /// `LoadBalancerMachine.status.metrics`.
-    pub fn yawol_metrics(&self) -> Vec<(String, String)> {
+    /// yawol's per-port metric list (`TCP-80-upstream_cx_active`, …) plus host metrics and, with
+    /// `keepalived_stats`, keepalived's, for `LoadBalancerMachine.status.metrics`.
+    pub fn yawol_metrics(&self, keepalived_stats: bool) -> Vec<(String, String)> {
         let mut v = Vec::new();
         for s in &self.services {
             let Some(id) = s.id else { continue };
@@ -104,7 +104,8 @@ impl Snapshot {
         }
         // yawol's names, units and text (loads and stealTime with two decimals).
         v.extend(crate::report::hostmetrics::yawol_metrics(&self.host));
-        if let Some(stats) = self.ha.as_ref().and_then(|h| h.vrrp_stats.as_ref()) {
+        let stats = self.ha.as_ref().and_then(|h| h.vrrp_stats.as_ref());
+        if let Some(stats) = stats.filter(|_| keepalived_stats) {
             v.extend(stats.yawol_metrics());
         }
         v
@@ -559,9 +560,17 @@ pub async fn serve(addr: SocketAddr, snapshot: SharedSnapshot) -> anyhow::Result
                 }
             }),
         );
-    let listener = tokio::net::TcpListener::bind(addr)
-        .await
-        .map_err(|e| anyhow::anyhow!("binding the metrics listener {addr}: {e}"))?;
+    let listener = match tokio::net::TcpListener::bind(addr).await {
+        // `[::]` stands for Go's `:PORT` (yawollet's flags); without IPv6 in the kernel Go takes 0.0.0.0 instead.
+        Err(e)
+            if addr.ip() == std::net::Ipv6Addr::UNSPECIFIED
+                && e.raw_os_error() == Some(libc::EAFNOSUPPORT) =>
+        {
+            tokio::net::TcpListener::bind((std::net::Ipv4Addr::UNSPECIFIED, addr.port())).await
+        }
+        r => r,
+    }
+    .map_err(|e| anyhow::anyhow!("binding the metrics listener {addr}: {e}"))?;
     axum::serve(listener, app).await?;
     Ok(())
 }
@@ -595,7 +604,7 @@ mod tests {
             ready: true,
             ..Default::default()
         };
-        let names = snap.yawol_metrics();
+        let names = snap.yawol_metrics(true);
         // yawollet's per-port names (Envoy cluster `TCP-80`'s counters) and its TCP idle-timeout series.
         for (name, value) in [
             ("TCP-80-upstream_cx_active", "3"),
@@ -610,6 +619,20 @@ mod tests {
                 "{name}={value} not in {names:?}"
             );
         }
+        // keepalived's counters unless turned off (yawollet's `--keepalived-stats-file=""`).
+        let with_vrrp = Snapshot {
+            ha: Some(crate::ha::HaSnapshot {
+                vrrp_stats: Some(crate::ha::vrrp::VrrpStats {
+                    is_master: true,
+                    ..Default::default()
+                }),
+                ..Default::default()
+            }),
+            ..snap.clone()
+        };
+        let master = ("keepalivedIsMaster".to_string(), "1".to_string());
+        assert!(with_vrrp.yawol_metrics(true).contains(&master));
+        assert_eq!(with_vrrp.yawol_metrics(false), names);
         let reg = registry(Arc::new(RwLock::new(snap)));
         let mut out = String::new();
         prometheus_client::encoding::text::encode(&mut out, &reg).unwrap();

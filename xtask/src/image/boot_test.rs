@@ -1214,7 +1214,8 @@ fn judge_yawol(j: &mut Judge) {
             .unwrap_or_else(|| "missing".into())
     };
     for (ty, want) in [
-        ("ConfigReady", "True/EnvoyConfigurationUpToDate"),
+        // yawollet's reason between configuration changes (the report comes after two heartbeats).
+        ("ConfigReady", "True/EnvoyConfigurationCreated"),
         ("EnvoyReady", "True/EnvoyReady"),
         ("EnvoyUpToDate", "True/EnvoySnapshotUpToDate"),
         ("KeepalivedMaster", "True/KeepalivedStatus"),

@@ -15,6 +15,18 @@ use tokio::sync::Mutex;
 
 /// `source.component` / `reportingComponent` of the Events the agent writes.
 pub const EVENT_COMPONENT: &str = "lb-agent";
+/// The same when started as `yawollet`: yawollet's event recorder for the LoadBalancerMachine is named so, and
+/// `kubectl get events` filters or alerts on the component keep finding these.
+pub const YAWOLLET_EVENT_COMPONENT: &str = "yawollet";
+
+/// The component the Events of an agent with these settings are attributed to.
+pub fn event_component(settings: &KubeSettings) -> &'static str {
+    if settings.yawollet.is_some() {
+        YAWOLLET_EVENT_COMPONENT
+    } else {
+        EVENT_COMPONENT
+    }
+}
 
 /// Longest condition or Event message written. Kubernetes does not cap NodeCondition messages, but a
 /// spec with many errors should not bloat the object that every controller watches.
@@ -108,6 +120,7 @@ pub(super) struct Recorder {
     machines: Api<LoadBalancerMachine>,
     namespace: String,
     machine: String,
+    component: &'static str,
     /// The machine's uid, looked up once: `kubectl describe` finds Events by it.
     uid: Mutex<Option<String>>,
 }
@@ -119,6 +132,7 @@ impl Recorder {
             machines: Api::namespaced(client, &settings.namespace),
             namespace: settings.namespace.clone(),
             machine: settings.machine.clone(),
+            component: event_component(settings),
             uid: Mutex::new(None),
         }
     }
@@ -158,10 +172,10 @@ impl Recorder {
             first_timestamp: Some(now.clone()),
             last_timestamp: Some(now),
             source: Some(EventSource {
-                component: Some(EVENT_COMPONENT.to_string()),
+                component: Some(self.component.to_string()),
                 host: None,
             }),
-            reporting_component: Some(EVENT_COMPONENT.to_string()),
+            reporting_component: Some(self.component.to_string()),
             reporting_instance: Some(self.machine.clone()),
             ..Default::default()
         };

@@ -81,6 +81,8 @@ pub struct KubeSettings {
     pub machine_revision: Option<String>,
     /// Ad-hoc debug access on this machine (`None`: the annotations are not acted on, e.g. in tests).
     pub ad_hoc_debug: Option<debug::AdHocDebugSettings>,
+    /// Started as `yawollet`: what yawollet does differently (`None`: lb-agent's own behaviour).
+    pub yawollet: Option<yawollet::Compat>,
 }
 
 /// What the config source learnt from the LoadBalancer that goes into the machine's status but not into the
@@ -100,6 +102,7 @@ impl std::fmt::Debug for KubeSettings {
             .field("machine", &self.machine)
             .field("health_check", &self.health_check)
             .field("requeue", &self.requeue)
+            .field("yawollet", &self.yawollet)
             .finish_non_exhaustive()
     }
 }

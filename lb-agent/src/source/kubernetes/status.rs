@@ -34,8 +34,11 @@ pub mod types {
 /// and alerts written for yawol keep matching (`loadbalancermachine_condition{reason=…}`): yawollet uses
 /// `EnvoySnapshotUpToDate` for `EnvoyUpToDate` in both statuses, and so does this agent.
 pub mod reasons {
-    /// `ConfigReady=True` (yawol's reason).
+    /// `ConfigReady=True` (yawol's reason; as yawollet, only in the first status write of a new configuration).
     pub const CONFIG_UP_TO_DATE: &str = "EnvoyConfigurationUpToDate";
+    /// `ConfigReady=True` as yawollet writes it in every later status write: the configuration is unchanged
+    /// (yawollet's words: "envoy config is already up to date"). Only when started as yawollet.
+    pub const CONFIG_UNCHANGED: &str = "EnvoyConfigurationCreated";
     /// `ConfigReady=False`: invalid LoadBalancer or a configuration the data plane refused (yawol's reason).
     pub const CONFIG_FAILED: &str = "EnvoyConfigurationFailed";
     /// `ConfigReady=False`: no configuration yet (LoadBalancer not read, or no `status.portIP`).
@@ -90,6 +93,10 @@ pub struct Context {
     pub facts: LbFacts,
     /// keepalived's statistics were read at the last metrics refresh.
     pub keepalived_stats: bool,
+    /// Started as `yawollet` ([`super::KubeSettings::yawollet`]).
+    pub yawollet: Option<super::yawollet::Compat>,
+    /// This write is the first to report the configuration generation it reports.
+    pub new_config: bool,
 }
 
 /// The channels between the status reporter and the config source.
@@ -116,7 +123,12 @@ fn truths(s: &AgentStatus, ctx: &Context) -> Vec<Truth> {
         (Some(e), _) => (false, reasons::CONFIG_FAILED, truncate(e)),
         (None, Some(g)) => (
             true,
-            reasons::CONFIG_UP_TO_DATE,
+            // yawollet says "updated" once, when it sets a new snapshot, and "created" in every reconcile after.
+            if ctx.yawollet.is_some() && !ctx.new_config {
+                reasons::CONFIG_UNCHANGED
+            } else {
+                reasons::CONFIG_UP_TO_DATE
+            },
             format!("configuration generation {g} is valid"),
         ),
         (None, None) => (
@@ -181,6 +193,8 @@ fn truths(s: &AgentStatus, ctx: &Context) -> Vec<Truth> {
             message: up_msg,
         },
     ];
+    // yawollet with `--keepalived-stats-file=""` writes neither of the stats-based conditions.
+    let stats_conditions = ctx.yawollet.is_none_or(|y| y.keepalived_stats);
     if let Some(state) = s.vrrp {
         let running = state.is_reported();
         v.push(Truth {
@@ -193,6 +207,8 @@ fn truths(s: &AgentStatus, ctx: &Context) -> Vec<Truth> {
             ),
             message: format!("keepalived state: {state}"),
         });
+    }
+    if let Some(state) = s.vrrp.filter(|_| stats_conditions) {
         v.push(Truth {
             type_: cond::KEEPALIVED_MASTER,
             ok: state == crate::ha::vrrp::VrrpState::Master,
@@ -397,7 +413,9 @@ impl StatusReporter {
                 self.recorder.publish(e).await;
             }
             seen = current.clone();
-            match self.write_status(&current, &facts).await {
+            let new_config = written.as_ref().map(|(w, _)| w.desired_generation)
+                != Some(current.desired_generation);
+            match self.write_status(&current, &facts, new_config).await {
                 Ok(()) => {
                     tracing::debug!(object = %what, "status written");
                     written = Some((current, facts));
@@ -436,7 +454,12 @@ impl StatusReporter {
 
     /// Read-modify-write of the machine's status (conditions of others are kept), retried on conflicts. Without
     /// `--machine-revision` the machine's revision annotation read on the way goes to the source.
-    async fn write_status(&self, status: &AgentStatus, facts: &LbFacts) -> Result<()> {
+    async fn write_status(
+        &self,
+        status: &AgentStatus,
+        facts: &LbFacts,
+        new_config: bool,
+    ) -> Result<()> {
         const ATTEMPTS: usize = 3;
         let (machines, settings) = (&self.machines, &self.settings);
         let name = &settings.machine;
@@ -471,14 +494,18 @@ impl StatusReporter {
                 .and_then(|s| s.conditions.as_deref())
                 .unwrap_or_default();
             let now = (settings.clock)();
+            let yawollet = settings.yawollet;
             let (metrics, keepalived_stats) = {
                 let snap = self.snapshot.read().unwrap_or_else(|e| e.into_inner());
                 let stats = snap.ha.as_ref().is_some_and(|h| h.vrrp_stats.is_some());
-                (snap.yawol_metrics(), stats)
+                let with_stats = yawollet.is_none_or(|y| y.keepalived_stats);
+                (snap.yawol_metrics(with_stats), stats)
             };
             let ctx = Context {
                 facts: facts.clone(),
                 keepalived_stats,
+                yawollet,
+                new_config,
             };
             let conds = conditions(prev, status, &ctx, &now);
             let metrics = metrics_list(&metrics, &now);
@@ -622,6 +649,55 @@ mod tests {
             reason(&c, "KeepalivedStatsFile"),
             pair("False", "CouldNotReadStats")
         );
+    }
+
+    /// Started as yawollet: `ConfigReady`'s reasons follow yawollet's reconciles, and `--keepalived-stats-file=""`
+    /// leaves out the conditions yawollet takes from keepalived's stats file.
+    #[test]
+    fn as_yawollet_config_ready_and_stats_conditions() {
+        use crate::source::kubernetes::yawollet::Compat;
+        let mut s = running(1);
+        s.vrrp = Some(crate::ha::vrrp::VrrpState::Master);
+        let ctx = |keepalived_stats: bool, new_config: bool| Context {
+            keepalived_stats: true,
+            yawollet: Some(Compat { keepalived_stats }),
+            new_config,
+            ..Default::default()
+        };
+        let reason = |c: &[NodeCondition]| find(c, "ConfigReady").reason.clone().unwrap();
+        let first = conditions(&[], &s, &ctx(true, true), &t(0));
+        assert_eq!(reason(&first), "EnvoyConfigurationUpToDate");
+        let later = conditions(&first, &s, &ctx(true, false), &t(1));
+        assert_eq!(reason(&later), "EnvoyConfigurationCreated");
+        assert_eq!(
+            find(&later, "ConfigReady").last_transition_time,
+            find(&first, "ConfigReady").last_transition_time,
+            "a reason change is no transition"
+        );
+        // lb-agent's own mode keeps one reason.
+        let own = Context {
+            new_config: false,
+            ..Default::default()
+        };
+        assert_eq!(
+            reason(&conditions(&[], &s, &own, &t(0))),
+            "EnvoyConfigurationUpToDate"
+        );
+
+        assert!([
+            "KeepalivedMaster",
+            "KeepalivedStatsFile",
+            "KeepalivedProcess"
+        ]
+        .iter()
+        .all(|ty| later.iter().any(|c| c.type_ == *ty)));
+        let off = conditions(&[], &s, &ctx(false, false), &t(0));
+        assert!(
+            off.iter()
+                .all(|c| c.type_ != "KeepalivedMaster" && c.type_ != "KeepalivedStatsFile"),
+            "{off:?}"
+        );
+        assert_eq!(find(&off, "KeepalivedProcess").status, cond::TRUE);
     }
 
     #[test]

@@ -9,15 +9,15 @@
 //! |---|---|
 //! | `--namespace`, `--loadbalancer-name`, `--loadbalancer-machine-name`, `--kubeconfig` | the same lb-agent flags |
 //! | `--requeue-time` (seconds) | `--requeue-period`, clamped to 5..170 s as yawollet does |
-//! | `--health-probe-bind-address` (`/readyz` for yawol's keepalived check script) | `--metrics-address`: `/readyz`, `/healthz` and `/metrics` are served there |
+//! | `--health-probe-bind-address` (`/readyz` for yawol's keepalived check script) | `--metrics-address`: `/readyz`, `/healthz` and `/metrics` are served there; Go's forms (`:PORT` = every interface, `[v6]:PORT`, `localhost:PORT`); `0` or empty (probes off in yawollet) keeps the default |
 //! | `--zap-encoder json\|console` | `--log-format json\|text` |
 //! | `--zap-log-level` | `--log-level` (zap's `debug`/`info`/`error`; a number N means debug) |
 //! | `--listen-address` (the VIP) | checked against keepalived's VIP; the data plane takes the VIP from the LoadBalancer's `status.portIP`, which yawol-controller writes into both |
 //! | `--listen-interface` | the interface when `keepalived.conf` names none |
-//! | `--keepalived-stats-file` | ignored: the agent reads keepalived's counters itself (SIGUSR2 into its own run directory) |
-//! | `--metrics-bind-address` | ignored: yawollet's controller-runtime metrics (off by default); lb-agent's `/metrics` is on the probe address |
+//! | `--keepalived-stats-file` | empty: no keepalived stats in the status ([`Compat::keepalived_stats`]), as in yawollet; a path is not read: the agent reads keepalived's counters itself (SIGUSR2 into its own run directory) |
+//! | `--metrics-bind-address` | checked, not served: yawollet's controller-runtime metrics (off by default); lb-agent's `/metrics` is on the probe address |
 //! | `--zap-devel`, `--zap-stacktrace-level`, `--zap-time-encoding` | ignored (log cosmetics) |
-//! | anything else | ignored with a warning, so a newer yawol-controller's flag does not stop the load balancer |
+//! | anything else | an error naming the flag, as yawollet's flag set exits on it |
 //!
 //! From yawol's `/etc/keepalived/keepalived.conf` (its one `vrrp_instance`) the agent **keeps** `interface` (the
 //! NIC the data plane attaches to), `virtual_router_id` and `priority` (the base priority) and checks the VIP. It
@@ -31,11 +31,13 @@
 //! settings (no scripts run).
 
 use anyhow::{bail, Context, Result};
-use std::net::IpAddr;
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::path::Path;
 
 /// Name the agent recognises in `argv[0]`: started under it, the arguments are yawollet's.
 pub const PROGRAM_NAME: &str = "yawollet";
+/// yawollet's `--health-probe-bind-address` default.
+const DEFAULT_PROBE_ADDRESS: &str = "127.0.0.1:8080";
 /// Where yawol-controller's user data writes the keepalived configuration.
 pub const KEEPALIVED_CONF: &str = "/etc/keepalived/keepalived.conf";
 
@@ -51,6 +53,16 @@ pub struct Translation {
     pub args: Vec<String>,
     /// One line per decision, logged at start.
     pub notes: Vec<Note>,
+    /// What yawollet does differently from lb-agent in Kubernetes mode.
+    pub compat: Compat,
+}
+
+/// Kubernetes mode as yawollet: set when the agent runs as `yawollet` ([`super::KubeSettings::yawollet`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Compat {
+    /// keepalived's statistics go into the machine's status (`KeepalivedStatsFile` and `KeepalivedMaster`
+    /// conditions, keepalived metrics); off with yawollet's `--keepalived-stats-file=""`.
+    pub keepalived_stats: bool,
 }
 
 /// A decision of the translation.
@@ -121,14 +133,52 @@ pub fn translate(yawollet_args: &[String], keepalived_conf: Option<&str>) -> Res
         args.push(format!("--requeue-period={}s", secs.clamp(5, 170)));
     }
     // yawollet's default probe address is also where yawol's keepalived check script looks.
-    let probe = get("health-probe-bind-address").unwrap_or("127.0.0.1:8080");
+    let probe = match get("health-probe-bind-address").unwrap_or(DEFAULT_PROBE_ADDRESS) {
+        // controller-runtime serves no probes then; the agent's metrics have to be somewhere all the same.
+        off @ ("" | "0") => {
+            note(
+                true,
+                format!(
+                    "--health-probe-bind-address={off:?} turns yawollet's probes off; the agent serves /readyz, \
+                     /healthz and /metrics on {DEFAULT_PROBE_ADDRESS} all the same"
+                ),
+            );
+            DEFAULT_PROBE_ADDRESS.parse().expect("a socket address")
+        }
+        addr => go_listen_address("health-probe-bind-address", addr)?,
+    };
     args.push(format!("--metrics-address={probe}"));
     note(
         false,
         format!(
-            "--health-probe-bind-address={probe}: /readyz, /healthz and /metrics are served there"
+            "--health-probe-bind-address: /readyz, /healthz and /metrics are served on {probe}"
         ),
     );
+    match get("metrics-bind-address") {
+        // yawollet's default: its controller-runtime metrics off.
+        None | Some("" | "0") => {}
+        Some(addr) => {
+            go_listen_address("metrics-bind-address", addr)?;
+            note(
+                false,
+                format!(
+                    "--metrics-bind-address={addr}: nothing served there; the agent's /metrics is on {probe}"
+                ),
+            );
+        }
+    }
+    // yawollet reads keepalived's stats file for the KeepalivedStatsFile and KeepalivedMaster conditions and the
+    // keepalived metrics; empty turns all three off. The agent reads keepalived's counters itself, so a path
+    // only matters in that it is not empty.
+    let keepalived_stats = get("keepalived-stats-file") != Some("");
+    if !keepalived_stats {
+        note(
+            false,
+            "--keepalived-stats-file=\"\": no KeepalivedStatsFile / KeepalivedMaster conditions and no \
+             keepalived metrics in the machine's status, as with yawollet"
+                .to_string(),
+        );
+    }
     if let Some(enc) = get("zap-encoder") {
         match enc {
             "json" => args.push("--log-format=json".into()),
@@ -145,13 +195,7 @@ pub fn translate(yawollet_args: &[String], keepalived_conf: Option<&str>) -> Res
             ),
         }
     }
-    for ignored in [
-        "keepalived-stats-file",
-        "metrics-bind-address",
-        "zap-devel",
-        "zap-stacktrace-level",
-        "zap-time-encoding",
-    ] {
+    for ignored in ["zap-devel", "zap-stacktrace-level", "zap-time-encoding"] {
         if let Some(v) = get(ignored) {
             note(
                 false,
@@ -220,11 +264,42 @@ pub fn translate(yawollet_args: &[String], keepalived_conf: Option<&str>) -> Res
             }
         }
     }
-    Ok(Translation { args, notes })
+    Ok(Translation {
+        args,
+        notes,
+        compat: Compat { keepalived_stats },
+    })
 }
 
-/// `(name, value)` of each `--name=value` / `--name value` / `--bool-flag`; unknown flags noted and kept (so
-/// their values are not taken for positional arguments), positional arguments noted and dropped.
+/// A Go listen address (`net.Listen`'s `host:port`) as a socket address, meaning what Go means: `:PORT` is every
+/// interface (Go listens on `[::]`, which takes IPv4 too, and on 0.0.0.0 without IPv6), `localhost` is 127.0.0.1
+/// (Go resolves it and prefers IPv4). Other host names would need resolving at start; yawol-controller writes
+/// addresses.
+pub fn go_listen_address(flag: &str, addr: &str) -> Result<SocketAddr> {
+    let bad = |why: &str| {
+        anyhow::anyhow!(
+            "--{flag}={addr:?}: {why} (give :PORT, IPv4:PORT, [IPv6]:PORT or localhost:PORT)"
+        )
+    };
+    let (host, port) = addr.rsplit_once(':').ok_or_else(|| bad("no port"))?;
+    let port: u16 = port.parse().map_err(|_| bad("the port is not a number"))?;
+    let ip = match host {
+        "" => IpAddr::V6(Ipv6Addr::UNSPECIFIED),
+        "localhost" => IpAddr::V4(Ipv4Addr::LOCALHOST),
+        h if h.starts_with('[') && h.ends_with(']') => h[1..h.len() - 1]
+            .parse::<Ipv6Addr>()
+            .map(IpAddr::V6)
+            .map_err(|_| bad("not an IPv6 address in brackets"))?,
+        h => h
+            .parse::<Ipv4Addr>()
+            .map(IpAddr::V4)
+            .map_err(|_| bad("not an IP address (an IPv6 address needs brackets)"))?,
+    };
+    Ok(SocketAddr::new(ip, port))
+}
+
+/// `(name, value)` of each `--name=value` / `--name value` / `--bool-flag`; an unknown flag is an error, positional
+/// arguments are noted and dropped (yawollet ignores them).
 fn parse_flags(
     args: &[String],
     note: &mut impl FnMut(bool, String),
@@ -256,26 +331,34 @@ fn parse_flags(
             break;
         }
         let Some(flag) = arg.strip_prefix("--") else {
+            // pflag reads `-x` as shorthand flags, and yawollet defines none.
+            if arg.len() > 1 && arg.starts_with('-') {
+                bail!("unknown yawollet flag {arg} (yawollet has no single-dash flags)");
+            }
             note(
                 true,
                 format!("argument {arg:?} ignored (yawollet takes flags only)"),
             );
             continue;
         };
-        let (name, value) = match flag.split_once('=') {
-            Some((n, v)) => (n.to_string(), v.to_string()),
-            None if BOOL_FLAGS.contains(&flag) => (flag.to_string(), "true".to_string()),
+        let name = flag.split_once('=').map_or(flag, |(n, _)| n);
+        // yawollet's flag set exits on an unknown flag; going on would hide a setting the operator meant.
+        if !KNOWN.contains(&name) {
+            bail!(
+                "unknown yawollet flag --{name} (yawollet refuses it too; yawollet's flags: --{})",
+                KNOWN.join(", --")
+            );
+        }
+        let value = match flag.split_once('=') {
+            Some((_, v)) => v.to_string(),
+            None if BOOL_FLAGS.contains(&name) => "true".to_string(),
             None => match it.peek() {
-                Some(v) if !v.starts_with("--") => (flag.to_string(), it.next().unwrap().clone()),
+                Some(v) if !v.starts_with("--") => it.next().unwrap().clone(),
                 // A value flag without a value: pflag refuses it.
-                _ if KNOWN.contains(&flag) => bail!("yawollet flag --{flag} needs a value"),
-                _ => (flag.to_string(), String::new()),
+                _ => bail!("yawollet flag --{name} needs a value"),
             },
         };
-        if !KNOWN.contains(&name.as_str()) {
-            note(true, format!("unknown yawollet flag --{name} ignored"));
-        }
-        out.push((name, value));
+        out.push((name.to_string(), value));
     }
     Ok(out)
 }
@@ -463,6 +546,12 @@ mod tests {
     fn yawols_user_data_becomes_kubernetes_mode_with_vrrp() {
         let t = translate(&yawol_args(Some(20)), Some(&yawol_keepalived())).unwrap();
         assert_eq!(
+            t.compat,
+            Compat {
+                keepalived_stats: true
+            }
+        );
+        assert_eq!(
             t.args,
             [
                 "--namespace=yawol",
@@ -554,8 +643,6 @@ mod tests {
                 "--zap-log-level=2",
                 "--zap-devel",
                 "--keepalived-stats-file=",
-                "--future-flag",
-                "x",
                 "stray",
             ]
             .map(String::from),
@@ -575,11 +662,9 @@ mod tests {
             .collect();
         assert_eq!(
             warnings,
-            [
-                "unknown yawollet flag --future-flag ignored",
-                "argument \"stray\" ignored (yawollet takes flags only)"
-            ]
+            ["argument \"stray\" ignored (yawollet takes flags only)"]
         );
+        assert!(!t.compat.keepalived_stats, "empty stats file: no stats");
         assert!(t
             .notes
             .iter()
@@ -630,6 +715,126 @@ mod tests {
         assert!(t.notes.iter().any(|n| n.warning
             && n.text
                 .contains("10.0.2.101 is not keepalived's VIP (10.0.2.100)")));
+    }
+
+    /// yawollet's flag set exits on an unknown flag (pflag, `ExitOnError`): so does the agent, naming it.
+    #[test]
+    fn an_unknown_flag_is_an_error_naming_it() {
+        for (extra, needle) in [
+            (
+                &["--future-flag", "x"][..],
+                "unknown yawollet flag --future-flag",
+            ),
+            (&["--future-flag=x"], "unknown yawollet flag --future-flag"),
+            (&["--future-flag"], "unknown yawollet flag --future-flag"),
+            (&["-n", "x"], "unknown yawollet flag -n"),
+            // lb-agent's own flags are not yawollet's.
+            (&["--interface=eth1"], "unknown yawollet flag --interface"),
+        ] {
+            let args = [
+                yawol_args(None),
+                extra.iter().map(|a| a.to_string()).collect(),
+            ]
+            .concat();
+            let e = translate(&args, Some(&yawol_keepalived())).unwrap_err();
+            assert!(e.to_string().contains(needle), "{extra:?}: {e}");
+        }
+        // Positional arguments are no flags: yawollet ignores them, the agent warns.
+        let t = translate(
+            &[yawol_args(None), vec!["-".into(), "x".into()]].concat(),
+            Some(&yawol_keepalived()),
+        )
+        .unwrap();
+        assert_eq!(t.notes.iter().filter(|n| n.warning).count(), 2);
+    }
+
+    /// Go's listen addresses (`net.Listen`), as yawol and operators write them.
+    #[test]
+    fn go_listen_addresses_mean_what_go_means() {
+        for (given, want) in [
+            (":8080", "[::]:8080"),
+            ("127.0.0.1:8080", "127.0.0.1:8080"),
+            ("0.0.0.0:9000", "0.0.0.0:9000"),
+            ("[::1]:8080", "[::1]:8080"),
+            ("[::]:8080", "[::]:8080"),
+            ("localhost:8081", "127.0.0.1:8081"),
+        ] {
+            let got = go_listen_address("health-probe-bind-address", given).unwrap();
+            assert_eq!(got, want.parse::<SocketAddr>().unwrap(), "{given}");
+            let args = [
+                yawol_args(None),
+                vec![format!("--health-probe-bind-address={given}")],
+            ]
+            .concat();
+            let t = translate(&args, None).unwrap();
+            assert!(
+                t.args.contains(&format!("--metrics-address={want}")),
+                "{given}: {:?}",
+                t.args
+            );
+        }
+        for (given, needle) in [
+            ("8080", "no port"),
+            (":http", "the port is not a number"),
+            ("::1:8080", "needs brackets"),
+            ("[10.0.0.1]:8080", "not an IPv6 address"),
+            ("probe.example:8080", "not an IP address"),
+        ] {
+            let e = go_listen_address("health-probe-bind-address", given).unwrap_err();
+            assert!(e.to_string().contains(needle), "{given}: {e}");
+            assert!(e.to_string().contains("--health-probe-bind-address"), "{e}");
+        }
+        // Probes off in yawollet ("0" or empty): the agent's endpoints stay on the default, with a warning.
+        for off in ["0", ""] {
+            let args = [
+                yawol_args(None),
+                vec![format!("--health-probe-bind-address={off}")],
+            ]
+            .concat();
+            let t = translate(&args, None).unwrap();
+            assert!(t
+                .args
+                .contains(&"--metrics-address=127.0.0.1:8080".to_string()));
+            assert!(t
+                .notes
+                .iter()
+                .any(|n| n.warning && n.text.contains("turns yawollet's probes off")));
+        }
+        // --metrics-bind-address: checked the same way; "0" (yawollet's default) is off.
+        let with = |v: &str| {
+            translate(
+                &[
+                    yawol_args(None),
+                    vec![format!("--metrics-bind-address={v}")],
+                ]
+                .concat(),
+                None,
+            )
+        };
+        assert!(with("0").is_ok());
+        assert!(with(":8081").unwrap().notes.iter().any(|n| n
+            .text
+            .contains("--metrics-bind-address=:8081: nothing served there")));
+        let e = with("8081").unwrap_err();
+        assert!(e.to_string().contains("--metrics-bind-address"), "{e}");
+    }
+
+    #[test]
+    fn keepalived_stats_file_empty_turns_stats_off() {
+        let with = |extra: &[&str]| {
+            let args = [
+                yawol_args(None),
+                extra.iter().map(|a| a.to_string()).collect(),
+            ]
+            .concat();
+            translate(&args, Some(&yawol_keepalived())).unwrap().compat
+        };
+        assert!(with(&[]).keepalived_stats, "yawollet's default path");
+        assert!(with(&["--keepalived-stats-file=/tmp/k.stats"]).keepalived_stats);
+        assert!(!with(&["--keepalived-stats-file="]).keepalived_stats);
+        assert!(!with(&["--keepalived-stats-file", ""]).keepalived_stats);
+        // The last occurrence counts, as in pflag.
+        assert!(with(&["--keepalived-stats-file=", "--keepalived-stats-file=/x"]).keepalived_stats);
     }
 
     #[test]
