@@ -2,15 +2,15 @@
 //! flow the table refused, a Maglev slot naming no backend, the SYN guard dropping, a frame the parser refused.
 //! Each becomes a small fixed record ([`KernelEvent`]) on `KLOG_EVENTS`, which the agent turns into a log line.
 //!
-//! Counters stay the record of how often; a line says which service, backend or source. [`event`] is called only
-//! on the branch that counts its event — never for a forwarded packet — and writes at most one record per kind
-//! per CPU per second: a flood of dropped SYNs or malformed frames costs each packet a call, a per-CPU array read
-//! and a compare with the time the packet path already has.
+//! Counters stay the record of how often; a line says which service, backend or source. Each kind's function is
+//! called only on the branch that counts its event — never for a forwarded packet — and writes at most one record
+//! per kind per CPU per second: a flood of dropped SYNs or malformed frames costs each packet a call, a per-CPU
+//! array read and a compare with the time the packet path already has.
 //!
 //! Why not aya-log: its record writer is costly to verify (the formatting of each `warn!` walks bounded loops over
 //! every literal and argument). Five of them added 195k verified instructions to each fast program (365k → 561k)
 //! and pushed the traced programs of `lbctl trace` past the verifier's limit of a million; a fixed record costs
-//! the verifier a few dozen, and the text is written in the agent.
+//! the verifier little, and the text is written in the agent.
 
 use aya_ebpf::{helpers::bpf_ktime_get_coarse_ns, macros::map, maps::PerCpuArray, maps::RingBuf};
 use lb_common::{klog::*, KernelEvent};
@@ -27,20 +27,15 @@ static KLOG_EVENTS: RingBuf = RingBuf::with_byte_size(1 << 16, 0);
 static KLOG_LAST: PerCpuArray<u64> = PerCpuArray::with_max_entries(KINDS, 0);
 
 /// Records event `kind` unless this CPU recorded one of that kind less than a second before `now` (the packet
-/// path's coarse clock, ns; 0 = read it here). A global BPF function (`extern "C"`, `no_mangle`, returning a
-/// scalar as those must): the verifier checks it once on its own, and at each call only the arguments.
-#[no_mangle]
-#[inline(never)]
-pub extern "C" fn lb_klog_event(
-    kind_why: u32,
-    svc_id: u32,
-    value: u32,
-    port_be: u32,
-    now: u64,
-) -> u32 {
+/// path's coarse clock, ns; 0 = read it here). Inlined into each kind's function below, which is a BPF function
+/// of its own (`inline(never)`): one call frame under the packet path's. A global function one level further down
+/// made the call chain too deep for the image's kernel 6.1 ("combined stack size of 4 calls is 544"), and the
+/// per-call verification of a record write is small.
+#[inline(always)]
+fn event(kind_why: u32, svc_id: u32, value: u32, port_be: u32, now: u64) {
     let kind = kind_why & 0xff;
     let Some(last) = KLOG_LAST.get_ptr_mut(kind) else {
-        return 0;
+        return;
     };
     let now = if now == 0 {
         unsafe { bpf_ktime_get_coarse_ns() }
@@ -50,12 +45,12 @@ pub extern "C" fn lb_klog_event(
     // SAFETY: this CPU's slot; nothing else runs on this CPU meanwhile.
     unsafe {
         if *last != 0 && now.wrapping_sub(*last) < INTERVAL_NS {
-            return 0;
+            return;
         }
         *last = now;
     }
     let Some(mut e) = KLOG_EVENTS.reserve::<KernelEvent>(0) else {
-        return 0;
+        return;
     };
     e.write(KernelEvent {
         kind: kind as u8,
@@ -66,13 +61,12 @@ pub extern "C" fn lb_klog_event(
         _pad: 0,
     });
     e.submit(0);
-    0
 }
 
 /// No free SNAT port towards a backend (address and port in network order, as in the packet).
 #[inline(never)]
 pub fn snat_exhausted(svc_id: u32, node: u32, node_port_be: u16, now: u64) {
-    lb_klog_event(
+    event(
         KIND_SNAT_EXHAUSTED as u32,
         svc_id,
         node,
@@ -84,26 +78,25 @@ pub fn snat_exhausted(svc_id: u32, node: u32, node_port_be: u16, now: u64) {
 /// A new flow's entries could not be written to the connection table (`FLOWS_V4`).
 #[inline(never)]
 pub fn flow_insert_failed(svc_id: u32, now: u64) {
-    lb_klog_event(KIND_FLOW_INSERT as u32, svc_id, 0, 0, now);
+    event(KIND_FLOW_INSERT as u32, svc_id, 0, 0, now);
 }
 
 /// The service's Maglev slot or the backend it names is empty: the agent's tables are inconsistent.
 #[inline(never)]
 pub fn bad_backend(svc_id: u32, slot: u32) {
-    lb_klog_event(KIND_BAD_BACKEND as u32, svc_id, slot, 0, 0);
+    event(KIND_BAD_BACKEND as u32, svc_id, slot, 0, 0);
 }
 
-/// A SYN from an untrusted source dropped over the new-handshake rate (address in network order). Inlined, unlike
-/// the others: a flood takes this path for every packet.
-#[inline(always)]
+/// A SYN from an untrusted source dropped over the new-handshake rate (address in network order).
+#[inline(never)]
 pub fn syn_guard_dropping(svc_id: u32, src: u32, now: u64) {
-    lb_klog_event(KIND_SYN_GUARD as u32, svc_id, src, 0, now);
+    event(KIND_SYN_GUARD as u32, svc_id, src, 0, now);
 }
 
 /// A frame dropped as malformed (`why`: `MALFORMED_*`), before the packet path reads its clock.
 #[inline(never)]
 pub fn malformed(why: u8, len: usize) {
-    lb_klog_event(
+    event(
         KIND_MALFORMED as u32 | (why as u32) << 8,
         0,
         len as u32,
