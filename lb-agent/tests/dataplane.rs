@@ -418,7 +418,7 @@ both_hooks! {
             assert_eq!(v, Verdict::Pass, "{name}");
             assert_eq!(&out, f, "{name} must be untouched");
         }
-        assert_eq!(h.stat(stat::PASS_NOT_IPV4), 1);
+        assert_eq!(h.stat(stat::PASS_NOT_IP), 1);
         assert_eq!(h.stat(stat::PASS_NOT_SERVICE), 6);
         assert_eq!(h.stat(stat::NEW_FLOWS), 0);
     }
@@ -985,11 +985,11 @@ both_hooks! {
     }
 }
 
-fn read_event(rb: &mut aya::maps::RingBuf<aya::maps::MapData>) -> Option<lb_common::FlowEvent> {
+fn read_event(rb: &mut aya::maps::RingBuf<aya::maps::MapData>) -> Option<lb_common::FlowEventV4> {
     let item = rb.next()?;
-    assert_eq!(item.len(), std::mem::size_of::<lb_common::FlowEvent>());
-    // SAFETY: the data plane writes whole `FlowEvent`s; read_unaligned copes with any alignment.
-    Some(unsafe { std::ptr::read_unaligned(item.as_ptr().cast::<lb_common::FlowEvent>()) })
+    assert_eq!(item.len(), std::mem::size_of::<lb_common::FlowEventV4>());
+    // SAFETY: the data plane writes whole `FlowEventV4`s; read_unaligned copes with any alignment.
+    Some(unsafe { std::ptr::read_unaligned(item.as_ptr().cast::<lb_common::FlowEventV4>()) })
 }
 
 mod state_sync {

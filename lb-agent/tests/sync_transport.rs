@@ -7,7 +7,7 @@ use lb_agent::ha::sync::{
     self, wire, ApplyOutcome, FlowRecord, FlowStore, MemoryFlowStore, SyncHandle, SyncOptions,
 };
 use lb_common::{
-    FlowEvent, FlowKeyV4, FlowV4, FLOW_EV_NEW, FLOW_F_FORWARD, FLOW_F_REVERSE, PROTO_TCP,
+    FlowEventV4, FlowKeyV4, FlowV4, FLOW_EV_NEW, FLOW_F_FORWARD, FLOW_F_REVERSE, PROTO_TCP,
 };
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -55,7 +55,7 @@ fn flow(node: u8, i: u32) -> FlowRecord {
         ..Default::default()
     };
     FlowRecord {
-        event: FlowEvent {
+        event: FlowEventV4 {
             kind: FLOW_EV_NEW,
             _pad: [0; 7],
             key,

@@ -6,12 +6,14 @@
 //!
 //! Addresses are 16 bytes wide in every family-agnostic structure (services, backends, next hops, source
 //! ranges): IPv4 lives in the first 4 bytes with `family == FAMILY_V4`. Connection tracking has one map per
-//! family with a compact key, because it holds millions of entries; only the IPv4 one exists today.
+//! family with a compact key, because it holds millions of entries: its types ([`FlowKey`], [`Flow`],
+//! [`Transient`], [`FlowEvent`]) are written once, generic over the address as the data plane reads it from the
+//! header ([`FlowAddr`]: a `u32` for IPv4, [`In6`] for IPv6), with `…V4`/`…V6` names for each.
 #![no_std]
 
 /// Bumped whenever a pinned map's key or value layout changes. The agent pins maps under a directory named
 /// after it, so an upgrade with a new layout starts with fresh maps instead of misreading old ones.
-pub const LAYOUT_VERSION: u32 = 6;
+pub const LAYOUT_VERSION: u32 = 7;
 
 /// IP protocol number of TCP.
 pub const PROTO_TCP: u8 = 6;
@@ -19,11 +21,56 @@ pub const PROTO_TCP: u8 = 6;
 pub const PROTO_UDP: u8 = 17;
 /// IP protocol number of ICMP.
 pub const PROTO_ICMP: u8 = 1;
+/// IP protocol number (next header) of ICMPv6.
+pub const PROTO_ICMPV6: u8 = 58;
 
 /// `family` value of an IPv4 address.
 pub const FAMILY_V4: u8 = 4;
-/// `family` value of an IPv6 address (reserved for dual-stack VIPs).
+/// `family` value of an IPv6 address.
 pub const FAMILY_V6: u8 = 6;
+
+/// An IPv6 address as the data plane reads it from a header: four 32-bit words of network-order bytes loaded
+/// natively (so checksum deltas are computed word by word, as for IPv4's `u32`).
+pub type In6 = [u32; 4];
+
+/// The address type of a connection-tracking key: `u32` (IPv4) or [`In6`] (IPv6), network order as on the wire.
+pub trait FlowAddr:
+    Copy + Default + PartialEq + Eq + core::fmt::Debug + core::hash::Hash + 'static
+{
+    /// `FAMILY_V4` or `FAMILY_V6`.
+    const FAMILY: u8;
+    /// The address in a family-agnostic 16-byte [`Addr`].
+    fn to_addr(self) -> Addr;
+    /// Folds the address into a running murmur3 hash (each 32-bit word through [`fmix`]).
+    fn mix(self, h: u32) -> u32;
+}
+
+impl FlowAddr for u32 {
+    const FAMILY: u8 = FAMILY_V4;
+    #[inline(always)]
+    fn to_addr(self) -> Addr {
+        Addr::from_v4_raw(self)
+    }
+    #[inline(always)]
+    fn mix(self, h: u32) -> u32 {
+        fmix(h ^ self)
+    }
+}
+
+impl FlowAddr for In6 {
+    const FAMILY: u8 = FAMILY_V6;
+    #[inline(always)]
+    fn to_addr(self) -> Addr {
+        Addr::from_v6_raw(self)
+    }
+    #[inline(always)]
+    fn mix(self, h: u32) -> u32 {
+        let h = fmix(h ^ self[0]);
+        let h = fmix(h ^ self[1]);
+        let h = fmix(h ^ self[2]);
+        fmix(h ^ self[3])
+    }
+}
 
 /// A 16-byte address in network byte order; IPv4 uses `bytes[0..4]` and zeroes the rest.
 #[repr(C)]
@@ -47,6 +94,35 @@ impl Addr {
     #[inline(always)]
     pub const fn v4_raw(&self) -> u32 {
         u32::from_ne_bytes([self.bytes[0], self.bytes[1], self.bytes[2], self.bytes[3]])
+    }
+
+    /// An IPv6 address from its four on-wire words, as read straight from a header.
+    #[inline(always)]
+    pub const fn from_v6_raw(w: In6) -> Self {
+        let (a, b, c, d) = (
+            w[0].to_ne_bytes(),
+            w[1].to_ne_bytes(),
+            w[2].to_ne_bytes(),
+            w[3].to_ne_bytes(),
+        );
+        Addr {
+            bytes: [
+                a[0], a[1], a[2], a[3], b[0], b[1], b[2], b[3], c[0], c[1], c[2], c[3], d[0], d[1],
+                d[2], d[3],
+            ],
+        }
+    }
+
+    /// The four on-wire words of an IPv6 address.
+    #[inline(always)]
+    pub const fn v6_raw(&self) -> In6 {
+        let b = &self.bytes;
+        [
+            u32::from_ne_bytes([b[0], b[1], b[2], b[3]]),
+            u32::from_ne_bytes([b[4], b[5], b[6], b[7]]),
+            u32::from_ne_bytes([b[8], b[9], b[10], b[11]]),
+            u32::from_ne_bytes([b[12], b[13], b[14], b[15]]),
+        ]
     }
 }
 
@@ -130,14 +206,14 @@ pub struct SourceRangeKey {
 /// Bits of the LPM prefix taken by [`SourceRangeKey::svc_id_be`].
 pub const SOURCE_RANGE_ID_BITS: u32 = 32;
 
-/// Key of the IPv4 connection-tracking map: a packet's 5-tuple as it arrives.
+/// Key of a connection-tracking map: a packet's 5-tuple as it arrives (16 bytes for IPv4, 40 for IPv6).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
-pub struct FlowKeyV4 {
+pub struct FlowKey<A> {
     /// Source address (network order).
-    pub src: u32,
+    pub src: A,
     /// Destination address (network order).
-    pub dst: u32,
+    pub dst: A,
     /// Source port (network order).
     pub sport: u16,
     /// Destination port (network order).
@@ -172,7 +248,13 @@ pub const TCP_CLOSING_TIMEOUT_S: u32 = 10;
 /// 15 s; after that a SYN from the same port starts over.
 pub const TCP_HANDSHAKE_TIMEOUT_S: u32 = 30;
 
-/// Value of the IPv4 connection-tracking map: how to rewrite a packet whose 5-tuple is the key.
+/// Key of `FLOWS_V4` and `TRANSIENT_V4`.
+pub type FlowKeyV4 = FlowKey<u32>;
+/// Key of `FLOWS_V6` and `TRANSIENT_V6`.
+pub type FlowKeyV6 = FlowKey<In6>;
+
+/// Value of a connection-tracking map: how to rewrite a packet whose 5-tuple is the key (48 bytes for IPv4, 72
+/// for IPv6; no implicit padding in either).
 ///
 /// A full-NAT flow has two entries: the forward one keyed by (client, VIP, cport, vport) rewriting to
 /// (SNAT, node, sport, nodeport), and the reverse one keyed by (node, SNAT, nodeport, sport) rewriting to
@@ -180,11 +262,11 @@ pub const TCP_HANDSHAKE_TIMEOUT_S: u32 = 30;
 /// stored.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct FlowV4 {
+pub struct Flow<A> {
     /// New source address.
-    pub new_src: u32,
+    pub new_src: A,
     /// New destination address.
-    pub new_dst: u32,
+    pub new_dst: A,
     /// New source port.
     pub new_sport: u16,
     /// New destination port.
@@ -201,7 +283,7 @@ pub struct FlowV4 {
     pub backend_id: u32,
     /// Idle timeout in seconds; 0 = never.
     pub timeout_s: u32,
-    /// One's-complement sum that turns the old addresses into the new ones (IP header and L4 pseudo header).
+    /// One's-complement sum that turns the old addresses into the new ones (IPv4 header and L4 pseudo header).
     pub csum_addr: u32,
     /// One's-complement sum that turns the old ports into the new ones (L4 header only).
     pub csum_port: u32,
@@ -209,7 +291,12 @@ pub struct FlowV4 {
     pub last_seen_ns: u64,
 }
 
-impl FlowV4 {
+/// Value of `FLOWS_V4`.
+pub type FlowV4 = Flow<u32>;
+/// Value of `FLOWS_V6`.
+pub type FlowV6 = Flow<In6>;
+
+impl<A: FlowAddr> Flow<A> {
     /// Whether the entry has been idle past its timeout at `now` (0 = never). A connection is idle only when both
     /// of its entries are; the data plane and the agent's GC both apply this rule.
     #[inline(always)]
@@ -226,8 +313,11 @@ impl FlowV4 {
     pub fn connection_idle<'a>(
         &self,
         now_ns: u64,
-        partner: impl FnOnce() -> Option<&'a FlowV4>,
-    ) -> bool {
+        partner: impl FnOnce() -> Option<&'a Flow<A>>,
+    ) -> bool
+    where
+        A: 'a,
+    {
         self.idle(now_ns) && partner().is_none_or(|p| p.idle(now_ns))
     }
 
@@ -249,7 +339,7 @@ impl FlowV4 {
     /// its last segments. The data plane then moves both entries to `TRANSIENT_V4` (the flow sync does the same
     /// with a peer's closes); the GC no longer counts the connection as active.
     #[inline(always)]
-    pub fn connection_closed(&self, partner: Option<&FlowV4>) -> bool {
+    pub fn connection_closed(&self, partner: Option<&Flow<A>>) -> bool {
         let flags = self.flags | partner.map_or(0, |p| p.flags);
         flags & FLOW_F_RST != 0
             || (self.flags & FLOW_F_FIN != 0 && partner.is_some_and(|p| p.flags & FLOW_F_FIN != 0))
@@ -257,8 +347,8 @@ impl FlowV4 {
 
     /// The key of the partner entry (the other direction of the same connection).
     #[inline(always)]
-    pub const fn partner_key(&self, proto: u8) -> FlowKeyV4 {
-        FlowKeyV4 {
+    pub fn partner_key(&self, proto: u8) -> FlowKey<A> {
+        FlowKey {
             src: self.new_dst,
             dst: self.new_src,
             sport: self.new_dport,
@@ -297,7 +387,7 @@ pub const fn fmix(mut h: u32) -> u32 {
 /// rebuild's clearing erased belongs to an entry written before the walk started, which the walk then marks. UDP
 /// entries are not marked: only TCP's new-connection path consults the filter, and keys carry the protocol.
 pub mod flow_filter {
-    use super::{key_hash, FlowKeyV4};
+    use super::{key_hash, FlowAddr, FlowKey};
 
     /// Bits per generation: 2^25 (4 MiB), about 11 % of bits set with 4M keys marked.
     pub const BITS_LOG2: u32 = 25;
@@ -310,7 +400,7 @@ pub mod flow_filter {
 
     /// The word (within a generation) and bit of `key`.
     #[inline(always)]
-    pub const fn slot(key: &FlowKeyV4) -> (u32, u64) {
+    pub fn slot<A: FlowAddr>(key: &FlowKey<A>) -> (u32, u64) {
         let h = key_hash(0x6a09_e667, key);
         ((h >> 6) & (WORDS - 1), 1 << (h & 63))
     }
@@ -319,9 +409,9 @@ pub mod flow_filter {
 /// A hash of a whole flow key, seeded so that the tables indexed by it (the flow filter, the handshake index) do
 /// not collide for the same keys.
 #[inline(always)]
-pub const fn key_hash(seed: u32, key: &FlowKeyV4) -> u32 {
-    let mut h = fmix(seed ^ key.src);
-    h = fmix(h ^ key.dst);
+pub fn key_hash<A: FlowAddr>(seed: u32, key: &FlowKey<A>) -> u32 {
+    let mut h = key.src.mix(seed);
+    h = key.dst.mix(h);
     h = fmix(h ^ (((key.sport as u32) << 16) | key.dport as u32));
     fmix(h ^ key.proto as u32)
 }
@@ -334,17 +424,29 @@ pub const fn key_hash(seed: u32, key: &FlowKeyV4) -> u32 {
 /// forward entry is the client's (a slot overwritten by another client's SYN of the same hash makes that handshake
 /// unreachable from the client's side until the backend's next SYN-ACK — one in 2^20 per handshake in flight).
 pub mod handshakes {
-    use super::{key_hash, FlowKeyV4};
+    use super::{key_hash, FlowAddr, FlowKey};
 
-    /// Slots: 2^20 (16 MiB).
+    /// Slots of `HANDSHAKES`: 2^20 (16 MiB of 16-byte keys).
     pub const SLOTS_LOG2: u32 = 20;
-    /// Elements of the map.
+    /// Elements of `HANDSHAKES`.
     pub const ENTRIES: u32 = 1 << SLOTS_LOG2;
+    /// Elements of `HANDSHAKES_V6`: 2^18 (10 MiB of 40-byte keys; IPv6 clients are fewer today).
+    pub const ENTRIES_V6: u32 = 1 << 18;
+
+    /// Elements of the index of family `A`.
+    #[inline(always)]
+    pub fn entries<A: FlowAddr>() -> u32 {
+        if A::FAMILY == super::FAMILY_V6 {
+            ENTRIES_V6
+        } else {
+            ENTRIES
+        }
+    }
 
     /// The slot of a client's key (client → VIP).
     #[inline(always)]
-    pub const fn slot(key: &FlowKeyV4) -> u32 {
-        key_hash(0xbb67_ae85, key) & (ENTRIES - 1)
+    pub fn slot<A: FlowAddr>(key: &FlowKey<A>) -> u32 {
+        key_hash(0xbb67_ae85, key) & (entries::<A>() - 1)
     }
 }
 
@@ -359,19 +461,24 @@ pub mod handshakes {
 /// (`fwd` zero).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct TransientV4 {
+pub struct Transient<A> {
     /// The entry as it will be in `FLOWS_V4` (handshake: its reverse entry, `timeout_s` the service's idle timeout)
     /// or as it was there (closed: `timeout_s` is the closing timeout).
-    pub flow: FlowV4,
+    pub flow: Flow<A>,
     /// A handshake with [`FLOW_F_SYN_ACK`]: the SYN-ACK's sequence number + 1, network order.
     pub ack_be: u32,
     /// Reserved, zero.
     pub _pad: u32,
     /// A handshake: its forward entry as it will be in `FLOWS_V4`. Zero in a closed connection's entries.
-    pub fwd: FlowV4,
+    pub fwd: Flow<A>,
 }
 
-impl TransientV4 {
+/// Value of `TRANSIENT_V4` (the same rules hold for IPv6's `TRANSIENT_V6`, `FLOWS_V6` and `HANDSHAKES_V6`).
+pub type TransientV4 = Transient<u32>;
+/// Value of `TRANSIENT_V6`.
+pub type TransientV6 = Transient<In6>;
+
+impl<A: FlowAddr> Transient<A> {
     /// A handshake's entry (as opposed to one of a closed connection's two).
     #[inline(always)]
     pub fn handshake(&self) -> bool {
@@ -381,7 +488,7 @@ impl TransientV4 {
     /// Whether this handshake is the one of the client's key `key` (client → VIP): its forward entry is what that
     /// key's packets become. (An index slot can name another client's handshake.)
     #[inline(always)]
-    pub fn handshake_of(&self, key: &FlowKeyV4) -> bool {
+    pub fn handshake_of(&self, key: &FlowKey<A>) -> bool {
         self.handshake() && self.flow.partner_key(key.proto) == *key
     }
 
@@ -415,18 +522,23 @@ pub const FLOW_EV_REFRESH: u8 = 3;
 /// (when [`CFG_F_SYNC_EVENTS`] is set) and replicated by the agents to their peers.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct FlowEvent {
+pub struct FlowEvent<A> {
     /// `FLOW_EV_*`.
     pub kind: u8,
     /// Reserved, zero.
     pub _pad: [u8; 7],
     /// The entry's key.
-    pub key: FlowKeyV4,
+    pub key: FlowKey<A>,
     /// The entry's value.
-    pub fwd: FlowV4,
+    pub fwd: Flow<A>,
     /// [`FLOW_EV_NEW`]: the reverse entry, keyed by `fwd.partner_key(key.proto)`.
-    pub rev: FlowV4,
+    pub rev: Flow<A>,
 }
+
+/// A record of `FLOW_EVENTS` (120 bytes).
+pub type FlowEventV4 = FlowEvent<u32>;
+/// A record of `FLOW_EVENTS_V6` (192 bytes).
+pub type FlowEventV6 = FlowEvent<In6>;
 
 /// A rare data-plane event with its details, for the agent's log (`KLOG_EVENTS` ring buffer; see
 /// `lb-ebpf/src/klog.rs`). At most one per kind per CPU per second.
@@ -441,11 +553,14 @@ pub struct KernelEvent {
     pub port_be: u16,
     /// The service's id, where the event has one.
     pub svc_id: u32,
-    /// An IPv4 address, network order (the backend for SNAT exhaustion, the source for the SYN guard), or the
-    /// Maglev slot for [`klog::KIND_BAD_BACKEND`], or the frame's length for [`klog::KIND_MALFORMED`].
+    /// The Maglev slot for [`klog::KIND_BAD_BACKEND`], or the frame's length for [`klog::KIND_MALFORMED`].
     pub value: u32,
+    /// `FAMILY_V4` or `FAMILY_V6` when [`KernelEvent::addr`] holds an address, else 0.
+    pub family: u8,
     /// Reserved, zero.
-    pub _pad: u32,
+    pub _pad: [u8; 3],
+    /// An address: the backend for SNAT exhaustion, the source for the SYN guard.
+    pub addr: Addr,
 }
 
 /// [`KernelEvent`] kinds and reasons; each kind is named after the counter that counts it.
@@ -477,6 +592,14 @@ pub mod klog {
     pub const MALFORMED_UDP: u8 = 5;
     /// The ICMP header is cut short.
     pub const MALFORMED_ICMP: u8 = 6;
+    /// The IPv6 header is cut short, or its version is not 6.
+    pub const MALFORMED_IPV6_HEADER: u8 = 7;
+    /// The IPv6 payload length reaches beyond the frame.
+    pub const MALFORMED_IPV6_LENGTH: u8 = 8;
+    /// An IPv6 extension header is cut short.
+    pub const MALFORMED_IPV6_EXT: u8 = 9;
+    /// The ICMPv6 header is cut short.
+    pub const MALFORMED_ICMPV6: u8 = 10;
 }
 
 /// Bytes of a traced packet's headers kept before and after the program (Ethernet + IPv4 + TCP with room for
@@ -558,8 +681,8 @@ pub struct ServiceStats {
 /// Indices of the global per-CPU `STATS` array (`u64` each). Forwarded packets and bytes are counted per
 /// service only ([`ServiceStats`]): one counter update per packet on the fast path, not two.
 pub mod stat {
-    /// Passed: not IPv4 (ARP, IPv6 today, …).
-    pub const PASS_NOT_IPV4: u32 = 0;
+    /// Passed: neither IPv4 nor IPv6 (ARP, LLDP, …).
+    pub const PASS_NOT_IP: u32 = 0;
     /// Passed: IPv4 but not for a flow or service (including VRRP, ICMP echo, SSH to the VM).
     pub const PASS_NOT_SERVICE: u32 = 1;
     /// Dropped: malformed (truncated Ethernet/IP/L4 header, IHL < 5, total length out of bounds).
@@ -603,12 +726,22 @@ pub mod stat {
     pub const DROP_SYN_RATE: u32 = 20;
     /// SYNs over the new-handshake rate let through because their source completed a handshake before.
     pub const SYN_TRUSTED: u32 = 21;
+    /// Dropped: a UDP datagram over IPv6 to a service or flow with a zero checksum (forbidden by RFC 8200).
+    pub const DROP_UDP6_NO_CHECKSUM: u32 = 22;
+    /// IPv6 packets whose extension headers (hop-by-hop, routing, destination options) were walked; forwarded
+    /// normally when they belong to a service, the headers untouched.
+    pub const IPV6_EXT_HEADERS: u32 = 23;
+    /// Passed: an IPv6 extension-header chain the program does not walk (longer than it looks, or a header it
+    /// does not know); the kernel decides.
+    pub const PASS_IPV6_EXT: u32 = 24;
+    /// Passed: an IPv6 frame when the IPv6 program could not be reached (its tail call failed).
+    pub const PASS_NO_IPV6_PROGRAM: u32 = 25;
     /// Number of counters.
-    pub const COUNT: u32 = 22;
+    pub const COUNT: u32 = 26;
 
     /// Names for metrics and logs, by index.
     pub const NAMES: [&str; COUNT as usize] = [
-        "pass_not_ipv4",
+        "pass_not_ip",
         "pass_not_service",
         "drop_malformed",
         "ip_options",
@@ -630,6 +763,10 @@ pub mod stat {
         "drop_handshake",
         "drop_syn_rate",
         "syn_trusted",
+        "drop_udp6_no_checksum",
+        "ipv6_ext_headers",
+        "pass_ipv6_ext",
+        "pass_no_ipv6_program",
     ];
 }
 
@@ -717,6 +854,19 @@ pub mod map_names {
     pub const FLOWS_V4: &str = "FLOWS_V4";
     /// `LruHashMap<FlowKeyV4, TransientV4>`: TCP handshakes and closed connections.
     pub const TRANSIENT_V4: &str = "TRANSIENT_V4";
+    /// `LruHashMap<FlowKeyV6, FlowV6>`: IPv6's `FLOWS_V4`.
+    pub const FLOWS_V6: &str = "FLOWS_V6";
+    /// `LruHashMap<FlowKeyV6, TransientV6>`: IPv6's `TRANSIENT_V4`.
+    pub const TRANSIENT_V6: &str = "TRANSIENT_V6";
+    /// `Array<FlowKeyV6>` of [`super::handshakes::ENTRIES_V6`]: IPv6's `HANDSHAKES`.
+    pub const HANDSHAKES_V6: &str = "HANDSHAKES_V6";
+    /// `RingBuf` of [`super::FlowEventV6`]s: IPv6's `FLOW_EVENTS`.
+    pub const FLOW_EVENTS_V6: &str = "FLOW_EVENTS_V6";
+    /// `ProgramArray` of the IPv6 XDP programs (index [`super::V6_PROG_FAST`], [`super::V6_PROG_TRACED`]), which
+    /// the XDP entry points tail-call for IPv6 frames.
+    pub const V6_PROGS_XDP: &str = "V6_PROGS_XDP";
+    /// `ProgramArray` of the IPv6 TC programs, as [`V6_PROGS_XDP`] for the TC entry points.
+    pub const V6_PROGS_TC: &str = "V6_PROGS_TC";
     /// `LruHashMap<Addr, u8>`: sources that completed a TCP handshake (the rate guard lets them through).
     pub const TRUSTED_SOURCES: &str = "TRUSTED_SOURCES";
     /// `Array<u64>` (memory-mappable) of [`super::flow_filter::ENTRIES`]: which TCP keys `FLOWS_V4` may hold.
@@ -732,13 +882,18 @@ pub mod map_names {
     pub const STATS: &str = "STATS";
     /// `Array<Config>`, one element.
     pub const CONFIG: &str = "CONFIG";
-    /// `RingBuf` of [`super::FlowEvent`]s.
+    /// `RingBuf` of [`super::FlowEventV4`]s.
     pub const FLOW_EVENTS: &str = "FLOW_EVENTS";
     /// `Array<TraceFilter>`, one element: what the traced program reports (its own, never pinned).
     pub const TRACE_FILTER: &str = "TRACE_FILTER";
     /// `RingBuf` of [`super::TraceEvent`]s from the traced program (its own, never pinned).
     pub const TRACE_EVENTS: &str = "TRACE_EVENTS";
 }
+
+/// Index of the fast IPv6 program in `V6_PROGS_XDP` / `V6_PROGS_TC`.
+pub const V6_PROG_FAST: u32 = 0;
+/// Index of the traced IPv6 program (`lbctl trace`).
+pub const V6_PROG_TRACED: u32 = 1;
 
 /// Default capacities, overridable by the agent at load time.
 pub mod defaults {
@@ -750,11 +905,15 @@ pub mod defaults {
     pub const MAGLEV_SLOTS: u32 = 1 << 20;
     /// Connection-tracking entries (two per connection).
     pub const MAX_FLOWS: u32 = 1 << 20;
+    /// IPv6 connection-tracking entries (72-byte values and 40-byte keys: about 40 MiB preallocated).
+    pub const MAX_FLOWS_V6: u32 = 1 << 18;
     /// Entries for TCP handshakes (one each) and closed connections (two each). Each handshake holds a SNAT port:
     /// a table that holds more handshakes than a few backends have ports lets a SYN flood fill their port ranges
     /// (every SYN then tries 32 taken ports and is dropped) instead of recycling the oldest handshakes. 65 536 is
     /// as many handshakes as the table held before a handshake became one entry (131 072 entries, two each).
     pub const MAX_TRANSIENT: u32 = 1 << 16;
+    /// IPv6's `TRANSIENT_V6` entries.
+    pub const MAX_TRANSIENT_V6: u32 = 1 << 16;
     /// Sources remembered as having completed a TCP handshake (the SYN rate guard's allow list).
     pub const MAX_TRUSTED_SOURCES: u32 = 1 << 16;
     /// New TCP handshakes per second per CPU before the SYN rate guard drops untrusted sources' SYNs. Each one
@@ -778,13 +937,13 @@ mod pod {
     unsafe impl aya::Pod for super::Backend {}
     unsafe impl aya::Pod for super::NextHop {}
     unsafe impl aya::Pod for super::SourceRangeKey {}
-    unsafe impl aya::Pod for super::FlowKeyV4 {}
-    unsafe impl aya::Pod for super::FlowV4 {}
-    unsafe impl aya::Pod for super::TransientV4 {}
+    unsafe impl<A: super::FlowAddr> aya::Pod for super::FlowKey<A> {}
+    unsafe impl<A: super::FlowAddr> aya::Pod for super::Flow<A> {}
+    unsafe impl<A: super::FlowAddr> aya::Pod for super::Transient<A> {}
     unsafe impl aya::Pod for super::ServiceStats {}
     unsafe impl aya::Pod for super::KernelEvent {}
     unsafe impl aya::Pod for super::Config {}
-    unsafe impl aya::Pod for super::FlowEvent {}
+    unsafe impl<A: super::FlowAddr> aya::Pod for super::FlowEvent<A> {}
     unsafe impl aya::Pod for super::TraceFilter {}
 }
 
@@ -805,9 +964,15 @@ mod tests {
         assert_eq!(size_of::<FlowKeyV4>(), 16);
         assert_eq!(size_of::<FlowV4>(), 48);
         assert_eq!(size_of::<TransientV4>(), 104);
+        assert_eq!(size_of::<FlowEventV4>(), 120);
+        // IPv6: the same fields, every one at a natural alignment without implicit padding.
+        assert_eq!(size_of::<FlowKeyV6>(), 40);
+        assert_eq!(size_of::<FlowV6>(), 72);
+        assert_eq!(size_of::<TransientV6>(), 152);
+        assert_eq!(size_of::<FlowEventV6>(), 192);
+        assert_eq!(size_of::<KernelEvent>(), 32);
         assert_eq!(size_of::<ServiceStats>(), 120);
         assert_eq!(size_of::<Config>(), 28);
-        assert_eq!(size_of::<FlowEvent>(), 120);
         assert_eq!(stat::NAMES.len(), stat::COUNT as usize);
     }
 
@@ -847,6 +1012,20 @@ mod tests {
         let a = Addr::from_v4_raw(raw);
         assert_eq!(&a.bytes[..4], &[10, 0, 0, 1]);
         assert_eq!(a.v4_raw(), raw);
+    }
+
+    #[test]
+    fn v6_addresses_round_trip_in_wire_order() {
+        let bytes = [
+            0x20, 0x01, 0x0d, 0xb8, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0x12, 0x34,
+        ];
+        let raw: In6 = core::array::from_fn(|i| {
+            u32::from_ne_bytes(bytes[i * 4..i * 4 + 4].try_into().unwrap())
+        });
+        let a = Addr::from_v6_raw(raw);
+        assert_eq!(a.bytes, bytes);
+        assert_eq!(a.v6_raw(), raw);
+        assert_eq!(raw.to_addr(), a);
     }
 
     #[test]

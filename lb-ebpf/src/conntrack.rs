@@ -4,7 +4,7 @@
 
 use aya_ebpf::bindings::BPF_NOEXIST;
 use lb_common::{
-    stat, Config, FlowEvent, FlowKeyV4, FlowV4, Service, TransientV4, CFG_F_SYNC_EVENTS,
+    stat, Config, FlowEventV4, FlowKeyV4, FlowV4, Service, TransientV4, CFG_F_SYNC_EVENTS,
     FLOW_EV_CLOSE, FLOW_EV_NEW, FLOW_F_FIN, FLOW_F_RST, FLOW_F_SYNCED, PROTO_TCP,
     TCP_CLOSING_TIMEOUT_S,
 };
@@ -107,7 +107,7 @@ pub fn established_new(cfg: &Config, key: &FlowKeyV4, fwd: &FlowV4, rev: &FlowV4
 /// carries the flow to the peers later).
 #[inline(always)]
 pub fn publish(kind: u8, key: &FlowKeyV4, fl: &FlowV4, rev: Option<&FlowV4>) {
-    let Some(mut e) = FLOW_EVENTS.reserve::<FlowEvent>(0) else {
+    let Some(mut e) = FLOW_EVENTS.reserve::<FlowEventV4>(0) else {
         count(stat::SYNC_EVENTS_LOST);
         return;
     };

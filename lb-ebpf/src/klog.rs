@@ -13,7 +13,7 @@
 //! the verifier little, and the text is written in the agent.
 
 use aya_ebpf::{helpers::bpf_ktime_get_coarse_ns, macros::map, maps::PerCpuArray, maps::RingBuf};
-use lb_common::{klog::*, KernelEvent};
+use lb_common::{klog::*, Addr, FlowAddr, KernelEvent};
 
 /// At most one record per kind per CPU in this time.
 const INTERVAL_NS: u64 = 1_000_000_000;
@@ -32,7 +32,7 @@ static KLOG_LAST: PerCpuArray<u64> = PerCpuArray::with_max_entries(KINDS, 0);
 /// made the call chain too deep for the image's kernel 6.1 ("combined stack size of 4 calls is 544"), and the
 /// per-call verification of a record write is small.
 #[inline(always)]
-fn event(kind_why: u32, svc_id: u32, value: u32, port_be: u32, now: u64) {
+fn event(kind_why: u32, svc_id: u32, value: u32, port_be: u32, addr: Option<(u8, Addr)>, now: u64) {
     let kind = kind_why & 0xff;
     let Some(last) = KLOG_LAST.get_ptr_mut(kind) else {
         return;
@@ -58,19 +58,22 @@ fn event(kind_why: u32, svc_id: u32, value: u32, port_be: u32, now: u64) {
         port_be: port_be as u16,
         svc_id,
         value,
-        _pad: 0,
+        family: addr.map_or(0, |a| a.0),
+        _pad: [0; 3],
+        addr: addr.map_or(Addr::default(), |a| a.1),
     });
     e.submit(0);
 }
 
 /// No free SNAT port towards a backend (address and port in network order, as in the packet).
 #[inline(never)]
-pub fn snat_exhausted(svc_id: u32, node: u32, node_port_be: u16, now: u64) {
+pub fn snat_exhausted<A: FlowAddr>(svc_id: u32, node: A, node_port_be: u16, now: u64) {
     event(
         KIND_SNAT_EXHAUSTED as u32,
         svc_id,
-        node,
+        0,
         node_port_be as u32,
+        Some((A::FAMILY, node.to_addr())),
         now,
     );
 }
@@ -78,19 +81,26 @@ pub fn snat_exhausted(svc_id: u32, node: u32, node_port_be: u16, now: u64) {
 /// A new flow's entries could not be written to the connection table (`FLOWS_V4`).
 #[inline(never)]
 pub fn flow_insert_failed(svc_id: u32, now: u64) {
-    event(KIND_FLOW_INSERT as u32, svc_id, 0, 0, now);
+    event(KIND_FLOW_INSERT as u32, svc_id, 0, 0, None, now);
 }
 
 /// The service's Maglev slot or the backend it names is empty: the agent's tables are inconsistent.
 #[inline(never)]
 pub fn bad_backend(svc_id: u32, slot: u32) {
-    event(KIND_BAD_BACKEND as u32, svc_id, slot, 0, 0);
+    event(KIND_BAD_BACKEND as u32, svc_id, slot, 0, None, 0);
 }
 
 /// A SYN from an untrusted source dropped over the new-handshake rate (address in network order).
 #[inline(never)]
-pub fn syn_guard_dropping(svc_id: u32, src: u32, now: u64) {
-    event(KIND_SYN_GUARD as u32, svc_id, src, 0, now);
+pub fn syn_guard_dropping<A: FlowAddr>(svc_id: u32, src: A, now: u64) {
+    event(
+        KIND_SYN_GUARD as u32,
+        svc_id,
+        0,
+        0,
+        Some((A::FAMILY, src.to_addr())),
+        now,
+    );
 }
 
 /// A frame dropped as malformed (`why`: `MALFORMED_*`), before the packet path reads its clock.
@@ -101,6 +111,7 @@ pub fn malformed(why: u8, len: usize) {
         0,
         len as u32,
         0,
+        None,
         0,
     );
 }

@@ -7,8 +7,8 @@ use aya_ebpf::{
     maps::{lpm_trie::LpmTrie, Array, HashMap, LruHashMap, PerCpuArray, RingBuf},
 };
 use lb_common::{
-    defaults, Addr, Backend, Config, FlowKeyV4, FlowV4, NextHop, Service, ServiceKey, ServiceStats,
-    SourceRangeKey, TransientV4,
+    defaults, Addr, Backend, Config, FlowKeyV4, FlowKeyV6, FlowV4, FlowV6, NextHop, Service,
+    ServiceKey, ServiceStats, SourceRangeKey, TransientV4, TransientV6,
 };
 
 /// (VIP, port, protocol) → service.
@@ -51,6 +51,16 @@ pub static FLOWS_V4: LruHashMap<FlowKeyV4, FlowV4> =
 pub static TRANSIENT_V4: LruHashMap<FlowKeyV4, TransientV4> =
     LruHashMap::with_max_entries(defaults::MAX_TRANSIENT, 0);
 
+/// IPv6 connection tracking: `FLOWS_V4`'s rules with IPv6 keys.
+#[map]
+pub static FLOWS_V6: LruHashMap<FlowKeyV6, FlowV6> =
+    LruHashMap::with_max_entries(defaults::MAX_FLOWS_V6, 0);
+
+/// IPv6 handshakes and closed connections: `TRANSIENT_V4`'s rules with IPv6 keys.
+#[map]
+pub static TRANSIENT_V6: LruHashMap<FlowKeyV6, TransientV6> =
+    LruHashMap::with_max_entries(defaults::MAX_TRANSIENT_V6, 0);
+
 /// Which TCP keys `FLOWS_V4` may hold (see `lb_common::flow_filter`): two generations of bits and the active
 /// generation's number. Memory-mappable so the agent marks and rebuilds it without a syscall per word.
 #[map]
@@ -62,6 +72,11 @@ pub static FLOW_FILTER: Array<u64> =
 #[map]
 pub static HANDSHAKES: Array<FlowKeyV4> =
     Array::with_max_entries(lb_common::handshakes::ENTRIES, 0);
+
+/// IPv6's `HANDSHAKES`.
+#[map]
+pub static HANDSHAKES_V6: Array<FlowKeyV6> =
+    Array::with_max_entries(lb_common::handshakes::ENTRIES_V6, 0);
 
 /// Sources that completed a TCP handshake: the SYN rate guard lets them through (see `syn_guard`).
 #[map]
@@ -90,6 +105,10 @@ pub static STATS: PerCpuArray<u64> = PerCpuArray::with_max_entries(lb_common::st
 /// New and closing flows for the agent's connection-state sync (`CFG_F_SYNC_EVENTS`); 2 MiB ≈ 17k events.
 #[map]
 pub static FLOW_EVENTS: RingBuf = RingBuf::with_byte_size(1 << 21, 0);
+
+/// IPv6's `FLOW_EVENTS` (records of another size: a ring of their own); 2 MiB ≈ 10k events.
+#[map]
+pub static FLOW_EVENTS_V6: RingBuf = RingBuf::with_byte_size(1 << 21, 0);
 
 /// Global settings.
 #[map]

@@ -32,7 +32,7 @@ pub fn process<C: Ctx>(c: &C) -> Verdict {
     };
     // SAFETY (all header dereferences below): pointers come from `ptr_at`, which checked the bounds.
     if unsafe { (*eth).proto } != ETH_P_IP_BE {
-        count(stat::PASS_NOT_IPV4);
+        count(stat::PASS_NOT_IP);
         return Verdict::Pass;
     }
     let cfg = config();

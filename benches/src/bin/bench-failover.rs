@@ -120,7 +120,7 @@ fn apply_cost(connections: usize, per_frame: usize) -> Result<ApplyRun> {
     use lb_agent::dataplane::{Dataplane, MapSizes};
     use lb_agent::ha::flowstore::BpfFlowStore;
     use lb_agent::ha::sync::FlowRecord;
-    use lb_common::{FlowEvent, FlowKeyV4, FlowV4, FLOW_EV_CLOSE, FLOW_EV_NEW, FLOW_F_FIN};
+    use lb_common::{FlowEventV4, FlowKeyV4, FlowV4, FLOW_EV_CLOSE, FLOW_EV_NEW, FLOW_F_FIN};
     use std::net::{IpAddr, Ipv4Addr, SocketAddr};
     let sizes = MapSizes {
         flows: 131_072,
@@ -180,7 +180,7 @@ fn apply_cost(connections: usize, per_frame: usize) -> Result<ApplyRun> {
             ..Default::default()
         };
         let ev = |kind, key, fwd, rev| FlowRecord {
-            event: FlowEvent {
+            event: FlowEventV4 {
                 kind,
                 _pad: [0; 7],
                 key,

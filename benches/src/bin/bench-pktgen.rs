@@ -533,6 +533,8 @@ fn main() -> Result<()> {
     let sizes = MapSizes {
         flows: 1024,
         transient: 1024,
+        flows_v6: 1024,
+        transient_v6: 1024,
         services: 16,
         backends: 64,
         maglev_slots: 1024,

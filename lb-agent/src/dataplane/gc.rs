@@ -3,7 +3,7 @@
 
 use crate::dataplane::Maps;
 use anyhow::Result;
-use lb_common::{FlowEvent, FlowKeyV4, FlowV4, FLOW_EV_REFRESH, FLOW_F_FORWARD, FLOW_F_SYNCED};
+use lb_common::{FlowEventV4, FlowKeyV4, FlowV4, FLOW_EV_REFRESH, FLOW_F_FORWARD, FLOW_F_SYNCED};
 use std::collections::{BTreeSet, HashMap, HashSet};
 use std::net::{IpAddr, SocketAddr};
 
@@ -34,7 +34,7 @@ pub struct GcReport {
     /// Entries deleted (both tables).
     pub deleted: u64,
     /// Connections this replica carried recently, for the peers' refresh (only when asked for).
-    pub refresh: Vec<(FlowEvent, u32)>,
+    pub refresh: Vec<(FlowEventV4, u32)>,
 }
 
 /// Walks the flow table once. A connection is expired when both of its entries are idle past their
@@ -142,7 +142,7 @@ pub fn connections(
     now: u64,
     pick: impl Fn(&FlowV4, &FlowV4) -> bool,
     kind: u8,
-) -> Vec<(FlowEvent, u32)> {
+) -> Vec<(FlowEventV4, u32)> {
     let mut out = Vec::new();
     for (k, f) in flows {
         if f.flags & FLOW_F_FORWARD == 0 {
@@ -157,7 +157,7 @@ pub fn connections(
         let last = f.last_seen_ns.max(r.last_seen_ns);
         let age_ms = (now.saturating_sub(last) / NS_PER_MS).min(u32::MAX as u64) as u32;
         out.push((
-            FlowEvent {
+            FlowEventV4 {
                 kind,
                 _pad: [0; 7],
                 key: *k,
@@ -176,7 +176,7 @@ pub fn refresh_events(
     flows: &std::collections::HashMap<FlowKeyV4, FlowV4>,
     now: u64,
     window_ns: u64,
-) -> Vec<(FlowEvent, u32)> {
+) -> Vec<(FlowEventV4, u32)> {
     let local_recent = |e: &FlowV4| {
         e.flags & FLOW_F_SYNCED == 0 && now.saturating_sub(e.last_seen_ns) <= window_ns
     };

@@ -16,8 +16,8 @@ use aya::maps::{
 };
 use aya::Pod;
 use lb_common::{
-    map_names as names, Addr, Backend, Config, FlowKeyV4, FlowV4, NextHop, Service, ServiceKey,
-    ServiceStats, SourceRangeKey, TransientV4,
+    map_names as names, Addr, Backend, Config, FlowKeyV4, FlowKeyV6, FlowV4, FlowV6, NextHop,
+    Service, ServiceKey, ServiceStats, SourceRangeKey, TransientV4, TransientV6,
 };
 
 /// A map opened from aya's untyped [`Map`], checked against the type it is declared with.
@@ -67,20 +67,28 @@ maps! {
     flows: Table<FlowKeyV4, FlowV4> = FLOWS_V4,
     /// TCP handshakes and closed connections.
     transient: Table<FlowKeyV4, TransientV4> = TRANSIENT_V4,
+    /// IPv6's `flows`.
+    flows_v6: Table<FlowKeyV6, FlowV6> = FLOWS_V6,
+    /// IPv6's `transient`.
+    transient_v6: Table<FlowKeyV6, TransientV6> = TRANSIENT_V6,
     /// Sources that completed a TCP handshake (the SYN rate guard's allow list).
     trusted_sources: Table<Addr, u8> = TRUSTED_SOURCES,
     /// Which TCP keys `flows` may hold.
     flow_filter: FlowFilterMap = FLOW_FILTER,
     /// The reverse key of a client's handshake, by a hash of the client's key (see [`Maps::handshake`]).
     handshakes: Slots<FlowKeyV4> = HANDSHAKES,
+    /// IPv6's `handshakes`.
+    handshakes_v6: Slots<FlowKeyV6> = HANDSHAKES_V6,
     /// Counters per service id.
     service_stats: Counters<ServiceStats> = SERVICE_STATS,
     /// Global counters, indexed like `lb_common::stat`.
     stats: Counters<u64> = STATS,
     /// The global settings, at `lb_common::CONFIG_INDEX`.
     config: Slots<Config> = CONFIG,
-    /// `lb_common::FlowEvent`s for connection-state sync; one consumer takes it ([`Maps::take_flow_events`]).
+    /// `lb_common::FlowEventV4`s for connection-state sync; one consumer takes it ([`Maps::take_flow_events`]).
     flow_events: Option<RingBuf<MapData>> = FLOW_EVENTS,
+    /// `lb_common::FlowEventV6`s, as `flow_events`.
+    flow_events_v6: Option<RingBuf<MapData>> = FLOW_EVENTS_V6,
 }
 
 impl Maps {

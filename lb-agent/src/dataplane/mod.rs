@@ -45,6 +45,10 @@ pub struct MapSizes {
     pub flows: u32,
     /// Entries for TCP handshakes and closed connections (two per connection; `TRANSIENT_V4`).
     pub transient: u32,
+    /// IPv6 connection-tracking entries (`FLOWS_V6`).
+    pub flows_v6: u32,
+    /// IPv6 handshakes and closed connections (`TRANSIENT_V6`).
+    pub transient_v6: u32,
     /// Services.
     pub services: u32,
     /// Backend slots.
@@ -65,6 +69,8 @@ impl Default for MapSizes {
         MapSizes {
             flows: d::MAX_FLOWS,
             transient: d::MAX_TRANSIENT,
+            flows_v6: d::MAX_FLOWS_V6,
+            transient_v6: d::MAX_TRANSIENT_V6,
             services: d::MAX_SERVICES,
             backends: d::MAX_BACKENDS,
             maglev_slots: d::MAGLEV_SLOTS,
@@ -119,6 +125,8 @@ impl Dataplane {
         loader
             .map_max_entries(names::FLOWS_V4, sizes.flows)
             .map_max_entries(names::TRANSIENT_V4, sizes.transient)
+            .map_max_entries(names::FLOWS_V6, sizes.flows_v6)
+            .map_max_entries(names::TRANSIENT_V6, sizes.transient_v6)
             .map_max_entries(names::SERVICES, sizes.services)
             .map_max_entries(names::SERVICE_STATS, sizes.services)
             .map_max_entries(names::VIPS, sizes.services)
@@ -401,6 +409,8 @@ pub fn pinned_sizes(pin_dir: &Path) -> Result<MapSizes> {
     Ok(MapSizes {
         flows: entries(names::FLOWS_V4)?,
         transient: entries(names::TRANSIENT_V4)?,
+        flows_v6: entries(names::FLOWS_V6)?,
+        transient_v6: entries(names::TRANSIENT_V6)?,
         services: entries(names::SERVICES)?,
         backends: entries(names::BACKENDS)?,
         maglev_slots: entries(names::MAGLEV)?,

@@ -27,7 +27,7 @@ use crate::dataplane::maps::{Maps, Table};
 use crate::ha::sync::{ApplyOutcome, FlowRecord};
 use anyhow::{Context, Result};
 use lb_common::{
-    Addr, FlowEvent, FlowKeyV4, FlowV4, NextHop, Service, ServiceKey, TransientV4, FAMILY_V4,
+    Addr, FlowEventV4, FlowKeyV4, FlowV4, NextHop, Service, ServiceKey, TransientV4, FAMILY_V4,
     FLOW_EV_CLOSE, FLOW_EV_NEW, FLOW_EV_REFRESH, FLOW_F_FIN, FLOW_F_FORWARD, FLOW_F_RST,
     FLOW_F_SYNCED, PROTO_TCP, TCP_CLOSING_TIMEOUT_S,
 };
@@ -89,13 +89,13 @@ impl BpfFlowStore {
     }
 
     /// Every connection with both entries, as [`FLOW_EV_NEW`] events with their ages in ms.
-    pub fn dump(&self) -> Result<Vec<(FlowEvent, u32)>> {
+    pub fn dump(&self) -> Result<Vec<(FlowEventV4, u32)>> {
         let flows: StdMap<FlowKeyV4, FlowV4> = self.flows.entries()?.into_iter().collect();
         Ok(connections(&flows, now_ns(), |_, _| true, FLOW_EV_NEW))
     }
 
     /// Applies a peer's event that happened `age_ms` ago.
-    pub fn apply(&mut self, ev: &FlowEvent, age_ms: u32) -> Result<ApplyOutcome> {
+    pub fn apply(&mut self, ev: &FlowEventV4, age_ms: u32) -> Result<ApplyOutcome> {
         let rec = FlowRecord { event: *ev, age_ms };
         Ok(self.apply_batch(&[rec])?[0])
     }
@@ -188,7 +188,7 @@ impl BpfFlowStore {
     fn apply_connection(
         &mut self,
         b: &mut Batch,
-        ev: &FlowEvent,
+        ev: &FlowEventV4,
         seen: u64,
         now: u64,
     ) -> Result<ApplyOutcome> {
@@ -284,7 +284,7 @@ impl BpfFlowStore {
 
     /// A peer's close of one direction (`ev.key`, `ev.fwd`): recorded on the same connection here; when it ends
     /// the connection, both entries move to `TRANSIENT_V4` as on the peer.
-    fn apply_close(&mut self, b: &mut Batch, ev: &FlowEvent, seen: u64) -> Result<ApplyOutcome> {
+    fn apply_close(&mut self, b: &mut Batch, ev: &FlowEventV4, seen: u64) -> Result<ApplyOutcome> {
         let bits = ev.fwd.flags & (FLOW_F_FIN | FLOW_F_RST);
         let Some(mut e) = self.get(b, &ev.key)? else {
             // Closed here already, or never synced.

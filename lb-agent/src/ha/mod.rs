@@ -15,7 +15,7 @@ use crate::dataplane::{interface_mac, Maps};
 use anyhow::{Context, Result};
 use aya::maps::{MapData, RingBuf};
 use flowstore::BpfFlowStore;
-use lb_common::{FlowEvent, CFG_F_CHECK_DST_MAC, CFG_F_SYNC_EVENTS};
+use lb_common::{FlowEventV4, CFG_F_CHECK_DST_MAC, CFG_F_SYNC_EVENTS};
 use std::net::{IpAddr, SocketAddr};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -275,7 +275,7 @@ impl Ha {
     }
 
     /// Sends the periodic refresh of the connections this machine carried (from the GC pass).
-    pub fn publish_refresh(&self, events: &[(FlowEvent, u32)]) {
+    pub fn publish_refresh(&self, events: &[(FlowEventV4, u32)]) {
         if let Some(s) = &self.sync {
             let records: Vec<FlowRecord> = events
                 .iter()
@@ -370,9 +370,10 @@ async fn forward_events(events: RingBuf<MapData>, sync: SyncHandle) {
         };
         let rb = guard.get_inner_mut();
         while let Some(item) = rb.next() {
-            if item.len() >= size_of::<FlowEvent>() {
-                // SAFETY: the data plane writes whole `FlowEvent`s; read_unaligned copes with any alignment.
-                let event = unsafe { std::ptr::read_unaligned(item.as_ptr().cast::<FlowEvent>()) };
+            if item.len() >= size_of::<FlowEventV4>() {
+                // SAFETY: the data plane writes whole `FlowEventV4`s; read_unaligned copes with any alignment.
+                let event =
+                    unsafe { std::ptr::read_unaligned(item.as_ptr().cast::<FlowEventV4>()) };
                 batch.push(FlowRecord { event, age_ms: 0 });
             }
         }

@@ -3,15 +3,13 @@
 //! dropping, a malformed frame and why), each written as a warning with target `lb_ebpf`. The kernel side
 //! rate-limits them (one per kind per CPU per second), so this task wakes rarely.
 
-use std::net::Ipv4Addr;
-
 use anyhow::{anyhow, Context, Result};
 use aya::maps::{MapData, RingBuf};
-use lb_common::{klog::*, KernelEvent};
+use lb_common::{klog::*, KernelEvent, FAMILY_V6};
 use tokio::io::unix::AsyncFd;
 use tokio::io::Interest;
 
-use crate::dataplane::Dataplane;
+use crate::dataplane::{programmer::addr_to_ip, Dataplane};
 
 /// The programs' event ring of the loaded object (taken out of it: one reader).
 pub fn ring(dp: &mut Dataplane) -> Result<RingBuf<MapData>> {
@@ -36,7 +34,7 @@ pub fn drain(ring: &mut RingBuf<MapData>) -> Vec<KernelEvent> {
 
 /// The log line of an event, ending with the counter that counts its kind.
 pub fn describe(e: &KernelEvent) -> String {
-    let addr = Ipv4Addr::from(u32::from_be(e.value));
+    let addr = addr_to_ip(&e.addr, e.family != FAMILY_V6);
     let port = u16::from_be(e.port_be);
     let svc = e.svc_id;
     match e.kind {
@@ -49,7 +47,7 @@ pub fn describe(e: &KernelEvent) -> String {
              (drop_flow_insert)"
         ),
         KIND_BAD_BACKEND => format!(
-            "service {svc}: Maglev slot {} names no IPv4 backend; the packet was dropped (drop_bad_backend)",
+            "service {svc}: Maglev slot {} names no backend of its family; the packet was dropped (drop_bad_backend)",
             e.value
         ),
         KIND_SYN_GUARD => format!(
@@ -65,6 +63,10 @@ pub fn describe(e: &KernelEvent) -> String {
                 MALFORMED_TCP => "TCP header cut short or data offset out of bounds",
                 MALFORMED_UDP => "UDP header cut short or beyond the IPv4 length",
                 MALFORMED_ICMP => "ICMP header cut short",
+                MALFORMED_IPV6_HEADER => "IPv6 header cut short or version not 6",
+                MALFORMED_IPV6_LENGTH => "IPv6 payload length beyond the frame",
+                MALFORMED_IPV6_EXT => "IPv6 extension header cut short",
+                MALFORMED_ICMPV6 => "ICMPv6 header cut short",
                 _ => "unknown reason",
             };
             format!(

@@ -56,6 +56,8 @@ pub fn test_sizes() -> MapSizes {
     MapSizes {
         flows: 4096,
         transient: 1024,
+        flows_v6: 4096,
+        transient_v6: 1024,
         services: 64,
         backends: 256,
         maglev_slots: 1 << 16,

@@ -345,10 +345,10 @@ type Events = aya::maps::RingBuf<aya::maps::MapData>;
 fn compare_events(events: &mut Events, m: &Model, clock: Clock) -> Result<(), Fault> {
     let mut published = vec![];
     while let Some(item) = events.next() {
-        assert_eq!(item.len(), std::mem::size_of::<lb_common::FlowEvent>());
-        // SAFETY: the data plane writes whole `FlowEvent`s; read_unaligned copes with any alignment.
+        assert_eq!(item.len(), std::mem::size_of::<lb_common::FlowEventV4>());
+        // SAFETY: the data plane writes whole `FlowEventV4`s; read_unaligned copes with any alignment.
         published.push(unsafe {
-            std::ptr::read_unaligned(item.as_ptr().cast::<lb_common::FlowEvent>())
+            std::ptr::read_unaligned(item.as_ptr().cast::<lb_common::FlowEventV4>())
         });
     }
     if published.len() != m.events.len() {

@@ -309,7 +309,7 @@ impl Model {
             return Ok((Verdict::Drop, None));
         }
         if be16(f, 12) != 0x0800 {
-            self.count(stat::PASS_NOT_IPV4);
+            self.count(stat::PASS_NOT_IP);
             return Ok((Verdict::Pass, None));
         }
         if cfg.flags & CFG_F_CHECK_DST_MAC != 0 && f[0..6] != cfg.local_mac {

@@ -2,7 +2,7 @@
 
 use super::{lock, ApplyOutcome, FlowRecord, FlowStore};
 use lb_common::{
-    FlowEvent, FlowKeyV4, FlowV4, FLOW_EV_CLOSE, FLOW_EV_NEW, FLOW_EV_REFRESH, FLOW_F_FORWARD,
+    FlowEventV4, FlowKeyV4, FlowV4, FLOW_EV_CLOSE, FLOW_EV_NEW, FLOW_EV_REFRESH, FLOW_F_FORWARD,
 };
 use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
@@ -171,7 +171,7 @@ impl FlowStore for MemoryFlowStore {
             };
             let age = now.duration_since(*seen.max(rseen));
             out.push(FlowRecord {
-                event: FlowEvent {
+                event: FlowEventV4 {
                     kind: FLOW_EV_NEW,
                     _pad: [0; 7],
                     key: *k,
@@ -224,7 +224,7 @@ mod tests {
             ..Default::default()
         };
         FlowRecord {
-            event: FlowEvent {
+            event: FlowEventV4 {
                 kind: FLOW_EV_NEW,
                 _pad: [0; 7],
                 key,

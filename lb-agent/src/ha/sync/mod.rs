@@ -28,7 +28,7 @@ pub mod wire;
 pub use memory::MemoryFlowStore;
 
 use anyhow::{bail, Context, Result};
-use lb_common::FlowEvent;
+use lb_common::FlowEventV4;
 use queue::PeerQueue;
 use std::collections::{HashMap, HashSet};
 use std::fmt;
@@ -46,7 +46,7 @@ use tokio::task::JoinHandle;
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct FlowRecord {
     /// The change (`FLOW_EV_NEW`, `FLOW_EV_CLOSE` or `FLOW_EV_REFRESH`).
-    pub event: FlowEvent,
+    pub event: FlowEventV4,
     /// Milliseconds since a packet last used the flow, when the record was made.
     pub age_ms: u32,
 }

@@ -22,7 +22,7 @@
 
 use super::FlowRecord;
 use hmac::{Hmac, Mac};
-use lb_common::{FlowEvent, FlowKeyV4, FlowV4, FLOW_EV_CLOSE, FLOW_EV_NEW, FLOW_EV_REFRESH};
+use lb_common::{FlowEventV4, FlowKeyV4, FlowV4, FLOW_EV_CLOSE, FLOW_EV_NEW, FLOW_EV_REFRESH};
 use sha2::Sha256;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
@@ -356,7 +356,7 @@ pub fn decode_record(b: &[u8; RECORD_LEN]) -> Result<FlowRecord, WireError> {
     let rev = r.flow();
     let age_ms = r.le32();
     Ok(FlowRecord {
-        event: FlowEvent {
+        event: FlowEventV4 {
             kind,
             _pad: [0; 7],
             key,
@@ -552,7 +552,7 @@ mod tests {
 
     fn sample() -> FlowRecord {
         FlowRecord {
-            event: FlowEvent {
+            event: FlowEventV4 {
                 kind: FLOW_EV_NEW,
                 _pad: [0; 7],
                 key: FlowKeyV4 {
