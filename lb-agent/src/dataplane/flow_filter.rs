@@ -7,7 +7,7 @@ use anyhow::Result;
 use aya::maps::MapData;
 use lb_common::{
     flow_filter::{slot, ENTRIES, GENERATION_INDEX, WORDS},
-    map_names as names, FlowKeyV4, PROTO_TCP,
+    map_names as names, FlowAddr, FlowKey, FlowKeyV4, PROTO_TCP,
 };
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -46,16 +46,16 @@ impl FlowFilterMap {
         self.word(GENERATION_INDEX).load(Ordering::Acquire) as u32 & 1
     }
 
-    /// Marks `key`, already written into `FLOWS_V4`, in both generations (TCP keys only: see
+    /// Marks `key`, already written into `FLOWS_V4` or `FLOWS_V6`, in both generations (TCP keys only: see
     /// `lb_common::flow_filter`).
-    pub fn mark(&self, key: &FlowKeyV4) {
+    pub fn mark<A: FlowAddr>(&self, key: &FlowKey<A>) {
         for generation in 0..2 {
             self.mark_in(generation, key);
         }
     }
 
     /// Sets the bit of `key` (if TCP) in `generation`.
-    fn mark_in(&self, generation: u32, key: &FlowKeyV4) {
+    fn mark_in<A: FlowAddr>(&self, generation: u32, key: &FlowKey<A>) {
         if key.proto == PROTO_TCP {
             let (w, bit) = slot(key);
             self.word(generation * WORDS + w)
@@ -64,7 +64,7 @@ impl FlowFilterMap {
     }
 
     /// Whether the data plane would look `key` up (tests).
-    pub fn may_hold(&self, key: &FlowKeyV4) -> bool {
+    pub fn may_hold<A: FlowAddr>(&self, key: &FlowKey<A>) -> bool {
         let (w, bit) = slot(key);
         self.word(self.active() * WORDS + w).load(Ordering::Acquire) & bit != 0
     }

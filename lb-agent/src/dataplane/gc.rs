@@ -3,7 +3,10 @@
 
 use crate::dataplane::Maps;
 use anyhow::Result;
-use lb_common::{FlowEventV4, FlowKeyV4, FlowV4, FLOW_EV_REFRESH, FLOW_F_FORWARD, FLOW_F_SYNCED};
+use lb_common::{
+    Flow, FlowAddr, FlowEvent, FlowEventV4, FlowKey, FlowKeyV4, FlowV4, FLOW_EV_REFRESH,
+    FLOW_F_FORWARD, FLOW_F_SYNCED,
+};
 use std::collections::{BTreeSet, HashMap, HashSet};
 use std::net::{IpAddr, SocketAddr};
 
@@ -137,12 +140,12 @@ pub const NS_PER_MS: u64 = 1_000_000;
 
 /// Connections (forward entry + its reverse entry) of a table snapshot selected by `pick`, as events of `kind`
 /// with the age of the younger entry.
-pub fn connections(
-    flows: &std::collections::HashMap<FlowKeyV4, FlowV4>,
+pub fn connections<A: FlowAddr>(
+    flows: &std::collections::HashMap<FlowKey<A>, Flow<A>>,
     now: u64,
-    pick: impl Fn(&FlowV4, &FlowV4) -> bool,
+    pick: impl Fn(&Flow<A>, &Flow<A>) -> bool,
     kind: u8,
-) -> Vec<(FlowEventV4, u32)> {
+) -> Vec<(FlowEvent<A>, u32)> {
     let mut out = Vec::new();
     for (k, f) in flows {
         if f.flags & FLOW_F_FORWARD == 0 {
@@ -157,7 +160,7 @@ pub fn connections(
         let last = f.last_seen_ns.max(r.last_seen_ns);
         let age_ms = (now.saturating_sub(last) / NS_PER_MS).min(u32::MAX as u64) as u32;
         out.push((
-            FlowEventV4 {
+            FlowEvent {
                 kind,
                 _pad: [0; 7],
                 key: *k,
@@ -172,12 +175,12 @@ pub fn connections(
 
 /// Connections this replica carried traffic for in the last `window_ns` (not just synced from a peer), for
 /// the periodic refresh that keeps the peers' copies from idling out and repairs lost events.
-pub fn refresh_events(
-    flows: &std::collections::HashMap<FlowKeyV4, FlowV4>,
+pub fn refresh_events<A: FlowAddr>(
+    flows: &std::collections::HashMap<FlowKey<A>, Flow<A>>,
     now: u64,
     window_ns: u64,
-) -> Vec<(FlowEventV4, u32)> {
-    let local_recent = |e: &FlowV4| {
+) -> Vec<(FlowEvent<A>, u32)> {
+    let local_recent = |e: &Flow<A>| {
         e.flags & FLOW_F_SYNCED == 0 && now.saturating_sub(e.last_seen_ns) <= window_ns
     };
     connections(
