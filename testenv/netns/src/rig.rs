@@ -10,7 +10,7 @@ use crate::{ChildGuard, Host, Topology, TopologyConfig};
 use anyhow::{anyhow, bail, Context, Result};
 use std::collections::BTreeMap;
 use std::io::{Read, Write};
-use std::net::{Ipv4Addr, SocketAddr, TcpStream};
+use std::net::{Ipv4Addr, Ipv6Addr, SocketAddr, TcpStream};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
@@ -115,6 +115,8 @@ pub struct Rig {
     pub topo: Topology,
     /// The virtual IP (on the lb's interface).
     pub vip: Ipv4Addr,
+    /// The IPv6 virtual IP, when the topology has IPv6 (a dual-stack load balancer).
+    pub vip6: Option<Ipv6Addr>,
     /// Settings it was built with.
     pub cfg: RigConfig,
     echo: BTreeMap<usize, ChildGuard>,
@@ -148,12 +150,17 @@ impl Rig {
         on_topology(topo.id());
         let vip = topo.addr(VIP_OCTET);
         topo.add_addr(Host::Lb, vip)?;
+        let vip6 = topology.ipv6.then(|| topo.addr6(VIP_OCTET));
+        if let Some(vip6) = vip6 {
+            topo.add_addr(Host::Lb, vip6)?;
+        }
         let dir = std::env::temp_dir().join(format!("{}-rig", topo.id()));
         std::fs::create_dir_all(&dir)?;
         let pin_dir = pin_root()?.join(topo.id());
         let mut rig = Rig {
             topo,
             vip,
+            vip6,
             cfg,
             echo: BTreeMap::new(),
             agent: None,
@@ -435,9 +442,15 @@ pub fn agent_http_get(topo: &Topology, host: Host, path: &str) -> Result<String>
     })?
 }
 
-/// Starts an echo server on `host` (a backend) on the TCP and UDP NodePorts and waits until it listens.
+/// Starts an echo server on `host` (a backend) on the TCP and UDP NodePorts and waits until it listens (on
+/// both families when the topology has IPv6: one dual-stack socket each).
 pub fn spawn_echo(topo: &Topology, host: Host) -> Result<ChildGuard> {
     let bin = crate::binary_path()?;
+    let any = if topo.host(host).ip6.is_some() {
+        "[::]"
+    } else {
+        "0.0.0.0"
+    };
     let mut c = topo.spawn(
         host,
         [
@@ -446,9 +459,9 @@ pub fn spawn_echo(topo: &Topology, host: Host) -> Result<ChildGuard> {
             "--id".into(),
             host.name(),
             "--tcp".into(),
-            format!("0.0.0.0:{TCP_NODE_PORT}"),
+            format!("{any}:{TCP_NODE_PORT}"),
             "--udp".into(),
-            format!("0.0.0.0:{UDP_NODE_PORT}"),
+            format!("{any}:{UDP_NODE_PORT}"),
         ],
     )?;
     c.wait_for_stdout("\"ready\":true", Duration::from_secs(10))?;

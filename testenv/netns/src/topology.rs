@@ -17,7 +17,7 @@ use std::collections::BTreeMap;
 use std::ffi::OsStr;
 use std::fmt;
 use std::fs::File;
-use std::net::Ipv4Addr;
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
@@ -64,7 +64,7 @@ impl Host {
     }
 
     /// Last octet of the host's address in the /24.
-    fn octet(&self) -> u8 {
+    pub fn octet(&self) -> u8 {
         match self {
             Host::Client => 10,
             Host::Lb => 2,
@@ -112,8 +112,9 @@ pub struct TopologyConfig {
     pub tune_client: bool,
     /// Load-balancer hosts: [`Host::Lb`] plus [`Host::LbReplica`] 2..=n (1..=5).
     pub lb_replicas: usize,
-    /// Keep IPv6 on (off by default): with it, every interface emits router solicitations, MLD reports and DAD
-    /// probes that land in the load balancer's counters and make "exactly N dropped" assertions flaky.
+    /// Keep IPv6 on (off by default): with it, every interface emits MLD reports that land in the load balancer's
+    /// counters and make "exactly N dropped" assertions flaky. With it on, every host also gets an IPv6 address
+    /// ([`TopologyConfig::ip6`], a /64 without duplicate-address detection), and router solicitations are off.
     pub ipv6: bool,
 }
 
@@ -145,6 +146,27 @@ impl TopologyConfig {
         let o = self.subnet.octets();
         Ipv4Addr::new(o[0], o[1], o[2], last_octet)
     }
+
+    /// The IPv6 address `host` has when [`TopologyConfig::ipv6`] is on.
+    pub fn ip6(&self, host: Host) -> Ipv6Addr {
+        self.addr6(host.octet())
+    }
+
+    /// An address in the topology's IPv6 /64 by "last octet": `fd00:<subnet's first three octets>::<octet>`, so
+    /// each host's two addresses end alike.
+    pub fn addr6(&self, last_octet: u8) -> Ipv6Addr {
+        let o = self.subnet.octets();
+        Ipv6Addr::new(
+            0xfd00,
+            o[0] as u16,
+            o[1] as u16,
+            o[2] as u16,
+            0,
+            0,
+            0,
+            last_octet as u16,
+        )
+    }
 }
 
 /// Everything a caller needs to know about one host.
@@ -158,6 +180,8 @@ pub struct HostInfo {
     pub ifname: String,
     /// Primary IPv4 address (/24).
     pub ip: Ipv4Addr,
+    /// IPv6 address (/64), when the topology has IPv6.
+    pub ip6: Option<Ipv6Addr>,
     /// Deterministic MAC address of `ifname`: `02:00:` + the four bytes of `ip`.
     pub mac: [u8; 6],
     /// Name of the peer interface (bridge port) in the switch namespace.
@@ -230,6 +254,7 @@ impl Topology {
                     netns: format!("{id}-{}", h.name()),
                     ifname: cfg.host_ifname.clone(),
                     ip,
+                    ip6: cfg.ipv6.then(|| cfg.ip6(h)),
                     mac: [0x02, 0x00, o[0], o[1], o[2], o[3]],
                     switch_port: h.switch_port(),
                 };
@@ -335,6 +360,20 @@ impl Topology {
                 "dev",
                 &h.ifname,
             ])?;
+            if let Some(ip6) = h.ip6 {
+                run_cmd([
+                    "ip",
+                    "-n",
+                    ns,
+                    "-6",
+                    "addr",
+                    "add",
+                    &format!("{ip6}/64"),
+                    "dev",
+                    &h.ifname,
+                    "nodad",
+                ])?;
+            }
             run_cmd(["ip", "-n", ns, "link", "set", &h.ifname, "up"])?;
             // Without this the kernel leaves checksums to "hardware" that a veth never has: frames would carry
             // partial checksums, and the load balancer's incremental checksum rewrite would produce garbage
@@ -374,7 +413,23 @@ impl Topology {
     /// `lo` up (local services, health checks against 127.0.0.1) and IPv6 off unless asked for; done before any
     /// other interface exists in the namespace so none of them ever gets an IPv6 address.
     fn prepare_netns(&self, ns: &str, cfg: &TopologyConfig) -> Result<()> {
-        if !cfg.ipv6 {
+        if cfg.ipv6 {
+            // Addresses usable at once (no DAD: the topology hands them out uniquely) and no router
+            // solicitations: there is no router, and fewer stray frames reach the load balancer.
+            run_cmd([
+                "ip",
+                "netns",
+                "exec",
+                ns,
+                "sysctl",
+                "-q",
+                "-w",
+                "net.ipv6.conf.default.accept_dad=0",
+                "net.ipv6.conf.default.dad_transmits=0",
+                "net.ipv6.conf.default.router_solicitations=0",
+                "net.ipv6.conf.default.accept_ra=0",
+            ])?;
+        } else {
             run_cmd([
                 "ip",
                 "netns",
@@ -482,24 +537,29 @@ impl Topology {
         &self.info(host).switch_port
     }
 
-    /// Adds an extra address (e.g. the VIP or a SNAT address) as /32 to `host`'s interface.
-    pub fn add_addr(&self, host: Host, ip: Ipv4Addr) -> Result<()> {
+    /// Adds an extra address (e.g. the VIP or a SNAT address) as /32 (IPv6: /128, without DAD) to `host`'s
+    /// interface.
+    pub fn add_addr(&self, host: Host, ip: impl Into<IpAddr>) -> Result<()> {
         let h = self.info(host);
-        run_cmd([
-            "ip",
-            "-n",
-            &h.netns,
-            "addr",
-            "add",
-            &format!("{ip}/32"),
-            "dev",
-            &h.ifname,
-        ])
-        .map(|_| ())
+        let ip = ip.into();
+        let mut argv = vec![
+            "ip".to_string(),
+            "-n".into(),
+            h.netns.clone(),
+            "addr".into(),
+            "add".into(),
+            host_prefix(ip),
+            "dev".into(),
+            h.ifname.clone(),
+        ];
+        if ip.is_ipv6() {
+            argv.push("nodad".into());
+        }
+        run_cmd(argv).map(|_| ())
     }
 
     /// Removes an address added by [`Topology::add_addr`].
-    pub fn del_addr(&self, host: Host, ip: Ipv4Addr) -> Result<()> {
+    pub fn del_addr(&self, host: Host, ip: impl Into<IpAddr>) -> Result<()> {
         let h = self.info(host);
         run_cmd([
             "ip",
@@ -507,11 +567,27 @@ impl Topology {
             &h.netns,
             "addr",
             "del",
-            &format!("{ip}/32"),
+            &host_prefix(ip.into()),
             "dev",
             &h.ifname,
         ])
         .map(|_| ())
+    }
+
+    /// `host`'s IPv6 address; panics when the topology has no IPv6.
+    pub fn ip6(&self, host: Host) -> Ipv6Addr {
+        self.info(host)
+            .ip6
+            .unwrap_or_else(|| panic!("topology {} has no IPv6", self.id))
+    }
+
+    /// An address in the topology's IPv6 /64 by last octet (see [`TopologyConfig::addr6`]).
+    pub fn addr6(&self, last_octet: u8) -> Ipv6Addr {
+        TopologyConfig {
+            subnet: self.subnet,
+            ..TopologyConfig::default()
+        }
+        .addr6(last_octet)
     }
 
     /// Sets `host`'s interface up or down (its bridge port loses carrier accordingly).
@@ -727,6 +803,14 @@ fn on_off(b: bool) -> &'static str {
         "on"
     } else {
         "off"
+    }
+}
+
+/// A single address as a prefix: `/32` for IPv4, `/128` for IPv6.
+fn host_prefix(ip: IpAddr) -> String {
+    match ip {
+        IpAddr::V4(ip) => format!("{ip}/32"),
+        IpAddr::V6(ip) => format!("{ip}/128"),
     }
 }
 

@@ -259,6 +259,85 @@ fn echo_and_load_on_the_direct_path() {
     assert_eq!(up.ok, 3, "{up:?}");
 }
 
+/// With IPv6 on, every host has its /64 address at once (no DAD wait) and a dual-stack echo server answers both
+/// families: what the IPv6 load-balancer tests build on.
+#[test]
+fn ipv6_topology_carries_both_families_on_the_direct_path() {
+    if !root() {
+        return;
+    }
+    let topo = Topology::new(lb_testbed::TopologyConfig {
+        backends: 1,
+        ipv6: true,
+        ..Default::default()
+    })
+    .unwrap();
+    let b1 = topo.ip6(Host::Backend(1));
+    assert_eq!(b1.to_string(), "fd00:a:c8::b");
+    assert_eq!(topo.ip6(Host::Client), topo.addr6(Host::Client.octet()));
+    let _echo = lb_testbed::rig::spawn_echo(&topo, Host::Backend(1)).unwrap();
+    let v4 = topo.ip(Host::Backend(1));
+    let out = topo
+        .spawn(
+            Host::Client,
+            [
+                BIN,
+                "load",
+                "--tcp",
+                &format!("[{b1}]:30080"),
+                "--connections",
+                "200",
+                "--udp",
+                &format!("[{b1}]:30053"),
+                "--udp-flows",
+                "100",
+                "--deadline-secs",
+                "20",
+                "--strict",
+            ],
+        )
+        .unwrap()
+        .finish(Duration::from_secs(45))
+        .unwrap();
+    let report: LoadReport =
+        serde_json::from_str(&out.stdout).unwrap_or_else(|e| panic!("{e}: {out:?}"));
+    let (tcp, udp) = (report.tcp.unwrap(), report.udp.unwrap());
+    assert_eq!((tcp.ok, udp.ok), (200, 100), "{tcp:?} {udp:?}");
+    // The same dual-stack server over IPv4.
+    let target = format!("{v4}:30080").parse().unwrap();
+    let rep = topo
+        .run_in(Host::Client, move || {
+            tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap()
+                .block_on(load::run_tcp(TcpLoadConfig {
+                    connections: 20,
+                    ..TcpLoadConfig::new(target)
+                }))
+        })
+        .unwrap();
+    assert_eq!(rep.ok, 20, "{rep:?}");
+    // An extra IPv6 address (a VIP) is usable at once.
+    let vip6 = topo.addr6(100);
+    topo.add_addr(Host::Backend(1), vip6).unwrap();
+    let target = format!("[{vip6}]:30080").parse().unwrap();
+    let rep = topo
+        .run_in(Host::Client, move || {
+            tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap()
+                .block_on(load::run_tcp(TcpLoadConfig {
+                    connections: 5,
+                    ..TcpLoadConfig::new(target)
+                }))
+        })
+        .unwrap();
+    assert_eq!(rep.ok, 5, "{rep:?}");
+    topo.del_addr(Host::Backend(1), vip6).unwrap();
+}
+
 #[test]
 fn hold_keeps_every_connection_alive() {
     if !root() {
