@@ -42,6 +42,11 @@ pub struct Snapshot {
     /// Entries of TCP handshakes and closed connections in use, and their capacity.
     pub transient_entries: u64,
     pub transient_capacity: u64,
+    /// The same four for the IPv6 tables (`FLOWS_V6`, `TRANSIENT_V6`).
+    pub flow_entries_v6: u64,
+    pub flow_capacity_v6: u64,
+    pub transient_entries_v6: u64,
+    pub transient_capacity_v6: u64,
     /// Bits set in the flow filter after the last GC pass rebuilt it (of `2^lb_common::flow_filter::BITS_LOG2`).
     pub flow_filter_bits: u64,
     /// Host numbers (load1, memAvailable, …).
@@ -460,6 +465,31 @@ impl Collector for SnapshotCollector {
             "lb_transient_table_capacity",
             "Capacity for TCP handshakes and closed connections (entries).",
             &[(vec![], s.transient_capacity)],
+        )?;
+        // IPv6's tables have their own capacities, so their own series (the IPv4 ones keep their names).
+        gauge(
+            &mut enc,
+            "lb_flow_table_v6_entries",
+            "IPv6 connection-tracking entries in use (two per connection).",
+            &[(vec![], s.flow_entries_v6)],
+        )?;
+        gauge(
+            &mut enc,
+            "lb_flow_table_v6_capacity",
+            "IPv6 connection-tracking capacity (entries).",
+            &[(vec![], s.flow_capacity_v6)],
+        )?;
+        gauge(
+            &mut enc,
+            "lb_transient_table_v6_entries",
+            "Entries of IPv6 TCP handshakes and closed connections in use (two per connection).",
+            &[(vec![], s.transient_entries_v6)],
+        )?;
+        gauge(
+            &mut enc,
+            "lb_transient_table_v6_capacity",
+            "Capacity for IPv6 TCP handshakes and closed connections (entries).",
+            &[(vec![], s.transient_capacity_v6)],
         )?;
         gauge(
             &mut enc,
