@@ -160,7 +160,9 @@ fn ipv6_services_backends_vips_and_ranges_are_written() {
 
     // A restarted agent adopts the IPv6 service and VIP and converges without rewriting them.
     let mut adopted = Programmer::adopt(&mut dp.maps, 16, 64, 1 << 14).unwrap();
-    adopted.apply(&mut dp.maps, std::slice::from_ref(&v6)).unwrap();
+    adopted
+        .apply(&mut dp.maps, std::slice::from_ref(&v6))
+        .unwrap();
     assert!(dp
         .maps
         .vips
