@@ -299,3 +299,41 @@ fn udp_flush_and_next_hop_changes_reach_ipv6_flows() {
     );
     assert_eq!(gc::flow_ip(raw(NODE)), NODE.parse::<IpAddr>().unwrap());
 }
+
+#[test]
+fn lbctl_shows_ipv6_services_and_connections() {
+    use lb_agent::report::inspect::{self, FlowFilter};
+    let mut dp = load();
+    let mut p = Programmer::new(16, 64, 1 << 14);
+    p.apply(&mut dp.maps, &[spec(VIP, &[], &["[fd00::11]:30443"])])
+        .unwrap();
+    let id = p.service_indices().next().map(|(_, i)| i).unwrap();
+    let mut conn = connection(PROTO_TCP, 40000, now_ns(), 60);
+    for (_, f) in &mut conn {
+        f.svc_id = id;
+    }
+    write(&mut dp, &conn);
+
+    let services = inspect::services(&dp.maps).unwrap();
+    assert_eq!(services.len(), 1);
+    let s = &services[0];
+    assert_eq!(s.vip, VIP.parse::<IpAddr>().unwrap());
+    assert_eq!(s.snat_address, VIP.parse::<IpAddr>().unwrap());
+    assert_eq!(s.backends.len(), 1);
+    assert_eq!(s.backends[0].address, "[fd00::11]:30443".parse().unwrap());
+    assert_eq!((s.backends[0].share, s.backends[0].active_flows), (1.0, 1));
+
+    let flows = inspect::flows(&dp.maps, &FlowFilter::default()).unwrap();
+    assert_eq!(flows.len(), 1);
+    let c = &flows[0];
+    assert_eq!(c.client, format!("[{CLIENT}]:40000").parse().unwrap());
+    assert_eq!(c.service, format!("[{VIP}]:443").parse().unwrap());
+    assert_eq!(c.snat, format!("[{VIP}]:41000").parse().unwrap());
+    assert_eq!(c.backend, format!("[{NODE}]:30443").parse().unwrap());
+    assert_eq!((c.state, c.table), ("established", "flows"));
+    let only = FlowFilter {
+        backend: Some(NODE.parse().unwrap()),
+        ..Default::default()
+    };
+    assert_eq!(inspect::flows(&dp.maps, &only).unwrap().len(), 1);
+}
