@@ -131,9 +131,8 @@ fn main() -> Result<()> {
             }
             for s in &services {
                 println!(
-                    "{}:{}/{}  id {}  snat {}  idle {} s{}",
-                    s.vip,
-                    s.port,
+                    "{}/{}  id {}  snat {}  idle {} s{}",
+                    SocketAddr::new(s.vip, s.port),
                     s.protocol,
                     s.id,
                     s.snat_address,
