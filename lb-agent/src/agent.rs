@@ -265,6 +265,7 @@ impl Agent {
             .then(|| (gc_interval * 2 + Duration::from_secs(1)).as_nanos() as u64);
         let r = gc::collect(&mut self.dp.maps, gc::now_ns(), window)?;
         self.ha.publish_refresh(&r.refresh);
+        self.ha.publish_refresh(&r.refresh_v6);
         for (svc, n) in &r.expired {
             *self.idle_expired.entry(*svc).or_default() += n;
         }

@@ -1133,6 +1133,118 @@ mod state_sync {
             "the replaced SNAT port is freed"
         );
     }
+
+    /// An IPv6 connection's records land in the IPv6 tables under the same rules: the service id translated,
+    /// the entries marked in the flow filter, a reset moving both to `TRANSIENT_V6`, the dump carrying them back.
+    #[test]
+    fn ipv6_records_use_the_ipv6_tables() {
+        use lb_agent::ha::sync::{FlowRecord, SyncEvent};
+        use lb_common::{
+            FlowEventV6, FlowKeyV6, FlowV6, In6, Service, ServiceKey, FAMILY_V6, FLOW_EV_CLOSE,
+            FLOW_EV_NEW, FLOW_F_FORWARD, FLOW_F_REVERSE,
+        };
+        let mut b = Harness::new(Hook::Xdp);
+        let mut store = BpfFlowStore::open(&b.dp.maps, Arc::new(AtomicBool::new(false))).unwrap();
+        let a6 = |last: u8| -> In6 {
+            let mut o = [0u8; 16];
+            o[..4].copy_from_slice(&[0x20, 0x01, 0x0d, 0xb8]);
+            o[15] = last;
+            lb_common::Addr { bytes: o }.v6_raw()
+        };
+        let (client, vip, node) = (a6(1), a6(100), a6(11));
+        let skey = ServiceKey {
+            addr: lb_common::Addr::from_v6_raw(vip),
+            port_be: 443u16.to_be(),
+            proto: lb_common::PROTO_TCP,
+            family: FAMILY_V6,
+        };
+        let svc = Service {
+            id: 9,
+            ..Default::default()
+        };
+        b.dp.maps.services.insert(&skey, &svc).unwrap();
+        let key = FlowKeyV6 {
+            src: client,
+            dst: vip,
+            sport: 41000u16.to_be(),
+            dport: 443u16.to_be(),
+            proto: lb_common::PROTO_TCP,
+            _pad: [0; 3],
+        };
+        let fwd = FlowV6 {
+            new_src: vip,
+            new_dst: node,
+            new_sport: 50000u16.to_be(),
+            new_dport: 30443u16.to_be(),
+            flags: FLOW_F_FORWARD,
+            svc_id: 3, // the peer's id
+            timeout_s: 3600,
+            ..Default::default()
+        };
+        let rev = FlowV6 {
+            new_src: vip,
+            new_dst: client,
+            new_sport: 443u16.to_be(),
+            new_dport: 41000u16.to_be(),
+            flags: FLOW_F_REVERSE,
+            svc_id: 3,
+            timeout_s: 3600,
+            ..Default::default()
+        };
+        let new = FlowEventV6 {
+            kind: FLOW_EV_NEW,
+            _pad: [0; 7],
+            key,
+            fwd,
+            rev,
+        };
+        assert_eq!(store.apply(&new, 100).unwrap(), ApplyOutcome::Applied);
+        assert_eq!(store.apply(&new, 100).unwrap(), ApplyOutcome::Unchanged);
+        let rkey = fwd.partner_key(lb_common::PROTO_TCP);
+        let f =
+            b.dp.maps
+                .flows_v6
+                .get(&key)
+                .unwrap()
+                .expect("forward entry");
+        assert_eq!(
+            (f.svc_id, f.new_dst),
+            (svc.id, node),
+            "translated to B's id"
+        );
+        assert!(b.dp.maps.flows_v6.get(&rkey).unwrap().is_some());
+        assert!(b.dp.maps.flow_filter.may_hold(&key) && b.dp.maps.flow_filter.may_hold(&rkey));
+        assert_eq!(
+            b.dp.maps.flows.entries().unwrap(),
+            vec![],
+            "nothing in the IPv4 table"
+        );
+        assert_eq!(
+            b.dp.maps.trusted_sources.keys().unwrap(),
+            vec![lb_common::Addr::from_v6_raw(client)]
+        );
+        let dump = store.dump().unwrap();
+        assert!(
+            matches!(dump.as_slice(), [FlowRecord { event: SyncEvent::V6(e), .. }] if e.key == key),
+            "{dump:?}"
+        );
+
+        let mut close = new;
+        close.kind = FLOW_EV_CLOSE;
+        close.fwd.flags |= FLOW_F_RST;
+        close.rev = FlowV6::default();
+        assert_eq!(store.apply(&close, 0).unwrap(), ApplyOutcome::Applied);
+        assert_eq!(b.dp.maps.flows_v6.get(&key).unwrap(), None);
+        for k in [key, rkey] {
+            let t =
+                b.dp.maps
+                    .transient_v6
+                    .get(&k)
+                    .unwrap()
+                    .expect("closed entry");
+            assert_eq!(t.flow.flags & FLOW_F_RST, FLOW_F_RST);
+        }
+    }
 }
 
 mod sync_churn {
@@ -1235,7 +1347,10 @@ mod sync_churn {
                         .or_default()
                         .insert(event.key.sport);
                 }
-                recs.push(FlowRecord { event, age_ms: 0 });
+                recs.push(FlowRecord {
+                    event: event.into(),
+                    age_ms: 0,
+                });
             }
             // Frames of 1, 2, 3 … 7 records: a connection's records are split across batches in every way.
             for chunk in recs.chunks(batch) {

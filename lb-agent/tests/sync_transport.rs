@@ -75,8 +75,17 @@ fn flow(node: u8, i: u32) -> FlowRecord {
                 flags: FLOW_F_REVERSE,
                 ..common
             },
-        },
+        }
+        .into(),
         age_ms: i,
+    }
+}
+
+/// The IPv4 event of a record made by [`flow`].
+fn v4(r: &FlowRecord) -> &FlowEventV4 {
+    match &r.event {
+        sync::SyncEvent::V4(e) => e,
+        sync::SyncEvent::V6(_) => panic!("an IPv4 record"),
     }
 }
 
@@ -92,10 +101,8 @@ fn sorted(store: &MemoryFlowStore) -> Vec<(FlowKeyV4, FlowV4)> {
 
 fn has_all(store: &MemoryFlowStore, recs: &[FlowRecord]) -> bool {
     recs.iter().all(|r| {
-        store.get(&r.event.key).is_some()
-            && store
-                .get(&r.event.fwd.partner_key(r.event.key.proto))
-                .is_some()
+        let e = v4(r);
+        store.get(&e.key).is_some() && store.get(&e.fwd.partner_key(e.key.proto)).is_some()
     })
 }
 
@@ -225,7 +232,7 @@ async fn records_published_on_one_node_reach_every_peer() {
     assert_eq!(sorted(&a.store), sorted(&b.store));
     assert_eq!(sorted(&a.store), sorted(&c.store));
     // Ages survive the trip (plus the time spent on the way, never less).
-    let k = from_a[1234].event.key;
+    let k = v4(&from_a[1234]).key;
     assert!(c.store.age(&k).unwrap() >= Duration::from_millis(1234));
 
     let (ka, kb, kc) = (a.sync.counters(), b.sync.counters(), c.sync.counters());

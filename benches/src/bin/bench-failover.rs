@@ -186,7 +186,8 @@ fn apply_cost(connections: usize, per_frame: usize) -> Result<ApplyRun> {
                 key,
                 fwd,
                 rev,
-            },
+            }
+            .into(),
             age_ms: 0,
         };
         recs.push(ev(FLOW_EV_NEW, key, fwd, rev));

@@ -47,7 +47,7 @@ impl FlowFilterMap {
         self.word(GENERATION_INDEX).load(Ordering::Acquire) as u32 & 1
     }
 
-    /// Marks `key`, already written into its family's flow table, in both generations (TCP keys only: see
+    /// Marks `key`, already written into `FLOWS_V4` or `FLOWS_V6`, in both generations (TCP keys only: see
     /// `lb_common::flow_filter`).
     pub fn mark<A: FlowAddr>(&self, key: &FlowKey<A>) {
         for generation in 0..2 {

@@ -6,8 +6,8 @@ use crate::dataplane::programmer::addr_to_ip;
 use crate::dataplane::Maps;
 use anyhow::Result;
 use lb_common::{
-    Addr, Flow, FlowAddr, FlowEventV4, FlowKey, FlowKeyV4, FlowV4, Transient, FAMILY_V4,
-    FLOW_EV_REFRESH, FLOW_F_FORWARD, FLOW_F_SYNCED,
+    Addr, Flow, FlowAddr, FlowEvent, FlowEventV4, FlowEventV6, FlowKey, FlowKeyV4, FlowV4,
+    Transient, FAMILY_V4, FLOW_EV_REFRESH, FLOW_F_FORWARD, FLOW_F_SYNCED,
 };
 use std::collections::{BTreeSet, HashMap, HashSet};
 use std::net::{IpAddr, SocketAddr};
@@ -43,9 +43,10 @@ pub struct GcReport {
     pub flow_filter_bits: Option<u64>,
     /// Entries deleted (all four tables).
     pub deleted: u64,
-    /// IPv4 connections this replica carried recently, for the peers' refresh (only when asked for; state
-    /// sync carries IPv4 only so far).
+    /// Connections this replica carried recently, for the peers' refresh (only when asked for): IPv4's.
     pub refresh: Vec<(FlowEventV4, u32)>,
+    /// IPv6's `refresh`.
+    pub refresh_v6: Vec<(FlowEventV6, u32)>,
 }
 
 /// One family's snapshot of its two tables, taken during the flow filter's rebuild.
@@ -71,8 +72,8 @@ impl<A: FlowAddr> Snapshot<A> {
 /// entries whose forward entry is gone (replaced by a new connection on the same client port, or evicted) go
 /// when idle.
 ///
-/// With `refresh_window_ns`, the same walk also lists the IPv4 connections used here within that window
-/// ([`refresh_events`]): state sync sends them so the peers' copies stay fresh.
+/// With `refresh_window_ns`, the same walk also lists the connections used here within that window
+/// ([`refresh_events`], both families): state sync sends them so the peers' copies stay fresh.
 pub fn collect(maps: &mut Maps, now: u64, refresh_window_ns: Option<u64>) -> Result<GcReport> {
     // The walk also rebuilds the flow filter (one bitmap for both families): cleared before it, marked with
     // what it finds after it. Both flow tables are walked before both transient tables, so a connection closing
@@ -96,6 +97,9 @@ pub fn collect(maps: &mut Maps, now: u64, refresh_window_ns: Option<u64>) -> Res
         flow_filter_bits,
         refresh: refresh_window_ns
             .map(|w| refresh_events(&v4.flows, now, w))
+            .unwrap_or_default(),
+        refresh_v6: refresh_window_ns
+            .map(|w| refresh_events(&v6.flows, now, w))
             .unwrap_or_default(),
         ..Default::default()
     };
@@ -219,12 +223,12 @@ pub const NS_PER_MS: u64 = 1_000_000;
 
 /// Connections (forward entry + its reverse entry) of a table snapshot selected by `pick`, as events of `kind`
 /// with the age of the younger entry.
-pub fn connections(
-    flows: &std::collections::HashMap<FlowKeyV4, FlowV4>,
+pub fn connections<A: FlowAddr>(
+    flows: &std::collections::HashMap<FlowKey<A>, Flow<A>>,
     now: u64,
-    pick: impl Fn(&FlowV4, &FlowV4) -> bool,
+    pick: impl Fn(&Flow<A>, &Flow<A>) -> bool,
     kind: u8,
-) -> Vec<(FlowEventV4, u32)> {
+) -> Vec<(FlowEvent<A>, u32)> {
     let mut out = Vec::new();
     for (k, f) in flows {
         if f.flags & FLOW_F_FORWARD == 0 {
@@ -239,7 +243,7 @@ pub fn connections(
         let last = f.last_seen_ns.max(r.last_seen_ns);
         let age_ms = (now.saturating_sub(last) / NS_PER_MS).min(u32::MAX as u64) as u32;
         out.push((
-            FlowEventV4 {
+            FlowEvent {
                 kind,
                 _pad: [0; 7],
                 key: *k,
@@ -254,12 +258,12 @@ pub fn connections(
 
 /// Connections this replica carried traffic for in the last `window_ns` (not just synced from a peer), for
 /// the periodic refresh that keeps the peers' copies from idling out and repairs lost events.
-pub fn refresh_events(
-    flows: &std::collections::HashMap<FlowKeyV4, FlowV4>,
+pub fn refresh_events<A: FlowAddr>(
+    flows: &std::collections::HashMap<FlowKey<A>, Flow<A>>,
     now: u64,
     window_ns: u64,
-) -> Vec<(FlowEventV4, u32)> {
-    let local_recent = |e: &FlowV4| {
+) -> Vec<(FlowEvent<A>, u32)> {
+    let local_recent = |e: &Flow<A>| {
         e.flags & FLOW_F_SYNCED == 0 && now.saturating_sub(e.last_seen_ns) <= window_ns
     };
     connections(

@@ -116,6 +116,13 @@ impl Maps {
             .take()
             .ok_or_else(|| anyhow!("map {} already taken", names::FLOW_EVENTS))
     }
+
+    /// Takes IPv6's flow-event ring buffer, as [`Maps::take_flow_events`].
+    pub fn take_flow_events_v6(&mut self) -> Result<RingBuf<MapData>> {
+        self.flow_events_v6
+            .take()
+            .ok_or_else(|| anyhow!("map {} already taken", names::FLOW_EVENTS_V6))
+    }
 }
 
 /// A hash or LRU hash map (aya's `HashMap` opens both).

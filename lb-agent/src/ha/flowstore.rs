@@ -20,14 +20,17 @@
 //! Records are applied a batch at a time (a sync frame's worth): reads go to the maps (or to what the batch
 //! already changed), and the batch's writes and deletes reach the maps at its end, a few syscalls for all of
 //! them (see [`crate::dataplane::map_batch`]).
+//!
+//! Both address families follow these rules, written once over `lb_common::FlowAddr`: IPv6 connections live in
+//! `FLOWS_V6`/`TRANSIENT_V6` ([`Tables`]), and a batch keeps one staging area per family.
 
 use crate::dataplane::flow_filter::FlowFilterMap;
 use crate::dataplane::gc::{connections, now_ns, NS_PER_MS};
 use crate::dataplane::maps::{Maps, Table};
-use crate::ha::sync::{ApplyOutcome, FlowRecord};
+use crate::ha::sync::{ApplyOutcome, FlowRecord, SyncEvent};
 use anyhow::{Context, Result};
 use lb_common::{
-    Addr, FlowEventV4, FlowKeyV4, FlowV4, NextHop, Service, ServiceKey, TransientV4, FAMILY_V4,
+    Addr, Flow, FlowAddr, FlowEvent, FlowKey, In6, NextHop, Service, ServiceKey, Transient,
     FLOW_EV_CLOSE, FLOW_EV_NEW, FLOW_EV_REFRESH, FLOW_F_FIN, FLOW_F_FORWARD, FLOW_F_RST,
     FLOW_F_SYNCED, PROTO_TCP, TCP_CLOSING_TIMEOUT_S,
 };
@@ -38,10 +41,16 @@ use std::sync::Arc;
 /// Backend id of entries written by the sync (ids are per replica).
 pub const SYNCED_BACKEND_ID: u32 = u32::MAX;
 
+/// One family's connection-tracking maps.
+struct Tables<A> {
+    flows: Table<FlowKey<A>, Flow<A>>,
+    transient: Table<FlowKey<A>, Transient<A>>,
+}
+
 /// Handles on the data plane's maps, independent of the agent's [`Maps`].
 pub struct BpfFlowStore {
-    flows: Table<FlowKeyV4, FlowV4>,
-    transient: Table<FlowKeyV4, TransientV4>,
+    v4: Tables<u32>,
+    v6: Tables<In6>,
     /// Marked for every connection written here, as the data plane marks its own (`lb_common::flow_filter`).
     filter: FlowFilterMap,
     services: Table<ServiceKey, Service>,
@@ -52,13 +61,27 @@ pub struct BpfFlowStore {
     master: Arc<AtomicBool>,
 }
 
-/// What one batch of records changes, kept until the batch's end: the entries it wrote (`Some`) or deleted
-/// (`None`) in each table, in the order of their last change, and what it read.
-#[derive(Default)]
-struct Batch {
+/// What one batch of records changes in one family's tables, kept until the batch's end: the entries it wrote
+/// (`Some`) or deleted (`None`), in the order of their last change, and what it read.
+struct Batch<A> {
     seq: u64,
-    flows: StdMap<FlowKeyV4, Staged<FlowV4>>,
-    transient: StdMap<FlowKeyV4, Staged<TransientV4>>,
+    flows: StdMap<FlowKey<A>, Staged<Flow<A>>>,
+    transient: StdMap<FlowKey<A>, Staged<Transient<A>>>,
+}
+
+impl<A> Default for Batch<A> {
+    fn default() -> Self {
+        Batch {
+            seq: 0,
+            flows: StdMap::new(),
+            transient: StdMap::new(),
+        }
+    }
+}
+
+/// What one batch reads and writes outside the connection tables, whatever the family.
+#[derive(Default)]
+struct Shared {
     services: StdMap<ServiceKey, Option<Service>>,
     nexthops: StdMap<Addr, Option<NextHop>>,
     trusted: Vec<Addr>,
@@ -78,8 +101,14 @@ impl BpfFlowStore {
     /// VIP (it wins conflicts).
     pub fn open(maps: &Maps, master: Arc<AtomicBool>) -> Result<Self> {
         Ok(BpfFlowStore {
-            flows: maps.flows.reopen()?,
-            transient: maps.transient.reopen()?,
+            v4: Tables {
+                flows: maps.flows.reopen()?,
+                transient: maps.transient.reopen()?,
+            },
+            v6: Tables {
+                flows: maps.flows_v6.reopen()?,
+                transient: maps.transient_v6.reopen()?,
+            },
             filter: maps.flow_filter.reopen().context("flow filter mapping")?,
             services: maps.services.reopen()?,
             nexthops: maps.nexthops.reopen()?,
@@ -88,107 +117,141 @@ impl BpfFlowStore {
         })
     }
 
-    /// Every connection with both entries, as [`FLOW_EV_NEW`] events with their ages in ms.
-    pub fn dump(&self) -> Result<Vec<(FlowEventV4, u32)>> {
-        let flows: StdMap<FlowKeyV4, FlowV4> = self.flows.entries()?.into_iter().collect();
-        Ok(connections(&flows, now_ns(), |_, _| true, FLOW_EV_NEW))
+    /// Every connection with both entries, of both families, as [`FLOW_EV_NEW`] records with their ages in ms.
+    pub fn dump(&self) -> Result<Vec<FlowRecord>> {
+        let now = now_ns();
+        let v4: StdMap<_, _> = self.v4.flows.entries()?.into_iter().collect();
+        let v6: StdMap<_, _> = self.v6.flows.entries()?.into_iter().collect();
+        let v4 = connections(&v4, now, |_, _| true, FLOW_EV_NEW).into_iter();
+        let v6 = connections(&v6, now, |_, _| true, FLOW_EV_NEW).into_iter();
+        Ok(v4
+            .map(|(e, age_ms)| (SyncEvent::from(e), age_ms))
+            .chain(v6.map(|(e, age_ms)| (SyncEvent::from(e), age_ms)))
+            .map(|(event, age_ms)| FlowRecord { event, age_ms })
+            .collect())
     }
 
     /// Applies a peer's event that happened `age_ms` ago.
-    pub fn apply(&mut self, ev: &FlowEventV4, age_ms: u32) -> Result<ApplyOutcome> {
-        let rec = FlowRecord { event: *ev, age_ms };
+    pub fn apply<A: FlowAddr>(&mut self, ev: &FlowEvent<A>, age_ms: u32) -> Result<ApplyOutcome>
+    where
+        SyncEvent: From<FlowEvent<A>>,
+    {
+        let rec = FlowRecord {
+            event: SyncEvent::from(*ev),
+            age_ms,
+        };
         Ok(self.apply_batch(&[rec])?[0])
     }
 
     /// Applies a batch of a peer's records in order; the maps see the batch's changes together at its end.
     pub fn apply_batch(&mut self, recs: &[FlowRecord]) -> Result<Vec<ApplyOutcome>> {
         let now = now_ns();
-        let mut b = Batch::default();
+        let (mut b4, mut b6, mut sh) = (Batch::default(), Batch::default(), Shared::default());
         let mut out = Vec::with_capacity(recs.len());
         for r in recs {
             let seen = now.saturating_sub(r.age_ms as u64 * NS_PER_MS);
-            let ev = &r.event;
-            out.push(match ev.kind {
-                FLOW_EV_NEW | FLOW_EV_REFRESH => self.apply_connection(&mut b, ev, seen, now)?,
-                FLOW_EV_CLOSE => self.apply_close(&mut b, ev, seen)?,
-                k => {
-                    // The wire format checks kinds; a peer of a newer version could still send one we lack.
-                    tracing::debug!(kind = k, "a synced record of an unknown kind");
-                    ApplyOutcome::Error
-                }
+            out.push(match &r.event {
+                SyncEvent::V4(ev) => self.apply_event(&self.v4, &mut b4, &mut sh, ev, seen, now)?,
+                SyncEvent::V6(ev) => self.apply_event(&self.v6, &mut b6, &mut sh, ev, seen, now)?,
             });
         }
-        self.commit(b)?;
-        Ok(out)
-    }
-
-    /// Writes the batch's changes: flow entries (reverse before forward, as the records did), marked in the flow
-    /// filter after the write (see `lb_common::flow_filter`), then deletions, then the transient table.
-    fn commit(&mut self, b: Batch) -> Result<()> {
-        let (writes, deletes) = split(b.flows);
-        self.flows
-            .insert_many(&writes)
-            .context("writing synced flows")?;
-        for (k, _) in &writes {
-            self.filter.mark(k);
-        }
-        self.flows
-            .remove_many(&deletes)
-            .context("deleting replaced flows")?;
-        let (writes, deletes) = split(b.transient);
-        self.transient
-            .insert_many(&writes)
-            .context("writing closed connections")?;
-        self.transient
-            .remove_many(&deletes)
-            .context("deleting closed connections")?;
-        let mut trusted: Vec<(Addr, u8)> = b.trusted.into_iter().map(|a| (a, 1)).collect();
+        commit(&mut self.v4, &self.filter, b4)?;
+        commit(&mut self.v6, &self.filter, b6)?;
+        let mut trusted: Vec<(Addr, u8)> = sh.trusted.into_iter().map(|a| (a, 1)).collect();
         trusted.sort_unstable_by_key(|(a, _)| a.bytes);
         trusted.dedup();
         self.trusted
             .insert_many(&trusted)
             .context("writing trusted sources")?;
-        Ok(())
+        Ok(out)
     }
 
-    fn get(&self, b: &mut Batch, k: &FlowKeyV4) -> Result<Option<FlowV4>> {
-        if let Some(s) = b.flows.get(k) {
-            return Ok(s.now);
-        }
-        let v = self.flows.get(k)?;
-        b.flows.insert(
-            *k,
-            Staged {
-                seq: 0,
-                now: v,
-                before: Some(v.is_some()),
-            },
-        );
-        Ok(v)
+    fn apply_event<A: FlowAddr>(
+        &self,
+        t: &Tables<A>,
+        b: &mut Batch<A>,
+        sh: &mut Shared,
+        ev: &FlowEvent<A>,
+        seen: u64,
+        now: u64,
+    ) -> Result<ApplyOutcome> {
+        Ok(match ev.kind {
+            FLOW_EV_NEW | FLOW_EV_REFRESH => self.apply_connection(t, b, sh, ev, seen, now)?,
+            FLOW_EV_CLOSE => apply_close(t, b, ev, seen)?,
+            k => {
+                // The wire format checks kinds; a peer of a newer version could still send one we lack.
+                tracing::debug!(kind = k, "a synced record of an unknown kind");
+                ApplyOutcome::Error
+            }
+        })
     }
+}
 
-    fn service(&self, b: &mut Batch, k: &ServiceKey) -> Result<Option<Service>> {
-        if let Some(s) = b.services.get(k) {
+/// Writes one family's changes: flow entries (reverse before forward, as the records did), marked in the flow
+/// filter after the write (see `lb_common::flow_filter`), then deletions, then the transient table.
+fn commit<A: FlowAddr>(t: &mut Tables<A>, filter: &FlowFilterMap, b: Batch<A>) -> Result<()> {
+    let (writes, deletes) = split(b.flows);
+    t.flows
+        .insert_many(&writes)
+        .context("writing synced flows")?;
+    for (k, _) in &writes {
+        filter.mark(k);
+    }
+    t.flows
+        .remove_many(&deletes)
+        .context("deleting replaced flows")?;
+    let (writes, deletes) = split(b.transient);
+    t.transient
+        .insert_many(&writes)
+        .context("writing closed connections")?;
+    t.transient
+        .remove_many(&deletes)
+        .context("deleting closed connections")?;
+    Ok(())
+}
+
+/// The entry at `k`: as the batch left it, else from the map (remembered in the batch).
+fn get<A: FlowAddr>(t: &Tables<A>, b: &mut Batch<A>, k: &FlowKey<A>) -> Result<Option<Flow<A>>> {
+    if let Some(s) = b.flows.get(k) {
+        return Ok(s.now);
+    }
+    let v = t.flows.get(k)?;
+    b.flows.insert(
+        *k,
+        Staged {
+            seq: 0,
+            now: v,
+            before: Some(v.is_some()),
+        },
+    );
+    Ok(v)
+}
+
+impl BpfFlowStore {
+    fn service(&self, sh: &mut Shared, k: &ServiceKey) -> Result<Option<Service>> {
+        if let Some(s) = sh.services.get(k) {
             return Ok(*s);
         }
         let s = self.services.get(k)?;
-        b.services.insert(*k, s);
+        sh.services.insert(*k, s);
         Ok(s)
     }
 
-    fn nexthop(&self, b: &mut Batch, a: &Addr) -> Result<Option<NextHop>> {
-        if let Some(n) = b.nexthops.get(a) {
+    fn nexthop(&self, sh: &mut Shared, a: &Addr) -> Result<Option<NextHop>> {
+        if let Some(n) = sh.nexthops.get(a) {
             return Ok(*n);
         }
         let n = self.nexthops.get(a)?;
-        b.nexthops.insert(*a, n);
+        sh.nexthops.insert(*a, n);
         Ok(n)
     }
 
-    fn apply_connection(
-        &mut self,
-        b: &mut Batch,
-        ev: &FlowEventV4,
+    fn apply_connection<A: FlowAddr>(
+        &self,
+        t: &Tables<A>,
+        b: &mut Batch<A>,
+        sh: &mut Shared,
+        ev: &FlowEvent<A>,
         seen: u64,
         now: u64,
     ) -> Result<ApplyOutcome> {
@@ -197,18 +260,18 @@ impl BpfFlowStore {
             anyhow::bail!("connection event without a forward entry");
         }
         let skey = ServiceKey {
-            addr: Addr::from_v4_raw(key.dst),
+            addr: key.dst.to_addr(),
             port_be: key.dport,
             proto: key.proto,
-            family: FAMILY_V4,
+            family: A::FAMILY,
         };
-        let Some(svc) = self.service(b, &skey)? else {
+        let Some(svc) = self.service(sh, &skey)? else {
             return Ok(ApplyOutcome::UnknownService);
         };
         let rkey = ev.fwd.partner_key(key.proto);
         let mut fwd = ev.fwd;
         let mut rev = ev.rev;
-        if let Some(nh) = self.nexthop(b, &Addr::from_v4_raw(fwd.new_dst))? {
+        if let Some(nh) = self.nexthop(sh, &fwd.new_dst.to_addr())? {
             fwd.mac = nh.mac;
         }
         for e in [&mut fwd, &mut rev] {
@@ -217,8 +280,8 @@ impl BpfFlowStore {
             e.last_seen_ns = seen;
             e.flags |= FLOW_F_SYNCED;
         }
-        let old_fwd = self.get(b, &key)?;
-        let old_rev = self.get(b, &rkey)?;
+        let old_fwd = get(t, b, &key)?;
+        let old_rev = get(t, b, &rkey)?;
         let same_fwd = old_fwd.is_some_and(|o| same_translation(&o, &fwd));
         let same_rev = old_rev.is_some_and(|o| same_translation(&o, &rev));
         if same_fwd && same_rev {
@@ -232,12 +295,12 @@ impl BpfFlowStore {
             }
             return Ok(ApplyOutcome::Unchanged);
         }
-        if old_fwd.is_none() && ev.kind == FLOW_EV_REFRESH && self.closed_here(b, &key, &fwd)? {
+        if old_fwd.is_none() && ev.kind == FLOW_EV_REFRESH && closed_here(t, b, &key, &fwd)? {
             // A refresh taken before the connection closed, arriving after its close: it stays closed.
             return Ok(ApplyOutcome::Unchanged);
         }
         let carried =
-            |o: Option<FlowV4>, same: bool| o.is_some_and(|o| !same && carried_here(&o, now));
+            |o: Option<Flow<A>>, same: bool| o.is_some_and(|o| !same && carried_here(&o, now));
         let conflict = carried(old_fwd, same_fwd) || carried(old_rev, same_rev);
         if conflict && self.master.load(Ordering::Relaxed) {
             return Ok(ApplyOutcome::Conflict);
@@ -249,11 +312,7 @@ impl BpfFlowStore {
         if let Some(o) = old_rev.filter(|_| !same_rev) {
             // The SNAT port held another connection here: its forward entry goes with it, if it still is one.
             let okey = o.partner_key(key.proto);
-            if okey != key
-                && self
-                    .get(b, &okey)?
-                    .is_some_and(|f| f.partner_key(key.proto) == rkey)
-            {
+            if okey != key && get(t, b, &okey)?.is_some_and(|f| f.partner_key(key.proto) == rkey) {
                 b.delete_flow(okey);
             }
         }
@@ -264,7 +323,7 @@ impl BpfFlowStore {
         // until their closing timeout: FLOWS_V4 is looked up first, so nothing follows them, and looking for
         // them would cost two lookups per record.
         if key.proto == PROTO_TCP {
-            b.trusted.push(Addr::from_v4_raw(key.src));
+            sh.trusted.push(key.src.to_addr());
         }
         Ok(if conflict {
             ApplyOutcome::Conflict
@@ -272,70 +331,79 @@ impl BpfFlowStore {
             ApplyOutcome::Applied
         })
     }
-
-    /// Whether `TRANSIENT_V4` holds the connection of forward entry `fwd` at `key` as closed.
-    fn closed_here(&self, b: &mut Batch, key: &FlowKeyV4, fwd: &FlowV4) -> Result<bool> {
-        let t = match b.transient.get(key) {
-            Some(s) => s.now,
-            None => self.transient.get(key)?,
-        };
-        Ok(t.is_some_and(|t| t.closed() && same_translation(&t.flow, fwd)))
-    }
-
-    /// A peer's close of one direction (`ev.key`, `ev.fwd`): recorded on the same connection here; when it ends
-    /// the connection, both entries move to `TRANSIENT_V4` as on the peer.
-    fn apply_close(&mut self, b: &mut Batch, ev: &FlowEventV4, seen: u64) -> Result<ApplyOutcome> {
-        let bits = ev.fwd.flags & (FLOW_F_FIN | FLOW_F_RST);
-        let Some(mut e) = self.get(b, &ev.key)? else {
-            // Closed here already, or never synced.
-            return Ok(ApplyOutcome::Unchanged);
-        };
-        if !same_translation(&e, &ev.fwd) || e.flags & bits == bits {
-            // An earlier connection's close, after its successor's record; or known.
-            return Ok(ApplyOutcome::Unchanged);
-        }
-        e.close(bits, seen);
-        let pk = e.partner_key(ev.key.proto);
-        let mut partner = self.get(b, &pk)?;
-        if let Some(p) = partner.as_mut().filter(|_| bits & FLOW_F_RST != 0) {
-            // A reset ends both directions (as the data plane records it).
-            p.flags |= FLOW_F_RST;
-            p.timeout_s = TCP_CLOSING_TIMEOUT_S;
-        }
-        if ev.key.proto == PROTO_TCP && (partner.is_none() || e.connection_closed(partner.as_ref()))
-        {
-            b.retire(ev.key, &e);
-            if let Some(p) = partner {
-                b.retire(pk, &p);
-            }
-        } else {
-            b.write_flow(ev.key, e);
-        }
-        Ok(ApplyOutcome::Applied)
-    }
 }
 
-impl Batch {
+/// Whether the transient table holds the connection of forward entry `fwd` at `key` as closed.
+fn closed_here<A: FlowAddr>(
+    t: &Tables<A>,
+    b: &mut Batch<A>,
+    key: &FlowKey<A>,
+    fwd: &Flow<A>,
+) -> Result<bool> {
+    let e = match b.transient.get(key) {
+        Some(s) => s.now,
+        None => t.transient.get(key)?,
+    };
+    Ok(e.is_some_and(|e| e.closed() && same_translation(&e.flow, fwd)))
+}
+
+/// A peer's close of one direction (`ev.key`, `ev.fwd`): recorded on the same connection here; when it ends
+/// the connection, both entries move to the transient table as on the peer.
+fn apply_close<A: FlowAddr>(
+    t: &Tables<A>,
+    b: &mut Batch<A>,
+    ev: &FlowEvent<A>,
+    seen: u64,
+) -> Result<ApplyOutcome> {
+    let bits = ev.fwd.flags & (FLOW_F_FIN | FLOW_F_RST);
+    let Some(mut e) = get(t, b, &ev.key)? else {
+        // Closed here already, or never synced.
+        return Ok(ApplyOutcome::Unchanged);
+    };
+    if !same_translation(&e, &ev.fwd) || e.flags & bits == bits {
+        // An earlier connection's close, after its successor's record; or known.
+        return Ok(ApplyOutcome::Unchanged);
+    }
+    e.close(bits, seen);
+    let pk = e.partner_key(ev.key.proto);
+    let mut partner = get(t, b, &pk)?;
+    if let Some(p) = partner.as_mut().filter(|_| bits & FLOW_F_RST != 0) {
+        // A reset ends both directions (as the data plane records it).
+        p.flags |= FLOW_F_RST;
+        p.timeout_s = TCP_CLOSING_TIMEOUT_S;
+    }
+    if ev.key.proto == PROTO_TCP && (partner.is_none() || e.connection_closed(partner.as_ref())) {
+        b.retire(ev.key, &e);
+        if let Some(p) = partner {
+            b.retire(pk, &p);
+        }
+    } else {
+        b.write_flow(ev.key, e);
+    }
+    Ok(ApplyOutcome::Applied)
+}
+
+impl<A: FlowAddr> Batch<A> {
     fn next(&mut self) -> u64 {
         self.seq += 1;
         self.seq
     }
 
-    fn write_flow(&mut self, k: FlowKeyV4, v: FlowV4) {
+    fn write_flow(&mut self, k: FlowKey<A>, v: Flow<A>) {
         let seq = self.next();
         stage(&mut self.flows, k, Some(v), seq);
     }
 
-    fn delete_flow(&mut self, k: FlowKeyV4) {
+    fn delete_flow(&mut self, k: FlowKey<A>) {
         let seq = self.next();
         stage(&mut self.flows, k, None, seq);
     }
 
     /// A closed connection's entry leaves the flow table for the transient one (the data plane's retire).
-    fn retire(&mut self, k: FlowKeyV4, flow: &FlowV4) {
+    fn retire(&mut self, k: FlowKey<A>, flow: &Flow<A>) {
         self.delete_flow(k);
         let seq = self.next();
-        let t = TransientV4 {
+        let t = Transient {
             flow: *flow,
             ..Default::default()
         };
@@ -343,7 +411,12 @@ impl Batch {
     }
 }
 
-fn stage<V>(m: &mut StdMap<FlowKeyV4, Staged<V>>, k: FlowKeyV4, v: Option<V>, seq: u64) {
+fn stage<A: FlowAddr, V>(
+    m: &mut StdMap<FlowKey<A>, Staged<V>>,
+    k: FlowKey<A>,
+    v: Option<V>,
+    seq: u64,
+) {
     let s = m.entry(k).or_insert(Staged {
         seq,
         now: None,
@@ -355,8 +428,11 @@ fn stage<V>(m: &mut StdMap<FlowKeyV4, Staged<V>>, k: FlowKeyV4, v: Option<V>, se
 
 /// A batch's changes to one table: the entries to write in the order of their last change, and the keys to
 /// delete (those that may be in the map: a key looked up and missing needs no call).
-fn split<V: Copy>(m: StdMap<FlowKeyV4, Staged<V>>) -> (Vec<(FlowKeyV4, V)>, Vec<FlowKeyV4>) {
-    let mut changed: Vec<(FlowKeyV4, Staged<V>)> =
+#[allow(clippy::type_complexity)]
+fn split<A: FlowAddr, V: Copy>(
+    m: StdMap<FlowKey<A>, Staged<V>>,
+) -> (Vec<(FlowKey<A>, V)>, Vec<FlowKey<A>>) {
+    let mut changed: Vec<(FlowKey<A>, Staged<V>)> =
         m.into_iter().filter(|(_, s)| s.seq != 0).collect();
     changed.sort_unstable_by_key(|(_, s)| s.seq);
     let mut writes = Vec::new();
@@ -373,12 +449,12 @@ fn split<V: Copy>(m: StdMap<FlowKeyV4, Staged<V>>) -> (Vec<(FlowKeyV4, V)>, Vec<
 
 /// Whether this replica carries the connection of entry `e` itself: made or used by its own traffic (not a
 /// synced copy), and neither closed nor idle. Only such an entry can conflict with a peer's record.
-fn carried_here(e: &FlowV4, now: u64) -> bool {
+fn carried_here<A: FlowAddr>(e: &Flow<A>, now: u64) -> bool {
     e.flags & (FLOW_F_SYNCED | FLOW_F_FIN | FLOW_F_RST) == 0 && !e.idle(now)
 }
 
 /// Whether two entries rewrite packets the same way (ids, ages and marks aside).
-fn same_translation(a: &FlowV4, b: &FlowV4) -> bool {
+fn same_translation<A: FlowAddr>(a: &Flow<A>, b: &Flow<A>) -> bool {
     (a.new_src, a.new_dst, a.new_sport, a.new_dport)
         == (b.new_src, b.new_dst, b.new_sport, b.new_dport)
 }

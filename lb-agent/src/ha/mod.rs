@@ -15,11 +15,11 @@ use crate::dataplane::{interface_mac, Maps};
 use anyhow::{Context, Result};
 use aya::maps::{MapData, RingBuf};
 use flowstore::BpfFlowStore;
-use lb_common::{FlowEventV4, CFG_F_CHECK_DST_MAC, CFG_F_SYNC_EVENTS};
+use lb_common::{FlowAddr, FlowEvent, In6, CFG_F_CHECK_DST_MAC, CFG_F_SYNC_EVENTS};
 use std::net::{IpAddr, SocketAddr};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use sync::{ApplyOutcome, FlowRecord, FlowStore, SyncCounters, SyncHandle, SyncOptions};
+use sync::{ApplyOutcome, FlowRecord, FlowStore, SyncCounters, SyncEvent, SyncHandle, SyncOptions};
 use tokio::io::unix::AsyncFd;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
@@ -105,18 +105,14 @@ struct SyncStore(BpfFlowStore);
 struct PendingSync {
     settings: SyncSettings,
     store: SyncStore,
-    events: RingBuf<MapData>,
+    /// The data plane's flow events: IPv4's ring, IPv6's ring.
+    events: (RingBuf<MapData>, RingBuf<MapData>),
     peers_rx: watch::Receiver<Vec<SocketAddr>>,
 }
 
 impl FlowStore for SyncStore {
     fn dump(&mut self) -> Result<Vec<FlowRecord>> {
-        Ok(self
-            .0
-            .dump()?
-            .into_iter()
-            .map(|(event, age_ms)| FlowRecord { event, age_ms })
-            .collect())
+        self.0.dump()
     }
 
     fn apply(&mut self, recs: &[FlowRecord]) -> Vec<ApplyOutcome> {
@@ -150,7 +146,7 @@ impl Ha {
             ha.pending_sync = Some(PendingSync {
                 settings: s,
                 store,
-                events: maps.take_flow_events()?,
+                events: (maps.take_flow_events()?, maps.take_flow_events_v6()?),
                 peers_rx,
             });
             ha.peers_tx = Some(peers_tx);
@@ -165,8 +161,14 @@ impl Ha {
             .context("starting flow sync")?;
         tracing::info!(listen = %handle.local_addr(), "flow sync running");
         self.tasks.push(task);
-        self.tasks
-            .push(tokio::spawn(forward_events(p.events, handle.clone())));
+        self.tasks.push(tokio::spawn(forward_events::<u32>(
+            p.events.0,
+            handle.clone(),
+        )));
+        self.tasks.push(tokio::spawn(forward_events::<In6>(
+            p.events.1,
+            handle.clone(),
+        )));
         self.sync = Some(handle);
         Ok(())
     }
@@ -275,12 +277,15 @@ impl Ha {
     }
 
     /// Sends the periodic refresh of the connections this machine carried (from the GC pass).
-    pub fn publish_refresh(&self, events: &[(FlowEventV4, u32)]) {
+    pub fn publish_refresh<A: FlowAddr>(&self, events: &[(FlowEvent<A>, u32)])
+    where
+        SyncEvent: From<FlowEvent<A>>,
+    {
         if let Some(s) = &self.sync {
             let records: Vec<FlowRecord> = events
                 .iter()
                 .map(|(event, age_ms)| FlowRecord {
-                    event: *event,
+                    event: SyncEvent::from(*event),
                     age_ms: *age_ms,
                 })
                 .collect();
@@ -348,8 +353,11 @@ impl Ha {
     }
 }
 
-/// Reads the data plane's flow events as they come and hands them to the sync in batches.
-async fn forward_events(events: RingBuf<MapData>, sync: SyncHandle) {
+/// Reads the data plane's flow events of family `A` as they come and hands them to the sync in batches.
+async fn forward_events<A: FlowAddr>(events: RingBuf<MapData>, sync: SyncHandle)
+where
+    SyncEvent: From<FlowEvent<A>>,
+{
     // SAFETY: the ring buffer owns its map fd for as long as the AsyncFd owns the ring buffer, and its
     // `as_raw_fd` always returns that fd.
     let mut fd = match unsafe { AsyncFd::register(events) } {
@@ -370,11 +378,15 @@ async fn forward_events(events: RingBuf<MapData>, sync: SyncHandle) {
         };
         let rb = guard.get_inner_mut();
         while let Some(item) = rb.next() {
-            if item.len() >= size_of::<FlowEventV4>() {
-                // SAFETY: the data plane writes whole `FlowEventV4`s; read_unaligned copes with any alignment.
+            if item.len() >= size_of::<FlowEvent<A>>() {
+                // SAFETY: the data plane writes whole `FlowEvent<A>`s on this ring; read_unaligned copes with any
+                // alignment.
                 let event =
-                    unsafe { std::ptr::read_unaligned(item.as_ptr().cast::<FlowEventV4>()) };
-                batch.push(FlowRecord { event, age_ms: 0 });
+                    unsafe { std::ptr::read_unaligned(item.as_ptr().cast::<FlowEvent<A>>()) };
+                batch.push(FlowRecord {
+                    event: SyncEvent::from(event),
+                    age_ms: 0,
+                });
             }
         }
         if !batch.is_empty() {

@@ -28,7 +28,7 @@ pub mod wire;
 pub use memory::MemoryFlowStore;
 
 use anyhow::{bail, Context, Result};
-use lb_common::FlowEventV4;
+use lb_common::{FlowEventV4, FlowEventV6};
 use queue::PeerQueue;
 use std::collections::{HashMap, HashSet};
 use std::fmt;
@@ -40,13 +40,50 @@ use tokio::net::TcpListener;
 use tokio::sync::{watch, Notify};
 use tokio::task::JoinHandle;
 
+/// A connection-tracking change of either address family, as the data plane publishes it (`FLOW_EVENTS`,
+/// `FLOW_EVENTS_V6`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SyncEvent {
+    /// An IPv4 connection's change.
+    V4(FlowEventV4),
+    /// An IPv6 connection's change.
+    V6(FlowEventV6),
+}
+
+impl Default for SyncEvent {
+    fn default() -> Self {
+        SyncEvent::V4(FlowEventV4::default())
+    }
+}
+
+impl From<FlowEventV4> for SyncEvent {
+    fn from(e: FlowEventV4) -> Self {
+        SyncEvent::V4(e)
+    }
+}
+
+impl From<FlowEventV6> for SyncEvent {
+    fn from(e: FlowEventV6) -> Self {
+        SyncEvent::V6(e)
+    }
+}
+
+impl SyncEvent {
+    /// `FLOW_EV_*`.
+    pub fn kind(&self) -> u8 {
+        match self {
+            SyncEvent::V4(e) => e.kind,
+            SyncEvent::V6(e) => e.kind,
+        }
+    }
+}
+
 /// One replicated change: the event plus how long ago the entry was last used (ages, not timestamps: the
-/// replicas' monotonic clocks differ). `event.fwd.last_seen_ns`/`event.rev.last_seen_ns` are not sent and
-/// arrive as 0.
+/// replicas' monotonic clocks differ). The entries' `last_seen_ns` are not sent and arrive as 0.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct FlowRecord {
     /// The change (`FLOW_EV_NEW`, `FLOW_EV_CLOSE` or `FLOW_EV_REFRESH`).
-    pub event: FlowEventV4,
+    pub event: SyncEvent,
     /// Milliseconds since a packet last used the flow, when the record was made.
     pub age_ms: u32,
 }

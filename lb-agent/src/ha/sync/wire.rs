@@ -16,20 +16,29 @@
 //!   version u8 | kind u8 | reserved u16 = 0 | payload length u32 | sequence u64         (16 bytes)
 //!   payload | HMAC-SHA256(direction key, header || payload)                            (32 bytes)
 //!   sequence numbers start at 0 in each direction and grow by one per frame
-//! payloads: Records = count u32 | count × record (96 bytes); DumpDone = records in the dump u64;
-//!           Ack = sequence of the last applied Records frame u64; Heartbeat = empty
+//! payloads: Records = count u32 | count × (family u8 = 4 | IPv4 record, 96 bytes
+//!                                         or family u8 = 6 | IPv6 record, 168 bytes);
+//!           DumpDone = records in the dump u64; Ack = sequence of the last applied Records frame u64;
+//!           Heartbeat = empty
+//! record:   kind u8 | key: src, dst, sport, dport, proto | forward entry | reverse entry | age_ms u32
+//! entry:    new_src, new_dst, new_sport, new_dport, mac [6], flags u8, svc_id, backend_id, timeout_s,
+//!           csum_addr, csum_port (u32 LE each); addresses are 4 (IPv4) or 16 (IPv6) bytes
 //! ```
 
-use super::FlowRecord;
+use super::{FlowRecord, SyncEvent};
 use hmac::{Hmac, Mac};
-use lb_common::{FlowEventV4, FlowKeyV4, FlowV4, FLOW_EV_CLOSE, FLOW_EV_NEW, FLOW_EV_REFRESH};
+use lb_common::{
+    Flow, FlowAddr, FlowEvent, FlowKey, In6, FAMILY_V4, FAMILY_V6, FLOW_EV_CLOSE, FLOW_EV_NEW,
+    FLOW_EV_REFRESH,
+};
 use sha2::Sha256;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
 type HmacSha256 = Hmac<Sha256>;
 
-/// Protocol version spoken by this build; a peer with another one is rejected during the handshake.
-pub const VERSION: u8 = 1;
+/// Protocol version spoken by this build; a peer with another one is rejected during the handshake. Version 2
+/// added IPv6 records (each record names its family).
+pub const VERSION: u8 = 2;
 /// First bytes of every handshake message.
 pub const MAGIC: [u8; 4] = *b"LBSY";
 /// Length of an HMAC-SHA256 tag.
@@ -48,13 +57,21 @@ pub const AUTH_LEN: usize = PREFIX_LEN + MAC_LEN;
 pub const FRAME_HEADER_LEN: usize = 16;
 /// Largest frame payload accepted (and produced): bounds memory per connection and the lag of one batch.
 pub const MAX_PAYLOAD: usize = 64 * 1024;
-/// Length of one encoded [`FlowRecord`].
-pub const RECORD_LEN: usize = 96;
-/// Records that fit one frame.
-pub const RECORDS_PER_FRAME: usize = (MAX_PAYLOAD - 4) / RECORD_LEN;
-/// Encoded length of a [`FlowV4`] (its `last_seen_ns` and padding are not sent).
-const FLOW_LEN: usize = 39;
-const _: () = assert!(RECORD_LEN == 1 + 13 + 2 * FLOW_LEN + 4);
+/// Length of one encoded IPv4 record, its family byte included.
+pub const RECORD_LEN_V4: usize = 1 + record_len(4);
+/// Length of one encoded IPv6 record, its family byte included.
+pub const RECORD_LEN_V6: usize = 1 + record_len(16);
+/// Records that fit one frame, whatever their families.
+pub const RECORDS_PER_FRAME: usize = (MAX_PAYLOAD - 4) / RECORD_LEN_V6;
+
+/// Encoded length of a record without its family byte, for addresses of `addr` bytes: kind, key, two entries
+/// (their `last_seen_ns` and padding are not sent), age.
+const fn record_len(addr: usize) -> usize {
+    let key = 2 * addr + 5;
+    let flow = 2 * addr + 4 + 6 + 1 + 20;
+    1 + key + 2 * flow + 4
+}
+const _: () = assert!(RECORD_LEN_V4 == 1 + 96 && RECORD_LEN_V6 == 1 + 168);
 
 const MSG_HELLO: u8 = 1;
 const MSG_CHALLENGE: u8 = 2;
@@ -267,9 +284,35 @@ pub fn decode_u64(payload: &[u8]) -> Result<u64, WireError> {
     Ok(u64::from_le_bytes(b))
 }
 
-fn put_flow(f: &FlowV4, out: &mut Vec<u8>) {
-    out.extend_from_slice(&f.new_src.to_ne_bytes());
-    out.extend_from_slice(&f.new_dst.to_ne_bytes());
+/// An address as the sync sends it: its on-wire bytes.
+trait WireAddr: FlowAddr {
+    fn put(&self, out: &mut Vec<u8>);
+    fn take(r: &mut Rd) -> Self;
+}
+
+impl WireAddr for u32 {
+    fn put(&self, out: &mut Vec<u8>) {
+        out.extend_from_slice(&self.to_ne_bytes());
+    }
+    fn take(r: &mut Rd) -> Self {
+        r.ne32()
+    }
+}
+
+impl WireAddr for In6 {
+    fn put(&self, out: &mut Vec<u8>) {
+        for w in self {
+            out.extend_from_slice(&w.to_ne_bytes());
+        }
+    }
+    fn take(r: &mut Rd) -> Self {
+        [r.ne32(), r.ne32(), r.ne32(), r.ne32()]
+    }
+}
+
+fn put_flow<A: WireAddr>(f: &Flow<A>, out: &mut Vec<u8>) {
+    f.new_src.put(out);
+    f.new_dst.put(out);
     out.extend_from_slice(&f.new_sport.to_ne_bytes());
     out.extend_from_slice(&f.new_dport.to_ne_bytes());
     out.extend_from_slice(&f.mac);
@@ -281,7 +324,7 @@ fn put_flow(f: &FlowV4, out: &mut Vec<u8>) {
     out.extend_from_slice(&f.csum_port.to_le_bytes());
 }
 
-/// A cursor over a fixed-size record; lengths are checked once by the caller.
+/// A cursor over a record; lengths are checked once by the caller.
 struct Rd<'a>(&'a [u8]);
 
 impl Rd<'_> {
@@ -302,10 +345,10 @@ impl Rd<'_> {
     fn le32(&mut self) -> u32 {
         u32::from_le_bytes(self.take())
     }
-    fn flow(&mut self) -> FlowV4 {
-        FlowV4 {
-            new_src: self.ne32(),
-            new_dst: self.ne32(),
+    fn flow<A: WireAddr>(&mut self) -> Flow<A> {
+        Flow {
+            new_src: A::take(self),
+            new_dst: A::take(self),
             new_sport: self.ne16(),
             new_dport: self.ne16(),
             mac: self.take(),
@@ -322,31 +365,28 @@ impl Rd<'_> {
     }
 }
 
-/// Appends one record ([`RECORD_LEN`] bytes). `last_seen_ns` and padding are not sent: the receiver gets
-/// `age_ms` (the replicas' clocks differ) and zeroed padding.
-pub fn encode_record(rec: &FlowRecord, out: &mut Vec<u8>) {
-    let ev = &rec.event;
+fn put_event<A: WireAddr>(ev: &FlowEvent<A>, age_ms: u32, out: &mut Vec<u8>) {
+    out.push(A::FAMILY);
     out.push(ev.kind);
-    out.extend_from_slice(&ev.key.src.to_ne_bytes());
-    out.extend_from_slice(&ev.key.dst.to_ne_bytes());
+    ev.key.src.put(out);
+    ev.key.dst.put(out);
     out.extend_from_slice(&ev.key.sport.to_ne_bytes());
     out.extend_from_slice(&ev.key.dport.to_ne_bytes());
     out.push(ev.key.proto);
     put_flow(&ev.fwd, out);
     put_flow(&ev.rev, out);
-    out.extend_from_slice(&rec.age_ms.to_le_bytes());
+    out.extend_from_slice(&age_ms.to_le_bytes());
 }
 
-/// Decodes one record; unknown event kinds are refused.
-pub fn decode_record(b: &[u8; RECORD_LEN]) -> Result<FlowRecord, WireError> {
-    let mut r = Rd(b);
+/// Decodes a record's body (after its family byte); unknown event kinds are refused.
+fn take_event<A: WireAddr>(r: &mut Rd) -> Result<(FlowEvent<A>, u32), WireError> {
     let kind = r.u8();
     if !matches!(kind, FLOW_EV_NEW | FLOW_EV_CLOSE | FLOW_EV_REFRESH) {
         return Err(WireError::Decode(format!("unknown flow event kind {kind}")));
     }
-    let key = FlowKeyV4 {
-        src: r.ne32(),
-        dst: r.ne32(),
+    let key = FlowKey {
+        src: A::take(r),
+        dst: A::take(r),
         sport: r.ne16(),
         dport: r.ne16(),
         proto: r.u8(),
@@ -355,8 +395,8 @@ pub fn decode_record(b: &[u8; RECORD_LEN]) -> Result<FlowRecord, WireError> {
     let fwd = r.flow();
     let rev = r.flow();
     let age_ms = r.le32();
-    Ok(FlowRecord {
-        event: FlowEventV4 {
+    Ok((
+        FlowEvent {
             kind,
             _pad: [0; 7],
             key,
@@ -364,7 +404,41 @@ pub fn decode_record(b: &[u8; RECORD_LEN]) -> Result<FlowRecord, WireError> {
             rev,
         },
         age_ms,
-    })
+    ))
+}
+
+/// Appends one record ([`RECORD_LEN_V4`] or [`RECORD_LEN_V6`] bytes). `last_seen_ns` and padding are not sent:
+/// the receiver gets `age_ms` (the replicas' clocks differ) and zeroed padding.
+pub fn encode_record(rec: &FlowRecord, out: &mut Vec<u8>) {
+    match &rec.event {
+        SyncEvent::V4(e) => put_event(e, rec.age_ms, out),
+        SyncEvent::V6(e) => put_event(e, rec.age_ms, out),
+    }
+}
+
+/// Decodes the record at the start of `b`; returns it and the bytes it took.
+pub fn decode_record(b: &[u8]) -> Result<(FlowRecord, usize), WireError> {
+    let (family, len) = match b.first() {
+        Some(&FAMILY_V4) => (FAMILY_V4, RECORD_LEN_V4),
+        Some(&FAMILY_V6) => (FAMILY_V6, RECORD_LEN_V6),
+        Some(f) => return Err(WireError::Decode(format!("record of unknown family {f}"))),
+        None => return Err(WireError::Decode("empty record".into())),
+    };
+    if b.len() < len {
+        return Err(WireError::Decode(format!(
+            "{}-byte record, want {len}",
+            b.len()
+        )));
+    }
+    let mut r = Rd(&b[1..len]);
+    let (event, age_ms) = if family == FAMILY_V4 {
+        let (e, age) = take_event::<u32>(&mut r)?;
+        (SyncEvent::V4(e), age)
+    } else {
+        let (e, age) = take_event::<In6>(&mut r)?;
+        (SyncEvent::V6(e), age)
+    };
+    Ok((FlowRecord { event, age_ms }, len))
 }
 
 /// Encodes a Records payload (at most [`RECORDS_PER_FRAME`] records).
@@ -385,16 +459,23 @@ pub fn decode_records(payload: &[u8]) -> Result<Vec<FlowRecord>, WireError> {
         return Err(WireError::Decode("records payload without count".into()));
     }
     let n = u32::from_le_bytes(payload[..4].try_into().unwrap()) as usize;
-    let body = &payload[4..];
-    if body.len() != n.saturating_mul(RECORD_LEN) {
+    if n > RECORDS_PER_FRAME.max(MAX_PAYLOAD / RECORD_LEN_V4) {
+        return Err(WireError::Decode(format!("{n} records in one frame")));
+    }
+    let mut body = &payload[4..];
+    let mut out = Vec::with_capacity(n);
+    for _ in 0..n {
+        let (rec, len) = decode_record(body)?;
+        out.push(rec);
+        body = &body[len..];
+    }
+    if !body.is_empty() {
         return Err(WireError::Decode(format!(
-            "{} bytes for {n} records",
+            "{} bytes after {n} records",
             body.len()
         )));
     }
-    body.chunks_exact(RECORD_LEN)
-        .map(|c| decode_record(c.try_into().unwrap()))
-        .collect()
+    Ok(out)
 }
 
 /// The outcome of a handshake: the peer's node id and the two directions' frame keys.
@@ -548,83 +629,137 @@ pub async fn respond<S: AsyncRead + AsyncWrite + Unpin>(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use lb_common::{FLOW_F_FIN, FLOW_F_FORWARD, PROTO_TCP};
+    use lb_common::{FlowEventV4, FlowKeyV4, FlowV4, FLOW_F_FIN, FLOW_F_FORWARD, PROTO_TCP};
+
+    fn sample_v4() -> FlowEventV4 {
+        FlowEventV4 {
+            kind: FLOW_EV_NEW,
+            _pad: [0; 7],
+            key: FlowKeyV4 {
+                src: u32::from_ne_bytes([10, 0, 0, 1]),
+                dst: u32::from_ne_bytes([10, 200, 0, 100]),
+                sport: 40000u16.to_be(),
+                dport: 80u16.to_be(),
+                proto: PROTO_TCP,
+                _pad: [0; 3],
+            },
+            fwd: FlowV4 {
+                new_src: u32::from_ne_bytes([10, 200, 0, 100]),
+                new_dst: u32::from_ne_bytes([10, 0, 1, 11]),
+                new_sport: 2000u16.to_be(),
+                new_dport: 30080u16.to_be(),
+                mac: [2, 3, 4, 5, 6, 7],
+                flags: FLOW_F_FORWARD | FLOW_F_FIN,
+                _pad: 0,
+                svc_id: 7,
+                backend_id: 0x0102_0304,
+                timeout_s: 3600,
+                csum_addr: 0xdead_beef,
+                csum_port: 0x1234_5678,
+                last_seen_ns: 0,
+            },
+            rev: FlowV4 {
+                new_src: 9,
+                new_dst: 8,
+                new_sport: 7,
+                new_dport: 6,
+                mac: [0xff; 6],
+                flags: 2,
+                svc_id: u32::MAX,
+                backend_id: 1,
+                timeout_s: 0,
+                csum_addr: 5,
+                csum_port: 4,
+                ..Default::default()
+            },
+        }
+    }
 
     fn sample() -> FlowRecord {
         FlowRecord {
-            event: FlowEventV4 {
+            event: SyncEvent::V4(sample_v4()),
+            age_ms: 123_456,
+        }
+    }
+
+    /// An IPv6 record: the same entries with 16-byte addresses.
+    fn sample6() -> FlowRecord {
+        let v4 = sample_v4();
+        let a6 = |w: u32| -> In6 { [0x20010db8u32.to_be(), 0, 0, w] };
+        let flow = |f: &FlowV4| lb_common::FlowV6 {
+            new_src: a6(f.new_src),
+            new_dst: a6(f.new_dst),
+            new_sport: f.new_sport,
+            new_dport: f.new_dport,
+            mac: f.mac,
+            flags: f.flags,
+            _pad: 0,
+            svc_id: f.svc_id,
+            backend_id: f.backend_id,
+            timeout_s: f.timeout_s,
+            csum_addr: f.csum_addr,
+            csum_port: f.csum_port,
+            last_seen_ns: 0,
+        };
+        FlowRecord {
+            event: SyncEvent::V6(lb_common::FlowEventV6 {
                 kind: FLOW_EV_NEW,
                 _pad: [0; 7],
-                key: FlowKeyV4 {
-                    src: u32::from_ne_bytes([10, 0, 0, 1]),
-                    dst: u32::from_ne_bytes([10, 200, 0, 100]),
-                    sport: 40000u16.to_be(),
-                    dport: 80u16.to_be(),
+                key: FlowKey {
+                    src: a6(v4.key.src),
+                    dst: a6(v4.key.dst),
+                    sport: v4.key.sport,
+                    dport: v4.key.dport,
                     proto: PROTO_TCP,
                     _pad: [0; 3],
                 },
-                fwd: FlowV4 {
-                    new_src: u32::from_ne_bytes([10, 200, 0, 100]),
-                    new_dst: u32::from_ne_bytes([10, 0, 1, 11]),
-                    new_sport: 2000u16.to_be(),
-                    new_dport: 30080u16.to_be(),
-                    mac: [2, 3, 4, 5, 6, 7],
-                    flags: FLOW_F_FORWARD | FLOW_F_FIN,
-                    _pad: 0,
-                    svc_id: 7,
-                    backend_id: 0x0102_0304,
-                    timeout_s: 3600,
-                    csum_addr: 0xdead_beef,
-                    csum_port: 0x1234_5678,
-                    last_seen_ns: 0,
-                },
-                rev: FlowV4 {
-                    new_src: 9,
-                    new_dst: 8,
-                    new_sport: 7,
-                    new_dport: 6,
-                    mac: [0xff; 6],
-                    flags: 2,
-                    svc_id: u32::MAX,
-                    backend_id: 1,
-                    timeout_s: 0,
-                    csum_addr: 5,
-                    csum_port: 4,
-                    ..Default::default()
-                },
-            },
-            age_ms: 123_456,
+                fwd: flow(&v4.fwd),
+                rev: flow(&v4.rev),
+            }),
+            age_ms: 7,
         }
     }
 
     #[test]
     fn records_round_trip_field_by_field() {
         let a = sample();
-        let mut b = sample();
-        b.event.kind = FLOW_EV_CLOSE;
-        b.event.rev = FlowV4::default();
-        b.age_ms = u32::MAX;
+        let mut close = sample_v4();
+        close.kind = FLOW_EV_CLOSE;
+        close.rev = FlowV4::default();
+        let b = FlowRecord {
+            event: SyncEvent::V4(close),
+            age_ms: u32::MAX,
+        };
+        let c = sample6();
         let mut payload = Vec::new();
-        encode_records([a, b].into_iter(), &mut payload);
-        assert_eq!(payload.len(), 4 + 2 * RECORD_LEN);
-        // Network-order fields keep their on-wire bytes; little-endian integers are little-endian.
-        assert_eq!(&payload[5..9], &[10, 0, 0, 1]);
-        assert_eq!(&payload[13..15], &40000u16.to_be_bytes());
-        assert_eq!(&payload[4 + 92..4 + 96], &123_456u32.to_le_bytes());
-        assert_eq!(decode_records(&payload).unwrap(), vec![a, b]);
+        encode_records([a, b, c].into_iter(), &mut payload);
+        assert_eq!(payload.len(), 4 + 2 * RECORD_LEN_V4 + RECORD_LEN_V6);
+        // The family first; network-order fields keep their on-wire bytes; little-endian integers are LE.
+        assert_eq!(payload[4], FAMILY_V4);
+        assert_eq!(&payload[6..10], &[10, 0, 0, 1]);
+        assert_eq!(&payload[14..16], &40000u16.to_be_bytes());
+        assert_eq!(&payload[4 + 93..4 + 97], &123_456u32.to_le_bytes());
+        let v6 = 4 + 2 * RECORD_LEN_V4;
+        assert_eq!(payload[v6], FAMILY_V6);
+        assert_eq!(&payload[v6 + 2..v6 + 6], &[0x20, 0x01, 0x0d, 0xb8]);
+        assert_eq!(decode_records(&payload).unwrap(), vec![a, b, c]);
     }
 
     #[test]
     fn last_seen_and_padding_are_not_sent() {
-        let mut a = sample();
-        a.event.fwd.last_seen_ns = 99;
-        a.event._pad = [1; 7];
-        a.event.key._pad = [1; 3];
-        a.event.fwd._pad = 1;
+        let mut e = sample_v4();
+        e.fwd.last_seen_ns = 99;
+        e._pad = [1; 7];
+        e.key._pad = [1; 3];
+        e.fwd._pad = 1;
+        let a = FlowRecord {
+            event: SyncEvent::V4(e),
+            ..sample()
+        };
         let mut buf = Vec::new();
         encode_record(&a, &mut buf);
-        let d = decode_record(buf.as_slice().try_into().unwrap()).unwrap();
-        assert_eq!(d, sample());
+        let (d, len) = decode_record(&buf).unwrap();
+        assert_eq!((d, len), (sample(), RECORD_LEN_V4));
     }
 
     #[test]
@@ -639,7 +774,13 @@ mod tests {
             decode_records(&buf[..3]),
             Err(WireError::Decode(_))
         ));
-        buf[4] = 9; // event kind
+        buf[5] = 9; // event kind
+        assert!(matches!(decode_records(&buf), Err(WireError::Decode(_))));
+        buf[5] = FLOW_EV_NEW;
+        buf[4] = 5; // family
+        assert!(matches!(decode_records(&buf), Err(WireError::Decode(_))));
+        // An IPv6 family byte on an IPv4 record's bytes: too short for its family.
+        buf[4] = FAMILY_V6;
         assert!(matches!(decode_records(&buf), Err(WireError::Decode(_))));
     }
 
@@ -719,8 +860,14 @@ mod tests {
         let tag = m.finalize().into_bytes();
         let h: [u8; FRAME_HEADER_LEN] = w[..FRAME_HEADER_LEN].try_into().unwrap();
         let r = Opener::new(&key).open(&h, &tag);
-        assert!(matches!(r, Err(WireError::Version(2))), "{r:?}");
-        assert!(r.unwrap_err().to_string().contains("version 2"));
+        assert!(
+            matches!(r, Err(WireError::Version(v)) if v == VERSION + 1),
+            "{r:?}"
+        );
+        assert!(r
+            .unwrap_err()
+            .to_string()
+            .contains(&format!("version {}", VERSION + 1)));
         let mut h2 = h;
         h2[0] = VERSION;
         h2[1] = 99;
