@@ -230,8 +230,16 @@ fn the_gc_expires_idle_ipv6_connections_keeps_busy_ones_and_rebuilds_the_filter(
         )
         .unwrap();
 
-    let r = gc::collect(&mut dp.maps, now, None).unwrap();
+    let r = gc::collect(&mut dp.maps, now, Some(10_000 * gc::NS_PER_MS)).unwrap();
     assert_eq!(r.expired.get(&3), Some(&1), "{r:?}");
+    // The peers' refresh lists the busy connections of both families (the idle one is not recent).
+    assert_eq!(
+        r.refresh.len(),
+        0,
+        "the IPv4 entry has no reverse entry: no connection"
+    );
+    assert_eq!(r.refresh_v6.len(), 1);
+    assert_eq!(r.refresh_v6[0].0.key, busy[0].0);
     assert_eq!(r.active.get(&3), Some(&1));
     assert_eq!(r.active.get(&1), Some(&1), "the IPv4 connection counts too");
     assert_eq!((r.entries, r.entries_v6), (1, 2));
