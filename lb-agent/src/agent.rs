@@ -573,3 +573,34 @@ fn effective(
     }
     services
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::source::config::LocalConfig;
+
+    #[test]
+    fn resolved_backends_and_the_snat_override_apply_per_family() {
+        let c: LocalConfig = serde_yaml::from_str(
+            "vips: [10.0.0.1, \"fd00::1\"]\nports: [{port: 80, nodePort: 30080}]\nendpoints: [{name: n, addresses: [10.0.0.11, \"fd00::11\"]}]\n",
+        )
+        .unwrap();
+        let cfg = DesiredConfig::try_from(&c).unwrap();
+        let resolved: HashSet<lb_common::Addr> = [ip_to_addr("fd00::11".parse().unwrap())].into();
+        let s = effective(
+            &cfg,
+            &HealthMap::new(),
+            &resolved,
+            Some("10.0.0.5".parse().unwrap()),
+        );
+        assert_eq!(s[0].id.vip, "10.0.0.1".parse::<IpAddr>().unwrap());
+        assert!(s[0].backends.is_empty(), "10.0.0.11 has no next hop yet");
+        assert_eq!(s[0].snat, Some("10.0.0.5".parse().unwrap()));
+        assert_eq!(s[1].backends, vec!["[fd00::11]:30080".parse().unwrap()]);
+        assert_eq!(
+            s[1].snat, None,
+            "an IPv4 override leaves the IPv6 VIP its own"
+        );
+        Programmer::validate(&s).unwrap();
+    }
+}
