@@ -12,8 +12,8 @@ libfuzzer_sys::fuzz_target!(|data: &[u8]| {
         return;
     };
     if let Err(e) = desired(
-        cfg.vip,
-        cfg.snat_address,
+        &cfg.named_vips(),
+        &cfg.named_snat(),
         &cfg.ports,
         &cfg.endpoints,
         &cfg.options,

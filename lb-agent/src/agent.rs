@@ -14,8 +14,8 @@ use crate::report::AgentStatus;
 use crate::source::config::DesiredConfig;
 use crate::source::ConfigState;
 use anyhow::{Context, Result};
-use lb_common::{stat, NextHop, FLOW_F_FORWARD};
-use std::collections::{BTreeSet, HashMap};
+use lb_common::{stat, NextHop};
+use std::collections::{BTreeSet, HashMap, HashSet};
 use std::net::IpAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -120,7 +120,8 @@ struct Agent {
     /// UDP backends currently out of the tables (health), to notice the ones that just left.
     udp_down: BTreeSet<std::net::SocketAddr>,
     /// Backend addresses with a next hop in the map; only they go into tables.
-    resolved: BTreeSet<IpAddr>,
+    /// Next-hop keys in the map (the 16-byte form: its keys carry no family).
+    resolved: HashSet<lb_common::Addr>,
     last_gc: Instant,
     last_nh: Instant,
 }
@@ -264,16 +265,21 @@ impl Agent {
             .then(|| (gc_interval * 2 + Duration::from_secs(1)).as_nanos() as u64);
         let r = gc::collect(&mut self.dp.maps, gc::now_ns(), window)?;
         self.ha.publish_refresh(&r.refresh);
+        self.ha.publish_refresh(&r.refresh_v6);
         for (svc, n) in &r.expired {
             *self.idle_expired.entry(*svc).or_default() += n;
         }
-        let capacity = self.opts.sizes.flows;
-        if r.entries as f64 / capacity as f64 > 0.9 {
-            tracing::warn!(
-                entries = r.entries,
-                capacity,
-                "flow table over 90% full: the oldest flows get evicted; raise --max-flows"
-            );
+        for (entries, capacity, flag) in [
+            (r.entries, self.opts.sizes.flows, "--max-flows"),
+            (r.entries_v6, self.opts.sizes.flows_v6, "--max-flows-v6"),
+        ] {
+            if entries as f64 / capacity.max(1) as f64 > 0.9 {
+                tracing::warn!(
+                    entries,
+                    capacity,
+                    "flow table over 90% full: the oldest flows get evicted; raise {flag}"
+                );
+            }
         }
         Ok(r)
     }
@@ -364,10 +370,13 @@ impl Agent {
         let ips: BTreeSet<IpAddr> = cfg.backends().iter().map(|b| b.ip()).collect();
         let existing: HashMap<lb_common::Addr, NextHop> =
             maps.nexthops.entries()?.into_iter().collect();
-        let mut changed: HashMap<u32, [u8; 6]> = HashMap::new();
+        let mut changed: HashMap<lb_common::Addr, [u8; 6]> = HashMap::new();
         let deadline = Instant::now() + wait;
         let mut pending: BTreeSet<IpAddr> = if only_new {
-            ips.difference(&self.resolved).copied().collect()
+            ips.iter()
+                .filter(|ip| !self.resolved.contains(&ip_to_addr(**ip)))
+                .copied()
+                .collect()
         } else {
             ips.clone()
         };
@@ -392,9 +401,7 @@ impl Agent {
                             old => {
                                 if old.is_some() {
                                     tracing::info!(backend = %ip, "next-hop MAC changed");
-                                    if let IpAddr::V4(v4) = ip {
-                                        changed.insert(u32::from_ne_bytes(v4.octets()), nh.mac);
-                                    }
+                                    changed.insert(addr, nh.mac);
                                 }
                                 maps.nexthops.insert(&addr, &nh)?;
                             }
@@ -426,13 +433,11 @@ impl Agent {
             }
         }
         if !changed.is_empty() {
-            for (k, mut f) in maps.flows.entries()? {
-                if f.flags & FLOW_F_FORWARD != 0 {
-                    if let Some(mac) = changed.get(&f.new_dst) {
-                        f.mac = *mac;
-                        maps.set_flow(&k, &f)?;
-                    }
-                }
+            for k in gc::retarget(&mut maps.flows, &changed)? {
+                maps.flow_filter.mark(&k);
+            }
+            for k in gc::retarget(&mut maps.flows_v6, &changed)? {
+                maps.flow_filter.mark(&k);
             }
         }
         let resolved = resolved_nexthops(&self.dp)?;
@@ -503,6 +508,11 @@ impl Agent {
         let transient_entries = gc
             .as_ref()
             .map_or(s.transient_entries, |r| r.transient_entries);
+        let (flow_entries_v6, transient_entries_v6) = gc
+            .as_ref()
+            .map_or((s.flow_entries_v6, s.transient_entries_v6), |r| {
+                (r.entries_v6, r.transient_entries_v6)
+            });
         let flow_filter_bits = gc
             .as_ref()
             .and_then(|r| r.flow_filter_bits)
@@ -524,6 +534,10 @@ impl Agent {
             flow_capacity: self.opts.sizes.flows as u64,
             transient_entries,
             transient_capacity: self.opts.sizes.transient as u64,
+            flow_entries_v6,
+            flow_capacity_v6: self.opts.sizes.flows_v6 as u64,
+            transient_entries_v6,
+            transient_capacity_v6: self.opts.sizes.transient_v6 as u64,
             flow_filter_bits,
             host: crate::report::hostmetrics::read(),
             config_applied: self.applied,
@@ -536,14 +550,8 @@ impl Agent {
 }
 
 /// The backend addresses with a next hop in the map.
-fn resolved_nexthops(dp: &Dataplane) -> Result<BTreeSet<IpAddr>> {
-    Ok(dp
-        .maps
-        .nexthops
-        .keys()?
-        .into_iter()
-        .map(|a| crate::dataplane::programmer::addr_to_ip(&a, true))
-        .collect())
+fn resolved_nexthops(dp: &Dataplane) -> Result<HashSet<lb_common::Addr>> {
+    Ok(dp.maps.nexthops.keys()?.into_iter().collect())
 }
 
 /// The services as they must be in the maps now: healthy backends whose next hop is known, SNAT override
@@ -551,15 +559,48 @@ fn resolved_nexthops(dp: &Dataplane) -> Result<BTreeSet<IpAddr>> {
 fn effective(
     cfg: &DesiredConfig,
     health: &HealthMap,
-    resolved: &BTreeSet<IpAddr>,
+    resolved: &HashSet<lb_common::Addr>,
     snat_override: Option<IpAddr>,
 ) -> Vec<ServiceSpec> {
     let mut services = cfg.effective(health);
     for s in &mut services {
-        s.backends.retain(|b| resolved.contains(&b.ip()));
-        if let Some(snat) = snat_override {
+        s.backends
+            .retain(|b| resolved.contains(&ip_to_addr(b.ip())));
+        // The override is of one family; the other family's services keep theirs.
+        if let Some(snat) = snat_override.filter(|a| a.is_ipv4() == s.id.vip.is_ipv4()) {
             s.snat = Some(snat);
         }
     }
     services
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::source::config::LocalConfig;
+
+    #[test]
+    fn resolved_backends_and_the_snat_override_apply_per_family() {
+        let c: LocalConfig = serde_yaml::from_str(
+            "vips: [10.0.0.1, \"fd00::1\"]\nports: [{port: 80, nodePort: 30080}]\nendpoints: [{name: n, addresses: [10.0.0.11, \"fd00::11\"]}]\n",
+        )
+        .unwrap();
+        let cfg = DesiredConfig::try_from(&c).unwrap();
+        let resolved: HashSet<lb_common::Addr> = [ip_to_addr("fd00::11".parse().unwrap())].into();
+        let s = effective(
+            &cfg,
+            &HealthMap::new(),
+            &resolved,
+            Some("10.0.0.5".parse().unwrap()),
+        );
+        assert_eq!(s[0].id.vip, "10.0.0.1".parse::<IpAddr>().unwrap());
+        assert!(s[0].backends.is_empty(), "10.0.0.11 has no next hop yet");
+        assert_eq!(s[0].snat, Some("10.0.0.5".parse().unwrap()));
+        assert_eq!(s[1].backends, vec!["[fd00::11]:30080".parse().unwrap()]);
+        assert_eq!(
+            s[1].snat, None,
+            "an IPv4 override leaves the IPv6 VIP its own"
+        );
+        Programmer::validate(&s).unwrap();
+    }
 }

@@ -141,6 +141,12 @@ struct Cli {
     /// connections recycles these, never the established ones.
     #[arg(long, env = "LB_MAX_TRANSIENT_FLOWS", default_value_t = lb_common::defaults::MAX_TRANSIENT)]
     max_transient_flows: u32,
+    /// IPv6 connection-tracking entries (`--max-flows` for the IPv6 table; IPv6 entries are larger).
+    #[arg(long, env = "LB_MAX_FLOWS_V6", default_value_t = lb_common::defaults::MAX_FLOWS_V6)]
+    max_flows_v6: u32,
+    /// IPv6 entries for TCP handshakes and closed connections (`--max-transient-flows` for IPv6).
+    #[arg(long, env = "LB_MAX_TRANSIENT_FLOWS_V6", default_value_t = lb_common::defaults::MAX_TRANSIENT_V6)]
+    max_transient_flows_v6: u32,
     /// New TCP handshakes per second per CPU (SYN rate guard; 0 = off). Over this rate, SYNs open a handshake
     /// only from sources that completed one before; the rest (a spoofed SYN flood) are dropped and counted.
     #[arg(long, env = "LB_SYN_RATE_LIMIT", default_value_t = lb_common::defaults::SYN_RATE)]
@@ -355,6 +361,8 @@ async fn main() -> Result<()> {
         sizes: MapSizes {
             flows: cli.max_flows,
             transient: cli.max_transient_flows,
+            flows_v6: cli.max_flows_v6,
+            transient_v6: cli.max_transient_flows_v6,
             services: cli.max_services,
             backends: cli.max_backends,
             maglev_slots: cli.maglev_slots,

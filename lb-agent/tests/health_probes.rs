@@ -1,5 +1,5 @@
 //! Health checks against real servers: HTTPS (CA, server name, client certificate) served with rustls, and the
-//! UDP probe against a UDP echo and a closed port.
+//! UDP probe against a UDP echo and a closed port, and every probe against IPv6 listeners.
 
 use lb_agent::dataplane::model::Protocol;
 use lb_agent::health::{check_once, Bytes, HealthCheckSpec, HttpCheck, UdpCheck};
@@ -371,4 +371,70 @@ async fn udp_probe_wants_a_reply() {
             .unwrap_err()
     );
     assert!(e.contains("no UDP reply"), "{e}");
+}
+
+/// IPv6 backends are checked like IPv4 ones: TCP connect, HTTP GET (the URL's authority in brackets) and the
+/// UDP probe, against real listeners on `::1`.
+#[tokio::test]
+async fn ipv6_backends_are_checked_by_every_probe() {
+    let tcp = tokio::net::TcpListener::bind("[::1]:0").await.unwrap();
+    let addr = tcp.local_addr().unwrap();
+    let host = Arc::new(Mutex::new(String::new()));
+    let seen = host.clone();
+    tokio::spawn(async move {
+        loop {
+            let (mut c, _) = tcp.accept().await.unwrap();
+            let seen = seen.clone();
+            tokio::spawn(async move {
+                let mut buf = [0u8; 2048];
+                let n = c.read(&mut buf).await.unwrap_or(0);
+                let req = String::from_utf8_lossy(&buf[..n]).to_lowercase();
+                if let Some(h) = req.lines().find(|l| l.starts_with("host:")) {
+                    *seen.lock().unwrap() = h.trim().to_string();
+                }
+                let _ = c
+                    .write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\nconnection: close\r\n\r\n")
+                    .await;
+            });
+        }
+    });
+    check(addr, &HealthCheckSpec::default())
+        .await
+        .expect("TCP connect to [::1]");
+    let http = HealthCheckSpec {
+        timeout: Duration::from_secs(3),
+        http: Some(HttpCheck::get("/healthz")),
+        ..Default::default()
+    };
+    check(addr, &http).await.expect("HTTP GET to [::1]");
+    assert_eq!(
+        *host.lock().unwrap(),
+        format!("host: [::1]:{}", addr.port())
+    );
+
+    let echo = tokio::net::UdpSocket::bind("[::1]:0").await.unwrap();
+    let uaddr = echo.local_addr().unwrap();
+    tokio::spawn(async move {
+        let mut buf = [0u8; 1500];
+        loop {
+            let (n, from) = echo.recv_from(&mut buf).await.unwrap();
+            let mut reply = b"pong:".to_vec();
+            reply.extend_from_slice(&buf[..n]);
+            echo.send_to(&reply, from).await.unwrap();
+        }
+    });
+    check_once((Protocol::Udp, uaddr), &udp(Some("pong:ping")))
+        .await
+        .expect("UDP probe to [::1]");
+
+    // A closed IPv6 port is down (refused, not a timeout).
+    let closed = {
+        let l = std::net::TcpListener::bind("[::1]:0").unwrap();
+        l.local_addr().unwrap()
+    };
+    let start = Instant::now();
+    let e = check(closed, &HealthCheckSpec::default())
+        .await
+        .unwrap_err();
+    assert!(start.elapsed() < Duration::from_secs(1), "{e}");
 }

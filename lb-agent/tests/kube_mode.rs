@@ -752,6 +752,55 @@ async fn a_spec_change_is_a_new_generation_and_status_updates_are_not() {
 }
 
 #[tokio::test]
+async fn an_ipv6_vip_takes_the_ipv6_endpoints_and_warns_once_about_a_node_without_one() {
+    let h = Harness::start(KubeEnv::shared(), async |lbs, lbms, ns| {
+        create(lbs, lbms, good_lb(ns), Some("2001:db8::10")).await
+    })
+    .await;
+    let ConfigState::Valid(c, 1) = h
+        .wait_config("generation 1", |s| matches!(s, ConfigState::Valid(_, 1)))
+        .await
+    else {
+        unreachable!()
+    };
+    let http = &c.services[0];
+    assert_eq!(
+        http.id.vip,
+        "2001:db8::10".parse::<std::net::IpAddr>().unwrap()
+    );
+    assert_eq!(http.backends, vec!["[fd00::12]:30080".parse().unwrap()]);
+    let needle = "endpoints[0] (node-1) has no IPv6 address";
+    let warned = |events: &[Event]| {
+        events
+            .iter()
+            .filter(|e| {
+                e.type_.as_deref() == Some("Warning")
+                    && e.reason.as_deref() == Some("ConfigurationWarning")
+                    && e.message.as_deref().unwrap_or("").contains(needle)
+            })
+            .count()
+    };
+    eventually("ConfigurationWarning event", || async {
+        (warned(&h.events().await) > 0).then_some(())
+    })
+    .await;
+    // The source ranges name only IPv4: the IPv6 VIP admits no client, which is said too.
+    assert!(h.events().await.iter().any(|e| e
+        .message
+        .as_deref()
+        .unwrap_or("")
+        .contains("loadBalancerSourceRanges has no IPv6 range")));
+    // A new generation with the same warning does not repeat it.
+    h.patch_spec(json!({"options": {"loadBalancerSourceRanges": ["10.0.0.0/8", "2001:db8::/32"]}}))
+        .await;
+    h.wait_config("generation 2", |s| matches!(s, ConfigState::Valid(_, 2)))
+        .await;
+    h.wait_conditions("up to date", |c| is(c, "EnvoyUpToDate", "True"))
+        .await;
+    assert_eq!(warned(&h.events().await), 1, "reported once");
+}
+
+#[tokio::test]
 async fn an_invalid_spec_is_rejected_with_a_warning_and_the_last_config_keeps_forwarding() {
     let h = Harness::start(KubeEnv::shared(), async |lbs, lbms, ns| {
         create(lbs, lbms, good_lb(ns), Some(VIP)).await

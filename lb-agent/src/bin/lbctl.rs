@@ -131,9 +131,8 @@ fn main() -> Result<()> {
             }
             for s in &services {
                 println!(
-                    "{}:{}/{}  id {}  snat {}  idle {} s{}",
-                    s.vip,
-                    s.port,
+                    "{}/{}  id {}  snat {}  idle {} s{}",
+                    SocketAddr::new(s.vip, s.port),
                     s.protocol,
                     s.id,
                     s.snat_address,
@@ -180,13 +179,21 @@ fn main() -> Result<()> {
                     &serde_json::json!({ "connections": flows, "by_state": counts }),
                 );
             }
+            // IPv6 socket addresses are up to 47 characters: the columns grow to the longest shown.
+            let w = flows
+                .iter()
+                .flat_map(|c| [c.client, c.service, c.snat, c.backend])
+                .map(|a| a.to_string().len())
+                .max()
+                .unwrap_or(0)
+                .max(22);
             println!(
-                "{:<5} {:<22} {:<22} {:<22} {:<22} {:<12} {:>8}",
+                "{:<5} {:<w$} {:<w$} {:<w$} {:<w$} {:<12} {:>8}",
                 "proto", "client", "service", "snat", "backend", "state", "idle s"
             );
             for c in &flows {
                 println!(
-                    "{:<5} {:<22} {:<22} {:<22} {:<22} {:<12} {:>8.1}{}",
+                    "{:<5} {:<w$} {:<w$} {:<w$} {:<w$} {:<12} {:>8.1}{}",
                     c.protocol,
                     c.client.to_string(),
                     c.service.to_string(),

@@ -1,13 +1,14 @@
 //! User space's side of the flow filter (`lb_common::flow_filter`): marking the TCP entries the agent writes into
-//! `FLOWS_V4` (flow sync, tests) and rebuilding the filter during the GC's walk of the table, so bits of
-//! connections that left it stop costing the data plane a lookup.
+//! `FLOWS_V4`/`FLOWS_V6` (flow sync, next-hop changes, tests) and rebuilding the filter during the GC's walk of
+//! the tables, so bits of connections that left them stop costing the data plane a lookup. Both families share
+//! the one bitmap (keys of different families hash apart like any two keys).
 
 use super::mapped::MappedArray;
 use anyhow::Result;
 use aya::maps::MapData;
 use lb_common::{
     flow_filter::{slot, ENTRIES, GENERATION_INDEX, WORDS},
-    map_names as names, FlowAddr, FlowKey, FlowKeyV4, PROTO_TCP,
+    map_names as names, FlowAddr, FlowKey, FlowKeyV4, FlowKeyV6, PROTO_TCP,
 };
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -69,7 +70,7 @@ impl FlowFilterMap {
         self.word(self.active() * WORDS + w).load(Ordering::Acquire) & bit != 0
     }
 
-    /// Clears the inactive generation before a walk of `FLOWS_V4`. From now on everything written into the table
+    /// Clears the inactive generation before a walk of the tables. From now on everything written into the table
     /// is marked there by its writer, and [`Self::finish_rebuild`] marks what the walk found.
     pub fn begin_rebuild(&mut self) {
         let inactive = 1 - self.active();
@@ -96,11 +97,24 @@ impl FlowFilterMap {
         &mut self,
         keys: impl IntoIterator<Item = &'a FlowKeyV4>,
     ) -> Option<u64> {
+        self.finish_rebuild_both(keys, [])
+    }
+
+    /// [`Self::finish_rebuild`] with the keys of both families (the walk that found them covered both flow
+    /// tables before both transient tables).
+    pub fn finish_rebuild_both<'a, 'b>(
+        &mut self,
+        v4: impl IntoIterator<Item = &'a FlowKeyV4>,
+        v6: impl IntoIterator<Item = &'b FlowKeyV6>,
+    ) -> Option<u64> {
         if !std::mem::take(&mut self.rebuilding) {
             return None;
         }
         let inactive = 1 - self.active();
-        for key in keys {
+        for key in v4 {
+            self.mark_in(inactive, key);
+        }
+        for key in v6 {
             self.mark_in(inactive, key);
         }
         self.word(GENERATION_INDEX)

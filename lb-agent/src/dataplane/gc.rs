@@ -1,11 +1,13 @@
 //! Connection-tracking housekeeping: expires idle flows (the data plane only ignores them), counts active
 //! connections and idle expiries per service, and watches the table's fill level.
 
+use crate::dataplane::maps::Table;
+use crate::dataplane::programmer::addr_to_ip;
 use crate::dataplane::Maps;
 use anyhow::Result;
 use lb_common::{
-    Flow, FlowAddr, FlowEvent, FlowEventV4, FlowKey, FlowKeyV4, FlowV4, FLOW_EV_REFRESH,
-    FLOW_F_FORWARD, FLOW_F_SYNCED,
+    Addr, Flow, FlowAddr, FlowEvent, FlowEventV4, FlowEventV6, FlowKey, FlowKeyV4, FlowV4,
+    Transient, FAMILY_V4, FLOW_EV_REFRESH, FLOW_F_FORWARD, FLOW_F_SYNCED,
 };
 use std::collections::{BTreeSet, HashMap, HashSet};
 use std::net::{IpAddr, SocketAddr};
@@ -24,53 +26,103 @@ pub fn now_ns() -> u64 {
 /// Result of one pass.
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
 pub struct GcReport {
-    /// Active connections per service id: not idle-expired, not reset, not closed by FIN in both directions.
+    /// Active connections per service id (both families): not idle-expired, not reset, not closed by FIN in
+    /// both directions.
     pub active: HashMap<u32, u64>,
-    /// Connections expired in this pass per service id.
+    /// Connections expired in this pass per service id (both families).
     pub expired: HashMap<u32, u64>,
-    /// Entries left in the table after the pass.
+    /// Entries left in `FLOWS_V4` after the pass.
     pub entries: u64,
     /// Entries left in `TRANSIENT_V4` (TCP handshakes and closed connections) after the pass.
     pub transient_entries: u64,
+    /// Entries left in `FLOWS_V6` after the pass.
+    pub entries_v6: u64,
+    /// Entries left in `TRANSIENT_V6` after the pass.
+    pub transient_entries_v6: u64,
     /// Bits set in the flow filter after this pass rebuilt it.
     pub flow_filter_bits: Option<u64>,
-    /// Entries deleted (both tables).
+    /// Entries deleted (all four tables).
     pub deleted: u64,
-    /// Connections this replica carried recently, for the peers' refresh (only when asked for).
+    /// Connections this replica carried recently, for the peers' refresh (only when asked for): IPv4's.
     pub refresh: Vec<(FlowEventV4, u32)>,
+    /// IPv6's `refresh`.
+    pub refresh_v6: Vec<(FlowEventV6, u32)>,
 }
 
-/// Walks the flow table once. A connection is expired when both of its entries are idle past their
-/// timeouts (the rule the data plane applies); both entries are then deleted. Reverse entries whose forward
-/// entry is gone (replaced by a new connection on the same client port, or evicted) go when idle.
+/// One family's snapshot of its two tables, taken during the flow filter's rebuild.
+struct Snapshot<A: FlowAddr> {
+    flows: HashMap<FlowKey<A>, Flow<A>>,
+    transient: Vec<(FlowKey<A>, Transient<A>)>,
+}
+
+impl<A: FlowAddr> Snapshot<A> {
+    /// The keys the flow filter must hold: the flow table's and the closed connections' in the transient table.
+    fn filter_keys(&self) -> impl Iterator<Item = &FlowKey<A>> {
+        let closed = self
+            .transient
+            .iter()
+            .filter(|(_, t)| !t.handshake())
+            .map(|(k, _)| k);
+        self.flows.keys().chain(closed)
+    }
+}
+
+/// Walks the flow tables once (both families, same rules). A connection is expired when both of its entries
+/// are idle past their timeouts (the rule the data plane applies); both entries are then deleted. Reverse
+/// entries whose forward entry is gone (replaced by a new connection on the same client port, or evicted) go
+/// when idle.
 ///
 /// With `refresh_window_ns`, the same walk also lists the connections used here within that window
-/// ([`refresh_events`]): state sync sends them so the peers' copies stay fresh.
+/// ([`refresh_events`], both families): state sync sends them so the peers' copies stay fresh.
 pub fn collect(maps: &mut Maps, now: u64, refresh_window_ns: Option<u64>) -> Result<GcReport> {
-    // The walk also rebuilds the flow filter: cleared before it, marked with what it finds after it — the flow
-    // table's keys and the closed connections' in the transient table, walked second (see
-    // `lb_common::flow_filter`: a connection closing during the walks moves from the first to the second).
+    // The walk also rebuilds the flow filter (one bitmap for both families): cleared before it, marked with
+    // what it finds after it. Both flow tables are walked before both transient tables, so a connection closing
+    // during the walks (it moves from its flow table to its transient table) is seen by one of them (see
+    // `lb_common::flow_filter`).
     maps.flow_filter.begin_rebuild();
-    let flows: HashMap<FlowKeyV4, FlowV4> = maps.flows.entries()?.into_iter().collect();
-    let transient = maps.transient.entries()?;
-    let closed_keys = transient
-        .iter()
-        .filter(|(_, t)| !t.handshake())
-        .map(|(k, _)| k);
+    let flows_v4: HashMap<FlowKeyV4, FlowV4> = maps.flows.entries()?.into_iter().collect();
+    let flows_v6 = maps.flows_v6.entries()?.into_iter().collect();
+    let v4 = Snapshot {
+        flows: flows_v4,
+        transient: maps.transient.entries()?,
+    };
+    let v6 = Snapshot {
+        flows: flows_v6,
+        transient: maps.transient_v6.entries()?,
+    };
     let flow_filter_bits = maps
         .flow_filter
-        .finish_rebuild(flows.keys().chain(closed_keys));
+        .finish_rebuild_both(v4.filter_keys(), v6.filter_keys());
     let mut r = GcReport {
-        entries: flows.len() as u64,
         flow_filter_bits,
         refresh: refresh_window_ns
-            .map(|w| refresh_events(&flows, now, w))
+            .map(|w| refresh_events(&v4.flows, now, w))
+            .unwrap_or_default(),
+        refresh_v6: refresh_window_ns
+            .map(|w| refresh_events(&v6.flows, now, w))
             .unwrap_or_default(),
         ..Default::default()
     };
-    let mut delete: Vec<FlowKeyV4> = Vec::new();
-    let mut partnered: HashSet<FlowKeyV4> = HashSet::new();
-    for (k, f) in &flows {
+    (r.entries, r.transient_entries) =
+        expire(&v4, &mut maps.flows, &mut maps.transient, now, &mut r)?;
+    (r.entries_v6, r.transient_entries_v6) =
+        expire(&v6, &mut maps.flows_v6, &mut maps.transient_v6, now, &mut r)?;
+    Ok(r)
+}
+
+/// One family's part of [`collect`]: deletes what expired, counts into `r`; returns the entries left in the
+/// flow table and in the transient table.
+fn expire<A: FlowAddr>(
+    snap: &Snapshot<A>,
+    flows_map: &mut Table<FlowKey<A>, Flow<A>>,
+    transient_map: &mut Table<FlowKey<A>, Transient<A>>,
+    now: u64,
+    r: &mut GcReport,
+) -> Result<(u64, u64)> {
+    let flows = &snap.flows;
+    let mut delete: Vec<FlowKey<A>> = Vec::new();
+    let mut partnered: HashSet<FlowKey<A>> = HashSet::new();
+    for (k, f) in flows {
         if f.flags & FLOW_F_FORWARD == 0 {
             continue;
         }
@@ -88,51 +140,82 @@ pub fn collect(maps: &mut Maps, now: u64, refresh_window_ns: Option<u64>) -> Res
             *r.active.entry(f.svc_id).or_default() += 1;
         }
     }
-    for (k, f) in &flows {
+    for (k, f) in flows {
         if f.flags & FLOW_F_FORWARD == 0 && !partnered.contains(k) && f.idle(now) {
             delete.push(*k);
         }
     }
-    maps.flows.remove_many(&delete)?;
-    r.deleted = delete.len() as u64;
-    r.entries = r.entries.saturating_sub(r.deleted);
+    flows_map.remove_many(&delete)?;
+    let deleted = delete.len() as u64;
     // Handshakes that never completed and closed connections past their time: the data plane already ignores
     // them and the LRU would recycle them; deleting them keeps the table's fill level honest.
-    let stale: Vec<FlowKeyV4> = transient
+    let stale: Vec<FlowKey<A>> = snap
+        .transient
         .iter()
         .filter(|(_, t)| t.stale(now))
         .map(|(k, _)| *k)
         .collect();
-    maps.transient.remove_many(&stale)?;
+    transient_map.remove_many(&stale)?;
     let stale = stale.len() as u64;
-    r.deleted += stale;
-    r.transient_entries = transient.len() as u64 - stale;
-    Ok(r)
+    r.deleted += deleted + stale;
+    Ok((
+        (flows.len() as u64).saturating_sub(deleted),
+        snap.transient.len() as u64 - stale,
+    ))
 }
 
-/// Deletes the UDP flows (both entries) that go to one of `backends`, so their next datagram picks a
-/// healthy backend instead of following conntrack to a dead one until the idle timeout. TCP flows are left
-/// alone: a dead backend answers them with a RST (or they time out), which tells the client to reconnect.
+/// The address of a flow-table address.
+pub fn flow_ip<A: FlowAddr>(a: A) -> IpAddr {
+    addr_to_ip(&a.to_addr(), A::FAMILY == FAMILY_V4)
+}
+
+/// Deletes the UDP flows (both entries, both families) that go to one of `backends`, so their next datagram
+/// picks a healthy backend instead of following conntrack to a dead one until the idle timeout. TCP flows are
+/// left alone: a dead backend answers them with a RST (or they time out), which tells the client to reconnect.
 /// Returns the number of flows moved.
 pub fn flush_udp_flows(maps: &mut Maps, backends: &BTreeSet<SocketAddr>) -> Result<u64> {
     if backends.is_empty() {
         return Ok(0);
     }
+    Ok(flush_udp(&mut maps.flows, backends)? + flush_udp(&mut maps.flows_v6, backends)?)
+}
+
+fn flush_udp<A: FlowAddr>(
+    table: &mut Table<FlowKey<A>, Flow<A>>,
+    backends: &BTreeSet<SocketAddr>,
+) -> Result<u64> {
     let mut gone = Vec::new();
-    for (k, f) in maps.flows.entries()? {
+    for (k, f) in table.entries()? {
         if k.proto != lb_common::PROTO_UDP || f.flags & FLOW_F_FORWARD == 0 {
             continue;
         }
-        let to = SocketAddr::new(
-            IpAddr::from(f.new_dst.to_ne_bytes()),
-            u16::from_be(f.new_dport),
-        );
+        let to = SocketAddr::new(flow_ip(f.new_dst), u16::from_be(f.new_dport));
         if backends.contains(&to) {
             gone.extend([k, f.partner_key(k.proto)]);
         }
     }
-    maps.flows.remove_many(&gone)?;
+    table.remove_many(&gone)?;
     Ok(gone.len() as u64 / 2)
+}
+
+/// Points the forward entries of connections to a backend whose next hop changed at its new MAC (`changed`:
+/// backend address → MAC), in one family's flow table; returns the entries rewritten, which the caller marks
+/// in the flow filter.
+pub fn retarget<A: FlowAddr>(
+    table: &mut Table<FlowKey<A>, Flow<A>>,
+    changed: &HashMap<Addr, [u8; 6]>,
+) -> Result<Vec<FlowKey<A>>> {
+    let mut written = Vec::new();
+    for (k, mut f) in table.entries()? {
+        if f.flags & FLOW_F_FORWARD != 0 {
+            if let Some(mac) = changed.get(&f.new_dst.to_addr()) {
+                f.mac = *mac;
+                table.insert(&k, &f)?;
+                written.push(k);
+            }
+        }
+    }
+    Ok(written)
 }
 
 /// Nanoseconds per millisecond (ages travel in ms, the data plane's clock is in ns).

@@ -72,7 +72,8 @@ pub struct ServiceSpec {
     pub snat: Option<IpAddr>,
     /// Idle timeout of flows; zero = never expire.
     pub idle_timeout: Duration,
-    /// Allowed client prefixes; empty = everyone.
+    /// Allowed client prefixes, of either family; empty = everyone. Only the VIP's family's can match, so a
+    /// list of the other family's alone admits no client.
     pub source_ranges: Vec<IpNet>,
     /// Backends that take new flows (the healthy ones), as node address + NodePort.
     pub backends: Vec<SocketAddr>,

@@ -101,8 +101,17 @@ impl Programmer {
                 }
             }
         }
+        // VIPS keys carry no family: an address that an adopted IPv6 service uses is IPv6, any other with
+        // nothing after its first four bytes IPv4.
+        let v6: std::collections::HashSet<Addr> = p
+            .services
+            .iter()
+            .filter(|(k, _)| k.vip.is_ipv6())
+            .flat_map(|(k, a)| [ip_to_addr(k.vip), a.value.snat_addr])
+            .collect();
         for a in maps.vips.keys()? {
-            p.vips.insert(addr_to_ip(&a, true));
+            let v4 = !v6.contains(&a) && a.bytes[4..].iter().all(|b| *b == 0);
+            p.vips.insert(addr_to_ip(&a, v4));
         }
         // Backend slots in use: every slot that any adopted table references. They are released when the
         // adopted tables are replaced.
@@ -145,8 +154,8 @@ impl Programmer {
         self.services.iter().map(|(k, a)| (k, a.id))
     }
 
-    /// Validates the whole desired state; nothing is written when this fails. (IPv6 source ranges of an
-    /// IPv4 service are accepted and ignored, as a dual-stack load balancer would.)
+    /// Validates the whole desired state; nothing is written when this fails. A service's backends and SNAT
+    /// address must be of its VIP's family (the data plane translates addresses, not families).
     pub fn validate(desired: &[ServiceSpec]) -> Result<()> {
         let mut seen = BTreeSet::new();
         for s in desired {
@@ -156,21 +165,19 @@ impl Programmer {
             if !seen.insert(s.id) {
                 bail!("service {} is listed twice", s.id);
             }
-            if !s.id.vip.is_ipv4() {
-                bail!(
-                    "service {}: IPv6 VIPs are not supported by the data plane yet",
-                    s.id
-                );
-            }
+            let v4 = s.id.vip.is_ipv4();
             if let Some(snat) = s.snat {
-                if !snat.is_ipv4() {
-                    bail!("service {}: SNAT address {snat} is not IPv4", s.id);
+                if snat.is_ipv4() != v4 {
+                    bail!(
+                        "service {}: SNAT address {snat} is not of the VIP's family",
+                        s.id
+                    );
                 }
             }
             for b in &s.backends {
-                if !b.ip().is_ipv4() {
+                if b.ip().is_ipv4() != v4 {
                     bail!(
-                        "service {}: backend {b} is not IPv4 (IPv6 backends come with dual-stack)",
+                        "service {}: backend {b} is not of the VIP's family (no NAT46/NAT64)",
                         s.id
                     );
                 }
@@ -215,12 +222,16 @@ impl Programmer {
         let mut backends = spec.backends.clone();
         backends.sort();
         backends.dedup();
+        // Only the VIP's family's ranges can match its clients. The allow-list is on whenever any range is
+        // configured, so a list naming only the other family denies this service's clients rather than
+        // allowing everyone.
         let ranges: BTreeSet<IpNet> = spec
             .source_ranges
             .iter()
-            .filter(|r| r.addr().is_ipv4())
+            .filter(|r| r.addr().is_ipv4() == spec.id.vip.is_ipv4())
             .map(|r| r.trunc())
             .collect();
+        let restricted = !spec.source_ranges.is_empty();
         let key = service_key(&spec.id);
         let existing = self.services.get(&spec.id).cloned();
         let (svc_idx, is_new) = match &existing {
@@ -286,11 +297,7 @@ impl Programmer {
 
         let value = Service {
             id: svc_idx,
-            flags: if ranges.is_empty() {
-                0
-            } else {
-                SVC_F_SOURCE_RANGES
-            },
+            flags: if restricted { SVC_F_SOURCE_RANGES } else { 0 },
             table_offset: table.0,
             table_size: table.1,
             idle_timeout_s: spec.idle_timeout.as_secs().min(u32::MAX as u64) as u32,
@@ -493,5 +500,55 @@ pub fn addr_to_ip(a: &Addr, v4: bool) -> IpAddr {
         IpAddr::from([a.bytes[0], a.bytes[1], a.bytes[2], a.bytes[3]])
     } else {
         IpAddr::from(a.bytes)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::dataplane::model::Protocol;
+    use std::time::Duration;
+
+    fn spec(vip: &str, snat: Option<&str>, backends: &[&str]) -> ServiceSpec {
+        ServiceSpec {
+            id: ServiceId {
+                vip: vip.parse().unwrap(),
+                port: 80,
+                protocol: Protocol::Tcp,
+            },
+            snat: snat.map(|s| s.parse().unwrap()),
+            idle_timeout: Duration::from_secs(60),
+            source_ranges: vec![],
+            backends: backends.iter().map(|b| b.parse().unwrap()).collect(),
+        }
+    }
+
+    #[test]
+    fn ipv6_services_validate_and_families_must_match() {
+        Programmer::validate(&[
+            spec("10.0.0.1", None, &["10.0.0.11:30080"]),
+            spec("fd00::1", Some("fd00::5"), &["[fd00::11]:30080"]),
+        ])
+        .unwrap();
+        let e = Programmer::validate(&[spec("10.0.0.1", None, &["[fd00::11]:30080"])]).unwrap_err();
+        assert!(e.to_string().contains("not of the VIP's family"), "{e}");
+        let e = Programmer::validate(&[spec("fd00::1", Some("10.0.0.5"), &[])]).unwrap_err();
+        assert!(e.to_string().contains("SNAT address 10.0.0.5"), "{e}");
+    }
+
+    #[test]
+    fn service_keys_carry_the_family() {
+        let k = service_key(&spec("fd00::1", None, &[]).id);
+        assert_eq!(k.family, FAMILY_V6);
+        assert_eq!(
+            service_id(&k).unwrap().vip,
+            "fd00::1".parse::<IpAddr>().unwrap()
+        );
+        let k = service_key(&spec("10.0.0.1", None, &[]).id);
+        assert_eq!(k.family, FAMILY_V4);
+        assert_eq!(
+            service_id(&k).unwrap().vip,
+            "10.0.0.1".parse::<IpAddr>().unwrap()
+        );
     }
 }

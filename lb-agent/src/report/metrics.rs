@@ -42,6 +42,11 @@ pub struct Snapshot {
     /// Entries of TCP handshakes and closed connections in use, and their capacity.
     pub transient_entries: u64,
     pub transient_capacity: u64,
+    /// The same four for the IPv6 tables (`FLOWS_V6`, `TRANSIENT_V6`).
+    pub flow_entries_v6: u64,
+    pub flow_capacity_v6: u64,
+    pub transient_entries_v6: u64,
+    pub transient_capacity_v6: u64,
     /// Bits set in the flow filter after the last GC pass rebuilt it (of `2^lb_common::flow_filter::BITS_LOG2`).
     pub flow_filter_bits: u64,
     /// Host numbers (load1, memAvailable, …).
@@ -63,31 +68,46 @@ impl Snapshot {
     /// yawol's per-port metric list (`TCP-80-upstream_cx_active`, …) plus host metrics and, with
     /// `keepalived_stats`, keepalived's, for `LoadBalancerMachine.status.metrics`.
     pub fn yawol_metrics(&self, keepalived_stats: bool) -> Vec<(String, String)> {
-        let mut v = Vec::new();
+        // One cluster per protocol and port, as yawol's Envoy has: a dual-stack port's IPv4 and IPv6 services
+        // add up.
+        let mut ports: Vec<(String, [u64; 6])> = Vec::new();
         for s in &self.services {
             let Some(id) = s.id else { continue };
             let p = format!("{}-{}", id.protocol.name(), id.port);
-            v.push((format!("{p}-upstream_cx_active"), s.active.to_string()));
-            v.push((
-                format!("{p}-upstream_cx_total"),
-                s.stats.new_flows.to_string(),
-            ));
-            v.push((
-                format!("{p}-upstream_cx_connect_fail"),
-                connect_fail(&s.stats).to_string(),
-            ));
-            v.push((
-                format!("{p}-upstream_cx_rx_bytes_total"),
-                s.stats.tx_bytes.to_string(),
-            ));
-            v.push((
-                format!("{p}-upstream_cx_tx_bytes_total"),
-                s.stats.rx_bytes.to_string(),
-            ));
-            v.push((
-                format!("{p}-upstream_cx_idle_timeout"),
-                s.idle_expired.to_string(),
-            ));
+            let i = match ports.iter().position(|(q, _)| *q == p) {
+                Some(i) => i,
+                None => {
+                    ports.push((p, [0; 6]));
+                    ports.len() - 1
+                }
+            };
+            let values = [
+                s.active,
+                s.stats.new_flows,
+                connect_fail(&s.stats),
+                s.stats.tx_bytes,
+                s.stats.rx_bytes,
+                s.idle_expired,
+            ];
+            for (sum, x) in ports[i].1.iter_mut().zip(values) {
+                *sum += x;
+            }
+        }
+        let mut v = Vec::new();
+        for (p, values) in ports {
+            for (name, x) in [
+                "upstream_cx_active",
+                "upstream_cx_total",
+                "upstream_cx_connect_fail",
+                "upstream_cx_rx_bytes_total",
+                "upstream_cx_tx_bytes_total",
+                "upstream_cx_idle_timeout",
+            ]
+            .into_iter()
+            .zip(values)
+            {
+                v.push((format!("{p}-{name}"), x.to_string()));
+            }
         }
         // yawol's own idle-timeout series: Envoy's `tcp.envoytcp.idle_timeout`, one stat prefix shared by every
         // TCP listener, so the sum over the TCP services (there whenever one exists).
@@ -461,6 +481,31 @@ impl Collector for SnapshotCollector {
             "Capacity for TCP handshakes and closed connections (entries).",
             &[(vec![], s.transient_capacity)],
         )?;
+        // IPv6's tables have their own capacities, so their own series (the IPv4 ones keep their names).
+        gauge(
+            &mut enc,
+            "lb_flow_table_v6_entries",
+            "IPv6 connection-tracking entries in use (two per connection).",
+            &[(vec![], s.flow_entries_v6)],
+        )?;
+        gauge(
+            &mut enc,
+            "lb_flow_table_v6_capacity",
+            "IPv6 connection-tracking capacity (entries).",
+            &[(vec![], s.flow_capacity_v6)],
+        )?;
+        gauge(
+            &mut enc,
+            "lb_transient_table_v6_entries",
+            "Entries of IPv6 TCP handshakes and closed connections in use (two per connection).",
+            &[(vec![], s.transient_entries_v6)],
+        )?;
+        gauge(
+            &mut enc,
+            "lb_transient_table_v6_capacity",
+            "Capacity for IPv6 TCP handshakes and closed connections (entries).",
+            &[(vec![], s.transient_capacity_v6)],
+        )?;
         gauge(
             &mut enc,
             "lb_flow_filter_bits_set",
@@ -633,6 +678,45 @@ mod tests {
         let master = ("keepalivedIsMaster".to_string(), "1".to_string());
         assert!(with_vrrp.yawol_metrics(true).contains(&master));
         assert_eq!(with_vrrp.yawol_metrics(false), names);
+        // Dual stack: the IPv6 service of the same port adds to yawol's per-port series and has its own
+        // `vip` label.
+        let v6 = ServiceMetrics {
+            id: Some(ServiceId {
+                vip: "fd00::1".parse().unwrap(),
+                ..id
+            }),
+            stats: ServiceStats {
+                new_flows: 5,
+                ..Default::default()
+            },
+            active: 2,
+            idle_expired: 0,
+        };
+        let mut dual = snap.clone();
+        dual.services.push(v6);
+        dual.backends
+            .push((Protocol::Tcp, "[fd00::11]:30080".parse().unwrap(), true));
+        let dual_names = dual.yawol_metrics(false);
+        for (name, value) in [
+            ("TCP-80-upstream_cx_active", "5"),
+            ("TCP-80-upstream_cx_total", "12"),
+        ] {
+            assert!(
+                dual_names.contains(&(name.to_string(), value.to_string())),
+                "{name}={value} not in {dual_names:?}"
+            );
+        }
+        assert_eq!(dual_names.len(), names.len(), "no second TCP-80 cluster");
+        let mut out = String::new();
+        prometheus_client::encoding::text::encode(&mut out, &registry(Arc::new(RwLock::new(dual))))
+            .unwrap();
+        for line in [
+            "lb_upstream_cx_active{protocol=\"TCP\",port=\"80\",vip=\"fd00::1\"} 2",
+            "lb_backend_healthy{backend=\"[fd00::11]:30080\",protocol=\"TCP\"} 1",
+            "lb_flow_table_v6_entries{} 0",
+        ] {
+            assert!(out.contains(line), "{line} not in {out}");
+        }
         let reg = registry(Arc::new(RwLock::new(snap)));
         let mut out = String::new();
         prometheus_client::encoding::text::encode(&mut out, &reg).unwrap();

@@ -19,11 +19,18 @@ use std::path::Path;
 #[derive(Clone, Debug, Deserialize, PartialEq)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct LocalConfig {
-    /// The virtual IP (the LoadBalancer's `status.portIP` in Kubernetes mode).
-    pub vip: IpAddr,
-    /// Source address towards the backends; default: the VIP.
+    /// The virtual IP (the LoadBalancer's `status.portIP` in Kubernetes mode), IPv4 or IPv6.
+    #[serde(default)]
+    pub vip: Option<IpAddr>,
+    /// More virtual IPs, for dual stack: at most one per family counting `vip`. Each gets every port.
+    #[serde(default)]
+    pub vips: Vec<IpAddr>,
+    /// Source address towards the backends; default: the VIP. Applies to the VIP of its family.
     #[serde(default)]
     pub snat_address: Option<IpAddr>,
+    /// More source addresses (dual stack), at most one per family counting `snatAddress`.
+    #[serde(default)]
+    pub snat_addresses: Vec<IpAddr>,
     /// Service ports (Kubernetes `ServicePort`: `name`, `protocol`, `port`, `nodePort`).
     #[serde(default)]
     pub ports: Vec<ServicePort>,
@@ -36,6 +43,46 @@ pub struct LocalConfig {
     /// Health checking of backends.
     #[serde(default)]
     pub health_check: HealthCheckSpec,
+}
+
+/// An address with the field it came from, for error messages.
+pub type Named = (String, IpAddr);
+
+impl LocalConfig {
+    /// The VIPs with their fields (`vip`, then `vips[i]`).
+    pub fn named_vips(&self) -> Vec<Named> {
+        named(self.vip, "vip", &self.vips, "vips")
+    }
+
+    /// The SNAT addresses with their fields.
+    pub fn named_snat(&self) -> Vec<Named> {
+        named(
+            self.snat_address,
+            "snatAddress",
+            &self.snat_addresses,
+            "snatAddresses",
+        )
+    }
+}
+
+fn named(one: Option<IpAddr>, field: &str, many: &[IpAddr], list: &str) -> Vec<Named> {
+    one.map(|a| (field.to_string(), a))
+        .into_iter()
+        .chain(
+            many.iter()
+                .enumerate()
+                .map(|(i, a)| (format!("{list}[{i}]"), *a)),
+        )
+        .collect()
+}
+
+/// "IPv4" or "IPv6".
+pub fn family_name(ip: &IpAddr) -> &'static str {
+    if ip.is_ipv4() {
+        "IPv4"
+    } else {
+        "IPv6"
+    }
 }
 
 impl LocalConfig {
@@ -61,6 +108,9 @@ pub struct DesiredConfig {
     /// Whether this machine belongs to the newest revision of the load balancer (its VRRP priority gets a
     /// bonus); `None`: unknown (file mode).
     pub newest_revision: Option<bool>,
+    /// Accepted, but worth an operator's look (an endpoint without an address of a VIP's family, an
+    /// allow-list without a range of a VIP's family); logged, and in Kubernetes mode reported as Events.
+    pub warnings: Vec<String>,
 }
 
 impl DesiredConfig {
@@ -121,16 +171,20 @@ impl DesiredConfig {
 
 /// Builds the desired state from LoadBalancer-shaped input. Every problem is reported at once, naming the
 /// field, so an operator can fix the object in one go; nothing is applied when anything is wrong.
+///
+/// Dual stack: each VIP (at most one per family) gets every port, and as backends the endpoints' addresses of
+/// its own family; a SNAT address applies to the VIP of its family. The data plane does not translate between
+/// families, so a SNAT address without a VIP of its family, or a VIP whose family no endpoint has, is refused.
 pub fn desired(
-    vip: IpAddr,
-    snat: Option<IpAddr>,
+    vips: &[Named],
+    snat: &[Named],
     ports: &[ServicePort],
     endpoints: &[LoadBalancerEndpoint],
     options: &LoadBalancerOptions,
     health_check: HealthCheckSpec,
 ) -> Result<DesiredConfig> {
     checked(
-        vip,
+        vips,
         snat,
         ports,
         endpoints,
@@ -142,14 +196,46 @@ pub fn desired(
 
 /// [`desired`] with problems the caller already found (`errors`), reported together with the others.
 fn checked(
-    vip: IpAddr,
-    snat: Option<IpAddr>,
+    vips: &[Named],
+    snat: &[Named],
     ports: &[ServicePort],
     endpoints: &[LoadBalancerEndpoint],
     options: &LoadBalancerOptions,
     health_check: HealthCheckSpec,
     mut errors: Vec<String>,
 ) -> Result<DesiredConfig> {
+    let mut warnings = Vec::new();
+    if vips.is_empty() {
+        errors.push("vip: no VIP is given (vip or vips)".into());
+    }
+    let mut by_family: Vec<Named> = Vec::new();
+    for (field, ip) in vips {
+        match by_family.iter().find(|(_, v)| v.is_ipv4() == ip.is_ipv4()) {
+            Some((_, v)) if v == ip => errors.push(format!("{field}: {ip} is listed twice")),
+            Some((f, v)) => errors.push(format!(
+                "{field}: a second {} VIP ({ip}, besides {v} in {f}); one VIP per family",
+                family_name(ip)
+            )),
+            None => by_family.push((field.clone(), *ip)),
+        }
+    }
+    let mut snat_by_family: Vec<IpAddr> = Vec::new();
+    for (field, s) in snat {
+        if snat_by_family.iter().any(|x| x.is_ipv4() == s.is_ipv4()) {
+            errors.push(format!(
+                "{field}: a second {} SNAT address ({s}); one per family",
+                family_name(s)
+            ));
+        } else if !by_family.iter().any(|(_, v)| v.is_ipv4() == s.is_ipv4()) {
+            let vips: Vec<String> = by_family.iter().map(|(_, v)| v.to_string()).collect();
+            errors.push(format!(
+                "{field}: SNAT address {s} is not of the VIP's family (VIP {}); no NAT46/NAT64",
+                vips.join(", ")
+            ));
+        } else {
+            snat_by_family.push(*s);
+        }
+    }
     let tcp_idle = options
         .tcp_idle_timeout()
         .map_err(|e| errors.push(format!("options.tcpIdleTimeout: {e}")))
@@ -167,23 +253,60 @@ fn checked(
             )),
         }
     }
-    let mut addrs = Vec::new();
+    // Endpoint addresses by node, both families.
+    let mut nodes: Vec<(String, Vec<IpAddr>)> = Vec::new();
     for (i, ep) in endpoints.iter().enumerate() {
+        let mut ips = Vec::new();
         for (j, a) in ep.addresses().iter().enumerate() {
             match a.trim().parse::<IpAddr>() {
-                // Backends of the VIP's family; the other family's addresses are for a dual-stack peer.
-                Ok(ip) if ip.is_ipv4() == vip.is_ipv4() => addrs.push(ip),
-                Ok(_) => {}
+                Ok(ip) => ips.push(ip),
                 Err(_) => errors.push(format!(
                     "endpoints[{i}] ({}).addresses[{j}]: {a:?} is not an IP address",
                     ep.name
                 )),
             }
         }
+        nodes.push((format!("endpoints[{i}] ({})", ep.name), ips));
     }
-    addrs.sort();
-    addrs.dedup();
-    let mut services = Vec::new();
+    // Backends of each VIP: its family's addresses. A VIP that no endpoint can serve while endpoints exist is
+    // a mixed-family service, refused; a node lacking that family is left out of this VIP's services only.
+    let mut addrs_of: Vec<(IpAddr, Vec<IpAddr>)> = Vec::new();
+    for (field, vip) in &by_family {
+        let family = family_name(vip);
+        let mut addrs: Vec<IpAddr> = nodes
+            .iter()
+            .flat_map(|(_, ips)| ips.iter().filter(|a| a.is_ipv4() == vip.is_ipv4()))
+            .copied()
+            .collect();
+        addrs.sort();
+        addrs.dedup();
+        let parsed_any = nodes.iter().any(|(_, ips)| !ips.is_empty());
+        if addrs.is_empty() && parsed_any {
+            errors.push(format!(
+                "{field}: {family} VIP {vip} but no endpoint has an {family} address (a service's backends \
+                 must be of its VIP's family)"
+            ));
+        } else {
+            for (what, ips) in &nodes {
+                if !ips.is_empty() && !ips.iter().any(|a| a.is_ipv4() == vip.is_ipv4()) {
+                    warnings.push(format!(
+                        "{what} has no {family} address: not a backend of the {family} VIP {vip}"
+                    ));
+                }
+            }
+        }
+        if !source_ranges.is_empty()
+            && !source_ranges
+                .iter()
+                .any(|r| r.addr().is_ipv4() == vip.is_ipv4())
+        {
+            warnings.push(format!(
+                "options.loadBalancerSourceRanges has no {family} range: the {family} VIP {vip} admits no client"
+            ));
+        }
+        addrs_of.push((*vip, addrs));
+    }
+    let mut ports_ok = Vec::new();
     let mut seen = BTreeSet::new();
     for (i, p) in ports.iter().enumerate() {
         let what = format!(
@@ -218,12 +341,7 @@ fn checked(
                 continue;
             }
         };
-        let id = ServiceId {
-            vip,
-            port: p.port as u16,
-            protocol,
-        };
-        if !seen.insert(id) {
+        if !seen.insert((p.port, protocol)) {
             errors.push(format!(
                 "{what}: {} {} is listed twice",
                 protocol.name(),
@@ -231,23 +349,33 @@ fn checked(
             ));
             continue;
         }
-        services.push(ServiceSpec {
-            id,
-            snat,
-            idle_timeout: match protocol {
-                Protocol::Tcp => tcp_idle,
-                Protocol::Udp => udp_idle,
-            },
-            source_ranges: source_ranges.clone(),
-            backends: addrs
-                .iter()
-                .map(|a| SocketAddr::new(*a, node_port))
-                .collect(),
-        });
+        ports_ok.push((protocol, p.port as u16, node_port));
     }
-    if let Some(s) = snat {
-        if s.is_ipv4() != vip.is_ipv4() {
-            errors.push(format!("snatAddress {s} is not of the VIP's family"));
+    let mut services = Vec::new();
+    for (vip, addrs) in &addrs_of {
+        for &(protocol, port, node_port) in &ports_ok {
+            services.push(ServiceSpec {
+                id: ServiceId {
+                    vip: *vip,
+                    port,
+                    protocol,
+                },
+                snat: snat_by_family
+                    .iter()
+                    .find(|s| s.is_ipv4() == vip.is_ipv4())
+                    .copied(),
+                idle_timeout: match protocol {
+                    Protocol::Tcp => tcp_idle,
+                    Protocol::Udp => udp_idle,
+                },
+                // All of them: the programmer writes the VIP's family's and keeps the allow-list on when
+                // the other family's are all there is.
+                source_ranges: source_ranges.clone(),
+                backends: addrs
+                    .iter()
+                    .map(|a| SocketAddr::new(*a, node_port))
+                    .collect(),
+            });
         }
     }
     if let Err(e) = health_check.validate() {
@@ -261,6 +389,7 @@ fn checked(
         health_check,
         sync_peers: None,
         newest_revision: None,
+        warnings,
     })
 }
 
@@ -340,8 +469,8 @@ impl TryFrom<&LocalConfig> for DesiredConfig {
             .map(|u| format!("{}: {}", u.option.field(), u.message))
             .collect();
         checked(
-            c.vip,
-            c.snat_address,
+            &c.named_vips(),
+            &c.named_snat(),
             &c.ports,
             &c.endpoints,
             &c.options,
@@ -502,6 +631,103 @@ options:
         // Set but asking for nothing: accepted.
         with("  tcpProxyProtocol: false\n  logForward: {enabled: false, lokiUrl: \"\"}\n").unwrap();
         with("  tcpProxyProtocol: true\n  tcpProxyProtocolPortFilter: [443]\n").unwrap();
+    }
+
+    const DUAL: &str = r#"
+vip: 10.200.0.100
+vips: ["fd00::100"]
+snatAddresses: ["fd00::5"]
+ports:
+  - {name: http, protocol: TCP, port: 80, nodePort: 30080}
+endpoints:
+  - {name: node-1, addresses: [10.200.0.11]}
+  - {name: node-2, addresses: [10.200.0.12, "fd00::12"]}
+options:
+  loadBalancerSourceRanges: [10.0.0.0/8]
+"#;
+
+    #[test]
+    fn dual_stack_gives_each_vip_its_familys_backends() {
+        let c: LocalConfig = serde_yaml::from_str(DUAL).unwrap();
+        let d = DesiredConfig::try_from(&c).unwrap();
+        assert_eq!(d.services.len(), 2, "one service per VIP and port");
+        let (v4, v6) = (&d.services[0], &d.services[1]);
+        assert_eq!(v4.id.vip, "10.200.0.100".parse::<IpAddr>().unwrap());
+        assert_eq!(v4.backends.len(), 2);
+        assert_eq!(
+            v4.snat, None,
+            "the SNAT address is IPv6: the IPv4 VIP keeps its own"
+        );
+        assert_eq!(v6.id.vip, "fd00::100".parse::<IpAddr>().unwrap());
+        assert_eq!(v6.backends, vec!["[fd00::12]:30080".parse().unwrap()]);
+        assert_eq!(v6.snat, Some("fd00::5".parse().unwrap()));
+        assert_eq!(d.vips().len(), 2);
+        assert!(
+            d.warnings.iter().any(|w| {
+                w.contains(
+                "endpoints[0] (node-1) has no IPv6 address: not a backend of the IPv6 VIP fd00::100"
+            )
+            }),
+            "{:?}",
+            d.warnings
+        );
+        assert!(
+            d.warnings.iter().any(|w| w.contains(
+                "loadBalancerSourceRanges has no IPv6 range: the IPv6 VIP fd00::100 admits no client"
+            )),
+            "{:?}",
+            d.warnings
+        );
+        assert_eq!(d.warnings.len(), 2, "{:?}", d.warnings);
+        // Both families' ranges go to every service; the programmer writes the VIP's family's.
+        assert_eq!(v6.source_ranges, v4.source_ranges);
+    }
+
+    #[test]
+    fn an_ipv6_vip_alone_works() {
+        let c: LocalConfig = serde_yaml::from_str(
+            "vip: \"2001:db8::1\"\nports: [{port: 443, nodePort: 30443}]\nendpoints: [{name: n, addresses: [\"2001:db8::11\", 10.0.0.11]}]\n",
+        )
+        .unwrap();
+        let d = DesiredConfig::try_from(&c).unwrap();
+        assert_eq!(
+            d.services[0].backends,
+            vec!["[2001:db8::11]:30443".parse().unwrap()]
+        );
+        assert!(d.warnings.is_empty());
+    }
+
+    #[test]
+    fn family_mismatches_are_refused_by_field() {
+        let bad = |yaml: &str| {
+            let c: LocalConfig = serde_yaml::from_str(yaml).unwrap();
+            DesiredConfig::try_from(&c).unwrap_err().to_string()
+        };
+        let e =
+            bad("vip: 10.0.0.1\nsnatAddress: \"fd00::1\"\nports: [{port: 80, nodePort: 30080}]\n");
+        assert!(
+            e.contains(
+                "snatAddress: SNAT address fd00::1 is not of the VIP's family (VIP 10.0.0.1)"
+            ),
+            "{e}"
+        );
+        let e = bad("vip: \"fd00::100\"\nports: [{port: 80, nodePort: 30080}]\nendpoints: [{name: n, addresses: [10.0.0.11]}]\n");
+        assert!(
+            e.contains("vip: IPv6 VIP fd00::100 but no endpoint has an IPv6 address"),
+            "{e}"
+        );
+        let e = bad("vip: 10.0.0.1\nvips: [10.0.0.2]\nports: [{port: 80, nodePort: 30080}]\n");
+        assert!(
+            e.contains("vips[0]: a second IPv4 VIP (10.0.0.2, besides 10.0.0.1 in vip)"),
+            "{e}"
+        );
+        let e = bad("ports: [{port: 80, nodePort: 30080}]\n");
+        assert!(e.contains("vip: no VIP is given"), "{e}");
+        let e = bad("vips: [10.0.0.1, \"fd00::1\"]\nsnatAddress: 10.0.0.5\nsnatAddresses: [10.0.0.6]\nports: [{port: 80, nodePort: 30080}]\n");
+        assert!(
+            e.contains("snatAddresses[0]: a second IPv4 SNAT address (10.0.0.6)"),
+            "{e}"
+        );
     }
 
     #[test]

@@ -23,7 +23,12 @@ pub fn watch_file(path: PathBuf, every: Duration) -> watch::Receiver<ConfigState
                         .map_err(|e| format!("{}: {e}", path.display()))
                         .and_then(|c| DesiredConfig::try_from(&c).map_err(|e| format!("{e:#}")));
                     let _ = tx.send(match state {
-                        Ok(c) => ConfigState::Valid(Arc::new(c), generation),
+                        Ok(c) => {
+                            for w in &c.warnings {
+                                tracing::warn!(file = %path.display(), warning = %w, "config accepted with a warning");
+                            }
+                            ConfigState::Valid(Arc::new(c), generation)
+                        }
                         Err(e) => ConfigState::Invalid(e, generation),
                     });
                     last = Some(text);

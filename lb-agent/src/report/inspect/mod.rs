@@ -5,16 +5,17 @@
 
 pub mod trace;
 
+use crate::dataplane::gc::flow_ip;
 use crate::dataplane::programmer::addr_to_ip;
 use crate::dataplane::Maps;
 use anyhow::Result;
 use lb_common::{
-    stat, FlowKeyV4, FlowV4, ServiceStats, TransientV4, FAMILY_V4, FLOW_F_FIN, FLOW_F_FORWARD,
+    stat, Flow, FlowAddr, FlowKey, ServiceStats, Transient, FAMILY_V4, FLOW_F_FIN, FLOW_F_FORWARD,
     FLOW_F_RST, FLOW_F_SYNCED, FLOW_F_SYN_ACK, PROTO_TCP, PROTO_UDP, SVC_F_SOURCE_RANGES,
 };
 use serde::Serialize;
 use std::collections::BTreeMap;
-use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::net::{IpAddr, SocketAddr};
 use std::time::Duration;
 
 /// A service as the data plane has it.
@@ -91,16 +92,29 @@ fn protocol(p: u8) -> &'static str {
     }
 }
 
-fn v4(raw: u32, port_be: u16) -> SocketAddr {
-    SocketAddr::new(
-        IpAddr::V4(Ipv4Addr::from(raw.to_ne_bytes())),
-        u16::from_be(port_be),
-    )
+/// A flow table's address and port (both network order) as a socket address of its family.
+fn sock<A: FlowAddr>(raw: A, port_be: u16) -> SocketAddr {
+    SocketAddr::new(flow_ip(raw), u16::from_be(port_be))
+}
+
+/// Open connections per backend of service `svc_id` in one family's flow table.
+fn count_active<A: FlowAddr>(
+    flows: &[(FlowKey<A>, Flow<A>)],
+    svc_id: u32,
+    active: &mut BTreeMap<SocketAddr, u64>,
+) {
+    for (_, f) in flows
+        .iter()
+        .filter(|(_, f)| f.svc_id == svc_id && f.flags & FLOW_F_FORWARD != 0 && !closed(f))
+    {
+        *active.entry(sock(f.new_dst, f.new_dport)).or_default() += 1;
+    }
 }
 
 /// The services, their backends and counters.
 pub fn services(maps: &Maps) -> Result<Vec<ServiceView>> {
     let flows = maps.flows.entries()?;
+    let flows_v6 = maps.flows_v6.entries()?;
     let mut out = Vec::new();
     for (key, svc) in maps.services.entries()? {
         let table = if svc.table_size > 0 {
@@ -124,12 +138,8 @@ pub fn services(maps: &Maps) -> Result<Vec<ServiceView>> {
             }
         }
         let mut active: BTreeMap<SocketAddr, u64> = BTreeMap::new();
-        for (_, f) in flows
-            .iter()
-            .filter(|(_, f)| f.svc_id == svc.id && f.flags & FLOW_F_FORWARD != 0 && !closed(f))
-        {
-            *active.entry(v4(f.new_dst, f.new_dport)).or_default() += 1;
-        }
+        count_active(&flows, svc.id, &mut active);
+        count_active(&flows_v6, svc.id, &mut active);
         let mut views: Vec<BackendView> = share
             .keys()
             .chain(active.keys())
@@ -179,12 +189,12 @@ pub fn service_counters(s: &ServiceStats) -> BTreeMap<&'static str, u64> {
     ])
 }
 
-fn closed(f: &FlowV4) -> bool {
+fn closed<A: FlowAddr>(f: &Flow<A>) -> bool {
     f.flags & (FLOW_F_FIN | FLOW_F_RST) != 0
 }
 
 /// The state of a connection from its two entries.
-fn state(fwd: &FlowV4, rev: Option<&FlowV4>, transient: bool) -> &'static str {
+fn state<A: FlowAddr>(fwd: &Flow<A>, rev: Option<&Flow<A>>, transient: bool) -> &'static str {
     let flags = fwd.flags | rev.map_or(0, |r| r.flags);
     if flags & FLOW_F_RST != 0 {
         "reset"
@@ -201,21 +211,44 @@ fn state(fwd: &FlowV4, rev: Option<&FlowV4>, transient: bool) -> &'static str {
     }
 }
 
-/// The connection table (both tables), filtered, oldest-idle last.
+/// The connection table (both tables of both families), filtered, oldest-idle last.
 pub fn flows(maps: &Maps, filter: &FlowFilter) -> Result<Vec<ConnectionView>> {
     let now = crate::dataplane::gc::now_ns();
-    let established = maps.flows.entries()?;
+    let mut out = Vec::new();
+    connections(
+        maps.flows.entries()?,
+        maps.transient.entries()?,
+        now,
+        filter,
+        &mut out,
+    );
+    connections(
+        maps.flows_v6.entries()?,
+        maps.transient_v6.entries()?,
+        now,
+        filter,
+        &mut out,
+    );
+    out.sort_by(|a, b| a.idle_s.total_cmp(&b.idle_s));
+    Ok(out)
+}
+
+/// One family's connections into `out`.
+fn connections<A: FlowAddr>(
+    established: Vec<(FlowKey<A>, Flow<A>)>,
+    transient: Vec<(FlowKey<A>, Transient<A>)>,
+    now: u64,
+    filter: &FlowFilter,
+    out: &mut Vec<ConnectionView>,
+) {
     // A handshake is one entry holding both directions: shown like a closed connection's two.
-    let transient: Vec<(FlowKeyV4, FlowV4)> = maps
-        .transient
-        .entries()?
+    let transient: Vec<(FlowKey<A>, Flow<A>)> = transient
         .into_iter()
-        .flat_map(|(k, t): (FlowKeyV4, TransientV4)| {
+        .flat_map(|(k, t)| {
             let fwd = t.handshake().then(|| (t.flow.partner_key(k.proto), t.fwd));
             std::iter::once((k, t.flow)).chain(fwd)
         })
         .collect();
-    let mut out = Vec::new();
     for (table, entries) in [("flows", &established), ("transient", &transient)] {
         let by_key: std::collections::HashMap<_, _> = entries.iter().copied().collect();
         for (k, f) in entries
@@ -226,10 +259,10 @@ pub fn flows(maps: &Maps, filter: &FlowFilter) -> Result<Vec<ConnectionView>> {
             let last = rev.map_or(f.last_seen_ns, |r| r.last_seen_ns.max(f.last_seen_ns));
             let c = ConnectionView {
                 protocol: protocol(k.proto),
-                client: v4(k.src, k.sport),
-                service: v4(k.dst, k.dport),
-                snat: v4(f.new_src, f.new_sport),
-                backend: v4(f.new_dst, f.new_dport),
+                client: sock(k.src, k.sport),
+                service: sock(k.dst, k.dport),
+                snat: sock(f.new_src, f.new_sport),
+                backend: sock(f.new_dst, f.new_dport),
                 state: state(f, rev, table == "transient"),
                 idle_s: now.saturating_sub(last) as f64 / 1e9,
                 table,
@@ -240,8 +273,6 @@ pub fn flows(maps: &Maps, filter: &FlowFilter) -> Result<Vec<ConnectionView>> {
             }
         }
     }
-    out.sort_by(|a, b| a.idle_s.total_cmp(&b.idle_s));
-    Ok(out)
 }
 
 /// Connections by state.

@@ -36,6 +36,9 @@ const MAX_MESSAGE: usize = 1024;
 pub mod event_reasons {
     /// Warning: the LoadBalancer's spec (or VIP) was rejected; the last valid configuration keeps forwarding.
     pub const CONFIG_REJECTED: &str = "ConfigurationRejected";
+    /// Warning: the LoadBalancer was accepted, but part of it is left out (an endpoint without an address of
+    /// a VIP's family) or shuts clients out (source ranges of the other family only).
+    pub const CONFIG_WARNING: &str = "ConfigurationWarning";
     /// Warning: a valid configuration could not be written to the data plane.
     pub const APPLY_FAILED: &str = "ApplyFailed";
     /// Warning: the data plane is no longer attached.

@@ -176,6 +176,7 @@ pub fn start(
                 .clone()
                 .map(|s| debug::AdHocDebug::new(s, &settings.machine)),
             unsupported_reported: Vec::new(),
+            warnings_reported: Vec::new(),
         },
     ));
     let reporter = tokio::spawn(

@@ -44,8 +44,8 @@ pub fn config_from_lb(lb: &LoadBalancer, health_check: &HealthCheckSpec) -> Conf
     // SNAT: `None` = the VIP, which lets a standby replica take over return traffic; the agent's
     // --snat-address overrides it in the agent loop.
     match desired(
-        vip,
-        None,
+        &[("status.portIP".to_string(), vip)],
+        &[],
         lb.spec.ports(),
         lb.spec.endpoints(),
         lb.spec.options(),
@@ -106,6 +106,8 @@ pub(super) struct Extras {
     pub ad_hoc_debug: Option<AdHocDebug>,
     /// The unsupported options last reported by Events (each reported once per agent while it stays the same).
     pub unsupported_reported: Vec<Unsupported>,
+    /// The configuration warnings last reported by Events (each reported once while it stays).
+    pub warnings_reported: Vec<String>,
 }
 
 /// Whether two states would make the agent do the same thing (no need to wake it).
@@ -250,7 +252,21 @@ async fn publish(
                 generation,
                 services = c.services.len(),
                 "new configuration from the LoadBalancer"
-            )
+            );
+            for w in &c.warnings {
+                if extras.warnings_reported.contains(w) {
+                    continue;
+                }
+                tracing::warn!(generation, warning = %w, "LoadBalancer accepted with a warning");
+                recorder
+                    .publish(&MachineEvent {
+                        warning: true,
+                        reason: event_reasons::CONFIG_WARNING,
+                        message: truncate(w),
+                    })
+                    .await;
+            }
+            extras.warnings_reported = c.warnings.clone();
         }
         ConfigState::Invalid(msg, generation) => {
             tracing::error!(generation, error = %msg, "LoadBalancer rejected; the last valid configuration keeps forwarding");
@@ -373,6 +389,49 @@ mod tests {
             c.health_check,
             HealthCheckSpec::default(),
             "health checks from the flags"
+        );
+    }
+
+    #[test]
+    fn an_ipv6_port_ip_gets_the_endpoints_ipv6_addresses() {
+        let l = lb(json!({
+            "status": {"portIP": "2001:db8::10"},
+            "spec": {
+                "ports": [{"protocol": "TCP", "port": 443, "nodePort": 30443}],
+                "endpoints": [{"name": "n1", "addresses": ["10.0.0.1"]}, {"name": "n2", "addresses": ["10.0.0.2", "2001:db8::2"]}]
+            }
+        }));
+        let ConfigState::Valid(c, _) = config_from_lb(&l, &HealthCheckSpec::default()) else {
+            panic!("not valid")
+        };
+        assert_eq!(
+            c.services[0].id.vip,
+            "2001:db8::10".parse::<IpAddr>().unwrap()
+        );
+        assert_eq!(
+            c.services[0].backends,
+            vec!["[2001:db8::2]:30443".parse().unwrap()]
+        );
+        assert_eq!(
+            c.warnings.len(),
+            1,
+            "n1 has no IPv6 address: {:?}",
+            c.warnings
+        );
+        assert!(c.warnings[0].contains("endpoints[0] (n1) has no IPv6 address"));
+        // Only IPv4 endpoints: a mixed-family service, refused naming the VIP's field.
+        let l = lb(json!({
+            "status": {"portIP": "2001:db8::10"},
+            "spec": {"ports": [{"port": 443, "nodePort": 30443}], "endpoints": [{"name": "n1", "addresses": ["10.0.0.1"]}]}
+        }));
+        let ConfigState::Invalid(msg, 3) = config_from_lb(&l, &HealthCheckSpec::default()) else {
+            panic!()
+        };
+        assert!(
+            msg.contains(
+                "status.portIP: IPv6 VIP 2001:db8::10 but no endpoint has an IPv6 address"
+            ),
+            "{msg}"
         );
     }
 
