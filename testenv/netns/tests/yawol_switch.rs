@@ -610,6 +610,12 @@ fn yawol_machines_hand_the_vip_to_agents_in_one_move() {
         t_deleted.duration_since(moved_at).as_secs_f64()
     );
 
+    // An agent takes part only once ready (FAULT before): the VIP cannot have moved before the first one was.
+    assert!(
+        moved_at >= t_ready,
+        "the VIP moved before any new machine was ready"
+    );
+
     // New connections fail only around the move (within FAILURE_WINDOW of it).
     let failed: Vec<&Attempt> = attempts.iter().filter(|a| !a.ok).collect();
     let distance = |a: &Attempt| {
