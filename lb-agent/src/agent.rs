@@ -48,9 +48,6 @@ pub struct AgentOptions {
     pub ha: HaOptions,
 }
 
-/// VRRP priority bonus of a machine of the newest revision: with preemption it takes the VIP from older ones.
-const NEWEST_REVISION_BONUS: u8 = 100;
-
 /// Runs until `shutdown` resolves.
 pub async fn run(
     opts: AgentOptions,
@@ -470,9 +467,13 @@ impl Agent {
                         .collect(),
                 );
             }
-            if let Some(newest) = cfg.newest_revision {
-                self.ha
-                    .set_priority_bonus(if newest { NEWEST_REVISION_BONUS } else { 0 });
+            if let (Some(newest), Some(v)) = (cfg.newest_revision, &self.opts.ha.vrrp) {
+                // Newest revision above older ones: with preemption a rollout's new machines take the VIP.
+                self.ha.set_priority_bonus(if newest {
+                    v.newest_bonus
+                } else {
+                    v.older_bonus
+                });
             }
         }
         Ok(())

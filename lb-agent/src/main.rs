@@ -190,9 +190,25 @@ struct Cli {
     #[arg(long, env = "LB_VRRP_PRIORITY", default_value_t = lb_agent::ha::vrrp::DEFAULT_BASE_PRIORITY,
           value_parser = clap::value_parser!(u8).range(1..=254))]
     vrrp_priority: u8,
-    /// VRRP advertisement interval (VRRPv3, multiple of 10 ms); a dead master is replaced after ~3 intervals.
+    /// VRRP advertisement interval (VRRPv3: multiple of 10 ms; VRRPv2: whole seconds); a dead master is
+    /// replaced after ~3 intervals.
     #[arg(long, env = "LB_VRRP_ADVERT_INTERVAL", default_value = "200ms", value_parser = go_duration)]
     vrrp_advert_interval: Duration,
+    /// VRRP protocol version (3, or 2 to share one VRRP group with yawol's keepalived; yawol mode takes it from
+    /// yawol's keepalived.conf).
+    #[arg(long, env = "LB_VRRP_VERSION", default_value_t = 3,
+          value_parser = clap::value_parser!(u8).range(2..=3))]
+    vrrp_version: u8,
+    /// VRRPv2 password (`auth_type PASS`, up to 8 characters; plain text on the wire, it only keeps groups
+    /// apart). yawol mode takes it from yawol's keepalived.conf.
+    #[arg(long, env = "LB_VRRP_AUTH_PASS")]
+    vrrp_auth_pass: Option<String>,
+    /// VRRP priority bonus of a machine of the LoadBalancer's newest revision (Kubernetes mode).
+    #[arg(long, env = "LB_VRRP_NEWEST_BONUS", default_value_t = lb_agent::ha::vrrp::DEFAULT_NEWEST_BONUS)]
+    vrrp_newest_bonus: u8,
+    /// VRRP priority bonus of a healthy machine of an older revision (Kubernetes mode).
+    #[arg(long, env = "LB_VRRP_OLDER_BONUS", default_value_t = 0)]
+    vrrp_older_bonus: u8,
     /// Unicast VRRP peer (repeatable); none = multicast.
     #[arg(long = "vrrp-peer", env = "LB_VRRP_PEERS", value_delimiter = ',')]
     vrrp_peers: Vec<IpAddr>,
@@ -226,6 +242,10 @@ impl Cli {
             let mut v = VrrpOptions::new(self.interface.clone(), id, self.vrrp_run_dir.clone());
             v.base_priority = self.vrrp_priority;
             v.advert_interval = self.vrrp_advert_interval;
+            v.version = self.vrrp_version;
+            v.auth_pass = self.vrrp_auth_pass.clone();
+            v.newest_bonus = self.vrrp_newest_bonus;
+            v.older_bonus = self.vrrp_older_bonus;
             v.unicast_peers = self.vrrp_peers.clone();
             v.keepalived_bin = self.keepalived_binary.clone();
             v
@@ -312,12 +332,20 @@ fn command_line() -> Result<(Vec<OsString>, Option<yawollet::Translation>)> {
         .iter()
         .map(|a| a.to_string_lossy().into_owned())
         .collect();
+    if yawollet::wants_help(&args) {
+        // As yawollet's Go flag set does: usage on stderr, exit 0.
+        eprint!("{}", yawollet::usage());
+        std::process::exit(0);
+    }
     let conf = match std::fs::read_to_string(yawollet::KEEPALIVED_CONF) {
         Ok(text) => Some(text),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
         Err(e) => return Err(e).with_context(|| format!("reading {}", yawollet::KEEPALIVED_CONF)),
     };
-    let t = yawollet::translate(&args, conf.as_deref()).context("yawollet compatibility")?;
+    let fast_vrrp = std::env::var(yawollet::FAST_VRRP_ENV)
+        .is_ok_and(|v| matches!(v.trim(), "1" | "true" | "TRUE" | "True"));
+    let t = yawollet::translate_with(&args, conf.as_deref(), fast_vrrp)
+        .context("yawollet compatibility")?;
     let mut out = vec![OsString::from("lb-agent")];
     out.extend(t.args.iter().map(OsString::from));
     Ok((out, Some(t)))

@@ -387,3 +387,47 @@ async fn restarted_agent_adopts_keepalived_without_moving_the_vip() {
     assert!(!alive(pid));
     k1.stop().await.unwrap();
 }
+
+/// yawol's VRRP profile (VRRPv2, whole-second adverts, `auth PASS`): nodes with the same password form one group
+/// (one master), a node with another password does not hear it — which is why yawol mode takes the password,
+/// version and interval from yawol's keepalived.conf.
+#[tokio::test]
+async fn vrrpv2_password_decides_who_is_one_group() {
+    init_tracing();
+    let net = Net::new(3);
+    let v2 = |i: usize, priority: u8, pass: &str| {
+        let mut o = net.opts(i, priority);
+        o.version = 2;
+        o.advert_interval = Duration::from_secs(1);
+        o.auth_pass = Some(pass.to_string());
+        o
+    };
+    check_config(&v2(0, 160, "yawol"), &[vip()])
+        .await
+        .expect("keepalived -t accepts the VRRPv2 configuration");
+    let k0 = Keepalived::start(v2(0, 160, "yawol"), vec![vip()])
+        .await
+        .unwrap();
+    k0.set_healthy(true).unwrap();
+    wait_state(&k0, VrrpState::Master, T, "n0 master").await;
+    let k1 = Keepalived::start(v2(1, 150, "yawol"), vec![vip()])
+        .await
+        .unwrap();
+    k1.set_healthy(true).unwrap();
+    wait_state(&k1, VrrpState::Backup, T, "n1 backup").await;
+    // Longer than a master-down interval (3 adverts and skew): n1 hears n0 and stays backup.
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    assert_eq!(net.vip_holders(VIP), [0], "one group, one master");
+    assert_eq!(*k1.state().borrow(), VrrpState::Backup);
+
+    let k2 = Keepalived::start(v2(2, 150, "other"), vec![vip()])
+        .await
+        .unwrap();
+    k2.set_healthy(true).unwrap();
+    wait_state(&k2, VrrpState::Master, T, "n2 master of a group of its own").await;
+    assert_eq!(
+        net.vip_holders(VIP),
+        [0, 2],
+        "another password: two masters"
+    );
+}

@@ -7,14 +7,17 @@
 //! operators know it; it already handles gratuitous ARP / unsolicited NA, VRRPv3 with centisecond adverts and
 //! adding/removing the VIP address. What yawol lacked, the agent adds around it:
 //!
-//! - sub-second timers (VRRPv3, default advert interval 200 ms instead of yawol's 4 s),
+//! - sub-second timers (VRRPv3, default advert interval 200 ms instead of yawol's 4 s) — outside yawol mode, or
+//!   in it with an explicit opt-in (see "Switching from yawol"),
 //! - data-plane health and revision feeding the priority (track files written by the agent, see below),
-//! - a distinct virtual router id per LoadBalancer ([`lb_api::ha::router_id_for`]) instead of yawol's shared 100,
+//! - a distinct virtual router id per LoadBalancer ([`lb_api::ha::router_id_for`]) instead of yawol's shared 100
+//!   (yawol mode keeps yawol's, to be one group with yawol's machines),
 //! - connection sync between replicas (done elsewhere).
 //!
 //! # How
 //!
-//! [`render_config`] renders a keepalived.conf (pure, unit-tested): VRRPv3, every node `state BACKUP`,
+//! [`render_config`] renders a keepalived.conf (pure, unit-tested): VRRPv3 (VRRPv2 with an optional `auth PASS`
+//! for yawol mode), every node `state BACKUP`,
 //! preemption on without delay (a higher priority — the newest revision — takes the VIP), GARP/NA bursts on
 //! takeover plus a periodic refresh, VIPs as /32 (/128) on the interface, no LVS and no scripts at all.
 //! [`Keepalived`] runs it in the foreground (`keepalived -n -l -P`) and restarts it with capped backoff when it
@@ -56,6 +59,48 @@
 //!   opening `log.fifo` gets its lines again.
 //! - At least one VIP of the instance's address family is required ("No VIP specified").
 //!
+//! # Switching from yawol (yawol mode)
+//!
+//! yawol-controller replaces a LoadBalancer's machines by rolling a new LoadBalancerSet next to the old one,
+//! waiting until the new set has a master, and deleting the old set about two minutes later. When the old set is
+//! yawol's (keepalived with VRRPv2, `auth PASS yawol`, `advert_int 4`) and the new one is ours, the two must be
+//! **one VRRP group** for the overlap: with VRRPv3 or another password or interval, keepalived drops the other
+//! side's adverts (version, authentication and interval are all checked), both sides hold the VIP, its MAC flips
+//! between them and connections reset.
+//!
+//! The scheme, chosen by the yawol-mode translation ([`crate::source::kubernetes::yawollet`]) from yawol's own
+//! keepalived.conf, not from constants:
+//!
+//! - **Same protocol**: [`VrrpOptions::version`] (the conf's `vrrp_version`/`version`, else keepalived's default
+//!   2), [`VrrpOptions::advert_interval`] (`advert_int`, whole seconds for VRRPv2) and [`VrrpOptions::auth_pass`]
+//!   (`authentication { auth_type PASS auth_pass … }`), with yawol's interface, router id and base priority. Both
+//!   sides then run the same keepalived election on one group: at every moment one master (VRRP's own guarantee
+//!   within a group; the only overlap is the instant of a preemption, while the old master processes the new
+//!   master's first advert).
+//! - **Same priorities**: the bonuses are yawol's weights: `track_process` (Envoy alive, 100) for a healthy
+//!   machine of an older revision and that plus `track_script` (yawollet's readyz, which passes only for the
+//!   newest revision, 10) for the newest — 50 + 110 = **160** for our new machines against the old machines'
+//!   **150** (their readyz fails once the LoadBalancer's revision moved on). So a healthy new machine preempts
+//!   the old master; preemption in VRRP happens when the backup's master-down timer runs out (3 × advert + skew,
+//!   ≈ 12–13 s at yawol's 4 s), during which the old master keeps forwarding: one clean move. Before our agent is
+//!   ready (data plane attached, configuration applied) it is in FAULT through the `healthy` track file — no
+//!   adverts, never master — where yawol's machine would sit at 50–60; it cannot take the VIP while unable to
+//!   forward. Equal priorities (e.g. both sets at 160 for a moment) still give one master: VRRP breaks the tie by
+//!   address and a backup never preempts an equal priority.
+//! - **Timers stay yawol's** after the old set is gone: a VRRP group has one advert interval, and switching
+//!   every machine to VRRPv3 / 200 ms is a change of protocol the other members of the group do not hear —
+//!   without a proof that no yawol machine is left (the agent cannot see the old set's VMs), a switch could
+//!   create exactly the second master this scheme avoids. The price: a dead master is replaced after ≈ 3 ×
+//!   `advert_int` + skew (≈ 12–15 s with yawol's 4 s) instead of ≈ 0.7 s. Load balancers that never run next to
+//!   yawol machines (fresh installs) can opt in with `LB_YAWOL_FAST_VRRP=true` (VRRPv3, 200 ms, no password).
+//!
+//! What a user loses at the switch (measured by the netns test `yawol_switch`): connections held by the old
+//! machines' Envoy end **when the VIP moves** (Envoy terminated them; the new machines have no such connection,
+//! so the client's next segment meets a backend that does not know it) — not only when the old set is deleted.
+//! New connections go to exactly one owner at every moment; in the test none of about 1 400 new connections
+//! (one every 25 ms) failed around the move, and connections opened to the new set survived the old set's
+//! deletion.
+//!
 //! # Surviving the agent
 //!
 //! keepalived runs in its own process group, with no parent-death signal, and its only links to the agent are
@@ -86,6 +131,8 @@ pub const DEFAULT_KEEPALIVED_BIN: &str = "/usr/sbin/keepalived";
 pub const DEFAULT_BASE_PRIORITY: u8 = 100;
 /// Largest priority bonus keepalived accepts from a weight-1 track file (it clamps to 253).
 pub const MAX_PRIORITY_BONUS: u8 = 253;
+/// Default priority bonus of the newest revision's machines: with preemption they take the VIP from older ones.
+pub const DEFAULT_NEWEST_BONUS: u8 = 100;
 /// Name of the one `vrrp_instance` (appears in the notify FIFO, logs and dumps).
 pub const INSTANCE_NAME: &str = "lb_vip";
 
@@ -98,8 +145,19 @@ pub struct VrrpOptions {
     pub router_id: u8,
     /// Base priority, 1..=254 (255 would make this node the address owner, whose priority cannot be changed).
     pub base_priority: u8,
-    /// Advertisement interval, a multiple of 10 ms in 10 ms..=40.95 s (VRRPv3 centiseconds).
+    /// Advertisement interval: VRRPv3 a multiple of 10 ms in 10 ms..=40.95 s (centiseconds), VRRPv2 whole
+    /// seconds 1..=255.
     pub advert_interval: Duration,
+    /// VRRP protocol version, 2 or 3 (default 3). Version 2 exists to share one VRRP group with yawol's
+    /// keepalived during a switch (see "Switching from yawol" above).
+    pub version: u8,
+    /// VRRPv2 simple-password authentication (`auth_type PASS`), at most 8 bytes: yawol's instances carry one,
+    /// and keepalived drops adverts whose password differs. `None`: no authentication.
+    pub auth_pass: Option<String>,
+    /// Priority bonus of a machine of the LoadBalancer's newest revision (Kubernetes mode).
+    pub newest_bonus: u8,
+    /// Priority bonus of a healthy machine of an older revision (Kubernetes mode).
+    pub older_bonus: u8,
     /// Unicast peers; empty = multicast (224.0.0.18 / ff02::12).
     pub unicast_peers: Vec<IpAddr>,
     /// Source address of unicast adverts (default: the interface's primary address).
@@ -122,6 +180,10 @@ impl VrrpOptions {
             router_id,
             base_priority: DEFAULT_BASE_PRIORITY,
             advert_interval: DEFAULT_ADVERT_INTERVAL,
+            version: 3,
+            auth_pass: None,
+            newest_bonus: DEFAULT_NEWEST_BONUS,
+            older_bonus: 0,
             unicast_peers: Vec::new(),
             unicast_src: None,
             keepalived_bin: PathBuf::from(DEFAULT_KEEPALIVED_BIN),

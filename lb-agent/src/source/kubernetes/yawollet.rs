@@ -19,16 +19,18 @@
 //! | `--zap-devel`, `--zap-stacktrace-level`, `--zap-time-encoding` | ignored (log cosmetics) |
 //! | anything else | an error naming the flag, as yawollet's flag set exits on it |
 //!
-//! From yawol's `/etc/keepalived/keepalived.conf` (its one `vrrp_instance`) the agent **keeps** `interface` (the
-//! NIC the data plane attaches to), `virtual_router_id` and `priority` (the base priority) and checks the VIP. It
-//! **improves** the rest, because keepalived runs under the agent with the agent's own configuration
-//! ([`crate::ha::vrrp`]): VRRPv3 adverts every 200 ms instead of `advert_int 4` (a dead master is replaced in
-//! ≈ 0.7 s instead of ≈ 12–15 s); eligibility from a track file the agent writes (data plane attached, latest
-//! configuration in the maps) instead of `vrrp_track_process envoy` and the readyz `vrrp_script`; a priority
-//! bonus of 100 for the newest revision instead of yawol's 160/150 weights; GARP on takeover and every 60 s
-//! instead of every 300 s. Not carried over: `authentication` (PASS is plain text in every advert and VRRPv3 has
-//! none; the security group's VRRP rule is what isolates load balancers, in yawol too) and yawol's script user
-//! settings (no scripts run).
+//! From yawol's `/etc/keepalived/keepalived.conf` (its one `vrrp_instance`) the agent **keeps** what makes its
+//! machines one VRRP group with yawol's, so a switch from yawol's image to this one never has two masters
+//! ([`crate::ha::vrrp`], "Switching from yawol"): `interface` (the NIC the data plane attaches to),
+//! `virtual_router_id`, `priority` (the base priority), the VRRP version (`vrrp_version`/`version`, keepalived's
+//! default 2), `advert_int` and the `auth PASS` password; the priority bonuses are yawol's `track_process` and
+//! `track_script` weights (newest revision 50 + 110 = 160, older 150), and it checks the VIP. It **replaces**
+//! yawol's health inputs: eligibility comes from a track file the agent writes (data plane attached, latest
+//! configuration in the maps; FAULT otherwise, never master) instead of `vrrp_track_process envoy` and the readyz
+//! `vrrp_script`; GARP on takeover and every 60 s instead of every 300 s. yawol's script user settings are not
+//! carried over (no scripts run). The price of yawol's timers is yawol's failover time (≈ 3 × `advert_int` + skew,
+//! ≈ 12–15 s); [`FAST_VRRP_ENV`] opts into VRRPv3 every 200 ms without a password (≈ 0.7 s) for load balancers
+//! that never run next to yawol's machines. `yawollet --help` prints [`usage`] and exits 0, as yawollet does.
 
 use anyhow::{bail, Context, Result};
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
@@ -38,12 +40,47 @@ use std::path::Path;
 pub const PROGRAM_NAME: &str = "yawollet";
 /// yawollet's `--health-probe-bind-address` default.
 const DEFAULT_PROBE_ADDRESS: &str = "127.0.0.1:8080";
+/// Environment variable that opts a yawol-mode machine into the agent's fast VRRP (VRRPv3, 200 ms, no password):
+/// `true` or `1`. Off by default, because such a machine and yawol's keepalived do not hear each other.
+pub const FAST_VRRP_ENV: &str = "LB_YAWOL_FAST_VRRP";
+
 /// Where yawol-controller's user data writes the keepalived configuration.
 pub const KEEPALIVED_CONF: &str = "/etc/keepalived/keepalived.conf";
 
 /// Whether the process was started as `yawollet` (the file name in `argv[0]`).
 pub fn invoked_as_yawollet(argv0: &std::ffi::OsStr) -> bool {
     Path::new(argv0).file_name() == Some(std::ffi::OsStr::new(PROGRAM_NAME))
+}
+
+/// Whether yawollet's command line asks for help (`-h`, `--help`, Go's `-help`/`--h`, before `--`): yawollet's
+/// flag set then prints its usage and exits 0, and so does the agent ([`usage`]).
+pub fn wants_help(args: &[String]) -> bool {
+    args.iter()
+        .take_while(|a| *a != "--")
+        .any(|a| matches!(a.as_str(), "-h" | "--help" | "-help" | "--h"))
+}
+
+/// The usage text for `yawollet --help`: yawollet's flags as this agent takes them.
+pub fn usage() -> String {
+    format!(
+        "Usage of {PROGRAM_NAME} (lb-agent in yawol mode):\n\
+         \x20     --namespace string                  namespace of the LoadBalancer (required)\n\
+         \x20     --loadbalancer-name string          LoadBalancer name (required)\n\
+         \x20     --loadbalancer-machine-name string  LoadBalancerMachine name (required)\n\
+         \x20     --kubeconfig string                 kubeconfig of the yawol cluster\n\
+         \x20     --listen-address string             the VIP (checked against {KEEPALIVED_CONF})\n\
+         \x20     --listen-interface string           interface when {KEEPALIVED_CONF} names none\n\
+         \x20     --requeue-time int                  reconcile period in seconds (5..170)\n\
+         \x20     --health-probe-bind-address string  /readyz, /healthz, /metrics (default \"{DEFAULT_PROBE_ADDRESS}\")\n\
+         \x20     --keepalived-stats-file string      empty: no keepalived stats in the machine's status\n\
+         \x20     --metrics-bind-address string       checked, not served\n\
+         \x20     --zap-encoder string                json or console\n\
+         \x20     --zap-log-level string              debug, info, error or a number\n\
+         \x20     --zap-devel, --zap-stacktrace-level, --zap-time-encoding  ignored\n\
+         VRRP follows {KEEPALIVED_CONF} (interface, router id, priority, version, advert_int, password, track\n\
+         weights), so these machines form one VRRP group with yawol's; {FAST_VRRP_ENV}=true switches to\n\
+         VRRPv3 every 200 ms for load balancers that never run next to yawol's machines.\n"
+    )
 }
 
 /// lb-agent's arguments for a yawollet command line, and what was made of each yawollet flag.
@@ -85,8 +122,19 @@ pub struct KeepalivedSettings {
     pub router_id: Option<u8>,
     /// `priority`.
     pub priority: Option<u8>,
-    /// `advert_int` as written (not used: the agent's interval applies).
+    /// `advert_int` as written (seconds; keepalived's default 1).
     pub advert_int: Option<String>,
+    /// VRRP version: the instance's `version`, else `global_defs`' `vrrp_version` (keepalived's default 2).
+    pub version: Option<u8>,
+    /// `authentication { auth_type … }` (`PASS` or `AH`).
+    pub auth_type: Option<String>,
+    /// `authentication { auth_pass … }`.
+    pub auth_pass: Option<String>,
+    /// The instance's `track_process` entries with their weights (the entry's own, else the
+    /// `vrrp_track_process` block's, else 0).
+    pub track_process: Vec<(String, i32)>,
+    /// The instance's `track_script` entries with their weights (likewise from the `vrrp_script` blocks).
+    pub track_script: Vec<(String, i32)>,
     /// The addresses of `virtual_ipaddress`.
     pub vips: Vec<IpAddr>,
     /// Further `vrrp_instance` names (ignored).
@@ -100,6 +148,16 @@ const BOOL_FLAGS: &[&str] = &["zap-devel"];
 /// not there) into lb-agent's arguments. Errors: a required yawollet flag is missing, a value does not parse, or
 /// keepalived.conf has an invalid router id or priority.
 pub fn translate(yawollet_args: &[String], keepalived_conf: Option<&str>) -> Result<Translation> {
+    translate_with(yawollet_args, keepalived_conf, false)
+}
+
+/// [`translate`], with `fast_vrrp` ([`FAST_VRRP_ENV`]): the agent's own VRRP (VRRPv3, 200 ms, no password)
+/// instead of yawol's, for load balancers whose machines never run next to yawol's.
+pub fn translate_with(
+    yawollet_args: &[String],
+    keepalived_conf: Option<&str>,
+    fast_vrrp: bool,
+) -> Result<Translation> {
     let mut notes = Vec::new();
     let mut note = |warning: bool, text: String| notes.push(Note { warning, text });
     let flags = parse_flags(yawollet_args, &mut note)?;
@@ -231,17 +289,34 @@ pub fn translate(yawollet_args: &[String], keepalived_conf: Option<&str>) -> Res
         if let Some(p) = k.priority {
             args.push(format!("--vrrp-priority={p}"));
         }
-        note(
-            false,
-            format!(
-                "{KEEPALIVED_CONF}: kept interface {interface}, virtual_router_id {router_id}, priority {}; \
-                 keepalived runs under the agent (VRRPv3, its advert interval, track files){}",
-                k.priority.map_or("default".to_string(), |p| p.to_string()),
-                k.advert_int
-                    .as_ref()
-                    .map_or(String::new(), |a| format!(" instead of advert_int {a}")),
-            ),
-        );
+        if fast_vrrp {
+            note(
+                true,
+                format!(
+                    "{FAST_VRRP_ENV}: VRRPv3 every 200 ms without authentication instead of yawol's VRRP \
+                     (version {}, advert_int {}): this machine does not hear yawol's keepalived, so next to \
+                     yawol's machines both sides hold the VIP; only for load balancers that never run next to \
+                     them",
+                    k.version.unwrap_or(2),
+                    k.advert_int.as_deref().unwrap_or("1"),
+                ),
+            );
+        } else {
+            args.extend(yawol_vrrp_args(k)?);
+            note(
+                false,
+                format!(
+                    "{KEEPALIVED_CONF}: one VRRP group with yawol's machines: interface {interface}, \
+                     virtual_router_id {router_id}, priority {}, {}",
+                    k.priority.map_or("default".to_string(), |p| p.to_string()),
+                    args.iter()
+                        .filter(|a| a.starts_with("--vrrp-") && !a.starts_with("--vrrp-auth-pass"))
+                        .cloned()
+                        .collect::<Vec<_>>()
+                        .join(" "),
+                ),
+            );
+        }
         for other in &k.other_instances {
             note(
                 true,
@@ -269,6 +344,60 @@ pub fn translate(yawollet_args: &[String], keepalived_conf: Option<&str>) -> Res
         notes,
         compat: Compat { keepalived_stats },
     })
+}
+
+/// The agent's VRRP flags that make it one VRRP group with yawol's keepalived, from yawol's own instance: its
+/// protocol version, advert interval and password (keepalived drops adverts that differ in any of them), and
+/// priority bonuses equal to yawol's weights — `track_process` (Envoy alive) for a healthy machine of an older
+/// revision, plus `track_script` (yawollet's readyz, which fails for an older revision) for the newest one. With
+/// yawol's `priority 50`, weights 100 and 10 that is 160 for the newest revision and 150 for older ones, as in
+/// yawol; an unhealthy agent is in FAULT instead (never master) where yawol drops to 50–60.
+fn yawol_vrrp_args(k: &KeepalivedSettings) -> Result<Vec<String>> {
+    // keepalived's defaults: VRRPv2, one advert a second.
+    let version = k.version.unwrap_or(2);
+    let advert = k.advert_int.as_deref().unwrap_or("1");
+    let secs: f64 = advert
+        .parse()
+        .ok()
+        .filter(|s: &f64| s.is_finite() && *s > 0.0)
+        .with_context(|| {
+            format!("{KEEPALIVED_CONF}: advert_int {advert:?} is not a number of seconds")
+        })?;
+    let ms = (secs * 1000.0).round() as u64;
+    if version == 2 && (!ms.is_multiple_of(1000) || !(1..=255).contains(&(ms / 1000))) {
+        bail!(
+            "{KEEPALIVED_CONF}: advert_int {advert} is not whole seconds 1..=255, as VRRPv2 needs"
+        );
+    }
+    let mut args = vec![
+        format!("--vrrp-version={version}"),
+        format!("--vrrp-advert-interval={ms}ms"),
+    ];
+    match (k.auth_type.as_deref(), &k.auth_pass) {
+        (None, _) => {}
+        (Some(t), Some(pass)) if t.eq_ignore_ascii_case("PASS") => {
+            if version != 2 {
+                bail!("{KEEPALIVED_CONF}: authentication needs VRRPv2 (keepalived ignores it with version 3)");
+            }
+            // keepalived uses the first 8 bytes.
+            let pass: String = pass.chars().take(8).collect();
+            args.push(format!("--vrrp-auth-pass={pass}"));
+        }
+        (Some(t), _) => bail!(
+            "{KEEPALIVED_CONF}: authentication {t} without a password or not PASS (AH is not supported): \
+             the agent could not join yawol's VRRP group"
+        ),
+    }
+    let sum = |list: &[(String, i32)]| -> i32 { list.iter().map(|(_, w)| (*w).max(0)).sum() };
+    let older = sum(&k.track_process);
+    let newest = older + sum(&k.track_script);
+    if newest > 0 {
+        let base = i32::from(k.priority.unwrap_or(100));
+        let clamp = |b: i32| b.min(254 - base).clamp(0, 253);
+        args.push(format!("--vrrp-newest-bonus={}", clamp(newest)));
+        args.push(format!("--vrrp-older-bonus={}", clamp(older)));
+    }
+    Ok(args)
 }
 
 /// A Go listen address (`net.Listen`'s `host:port`) as a socket address, meaning what Go means: `:PORT` is every
@@ -384,6 +513,22 @@ fn zap_level(level: &str) -> Option<&'static str> {
 pub fn parse_keepalived_conf(text: &str) -> Result<KeepalivedSettings> {
     let mut found: Option<KeepalivedSettings> = None;
     let mut others = Vec::new();
+    let mut global_version: Option<u8> = None;
+    // Top-level `vrrp_track_process` / `vrrp_script` block being read, and the weights they declare.
+    let mut track_block: Option<(String, String)> = None;
+    let mut block_weights: std::collections::HashMap<(String, String), i32> = Default::default();
+    let parse_version = |lineno: usize, v: &str| -> Result<u8> {
+        match v {
+            "2" => Ok(2),
+            "3" => Ok(3),
+            _ => bail!("keepalived.conf line {lineno}: VRRP version {v} is not 2 or 3"),
+        }
+    };
+    let parse_weight = |lineno: usize, v: Option<&String>| -> Result<i32> {
+        let v = v.map(String::as_str).unwrap_or_default();
+        v.parse::<i32>()
+            .with_context(|| format!("keepalived.conf line {lineno}: weight {v:?} is not a number"))
+    };
     // Open blocks, each with the keyword that opened it; `vrrp_instance` records whether it is the first one.
     let mut stack: Vec<(String, bool)> = Vec::new();
     for (lineno, statement) in statements(text) {
@@ -393,10 +538,18 @@ pub fn parse_keepalived_conf(text: &str) -> Result<KeepalivedSettings> {
                 if stack.pop().is_none() {
                     bail!("keepalived.conf line {lineno}: '}}' without an open block");
                 }
+                if stack.is_empty() {
+                    track_block = None;
+                }
             }
             [words @ .., open] if open == "{" => {
                 let keyword = words.first().cloned().unwrap_or_default();
                 let mut first = false;
+                if stack.is_empty() && (keyword == "vrrp_track_process" || keyword == "vrrp_script")
+                {
+                    track_block =
+                        Some((keyword.clone(), words.get(1).cloned().unwrap_or_default()));
+                }
                 if keyword == "vrrp_instance" && stack.is_empty() {
                     let name = words.get(1).cloned().unwrap_or_default();
                     if found.is_none() {
@@ -413,6 +566,20 @@ pub fn parse_keepalived_conf(text: &str) -> Result<KeepalivedSettings> {
                 stack.push((keyword, first || inherited));
             }
             words => {
+                match (stack.len(), stack.last(), words[0].as_str()) {
+                    (1, Some((b, _)), "vrrp_version") if b == "global_defs" => {
+                        global_version = Some(parse_version(
+                            lineno,
+                            words.get(1).map_or("", String::as_str),
+                        )?);
+                    }
+                    (1, _, "weight") => {
+                        if let Some(key) = &track_block {
+                            block_weights.insert(key.clone(), parse_weight(lineno, words.get(1))?);
+                        }
+                    }
+                    _ => {}
+                }
                 let Some((block, true)) = stack.last() else {
                     continue;
                 };
@@ -445,6 +612,24 @@ pub fn parse_keepalived_conf(text: &str) -> Result<KeepalivedSettings> {
                         }
                     }
                     ("vrrp_instance", "advert_int") => s.advert_int = Some(value()?),
+                    ("vrrp_instance", "version") => {
+                        s.version = Some(parse_version(lineno, &value()?)?)
+                    }
+                    ("authentication", "auth_type") => s.auth_type = Some(value()?),
+                    ("authentication", "auth_pass") => s.auth_pass = Some(value()?),
+                    ("track_process" | "track_script", name) => {
+                        // `NAME [weight N [reverse]]`; without a weight the block's applies (filled in below).
+                        let weight = match words.get(1).map(String::as_str) {
+                            Some("weight") => Some(parse_weight(lineno, words.get(2))?),
+                            _ => None,
+                        };
+                        let list = if block == "track_process" {
+                            &mut s.track_process
+                        } else {
+                            &mut s.track_script
+                        };
+                        list.push((name.to_string(), weight.unwrap_or(i32::MIN)));
+                    }
                     ("virtual_ipaddress", addr) => {
                         let ip = addr.split('/').next().unwrap_or(addr);
                         let ip: IpAddr = ip.parse().with_context(|| {
@@ -462,6 +647,20 @@ pub fn parse_keepalived_conf(text: &str) -> Result<KeepalivedSettings> {
     }
     let mut s = found.context("keepalived.conf has no vrrp_instance")?;
     s.other_instances = others;
+    s.version = s.version.or(global_version);
+    for (kind, list) in [
+        ("vrrp_track_process", &mut s.track_process),
+        ("vrrp_script", &mut s.track_script),
+    ] {
+        for (name, weight) in list.iter_mut() {
+            if *weight == i32::MIN {
+                *weight = block_weights
+                    .get(&(kind.to_string(), name.clone()))
+                    .copied()
+                    .unwrap_or(0);
+            }
+        }
+    }
     Ok(s)
 }
 
@@ -563,13 +762,109 @@ mod tests {
                 "--interface=eth0",
                 "--vrrp-router-id=100",
                 "--vrrp-priority=50",
+                "--vrrp-version=2",
+                "--vrrp-advert-interval=4000ms",
+                "--vrrp-auth-pass=yawol",
+                "--vrrp-newest-bonus=110",
+                "--vrrp-older-bonus=100",
             ]
         );
         assert!(t.notes.iter().all(|n| !n.warning), "{:?}", t.notes);
         assert!(t
             .notes
             .iter()
-            .any(|n| n.text.contains("instead of advert_int 4")));
+            .any(|n| n.text.contains("one VRRP group with yawol's machines")
+                && !n.text.contains("auth-pass")));
+    }
+
+    /// The yawol VRRP profile comes from the conf, not from constants: other values there, other flags.
+    #[test]
+    fn yawol_vrrp_profile_follows_the_conf() {
+        let k = parse_keepalived_conf(&yawol_keepalived()).unwrap();
+        assert_eq!(k.version, None, "yawol relies on keepalived's default (2)");
+        assert_eq!(k.advert_int.as_deref(), Some("4"));
+        assert_eq!(
+            (k.auth_type.as_deref(), k.auth_pass.as_deref()),
+            (Some("PASS"), Some("yawol"))
+        );
+        assert_eq!(k.track_process, [("envoy".to_string(), 100)]);
+        assert_eq!(k.track_script, [("yawollethealth".to_string(), 10)]);
+
+        let conf = yawol_keepalived()
+            .replace("global_defs {", "global_defs {\n\tvrrp_version 3")
+            .replace("advert_int 4", "advert_int 0.5")
+            .replace(
+                "\tauthentication {\n\t\tauth_type PASS\n\t\tauth_pass yawol\n\t}",
+                "",
+            )
+            .replace("\t\tenvoy\n", "\t\tenvoy weight 40\n")
+            .replace("weight 10\n", "weight 5\n");
+        let t = translate(&yawol_args(None), Some(&conf)).unwrap();
+        let vrrp: Vec<&str> = t
+            .args
+            .iter()
+            .filter(|a| a.starts_with("--vrrp"))
+            .map(String::as_str)
+            .collect();
+        assert_eq!(
+            vrrp,
+            [
+                "--vrrp-router-id=100",
+                "--vrrp-priority=50",
+                "--vrrp-version=3",
+                "--vrrp-advert-interval=500ms",
+                "--vrrp-newest-bonus=45",
+                "--vrrp-older-bonus=40",
+            ]
+        );
+
+        // VRRPv2 cannot say half a second; AH is not supported: refusing beats a second master.
+        let half = yawol_keepalived().replace("advert_int 4", "advert_int 0.5");
+        let e = format!(
+            "{:#}",
+            translate(&yawol_args(None), Some(&half)).unwrap_err()
+        );
+        assert!(e.contains("whole seconds"), "{e}");
+        let ah = yawol_keepalived().replace("auth_type PASS", "auth_type AH");
+        let e = format!("{:#}", translate(&yawol_args(None), Some(&ah)).unwrap_err());
+        assert!(e.contains("AH is not supported"), "{e}");
+    }
+
+    #[test]
+    fn fast_vrrp_opt_in_keeps_the_agents_own_vrrp_with_a_warning() {
+        let t = translate_with(&yawol_args(None), Some(&yawol_keepalived()), true).unwrap();
+        let vrrp: Vec<&str> = t
+            .args
+            .iter()
+            .filter(|a| a.starts_with("--vrrp"))
+            .map(String::as_str)
+            .collect();
+        assert_eq!(vrrp, ["--vrrp-router-id=100", "--vrrp-priority=50"]);
+        assert!(t
+            .notes
+            .iter()
+            .any(|n| n.warning && n.text.contains(FAST_VRRP_ENV)));
+    }
+
+    #[test]
+    fn help_is_recognised_like_yawollets_flag_set() {
+        let args = |a: &[&str]| a.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        for h in ["-h", "--help", "-help", "--h"] {
+            assert!(wants_help(&args(&["--namespace=x", h])), "{h}");
+        }
+        assert!(!wants_help(&args(&["--namespace=x"])));
+        assert!(!wants_help(&args(&["--", "--help"])));
+        let u = usage();
+        for flag in [
+            "--namespace",
+            "--loadbalancer-name",
+            "--loadbalancer-machine-name",
+            "--listen-address",
+            "--requeue-time",
+            FAST_VRRP_ENV,
+        ] {
+            assert!(u.contains(flag), "{flag} missing from the usage");
+        }
     }
 
     #[test]
@@ -583,6 +878,11 @@ mod tests {
                 router_id: Some(100),
                 priority: Some(50),
                 advert_int: Some("4".into()),
+                version: None,
+                auth_type: Some("PASS".into()),
+                auth_pass: Some("yawol".into()),
+                track_process: vec![("envoy".into(), 100)],
+                track_script: vec![("yawollethealth".into(), 10)],
                 vips: vec!["10.0.2.100".parse().unwrap()],
                 other_instances: vec![],
             }
