@@ -19,7 +19,7 @@ use crate::{ChildGuard, Host, Topology, TopologyConfig};
 use anyhow::{bail, Context, Result};
 use lb_common::{FlowKeyV4, FlowV4};
 use std::collections::BTreeMap;
-use std::net::Ipv4Addr;
+use std::net::{IpAddr, Ipv4Addr};
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
@@ -118,8 +118,12 @@ impl HaRig {
         for b in rig.topo.backends().collect::<Vec<_>>() {
             rig.echo.push(spawn_echo(&rig.topo, b)?);
         }
-        let ips: Vec<Ipv4Addr> = rig.topo.backends().map(|b| rig.topo.ip(b)).collect();
-        std::fs::write(rig.config_path(), lb_config_yaml(vip, &ips, ""))?;
+        let nodes: Vec<Vec<IpAddr>> = rig
+            .topo
+            .backends()
+            .map(|b| vec![rig.topo.ip(b).into()])
+            .collect();
+        std::fs::write(rig.config_path(), lb_config_yaml(&[vip.into()], &nodes, ""))?;
         if rig.cfg.start_agents {
             for h in rig.topo.lbs() {
                 rig.start_agent(h, 100)?;

@@ -10,7 +10,7 @@ use crate::{ChildGuard, Host, Topology, TopologyConfig};
 use anyhow::{anyhow, bail, Context, Result};
 use std::collections::BTreeMap;
 use std::io::{Read, Write};
-use std::net::{Ipv4Addr, Ipv6Addr, SocketAddr, TcpStream};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, TcpStream};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
@@ -190,13 +190,22 @@ impl Rig {
         self.dir.join("lb.yaml")
     }
 
-    /// A LoadBalancer-shaped config with the given backends (1-based) and extra `options:` lines.
+    /// A LoadBalancer-shaped config with the given backends (1-based) and extra `options:` lines; dual-stack
+    /// (both VIPs, each backend with both addresses) when the topology has IPv6.
     pub fn config_yaml(&self, backends: &[usize], options: &str) -> String {
-        let ips: Vec<Ipv4Addr> = backends
+        let nodes: Vec<Vec<IpAddr>> = backends
             .iter()
-            .map(|i| self.topo.ip(Host::Backend(*i)))
+            .map(|i| {
+                let h = self.topo.host(Host::Backend(*i));
+                std::iter::once(IpAddr::from(h.ip))
+                    .chain(h.ip6.map(IpAddr::from))
+                    .collect()
+            })
             .collect();
-        lb_config_yaml(self.vip, &ips, options)
+        let vips: Vec<IpAddr> = std::iter::once(IpAddr::from(self.vip))
+            .chain(self.vip6.map(IpAddr::from))
+            .collect();
+        lb_config_yaml(&vips, &nodes, options)
     }
 
     /// Replaces the config file (atomically: the agent never reads half a file).
@@ -411,12 +420,24 @@ impl Rig {
 
 /// A LoadBalancer-shaped config file: TCP [`TCP_PORT`] and UDP [`UDP_PORT`] on `vip` to the NodePorts of
 /// `backends`, extra `options:` lines (YAML, indented by two spaces), fast health checks.
-pub fn lb_config_yaml(vip: Ipv4Addr, backends: &[Ipv4Addr], options: &str) -> String {
-    let mut y = format!(
-        "vip: {vip}\nports:\n  - {{name: web, protocol: TCP, port: {TCP_PORT}, nodePort: {TCP_NODE_PORT}}}\n  - {{name: dns, protocol: UDP, port: {UDP_PORT}, nodePort: {UDP_NODE_PORT}}}\nendpoints:\n"
+/// A LoadBalancer-shaped config: `vips` (the first as `vip`, a second of the other family in `vips`), the rig's
+/// two ports, one endpoint per node with its addresses, extra `options:` lines.
+pub fn lb_config_yaml(vips: &[IpAddr], backends: &[Vec<IpAddr>], options: &str) -> String {
+    let list = |a: &[IpAddr]| {
+        a.iter()
+            .map(|a| a.to_string())
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    let mut y = format!("vip: {}\n", vips[0]);
+    if vips.len() > 1 {
+        y += &format!("vips: [{}]\n", list(&vips[1..]));
+    }
+    y += &format!(
+        "ports:\n  - {{name: web, protocol: TCP, port: {TCP_PORT}, nodePort: {TCP_NODE_PORT}}}\n  - {{name: dns, protocol: UDP, port: {UDP_PORT}, nodePort: {UDP_NODE_PORT}}}\nendpoints:\n"
     );
-    for (i, ip) in backends.iter().enumerate() {
-        y += &format!("  - {{name: node-{}, addresses: [{ip}]}}\n", i + 1);
+    for (i, ips) in backends.iter().enumerate() {
+        y += &format!("  - {{name: node-{}, addresses: [{}]}}\n", i + 1, list(ips));
     }
     y += "options:\n";
     y += if options.is_empty() {
