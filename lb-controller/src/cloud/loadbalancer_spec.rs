@@ -516,17 +516,20 @@ fn is_cidr(text: &str) -> bool {
 
 /// The first ingress IP of the Service's status.
 pub fn service_ingress_ip(service: &Service) -> Option<&str> {
+    service_ingress_ips(service).into_iter().next()
+}
+
+/// Every ingress IP of the Service's status (one per served family).
+pub fn service_ingress_ips(service: &Service) -> Vec<&str> {
     service
         .status
-        .as_ref()?
-        .load_balancer
-        .as_ref()?
-        .ingress
-        .as_ref()?
-        .first()?
-        .ip
-        .as_deref()
-        .filter(|ip| !ip.is_empty())
+        .as_ref()
+        .and_then(|s| s.load_balancer.as_ref())
+        .and_then(|l| l.ingress.as_ref())
+        .into_iter()
+        .flatten()
+        .filter_map(|i| i.ip.as_deref().filter(|ip| !ip.is_empty()))
+        .collect()
 }
 
 /// A complete new LoadBalancer object for a Service.
@@ -575,9 +578,15 @@ pub fn protect_immutable(
         ));
         desired.infrastructure.project_id = current.infrastructure.project_id.clone();
     }
-    if let Some(assigned) = service_ingress_ip(service) {
+    let published = service_ingress_ips(service);
+    // The floating IP is one of the published addresses (the IPv6 one may come first).
+    if let Some(assigned) = published
+        .iter()
+        .find(|ip| !ip.contains(':'))
+        .or(published.first())
+    {
         if desired.existing_floating_ip != current.existing_floating_ip
-            && desired.existing_floating_ip.as_deref() != Some(assigned)
+            && desired.existing_floating_ip.as_deref() != Some(*assigned)
         {
             warnings.push(format!(
                 "annotation {} cannot be changed after the IP {assigned} was assigned; keeping {:?}",

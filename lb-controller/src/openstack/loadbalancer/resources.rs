@@ -280,7 +280,7 @@ pub fn rule_diff(group: &SecurityGroup, desired: &[RuleSpec]) -> (Vec<String>, V
 /// periodic resync.
 pub fn openstack_hash(lb: &LoadBalancer) -> String {
     let opts = lb.spec.options.clone().unwrap_or_default();
-    let input = serde_json::json!({
+    let mut input = serde_json::json!({
         "ports": lb.spec.ports,
         "sourceRanges": opts.load_balancer_source_ranges,
         "debug": lb.spec.debug_settings,
@@ -289,8 +289,11 @@ pub fn openstack_hash(lb: &LoadBalancer) -> String {
         "existingFloatingIP": lb.spec.existing_floating_ip,
         "adHocDebug": lb.annotations().get(annotations::AD_HOC_DEBUG),
         "network": lb.spec.infrastructure.default_network,
-        "ipFamilies": lb.spec.ip_families,
     });
+    // Only when set: the hash of every IPv4 LoadBalancer stays what it was (no reconcile of all of them on upgrade).
+    if let Some(families) = &lb.spec.ip_families {
+        input["ipFamilies"] = serde_json::json!(families);
+    }
     let digest = sha2::Sha256::digest(input.to_string().as_bytes());
     digest.iter().take(8).map(|b| format!("{b:02x}")).collect()
 }
