@@ -1106,4 +1106,23 @@ mod tests {
         );
         assert_eq!(group.unwrap().policy, "anti-affinity");
     }
+
+    #[test]
+    fn a_subnet_needs_its_ip_version() {
+        let subnet = parse_subnet(
+            "w",
+            &json!({"id": "s6", "network_id": "n", "ip_version": 6, "cidr": "2001:db8::/64"}),
+        )
+        .unwrap();
+        assert_eq!(subnet.ip_version, 6);
+        assert_eq!(subnet.cidr, "2001:db8::/64");
+        for bad in [json!(5), json!("6"), serde_json::Value::Null] {
+            let err = parse_subnet(
+                "w",
+                &json!({"id": "s", "network_id": "n", "ip_version": bad, "cidr": "10.0.0.0/8"}),
+            )
+            .unwrap_err();
+            assert!(err.message.contains("subnet.ip_version"), "{err}");
+        }
+    }
 }
