@@ -28,7 +28,7 @@ pub use k8s_openapi;
 pub use kube;
 
 pub use duration::{format_go_duration, parse_go_duration, DurationError, GoDuration};
-pub use loadbalancer::port_protocol;
+pub use loadbalancer::{port_protocol, IP_FAMILY_V4, IP_FAMILY_V6};
 pub use loadbalancer::{
     LoadBalancer, LoadBalancerAdditionalNetwork, LoadBalancerDebugSettings,
     LoadBalancerDefaultNetwork, LoadBalancerEndpoint, LoadBalancerInfrastructure,

@@ -84,6 +84,12 @@ pub struct LoadBalancerSpec {
     /// Options for additional load-balancer settings.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub options: Option<LoadBalancerOptions>,
+    /// IP families the load balancer serves (`IPv4`, `IPv6`; a copy of the Service's `ipFamilies`, the
+    /// primary first). Absent or empty: IPv4 only, as in yawol, which does not know the field. With `IPv6` the
+    /// VIP port also gets an IPv6 fixed IP, published in `status.portIPv6`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(extend("items" = {"type": "string", "enum": ["IPv4", "IPv6"]}))]
+    pub ip_families: Option<Vec<String>>,
 }
 
 static EMPTY_OPTIONS: LazyLock<LoadBalancerOptions> = LazyLock::new(LoadBalancerOptions::default);
@@ -110,7 +116,27 @@ impl LoadBalancerSpec {
     pub fn ports(&self) -> &[ServicePort] {
         self.ports.as_deref().unwrap_or_default()
     }
+
+    /// Whether IPv4 is served: `ipFamilies` absent or empty (yawol's objects) or naming `IPv4`.
+    pub fn wants_ipv4(&self) -> bool {
+        match self.ip_families.as_deref() {
+            None | Some([]) => true,
+            Some(families) => families.iter().any(|f| f == IP_FAMILY_V4),
+        }
+    }
+
+    /// Whether IPv6 is served (`ipFamilies` names `IPv6`).
+    pub fn wants_ipv6(&self) -> bool {
+        self.ip_families
+            .as_deref()
+            .is_some_and(|families| families.iter().any(|f| f == IP_FAMILY_V6))
+    }
 }
+
+/// `ipFamilies` value of IPv4 (the Service's spelling).
+pub const IP_FAMILY_V4: &str = "IPv4";
+/// `ipFamilies` value of IPv6 (the Service's spelling).
+pub const IP_FAMILY_V6: &str = "IPv6";
 
 /// The protocol of a load-balancer port: its `protocol`, TCP when absent (the schema default,
 /// like for a Service's ports).
@@ -361,6 +387,11 @@ pub struct LoadBalancerDefaultNetwork {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[serde(rename = "subnetID")]
     pub subnet_id: Option<String>,
+    /// IPv6 subnet of the listener network for the VIP port's IPv6 fixed IP, when `spec.ipFamilies` names IPv6.
+    /// Unset: the network's only IPv6 subnet (several are an error that asks for this field).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(rename = "subnetIDv6")]
+    pub subnet_id_v6: Option<String>,
 }
 
 /// Reference to an OpenStack image. Only `imageID` is implemented by yawol.
@@ -541,9 +572,13 @@ pub struct LoadBalancerStatus {
     /// OpenStack name of the VIP port.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub port_name: Option<String>,
-    /// Fixed IP of the VIP port.
+    /// Fixed IP of the VIP port: the IPv4 VIP.
     #[serde(default, skip_serializing_if = "Option::is_none", rename = "portIP")]
     pub port_ip: Option<String>,
+    /// IPv6 fixed IP of the VIP port, set only when `spec.ipFamilies` names IPv6: the IPv6 VIP, which is also
+    /// the load balancer's public IPv6 address (IPv6 gets no floating IP).
+    #[serde(default, skip_serializing_if = "Option::is_none", rename = "portIPv6")]
+    pub port_ipv6: Option<String>,
     /// OpenStack ID of the server group.
     #[serde(
         default,

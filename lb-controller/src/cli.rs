@@ -348,6 +348,9 @@ pub struct InfraArgs {
     /// Listener subnet ID.
     #[arg(long, env = "SUBNET_ID")]
     pub subnet_id: Option<String>,
+    /// IPv6 subnet of the listener network for IPv6 VIPs (default: the network's only IPv6 subnet).
+    #[arg(long = "subnet-id-v6", env = "SUBNET_ID_V6")]
+    pub subnet_id_v6: Option<String>,
     /// Flavor ID.
     #[arg(long, env = "FLAVOR_ID")]
     pub flavor_id: Option<String>,
@@ -417,6 +420,7 @@ impl InfraArgs {
             floating_network_id,
             network_id,
             subnet_id: self.subnet_id.clone().filter(|s| !s.is_empty()),
+            subnet_id_v6: self.subnet_id_v6.clone().filter(|s| !s.is_empty()),
             flavor,
             image,
             availability_zone: self.availability_zone.clone().unwrap_or_default(),

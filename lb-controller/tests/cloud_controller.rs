@@ -738,11 +738,34 @@ async fn wait_warning(h: &Harness, name: &str, reason: &str, contains: &str) {
     .await;
 }
 
+fn addresses(lb: &lb_api::LoadBalancer) -> Vec<Vec<String>> {
+    lb.spec
+        .endpoints()
+        .iter()
+        .map(|e| e.addresses().to_vec())
+        .collect()
+}
+
+/// The Service's ingress IPs in order.
+async fn ingress_ips(h: &Harness, name: &str) -> Vec<String> {
+    h.service("default", name)
+        .await
+        .and_then(|s| s.status)
+        .and_then(|s| s.load_balancer)
+        .and_then(|l| l.ingress)
+        .unwrap_or_default()
+        .into_iter()
+        .filter_map(|i| i.ip)
+        .collect()
+}
+
 /// kube-testenv's API server has IPv4 and IPv6 service ranges, so every combination a user can write exists here.
-/// IPv4 is served; PreferDualStack is served over IPv4 with a warning; IPv6 single-stack and RequireDualStack are
-/// refused like invalid Services; never an IPv6 endpoint; each Service says so in its condition.
+/// With nodes of both families every combination is served, each LoadBalancer with `spec.ipFamilies` and the nodes'
+/// addresses of the served families; a dual-stack LoadBalancer's two addresses both reach the Service's ingress.
+/// Once no node has IPv6: PreferDualStack falls back to IPv4 with a warning, RequireDualStack is refused (its
+/// LoadBalancer left as it is, never without IPv6 backends), IPv6 single-stack has no backends and says so.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn ip_families_are_served_partly_or_refused_never_silently() {
+async fn ip_families_are_served_by_the_nodes_addresses_and_refused_never_silently() {
     let mut h = Harness::new(Clusters::Split, ClassFilter::default()).await;
     h.put_node("node-a", "True", &["10.0.0.1", "fd00::1"]).await;
     h.put_node("node-b", "True", &["fd00::2"]).await;
@@ -776,50 +799,48 @@ async fn ip_families_are_served_partly_or_refused_never_silently() {
             "default",
             "prefer",
             json!({}),
-            json!({"ipFamilyPolicy": "PreferDualStack"}),
+            json!({"ipFamilyPolicy": "PreferDualStack", "ipFamilies": ["IPv6", "IPv4"]}),
         )
         .await;
     assert_eq!(
         prefer.spec.unwrap().ip_families.unwrap(),
-        ["IPv4", "IPv6"],
+        ["IPv6", "IPv4"],
         "the API server is dual-stack"
     );
 
-    for name in ["v4", "plain", "prefer"] {
+    for name in ["v4", "plain"] {
         let lb = h.wait_lb(&format!("default--{name}"), name, |_| true).await;
         assert_eq!(endpoint_names(&lb), ["node-a"], "{name}");
-        assert_eq!(
-            lb.spec.endpoints()[0].addresses(),
-            ["10.0.0.1"],
-            "{name}: IPv4 only"
-        );
-    }
-    for name in ["v4", "plain"] {
+        assert_eq!(addresses(&lb), [["10.0.0.1"]], "{name}: IPv4 only");
+        assert_eq!(lb.spec.ip_families, None, "{name}: IPv4 as yawol writes it");
         let message = wait_family_condition(&h, name, "True", "Served").await;
         assert_eq!(message, "ipFamilies [IPv4]: served over IPv4");
     }
-    let message = wait_family_condition(&h, "prefer", "False", "IPFamilyNotSupported").await;
-    assert!(message.contains("IPv6 not served yet"), "{message}");
-    wait_warning(
-        &h,
-        "prefer",
-        "IPFamilyNotSupported",
-        "publishes only its IPv4 address",
-    )
-    .await;
-
-    for (name, says) in [("v6", "without IPv4"), ("require", "RequireDualStack")] {
-        wait_warning(&h, name, "IPFamilyNotSupported", says).await;
-        let message = wait_family_condition(&h, name, "False", "IPFamilyNotSupported").await;
-        assert!(message.contains("no LoadBalancer is created"), "{message}");
-        assert!(
-            h.lb(&format!("default--{name}")).await.is_none(),
-            "{name}: refused"
+    let lb = h.wait_lb("default--v6", "v6", |_| true).await;
+    assert_eq!(endpoint_names(&lb), ["node-a", "node-b"]);
+    assert_eq!(addresses(&lb), [["fd00::1"], ["fd00::2"]], "IPv6 only");
+    assert_eq!(
+        lb.spec.ip_families.as_deref(),
+        Some(["IPv6".to_string()].as_slice())
+    );
+    wait_family_condition(&h, "v6", "True", "Served").await;
+    for (name, families) in [("require", ["IPv4", "IPv6"]), ("prefer", ["IPv6", "IPv4"])] {
+        let lb = h.wait_lb(&format!("default--{name}"), name, |_| true).await;
+        assert_eq!(endpoint_names(&lb), ["node-a", "node-b"], "{name}");
+        assert_eq!(
+            addresses(&lb),
+            [vec!["10.0.0.1", "fd00::1"], vec!["fd00::2"]],
+            "{name}: both families"
         );
+        assert_eq!(
+            lb.spec.ip_families.unwrap(),
+            families,
+            "{name}: primary first"
+        );
+        let message = wait_family_condition(&h, name, "True", "Served").await;
+        assert!(message.contains("served over"), "{message}");
     }
-    assert_eq!(h.metrics.invalid_services.get(), 2, "the two refusals");
-    // The served IPv4 Services got no warning at all.
-    for name in ["v4", "plain"] {
+    for name in ["v4", "plain", "v6", "require", "prefer"] {
         let events = h.events_for("default", name).await;
         assert!(
             events.iter().all(|(t, _, _, _)| t != "Warning"),
@@ -827,45 +848,18 @@ async fn ip_families_are_served_partly_or_refused_never_silently() {
         );
     }
 
-    // A node change re-runs every Service: nothing is reported twice, no condition is rewritten.
-    let before = h.metrics.reconcile_count("service");
-    h.put_node("node-c", "True", &["10.0.0.3"]).await;
-    h.wait_lb("default--v4", "node-c added", |lb| {
-        endpoint_names(lb).len() == 2
-    })
-    .await;
-    h.wait_reconciles(before, 5).await;
-    for name in ["v6", "require", "prefer"] {
-        assert_eq!(
-            warnings(&h, name, "IPFamilyNotSupported").await.len(),
-            1,
-            "{name}: one event"
-        );
-        assert!(
-            warnings(&h, name, "IPFamilyNotSupported")
-                .await
-                .iter()
-                .all(|(_, count)| *count == 1),
-            "{name}: reported once"
-        );
-    }
-
-    // The condition is one entry among the Service's status: the ingress and a condition of somebody else's stay.
+    // A dual-stack LoadBalancer's addresses: the IPv4 floating IP and the VIP port's IPv6 address, primary first.
     h.set_lb_status(
         "default--prefer",
-        json!({"externalIP": "192.0.2.20", "replicas": 1, "readyReplicas": 1}),
+        json!({"externalIP": "192.0.2.20", "portIP": "10.1.0.20", "portIPv6": "2001:db8::20",
+               "replicas": 1, "readyReplicas": 1}),
     )
     .await;
-    eventually("prefer's ingress", || async {
-        h.service("default", "prefer")
-            .await
-            .and_then(|s| {
-                lb_controller::cloud::loadbalancer_spec::service_ingress_ip(&s).map(str::to_string)
-            })
-            .as_deref()
-            == Some("192.0.2.20")
+    eventually("prefer's dual-stack ingress", || async {
+        ingress_ips(&h, "prefer").await == ["2001:db8::20", "192.0.2.20"]
     })
     .await;
+    // Somebody else's condition beside ours stays through what follows.
     h.service_api("default")
         .patch_status(
             "prefer",
@@ -877,14 +871,25 @@ async fn ip_families_are_served_partly_or_refused_never_silently() {
         )
         .await
         .unwrap();
-    // Back to single-stack: the server drops IPv6, the Service is fully served.
-    h.patch_service(
-        "default",
-        "prefer",
-        json!({"spec": {"ipFamilyPolicy": "SingleStack"}}),
-    )
+
+    // No node has IPv6 any more.
+    let require_before = h.lb("default--require").await.unwrap();
+    h.put_node("node-a", "True", &["10.0.0.1"]).await;
+    h.put_node("node-b", "True", &["10.0.0.2"]).await;
+    let lb = h
+        .wait_lb("default--prefer", "prefer falls back to IPv4", |lb| {
+            lb.spec.ip_families.is_none()
+        })
+        .await;
+    assert_eq!(addresses(&lb), [["10.0.0.1"], ["10.0.0.2"]]);
+    let message = wait_family_condition(&h, "prefer", "False", "NoIPv6Nodes").await;
+    assert!(message.contains("IPv6 not served"), "{message}");
+    assert!(message.contains("served over IPv4 only"), "{message}");
+    wait_warning(&h, "prefer", "NoIPv6Nodes", "IPv6 not served").await;
+    eventually("prefer's ingress is IPv4 only", || async {
+        ingress_ips(&h, "prefer").await == ["192.0.2.20"]
+    })
     .await;
-    wait_family_condition(&h, "prefer", "True", "Served").await;
     let status = h
         .service("default", "prefer")
         .await
@@ -899,31 +904,76 @@ async fn ip_families_are_served_partly_or_refused_never_silently() {
             .any(|c| c.type_ == "Other"),
         "the other condition is kept"
     );
+
+    wait_warning(&h, "require", "NoIPv6Nodes", "RequireDualStack").await;
+    let message = wait_family_condition(&h, "require", "False", "NoIPv6Nodes").await;
+    assert!(
+        message.contains("no LoadBalancer is created or changed"),
+        "{message}"
+    );
+    assert_eq!(h.metrics.invalid_services.get(), 1, "the one refusal");
+    // Refused: the LoadBalancer keeps what it served (the nodes changed one at a time, so that may be the state
+    // between the two updates), never IPv6 without backends.
+    let require_after = h.lb("default--require").await.unwrap();
     assert_eq!(
-        status.load_balancer.unwrap().ingress.unwrap()[0]
-            .ip
-            .as_deref(),
-        Some("192.0.2.20"),
-        "the ingress is kept"
+        require_after.spec.ip_families,
+        require_before.spec.ip_families
+    );
+    assert!(
+        addresses(&require_after)
+            .concat()
+            .iter()
+            .any(|a| a.contains(':')),
+        "{:?}",
+        addresses(&require_after)
     );
 
-    // RequireDualStack relaxed: served, the LoadBalancer appears.
-    h.patch_service(
-        "default",
-        "require",
-        json!({"spec": {"ipFamilyPolicy": "PreferDualStack"}}),
+    let lb = h
+        .wait_lb("default--v6", "v6 without backends", |lb| {
+            lb.spec.endpoints().is_empty()
+        })
+        .await;
+    assert_eq!(
+        lb.spec.ip_families.as_deref(),
+        Some(["IPv6".to_string()].as_slice())
+    );
+    wait_warning(
+        &h,
+        "v6",
+        "NoIPv6Nodes",
+        "no backends until the nodes get IPv6",
     )
     .await;
-    let lb = h
-        .wait_lb("default--require", "served once relaxed", |_| true)
-        .await;
-    assert!(lb
-        .spec
-        .endpoints()
-        .iter()
-        .all(|e| e.addresses().iter().all(|a| !a.contains(':'))));
-    wait_family_condition(&h, "require", "False", "IPFamilyNotSupported").await;
-    wait_warning(&h, "require", "IPFamilyNotSupported", "not served yet").await;
+    wait_family_condition(&h, "v6", "False", "NoIPv6Nodes").await;
+
+    // A node change re-runs every Service: nothing is reported twice.
+    let before = h.metrics.reconcile_count("service");
+    h.put_node("node-c", "True", &["10.0.0.3"]).await;
+    h.wait_lb("default--v4", "node-c added", |lb| {
+        endpoint_names(lb).len() == 3
+    })
+    .await;
+    h.wait_reconciles(before, 5).await;
+    for name in ["v6", "require", "prefer"] {
+        let reported = warnings(&h, name, "NoIPv6Nodes").await;
+        assert_eq!(reported.len(), 1, "{name}: one event: {reported:?}");
+        assert!(
+            reported.iter().all(|(_, count)| *count == 1),
+            "{name}: reported once"
+        );
+    }
+
+    // IPv6 back on a node: RequireDualStack is served again, with it.
+    h.put_node("node-b", "True", &["10.0.0.2", "fd00::2"]).await;
+    h.wait_lb("default--require", "require served again", |lb| {
+        lb.spec
+            .endpoints()
+            .iter()
+            .any(|e| e.addresses().contains(&"fd00::2".to_string()))
+            && lb.spec.endpoints().len() == 3
+    })
+    .await;
+    wait_family_condition(&h, "require", "True", "Served").await;
 
     // Another type: the LoadBalancer goes and so does the condition.
     h.patch_service("default", "v4", json!({"spec": {"type": "ClusterIP"}}))
@@ -947,7 +997,13 @@ async fn nodes_without_ipv4_are_a_warning_not_zero_backends_quietly() {
         .await;
     let lb = h.wait_lb(LB, "created without backends", |_| true).await;
     assert!(lb.spec.endpoints().is_empty());
-    wait_warning(&h, "web", "NoIPv4Nodes", "none of the 2 node(s)").await;
+    wait_warning(
+        &h,
+        "web",
+        "NoIPv4Nodes",
+        "no node that would receive traffic has an IPv4",
+    )
+    .await;
     let message = wait_family_condition(&h, "web", "False", "NoIPv4Nodes").await;
     assert!(
         message.contains("no backends until the nodes get IPv4 addresses"),

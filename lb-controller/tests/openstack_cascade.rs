@@ -32,6 +32,12 @@
 //!   with Nova's text, retries, the group and the server that Nova made behind an error are adopted (one group, one
 //!   server per machine), deletion finishes and nothing is left.
 //!
+//! - `cascade_dual_stack_vip_port_rules_and_addresses`: with an IPv6 subnet on the test network (made by the test),
+//!   a LoadBalancer with `spec.ipFamilies [IPv4, IPv6]` gets a VIP port with an IPv4 and an IPv6 fixed IP, one
+//!   floating IP (IPv4) on that port, security-group rules of both ethertypes (service port, VRRP and sync within
+//!   the group, ICMP / ICMPv6), both VIPs as allowed address pairs of its machine's port, `status.portIPv6`, and the
+//!   back channel would publish both addresses on the Service; deletion leaves no port, group or floating IP.
+//!
 //! Every test starts and ends with the leak check over the test project (a failing check sweeps the project so the
 //! next test starts clean).
 //!
@@ -1037,4 +1043,186 @@ async fn cascade_nova_5xx_and_lost_answers_are_retried_without_duplicates() -> R
     nova.clear();
     let cleanup = c.stop().await;
     finish(&env, &cloud, &direct, scenario, cleanup).await
+}
+
+/// A subnet on the test network, made by a test and removed by it (`ip_version` 6: addresses assigned statically by
+/// Neutron, so ports that exist keep only their IPv4 address).
+async fn create_subnet(
+    direct: &openstack_sdk::AsyncOpenStack,
+    network_id: &str,
+    name: &str,
+    cidr: &str,
+) -> Result<String> {
+    use openstack_sdk::api::network::v2::subnet::create;
+    use openstack_sdk::api::QueryAsync;
+    use std::borrow::Cow;
+    let subnet = create::SubnetBuilder::default()
+        .network_id(network_id)
+        .ip_version(6)
+        .cidr(Some(Cow::from(cidr)))
+        .name(name)
+        .enable_dhcp(false)
+        .build()?;
+    let v: Value = create::Request::builder()
+        .subnet(subnet)
+        .build()?
+        .query_async(direct)
+        .await?;
+    v["id"]
+        .as_str()
+        .map(str::to_string)
+        .context("subnet without id")
+}
+
+async fn delete_subnet(direct: &openstack_sdk::AsyncOpenStack, id: &str) -> Result<()> {
+    use openstack_sdk::api::network::v2::subnet::delete;
+    use openstack_sdk::api::QueryAsync;
+    openstack_sdk::api::ignore(delete::Request::builder().id(id).build()?)
+        .query_async(direct)
+        .await?;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs the OpenStack test environment (cargo xtask openstack up); run by the openstack stage"]
+async fn cascade_dual_stack_vip_port_rules_and_addresses() -> Result<()> {
+    use lb_controller::openstack::{Direction, EtherType};
+    const LB: &str = "csc-dual";
+    const V6_CIDR: &str = "2001:db8:6::/64";
+    let env = TestEnv::load()?;
+    let cloud = connect(&env, &[]).await?;
+    let direct = env.connect().await?;
+    LeakCheck::new(&env)
+        .assert_clean(&direct)
+        .await
+        .context("before the test")?;
+    let subnet_v6 = create_subnet(&direct, &env.info.network_id, "csc-dual-v6", V6_CIDR).await?;
+    let c = start(&env).await?;
+    let ns = c.ns.clone();
+    let os_name = format!("{ns}/{LB}");
+    let scenario = async {
+        let mut obj = lb_json(&env, &c.ns, LB, 1, json!({}));
+        obj["spec"]["ipFamilies"] = json!(["IPv4", "IPv6"]);
+        obj["spec"]["endpoints"] =
+            json!([{"name": "node-1", "addresses": ["198.51.100.200", "2001:db8:6::200"]}]);
+        c.create_lb(obj).await?;
+        let (_, active) = ready(&c, LB, 1, 1).await?;
+
+        // The status: the IPv4 VIP, the IPv6 VIP from the network's only IPv6 subnet, the floating IP (IPv4).
+        let st = c.status(LB);
+        let s = |k: &str| st[k].as_str().unwrap_or_default().to_string();
+        let v4: std::net::IpAddr = s("portIP").parse().context("portIP")?;
+        let v6: std::net::IpAddr = s("portIPv6").parse().context("portIPv6")?;
+        ensure!(v4.is_ipv4() && v6.is_ipv6(), "status: {st}");
+        ensure!(
+            s("portIPv6").starts_with("2001:db8:6:"),
+            "from the IPv6 subnet: {st}"
+        );
+        let fip = cloud.get_floating_ip(&s("floatingID")).await?;
+        ensure!(
+            fip.address == s("externalIP") && fip.port_id.as_deref() == Some(s("portID").as_str()),
+            "one floating IP, IPv4, on the VIP port: {fip:?} / {st}"
+        );
+        let fips = cloud
+            .find_floating_ips(&FloatingIpFilter {
+                address: None,
+                description: Some(os_name.clone()),
+            })
+            .await?;
+        ensure!(fips.len() == 1, "no second floating IP: {fips:?}");
+
+        // The VIP port carries both fixed IPs.
+        let port = cloud.get_port(&s("portID")).await?;
+        ensure!(
+            port.ip_on_subnet(&env.info.subnet_id) == Some(s("portIP").as_str())
+                && port.ip_on_subnet(&subnet_v6) == Some(s("portIPv6").as_str()),
+            "VIP port: {port:?}"
+        );
+
+        // Rules of both ethertypes.
+        let groups = cloud.find_security_groups(&os_name).await?;
+        ensure!(groups.len() == 1, "groups: {groups:?}");
+        let rules: Vec<_> = groups[0].rules.iter().map(|r| &r.spec).collect();
+        for et in [EtherType::V4, EtherType::V6] {
+            let has = |protocol: &str, port: Option<u16>, group: bool| {
+                rules.iter().any(|r| {
+                    r.direction == Direction::Ingress
+                        && r.ethertype == et
+                        && r.protocol.as_deref() == Some(protocol)
+                        && r.port_range_min == port
+                        && r.remote_group_id.is_some() == group
+                })
+            };
+            let icmp = if et == EtherType::V4 {
+                "icmp"
+            } else {
+                "ipv6-icmp"
+            };
+            ensure!(
+                has("tcp", Some(80), false)
+                    && has("vrrp", None, true)
+                    && has("tcp", Some(lb_api::constants::sync::PORT), true)
+                    && has(icmp, None, false),
+                "{et:?} rules: {rules:#?}"
+            );
+        }
+
+        // The machine's port may carry both VIPs (VRRP moves them).
+        let (machine, _) = active.first().context("a machine")?;
+        let vm_ports = cloud.find_ports(&format!("{ns}/{machine}")).await?;
+        ensure!(vm_ports.len() == 1, "VM port: {vm_ports:?}");
+        let pairs = &vm_ports[0].allowed_address_pairs;
+        ensure!(
+            pairs.contains(&s("portIP")) && pairs.contains(&s("portIPv6")),
+            "allowed address pairs: {pairs:?}"
+        );
+
+        // What the back channel publishes on the Service: both addresses, in the order of spec.ipFamilies.
+        let lb = c.lb_api().get(LB).await?;
+        ensure!(
+            lb_controller::cloud::backchannel::publishable_ips(&lb)
+                == [s("externalIP"), s("portIPv6")],
+            "published: {:?}",
+            lb_controller::cloud::backchannel::publishable_ips(&lb)
+        );
+
+        let port_id = s("portID");
+        let sg = s("securityGroupID");
+        let fip_id = s("floatingID");
+        c.delete_lb(LB, STEP).await?;
+        ensure!(
+            cloud
+                .get_port(&port_id)
+                .await
+                .is_err_and(|e| e.is_not_found()),
+            "VIP port left"
+        );
+        ensure!(
+            cloud
+                .get_floating_ip(&fip_id)
+                .await
+                .is_err_and(|e| e.is_not_found()),
+            "floating IP left"
+        );
+        ensure!(
+            !cloud
+                .find_security_groups(&os_name)
+                .await?
+                .iter()
+                .any(|g| g.id == sg),
+            "security group left"
+        );
+        anyhow::Ok(())
+    }
+    .await;
+    let stopped = c.stop().await;
+    // After the ports that used it are gone (a failed scenario's leftovers are swept by `finish` first).
+    let leaks = LeakCheck::new(&env).assert_clean(&direct).await;
+    if leaks.is_err() {
+        if let Err(e) = cascade::sweep(&env, &cloud, &direct).await {
+            eprintln!("sweep failed: {e:#}");
+        }
+    }
+    let removed = delete_subnet(&direct, &subnet_v6).await;
+    finish(&env, &cloud, &direct, scenario, stopped.and(removed)).await
 }

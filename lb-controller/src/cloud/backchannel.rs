@@ -66,16 +66,42 @@ pub fn service_of(lb: &LoadBalancer) -> Option<(String, String)> {
 /// clients get the header too).
 pub const INGRESS_IP_MODE: &str = "VIP";
 
-/// The IP to publish, if the LoadBalancer is ready: an external IP and either ready machines or
-/// zero desired machines (yawol PR #521: keep reporting the IP when scaled to 0).
-pub fn publishable_ip(lb: &LoadBalancer) -> Option<&str> {
+/// The IPs to publish, if the LoadBalancer is ready: its addresses and either ready machines or zero desired
+/// machines (yawol PR #521: keep reporting the IP when scaled to 0). One address per served family, in the order of
+/// `spec.ipFamilies` (the Service's primary family first): IPv4 is `status.externalIP` (the floating IP, or the
+/// VIP of an internal load balancer), IPv6 is `status.portIPv6` (the VIP port's IPv6 address: no floating IP for
+/// IPv6). An IPv6-only LoadBalancer's `externalIP` is that same address. Empty: nothing to publish yet.
+pub fn publishable_ips(lb: &LoadBalancer) -> Vec<&str> {
     if lb.meta().deletion_timestamp.is_some() {
-        return None;
+        return Vec::new();
     }
-    let status = lb.status.as_ref()?;
-    let ip = status.external_ip.as_deref().filter(|ip| !ip.is_empty())?;
+    let Some(status) = lb.status.as_ref() else {
+        return Vec::new();
+    };
     let ready = lb.spec.replicas == 0 || status.ready_replicas.unwrap_or(0) > 0;
-    ready.then_some(ip)
+    if !ready {
+        return Vec::new();
+    }
+    fn nonempty(ip: &Option<String>) -> Option<&str> {
+        ip.as_deref().filter(|ip| !ip.is_empty())
+    }
+    let families: &[String] = match lb.spec.ip_families.as_deref() {
+        None | Some([]) => &[],
+        Some(families) => families,
+    };
+    let mut ips: Vec<&str> = Vec::new();
+    if families.is_empty() {
+        ips.extend(nonempty(&status.external_ip));
+    }
+    for family in families {
+        let ip = match family.as_str() {
+            lb_api::IP_FAMILY_V4 => nonempty(&status.external_ip),
+            lb_api::IP_FAMILY_V6 => nonempty(&status.port_ipv6),
+            _ => None,
+        };
+        ips.extend(ip.filter(|ip| !ips.contains(ip)));
+    }
+    ips
 }
 
 /// Reconciles one LoadBalancer: publish its IP on the Service.
@@ -91,7 +117,8 @@ pub async fn reconcile(lb: Arc<LoadBalancer>, ctx: Arc<Context>) -> Result<Actio
 }
 
 async fn reconcile_ip(lb: &LoadBalancer, ctx: &Context) -> Result<Action, Error> {
-    let (Some(ip), Some((namespace, name))) = (publishable_ip(lb), service_of(lb)) else {
+    let ips = publishable_ips(lb);
+    let (false, Some((namespace, name))) = (ips.is_empty(), service_of(lb)) else {
         return Ok(Action::await_change());
     };
     let api: Api<Service> = Api::namespaced(ctx.target.clone(), &namespace);
@@ -117,11 +144,18 @@ async fn reconcile_ip(lb: &LoadBalancer, ctx: &Context) -> Result<Action, Error>
         })
         .unwrap_or_default();
     // Also rewrites ingresses published before `ipMode` was set.
-    if current == [(Some(ip), Some(INGRESS_IP_MODE))] {
+    if current
+        .iter()
+        .copied()
+        .eq(ips.iter().map(|ip| (Some(*ip), Some(INGRESS_IP_MODE))))
+    {
         return Ok(Action::await_change());
     }
-    let patch =
-        json!({"status": {"loadBalancer": {"ingress": [{"ip": ip, "ipMode": INGRESS_IP_MODE}]}}});
+    let ingress: Vec<_> = ips
+        .iter()
+        .map(|ip| json!({"ip": ip, "ipMode": INGRESS_IP_MODE}))
+        .collect();
+    let patch = json!({"status": {"loadBalancer": {"ingress": ingress}}});
     api.patch_status(&name, &PatchParams::default(), &Patch::Merge(&patch))
         .await
         .map_err(|source| Error {
@@ -129,10 +163,15 @@ async fn reconcile_ip(lb: &LoadBalancer, ctx: &Context) -> Result<Action, Error>
             source,
         })?;
     ctx.metrics.ingress_updates.inc();
-    if current.iter().map(|(ip, _)| *ip).eq([Some(ip)]) {
+    if current
+        .iter()
+        .map(|(ip, _)| *ip)
+        .eq(ips.iter().map(|ip| Some(*ip)))
+    {
         // Only `ipMode` was added (an ingress published by an older version or by yawol): nothing to tell the user.
         return Ok(Action::await_change());
     }
+    let ip = ips.join(", ");
     info!(service = %format!("{namespace}/{name}"), ip, "published external IP");
     let reference: ObjectReference = service.object_ref(&());
     let message = format!("LoadBalancer is successfully created with IP {ip}");
@@ -282,6 +321,42 @@ mod tests {
             "status": status,
         }))
         .unwrap()
+    }
+
+    fn publishable_ip(lb: &LoadBalancer) -> Option<&str> {
+        match publishable_ips(lb).as_slice() {
+            [] => None,
+            [ip] => Some(*ip),
+            more => panic!("one IP expected: {more:?}"),
+        }
+    }
+
+    #[test]
+    fn dual_stack_publishes_both_addresses_primary_first() {
+        let status = json!({"externalIP": "203.0.113.5", "portIP": "10.0.0.5",
+                            "portIPv6": "2001:db8::5", "readyReplicas": 1});
+        let with = |families: serde_json::Value| {
+            let mut l = lb(1, status.clone());
+            l.spec.ip_families = serde_json::from_value(families).unwrap();
+            l
+        };
+        let dual = with(json!(["IPv4", "IPv6"]));
+        assert_eq!(publishable_ips(&dual), ["203.0.113.5", "2001:db8::5"]);
+        let dual = with(json!(["IPv6", "IPv4"]));
+        assert_eq!(publishable_ips(&dual), ["2001:db8::5", "203.0.113.5"]);
+        // IPv6 only: externalIP is the IPv6 address too; published once.
+        let mut v6 = lb(
+            1,
+            json!({"externalIP": "2001:db8::5", "portIPv6": "2001:db8::5", "readyReplicas": 1}),
+        );
+        v6.spec.ip_families = Some(vec!["IPv6".into()]);
+        assert_eq!(publishable_ips(&v6), ["2001:db8::5"]);
+        // Without spec.ipFamilies (IPv4, yawol's objects) a stale portIPv6 is not published.
+        assert_eq!(publishable_ips(&lb(1, status.clone())), ["203.0.113.5"]);
+        // The IPv6 address not there yet: the IPv4 one is published alone.
+        let mut partial = with(json!(["IPv4", "IPv6"]));
+        partial.status.as_mut().unwrap().port_ipv6 = None;
+        assert_eq!(publishable_ips(&partial), ["203.0.113.5"]);
     }
 
     #[test]

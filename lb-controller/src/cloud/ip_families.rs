@@ -1,23 +1,28 @@
-//! A Service's IP families against what the data plane forwards, IPv4 only for now (pure, no I/O).
+//! A Service's IP families against the nodes' addresses (pure, no I/O).
 //!
-//! [`decide`] is the one place that says whether a Service is served, which endpoints its LoadBalancer gets and
-//! what the Service is told (Warning events and the [`CONDITION_TYPE`] condition on its status):
+//! [`decide`] is the one place that says whether a Service is served, over which families, which endpoints its
+//! LoadBalancer gets and what the Service is told (Warning events and the [`CONDITION_TYPE`] condition on its
+//! status). The data plane forwards IPv4 and IPv6; what limits a family is whether the nodes that would receive
+//! traffic have InternalIPs of it:
 //!
 //! | Service | outcome |
 //! |---|---|
-//! | `ipFamilies` [IPv4] (or empty), any policy but RequireDualStack | served, condition True |
-//! | PreferDualStack with IPv4 among the families | served over IPv4 only, Warning, condition False |
-//! | RequireDualStack | refused: cannot be satisfied |
-//! | no IPv4 among the families (IPv6 single-stack) | refused: nothing would reach the Service |
+//! | SingleStack (IPv4 or IPv6), nodes with addresses of the family | served, condition True |
+//! | PreferDualStack or RequireDualStack, nodes with addresses of both families | served over both, condition True |
+//! | PreferDualStack, no node with addresses of one family | served over the other, Warning, condition False |
+//! | RequireDualStack, no node with addresses of one family | refused: cannot be satisfied |
+//! | SingleStack, no node with addresses of its family (but nodes of the other) | served without backends, Warning |
 //!
 //! Refused works like a validation error: no LoadBalancer is created and an existing one is not changed, so
-//! traffic that flows keeps flowing until the Service is fixed. A served Service whose nodes have only IPv6
-//! InternalIPs gets its LoadBalancer anyway (address allocated, stable; endpoints follow as soon as nodes get IPv4
-//! addresses, as for a cluster without nodes yet) plus a `NoIPv4Nodes` Warning, instead of silently zero backends.
+//! traffic that flows keeps flowing until the Service or the nodes are fixed — never a LoadBalancer without
+//! backends for a family the Service requires. A cluster without any node (or none with an InternalIP yet) is
+//! served over every family it asks for: the endpoints follow when nodes come. A single-stack Service whose
+//! nodes have only the other family gets its LoadBalancer anyway (address allocated, stable) plus a
+//! `NoIPv4Nodes`/`NoIPv6Nodes` Warning, instead of silently zero backends.
 
 use k8s_openapi::api::core::v1::{Node, Service};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
-use lb_api::LoadBalancerEndpoint;
+use lb_api::{LoadBalancerEndpoint, IP_FAMILY_V4 as IPV4, IP_FAMILY_V6 as IPV6};
 use serde_json::{json, Value};
 
 use crate::cloud::endpoints;
@@ -27,9 +32,6 @@ use crate::cloud::loadbalancer_spec::{reasons, Warning};
 pub const CONDITION_TYPE: &str = "LoadBalancerIPFamilies";
 /// The condition's reason when every family of the Service is served.
 pub const SERVED: &str = "Served";
-
-const IPV4: &str = "IPv4";
-const IPV6: &str = "IPv6";
 
 /// The condition's state (type [`CONDITION_TYPE`]).
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -45,12 +47,24 @@ pub struct Verdict {
 /// What the reconcile does about a Service's IP families.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Decision {
-    /// The LoadBalancer's endpoints (the nodes' IPv4 InternalIPs); `None`: refused, nothing is created or changed.
+    /// The families the LoadBalancer serves, the Service's primary first (empty when refused).
+    pub families: Vec<String>,
+    /// The LoadBalancer's endpoints (the nodes' InternalIPs of the served families); `None`: refused, nothing is
+    /// created or changed.
     pub endpoints: Option<Vec<LoadBalancerEndpoint>>,
     /// Warning events for the Service.
     pub warnings: Vec<Warning>,
     /// The condition on the Service's status.
     pub verdict: Verdict,
+}
+
+/// The reason of a family without nodes.
+fn no_nodes_reason(family: &str) -> &'static str {
+    if family == IPV6 {
+        reasons::NO_IPV6_NODES
+    } else {
+        reasons::NO_IPV4_NODES
+    }
 }
 
 /// Decides for `service` given the cluster's `nodes` (see the module docs).
@@ -60,87 +74,101 @@ where
 {
     let spec = service.spec.as_ref();
     // The API server always fills `ipFamilies`; a Service without them (an older server, a test object) is IPv4.
-    let families: Vec<String> = spec
+    let mut families: Vec<String> = spec
         .and_then(|s| s.ip_families.clone())
         .filter(|f| !f.is_empty())
         .unwrap_or_else(|| vec![IPV4.into()]);
+    families.dedup();
     let policy = spec
         .and_then(|s| s.ip_family_policy.as_deref())
         .unwrap_or("SingleStack");
     let listed = families.join(", ");
-    let unserved: Vec<&str> = families
+
+    // Only nodes that would receive traffic count (ready, not terminating), and only when there are some: a
+    // cluster without nodes yet gets every family it asks for.
+    let receiving = endpoints::endpoints_for(nodes.clone(), &[]).len();
+    let missing: Vec<&str> = families
         .iter()
         .map(String::as_str)
-        .filter(|f| *f != IPV4)
+        .filter(|f| {
+            receiving > 0 && endpoints::endpoints_for(nodes.clone(), &[f.to_string()]).is_empty()
+        })
         .collect();
+    // No node count in the text: the message (event and condition) would change with every node added.
+    let lacks =
+        |family: &str| format!("no node that would receive traffic has an {family} InternalIP");
 
-    let refusal = if policy == "RequireDualStack" {
-        Some(format!(
-            "ipFamilyPolicy RequireDualStack (ipFamilies [{listed}]) cannot be satisfied: this load balancer \
-             forwards IPv4 only (IPv6 is not supported yet), so no LoadBalancer is created or changed; set \
-             ipFamilyPolicy to PreferDualStack (served over IPv4) or to SingleStack with ipFamilies [IPv4]"
-        ))
-    } else if !families.iter().any(|f| f == IPV4) {
-        Some(format!(
-            "ipFamilies [{listed}] (ipFamilyPolicy {policy}) without IPv4: this load balancer forwards IPv4 only \
-             (IPv6 is not supported yet), so no LoadBalancer is created or changed; set ipFamilyPolicy to \
-             PreferDualStack (adds IPv4 where the cluster has an IPv4 service range) or recreate the Service with \
-             ipFamilies [IPv4]"
-        ))
-    } else {
-        None
-    };
-    if let Some(message) = refusal {
+    if policy == "RequireDualStack" && !missing.is_empty() {
+        let family = missing[0];
+        let message = format!(
+            "ipFamilyPolicy RequireDualStack (ipFamilies [{listed}]) cannot be satisfied: {}, so no LoadBalancer \
+             is created or changed; give the nodes {family} addresses or set ipFamilyPolicy to PreferDualStack \
+             (served over the families the nodes have)",
+            lacks(family)
+        );
         return Decision {
+            families: Vec::new(),
             endpoints: None,
             warnings: vec![Warning {
-                reason: reasons::IP_FAMILY_NOT_SUPPORTED,
+                reason: no_nodes_reason(family),
                 message: message.clone(),
             }],
             verdict: Verdict {
                 served_fully: false,
-                reason: reasons::IP_FAMILY_NOT_SUPPORTED,
+                reason: no_nodes_reason(family),
                 message,
             },
         };
     }
 
-    // Never IPv6 endpoints: the data plane could not reach them.
-    let endpoints = endpoints::endpoints_for(nodes.clone(), &[IPV4.into()]);
     let mut warnings = Vec::new();
-    if !unserved.is_empty() {
-        warnings.push(Warning {
-            reason: reasons::IP_FAMILY_NOT_SUPPORTED,
-            message: format!(
-                "ipFamilies [{listed}] (ipFamilyPolicy {policy}): {} not served yet; the load balancer forwards \
-                 IPv4 only and publishes only its IPv4 address",
-                unserved.join(", ")
-            ),
-        });
-    }
-    // Only an empty list needs explaining: with some IPv4 nodes, IPv6-only ones are left out like nodes
-    // without any address.
-    let ipv6_only = if endpoints.is_empty() {
-        endpoints::endpoints_for(nodes, &[IPV6.into()]).len()
+    let served: Vec<String> = if missing.len() < families.len() {
+        // Dual-stack with one family missing: served over the other, said so.
+        for family in &missing {
+            let others: Vec<&str> = families
+                .iter()
+                .map(String::as_str)
+                .filter(|f| !missing.contains(f))
+                .collect();
+            warnings.push(Warning {
+                reason: no_nodes_reason(family),
+                message: format!(
+                    "ipFamilies [{listed}] (ipFamilyPolicy {policy}): {family} not served: {}; served over {} \
+                     only until they do",
+                    lacks(family),
+                    others.join(" and ")
+                ),
+            });
+        }
+        families
+            .iter()
+            .filter(|f| !missing.contains(&f.as_str()))
+            .cloned()
+            .collect()
     } else {
-        0
+        // No node has any family the Service asks for: created without backends (the address is allocated and
+        // stays), said so, and the endpoints follow once the nodes get such addresses.
+        for family in &missing {
+            warnings.push(Warning {
+                reason: no_nodes_reason(family),
+                message: format!(
+                    "{} (only the other family): it has no backends until the nodes get {family} addresses",
+                    lacks(family)
+                ),
+            });
+        }
+        families.clone()
     };
-    if ipv6_only > 0 {
-        warnings.push(Warning {
-            reason: reasons::NO_IPV4_NODES,
-            message: format!(
-                "none of the {ipv6_only} node(s) that would receive traffic has an IPv4 InternalIP (IPv6 only) and \
-                 this load balancer forwards IPv4 only: it has no backends until the nodes get IPv4 addresses"
-            ),
-        });
-    }
+    let endpoints = endpoints::endpoints_for(nodes, &served);
     let verdict = match warnings.as_slice() {
         [] => Verdict {
             served_fully: true,
             reason: SERVED,
-            message: format!("ipFamilies [{listed}]: served over IPv4"),
+            message: format!(
+                "ipFamilies [{listed}]: served over {}",
+                served.join(" and ")
+            ),
         },
-        // No backends at all is the graver of the two: its reason, both messages.
         all => Verdict {
             served_fully: false,
             reason: all.last().expect("not empty").reason,
@@ -152,6 +180,7 @@ where
         },
     };
     Decision {
+        families: served,
         endpoints: Some(endpoints),
         warnings,
         verdict,
@@ -244,8 +273,12 @@ mod tests {
         d.warnings.iter().map(|w| w.reason).collect()
     }
 
+    fn v4_nodes() -> Vec<Node> {
+        vec![node("a", &["10.0.0.1"]), node("b", &["10.0.0.2"])]
+    }
+
     #[test]
-    fn ipv4_single_stack_is_served_with_ipv4_endpoints() {
+    fn single_stack_is_served_with_the_family_s_endpoints() {
         let nodes = dual_and_v6_nodes();
         for spec in [
             json!({"ipFamilies": ["IPv4"], "ipFamilyPolicy": "SingleStack"}),
@@ -254,6 +287,7 @@ mod tests {
             json!({"ipFamilies": []}),
         ] {
             let d = decide(&service(spec.clone()), &nodes);
+            assert_eq!(d.families, ["IPv4"], "{spec}");
             let endpoints = d.endpoints.expect("served");
             assert_eq!(endpoints.len(), 1, "{spec}: only the node with IPv4");
             assert_eq!(endpoints[0].addresses(), ["10.0.0.1"], "{spec}: no IPv6");
@@ -261,88 +295,126 @@ mod tests {
             assert!(d.verdict.served_fully);
             assert_eq!(d.verdict.reason, "Served");
         }
+        let d = decide(
+            &service(json!({"ipFamilies": ["IPv6"], "ipFamilyPolicy": "SingleStack"})),
+            &nodes,
+        );
+        assert_eq!(d.families, ["IPv6"]);
+        let endpoints = d.endpoints.expect("served");
+        assert_eq!(endpoints.len(), 2);
+        assert_eq!(endpoints[0].addresses(), ["fd00::1"], "no IPv4");
+        assert_eq!(endpoints[1].addresses(), ["fd00::2"]);
+        assert!(d.warnings.is_empty() && d.verdict.served_fully);
+        assert_eq!(d.verdict.message, "ipFamilies [IPv6]: served over IPv6");
     }
 
     #[test]
-    fn prefer_dual_stack_is_served_over_ipv4_with_a_warning() {
+    fn dual_stack_is_served_over_both_families_with_both_addresses() {
         let nodes = dual_and_v6_nodes();
-        for families in [json!(["IPv4", "IPv6"]), json!(["IPv6", "IPv4"])] {
+        for policy in ["PreferDualStack", "RequireDualStack"] {
+            for families in [json!(["IPv4", "IPv6"]), json!(["IPv6", "IPv4"])] {
+                let d = decide(
+                    &service(json!({"ipFamilies": families, "ipFamilyPolicy": policy})),
+                    &nodes,
+                );
+                assert_eq!(json!(d.families), families, "primary first");
+                let endpoints = d.endpoints.as_ref().expect("served");
+                assert_eq!(endpoints.len(), 2);
+                assert_eq!(endpoints[0].addresses(), ["10.0.0.1", "fd00::1"]);
+                assert_eq!(endpoints[1].addresses(), ["fd00::2"]);
+                assert!(d.warnings.is_empty(), "{:?}", d.warnings);
+                assert!(d.verdict.served_fully);
+                assert!(
+                    d.verdict.message.ends_with("served over IPv4 and IPv6")
+                        || d.verdict.message.ends_with("served over IPv6 and IPv4")
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn prefer_dual_stack_without_nodes_of_a_family_is_served_over_the_other_with_a_warning() {
+        let d = decide(
+            &service(json!({"ipFamilies": ["IPv4", "IPv6"], "ipFamilyPolicy": "PreferDualStack"})),
+            &v4_nodes(),
+        );
+        assert_eq!(d.families, ["IPv4"]);
+        let endpoints = d.endpoints.as_ref().expect("served");
+        assert_eq!(endpoints.len(), 2);
+        assert_eq!(reasons_of(&d), ["NoIPv6Nodes"]);
+        let message = &d.warnings[0].message;
+        assert!(
+            message.contains("IPv6 not served: no node that would receive traffic"),
+            "{message}"
+        );
+        assert!(message.contains("served over IPv4 only"), "{message}");
+        assert!(!d.verdict.served_fully);
+        assert_eq!(d.verdict.reason, "NoIPv6Nodes");
+        assert_eq!(&d.verdict.message, message);
+    }
+
+    #[test]
+    fn require_dual_stack_without_nodes_of_a_family_is_refused() {
+        for (nodes, family) in [
+            (v4_nodes(), "IPv6"),
+            (vec![node("a", &["fd00::1"])], "IPv4"),
+        ] {
             let d = decide(
-                &service(json!({"ipFamilies": families, "ipFamilyPolicy": "PreferDualStack"})),
+                &service(
+                    json!({"ipFamilies": ["IPv4", "IPv6"], "ipFamilyPolicy": "RequireDualStack"}),
+                ),
                 &nodes,
             );
-            let endpoints = d.endpoints.as_ref().expect("served");
-            assert_eq!(endpoints[0].addresses(), ["10.0.0.1"]);
-            assert_eq!(endpoints.len(), 1);
-            assert_eq!(reasons_of(&d), ["IPFamilyNotSupported"]);
-            assert!(d.warnings[0].message.contains("IPv6 not served yet"));
-            assert!(d.warnings[0]
-                .message
-                .contains("publishes only its IPv4 address"));
-            assert!(!d.verdict.served_fully);
-            assert_eq!(d.verdict.reason, "IPFamilyNotSupported");
-            assert_eq!(d.verdict.message, d.warnings[0].message);
-        }
-    }
-
-    #[test]
-    fn ipv6_single_stack_and_require_dual_stack_are_refused() {
-        let nodes = dual_and_v6_nodes();
-        let cases = [
-            (
-                json!({"ipFamilies": ["IPv6"], "ipFamilyPolicy": "SingleStack"}),
-                "without IPv4",
-            ),
-            (
-                json!({"ipFamilies": ["IPv6"], "ipFamilyPolicy": "PreferDualStack"}),
-                "without IPv4",
-            ),
-            (
-                json!({"ipFamilies": ["IPv4", "IPv6"], "ipFamilyPolicy": "RequireDualStack"}),
-                "RequireDualStack",
-            ),
-            (
-                json!({"ipFamilies": ["IPv6", "IPv4"], "ipFamilyPolicy": "RequireDualStack"}),
-                "RequireDualStack",
-            ),
-        ];
-        for (spec, says) in cases {
-            let d = decide(&service(spec.clone()), &nodes);
-            assert_eq!(d.endpoints, None, "{spec}: refused");
-            assert_eq!(reasons_of(&d), ["IPFamilyNotSupported"], "{spec}");
+            assert_eq!(
+                d.endpoints, None,
+                "refused, never an LB without {family} backends"
+            );
+            assert!(d.families.is_empty());
+            let reason = format!("No{family}Nodes");
+            assert_eq!(reasons_of(&d), [reason.as_str()]);
             let message = &d.warnings[0].message;
-            assert!(message.contains(says), "{spec}: {message}");
+            assert!(message.contains("RequireDualStack"), "{message}");
             assert!(
                 message.contains("no LoadBalancer is created or changed")
-                    && message.contains("ipFamilyPolicy to"),
-                "{spec}: says what happens and what to change: {message}"
+                    && message.contains("ipFamilyPolicy to PreferDualStack")
+                    && message.contains(&format!("has an {family} InternalIP")),
+                "says what happens and what to change: {message}"
             );
             assert!(!d.verdict.served_fully);
-            assert_eq!(d.verdict.reason, "IPFamilyNotSupported");
+            assert_eq!(d.verdict.reason, reason);
         }
+        // No nodes yet: nothing to decide by, served over both.
+        let none: [Node; 0] = [];
+        let d = decide(
+            &service(json!({"ipFamilies": ["IPv4", "IPv6"], "ipFamilyPolicy": "RequireDualStack"})),
+            &none,
+        );
+        assert_eq!(d.families, ["IPv4", "IPv6"]);
+        assert_eq!(d.endpoints, Some(vec![]));
+        assert!(d.verdict.served_fully);
     }
 
     #[test]
-    fn nodes_with_only_ipv6_are_a_warning_not_silence() {
+    fn single_stack_nodes_of_the_other_family_only_are_a_warning_not_silence() {
         let v6_only = [node("a", &["fd00::1"]), node("b", &["fd00::2"])];
         let d = decide(&service(json!({"ipFamilies": ["IPv4"]})), &v6_only);
         assert_eq!(d.endpoints, Some(vec![]), "created, without backends");
+        assert_eq!(d.families, ["IPv4"]);
         assert_eq!(reasons_of(&d), ["NoIPv4Nodes"]);
-        assert!(d.warnings[0].message.contains("none of the 2 node(s)"));
+        assert!(d.warnings[0]
+            .message
+            .contains("no node that would receive traffic has an IPv4 InternalIP"));
+        assert!(d.warnings[0]
+            .message
+            .contains("no backends until the nodes get IPv4 addresses"));
         assert!(!d.verdict.served_fully);
         assert_eq!(d.verdict.reason, "NoIPv4Nodes");
 
-        // Both problems: the graver reason, both messages.
-        let d = decide(
-            &service(json!({"ipFamilies": ["IPv4", "IPv6"], "ipFamilyPolicy": "PreferDualStack"})),
-            &v6_only,
-        );
-        assert_eq!(reasons_of(&d), ["IPFamilyNotSupported", "NoIPv4Nodes"]);
-        assert_eq!(d.verdict.reason, "NoIPv4Nodes");
-        assert!(d.verdict.message.contains("not served yet; the load"));
-        assert!(d.verdict.message.contains("; none of the 2 node(s)"));
+        let d = decide(&service(json!({"ipFamilies": ["IPv6"]})), &v4_nodes());
+        assert_eq!(d.endpoints, Some(vec![]));
+        assert_eq!(reasons_of(&d), ["NoIPv6Nodes"]);
 
-        // No nodes at all (a new cluster) or nodes without any InternalIP: nothing IPv6 to explain.
+        // No nodes at all (a new cluster) or nodes without any InternalIP: nothing to explain.
         let none: [Node; 0] = [];
         let d = decide(&service(json!({})), &none);
         assert!(d.warnings.is_empty() && d.verdict.served_fully);
@@ -396,14 +468,14 @@ mod tests {
 
         // Another status: a transition now.
         let refused = decide(
-            &service(json!({"ipFamilies": ["IPv6"]})),
-            &dual_and_v6_nodes(),
+            &service(json!({"ipFamilies": ["IPv4", "IPv6"], "ipFamilyPolicy": "RequireDualStack"})),
+            &v4_nodes(),
         )
         .verdict;
         let patch = condition_patch(&with_condition(stored.clone()), &refused, now).unwrap();
         let condition = &patch["status"]["conditions"][0];
         assert_eq!(condition["status"], "False");
-        assert_eq!(condition["reason"], "IPFamilyNotSupported");
+        assert_eq!(condition["reason"], "NoIPv6Nodes");
         assert_eq!(condition["lastTransitionTime"], "2025-01-02T03:04:05Z");
 
         assert_eq!(

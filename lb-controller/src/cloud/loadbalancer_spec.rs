@@ -33,6 +33,9 @@ pub struct InfrastructureDefaults {
     pub network_id: String,
     /// Subnet of the listener network (`SUBNET_ID`), optional.
     pub subnet_id: Option<String>,
+    /// IPv6 subnet of the listener network for dual-stack and IPv6 VIPs (`SUBNET_ID_V6`), optional: without it the
+    /// OpenStack side takes the network's only IPv6 subnet.
+    pub subnet_id_v6: Option<String>,
     /// Machine flavor (`FLAVOR_ID` / `FLAVOR_NAME` / `FLAVOR_SEARCH`).
     pub flavor: OpenstackFlavorRef,
     /// Machine image (`IMAGE_ID` / `IMAGE_NAME` / `IMAGE_SEARCH`).
@@ -132,11 +135,12 @@ pub mod reasons {
     /// The Service asks for PROXY protocol, which the data plane does not send yet: the load balancer is created
     /// and forwards, but the backends see the load balancer's address instead of the client's.
     pub const PROXY_PROTOCOL_NOT_SUPPORTED: &str = "ProxyProtocolNotSupported";
-    /// The Service asks for an IP family the data plane does not forward (IPv6): refused, or served over IPv4 only
+    /// No node that would receive traffic has an IPv4 InternalIP: a single-stack LoadBalancer has no backends, a
+    /// PreferDualStack one is served over IPv6 only, a RequireDualStack Service is refused
     /// ([`crate::cloud::ip_families`]).
-    pub const IP_FAMILY_NOT_SUPPORTED: &str = "IPFamilyNotSupported";
-    /// No node that would receive traffic has an IPv4 InternalIP: the LoadBalancer has no backends.
     pub const NO_IPV4_NODES: &str = "NoIPv4Nodes";
+    /// The same for IPv6 InternalIPs.
+    pub const NO_IPV6_NODES: &str = "NoIPv6Nodes";
 }
 
 /// A problem with a Service, reported as a Warning event on it.
@@ -236,8 +240,20 @@ pub fn desired_spec(
             ports: spec.ports.filter(|p| !p.is_empty()).map(with_protocol),
             infrastructure,
             options: Some(options),
+            // Set by the caller from the IP-family decision ([`ip_families_field`]).
+            ip_families: None,
         },
         warnings,
+    }
+}
+
+/// `spec.ipFamilies` of a LoadBalancer serving `families`: absent for IPv4 alone, so IPv4 LoadBalancers stay
+/// exactly what yawol writes (and existing ones see no diff).
+pub fn ip_families_field(families: &[String]) -> Option<Vec<String>> {
+    match families {
+        [] => None,
+        [only] if only == lb_api::IP_FAMILY_V4 => None,
+        all => Some(all.to_vec()),
     }
 }
 
@@ -278,6 +294,10 @@ fn infrastructure(
                 .then(|| defaults.subnet_id.clone())
                 .flatten()
         });
+    let subnet_id_v6 = network_override
+        .is_none()
+        .then(|| defaults.subnet_id_v6.clone())
+        .flatten();
     let floating_net_id = annotation(service, ann::FLOATING_NETWORK_ID)
         .unwrap_or(&defaults.floating_network_id)
         .to_string();
@@ -306,6 +326,7 @@ fn infrastructure(
             floating_net_id: Some(floating_net_id).filter(|s| !s.is_empty()),
             network_id,
             subnet_id: subnet_id.filter(|s| !s.is_empty()),
+            subnet_id_v6: subnet_id_v6.filter(|s| !s.is_empty()),
         },
         additional_networks: (!additional.is_empty()).then(|| {
             additional
@@ -495,17 +516,20 @@ fn is_cidr(text: &str) -> bool {
 
 /// The first ingress IP of the Service's status.
 pub fn service_ingress_ip(service: &Service) -> Option<&str> {
+    service_ingress_ips(service).into_iter().next()
+}
+
+/// Every ingress IP of the Service's status (one per served family).
+pub fn service_ingress_ips(service: &Service) -> Vec<&str> {
     service
         .status
-        .as_ref()?
-        .load_balancer
-        .as_ref()?
-        .ingress
-        .as_ref()?
-        .first()?
-        .ip
-        .as_deref()
-        .filter(|ip| !ip.is_empty())
+        .as_ref()
+        .and_then(|s| s.load_balancer.as_ref())
+        .and_then(|l| l.ingress.as_ref())
+        .into_iter()
+        .flatten()
+        .filter_map(|i| i.ip.as_deref().filter(|ip| !ip.is_empty()))
+        .collect()
 }
 
 /// A complete new LoadBalancer object for a Service.
@@ -554,9 +578,15 @@ pub fn protect_immutable(
         ));
         desired.infrastructure.project_id = current.infrastructure.project_id.clone();
     }
-    if let Some(assigned) = service_ingress_ip(service) {
+    let published = service_ingress_ips(service);
+    // The floating IP is one of the published addresses (the IPv6 one may come first).
+    if let Some(assigned) = published
+        .iter()
+        .find(|ip| !ip.contains(':'))
+        .or(published.first())
+    {
         if desired.existing_floating_ip != current.existing_floating_ip
-            && desired.existing_floating_ip.as_deref() != Some(assigned)
+            && desired.existing_floating_ip.as_deref() != Some(*assigned)
         {
             warnings.push(format!(
                 "annotation {} cannot be changed after the IP {assigned} was assigned; keeping {:?}",
@@ -619,6 +649,7 @@ mod tests {
             floating_network_id: "floating".into(),
             network_id: "net".into(),
             subnet_id: Some("subnet".into()),
+            subnet_id_v6: None,
             flavor: OpenstackFlavorRef::by_id("flavor"),
             image: OpenstackImageRef::by_id("image"),
             availability_zone: "az1".into(),

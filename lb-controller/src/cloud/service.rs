@@ -259,7 +259,8 @@ async fn apply(
             return Ok(Action::await_change());
         }
     };
-    let desired = loadbalancer_spec::desired_spec(service, endpoints, &ctx.config.defaults);
+    let mut desired = loadbalancer_spec::desired_spec(service, endpoints, &ctx.config.defaults);
+    desired.spec.ip_families = loadbalancer_spec::ip_families_field(&families.families);
     let mut warnings = desired.warnings;
     warnings.extend(families.warnings);
 

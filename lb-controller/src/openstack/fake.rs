@@ -17,6 +17,7 @@ struct State {
     security_groups: BTreeMap<String, SecurityGroup>,
     floating_ips: BTreeMap<String, FloatingIp>,
     ports: BTreeMap<String, Port>,
+    subnets: BTreeMap<String, Subnet>,
     server_groups: BTreeMap<String, ServerGroup>,
     servers: BTreeMap<String, Server>,
     /// Operation name (`create_floating_ip`) → errors to return, first first.
@@ -55,6 +56,25 @@ impl FakeCloud {
             .entry(operation.to_string())
             .or_default()
             .push(CloudError::new(kind, operation, message));
+    }
+
+    /// Adds a subnet to a network (the fake's addresses come from its CIDR's prefix: `2001:db8::/64` hands out
+    /// `2001:db8::<n>`).
+    pub fn add_subnet(&self, id: &str, network_id: &str, ip_version: u8, cidr: &str) {
+        self.state.lock().unwrap().subnets.insert(
+            id.to_string(),
+            Subnet {
+                id: id.to_string(),
+                network_id: network_id.to_string(),
+                ip_version,
+                cidr: cidr.to_string(),
+            },
+        );
+    }
+
+    /// A port as the fake holds it.
+    pub fn port(&self, id: &str) -> Option<Port> {
+        self.state.lock().unwrap().ports.get(id).cloned()
     }
 
     /// Status of servers created from now on.
@@ -442,6 +462,7 @@ impl Cloud for FakeCloud {
 
     async fn update_port(&self, id: &str, update: &PortUpdate) -> CloudResult<Port> {
         let mut st = self.enter("update_port")?;
+        let st = &mut *st;
         let port = st
             .ports
             .get_mut(id)
@@ -452,7 +473,50 @@ impl Cloud for FakeCloud {
         if let Some(p) = &update.allowed_address_pairs {
             port.allowed_address_pairs = p.clone();
         }
+        let Some(wanted) = &update.fixed_ips else {
+            return Ok(port.clone());
+        };
+        let mut fixed = Vec::new();
+        for request in wanted {
+            let ip_address = match &request.ip_address {
+                Some(ip) => ip.clone(),
+                None => {
+                    let Some(subnet) = st.subnets.get(&request.subnet_id) else {
+                        return Err(CloudError::new(
+                            CloudErrorKind::BadRequest,
+                            "updating port",
+                            format!("subnet {} not found", request.subnet_id),
+                        ));
+                    };
+                    let prefix = subnet.cidr.split('/').next().unwrap_or_default();
+                    let n = st.next_id % 250 + 1;
+                    st.next_id += 1;
+                    if subnet.ip_version == 6 {
+                        format!("{}::{n:x}", prefix.trim_end_matches(':'))
+                    } else {
+                        let base: Vec<&str> = prefix.split('.').take(3).collect();
+                        format!("{}.{n}", base.join("."))
+                    }
+                }
+            };
+            fixed.push(FixedIp {
+                ip_address,
+                subnet_id: request.subnet_id.clone(),
+            });
+        }
+        let port = st.ports.get_mut(id).expect("looked up above");
+        port.fixed_ips = fixed;
         Ok(port.clone())
+    }
+
+    async fn find_subnets(&self, network_id: &str, ip_version: u8) -> CloudResult<Vec<Subnet>> {
+        let st = self.enter("find_subnets")?;
+        Ok(st
+            .subnets
+            .values()
+            .filter(|s| s.network_id == network_id && s.ip_version == ip_version)
+            .cloned()
+            .collect())
     }
 
     async fn delete_port(&self, id: &str) -> CloudResult<()> {

@@ -119,6 +119,12 @@ pub trait Cloud: Send + Sync {
     ) -> impl Future<Output = CloudResult<Port>> + Send;
     /// Deletes a port.
     fn delete_port(&self, id: &str) -> impl Future<Output = CloudResult<()>> + Send;
+    /// The subnets of a network with IP version `ip_version` (4 or 6).
+    fn find_subnets(
+        &self,
+        network_id: &str,
+        ip_version: u8,
+    ) -> impl Future<Output = CloudResult<Vec<Subnet>>> + Send;
 
     /// Server groups named exactly `name`.
     fn find_server_groups(
@@ -149,7 +155,7 @@ pub trait Cloud: Send + Sync {
 pub struct OpenStackCallLabels {
     /// `neutron` or `nova`.
     pub api: String,
-    /// `floatingip`, `port`, `group`, `rule`, `server`, `servergroup`.
+    /// `floatingip`, `port`, `subnet`, `group`, `rule`, `server`, `servergroup`.
     pub object: String,
     /// `create`, `delete`, `get`, `list`, `update`.
     pub operation: String,

@@ -414,6 +414,32 @@ pub fn parse_port(what: &str, v: &Value) -> CloudResult<Port> {
     })
 }
 
+/// A Neutron subnet.
+#[doc(hidden)]
+pub fn parse_subnet(what: &str, v: &Value) -> CloudResult<Subnet> {
+    let f = Fields::of(what, "subnet", v)?;
+    let ip_version = match f.get("ip_version") {
+        Some(Value::Number(n)) if n.as_u64() == Some(4) || n.as_u64() == Some(6) => {
+            n.as_u64().unwrap_or_default() as u8
+        }
+        other => {
+            return Err(f.error(
+                "ip_version",
+                format!(
+                    "is {}, not 4 or 6",
+                    other.map_or("missing".into(), |v| v.to_string())
+                ),
+            ))
+        }
+    };
+    Ok(Subnet {
+        id: f.required("id")?,
+        network_id: f.required("network_id")?,
+        ip_version,
+        cidr: f.required("cidr")?,
+    })
+}
+
 /// A Nova server group.
 #[doc(hidden)]
 pub fn parse_server_group(what: &str, v: &Value) -> CloudResult<ServerGroup> {
@@ -736,7 +762,7 @@ impl Cloud for SdkCloud {
     }
 
     async fn update_port(&self, id: &str, update: &PortUpdate) -> CloudResult<Port> {
-        use neutron::port::set::{AllowedAddressPairsBuilder, PortBuilder};
+        use neutron::port::set::{AllowedAddressPairsBuilder, FixedIpsBuilder, PortBuilder};
         let what = "updating port";
         let mut b = PortBuilder::default();
         if let Some(groups) = &update.security_groups {
@@ -759,6 +785,21 @@ impl Cloud for SdkCloud {
                 .map_err(bad_request(what))?;
             b.allowed_address_pairs(pairs);
         }
+        if let Some(fixed) = &update.fixed_ips {
+            let fixed = fixed
+                .iter()
+                .map(|f| {
+                    let mut b = FixedIpsBuilder::default();
+                    b.subnet_id(f.subnet_id.as_str());
+                    if let Some(ip) = &f.ip_address {
+                        b.ip_address(ip.as_str());
+                    }
+                    b.build()
+                })
+                .collect::<Result<Vec<_>, _>>()
+                .map_err(bad_request(what))?;
+            b.fixed_ips(fixed);
+        }
         let req = neutron::port::set::Request::builder()
             .id(id)
             .port(b.build().map_err(bad_request(what))?)
@@ -766,6 +807,21 @@ impl Cloud for SdkCloud {
             .map_err(bad_request(what))?;
         let v = self.ask("neutron", "port", "update", what, req).await?;
         parse_port(what, &v)
+    }
+
+    async fn find_subnets(&self, network_id: &str, ip_version: u8) -> CloudResult<Vec<Subnet>> {
+        let what = "listing subnets";
+        let req = neutron::subnet::list::Request::builder()
+            .network_id(network_id)
+            .ip_version(i32::from(ip_version))
+            .build()
+            .map_err(bad_request(what))?;
+        let v = self.ask("neutron", "subnet", "list", what, req).await?;
+        // Filtered again: a server that ignores a query parameter must not hand us another network's subnet.
+        Ok(parse_list(what, &v, parse_subnet)?
+            .into_iter()
+            .filter(|s| s.network_id == network_id && s.ip_version == ip_version)
+            .collect())
     }
 
     async fn delete_port(&self, id: &str) -> CloudResult<()> {
@@ -1049,5 +1105,24 @@ mod tests {
             &json!({"id": "g", "name": "n", "policies": ["anti-affinity"]}),
         );
         assert_eq!(group.unwrap().policy, "anti-affinity");
+    }
+
+    #[test]
+    fn a_subnet_needs_its_ip_version() {
+        let subnet = parse_subnet(
+            "w",
+            &json!({"id": "s6", "network_id": "n", "ip_version": 6, "cidr": "2001:db8::/64"}),
+        )
+        .unwrap();
+        assert_eq!(subnet.ip_version, 6);
+        assert_eq!(subnet.cidr, "2001:db8::/64");
+        for bad in [json!(5), json!("6"), serde_json::Value::Null] {
+            let err = parse_subnet(
+                "w",
+                &json!({"id": "s", "network_id": "n", "ip_version": bad, "cidr": "10.0.0.0/8"}),
+            )
+            .unwrap_err();
+            assert!(err.message.contains("subnet.ip_version"), "{err}");
+        }
     }
 }

@@ -122,7 +122,7 @@ pub struct Port {
 }
 
 impl Port {
-    /// The address to use as VIP: the first IPv4 fixed IP, else the first one (dual-stack VIP is future work).
+    /// The address to use as (IPv4) VIP: the first IPv4 fixed IP, else the first one (an IPv6-only network).
     pub fn primary_ip(&self) -> Option<&str> {
         self.fixed_ips
             .iter()
@@ -130,6 +130,37 @@ impl Port {
             .or_else(|| self.fixed_ips.first())
             .map(|f| f.ip_address.as_str())
     }
+
+    /// The fixed IP the port has on `subnet_id`, if any.
+    pub fn ip_on_subnet(&self, subnet_id: &str) -> Option<&str> {
+        self.fixed_ips
+            .iter()
+            .find(|f| f.subnet_id == subnet_id)
+            .map(|f| f.ip_address.as_str())
+    }
+}
+
+/// A Neutron subnet (what choosing one for a fixed IP needs).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Subnet {
+    /// ID.
+    pub id: String,
+    /// Network.
+    pub network_id: String,
+    /// 4 or 6.
+    pub ip_version: u8,
+    /// CIDR.
+    pub cidr: String,
+}
+
+/// A fixed IP asked for in a port update: an existing one (both fields) or a new one from a subnet (`ip_address`
+/// `None`: Neutron picks the address).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct FixedIpRequest {
+    /// Subnet.
+    pub subnet_id: String,
+    /// Address; `None`: any free one of the subnet.
+    pub ip_address: Option<String>,
 }
 
 /// What to create a port with.
@@ -154,6 +185,8 @@ pub struct PortUpdate {
     pub security_groups: Option<Vec<String>>,
     /// New allowed address pairs.
     pub allowed_address_pairs: Option<Vec<String>>,
+    /// New fixed IPs (the whole list: an existing address left out is released).
+    pub fixed_ips: Option<Vec<FixedIpRequest>>,
 }
 
 /// A Nova server group.

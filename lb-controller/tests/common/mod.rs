@@ -50,6 +50,7 @@ pub fn defaults() -> InfrastructureDefaults {
         floating_network_id: "floating-net".into(),
         network_id: "cluster-net".into(),
         subnet_id: None,
+        subnet_id_v6: None,
         flavor: OpenstackFlavorRef::by_id("flavor-1"),
         image: OpenstackImageRef::by_id("image-1"),
         availability_zone: "az-1".into(),

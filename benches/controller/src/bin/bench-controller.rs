@@ -112,6 +112,7 @@ async fn main() -> anyhow::Result<()> {
                 floating_network_id: "floating".into(),
                 network_id: "net".into(),
                 subnet_id: None,
+                subnet_id_v6: None,
                 flavor: OpenstackFlavorRef::by_id("flavor"),
                 image: OpenstackImageRef::by_id("image"),
                 availability_zone: String::new(),

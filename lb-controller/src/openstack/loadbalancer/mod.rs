@@ -145,7 +145,7 @@ pub fn status_patch(s: &LoadBalancerStatus) -> Value {
     json!({"status": {
         "securityGroupID": s.security_group_id, "securityGroupName": s.security_group_name,
         "floatingID": s.floating_id, "floatingName": s.floating_name, "externalIP": s.external_ip,
-        "portID": s.port_id, "portName": s.port_name, "portIP": s.port_ip,
+        "portID": s.port_id, "portName": s.port_name, "portIP": s.port_ip, "portIPv6": s.port_ipv6,
         "serverGroupID": s.server_group_id, "serverGroupName": s.server_group_name,
         "lastOpenstackReconcile": s.last_openstack_reconcile, "openstackReconcileHash": s.openstack_reconcile_hash,
     }})

@@ -7,8 +7,8 @@
 //! or a 404 never makes this code forget it or allocate a different one (see [`ensure_floating_ip`]).
 
 use crate::openstack::{
-    Cloud, CloudError, CloudErrorKind, Direction, EtherType, FloatingIp, FloatingIpFilter, Port,
-    PortSpec, PortUpdate, RuleSpec, SecurityGroup,
+    Cloud, CloudError, CloudErrorKind, Direction, EtherType, FixedIpRequest, FloatingIp,
+    FloatingIpFilter, Port, PortSpec, PortUpdate, RuleSpec, SecurityGroup,
 };
 use kube::ResourceExt;
 use lb_api::constants::lb_annotations as annotations;
@@ -77,6 +77,12 @@ fn internal(lb: &LoadBalancer) -> bool {
         .as_ref()
         .and_then(|o| o.internal_lb)
         .unwrap_or(false)
+}
+
+/// No floating IP: internal load balancers, and IPv6-only ones (floating IPs are IPv4; the VIP port's IPv6 address
+/// is public as it is).
+fn without_floating_ip(lb: &LoadBalancer) -> bool {
+    internal(lb) || !lb.spec.wants_ipv4()
 }
 
 fn debug_enabled(lb: &LoadBalancer) -> bool {
@@ -274,7 +280,7 @@ pub fn rule_diff(group: &SecurityGroup, desired: &[RuleSpec]) -> (Vec<String>, V
 /// periodic resync.
 pub fn openstack_hash(lb: &LoadBalancer) -> String {
     let opts = lb.spec.options.clone().unwrap_or_default();
-    let input = serde_json::json!({
+    let mut input = serde_json::json!({
         "ports": lb.spec.ports,
         "sourceRanges": opts.load_balancer_source_ranges,
         "debug": lb.spec.debug_settings,
@@ -284,6 +290,10 @@ pub fn openstack_hash(lb: &LoadBalancer) -> String {
         "adHocDebug": lb.annotations().get(annotations::AD_HOC_DEBUG),
         "network": lb.spec.infrastructure.default_network,
     });
+    // Only when set: the hash of every IPv4 LoadBalancer stays what it was (no reconcile of all of them on upgrade).
+    if let Some(families) = &lb.spec.ip_families {
+        input["ipFamilies"] = serde_json::json!(families);
+    }
     let digest = sha2::Sha256::digest(input.to_string().as_bytes());
     digest.iter().take(8).map(|b| format!("{b:02x}")).collect()
 }
@@ -306,7 +316,10 @@ pub fn needs_openstack_reconcile(
     if status.openstack_reconcile_hash.as_deref() != Some(openstack_hash(lb).as_str()) {
         return true;
     }
-    if internal(lb) == status.floating_id.is_some() {
+    if without_floating_ip(lb) == status.floating_id.is_some() {
+        return true;
+    }
+    if lb.spec.wants_ipv6() != status.port_ipv6.is_some() {
         return true;
     }
     status.external_ip.is_none()
@@ -352,7 +365,20 @@ pub async fn reconcile<C: Cloud, S: StatusSink>(
     status.port_id = Some(port.id.clone());
     status.port_name = Some(name.clone());
     status.port_ip = port.primary_ip().map(str::to_string);
-    if internal(lb) {
+    let port = if lb.spec.wants_ipv6() {
+        let (port, ipv6) = ensure_vip_ipv6(cloud, lb, port)
+            .await
+            .map_err(step("port's IPv6 address"))?;
+        status.port_ipv6 = Some(ipv6);
+        port
+    } else {
+        // An IPv6 address the port keeps from before is no longer served: not published, not a VIP.
+        status.port_ipv6 = None;
+        port
+    };
+    if !lb.spec.wants_ipv4() {
+        status.external_ip = status.port_ipv6.clone();
+    } else if internal(lb) {
         status.external_ip = status.port_ip.clone();
     }
     sink.save(status).await.map_err(step("status"))?;
@@ -456,7 +482,7 @@ pub async fn ensure_floating_ip<C: Cloud>(
         .existing_floating_ip
         .clone()
         .filter(|s| !s.is_empty());
-    if internal(lb) {
+    if without_floating_ip(lb) {
         if let Some(id) = &status.floating_id {
             if existing.is_some() || annotation_true(lb, annotations::KEEP_FLOATING_IP) {
                 match cloud.set_floating_ip_port(id, None).await {
@@ -585,6 +611,91 @@ pub async fn ensure_vip_port<C: Cloud>(
         return cloud.update_port(&port.id, &update).await;
     }
     Ok(port)
+}
+
+/// The IPv6 subnet of the VIP: `defaultNetwork.subnetIDv6`, else the network's only IPv6 subnet (none or several
+/// are an error that says what to set).
+pub async fn ipv6_subnet<C: Cloud>(
+    cloud: &C,
+    lb: &LoadBalancer,
+    network_id: &str,
+) -> Result<String, CloudError> {
+    let net = &lb.spec.infrastructure.default_network;
+    if let Some(id) = net.subnet_id_v6.as_ref().filter(|s| !s.is_empty()) {
+        return Ok(id.clone());
+    }
+    let mut subnets = cloud.find_subnets(network_id, 6).await?;
+    subnets.sort_by(|a, b| a.id.cmp(&b.id));
+    match subnets.as_slice() {
+        [only] => Ok(only.id.clone()),
+        [] => Err(CloudError::new(
+            CloudErrorKind::BadRequest,
+            "choosing the IPv6 subnet of the VIP",
+            format!(
+                "network {network_id} has no IPv6 subnet, and spec.ipFamilies asks for IPv6: add one, or serve \
+                 IPv4 only"
+            ),
+        )),
+        several => Err(CloudError::new(
+            CloudErrorKind::BadRequest,
+            "choosing the IPv6 subnet of the VIP",
+            format!(
+                "network {network_id} has {} IPv6 subnets ({}): set spec.infrastructure.defaultNetwork.subnetIDv6 \
+                 (the controller's SUBNET_ID_V6) to the one for the VIP",
+                several.len(),
+                several
+                    .iter()
+                    .map(|s| format!("{} {}", s.id, s.cidr))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ),
+        )),
+    }
+}
+
+/// The VIP port with an IPv6 fixed IP from [`ipv6_subnet`] (added to its fixed IPs when missing, the existing ones
+/// kept), and that address: the IPv6 VIP and the load balancer's public IPv6 address.
+pub async fn ensure_vip_ipv6<C: Cloud>(
+    cloud: &C,
+    lb: &LoadBalancer,
+    port: Port,
+) -> Result<(Port, String), CloudError> {
+    let subnet = ipv6_subnet(cloud, lb, &port.network_id).await?;
+    if let Some(ip) = port.ip_on_subnet(&subnet) {
+        let ip = ip.to_string();
+        return Ok((port, ip));
+    }
+    let mut fixed: Vec<FixedIpRequest> = port
+        .fixed_ips
+        .iter()
+        .map(|f| FixedIpRequest {
+            subnet_id: f.subnet_id.clone(),
+            ip_address: Some(f.ip_address.clone()),
+        })
+        .collect();
+    fixed.push(FixedIpRequest {
+        subnet_id: subnet.clone(),
+        ip_address: None,
+    });
+    let update = PortUpdate {
+        fixed_ips: Some(fixed),
+        ..Default::default()
+    };
+    let port = cloud.update_port(&port.id, &update).await?;
+    match port.ip_on_subnet(&subnet) {
+        Some(ip) => {
+            let ip = ip.to_string();
+            Ok((port, ip))
+        }
+        None => Err(CloudError::new(
+            CloudErrorKind::Other,
+            "adding an IPv6 fixed IP to the VIP port",
+            format!(
+                "port {} has no address on subnet {subnet} after the update",
+                port.id
+            ),
+        )),
+    }
 }
 
 /// The server group with the requested policy (recreated when the policy differs: Nova cannot change it); without

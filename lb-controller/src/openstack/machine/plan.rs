@@ -109,9 +109,10 @@ pub fn machine_spec(lbm: &LoadBalancerMachine, lb: &LoadBalancer) -> Result<Mach
 pub fn inputs_hash(spec: &MachineSpec, lb: &LoadBalancer) -> u64 {
     let mut h = std::collections::hash_map::DefaultHasher::new();
     format!("{spec:?}").hash(&mut h);
+    // The IPv6 VIP too: an address added to the VIP port later must reach the allowed address pairs.
     lb.status
         .as_ref()
-        .and_then(|s| s.port_ip.clone())
+        .map(|s| (s.port_ip.clone(), s.port_ipv6.clone()))
         .hash(&mut h);
     h.finish()
 }

@@ -88,6 +88,7 @@ pub async fn ensure_vm_port<C: Cloud>(cloud: &C, spec: &MachineSpec) -> Result<P
         let update = PortUpdate {
             security_groups: Some(vec![spec.security_group_id.clone()]),
             allowed_address_pairs: Some(spec.vip_addresses.clone()),
+            fixed_ips: None,
         };
         return cloud.update_port(&port.id, &update).await;
     }

@@ -330,3 +330,129 @@ fn reconcile_needed_on_hash_change_and_resync() {
     l.spec.ports.as_mut().unwrap()[0].port = 8080;
     assert!(needs_openstack_reconcile(&l, now, resync));
 }
+
+fn with_families(mut l: LoadBalancer, families: &[&str]) -> LoadBalancer {
+    l.spec.ip_families = Some(families.iter().map(|f| f.to_string()).collect());
+    l
+}
+
+#[tokio::test]
+async fn dual_stack_vip_port_gets_an_ipv6_address_and_no_second_floating_ip() {
+    let cloud = FakeCloud::new();
+    cloud.add_subnet("v6-1", "net-1", 6, "2001:db8:1::/64");
+    cloud.add_subnet("v6-other-net", "net-2", 6, "2001:db8:2::/64");
+    let mut l = with_families(lb(""), &["IPv4", "IPv6"]);
+    run(&cloud, &mut l).await.unwrap();
+    let st = l.status.clone().unwrap();
+    let port = cloud.port(st.port_id.as_deref().unwrap()).unwrap();
+    assert_eq!(port.fixed_ips.len(), 2, "{port:?}");
+    let v6 = st.port_ipv6.clone().expect("IPv6 VIP in status");
+    assert!(v6.starts_with("2001:db8:1::"), "{v6}");
+    assert_eq!(port.ip_on_subnet("v6-1"), Some(v6.as_str()));
+    assert!(
+        !st.port_ip.as_deref().unwrap().contains(':'),
+        "portIP stays IPv4"
+    );
+    assert_eq!(cloud.floating_ips().len(), 1, "one floating IP, for IPv4");
+    assert_eq!(
+        st.external_ip.as_deref(),
+        Some(cloud.floating_ips()[0].address.as_str())
+    );
+    assert!(!needs_openstack_reconcile(
+        &l,
+        jiff::Timestamp::now(),
+        std::time::Duration::from_secs(300)
+    ));
+
+    // Steady state: no write.
+    cloud.clear_calls();
+    run(&cloud, &mut l).await.unwrap();
+    let writes: Vec<_> = cloud
+        .calls()
+        .into_iter()
+        .filter(|c| !c.starts_with("find_") && !c.starts_with("get_"))
+        .collect();
+    assert!(writes.is_empty(), "{writes:?}");
+
+    // IPv6 dropped: no longer published (the address stays on the port, unused).
+    l.spec.ip_families = None;
+    run(&cloud, &mut l).await.unwrap();
+    assert_eq!(l.status.as_ref().unwrap().port_ipv6, None);
+    delete(&cloud, &l).await.unwrap();
+    assert_eq!(cloud.counts(), (0, 0, 0, 0, 0), "nothing leaks");
+}
+
+#[tokio::test]
+async fn ipv6_is_added_to_an_existing_ipv4_vip_port() {
+    let cloud = FakeCloud::new();
+    cloud.add_subnet("v6-1", "net-1", 6, "2001:db8:1::/64");
+    let mut l = lb("");
+    run(&cloud, &mut l).await.unwrap();
+    let before = l.status.clone().unwrap();
+    assert_eq!(before.port_ipv6, None);
+    l.spec.ip_families = Some(vec!["IPv4".into(), "IPv6".into()]);
+    assert!(needs_openstack_reconcile(
+        &l,
+        jiff::Timestamp::now(),
+        std::time::Duration::from_secs(300)
+    ));
+    run(&cloud, &mut l).await.unwrap();
+    let st = l.status.clone().unwrap();
+    assert_eq!(st.port_id, before.port_id, "the same port");
+    assert_eq!(st.port_ip, before.port_ip, "its IPv4 address kept");
+    assert_eq!(st.floating_id, before.floating_id);
+    assert!(st.port_ipv6.is_some());
+    assert_eq!(cloud.ports()[0].fixed_ips.len(), 2);
+}
+
+#[tokio::test]
+async fn ipv6_only_has_no_floating_ip_and_the_ipv6_address_is_external() {
+    let cloud = FakeCloud::new();
+    cloud.add_subnet("v6-1", "net-1", 6, "2001:db8:1::/64");
+    let mut l = with_families(lb(""), &["IPv6"]);
+    run(&cloud, &mut l).await.unwrap();
+    let st = l.status.clone().unwrap();
+    assert_eq!(cloud.floating_ips().len(), 0);
+    assert_eq!(st.floating_id, None);
+    assert!(st.port_ipv6.is_some());
+    assert_eq!(st.external_ip, st.port_ipv6);
+
+    // From dual-stack to IPv6 only: our floating IP is released.
+    let cloud = FakeCloud::new();
+    cloud.add_subnet("v6-1", "net-1", 6, "2001:db8:1::/64");
+    let mut l = with_families(lb(""), &["IPv4", "IPv6"]);
+    run(&cloud, &mut l).await.unwrap();
+    assert_eq!(cloud.floating_ips().len(), 1);
+    l.spec.ip_families = Some(vec!["IPv6".into()]);
+    run(&cloud, &mut l).await.unwrap();
+    assert_eq!(cloud.floating_ips().len(), 0);
+    let st = l.status.clone().unwrap();
+    assert_eq!(st.external_ip, st.port_ipv6);
+}
+
+#[tokio::test]
+async fn ipv6_subnet_is_explicit_or_the_only_one_else_an_error_that_says_what_to_set() {
+    let cloud = FakeCloud::new();
+    let mut l = with_families(lb(""), &["IPv4", "IPv6"]);
+    let err = run(&cloud, &mut l).await.unwrap_err();
+    assert_eq!(err.step, "port's IPv6 address");
+    assert!(err.to_string().contains("has no IPv6 subnet"), "{err}");
+    let st = l.status.clone().unwrap();
+    assert!(st.port_id.is_some(), "the port is recorded, not leaked");
+    assert_eq!(st.port_ipv6, None);
+
+    cloud.add_subnet("v6-a", "net-1", 6, "2001:db8:a::/64");
+    cloud.add_subnet("v6-b", "net-1", 6, "2001:db8:b::/64");
+    let err = run(&cloud, &mut l).await.unwrap_err();
+    assert!(
+        err.to_string().contains("2 IPv6 subnets") && err.to_string().contains("subnetIDv6"),
+        "{err}"
+    );
+
+    l.spec.infrastructure.default_network.subnet_id_v6 = Some("v6-b".into());
+    run(&cloud, &mut l).await.unwrap();
+    let v6 = l.status.as_ref().unwrap().port_ipv6.clone().unwrap();
+    assert!(v6.starts_with("2001:db8:b::"), "{v6}");
+    delete(&cloud, &l).await.unwrap();
+    assert_eq!(cloud.counts(), (0, 0, 0, 0, 0));
+}
