@@ -19,32 +19,47 @@ use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::watch;
 
-/// The agent's configuration from its LoadBalancer: the VIP is `status.portIP` (`Pending` until the
-/// controller has created the port), services from the spec, generation = `metadata.generation`.
+/// The agent's configuration from its LoadBalancer: the VIPs are `status.portIP` (IPv4) and `status.portIPv6`
+/// (IPv6), each when `spec.ipFamilies` asks for its family (absent: IPv4 only, as yawol writes it); `Pending`
+/// until the controller has created the port with every wanted address; services from the spec, generation =
+/// `metadata.generation`.
 pub fn config_from_lb(lb: &LoadBalancer, health_check: &HealthCheckSpec) -> ConfigState {
     let generation = lb.metadata.generation.unwrap_or(0).max(0) as u64;
-    let port_ip = lb
-        .status
-        .as_ref()
-        .and_then(|s| s.port_ip.as_deref())
-        .map(str::trim)
-        .filter(|s| !s.is_empty());
-    let Some(port_ip) = port_ip else {
-        return ConfigState::Pending;
-    };
-    let vip: IpAddr = match port_ip.parse() {
-        Ok(ip) => ip,
-        Err(_) => {
-            return ConfigState::Invalid(
-                format!("status.portIP: {port_ip:?} is not an IP address"),
-                generation,
-            )
+    let status = lb.status.as_ref();
+    let wanted = [
+        (
+            "status.portIP",
+            lb.spec.wants_ipv4(),
+            status.and_then(|s| s.port_ip.as_deref()),
+        ),
+        (
+            "status.portIPv6",
+            lb.spec.wants_ipv6(),
+            status.and_then(|s| s.port_ipv6.as_deref()),
+        ),
+    ];
+    let mut vips = Vec::new();
+    for (field, wanted, value) in wanted {
+        if !wanted {
+            continue;
         }
-    };
+        let Some(value) = value.map(str::trim).filter(|s| !s.is_empty()) else {
+            return ConfigState::Pending;
+        };
+        match value.parse::<IpAddr>() {
+            Ok(ip) => vips.push((field.to_string(), ip)),
+            Err(_) => {
+                return ConfigState::Invalid(
+                    format!("{field}: {value:?} is not an IP address"),
+                    generation,
+                )
+            }
+        }
+    }
     // SNAT: `None` = the VIP, which lets a standby replica take over return traffic; the agent's
     // --snat-address overrides it in the agent loop.
     match desired(
-        &[("status.portIP".to_string(), vip)],
+        &vips,
         &[],
         lb.spec.ports(),
         lb.spec.endpoints(),
@@ -245,7 +260,9 @@ async fn publish(
     }
     match &state {
         ConfigState::Pending => {
-            tracing::info!("LoadBalancer has no status.portIP (VIP) yet; waiting")
+            tracing::info!(
+                "LoadBalancer has no VIP of a family it serves yet (status.portIP, status.portIPv6); waiting"
+            )
         }
         ConfigState::Valid(c, generation) => {
             tracing::info!(
@@ -291,6 +308,7 @@ mod tests {
     use crate::dataplane::model::Protocol;
     use lb_api::constants::API_VERSION;
     use serde_json::json;
+    use std::net::SocketAddr;
 
     #[test]
     fn ha_hints_come_from_the_loadbalancer_annotations() {
@@ -390,6 +408,56 @@ mod tests {
             HealthCheckSpec::default(),
             "health checks from the flags"
         );
+    }
+
+    /// The controller's dual-stack fields: both VIPs served when `spec.ipFamilies` names both, each with the
+    /// endpoints' addresses of its family; a wanted family without its address is still pending.
+    #[test]
+    fn dual_stack_serves_port_ip_and_port_ipv6() {
+        let spec = json!({
+            "ipFamilies": ["IPv4", "IPv6"],
+            "ports": [{"protocol": "TCP", "port": 443, "nodePort": 30443}],
+            "endpoints": [{"name": "n1", "addresses": ["10.0.0.1", "2001:db8::1"]}]
+        });
+        let l = lb(
+            json!({"status": {"portIP": "192.0.2.10", "portIPv6": "2001:db8::10"}, "spec": spec}),
+        );
+        let ConfigState::Valid(c, _) = config_from_lb(&l, &HealthCheckSpec::default()) else {
+            panic!("not valid")
+        };
+        let vips: Vec<(IpAddr, SocketAddr)> = c
+            .services
+            .iter()
+            .map(|s| (s.id.vip, s.backends[0]))
+            .collect();
+        assert_eq!(
+            vips,
+            vec![
+                (
+                    "192.0.2.10".parse().unwrap(),
+                    "10.0.0.1:30443".parse().unwrap()
+                ),
+                (
+                    "2001:db8::10".parse().unwrap(),
+                    "[2001:db8::1]:30443".parse().unwrap()
+                ),
+            ]
+        );
+        let l = lb(json!({"status": {"portIP": "192.0.2.10"}, "spec": spec}));
+        assert!(matches!(
+            config_from_lb(&l, &HealthCheckSpec::default()),
+            ConfigState::Pending
+        ));
+        // IPv6 only: the IPv4 port address exists but is not served.
+        let mut v6only = spec.clone();
+        v6only["ipFamilies"] = json!(["IPv6"]);
+        let l = lb(
+            json!({"status": {"portIP": "192.0.2.10", "portIPv6": "2001:db8::10"}, "spec": v6only}),
+        );
+        let ConfigState::Valid(c, _) = config_from_lb(&l, &HealthCheckSpec::default()) else {
+            panic!("not valid")
+        };
+        assert_eq!(c.vips(), vec!["2001:db8::10".parse::<IpAddr>().unwrap()]);
     }
 
     #[test]
