@@ -85,6 +85,7 @@ async fn run_controller(args: cli::RunArgs) -> anyhow::Result<()> {
             classes: args.class_filter(),
             resync: args.resync(),
             deletion_poll: Duration::from_secs(5),
+            serve_ipv6: args.serve_ipv6,
         },
         event_max_age: Duration::from_secs(args.event_max_age),
         event_component: "lb-cloud-controller".into(),

@@ -295,6 +295,12 @@ fn checked(
                 }
             }
         }
+        if vip.is_ipv6() && !lb_common::IPV6_FORWARDING {
+            warnings.push(format!(
+                "{field}: IPv6 VIP {vip} is programmed but this data plane does not forward IPv6 yet: IPv6 \
+                 clients get no service"
+            ));
+        }
         if !source_ranges.is_empty()
             && !source_ranges
                 .iter()
@@ -481,7 +487,7 @@ impl TryFrom<&LocalConfig> for DesiredConfig {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use std::time::Duration;
 
@@ -678,7 +684,7 @@ options:
             "{:?}",
             d.warnings
         );
-        assert_eq!(d.warnings.len(), 2, "{:?}", d.warnings);
+        assert_eq!(d.warnings.len(), 2 + ipv6_gap(), "{:?}", d.warnings);
         // Both families' ranges go to every service; the programmer writes the VIP's family's.
         assert_eq!(v6.source_ranges, v4.source_ranges);
     }
@@ -694,7 +700,12 @@ options:
             d.services[0].backends,
             vec!["[2001:db8::11]:30443".parse().unwrap()]
         );
-        assert!(d.warnings.is_empty());
+        assert_eq!(d.warnings.len(), ipv6_gap(), "{:?}", d.warnings);
+    }
+
+    /// The warning per IPv6 VIP while the data plane does not forward IPv6 (see `lb_common::IPV6_FORWARDING`).
+    pub(crate) fn ipv6_gap() -> usize {
+        usize::from(!lb_common::IPV6_FORWARDING)
     }
 
     #[test]

@@ -19,6 +19,10 @@
 //! served over every family it asks for: the endpoints follow when nodes come. A single-stack Service whose
 //! nodes have only the other family gets its LoadBalancer anyway (address allocated, stable) plus a
 //! `NoIPv4Nodes`/`NoIPv6Nodes` Warning, instead of silently zero backends.
+//!
+//! All of this once IPv6 is served at all (`serve_ipv6`, the controller's `--serve-ipv6`): until the load
+//! balancers' image forwards IPv6 it is off, and a Service asking for IPv6 is told so (`IPFamilyNotSupported`):
+//! PreferDualStack is served over IPv4 only, IPv6-only and RequireDualStack are refused.
 
 use k8s_openapi::api::core::v1::{Node, Service};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
@@ -67,8 +71,8 @@ fn no_nodes_reason(family: &str) -> &'static str {
     }
 }
 
-/// Decides for `service` given the cluster's `nodes` (see the module docs).
-pub fn decide<'a, I>(service: &Service, nodes: I) -> Decision
+/// Decides for `service` given the cluster's `nodes`, serving IPv6 only with `serve_ipv6` (see the module docs).
+pub fn decide<'a, I>(service: &Service, nodes: I, serve_ipv6: bool) -> Decision
 where
     I: IntoIterator<Item = &'a Node> + Clone,
 {
@@ -83,6 +87,37 @@ where
         .and_then(|s| s.ip_family_policy.as_deref())
         .unwrap_or("SingleStack");
     let listed = families.join(", ");
+    let mut warnings = Vec::new();
+    if !serve_ipv6 && families.iter().any(|f| f == IPV6) {
+        let why = "this installation does not serve IPv6 yet (the controller's --serve-ipv6 is off until the \
+                   load balancers' image forwards IPv6)";
+        if policy == "RequireDualStack" || !families.iter().any(|f| f == IPV4) {
+            let message = format!(
+                "ipFamilies [{listed}] (ipFamilyPolicy {policy}) cannot be served: {why}, so no LoadBalancer is \
+                 created or changed; set ipFamilies to [IPv4], or ipFamilyPolicy to PreferDualStack"
+            );
+            return Decision {
+                families: Vec::new(),
+                endpoints: None,
+                warnings: vec![Warning {
+                    reason: reasons::IP_FAMILY_NOT_SUPPORTED,
+                    message: message.clone(),
+                }],
+                verdict: Verdict {
+                    served_fully: false,
+                    reason: reasons::IP_FAMILY_NOT_SUPPORTED,
+                    message,
+                },
+            };
+        }
+        warnings.push(Warning {
+            reason: reasons::IP_FAMILY_NOT_SUPPORTED,
+            message: format!(
+                "ipFamilies [{listed}] (ipFamilyPolicy {policy}): IPv6 not served: {why}; served over IPv4 only"
+            ),
+        });
+        families.retain(|f| f == IPV4);
+    }
 
     // Only nodes that would receive traffic count (ready, not terminating), and only when there are some: a
     // cluster without nodes yet gets every family it asks for.
@@ -121,7 +156,6 @@ where
         };
     }
 
-    let mut warnings = Vec::new();
     let served: Vec<String> = if missing.len() < families.len() {
         // Dual-stack with one family missing: served over the other, said so.
         for family in &missing {
@@ -237,6 +271,14 @@ pub fn condition_removal(service: &Service) -> Option<Value> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The decisions once IPv6 is served (the gate itself: `ipv6_is_refused_or_narrowed_until_served`).
+    fn decide<'a, I>(service: &Service, nodes: I) -> Decision
+    where
+        I: IntoIterator<Item = &'a Node> + Clone,
+    {
+        super::decide(service, nodes, true)
+    }
 
     fn service(spec: Value) -> Service {
         let mut svc = json!({
@@ -487,5 +529,37 @@ mod tests {
         let other = with_condition(json!({"type": "Other", "status": "True", "reason": "R",
             "message": "", "lastTransitionTime": "2024-01-01T00:00:00Z"}));
         assert_eq!(condition_removal(&other), None);
+    }
+
+    #[test]
+    fn ipv6_is_refused_or_narrowed_until_served() {
+        let gated = |spec: Value| super::decide(&service(spec), &dual_and_v6_nodes(), false);
+        // PreferDualStack: IPv4 only, said so.
+        let d = gated(json!({"ipFamilies": ["IPv6", "IPv4"], "ipFamilyPolicy": "PreferDualStack"}));
+        assert_eq!(d.families, vec![IPV4.to_string()]);
+        assert!(d.endpoints.as_ref().unwrap().iter().all(|e| e
+            .addresses
+            .iter()
+            .flatten()
+            .all(|a| !a.contains(':'))));
+        assert_eq!(d.verdict.reason, reasons::IP_FAMILY_NOT_SUPPORTED);
+        assert!(!d.verdict.served_fully);
+        assert!(
+            d.warnings[0].message.contains("--serve-ipv6"),
+            "{:?}",
+            d.warnings
+        );
+        // IPv6 only and RequireDualStack: refused, nothing created or changed.
+        for spec in [
+            json!({"ipFamilies": ["IPv6"]}),
+            json!({"ipFamilies": ["IPv4", "IPv6"], "ipFamilyPolicy": "RequireDualStack"}),
+        ] {
+            let d = gated(spec);
+            assert_eq!((d.families.len(), d.endpoints.is_none()), (0, true));
+            assert_eq!(d.warnings[0].reason, reasons::IP_FAMILY_NOT_SUPPORTED);
+        }
+        // IPv4 alone is untouched by the gate.
+        let d = gated(json!({"ipFamilies": ["IPv4"]}));
+        assert!(d.verdict.served_fully && d.warnings.is_empty());
     }
 }

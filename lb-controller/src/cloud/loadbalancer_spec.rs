@@ -141,6 +141,9 @@ pub mod reasons {
     pub const NO_IPV4_NODES: &str = "NoIPv4Nodes";
     /// The same for IPv6 InternalIPs.
     pub const NO_IPV6_NODES: &str = "NoIPv6Nodes";
+    /// The Service asks for IPv6 and this installation does not serve it (the controller's `--serve-ipv6` is off):
+    /// a PreferDualStack Service is served over IPv4 only, an IPv6-only or RequireDualStack one is refused.
+    pub const IP_FAMILY_NOT_SUPPORTED: &str = "IPFamilyNotSupported";
 }
 
 /// A problem with a Service, reported as a Warning event on it.

@@ -42,6 +42,9 @@ pub struct Config {
     pub resync: Duration,
     /// Poll interval while waiting for a LoadBalancer to be deleted.
     pub deletion_poll: Duration,
+    /// Serve the IPv6 part of Services (`--serve-ipv6`). Off until the load balancers' image forwards IPv6:
+    /// IPv6 is then refused or narrowed to IPv4 with an Event and a condition ([`ip_families::decide`]).
+    pub serve_ipv6: bool,
 }
 
 /// Shared state of the Service controller.
@@ -245,7 +248,11 @@ async fn apply(
     }
 
     let nodes = ctx.nodes.state();
-    let families = ip_families::decide(service, nodes.iter().map(|n| n.as_ref()));
+    let families = ip_families::decide(
+        service,
+        nodes.iter().map(|n| n.as_ref()),
+        ctx.config.serve_ipv6,
+    );
     write_condition(service, ctx, &families.verdict).await?;
     let errors = loadbalancer_spec::validate_service(service);
     let endpoints = match families.endpoints {

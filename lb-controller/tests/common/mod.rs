@@ -65,6 +65,8 @@ pub fn run_config(classes: ClassFilter) -> RunConfig {
             classes,
             resync: Duration::from_secs(600),
             deletion_poll: Duration::from_millis(50),
+            // The tests cover the controller's IPv6 behaviour; the gate itself is a unit test of `ip_families`.
+            serve_ipv6: true,
         },
         event_max_age: Duration::from_secs(300),
         event_component: "lb-cloud-controller".into(),

@@ -482,7 +482,7 @@ mod tests {
         );
         assert_eq!(
             c.warnings.len(),
-            1,
+            1 + crate::source::config::tests::ipv6_gap(),
             "n1 has no IPv6 address: {:?}",
             c.warnings
         );
