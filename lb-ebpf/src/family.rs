@@ -145,3 +145,39 @@ pub fn diff128(old: &In6, new: &In6) -> u32 {
         csum::add(csum::diff32(old[2], new[2]), csum::diff32(old[3], new[3])),
     )
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    /// One's-complement sum of `b` (network-order 16-bit words), folded.
+    fn sum(b: &[u8]) -> u16 {
+        let mut s: u32 = b
+            .chunks(2)
+            .map(|c| u16::from_be_bytes([c[0], c[1]]) as u32)
+            .sum();
+        while s > 0xffff {
+            s = (s & 0xffff) + (s >> 16);
+        }
+        s as u16
+    }
+
+    fn words(b: &[u8; 16]) -> In6 {
+        core::array::from_fn(|i| u32::from_ne_bytes(b[i * 4..i * 4 + 4].try_into().unwrap()))
+    }
+
+    proptest! {
+        /// A checksum over an IPv6 address, updated with `diff128`, equals one computed over the new address.
+        #[test]
+        fn an_address_delta_matches_a_full_checksum(old in any::<[u8; 16]>(), new in any::<[u8; 16]>()) {
+            let ck = !sum(&old);
+            let updated = csum::apply(u16::from_ne_bytes(ck.to_be_bytes()), diff128(&words(&old), &words(&new)));
+            let full = (!sum(&new)).to_be_bytes();
+            let got = updated.to_ne_bytes();
+            // 0x0000 and 0xffff are the same one's-complement number.
+            prop_assert!(got == full || (got.iter().all(|b| *b == 0) && full.iter().all(|b| *b == 0xff))
+                || (got.iter().all(|b| *b == 0xff) && full.iter().all(|b| *b == 0)), "{got:02x?} vs {full:02x?}");
+        }
+    }
+}
