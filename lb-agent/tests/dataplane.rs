@@ -1510,3 +1510,35 @@ fn the_traced_programs_pass_the_verifier() {
         .unwrap();
     eprintln!("both traced programs verified in {:?}", t.elapsed());
 }
+
+/// Every program of the object passes this kernel's verifier; prints how many instructions it walked (the budget
+/// is a million). `LB_OBJECT_FILE` points it at another object (to compare builds).
+#[test]
+fn verified_instruction_counts() {
+    let obj = std::env::var("LB_OBJECT_FILE")
+        .ok()
+        .map(|f| std::fs::read(f).unwrap());
+    let sizes = test_sizes();
+    let mut dp = match &obj {
+        Some(o) => lb_agent::dataplane::Dataplane::load_object(o, &sizes, None),
+        None => lb_agent::dataplane::Dataplane::load(&sizes, None),
+    }
+    .expect("loading the data plane (root needed)");
+    let only = std::env::var("LB_PROGRAMS").unwrap_or_default();
+    for (name, xdp) in lb_agent::dataplane::PROGRAMS {
+        if !only.is_empty() && !only.split(',').any(|p| p == *name) {
+            continue;
+        }
+        let t = std::time::Instant::now();
+        let info = if *xdp {
+            dp.xdp_program(name).unwrap().info().unwrap()
+        } else {
+            dp.tc_program_named(name).unwrap().info().unwrap()
+        };
+        eprintln!(
+            "{name}: {} verified instructions ({:?})",
+            info.verified_instruction_count().unwrap_or(0),
+            t.elapsed()
+        );
+    }
+}

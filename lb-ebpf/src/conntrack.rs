@@ -4,16 +4,16 @@
 
 use aya_ebpf::bindings::BPF_NOEXIST;
 use lb_common::{
-    stat, Config, FlowEventV4, FlowKeyV4, FlowV4, Service, TransientV4, CFG_F_SYNC_EVENTS,
-    FLOW_EV_CLOSE, FLOW_EV_NEW, FLOW_F_FIN, FLOW_F_RST, FLOW_F_SYNCED, PROTO_TCP,
-    TCP_CLOSING_TIMEOUT_S,
+    stat, Config, Flow, FlowEvent, FlowKey, Service, Transient, CFG_F_SYNC_EVENTS, FLOW_EV_CLOSE,
+    FLOW_EV_NEW, FLOW_F_FIN, FLOW_F_RST, FLOW_F_SYNCED, PROTO_TCP, TCP_CLOSING_TIMEOUT_S,
 };
 
 use crate::{
     ctx::{Ctx, Verdict},
+    family::Family,
     hdr::{TCP_FIN, TCP_RST},
     klog,
-    maps::{count, with_service_stats, FLOWS_V4, FLOW_EVENTS, SCRATCH, TRANSIENT_V4},
+    maps::{count, with_service_stats},
     nat::{forward, Target},
     packet::L4Pkt,
     snat::alloc_snat_port,
@@ -26,19 +26,19 @@ const NS_PER_S: u64 = 1_000_000_000;
 // New entries go into the map by reference to their scratch slot: a copy would land on the BPF stack.
 #[allow(clippy::needless_borrows_for_generic_args)]
 #[inline(always)]
-pub fn open<C: Ctx>(
+pub fn open<C: Ctx, F: Family>(
     c: &C,
     cfg: &Config,
-    p: &L4Pkt,
+    p: &L4Pkt<F>,
     svc: &Service,
-    t: &Target,
-    reopen: Option<*const FlowV4>,
+    t: &Target<F::A>,
+    reopen: Option<*const Flow<F::A>>,
     now: u64,
 ) -> Verdict {
     let (key, proto) = (p.key, p.key.proto);
     // Both entries are built in per-CPU scratch space: on the stack they would push the program past what older
     // kernels' verifiers accept (see `maps::SCRATCH`).
-    let (Some(rs), Some(fs)) = (SCRATCH.get_ptr_mut(0), SCRATCH.get_ptr_mut(1)) else {
+    let (Some(rs), Some(fs)) = (F::scratch().get_ptr_mut(0), F::scratch().get_ptr_mut(1)) else {
         count(stat::DROP_FLOW_INSERT);
         return Verdict::Drop;
     };
@@ -52,7 +52,7 @@ pub fn open<C: Ctx>(
         |_| false,
         |rkey, csum_port| {
             unsafe { (*rs).flow.csum_port = csum_port };
-            FLOWS_V4
+            F::flows()
                 .insert(rkey, unsafe { &(*rs).flow }, BPF_NOEXIST as u64)
                 .is_ok()
         },
@@ -67,15 +67,15 @@ pub fn open<C: Ctx>(
     let rkey = fwd.partner_key(proto);
     if let Some(old) = reopen {
         // The previous connection on this client port is over: release its reverse entry (and port).
-        let _ = FLOWS_V4.remove(unsafe { &*old }.partner_key(proto));
+        let _ = F::flows().remove(unsafe { &*old }.partner_key(proto));
     }
-    if FLOWS_V4.insert(key, fwd, 0).is_err() {
-        let _ = FLOWS_V4.remove(rkey);
+    if F::flows().insert(key, fwd, 0).is_err() {
+        let _ = F::flows().remove(rkey);
         count(stat::DROP_FLOW_INSERT);
         klog::flow_insert_failed(svc.id, now);
         return Verdict::Drop;
     }
-    established_new(cfg, &key, fwd, rev);
+    established_new::<F>(cfg, &key, fwd, rev);
     forward(c, p, fwd)
 }
 
@@ -83,11 +83,17 @@ pub fn open<C: Ctx>(
 /// tracked, rewritten. A connection that this packet closes (RST, or the second FIN) leaves `FLOWS_V4` for
 /// `TRANSIENT_V4`, where its last segments still find it.
 #[inline(always)]
-pub fn established<C: Ctx>(c: &C, cfg: &Config, p: &L4Pkt, fl: &mut FlowV4, now: u64) -> Verdict {
-    let closed = track(cfg, &p.key, fl, p.key.proto, p.tcp_flags, now);
+pub fn established<C: Ctx, F: Family>(
+    c: &C,
+    cfg: &Config,
+    p: &L4Pkt<F>,
+    fl: &mut Flow<F::A>,
+    now: u64,
+) -> Verdict {
+    let closed = track::<F>(cfg, &p.key, fl, p.key.proto, p.tcp_flags, now);
     let v = forward(c, p, fl);
     if closed {
-        retire(&p.key, fl);
+        retire::<F>(&p.key, fl);
     }
     v
 }
@@ -95,19 +101,29 @@ pub fn established<C: Ctx>(c: &C, cfg: &Config, p: &L4Pkt, fl: &mut FlowV4, now:
 /// Counts a flow that entered `FLOWS_V4` (a completed TCP handshake or a new UDP flow) and publishes it for the
 /// peers' connection-state sync.
 #[inline(always)]
-pub fn established_new(cfg: &Config, key: &FlowKeyV4, fwd: &FlowV4, rev: &FlowV4) {
+pub fn established_new<F: Family>(
+    cfg: &Config,
+    key: &FlowKey<F::A>,
+    fwd: &Flow<F::A>,
+    rev: &Flow<F::A>,
+) {
     count(stat::NEW_FLOWS);
     with_service_stats(fwd.svc_id, |s| s.new_flows += 1);
     if cfg.flags & CFG_F_SYNC_EVENTS != 0 {
-        publish(FLOW_EV_NEW, key, fwd, Some(rev));
+        publish::<F>(FLOW_EV_NEW, key, fwd, Some(rev));
     }
 }
 
 /// Puts a flow event on the sync ring buffer; a full buffer only costs a counter (the agent's periodic refresh
 /// carries the flow to the peers later).
 #[inline(always)]
-pub fn publish(kind: u8, key: &FlowKeyV4, fl: &FlowV4, rev: Option<&FlowV4>) {
-    let Some(mut e) = FLOW_EVENTS.reserve::<FlowEventV4>(0) else {
+pub fn publish<F: Family>(
+    kind: u8,
+    key: &FlowKey<F::A>,
+    fl: &Flow<F::A>,
+    rev: Option<&Flow<F::A>>,
+) {
+    let Some(mut e) = F::flow_events().reserve::<FlowEvent<F::A>>(0) else {
         count(stat::SYNC_EVENTS_LOST);
         return;
     };
@@ -121,7 +137,7 @@ pub fn publish(kind: u8, key: &FlowKeyV4, fl: &FlowV4, rev: Option<&FlowV4>) {
         (*p).fwd = *fl;
         (*p).rev = match rev {
             Some(r) => *r,
-            None => FlowV4::default(),
+            None => Flow::default(),
         };
     }
     e.submit(0);
@@ -130,10 +146,10 @@ pub fn publish(kind: u8, key: &FlowKeyV4, fl: &FlowV4, rev: Option<&FlowV4>) {
 /// Updates a flow entry's timestamp (at most once a second, to spare the shared cache line) and TCP state.
 /// Returns whether this packet closed the connection: a RST, or a FIN when the other direction already sent one.
 #[inline(always)]
-fn track(
+fn track<F: Family>(
     cfg: &Config,
-    key: &FlowKeyV4,
-    fl: &mut FlowV4,
+    key: &FlowKey<F::A>,
+    fl: &mut Flow<F::A>,
     proto: u8,
     tcp_flags: u8,
     now: u64,
@@ -149,9 +165,9 @@ fn track(
         return false;
     };
     if cfg.flags & CFG_F_SYNC_EVENTS != 0 {
-        publish(FLOW_EV_CLOSE, key, fl, None);
+        publish::<F>(FLOW_EV_CLOSE, key, fl, None);
     }
-    let Some(p) = FLOWS_V4.get_ptr_mut(fl.partner_key(proto)) else {
+    let Some(p) = F::flows().get_ptr_mut(fl.partner_key(proto)) else {
         // The other direction is gone (evicted, or a peer's flow without it): nothing else will close it.
         return true;
     };
@@ -168,7 +184,7 @@ fn track(
 /// Records a FIN or RST (from `tcp_flags`) on an entry the first time one arrives in its direction: the flag
 /// bit, the service's closed-flow counter, and the closing timeout. Returns the bit that was newly set.
 #[inline(always)]
-pub fn close_bit(fl: &mut FlowV4, tcp_flags: u8, now: u64) -> Option<u8> {
+pub fn close_bit<A: lb_common::FlowAddr>(fl: &mut Flow<A>, tcp_flags: u8, now: u64) -> Option<u8> {
     let bit = if tcp_flags & TCP_RST != 0 {
         FLOW_F_RST
     } else if tcp_flags & TCP_FIN != 0 {
@@ -189,10 +205,10 @@ pub fn close_bit(fl: &mut FlowV4, tcp_flags: u8, now: u64) -> Option<u8> {
 /// Whether a forward entry's connection is idle (see `FlowV4::connection_idle`): the data plane then treats it as
 /// gone.
 #[inline(always)]
-pub fn expired(fl: &FlowV4, proto: u8, now: u64) -> bool {
+pub fn expired<F: Family>(fl: &Flow<F::A>, proto: u8, now: u64) -> bool {
     // SAFETY: a value of the map, valid under RCU for this program run.
     fl.connection_idle(now, || {
-        FLOWS_V4
+        F::flows()
             .get_ptr(fl.partner_key(proto))
             .map(|p| unsafe { &*p })
     })
@@ -200,14 +216,14 @@ pub fn expired(fl: &FlowV4, proto: u8, now: u64) -> bool {
 
 /// Per-CPU scratch slot `i` holding `flow` as a closed connection's entry (see `maps::SCRATCH`).
 #[inline(always)]
-fn scratch(i: u32, flow: &FlowV4) -> Option<*mut TransientV4> {
-    let e = SCRATCH.get_ptr_mut(i)?;
+fn scratch<F: Family>(i: u32, flow: &Flow<F::A>) -> Option<*mut Transient<F::A>> {
+    let e = F::scratch().get_ptr_mut(i)?;
     // SAFETY: this CPU's slot; nothing else runs on it while this program does.
     unsafe {
         (*e).flow = *flow;
         (*e).ack_be = 0;
         (*e)._pad = 0;
-        (*e).fwd = FlowV4::default();
+        (*e).fwd = Flow::default();
     }
     Some(e)
 }
@@ -218,16 +234,16 @@ fn scratch(i: u32, flow: &FlowV4) -> Option<*mut TransientV4> {
 // Entries go into the map by reference to their scratch slot: a copy would land on the BPF stack.
 #[allow(clippy::needless_borrows_for_generic_args)]
 #[inline(always)]
-pub fn retire(key: &FlowKeyV4, fl: &FlowV4) {
+pub fn retire<F: Family>(key: &FlowKey<F::A>, fl: &Flow<F::A>) {
     let pkey = fl.partner_key(key.proto);
-    if let Some(pp) = FLOWS_V4.get_ptr(pkey) {
-        if let Some(e) = scratch(0, unsafe { &*pp }) {
-            let _ = TRANSIENT_V4.insert(pkey, unsafe { &*e }, 0);
+    if let Some(pp) = F::flows().get_ptr(pkey) {
+        if let Some(e) = scratch::<F>(0, unsafe { &*pp }) {
+            let _ = F::transient().insert(pkey, unsafe { &*e }, 0);
         }
     }
-    if let Some(e) = scratch(1, fl) {
-        let _ = TRANSIENT_V4.insert(key, unsafe { &*e }, 0);
+    if let Some(e) = scratch::<F>(1, fl) {
+        let _ = F::transient().insert(key, unsafe { &*e }, 0);
     }
-    let _ = FLOWS_V4.remove(key);
-    let _ = FLOWS_V4.remove(pkey);
+    let _ = F::flows().remove(key);
+    let _ = F::flows().remove(pkey);
 }

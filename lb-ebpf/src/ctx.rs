@@ -149,4 +149,6 @@ pub enum Verdict {
     Drop,
     /// Send back out of the interface it came in on (rewritten).
     Tx,
+    /// An IPv6 frame: the entry point hands it to the IPv6 program (by tail call).
+    Ipv6,
 }

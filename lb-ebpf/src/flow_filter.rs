@@ -4,14 +4,14 @@
 
 use lb_common::{
     flow_filter::{slot, GENERATION_INDEX, WORDS},
-    FlowKeyV4,
+    FlowAddr, FlowKey,
 };
 
 use crate::maps::FLOW_FILTER;
 
 /// Whether `FLOWS_V4` may hold `key` (a TCP key). `false` is certain; `true` means "look it up".
 #[inline(always)]
-pub fn may_hold(key: &FlowKeyV4) -> bool {
+pub fn may_hold<A: FlowAddr>(key: &FlowKey<A>) -> bool {
     let Some(&generation) = FLOW_FILTER.get(GENERATION_INDEX) else {
         return true;
     };
@@ -25,7 +25,7 @@ pub fn may_hold(key: &FlowKeyV4) -> bool {
 /// Marks `key`, just written into `FLOWS_V4`, in both generations (atomically: other CPUs and the agent's
 /// rebuild write the same words).
 #[inline(always)]
-pub fn mark(key: &FlowKeyV4) {
+pub fn mark<A: FlowAddr>(key: &FlowKey<A>) {
     let (word, bit) = slot(key);
     for generation in 0..2 {
         if let Some(p) = FLOW_FILTER.get_ptr_mut(generation * WORDS + word) {

@@ -2,7 +2,9 @@
 //! murmur3's finaliser (`lb_common::fmix`, also the SNAT port search's) and a remainder the verifier accepts.
 
 pub use lb_common::fmix;
+#[cfg(test)]
 use lb_common::FlowKeyV4;
+use lb_common::{FlowAddr, FlowKey};
 
 /// `a % b` without the panic path for `b == 0` (which the verifier would reject as a dead end).
 #[inline(always)]
@@ -12,9 +14,9 @@ pub fn rem(a: u32, b: u32) -> u32 {
 
 /// Hash of a flow's 5-tuple, the same on every replica with the same seed.
 #[inline(always)]
-pub fn flow_hash(k: &FlowKeyV4, seed: u32) -> u32 {
-    let mut h = fmix(seed ^ k.src);
-    h = fmix(h ^ k.dst);
+pub fn flow_hash<A: FlowAddr>(k: &FlowKey<A>, seed: u32) -> u32 {
+    let mut h = k.src.mix(seed);
+    h = k.dst.mix(h);
     h = fmix(h ^ (((k.sport as u32) << 16) | k.dport as u32));
     fmix(h ^ k.proto as u32)
 }

@@ -16,6 +16,9 @@ pub struct EthHdr {
 /// EtherType of IPv4 as loaded natively from the wire (0x0800 in network order).
 pub const ETH_P_IP_BE: u16 = 0x0800u16.to_be();
 
+/// EtherType of IPv6 as loaded natively from the wire (0x86DD in network order).
+pub const ETH_P_IPV6_BE: u16 = 0x86DDu16.to_be();
+
 /// Size of [`EthHdr`].
 pub const ETH_LEN: usize = 14;
 
@@ -48,6 +51,59 @@ pub struct Ipv4Hdr {
 pub const IPV4_LEN: usize = 20;
 /// "More fragments" bit and fragment-offset mask, host order (after `u16::from_be`).
 pub const IP_MF_OFFSET_MASK: u16 = 0x3fff;
+
+/// IPv6 fixed header.
+#[repr(C)]
+pub struct Ipv6Hdr {
+    /// Version (high nibble of the first byte), traffic class, flow label.
+    pub vtc_flow: u32,
+    /// Payload length (extension headers included), network order.
+    pub payload_len: u16,
+    /// Next header.
+    pub nexthdr: u8,
+    /// Hop limit.
+    pub hop_limit: u8,
+    /// Source address (four network-order words).
+    pub src: [u32; 4],
+    /// Destination address.
+    pub dst: [u32; 4],
+}
+
+/// Size of [`Ipv6Hdr`].
+pub const IPV6_LEN: usize = 40;
+
+/// An IPv6 extension header's first bytes: next header, length in 8-octet units after the first 8, and (routing
+/// header) routing type and segments left.
+#[repr(C)]
+pub struct Ipv6ExtHdr {
+    pub nexthdr: u8,
+    pub len: u8,
+    pub routing_type: u8,
+    pub segments_left: u8,
+}
+
+/// Hop-by-hop options.
+pub const IPV6_HOPOPTS: u8 = 0;
+/// Routing header.
+pub const IPV6_ROUTING: u8 = 43;
+/// Fragment header.
+pub const IPV6_FRAGMENT: u8 = 44;
+/// Destination options.
+pub const IPV6_DSTOPTS: u8 = 60;
+/// ICMPv6 destination unreachable.
+pub const ICMPV6_DEST_UNREACH: u8 = 1;
+/// ICMPv6 packet too big.
+pub const ICMPV6_PKT_TOOBIG: u8 = 2;
+/// ICMPv6 time exceeded.
+pub const ICMPV6_TIME_EXCEEDED: u8 = 3;
+/// ICMPv6 echo request.
+pub const ICMPV6_ECHO_REQUEST: u8 = 128;
+/// ICMPv6 echo reply.
+pub const ICMPV6_ECHO_REPLY: u8 = 129;
+/// ICMPv6 router solicitation (first of the neighbour discovery and router messages, 133–137).
+pub const ICMPV6_ND_FIRST: u8 = 133;
+/// ICMPv6 redirect (last of them).
+pub const ICMPV6_ND_LAST: u8 = 137;
 
 /// The leading part of TCP and UDP headers: the ports.
 #[repr(C)]

@@ -6,6 +6,7 @@ use lb_common::{stat, FlowKeyV4, PROTO_TCP, PROTO_UDP};
 use crate::{
     csum,
     ctx::{ptr_at, Ctx, Verdict},
+    family::V4,
     hdr::*,
     klog,
     maps::{count, with_service_stats, FLOWS_V4, TRANSIENT_V4},
@@ -67,7 +68,7 @@ pub(crate) fn translate<C: Ctx>(
         Some(fp) => unsafe { *fp },
         None if iproto == PROTO_TCP => match TRANSIENT_V4.get_ptr(key) {
             Some(tp) => unsafe { (*tp).flow },
-            None => match transient::find(&key) {
+            None => match transient::find::<V4>(&key) {
                 Some(hp) => unsafe { (*hp).fwd },
                 None => {
                     count(stat::PASS_ICMP_UNKNOWN);

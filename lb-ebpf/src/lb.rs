@@ -3,12 +3,12 @@
 
 use aya_ebpf::maps::lpm_trie::Key;
 use lb_common::{
-    stat, Addr, Config, Service, SourceRangeKey, FAMILY_V4, SOURCE_RANGE_ID_BITS,
-    SVC_F_SOURCE_RANGES,
+    stat, Config, FlowAddr, Service, SourceRangeKey, SOURCE_RANGE_ID_BITS, SVC_F_SOURCE_RANGES,
 };
 
 use crate::{
     ctx::Verdict,
+    family::Family,
     hash::{flow_hash, rem},
     klog,
     maps::{count, with_service_stats, BACKENDS, MAGLEV, NEXTHOPS, SOURCE_RANGES},
@@ -18,14 +18,18 @@ use crate::{
 
 /// Source ranges, Maglev, backend and next hop for a new flow of `svc`; the verdict after counting why not.
 #[inline(always)]
-pub fn pick_backend(cfg: &Config, p: &L4Pkt, svc: &Service) -> Result<Target, Verdict> {
+pub fn pick_backend<F: Family>(
+    cfg: &Config,
+    p: &L4Pkt<F>,
+    svc: &Service,
+) -> Result<Target<F::A>, Verdict> {
     let key = &p.key;
     if svc.flags & SVC_F_SOURCE_RANGES != 0 {
         let k = Key::new(
-            SOURCE_RANGE_ID_BITS + 32,
+            SOURCE_RANGE_ID_BITS + F::ADDR_BITS,
             SourceRangeKey {
                 svc_id_be: svc.id.to_be(),
-                addr: Addr::from_v4_raw(key.src),
+                addr: key.src.to_addr(),
             },
         );
         if SOURCE_RANGES.get(&k).is_none() {
@@ -51,7 +55,7 @@ pub fn pick_backend(cfg: &Config, p: &L4Pkt, svc: &Service) -> Result<Target, Ve
         klog::bad_backend(svc.id, slot);
         return Err(Verdict::Drop);
     };
-    if backend.family != FAMILY_V4 {
+    if backend.family != F::A::FAMILY {
         count(stat::DROP_BAD_BACKEND);
         klog::bad_backend(svc.id, slot);
         return Err(Verdict::Drop);
@@ -65,10 +69,10 @@ pub fn pick_backend(cfg: &Config, p: &L4Pkt, svc: &Service) -> Result<Target, Ve
     };
     Ok(Target {
         backend_id,
-        node: backend.addr.v4_raw(),
+        node: F::from_addr(&backend.addr),
         node_port: backend.port_be,
         mac: unsafe { (*nh).mac },
-        snat: svc.snat_addr.v4_raw(),
+        snat: F::from_addr(&svc.snat_addr),
         hash,
     })
 }

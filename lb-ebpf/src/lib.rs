@@ -13,10 +13,12 @@
 pub mod conntrack;
 pub mod csum;
 pub mod ctx;
+pub mod family;
 pub mod flow_filter;
 pub mod hash;
 pub mod hdr;
 pub mod icmp;
+pub mod ipv6;
 pub mod klog;
 pub mod lb;
 pub mod maps;

@@ -1,6 +1,10 @@
 //! The load balancer's entry points: XDP (the fast path) and TC ingress via tcx (keeps GSO/GRO
 //! super-packets intact). Both run the same logic, [`lb_ebpf::process::process`]; `lbctl trace` swaps in the
 //! `*_trace` variants, the same logic reporting each packet ([`lb_ebpf::trace`]), while it runs.
+//!
+//! IPv6 has programs of its own (`*6`), reached by tail call through `V6_PROGS_XDP` / `V6_PROGS_TC`: both
+//! families in one program would exceed the verifier's budget. The tail call is made here, in the entry
+//! function: the verifier restricts tail calls from subprograms.
 #![cfg_attr(target_arch = "bpf", no_std)]
 #![cfg_attr(target_arch = "bpf", no_main)]
 
@@ -12,28 +16,62 @@ mod programs {
         macros::{classifier, xdp},
         programs::{TcContext, XdpContext},
     };
+    use lb_common::{stat, V6_PROG_FAST, V6_PROG_TRACED};
     use lb_ebpf::{
         ctx::{Tc, Verdict, Xdp},
+        maps::{count, V6_PROGS_TC, V6_PROGS_XDP},
         process::process,
         trace::traced,
     };
+    #[cfg(feature = "ipv6-programs")]
+    use lb_ebpf::{ipv6::process6, trace::traced6};
 
     /// XDP entry point: attach natively to the LB interface.
     #[xdp]
     pub fn lb_xdp(ctx: XdpContext) -> u32 {
-        xdp_action(process(&Xdp(&ctx)))
+        match process(&Xdp(&ctx)) {
+            Verdict::Ipv6 => {
+                // SAFETY: a tail call with this program's own context; on success it does not return.
+                unsafe { V6_PROGS_XDP.tail_call(&ctx, V6_PROG_FAST) };
+                count(stat::PASS_NO_IPV6_PROGRAM);
+                xdp_action::XDP_PASS
+            }
+            v => xdp_action(v),
+        }
     }
 
     /// [`lb_xdp`] with `lbctl trace`'s report (swapped onto the link only while a trace runs).
     #[xdp]
     pub fn lb_xdp_trace(ctx: XdpContext) -> u32 {
-        xdp_action(traced(&Xdp(&ctx)))
+        match traced(&Xdp(&ctx)) {
+            Verdict::Ipv6 => {
+                // SAFETY: as in `lb_xdp`.
+                unsafe { V6_PROGS_XDP.tail_call(&ctx, V6_PROG_TRACED) };
+                count(stat::PASS_NO_IPV6_PROGRAM);
+                xdp_action::XDP_PASS
+            }
+            v => xdp_action(v),
+        }
+    }
+
+    /// The IPv6 XDP program (slot `V6_PROG_FAST` of `V6_PROGS_XDP`).
+    #[cfg(feature = "ipv6-programs")]
+    #[xdp]
+    pub fn lb_xdp6(ctx: XdpContext) -> u32 {
+        xdp_action(process6(&Xdp(&ctx)))
+    }
+
+    /// [`lb_xdp6`] with `lbctl trace`'s report (slot `V6_PROG_TRACED`).
+    #[cfg(feature = "ipv6-programs")]
+    #[xdp]
+    pub fn lb_xdp6_trace(ctx: XdpContext) -> u32 {
+        xdp_action(traced6(&Xdp(&ctx)))
     }
 
     #[inline(always)]
     fn xdp_action(v: Verdict) -> u32 {
         match v {
-            Verdict::Pass => xdp_action::XDP_PASS,
+            Verdict::Pass | Verdict::Ipv6 => xdp_action::XDP_PASS,
             Verdict::Drop => xdp_action::XDP_DROP,
             Verdict::Tx => xdp_action::XDP_TX,
         }
@@ -41,28 +79,64 @@ mod programs {
 
     /// Headers the logic may read directly: Ethernet + IPv4 with options + ICMP + inner IPv4 + inner ports.
     const HEADERS: u32 = 14 + 60 + 8 + 20 + 20;
+    /// The same for IPv6: Ethernet + IPv6 + walked extension headers (typically small) + ICMPv6 + inner IPv6 +
+    /// inner ports.
+    #[cfg(feature = "ipv6-programs")]
+    const HEADERS6: u32 = 14 + 40 + 64 + 8 + 40 + 20;
 
     /// TC ingress entry point (tcx): for interfaces where super-packets matter more than per-packet cost.
     #[classifier]
     pub fn lb_tc(ctx: TcContext) -> i32 {
-        linear_headers(&ctx);
-        tc_action(&ctx, process(&Tc(&ctx)))
+        linear_headers(&ctx, HEADERS);
+        match process(&Tc(&ctx)) {
+            Verdict::Ipv6 => {
+                // SAFETY: as in `lb_xdp`.
+                unsafe { V6_PROGS_TC.tail_call(&ctx, V6_PROG_FAST) };
+                count(stat::PASS_NO_IPV6_PROGRAM);
+                TC_ACT_OK
+            }
+            v => tc_action(&ctx, v),
+        }
     }
 
     /// [`lb_tc`] with `lbctl trace`'s report (swapped onto the link only while a trace runs).
     #[classifier]
     pub fn lb_tc_trace(ctx: TcContext) -> i32 {
-        linear_headers(&ctx);
-        tc_action(&ctx, traced(&Tc(&ctx)))
+        linear_headers(&ctx, HEADERS);
+        match traced(&Tc(&ctx)) {
+            Verdict::Ipv6 => {
+                // SAFETY: as in `lb_xdp`.
+                unsafe { V6_PROGS_TC.tail_call(&ctx, V6_PROG_TRACED) };
+                count(stat::PASS_NO_IPV6_PROGRAM);
+                TC_ACT_OK
+            }
+            v => tc_action(&ctx, v),
+        }
+    }
+
+    /// The IPv6 TC program (slot `V6_PROG_FAST` of `V6_PROGS_TC`).
+    #[cfg(feature = "ipv6-programs")]
+    #[classifier]
+    pub fn lb_tc6(ctx: TcContext) -> i32 {
+        linear_headers(&ctx, HEADERS6);
+        tc_action(&ctx, process6(&Tc(&ctx)))
+    }
+
+    /// [`lb_tc6`] with `lbctl trace`'s report (slot `V6_PROG_TRACED`).
+    #[cfg(feature = "ipv6-programs")]
+    #[classifier]
+    pub fn lb_tc6_trace(ctx: TcContext) -> i32 {
+        linear_headers(&ctx, HEADERS6);
+        tc_action(&ctx, traced6(&Tc(&ctx)))
     }
 
     /// GRO'd skbs may hold headers in paged data; direct access needs them linear.
     #[inline(always)]
-    fn linear_headers(ctx: &TcContext) {
-        let want = if ctx.len() < HEADERS {
+    fn linear_headers(ctx: &TcContext, headers: u32) {
+        let want = if ctx.len() < headers {
             ctx.len()
         } else {
-            HEADERS
+            headers
         };
         if ((ctx.data_end() - ctx.data()) as u32) < want {
             let _ = ctx.pull_data(want);
@@ -72,7 +146,7 @@ mod programs {
     #[inline(always)]
     fn tc_action(ctx: &TcContext, v: Verdict) -> i32 {
         match v {
-            Verdict::Pass => TC_ACT_OK,
+            Verdict::Pass | Verdict::Ipv6 => TC_ACT_OK,
             Verdict::Drop => TC_ACT_SHOT,
             Verdict::Tx => {
                 let ifindex = unsafe { (*ctx.skb.skb).ifindex };

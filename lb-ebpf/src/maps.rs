@@ -4,7 +4,7 @@
 use aya_ebpf::{
     bindings::BPF_F_MMAPABLE,
     macros::map,
-    maps::{lpm_trie::LpmTrie, Array, HashMap, LruHashMap, PerCpuArray, RingBuf},
+    maps::{lpm_trie::LpmTrie, Array, HashMap, LruHashMap, PerCpuArray, ProgramArray, RingBuf},
 };
 use lb_common::{
     defaults, Addr, Backend, Config, FlowKeyV4, FlowKeyV6, FlowV4, FlowV6, NextHop, Service,
@@ -92,6 +92,19 @@ pub static SYN_GUARD: PerCpuArray<u64> = PerCpuArray::with_max_entries(1, 0);
 /// 1: a closed connection's forward entry.
 #[map]
 pub static SCRATCH: PerCpuArray<TransientV4> = PerCpuArray::with_max_entries(2, 0);
+
+/// IPv6's `SCRATCH`.
+#[map]
+pub static SCRATCH_V6: PerCpuArray<TransientV6> = PerCpuArray::with_max_entries(2, 0);
+
+/// The IPv6 XDP programs (`lb_common::V6_PROG_FAST`, `V6_PROG_TRACED`), reached by tail call from the IPv4
+/// entry points: one program for both families would exceed the verifier's budget.
+#[map]
+pub static V6_PROGS_XDP: ProgramArray = ProgramArray::with_max_entries(2, 0);
+
+/// The IPv6 TC programs, as `V6_PROGS_XDP`.
+#[map]
+pub static V6_PROGS_TC: ProgramArray = ProgramArray::with_max_entries(2, 0);
 
 /// Per-service counters.
 #[map]

@@ -1,18 +1,19 @@
 //! Full NAT: the two entries of a new flow (forward: client → SNAT, VIP → node; reverse: node → VIP, SNAT → client)
 //! and the rewrite of a packet by its entry — MACs, addresses, ports, and the checksums updated incrementally.
 
-use lb_common::{stat, FlowV4, Service, FLOW_F_FORWARD, FLOW_F_REVERSE, PROTO_UDP};
+use lb_common::{stat, Flow, FlowAddr, Service, FLOW_F_FORWARD, FLOW_F_REVERSE, PROTO_UDP};
 
 use crate::{
     csum,
     ctx::{Ctx, Verdict},
+    family::Family,
     maps::{count, with_service_stats},
     packet::L4Pkt,
 };
 
 /// Counts a packet of a flow (established or transient) in its direction and rewrites it.
 #[inline(always)]
-pub fn forward<C: Ctx>(c: &C, p: &L4Pkt, fl: &FlowV4) -> Verdict {
+pub fn forward<C: Ctx, F: Family>(c: &C, p: &L4Pkt<F>, fl: &Flow<F::A>) -> Verdict {
     let fwd_dir = fl.flags & FLOW_F_FORWARD != 0;
     with_service_stats(fl.svc_id, |s| {
         if fwd_dir {
@@ -27,22 +28,22 @@ pub fn forward<C: Ctx>(c: &C, p: &L4Pkt, fl: &FlowV4) -> Verdict {
 }
 
 /// The backend a new flow goes to, and how to reach it.
-pub struct Target {
+pub struct Target<A> {
     pub backend_id: u32,
-    pub node: u32,
+    pub node: A,
     pub node_port: u16,
     pub mac: [u8; 6],
-    pub snat: u32,
+    pub snat: A,
     /// The flow's hash (also seeds the SNAT port search).
     pub hash: u32,
 }
 
-impl Target {
+impl<A: FlowAddr> Target<A> {
     /// The reverse entry (backend → SNAT) of a new flow; its port fields are completed by the SNAT search.
     #[inline(always)]
-    pub fn reverse(&self, p: &L4Pkt, svc: &Service, now: u64) -> FlowV4 {
+    pub fn reverse<F: Family<A = A>>(&self, p: &L4Pkt<F>, svc: &Service, now: u64) -> Flow<A> {
         let key = &p.key;
-        FlowV4 {
+        Flow {
             new_src: key.dst,
             new_dst: key.src,
             new_sport: key.dport,
@@ -53,10 +54,7 @@ impl Target {
             svc_id: svc.id,
             backend_id: self.backend_id,
             timeout_s: svc.idle_timeout_s,
-            csum_addr: csum::add(
-                csum::diff32(self.node, key.dst),
-                csum::diff32(self.snat, key.src),
-            ),
+            csum_addr: csum::add(F::diff(&self.node, &key.dst), F::diff(&self.snat, &key.src)),
             csum_port: 0,
             last_seen_ns: now,
         }
@@ -64,9 +62,15 @@ impl Target {
 
     /// The forward entry (client → backend) of a new flow with SNAT port `snat_port`.
     #[inline(always)]
-    pub fn forward(&self, p: &L4Pkt, svc: &Service, snat_port: u16, now: u64) -> FlowV4 {
+    pub fn forward<F: Family<A = A>>(
+        &self,
+        p: &L4Pkt<F>,
+        svc: &Service,
+        snat_port: u16,
+        now: u64,
+    ) -> Flow<A> {
         let key = &p.key;
-        let mut fl = FlowV4 {
+        let mut fl = Flow {
             new_src: self.snat,
             new_dst: self.node,
             new_sport: 0,
@@ -77,10 +81,7 @@ impl Target {
             svc_id: svc.id,
             backend_id: self.backend_id,
             timeout_s: svc.idle_timeout_s,
-            csum_addr: csum::add(
-                csum::diff32(key.src, self.snat),
-                csum::diff32(key.dst, self.node),
-            ),
+            csum_addr: csum::add(F::diff(&key.src, &self.snat), F::diff(&key.dst, &self.node)),
             csum_port: 0,
             last_seen_ns: now,
         };
@@ -90,7 +91,7 @@ impl Target {
 
     /// Gives a forward entry its SNAT port, and the port checksum delta that goes with it.
     #[inline(always)]
-    pub fn set_snat_port(&self, p: &L4Pkt, fl: &mut FlowV4, snat_port: u16) {
+    pub fn set_snat_port<F: Family<A = A>>(&self, p: &L4Pkt<F>, fl: &mut Flow<A>, snat_port: u16) {
         fl.new_sport = snat_port;
         fl.csum_port = csum::add(
             csum::diff16(p.key.sport, snat_port),
@@ -101,13 +102,11 @@ impl Target {
 
 /// Applies a flow's rewrite to the packet: MACs, addresses, ports, checksums.
 #[inline(always)]
-pub fn rewrite<C: Ctx>(c: &C, p: &L4Pkt, fl: &FlowV4) -> Verdict {
+pub fn rewrite<C: Ctx, F: Family>(c: &C, p: &L4Pkt<F>, fl: &Flow<F::A>) -> Verdict {
     unsafe {
         (*p.eth).src = (*p.eth).dst;
         (*p.eth).dst = fl.mac;
-        (*p.ip).src = fl.new_src;
-        (*p.ip).dst = fl.new_dst;
-        (*p.ip).check = csum::apply((*p.ip).check, fl.csum_addr);
+        F::set_addrs(p.ip, &fl.new_src, &fl.new_dst, fl.csum_addr);
         (*p.ports).sport = fl.new_sport;
         (*p.ports).dport = fl.new_dport;
     }

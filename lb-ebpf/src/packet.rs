@@ -1,30 +1,30 @@
 //! The parsed packet passed down the path (Katran's `packet_description`): its headers, its 5-tuple, its flags.
 
-use lb_common::{FlowKeyV4, PROTO_TCP};
+use lb_common::{FlowKey, FlowKeyV4, PROTO_TCP};
 
-use crate::hdr::*;
+use crate::{family::Family, hdr::*};
 
 /// A TCP or UDP packet, parsed once: the headers it is rewritten through and what the flow rules read. Kept
 /// small: it lives on the BPF stack for the whole path (older kernels' verifiers refuse a program whose call
 /// frames add up to more than 512 bytes; the build checks the main frame against 448).
-pub struct L4Pkt {
+pub struct L4Pkt<F: Family> {
     /// Start of the frame (Ethernet header).
     pub eth: *mut EthHdr,
-    pub ip: *mut Ipv4Hdr,
+    pub ip: *mut F::Ip,
     /// The L4 header's ports (TCP or UDP).
     pub ports: *mut Ports,
     /// The TCP header (null for UDP): sequence and acknowledgement numbers are read only where the handshake
     /// rules need them, off the established path.
     pub tcp: *mut TcpHdr,
     /// The 5-tuple as it arrived.
-    pub key: FlowKeyV4,
-    /// IP total length.
+    pub key: FlowKey<F::A>,
+    /// IP total length (IPv6: fixed header + payload length).
     pub tot: u16,
     /// TCP flags (0 for UDP).
     pub tcp_flags: u8,
 }
 
-impl L4Pkt {
+impl<F: Family> L4Pkt<F> {
     #[inline(always)]
     pub fn is_tcp(&self) -> bool {
         self.key.proto == PROTO_TCP

@@ -6,18 +6,19 @@
 
 use aya_ebpf::helpers::bpf_ktime_get_coarse_ns;
 use lb_common::{
-    stat, Addr, Config, FlowV4, ServiceKey, CFG_F_CHECK_DST_MAC, FAMILY_V4, FLOW_F_FIN,
+    stat, Addr, Config, Flow, FlowAddr, Service, ServiceKey, CFG_F_CHECK_DST_MAC, FLOW_F_FIN,
     FLOW_F_FORWARD, FLOW_F_RST, PROTO_ICMP, PROTO_TCP, PROTO_UDP,
 };
 
 use crate::{
     conntrack,
     ctx::{ptr_at, Ctx, Verdict},
+    family::{Family, V4},
     flow_filter,
     hdr::*,
     icmp, klog,
     lb::pick_backend,
-    maps::{count, with_service_stats, CONFIG, FLOWS_V4, SERVICES, TRANSIENT_V4, VIPS},
+    maps::{count, with_service_stats, CONFIG, SERVICES, VIPS},
     packet::{flow_key, L4Pkt},
     syn_guard, transient,
 };
@@ -31,7 +32,8 @@ pub fn process<C: Ctx>(c: &C) -> Verdict {
         return Verdict::Drop;
     };
     // SAFETY (all header dereferences below): pointers come from `ptr_at`, which checked the bounds.
-    if unsafe { (*eth).proto } != ETH_P_IP_BE {
+    let proto = unsafe { (*eth).proto };
+    if proto != ETH_P_IP_BE && proto != ETH_P_IPV6_BE {
         count(stat::PASS_NOT_IP);
         return Verdict::Pass;
     }
@@ -40,6 +42,9 @@ pub fn process<C: Ctx>(c: &C) -> Verdict {
         // Another replica's frame, flooded by the segment: forwarding it too would duplicate it.
         count(stat::PASS_OTHER_HOST);
         return Verdict::Pass;
+    }
+    if proto == ETH_P_IPV6_BE {
+        return Verdict::Ipv6;
     }
     let Some(ip) = ptr_at::<C, Ipv4Hdr>(c, ETH_LEN) else {
         count(stat::DROP_MALFORMED);
@@ -79,7 +84,8 @@ pub fn process<C: Ctx>(c: &C) -> Verdict {
         };
     }
     let l4_off = ETH_LEN + hl;
-    match unsafe { (*ip).proto } {
+    // One call site of `l4` for TCP and UDP: LLVM then emits the rules once, not once per protocol.
+    let p = match unsafe { (*ip).proto } {
         PROTO_TCP => {
             let Some(tcp) = ptr_at::<C, TcpHdr>(c, l4_off) else {
                 count(stat::DROP_MALFORMED);
@@ -92,8 +98,8 @@ pub fn process<C: Ctx>(c: &C) -> Verdict {
                 klog::malformed(lb_common::klog::MALFORMED_TCP, c.packet_len());
                 return Verdict::Drop;
             }
-            let p = unsafe {
-                L4Pkt {
+            unsafe {
+                L4Pkt::<V4> {
                     eth,
                     ip,
                     ports: tcp as *mut Ports,
@@ -102,8 +108,7 @@ pub fn process<C: Ctx>(c: &C) -> Verdict {
                     tcp,
                     tot: tot as u16,
                 }
-            };
-            l4(c, &cfg, &p)
+            }
         }
         PROTO_UDP => {
             let Some(udp) = ptr_at::<C, UdpHdr>(c, l4_off) else {
@@ -116,7 +121,7 @@ pub fn process<C: Ctx>(c: &C) -> Verdict {
                 klog::malformed(lb_common::klog::MALFORMED_UDP, c.packet_len());
                 return Verdict::Drop;
             }
-            let p = L4Pkt {
+            L4Pkt::<V4> {
                 eth,
                 ip,
                 ports: udp as *mut Ports,
@@ -124,21 +129,21 @@ pub fn process<C: Ctx>(c: &C) -> Verdict {
                 tcp_flags: 0,
                 tcp: core::ptr::null_mut(),
                 tot: tot as u16,
-            };
-            l4(c, &cfg, &p)
+            }
         }
-        PROTO_ICMP => icmp::translate(c, eth, ip, l4_off, ETH_LEN + tot),
+        PROTO_ICMP => return icmp::translate(c, eth, ip, l4_off, ETH_LEN + tot),
         _ => {
             count(stat::PASS_NOT_SERVICE);
-            Verdict::Pass
+            return Verdict::Pass;
         }
-    }
+    };
+    l4(c, &cfg, &p)
 }
 
 /// TCP or UDP: follow an established flow, a TCP handshake or a closed connection, or open a flow for a
 /// service.
 #[inline(always)]
-fn l4<C: Ctx>(c: &C, cfg: &Config, p: &L4Pkt) -> Verdict {
+pub(crate) fn l4<C: Ctx, F: Family>(c: &C, cfg: &Config, p: &L4Pkt<F>) -> Verdict {
     let key = &p.key;
     let proto = key.proto;
     let syn = p.syn();
@@ -147,12 +152,12 @@ fn l4<C: Ctx>(c: &C, cfg: &Config, p: &L4Pkt) -> Verdict {
     // (The entry itself, not its partner's key: 8 bytes of stack instead of 20. Null, not an `Option`: with the
     // flow-filter branch below LLVM spilled the undefined payload of a `None` from a register never written,
     // which the verifier refuses.)
-    let mut reopen: *const FlowV4 = core::ptr::null();
+    let mut reopen: *const Flow<F::A> = core::ptr::null();
     let skey = ServiceKey {
-        addr: Addr::from_v4_raw(key.dst),
+        addr: key.dst.to_addr(),
         port_be: key.dport,
         proto,
-        family: FAMILY_V4,
+        family: F::A::FAMILY,
     };
     // Over the new-handshake rate, a SYN for a service from an unknown source (a spoofed flood) is dropped
     // before it costs a lookup in the large tables.
@@ -170,13 +175,13 @@ fn l4<C: Ctx>(c: &C, cfg: &Config, p: &L4Pkt) -> Verdict {
     // A SYN's own key is looked up only when the flow filter says a connection may hold it: for a new client
     // (nearly every SYN) that lookup would only miss, at the price of a cache miss in the large table.
     let lookup = !syn || flow_filter::may_hold(key);
-    if let Some(fp) = lookup.then(|| FLOWS_V4.get_ptr_mut(key)).flatten() {
+    if let Some(fp) = lookup.then(|| F::flows().get_ptr_mut(key)).flatten() {
         let fl = unsafe { &mut *fp };
         let forward = fl.flags & FLOW_F_FORWARD != 0;
         // A SYN on a closing flow opens a new connection on a reused client port; an idle-expired forward
         // entry no longer counts. Reverse entries never decide: replies follow whatever state exists.
         let closing_syn = syn && fl.flags & (FLOW_F_FIN | FLOW_F_RST) != 0;
-        if !forward || !(closing_syn || conntrack::expired(fl, proto, now)) {
+        if !forward || !(closing_syn || conntrack::expired::<F>(fl, proto, now)) {
             return conntrack::established(c, cfg, p, fl, now);
         }
         reopen = fp;
@@ -191,7 +196,7 @@ fn l4<C: Ctx>(c: &C, cfg: &Config, p: &L4Pkt) -> Verdict {
         (cfg.snat_port_min..=cfg.snat_port_max).contains(&u16::from_be(key.dport))
     };
     if p.is_tcp() && own {
-        if let Some(tp) = TRANSIENT_V4.get_ptr_mut(key) {
+        if let Some(tp) = F::transient().get_ptr_mut(key) {
             if let Some(v) = transient::segment(c, p, unsafe { &mut *tp }, now) {
                 return v;
             }
@@ -206,7 +211,7 @@ fn l4<C: Ctx>(c: &C, cfg: &Config, p: &L4Pkt) -> Verdict {
     let svc = unsafe { &*svc };
     if p.is_tcp() && !syn {
         // The client's handshake in progress.
-        if let Some(hp) = transient::find(key) {
+        if let Some(hp) = transient::find::<F>(key) {
             if let Some(v) =
                 transient::client_segment(c, cfg, p, unsafe { &mut *hp }, reopen_of(reopen), now)
             {
@@ -219,6 +224,37 @@ fn l4<C: Ctx>(c: &C, cfg: &Config, p: &L4Pkt) -> Verdict {
         with_service_stats(svc.id, |s| s.drop_no_flow += 1);
         return Verdict::Drop;
     }
+    if F::SPLIT {
+        new_flow_frame(c, cfg, p, svc, reopen)
+    } else {
+        new_flow(c, cfg, p, svc, reopen, now)
+    }
+}
+
+/// [`new_flow`] in a call frame of its own (see `Family::SPLIT`); it reads the clock again (5 arguments at most
+/// in a BPF call).
+#[inline(never)]
+fn new_flow_frame<C: Ctx, F: Family>(
+    c: &C,
+    cfg: &Config,
+    p: &L4Pkt<F>,
+    svc: &Service,
+    reopen: *const Flow<F::A>,
+) -> Verdict {
+    new_flow(c, cfg, p, svc, reopen, unsafe { bpf_ktime_get_coarse_ns() })
+}
+
+/// A flow for service `svc`: its backend, then a TCP handshake or a UDP flow.
+#[inline(always)]
+fn new_flow<C: Ctx, F: Family>(
+    c: &C,
+    cfg: &Config,
+    p: &L4Pkt<F>,
+    svc: &Service,
+    reopen: *const Flow<F::A>,
+    now: u64,
+) -> Verdict {
+    let (key, proto) = (&p.key, p.key.proto);
     let t = match pick_backend(cfg, p, svc) {
         Ok(t) => t,
         Err(v) => return v,
@@ -227,8 +263,8 @@ fn l4<C: Ctx>(c: &C, cfg: &Config, p: &L4Pkt) -> Verdict {
         if let Some(old) = reopen_of(reopen) {
             // The previous connection on this client port is over: its entries go now, so that the new one's
             // segments cannot follow them.
-            let _ = FLOWS_V4.remove(unsafe { &*old }.partner_key(proto));
-            let _ = FLOWS_V4.remove(key);
+            let _ = F::flows().remove(unsafe { &*old }.partner_key(proto));
+            let _ = F::flows().remove(key);
         }
         // The handshake waits in TRANSIENT_V4; FLOWS_V4 gets the connection when the client completes it.
         return transient::open(c, cfg, p, svc, &t, now);
@@ -238,7 +274,7 @@ fn l4<C: Ctx>(c: &C, cfg: &Config, p: &L4Pkt) -> Verdict {
 }
 
 #[inline(always)]
-fn reopen_of(p: *const FlowV4) -> Option<*const FlowV4> {
+fn reopen_of<A>(p: *const Flow<A>) -> Option<*const Flow<A>> {
     (!p.is_null()).then_some(p)
 }
 
@@ -251,7 +287,7 @@ fn same_mac(a: &[u8; 6], b: &[u8; 6]) -> bool {
 
 /// The data plane's settings, with defaults where user space left them unset.
 #[inline(always)]
-fn config() -> Config {
+pub(crate) fn config() -> Config {
     match CONFIG.get(lb_common::CONFIG_INDEX) {
         Some(c) if c.snat_port_max != 0 && c.snat_port_min <= c.snat_port_max => *c,
         _ => Config::default(),

@@ -1,9 +1,10 @@
 //! The SNAT source port of a new flow: claimed atomically, never a service port of the SNAT address.
 
-use lb_common::{Addr, Config, FlowKeyV4, ServiceKey, FAMILY_V4, SNAT_PORT_TRIES};
+use lb_common::{Config, FlowAddr, FlowKey, ServiceKey, SNAT_PORT_TRIES};
 
 use crate::{
     csum,
+    family::Family,
     hash::{fmix, rem},
     maps::SERVICES,
     nat::Target,
@@ -17,12 +18,12 @@ use crate::{
 /// the SNAT address are skipped, so a reply can never be mistaken for a new client connection. Returns the port in
 /// network order.
 #[inline(always)]
-pub fn alloc_snat_port(
+pub fn alloc_snat_port<F: Family>(
     cfg: &Config,
-    t: &Target,
-    p: &L4Pkt,
-    taken: impl Fn(&FlowKeyV4) -> bool,
-    mut claim: impl FnMut(&FlowKeyV4, u32) -> bool,
+    t: &Target<F::A>,
+    p: &L4Pkt<F>,
+    taken: impl Fn(&FlowKey<F::A>) -> bool,
+    mut claim: impl FnMut(&FlowKey<F::A>, u32) -> bool,
 ) -> Option<u16> {
     let proto = p.key.proto;
     let min = cfg.snat_port_min as u32;
@@ -34,7 +35,7 @@ pub fn alloc_snat_port(
     while i < SNAT_PORT_TRIES {
         let port = ((min + rem(start + i, range)) as u16).to_be();
         i += 1;
-        let rkey = FlowKeyV4 {
+        let rkey = FlowKey {
             src: t.node,
             dst: t.snat,
             sport: t.node_port,
@@ -46,10 +47,10 @@ pub fn alloc_snat_port(
             continue;
         }
         let skey = ServiceKey {
-            addr: Addr::from_v4_raw(t.snat),
+            addr: t.snat.to_addr(),
             port_be: port,
             proto,
-            family: FAMILY_V4,
+            family: F::A::FAMILY,
         };
         if SERVICES.get_ptr(skey).is_some() {
             continue;

@@ -7,7 +7,7 @@
 //! were already talking to the load balancer keep connecting during a flood. The others' SYNs are dropped
 //! before the flow-table lookups, the handshake-table insert, the SNAT search and the backend's SYN-ACK.
 
-use lb_common::{stat, Addr, Config};
+use lb_common::{stat, Config, FlowAddr};
 
 use crate::maps::{count, SYN_GUARD, TRUSTED_SOURCES};
 
@@ -31,10 +31,10 @@ pub fn over_rate(cfg: &Config, now: u64) -> bool {
     }
 }
 
-/// Whether `src` (IPv4, network order) completed a handshake here (counted: such a SYN gets in over the rate).
+/// Whether `src` (network order) completed a handshake here (counted: such a SYN gets in over the rate).
 #[inline(always)]
-pub fn trusted(src: u32) -> bool {
-    let known = TRUSTED_SOURCES.get_ptr(Addr::from_v4_raw(src)).is_some();
+pub fn trusted<A: FlowAddr>(src: A) -> bool {
+    let known = TRUSTED_SOURCES.get_ptr(src.to_addr()).is_some();
     if known {
         count(stat::SYN_TRUSTED);
     }
@@ -54,14 +54,14 @@ pub fn take(cfg: &Config, now: u64) {
     }
 }
 
-/// Remembers `src` (IPv4, network order) as a source that completed a handshake (only while the guard is on:
+/// Remembers `src` (network order) as a source that completed a handshake (only while the guard is on:
 /// without it nobody reads the list).
 #[inline(always)]
-pub fn trust(cfg: &Config, src: u32) {
+pub fn trust<A: FlowAddr>(cfg: &Config, src: A) {
     if cfg.syn_interval_ns == 0 {
         return;
     }
-    let addr = Addr::from_v4_raw(src);
+    let addr = src.to_addr();
     // A lookup first: returning clients (the common case) cost no insert, which would recycle an LRU node.
     if TRUSTED_SOURCES.get_ptr(addr).is_none() {
         let _ = TRUSTED_SOURCES.insert(addr, 1u8, 0);

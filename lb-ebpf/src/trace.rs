@@ -10,7 +10,7 @@ use aya_ebpf::{
 };
 use lb_common::{stat, TraceEvent, TraceFilter, TRACE_HDR};
 
-use crate::{ctx::Ctx, ctx::Verdict, maps::STATS, process::process};
+use crate::{ctx::Ctx, ctx::Verdict, ipv6::process6, maps::STATS, process::process};
 
 /// What to report (written by `lbctl`; this program's own map, never pinned).
 #[map]
@@ -28,12 +28,24 @@ static TRACE_STATS: PerCpuArray<[u64; stat::COUNT as usize]> = PerCpuArray::with
 /// address is in a reply only once it is rewritten).
 #[inline(always)]
 pub fn traced<C: Ctx>(c: &C) -> Verdict {
+    around(c, process_frame)
+}
+
+/// The IPv6 program's [`traced`].
+#[inline(always)]
+pub fn traced6<C: Ctx>(c: &C) -> Verdict {
+    around(c, process6_frame)
+}
+
+#[inline(always)]
+fn around<C: Ctx>(c: &C, run: impl Fn(&C) -> Verdict) -> Verdict {
     let Some(mut ev) = TRACE_EVENTS.reserve::<TraceEvent>(0) else {
-        return process_frame(c);
+        return run(c);
     };
     before(c, ev.as_mut_ptr());
-    let v = process_frame(c);
-    if after(c, ev.as_mut_ptr(), v) {
+    let v = run(c);
+    // An IPv6 frame goes on to the IPv6 traced program, which reports it itself.
+    if v != Verdict::Ipv6 && after(c, ev.as_mut_ptr(), v) {
         ev.submit(0);
     } else {
         ev.discard(0);
@@ -46,6 +58,12 @@ pub fn traced<C: Ctx>(c: &C) -> Verdict {
 #[inline(never)]
 fn process_frame<C: Ctx>(c: &C) -> Verdict {
     process(c)
+}
+
+/// [`process6`] in a call frame of its own, as [`process_frame`].
+#[inline(never)]
+fn process6_frame<C: Ctx>(c: &C) -> Verdict {
+    process6(c)
 }
 
 /// Fills the record with the packet as it arrived and keeps this CPU's counters.
@@ -86,6 +104,7 @@ fn after<C: Ctx>(c: &C, e: *mut TraceEvent, v: Verdict) -> bool {
             Verdict::Pass => 1,
             Verdict::Drop => 2,
             Verdict::Tx => 3,
+            Verdict::Ipv6 => 1,
         };
         let n = (*e).hdr_len as usize;
         matches(filter, &(*e).before, n) || matches(filter, &(*e).after, n)

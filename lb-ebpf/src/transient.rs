@@ -12,17 +12,18 @@
 
 use aya_ebpf::bindings::BPF_NOEXIST;
 use lb_common::{
-    handshakes, stat, Config, FlowKeyV4, FlowV4, Service, TransientV4, FLOW_F_FORWARD, FLOW_F_RST,
+    handshakes, stat, Config, Flow, FlowKey, Service, Transient, FLOW_F_FORWARD, FLOW_F_RST,
     FLOW_F_SYN_ACK, PROTO_TCP, TCP_CLOSING_TIMEOUT_S,
 };
 
 use crate::{
     conntrack::{close_bit, established_new},
     ctx::{Ctx, Verdict},
+    family::Family,
     flow_filter,
     hdr::{TCP_ACK, TCP_RST, TCP_SYN},
     klog,
-    maps::{count, with_service_stats, FLOWS_V4, HANDSHAKES, SCRATCH, TRANSIENT_V4},
+    maps::{count, with_service_stats},
     nat::{forward, rewrite, Target},
     packet::L4Pkt,
     snat::alloc_snat_port,
@@ -33,15 +34,15 @@ use crate::{
 /// port the search reaches holds this client's handshake already, it is a retransmitted SYN of it — and forwards
 /// the SYN to the backend.
 #[inline(always)]
-pub fn open<C: Ctx>(
+pub fn open<C: Ctx, F: Family>(
     c: &C,
     cfg: &Config,
-    p: &L4Pkt,
+    p: &L4Pkt<F>,
     svc: &Service,
-    t: &Target,
+    t: &Target<F::A>,
     now: u64,
 ) -> Verdict {
-    let Some(e) = SCRATCH.get_ptr_mut(0) else {
+    let Some(e) = F::scratch().get_ptr_mut(0) else {
         count(stat::DROP_FLOW_INSERT);
         return Verdict::Drop;
     };
@@ -53,9 +54,9 @@ pub fn open<C: Ctx>(
         (*e).fwd = t.forward(p, svc, 0, now);
     }
     // The client's own handshake, when the search meets it.
-    let mut retransmit: *mut TransientV4 = core::ptr::null_mut();
+    let mut retransmit: *mut Transient<F::A> = core::ptr::null_mut();
     // The client's index slot: read here, written at the end of the search (one hash per SYN).
-    let own_slot = slot_of(&p.key);
+    let own_slot = slot_of::<F>(&p.key);
     // The port it names, if it names one of this search's reverse keys (they differ only in the port). Read once
     // before the search, field by field: read through the pointer inside the search, LLVM hoisted the address
     // arithmetic above the null check, which the verifier refused ("pointer arithmetic on map_value_or_null", in
@@ -76,7 +77,7 @@ pub fn open<C: Ctx>(
             (*e).flow.csum_port = csum_port;
             t.set_snat_port(p, &mut (*e).fwd, rkey.dport);
         }
-        if TRANSIENT_V4
+        if F::transient()
             .insert(rkey, unsafe { &*e }, BPF_NOEXIST as u64)
             .is_ok()
         {
@@ -88,7 +89,7 @@ pub fn open<C: Ctx>(
         if own_port != Some(rkey.dport) {
             return false;
         }
-        let Some(h) = TRANSIENT_V4.get_ptr_mut(rkey) else {
+        let Some(h) = F::transient().get_ptr_mut(rkey) else {
             return false;
         };
         // SAFETY: a value of the map, valid under RCU for this program run.
@@ -97,7 +98,7 @@ pub fn open<C: Ctx>(
         }
         if unsafe { &*h }.stale(now) || unsafe { &*h }.closed() {
             // This client's earlier handshake on the port is over: the new one takes its place.
-            return TRANSIENT_V4.insert(rkey, unsafe { &*e }, 0).is_ok();
+            return F::transient().insert(rkey, unsafe { &*e }, 0).is_ok();
         }
         retransmit = h;
         true
@@ -128,13 +129,13 @@ pub fn open<C: Ctx>(
 
 /// The `HANDSHAKES` slot of a client's key (client → VIP).
 #[inline(always)]
-fn slot_of(key: &FlowKeyV4) -> Option<*mut FlowKeyV4> {
-    HANDSHAKES.get_ptr_mut(handshakes::slot(key))
+fn slot_of<F: Family>(key: &FlowKey<F::A>) -> Option<*mut FlowKey<F::A>> {
+    F::handshakes().get_ptr_mut(handshakes::slot(key))
 }
 
 /// Points a client's `HANDSHAKES` slot at its handshake's reverse key.
 #[inline(always)]
-fn point(slot: Option<*mut FlowKeyV4>, rkey: &FlowKeyV4) {
+fn point<A: lb_common::FlowAddr>(slot: Option<*mut FlowKey<A>>, rkey: &FlowKey<A>) {
     if let Some(slot) = slot {
         // SAFETY: an element of an array map. Another CPU may write the same slot: either key is whole enough to
         // be looked up, and only an entry that is this client's handshake counts.
@@ -144,10 +145,10 @@ fn point(slot: Option<*mut FlowKeyV4>, rkey: &FlowKeyV4) {
 
 /// The handshake of the client's key `key` (client → VIP), if its `HANDSHAKES` slot names one.
 #[inline(always)]
-pub fn find(key: &FlowKeyV4) -> Option<*mut TransientV4> {
-    let rkey = slot_of(key)?;
+pub fn find<F: Family>(key: &FlowKey<F::A>) -> Option<*mut Transient<F::A>> {
+    let rkey = slot_of::<F>(key)?;
     // SAFETY (both): an element of an array map; a value of the map, valid under RCU for this program run.
-    let h = TRANSIENT_V4.get_ptr_mut(unsafe { &*rkey })?;
+    let h = F::transient().get_ptr_mut(unsafe { &*rkey })?;
     unsafe { &*h }.handshake_of(key).then_some(h)
 }
 
@@ -156,7 +157,12 @@ pub fn find(key: &FlowKeyV4) -> Option<*mut TransientV4> {
 /// closed connection's client port): the caller then treats the segment as one without a flow, so a SYN starts
 /// over.
 #[inline(always)]
-pub fn segment<C: Ctx>(c: &C, p: &L4Pkt, t: &mut TransientV4, now: u64) -> Option<Verdict> {
+pub fn segment<C: Ctx, F: Family>(
+    c: &C,
+    p: &L4Pkt<F>,
+    t: &mut Transient<F::A>,
+    now: u64,
+) -> Option<Verdict> {
     if t.handshake() {
         // The backend's side: its SYN-ACK records what the client must acknowledge; everything is forwarded.
         if t.stale(now) {
@@ -167,7 +173,7 @@ pub fn segment<C: Ctx>(c: &C, p: &L4Pkt, t: &mut TransientV4, now: u64) -> Optio
             t.ack_be = u32::from_be(p.seq_be()).wrapping_add(1).to_be();
             // Written again, so that the client's ACK finds the handshake even if another client's SYN took the
             // slot since its own SYN (and each retransmitted SYN-ACK repairs it).
-            point(slot_of(&t.flow.partner_key(PROTO_TCP)), &p.key);
+            point(slot_of::<F>(&t.flow.partner_key(PROTO_TCP)), &p.key);
         }
         t.flow.last_seen_ns = now;
         let _ = close_bit(&mut t.flow, p.tcp_flags, now);
@@ -177,8 +183,8 @@ pub fn segment<C: Ctx>(c: &C, p: &L4Pkt, t: &mut TransientV4, now: u64) -> Optio
     if t.stale(now) || (p.syn() && t.flow.flags & FLOW_F_FORWARD != 0) {
         // Both entries go (the reverse one releases the SNAT port), so that a new handshake on the client port
         // is not mistaken for the closed connection.
-        let _ = TRANSIENT_V4.remove(partner);
-        let _ = TRANSIENT_V4.remove(p.key);
+        let _ = F::transient().remove(partner);
+        let _ = F::transient().remove(p.key);
         return None;
     }
     // The last segments of a closed connection.
@@ -189,17 +195,17 @@ pub fn segment<C: Ctx>(c: &C, p: &L4Pkt, t: &mut TransientV4, now: u64) -> Optio
 /// A client's segment (not a SYN) of its handshake `h`, found through `HANDSHAKES`. Returns `None` when the
 /// handshake is past its time.
 #[inline(always)]
-pub fn client_segment<C: Ctx>(
+pub fn client_segment<C: Ctx, F: Family>(
     c: &C,
     cfg: &Config,
-    p: &L4Pkt,
-    h: &mut TransientV4,
-    reopen: Option<*const FlowV4>,
+    p: &L4Pkt<F>,
+    h: &mut Transient<F::A>,
+    reopen: Option<*const Flow<F::A>>,
     now: u64,
 ) -> Option<Verdict> {
     if h.stale(now) {
         // Release the entry, and with it the SNAT port.
-        let _ = TRANSIENT_V4.remove(h.fwd.partner_key(PROTO_TCP));
+        let _ = F::transient().remove(h.fwd.partner_key(PROTO_TCP));
         return None;
     }
     if h.closed() || p.tcp_flags & TCP_RST != 0 {
@@ -222,12 +228,12 @@ pub fn client_segment<C: Ctx>(
 /// and is published for the peers' sync, and the ACK is forwarded. `h` is the handshake's entry in
 /// `TRANSIENT_V4`, removed last.
 #[inline(always)]
-fn promote<C: Ctx>(
+fn promote<C: Ctx, F: Family>(
     c: &C,
     cfg: &Config,
-    p: &L4Pkt,
-    h: &mut TransientV4,
-    reopen: Option<*const FlowV4>,
+    p: &L4Pkt<F>,
+    h: &mut Transient<F::A>,
+    reopen: Option<*const Flow<F::A>>,
     now: u64,
 ) -> Verdict {
     let rkey = &h.fwd.partner_key(PROTO_TCP);
@@ -241,12 +247,13 @@ fn promote<C: Ctx>(
         // SAFETY: an entry of FLOWS_V4 found by this packet's lookup (map values stay valid under RCU).
         let old = unsafe { &*old }.partner_key(PROTO_TCP);
         if old != *rkey {
-            let _ = FLOWS_V4.remove(old);
+            let _ = F::flows().remove(old);
         }
     }
     // Reverse first: once the forward entry exists, replies must find theirs.
-    if FLOWS_V4.insert(rkey, &h.flow, 0).is_err() || FLOWS_V4.insert(p.key, &h.fwd, 0).is_err() {
-        let _ = FLOWS_V4.remove(rkey);
+    if F::flows().insert(rkey, &h.flow, 0).is_err() || F::flows().insert(&p.key, &h.fwd, 0).is_err()
+    {
+        let _ = F::flows().remove(rkey);
         count(stat::DROP_FLOW_INSERT);
         klog::flow_insert_failed(h.fwd.svc_id, now);
         return Verdict::Drop;
@@ -255,19 +262,19 @@ fn promote<C: Ctx>(
     // end, so no other SYN can claim its port in between.
     flow_filter::mark(rkey);
     flow_filter::mark(&p.key);
-    established_new(cfg, &p.key, &h.fwd, &h.flow);
+    established_new::<F>(cfg, &p.key, &h.fwd, &h.flow);
     syn_guard::trust(cfg, p.key.src);
     let v = forward(c, p, &h.fwd);
-    let _ = TRANSIENT_V4.remove(rkey);
+    let _ = F::transient().remove(rkey);
     v
 }
 
 /// Timestamp and FIN/RST of a transient entry; a RST closes the partner too.
 #[inline(always)]
-fn track(t: &mut TransientV4, p: &L4Pkt, partner: FlowKeyV4, now: u64) {
+fn track<F: Family>(t: &mut Transient<F::A>, p: &L4Pkt<F>, partner: FlowKey<F::A>, now: u64) {
     t.flow.last_seen_ns = now;
     if close_bit(&mut t.flow, p.tcp_flags, now) == Some(FLOW_F_RST) {
-        if let Some(pp) = TRANSIENT_V4.get_ptr_mut(partner) {
+        if let Some(pp) = F::transient().get_ptr_mut(partner) {
             let pe = unsafe { &mut *pp };
             pe.flow.flags |= FLOW_F_RST;
             pe.flow.timeout_s = TCP_CLOSING_TIMEOUT_S;

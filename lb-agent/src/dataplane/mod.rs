@@ -37,6 +37,13 @@ pub const TC_PROGRAM: &str = "lb_tc";
 /// The programs with `lbctl trace`'s report (lb-ebpf's `trace`), swapped onto the link while a trace runs.
 pub const XDP_TRACE_PROGRAM: &str = "lb_xdp_trace";
 pub const TC_TRACE_PROGRAM: &str = "lb_tc_trace";
+/// Every program of the object, and whether it is an XDP program (else TC).
+pub const PROGRAMS: &[(&str, bool)] = &[
+    (XDP_PROGRAM, true),
+    (TC_PROGRAM, false),
+    (XDP_TRACE_PROGRAM, true),
+    (TC_TRACE_PROGRAM, false),
+];
 
 /// Capacities of the maps, set at load time.
 #[derive(Clone, Debug)]

@@ -1,0 +1,316 @@
+//! The IPv6 packet path (the IPv6 programs, reached by tail call from the IPv4 entry points): the fixed header and
+//! a bounded walk over extension headers, then TCP and UDP through the same rules as IPv4 (`process::l4`, generic
+//! over the family), and ICMPv6 errors about our flows translated both ways. See docs/design.md, "Data plane
+//! rules".
+
+use lb_common::{
+    klog::{MALFORMED_ETHERNET, MALFORMED_IPV6_EXT, MALFORMED_IPV6_HEADER, MALFORMED_IPV6_LENGTH},
+    stat, Addr, FlowKeyV6, FlowV6, ServiceKey, FAMILY_V6, PROTO_ICMPV6, PROTO_TCP, PROTO_UDP,
+};
+
+use crate::{
+    csum,
+    ctx::{ptr_at, Ctx, Verdict},
+    family::{diff128, V6},
+    hdr::*,
+    klog,
+    maps::{count, with_service_stats, FLOWS_V6, SERVICES, TRANSIENT_V6, VIPS},
+    packet::L4Pkt,
+    process::{config, l4},
+    transient,
+};
+
+/// Extension headers walked before the packet goes to the kernel instead.
+const MAX_EXT_HEADERS: usize = 3;
+
+/// Processes one IPv6 frame (its EtherType and destination MAC were checked by the IPv4 program).
+#[inline(always)]
+pub fn process6<C: Ctx>(c: &C) -> Verdict {
+    let Some(eth) = ptr_at::<C, EthHdr>(c, 0) else {
+        return malformed(c, MALFORMED_ETHERNET);
+    };
+    // SAFETY (all header dereferences below): pointers come from `ptr_at`, which checked the bounds.
+    let Some(ip) = ptr_at::<C, Ipv6Hdr>(c, ETH_LEN) else {
+        return malformed(c, MALFORMED_IPV6_HEADER);
+    };
+    if unsafe { *(ip as *const u8) } >> 4 != 6 {
+        return malformed(c, MALFORMED_IPV6_HEADER);
+    }
+    let tot = IPV6_LEN + u16::from_be(unsafe { (*ip).payload_len }) as usize;
+    // Trailing bytes after the payload are link padding and allowed; a length beyond the frame is not.
+    if tot + ETH_LEN > c.packet_len() {
+        return malformed(c, MALFORMED_IPV6_LENGTH);
+    }
+    // Extension headers are walked, not changed: only the addresses of the fixed header are rewritten, which
+    // none of hop-by-hop, routing (with no segments left) or destination options covers.
+    let mut nh = unsafe { (*ip).nexthdr };
+    let mut off = ETH_LEN + IPV6_LEN;
+    let mut i = 0;
+    while i < MAX_EXT_HEADERS && (nh == IPV6_HOPOPTS || nh == IPV6_ROUTING || nh == IPV6_DSTOPTS) {
+        let Some(x) = ptr_at::<C, Ipv6ExtHdr>(c, off) else {
+            return malformed(c, MALFORMED_IPV6_EXT);
+        };
+        if nh == IPV6_ROUTING && unsafe { (*x).segments_left } != 0 {
+            // The destination is not the final one: the kernel's business.
+            count(stat::PASS_IPV6_EXT);
+            return Verdict::Pass;
+        }
+        nh = unsafe { (*x).nexthdr };
+        off += (unsafe { (*x).len } as usize + 1) * 8;
+        i += 1;
+    }
+    if i > 0 {
+        count(stat::IPV6_EXT_HEADERS);
+    }
+    if off > ETH_LEN + tot {
+        return malformed(c, MALFORMED_IPV6_EXT);
+    }
+    let hl = off - ETH_LEN;
+    match nh {
+        PROTO_TCP => {
+            let Some(tcp) = ptr_at::<C, TcpHdr>(c, off) else {
+                return malformed(c, lb_common::klog::MALFORMED_TCP);
+            };
+            let doff = (unsafe { (*tcp).doff } >> 4) as usize * 4;
+            if doff < TCP_LEN || hl + doff > tot {
+                return malformed(c, lb_common::klog::MALFORMED_TCP);
+            }
+            let p = unsafe {
+                L4Pkt::<V6> {
+                    eth,
+                    ip,
+                    ports: tcp as *mut Ports,
+                    key: flow_key6(ip, tcp as *mut Ports, PROTO_TCP),
+                    tcp_flags: (*tcp).flags,
+                    tcp,
+                    tot: tot as u16,
+                }
+            };
+            l4_frame(c, &p)
+        }
+        PROTO_UDP => {
+            let Some(udp) = ptr_at::<C, UdpHdr>(c, off) else {
+                return malformed(c, lb_common::klog::MALFORMED_UDP);
+            };
+            if hl + UDP_LEN > tot {
+                return malformed(c, lb_common::klog::MALFORMED_UDP);
+            }
+            let p = L4Pkt::<V6> {
+                eth,
+                ip,
+                ports: udp as *mut Ports,
+                key: flow_key6(ip, udp as *mut Ports, PROTO_UDP),
+                tcp_flags: 0,
+                tcp: core::ptr::null_mut(),
+                tot: tot as u16,
+            };
+            if unsafe { (*udp).check } == 0 {
+                // Mandatory in IPv6 (RFC 8200 §8.1): an incremental update of a missing checksum cannot make one.
+                return no_checksum(&p.key);
+            }
+            l4_frame(c, &p)
+        }
+        PROTO_ICMPV6 => translate6(c, eth, ip, off, ETH_LEN + tot),
+        IPV6_FRAGMENT => {
+            // As IPv4: fragments to our addresses are dropped (clients use PMTUD, which the ICMPv6 translation
+            // keeps working), other fragments are the kernel's.
+            if VIPS
+                .get_ptr(Addr::from_v6_raw(unsafe { (*ip).dst }))
+                .is_some()
+            {
+                count(stat::DROP_FRAGMENT);
+                Verdict::Drop
+            } else {
+                count(stat::PASS_FRAGMENT);
+                Verdict::Pass
+            }
+        }
+        IPV6_HOPOPTS | IPV6_ROUTING | IPV6_DSTOPTS | IPV6_AH | IPV6_ESP | IPV6_MOBILITY => {
+            // A chain longer than the walk, or a header it does not walk.
+            count(stat::PASS_IPV6_EXT);
+            Verdict::Pass
+        }
+        _ => {
+            count(stat::PASS_NOT_SERVICE);
+            Verdict::Pass
+        }
+    }
+}
+
+/// Authentication header.
+const IPV6_AH: u8 = 51;
+/// Encapsulating security payload.
+const IPV6_ESP: u8 = 50;
+/// Mobility header.
+const IPV6_MOBILITY: u8 = 135;
+
+/// TCP and UDP in a call frame of their own: the parser's state is not live across them.
+#[inline(never)]
+fn l4_frame<C: Ctx>(c: &C, p: &L4Pkt<V6>) -> Verdict {
+    l4(c, &config(), p)
+}
+
+#[inline(always)]
+fn malformed<C: Ctx>(c: &C, why: u8) -> Verdict {
+    count(stat::DROP_MALFORMED);
+    klog::malformed(why, c.packet_len());
+    Verdict::Drop
+}
+
+/// A UDP datagram without checksum: dropped if it belongs to a flow or a service, the kernel's otherwise.
+#[inline(always)]
+fn no_checksum(key: &FlowKeyV6) -> Verdict {
+    let skey = ServiceKey {
+        addr: Addr::from_v6_raw(key.dst),
+        port_be: key.dport,
+        proto: PROTO_UDP,
+        family: FAMILY_V6,
+    };
+    if FLOWS_V6.get_ptr(key).is_some() || SERVICES.get_ptr(skey).is_some() {
+        count(stat::DROP_UDP6_NO_CHECKSUM);
+        return Verdict::Drop;
+    }
+    count(stat::PASS_NOT_SERVICE);
+    Verdict::Pass
+}
+
+#[inline(always)]
+fn flow_key6(ip: *mut Ipv6Hdr, ports: *mut Ports, proto: u8) -> FlowKeyV6 {
+    // SAFETY: both pointers were bounds-checked by the caller.
+    unsafe {
+        FlowKeyV6 {
+            src: (*ip).src,
+            dst: (*ip).dst,
+            sport: (*ports).sport,
+            dport: (*ports).dport,
+            proto,
+            _pad: [0; 3],
+        }
+    }
+}
+
+/// ICMPv6: neighbour discovery, router messages and echo are the kernel's; errors about one of our flows
+/// (destination unreachable, packet too big, time exceeded) are translated — outer and inner addresses, inner
+/// ports and L4 checksum, and the ICMPv6 checksum, which also covers the outer addresses through the pseudo-header
+/// — and sent the way the flow goes. The message ends with the IPv6 payload (`end`).
+// Keys go to the map helpers by reference: a copy would take 40 bytes of the BPF stack.
+#[allow(clippy::needless_borrows_for_generic_args)]
+#[inline(never)]
+fn translate6<C: Ctx>(
+    c: &C,
+    eth: *mut EthHdr,
+    ip: *mut Ipv6Hdr,
+    l4_off: usize,
+    end: usize,
+) -> Verdict {
+    let (Some(ih), true) = (ptr_at::<C, IcmpHdr>(c, l4_off), l4_off + ICMP_LEN <= end) else {
+        return malformed(c, lb_common::klog::MALFORMED_ICMPV6);
+    };
+    let ty = unsafe { (*ih).ty };
+    if ty == ICMPV6_ECHO_REQUEST
+        || ty == ICMPV6_ECHO_REPLY
+        || (ICMPV6_ND_FIRST..=ICMPV6_ND_LAST).contains(&ty)
+    {
+        count(stat::PASS_NOT_SERVICE);
+        return Verdict::Pass;
+    }
+    if ty != ICMPV6_DEST_UNREACH && ty != ICMPV6_PKT_TOOBIG && ty != ICMPV6_TIME_EXCEEDED {
+        count(stat::PASS_ICMP_UNKNOWN);
+        return Verdict::Pass;
+    }
+    let inner_off = l4_off + ICMP_LEN;
+    let il4_off = inner_off + IPV6_LEN;
+    let (Some(iip), true) = (ptr_at::<C, Ipv6Hdr>(c, inner_off), il4_off + 4 <= end) else {
+        count(stat::PASS_ICMP_UNKNOWN);
+        return Verdict::Pass;
+    };
+    let iproto = unsafe { (*iip).nexthdr };
+    // Quoted extension headers are not walked: the packets we rewrite that carry them are rare.
+    if iproto != PROTO_TCP && iproto != PROTO_UDP {
+        count(stat::PASS_ICMP_UNKNOWN);
+        return Verdict::Pass;
+    }
+    let Some(ip4) = ptr_at::<C, Ports>(c, il4_off) else {
+        count(stat::PASS_ICMP_UNKNOWN);
+        return Verdict::Pass;
+    };
+    // The inner packet is one we sent; turned around, its tuple is the key of the entry for this direction.
+    let key = unsafe {
+        FlowKeyV6 {
+            src: (*iip).dst,
+            dst: (*iip).src,
+            sport: (*ip4).dport,
+            dport: (*ip4).sport,
+            proto: iproto,
+            _pad: [0; 3],
+        }
+    };
+    // A reference into map memory, not a copy: 72 bytes of stack.
+    let fl: *const FlowV6 = match FLOWS_V6.get_ptr(&key) {
+        Some(fp) => fp,
+        None if iproto == PROTO_TCP => match TRANSIENT_V6.get_ptr(&key) {
+            Some(tp) => unsafe { &(*tp).flow },
+            None => match transient::find::<V6>(&key) {
+                Some(hp) => unsafe { &(*hp).fwd },
+                None => {
+                    count(stat::PASS_ICMP_UNKNOWN);
+                    return Verdict::Pass;
+                }
+            },
+        },
+        None => {
+            count(stat::PASS_ICMP_UNKNOWN);
+            return Verdict::Pass;
+        }
+    };
+    // SAFETY: a map value, valid under RCU for this program run; packet pointers bounds-checked above.
+    unsafe {
+        let fl = &*fl;
+        // Outer header: from us, to the far side of the flow (in the ICMPv6 checksum's pseudo-header).
+        let d_outer = csum::add(
+            diff128(&(*ip).src, &fl.new_src),
+            diff128(&(*ip).dst, &fl.new_dst),
+        );
+        (*ip).src = fl.new_src;
+        (*ip).dst = fl.new_dst;
+        // Inner header: the packet as the far side sent it.
+        let d_iaddr = csum::add(
+            diff128(&(*iip).src, &fl.new_dst),
+            diff128(&(*iip).dst, &fl.new_src),
+        );
+        let d_iport = csum::add(
+            csum::diff16((*ip4).sport, fl.new_dport),
+            csum::diff16((*ip4).dport, fl.new_sport),
+        );
+        (*iip).src = fl.new_dst;
+        (*iip).dst = fl.new_src;
+        (*ip4).sport = fl.new_dport;
+        (*ip4).dport = fl.new_sport;
+        let l4_diff = csum::add(d_iaddr, d_iport);
+        let mut d_icmp = csum::add(d_outer, l4_diff);
+        // The inner L4 checksum is there only if the error quoted enough of the packet.
+        let udp = iproto == PROTO_UDP;
+        let l4_csum_off = il4_off + if udp { UDP_CSUM_OFF } else { TCP_CSUM_OFF };
+        if l4_csum_off + 2 <= end {
+            if let Some(p) = ptr_at::<C, u16>(c, l4_csum_off) {
+                let old = *p;
+                let new = if udp {
+                    csum::apply_udp(old, l4_diff)
+                } else {
+                    csum::apply(old, l4_diff)
+                };
+                *p = new;
+                d_icmp = csum::add(d_icmp, csum::diff16(old, new));
+            }
+        }
+        // ICMPv6 header pointer re-derived: the bounds checks above may have clobbered the register.
+        if let Some(ih) = ptr_at::<C, IcmpHdr>(c, l4_off) {
+            (*ih).check = csum::apply((*ih).check, d_icmp);
+        }
+        (*eth).src = (*eth).dst;
+        (*eth).dst = fl.mac;
+        count(stat::ICMP_TRANSLATED);
+        with_service_stats(fl.svc_id, |s| s.icmp_translated += 1);
+    }
+    Verdict::Tx
+}
