@@ -1073,15 +1073,17 @@ fn judge_yawol(j: &mut Judge) {
         "priority kept from yawol's keepalived.conf",
         "50",
     );
+    // yawol's VRRP, so that old and new machines form one group during a switch of image (lb-agent's
+    // ha::vrrp, "Switching from yawol").
     j.want_eq(
         "vrrp_advert_int",
-        "the agent's advert interval instead of 4 s",
-        "0.20",
+        "yawol's advert interval from its keepalived.conf (one VRRP group with yawol's machines)",
+        "4",
     );
     j.want_eq(
         "vrrp_priority_bonus",
-        "newest revision (from the machine's annotation): priority bonus",
-        "100",
+        "newest revision (from the machine's annotation): yawol's weights, track_process 100 + track_script 10",
+        "110",
     );
     j.want_positive(
         "keepalived_under_agent",
