@@ -28,6 +28,8 @@ use lb_agent::source::kubernetes::{self as kube_mode, KubeMode, KubeSettings};
 use lb_agent::source::ConfigState;
 use lb_api::{LoadBalancer, LoadBalancerMachine};
 use lb_controller::openstack::machine::rbac::{self, MachineIdentity};
+// yawol-controller's output and the test objects (its per-machine Role, LoadBalancer and machine).
+use lb_test_support::yawol;
 use serde_json::{json, Value};
 use std::future::Future;
 use std::sync::{Arc, Mutex};
@@ -47,22 +49,7 @@ const WITHIN: Duration = Duration::from_secs(30);
 const T0: i64 = 1_700_000_000;
 
 fn lb_json(ns: &str, ports: Value, endpoints: Value, options: Value) -> Value {
-    json!({
-        "apiVersion": "yawol.stackit.cloud/v1beta1", "kind": "LoadBalancer",
-        "metadata": {"name": LB, "namespace": ns},
-        "spec": {
-            "selector": {"matchLabels": {"yawol.stackit.cloud/loadbalancer": "abc"}},
-            "replicas": 1,
-            "ports": ports,
-            "endpoints": endpoints,
-            "options": options,
-            "infrastructure": {
-                "defaultNetwork": {"networkID": "net-1"},
-                "flavor": {"flavorID": "flavor-1"}, "image": {"imageID": "image-1"},
-                "availabilityZone": "az-1", "authSecretRef": {"name": "cloud", "namespace": ns}
-            }
-        }
-    })
+    yawol::loadbalancer_json(ns, LB, ports, endpoints, options)
 }
 
 fn good_lb(ns: &str) -> Value {
@@ -77,19 +64,7 @@ fn good_lb(ns: &str) -> Value {
 }
 
 fn lbm_json(ns: &str, name: &str, loadbalancer: &str) -> Value {
-    json!({
-        "apiVersion": "yawol.stackit.cloud/v1beta1", "kind": "LoadBalancerMachine",
-        "metadata": {"name": name, "namespace": ns},
-        "spec": {
-            "portID": "port-1",
-            "loadBalancerRef": {"name": loadbalancer, "namespace": ns},
-            "infrastructure": {
-                "defaultNetwork": {"networkID": "net-1"},
-                "flavor": {"flavorID": "flavor-1"}, "image": {"imageID": "image-1"},
-                "availabilityZone": "az-1", "authSecretRef": {"name": "cloud", "namespace": ns}
-            }
-        }
-    })
+    yawol::machine_json(ns, name, loadbalancer)
 }
 
 /// The config in effect in the fake data plane (what `agent::run` would have in its maps).
@@ -1505,9 +1480,6 @@ async fn a_410_after_compaction_relists_at_once_and_up_to_date_waits_for_it() {
     h.wait_conditions("generation 3 up to date", |c| up_to_date_at(c, 3))
         .await;
 }
-
-/// yawol-controller's output (the boot test's fixture): here its per-machine Role.
-use lb_test_support::yawol;
 
 /// On a machine a yawol-controller manages, the agent runs under yawol's Role (`GetRoleRules`: six rules, events
 /// in the core group only) with no `--machine-revision`. That Role is enough for all of Kubernetes mode — the

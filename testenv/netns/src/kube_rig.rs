@@ -394,42 +394,21 @@ async fn wait_rbac_in_effect(kubeconfig: &str, ns: &str) -> Result<()> {
     .await
 }
 
-fn infrastructure(ns: &str) -> Value {
-    json!({
-        "defaultNetwork": {"networkID": "net-1"},
-        "flavor": {"flavorID": "flavor-1"}, "image": {"imageID": "image-1"},
-        "availabilityZone": "az-1", "authSecretRef": {"name": "cloud", "namespace": ns}
-    })
-}
-
 fn lb_json(ns: &str, backends: &[Ipv4Addr], options: Value) -> Value {
     let endpoints: Vec<Value> = backends
         .iter()
         .enumerate()
         .map(|(i, ip)| json!({"name": format!("node-{}", i + 1), "addresses": [ip.to_string()]}))
         .collect();
-    json!({
-        "apiVersion": "yawol.stackit.cloud/v1beta1", "kind": "LoadBalancer",
-        "metadata": {"name": LB, "namespace": ns},
-        "spec": {
-            "selector": {"matchLabels": {"yawol.stackit.cloud/loadbalancer": LB}},
-            "replicas": 1,
-            "ports": KubeRig::ports(TCP_PORT),
-            "endpoints": endpoints,
-            "options": options,
-            "infrastructure": infrastructure(ns),
-        }
-    })
+    lb_test_support::yawol::loadbalancer_json(
+        ns,
+        LB,
+        KubeRig::ports(TCP_PORT),
+        Value::Array(endpoints),
+        options,
+    )
 }
 
 fn machine_json(ns: &str) -> Value {
-    json!({
-        "apiVersion": "yawol.stackit.cloud/v1beta1", "kind": "LoadBalancerMachine",
-        "metadata": {"name": MACHINE, "namespace": ns},
-        "spec": {
-            "portID": "port-1",
-            "loadBalancerRef": {"name": LB, "namespace": ns},
-            "infrastructure": infrastructure(ns),
-        }
-    })
+    lb_test_support::yawol::machine_json(ns, MACHINE, LB)
 }

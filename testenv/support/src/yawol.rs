@@ -332,3 +332,48 @@ pub fn role_rules(loadbalancer: &str, machine: &str) -> Vec<PolicyRule> {
         ),
     ]
 }
+
+/// The `infrastructure` of the test objects below: fixed OpenStack ids that nothing in an agent's test reads.
+fn infrastructure(ns: &str) -> serde_json::Value {
+    serde_json::json!({
+        "defaultNetwork": {"networkID": "net-1"},
+        "flavor": {"flavorID": "flavor-1"}, "image": {"imageID": "image-1"},
+        "availabilityZone": "az-1", "authSecretRef": {"name": "cloud", "namespace": ns}
+    })
+}
+
+/// A LoadBalancer object `ns/name` with the given spec parts, as the agents' Kubernetes-mode tests create it
+/// (one replica, its own selector, the fixed infrastructure).
+pub fn loadbalancer_json(
+    ns: &str,
+    name: &str,
+    ports: serde_json::Value,
+    endpoints: serde_json::Value,
+    options: serde_json::Value,
+) -> serde_json::Value {
+    serde_json::json!({
+        "apiVersion": "yawol.stackit.cloud/v1beta1", "kind": "LoadBalancer",
+        "metadata": {"name": name, "namespace": ns},
+        "spec": {
+            "selector": {"matchLabels": {"yawol.stackit.cloud/loadbalancer": name}},
+            "replicas": 1,
+            "ports": ports,
+            "endpoints": endpoints,
+            "options": options,
+            "infrastructure": infrastructure(ns),
+        }
+    })
+}
+
+/// The LoadBalancerMachine `ns/name` of LoadBalancer `loadbalancer`, as those tests create it.
+pub fn machine_json(ns: &str, name: &str, loadbalancer: &str) -> serde_json::Value {
+    serde_json::json!({
+        "apiVersion": "yawol.stackit.cloud/v1beta1", "kind": "LoadBalancerMachine",
+        "metadata": {"name": name, "namespace": ns},
+        "spec": {
+            "portID": "port-1",
+            "loadBalancerRef": {"name": loadbalancer, "namespace": ns},
+            "infrastructure": infrastructure(ns),
+        }
+    })
+}
