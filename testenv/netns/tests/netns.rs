@@ -54,6 +54,18 @@ fn start_echo(topo: &Topology) -> Vec<ChildGuard> {
         .collect()
 }
 
+/// The load generator's TCP run with `cfg`, in-process, from a thread inside the client namespace.
+fn tcp_from_client(topo: &Topology, cfg: TcpLoadConfig) -> load::TcpReport {
+    topo.run_in(Host::Client, move || {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap()
+            .block_on(load::run_tcp(cfg))
+    })
+    .unwrap()
+}
+
 fn tmp_path(topo: &Topology, name: &str) -> PathBuf {
     std::env::temp_dir().join(format!("{}-{name}", topo.id()))
 }
@@ -213,18 +225,13 @@ fn echo_and_load_on_the_direct_path() {
     let target = format!("{}:30080", topo.ip(Host::Backend(3)))
         .parse()
         .unwrap();
-    let report = topo
-        .run_in(Host::Client, move || {
-            let rt = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-                .unwrap();
-            rt.block_on(load::run_tcp(TcpLoadConfig {
-                connections: 50,
-                ..TcpLoadConfig::new(target)
-            }))
-        })
-        .unwrap();
+    let report = tcp_from_client(
+        &topo,
+        TcpLoadConfig {
+            connections: 50,
+            ..TcpLoadConfig::new(target)
+        },
+    );
     assert_eq!(report.per_backend.get("backend-3"), Some(&50), "{report:?}");
 
     // A backend whose link is down fails cleanly and quickly, and recovers when it comes back.
@@ -234,28 +241,10 @@ fn echo_and_load_on_the_direct_path() {
         op_timeout: Duration::from_millis(300),
         ..TcpLoadConfig::new(target)
     };
-    let cfg = short();
-    let down = topo
-        .run_in(Host::Client, move || {
-            tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-                .unwrap()
-                .block_on(load::run_tcp(cfg))
-        })
-        .unwrap();
+    let down = tcp_from_client(&topo, short());
     assert_eq!(down.ok, 0, "{down:?}");
     topo.set_link(Host::Backend(3), true).unwrap();
-    let cfg = short();
-    let up = topo
-        .run_in(Host::Client, move || {
-            tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-                .unwrap()
-                .block_on(load::run_tcp(cfg))
-        })
-        .unwrap();
+    let up = tcp_from_client(&topo, short());
     assert_eq!(up.ok, 3, "{up:?}");
 }
 
@@ -305,35 +294,25 @@ fn ipv6_topology_carries_both_families_on_the_direct_path() {
     assert_eq!((tcp.ok, udp.ok), (200, 100), "{tcp:?} {udp:?}");
     // The same dual-stack server over IPv4.
     let target = format!("{v4}:30080").parse().unwrap();
-    let rep = topo
-        .run_in(Host::Client, move || {
-            tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-                .unwrap()
-                .block_on(load::run_tcp(TcpLoadConfig {
-                    connections: 20,
-                    ..TcpLoadConfig::new(target)
-                }))
-        })
-        .unwrap();
+    let rep = tcp_from_client(
+        &topo,
+        TcpLoadConfig {
+            connections: 20,
+            ..TcpLoadConfig::new(target)
+        },
+    );
     assert_eq!(rep.ok, 20, "{rep:?}");
     // An extra IPv6 address (a VIP) is usable at once.
     let vip6 = topo.addr6(100);
     topo.add_addr(Host::Backend(1), vip6).unwrap();
     let target = format!("[{vip6}]:30080").parse().unwrap();
-    let rep = topo
-        .run_in(Host::Client, move || {
-            tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-                .unwrap()
-                .block_on(load::run_tcp(TcpLoadConfig {
-                    connections: 5,
-                    ..TcpLoadConfig::new(target)
-                }))
-        })
-        .unwrap();
+    let rep = tcp_from_client(
+        &topo,
+        TcpLoadConfig {
+            connections: 5,
+            ..TcpLoadConfig::new(target)
+        },
+    );
     assert_eq!(rep.ok, 5, "{rep:?}");
     topo.del_addr(Host::Backend(1), vip6).unwrap();
 }
