@@ -48,10 +48,10 @@ pub fn open<C: Ctx, F: Family>(
     };
     // SAFETY (`e`): this CPU's scratch slot.
     unsafe {
-        (*e).flow = t.reverse(p, svc, now);
+        t.fill_reverse(p, svc, now, &mut (*e).flow);
         (*e).ack_be = 0;
         (*e)._pad = 0;
-        (*e).fwd = t.forward(p, svc, 0, now);
+        t.fill_forward(p, svc, 0, now, &mut (*e).fwd);
     }
     // The client's own handshake, when the search meets it.
     let mut retransmit: *mut Transient<F::A> = core::ptr::null_mut();
