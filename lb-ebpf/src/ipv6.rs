@@ -5,13 +5,13 @@
 
 use lb_common::{
     klog::{MALFORMED_ETHERNET, MALFORMED_IPV6_EXT, MALFORMED_IPV6_HEADER, MALFORMED_IPV6_LENGTH},
-    stat, Addr, FlowKeyV6, FlowV6, ServiceKey, FAMILY_V6, PROTO_ICMPV6, PROTO_TCP, PROTO_UDP,
+    stat, Addr, FlowKeyV6, FlowV6, In6, ServiceKey, FAMILY_V6, PROTO_ICMPV6, PROTO_TCP, PROTO_UDP,
 };
 
 use crate::{
     csum,
     ctx::{ptr_at, Ctx, Verdict},
-    family::{diff128, V6},
+    family::V6,
     hdr::*,
     klog,
     maps::{count, with_service_stats, FLOWS_V6, SERVICES, TRANSIENT_V6, VIPS},
@@ -268,22 +268,18 @@ fn translate6<C: Ctx>(
         let fl = &*fl;
         // Outer header: from us, to the far side of the flow (in the ICMPv6 checksum's pseudo-header).
         let d_outer = csum::add(
-            diff128(&(*ip).src, &fl.new_src),
-            diff128(&(*ip).dst, &fl.new_dst),
+            set_addr(&raw mut (*ip).src, &fl.new_src),
+            set_addr(&raw mut (*ip).dst, &fl.new_dst),
         );
-        (*ip).src = fl.new_src;
-        (*ip).dst = fl.new_dst;
         // Inner header: the packet as the far side sent it.
         let d_iaddr = csum::add(
-            diff128(&(*iip).src, &fl.new_dst),
-            diff128(&(*iip).dst, &fl.new_src),
+            set_addr(&raw mut (*iip).src, &fl.new_dst),
+            set_addr(&raw mut (*iip).dst, &fl.new_src),
         );
         let d_iport = csum::add(
             csum::diff16((*ip4).sport, fl.new_dport),
             csum::diff16((*ip4).dport, fl.new_sport),
         );
-        (*iip).src = fl.new_dst;
-        (*iip).dst = fl.new_src;
         (*ip4).sport = fl.new_dport;
         (*ip4).dport = fl.new_sport;
         let l4_diff = csum::add(d_iaddr, d_iport);
@@ -313,4 +309,23 @@ fn translate6<C: Ctx>(
         with_service_stats(fl.svc_id, |s| s.icmp_translated += 1);
     }
     Verdict::Tx
+}
+
+/// Writes address `new` over `*a` one word at a time and returns the checksum delta: each word's diff is taken
+/// before the next word is loaded, so at most two words are live (all of them at once were spilled to the stack).
+///
+/// # Safety
+/// `a` must point into a bounds-checked header; `new` into map memory.
+#[inline(always)]
+unsafe fn set_addr(a: *mut In6, new: &In6) -> u32 {
+    let mut d = 0;
+    for i in 0..4 {
+        // SAFETY: as the function's.
+        unsafe {
+            let n = new[i];
+            d = csum::add(d, csum::diff32((*a)[i], n));
+            (*a)[i] = n;
+        }
+    }
+    d
 }

@@ -43,7 +43,13 @@ impl<A: FlowAddr> Target<A> {
     /// search. Field by field into the caller's (scratch) entry: an IPv6 entry built by value is a 72-byte
     /// temporary on the BPF stack.
     #[inline(always)]
-    pub fn fill_reverse<F: Family<A = A>>(&self, p: &L4Pkt<F>, svc: &Service, now: u64, fl: &mut Flow<A>) {
+    pub fn fill_reverse<F: Family<A = A>>(
+        &self,
+        p: &L4Pkt<F>,
+        svc: &Service,
+        now: u64,
+        fl: &mut Flow<A>,
+    ) {
         let key = &p.key;
         fl.new_src = key.dst;
         fl.new_dst = key.src;
