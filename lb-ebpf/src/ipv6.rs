@@ -75,18 +75,13 @@ pub fn process6<C: Ctx>(c: &C) -> Verdict {
             if doff < TCP_LEN || hl + doff > tot {
                 return malformed(c, lb_common::klog::MALFORMED_TCP);
             }
-            let p = unsafe {
-                L4Pkt::<V6> {
-                    eth,
-                    ip,
-                    ports: tcp as *mut Ports,
-                    key: flow_key6(ip, tcp as *mut Ports, PROTO_TCP),
-                    tcp_flags: (*tcp).flags,
-                    tcp,
-                    tot: tot as u16,
-                }
-            };
-            l4_frame(c, &p)
+            l4_frame(
+                c,
+                eth,
+                ip,
+                tcp as *mut Ports,
+                tot as u32 | (PROTO_TCP as u32) << 16,
+            )
         }
         PROTO_UDP => {
             let Some(udp) = ptr_at::<C, UdpHdr>(c, off) else {
@@ -95,20 +90,17 @@ pub fn process6<C: Ctx>(c: &C) -> Verdict {
             if hl + UDP_LEN > tot {
                 return malformed(c, lb_common::klog::MALFORMED_UDP);
             }
-            let p = L4Pkt::<V6> {
-                eth,
-                ip,
-                ports: udp as *mut Ports,
-                key: flow_key6(ip, udp as *mut Ports, PROTO_UDP),
-                tcp_flags: 0,
-                tcp: core::ptr::null_mut(),
-                tot: tot as u16,
-            };
             if unsafe { (*udp).check } == 0 {
                 // Mandatory in IPv6 (RFC 8200 §8.1): an incremental update of a missing checksum cannot make one.
-                return no_checksum(&p.key);
+                return no_checksum(&flow_key6(ip, udp as *mut Ports, PROTO_UDP));
             }
-            l4_frame(c, &p)
+            l4_frame(
+                c,
+                eth,
+                ip,
+                udp as *mut Ports,
+                tot as u32 | (PROTO_UDP as u32) << 16,
+            )
         }
         PROTO_ICMPV6 => translate6(c, eth, ip, off, ETH_LEN + tot),
         IPV6_FRAGMENT => {
@@ -144,10 +136,38 @@ const IPV6_ESP: u8 = 50;
 /// Mobility header.
 const IPV6_MOBILITY: u8 = 135;
 
-/// TCP and UDP in a call frame of their own: the parser's state is not live across them.
+/// TCP and UDP in a call frame of their own: the parser's state is not live across them, and the packet's
+/// `L4Pkt` (its key is 40 bytes) is built here, not held in the parser's frame. `tot_proto` is the IPv6 total
+/// length with the protocol in bits 16..24 (a BPF call takes 5 arguments at most).
 #[inline(never)]
-fn l4_frame<C: Ctx>(c: &C, p: &L4Pkt<V6>) -> Verdict {
-    l4(c, &config(), p)
+fn l4_frame<C: Ctx>(
+    c: &C,
+    eth: *mut EthHdr,
+    ip: *mut Ipv6Hdr,
+    ports: *mut Ports,
+    tot_proto: u32,
+) -> Verdict {
+    let proto = (tot_proto >> 16) as u8;
+    let tcp = if proto == PROTO_TCP {
+        ports as *mut TcpHdr
+    } else {
+        core::ptr::null_mut()
+    };
+    // SAFETY: the parser bounds-checked the headers (the whole TCP header for TCP).
+    let p = L4Pkt::<V6> {
+        eth,
+        ip,
+        ports,
+        key: flow_key6(ip, ports, proto),
+        tcp_flags: if tcp.is_null() {
+            0
+        } else {
+            unsafe { (*tcp).flags }
+        },
+        tcp,
+        tot: tot_proto as u16,
+    };
+    l4(c, &config(), &p)
 }
 
 #[inline(always)]
