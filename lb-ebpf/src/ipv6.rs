@@ -339,10 +339,9 @@ fn translate6<C: Ctx>(
 #[inline(always)]
 unsafe fn set_addr(a: *mut In6, new: &In6) -> u32 {
     let mut d = 0;
-    for i in 0..4 {
+    for (i, &n) in new.iter().enumerate() {
         // SAFETY: as the function's.
         unsafe {
-            let n = new[i];
             d = csum::add(d, csum::diff32((*a)[i], n));
             (*a)[i] = n;
         }
