@@ -35,7 +35,7 @@ pub fn open<C: Ctx, F: Family>(
     reopen: Option<*const Flow<F::A>>,
     now: u64,
 ) -> Verdict {
-    let (key, proto) = (p.key, p.key.proto);
+    let (key, proto) = (&p.key, p.key.proto);
     // Both entries are built in per-CPU scratch space: on the stack they would push the program past what older
     // kernels' verifiers accept (see `maps::SCRATCH`).
     let (Some(rs), Some(fs)) = (F::scratch().get_ptr_mut(0), F::scratch().get_ptr_mut(1)) else {
@@ -43,7 +43,7 @@ pub fn open<C: Ctx, F: Family>(
         return Verdict::Drop;
     };
     // SAFETY (`rs`, `fs`): this CPU's scratch slots; nothing else runs on this CPU meanwhile.
-    unsafe { (*rs).flow = t.reverse(p, svc, now) };
+    unsafe { t.fill_reverse(p, svc, now, &mut (*rs).flow) };
     // UDP entries are not in the flow filter: the claim itself (an insert that fails on a held key) decides.
     let Some(snat_port) = alloc_snat_port(
         cfg,
@@ -62,7 +62,7 @@ pub fn open<C: Ctx, F: Family>(
         klog::snat_exhausted(svc.id, t.node, t.node_port, now);
         return Verdict::Drop;
     };
-    unsafe { (*fs).flow = t.forward(p, svc, snat_port, now) };
+    unsafe { t.fill_forward(p, svc, snat_port, now, &mut (*fs).flow) };
     let (fwd, rev) = unsafe { (&(*fs).flow, &(*rs).flow) };
     let rkey = fwd.partner_key(proto);
     if let Some(old) = reopen {
@@ -75,7 +75,7 @@ pub fn open<C: Ctx, F: Family>(
         klog::flow_insert_failed(svc.id, now);
         return Verdict::Drop;
     }
-    established_new::<F>(cfg, &key, fwd, rev);
+    established_new::<F>(cfg, key, fwd, rev);
     forward(c, p, fwd)
 }
 

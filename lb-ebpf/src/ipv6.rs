@@ -5,13 +5,13 @@
 
 use lb_common::{
     klog::{MALFORMED_ETHERNET, MALFORMED_IPV6_EXT, MALFORMED_IPV6_HEADER, MALFORMED_IPV6_LENGTH},
-    stat, Addr, FlowKeyV6, FlowV6, ServiceKey, FAMILY_V6, PROTO_ICMPV6, PROTO_TCP, PROTO_UDP,
+    stat, Addr, FlowKeyV6, FlowV6, In6, ServiceKey, FAMILY_V6, PROTO_ICMPV6, PROTO_TCP, PROTO_UDP,
 };
 
 use crate::{
     csum,
     ctx::{ptr_at, Ctx, Verdict},
-    family::{diff128, V6},
+    family::V6,
     hdr::*,
     klog,
     maps::{count, with_service_stats, FLOWS_V6, SERVICES, TRANSIENT_V6, VIPS},
@@ -75,18 +75,13 @@ pub fn process6<C: Ctx>(c: &C) -> Verdict {
             if doff < TCP_LEN || hl + doff > tot {
                 return malformed(c, lb_common::klog::MALFORMED_TCP);
             }
-            let p = unsafe {
-                L4Pkt::<V6> {
-                    eth,
-                    ip,
-                    ports: tcp as *mut Ports,
-                    key: flow_key6(ip, tcp as *mut Ports, PROTO_TCP),
-                    tcp_flags: (*tcp).flags,
-                    tcp,
-                    tot: tot as u16,
-                }
-            };
-            l4_frame(c, &p)
+            l4_frame(
+                c,
+                eth,
+                ip,
+                tcp as *mut Ports,
+                tot as u32 | (PROTO_TCP as u32) << 16,
+            )
         }
         PROTO_UDP => {
             let Some(udp) = ptr_at::<C, UdpHdr>(c, off) else {
@@ -95,20 +90,17 @@ pub fn process6<C: Ctx>(c: &C) -> Verdict {
             if hl + UDP_LEN > tot {
                 return malformed(c, lb_common::klog::MALFORMED_UDP);
             }
-            let p = L4Pkt::<V6> {
-                eth,
-                ip,
-                ports: udp as *mut Ports,
-                key: flow_key6(ip, udp as *mut Ports, PROTO_UDP),
-                tcp_flags: 0,
-                tcp: core::ptr::null_mut(),
-                tot: tot as u16,
-            };
             if unsafe { (*udp).check } == 0 {
                 // Mandatory in IPv6 (RFC 8200 §8.1): an incremental update of a missing checksum cannot make one.
-                return no_checksum(&p.key);
+                return no_checksum(&flow_key6(ip, udp as *mut Ports, PROTO_UDP));
             }
-            l4_frame(c, &p)
+            l4_frame(
+                c,
+                eth,
+                ip,
+                udp as *mut Ports,
+                tot as u32 | (PROTO_UDP as u32) << 16,
+            )
         }
         PROTO_ICMPV6 => translate6(c, eth, ip, off, ETH_LEN + tot),
         IPV6_FRAGMENT => {
@@ -144,10 +136,38 @@ const IPV6_ESP: u8 = 50;
 /// Mobility header.
 const IPV6_MOBILITY: u8 = 135;
 
-/// TCP and UDP in a call frame of their own: the parser's state is not live across them.
+/// TCP and UDP in a call frame of their own: the parser's state is not live across them, and the packet's
+/// `L4Pkt` (its key is 40 bytes) is built here, not held in the parser's frame. `tot_proto` is the IPv6 total
+/// length with the protocol in bits 16..24 (a BPF call takes 5 arguments at most).
 #[inline(never)]
-fn l4_frame<C: Ctx>(c: &C, p: &L4Pkt<V6>) -> Verdict {
-    l4(c, &config(), p)
+fn l4_frame<C: Ctx>(
+    c: &C,
+    eth: *mut EthHdr,
+    ip: *mut Ipv6Hdr,
+    ports: *mut Ports,
+    tot_proto: u32,
+) -> Verdict {
+    let proto = (tot_proto >> 16) as u8;
+    let tcp = if proto == PROTO_TCP {
+        ports as *mut TcpHdr
+    } else {
+        core::ptr::null_mut()
+    };
+    // SAFETY: the parser bounds-checked the headers (the whole TCP header for TCP).
+    let p = L4Pkt::<V6> {
+        eth,
+        ip,
+        ports,
+        key: flow_key6(ip, ports, proto),
+        tcp_flags: if tcp.is_null() {
+            0
+        } else {
+            unsafe { (*tcp).flags }
+        },
+        tcp,
+        tot: tot_proto as u16,
+    };
+    l4(c, &config(), &p)
 }
 
 #[inline(always)]
@@ -268,22 +288,18 @@ fn translate6<C: Ctx>(
         let fl = &*fl;
         // Outer header: from us, to the far side of the flow (in the ICMPv6 checksum's pseudo-header).
         let d_outer = csum::add(
-            diff128(&(*ip).src, &fl.new_src),
-            diff128(&(*ip).dst, &fl.new_dst),
+            set_addr(&raw mut (*ip).src, &fl.new_src),
+            set_addr(&raw mut (*ip).dst, &fl.new_dst),
         );
-        (*ip).src = fl.new_src;
-        (*ip).dst = fl.new_dst;
         // Inner header: the packet as the far side sent it.
         let d_iaddr = csum::add(
-            diff128(&(*iip).src, &fl.new_dst),
-            diff128(&(*iip).dst, &fl.new_src),
+            set_addr(&raw mut (*iip).src, &fl.new_dst),
+            set_addr(&raw mut (*iip).dst, &fl.new_src),
         );
         let d_iport = csum::add(
             csum::diff16((*ip4).sport, fl.new_dport),
             csum::diff16((*ip4).dport, fl.new_sport),
         );
-        (*iip).src = fl.new_dst;
-        (*iip).dst = fl.new_src;
         (*ip4).sport = fl.new_dport;
         (*ip4).dport = fl.new_sport;
         let l4_diff = csum::add(d_iaddr, d_iport);
@@ -313,4 +329,22 @@ fn translate6<C: Ctx>(
         with_service_stats(fl.svc_id, |s| s.icmp_translated += 1);
     }
     Verdict::Tx
+}
+
+/// Writes address `new` over `*a` one word at a time and returns the checksum delta: each word's diff is taken
+/// before the next word is loaded, so at most two words are live (all of them at once were spilled to the stack).
+///
+/// # Safety
+/// `a` must point into a bounds-checked header; `new` into map memory.
+#[inline(always)]
+unsafe fn set_addr(a: *mut In6, new: &In6) -> u32 {
+    let mut d = 0;
+    for (i, &n) in new.iter().enumerate() {
+        // SAFETY: as the function's.
+        unsafe {
+            d = csum::add(d, csum::diff32((*a)[i], n));
+            (*a)[i] = n;
+        }
+    }
+    d
 }

@@ -89,13 +89,13 @@ pub static SYN_GUARD: PerCpuArray<u64> = PerCpuArray::with_max_entries(1, 0);
 
 /// Per-CPU scratch space for transient entries under construction: the BPF stack (512 bytes) cannot hold them
 /// next to everything else on the new-flow path. Slot 0: a handshake, or a closed connection's reverse entry; slot
-/// 1: a closed connection's forward entry.
+/// 1: a closed connection's forward entry; slot 2: the SNAT port search's candidate key.
 #[map]
-pub static SCRATCH: PerCpuArray<TransientV4> = PerCpuArray::with_max_entries(2, 0);
+pub static SCRATCH: PerCpuArray<TransientV4> = PerCpuArray::with_max_entries(3, 0);
 
 /// IPv6's `SCRATCH`.
 #[map]
-pub static SCRATCH_V6: PerCpuArray<TransientV6> = PerCpuArray::with_max_entries(2, 0);
+pub static SCRATCH_V6: PerCpuArray<TransientV6> = PerCpuArray::with_max_entries(3, 0);
 
 /// The IPv6 XDP programs (`lb_common::V6_PROG_FAST`, `V6_PROG_TRACED`), reached by tail call from the IPv4
 /// entry points: one program for both families would exceed the verifier's budget.

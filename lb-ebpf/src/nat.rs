@@ -39,54 +39,57 @@ pub struct Target<A> {
 }
 
 impl<A: FlowAddr> Target<A> {
-    /// The reverse entry (backend → SNAT) of a new flow; its port fields are completed by the SNAT search.
+    /// Writes the reverse entry (backend → SNAT) of a new flow into `fl`; its port fields are completed by the SNAT
+    /// search. Field by field into the caller's (scratch) entry: an IPv6 entry built by value is a 72-byte
+    /// temporary on the BPF stack.
     #[inline(always)]
-    pub fn reverse<F: Family<A = A>>(&self, p: &L4Pkt<F>, svc: &Service, now: u64) -> Flow<A> {
+    pub fn fill_reverse<F: Family<A = A>>(
+        &self,
+        p: &L4Pkt<F>,
+        svc: &Service,
+        now: u64,
+        fl: &mut Flow<A>,
+    ) {
         let key = &p.key;
-        Flow {
-            new_src: key.dst,
-            new_dst: key.src,
-            new_sport: key.dport,
-            new_dport: key.sport,
-            mac: unsafe { (*p.eth).src },
-            flags: FLOW_F_REVERSE,
-            _pad: 0,
-            svc_id: svc.id,
-            backend_id: self.backend_id,
-            timeout_s: svc.idle_timeout_s,
-            csum_addr: csum::add(F::diff(&self.node, &key.dst), F::diff(&self.snat, &key.src)),
-            csum_port: 0,
-            last_seen_ns: now,
-        }
+        fl.new_src = key.dst;
+        fl.new_dst = key.src;
+        fl.new_sport = key.dport;
+        fl.new_dport = key.sport;
+        fl.mac = unsafe { (*p.eth).src };
+        fl.flags = FLOW_F_REVERSE;
+        fl._pad = 0;
+        fl.svc_id = svc.id;
+        fl.backend_id = self.backend_id;
+        fl.timeout_s = svc.idle_timeout_s;
+        fl.csum_addr = csum::add(F::diff(&self.node, &key.dst), F::diff(&self.snat, &key.src));
+        fl.csum_port = 0;
+        fl.last_seen_ns = now;
     }
 
-    /// The forward entry (client → backend) of a new flow with SNAT port `snat_port`.
+    /// Writes the forward entry (client → backend) of a new flow with SNAT port `snat_port` into `fl` (in place,
+    /// as [`Self::fill_reverse`]).
     #[inline(always)]
-    pub fn forward<F: Family<A = A>>(
+    pub fn fill_forward<F: Family<A = A>>(
         &self,
         p: &L4Pkt<F>,
         svc: &Service,
         snat_port: u16,
         now: u64,
-    ) -> Flow<A> {
+        fl: &mut Flow<A>,
+    ) {
         let key = &p.key;
-        let mut fl = Flow {
-            new_src: self.snat,
-            new_dst: self.node,
-            new_sport: 0,
-            new_dport: self.node_port,
-            mac: self.mac,
-            flags: FLOW_F_FORWARD,
-            _pad: 0,
-            svc_id: svc.id,
-            backend_id: self.backend_id,
-            timeout_s: svc.idle_timeout_s,
-            csum_addr: csum::add(F::diff(&key.src, &self.snat), F::diff(&key.dst, &self.node)),
-            csum_port: 0,
-            last_seen_ns: now,
-        };
-        self.set_snat_port(p, &mut fl, snat_port);
-        fl
+        fl.new_src = self.snat;
+        fl.new_dst = self.node;
+        fl.new_dport = self.node_port;
+        fl.mac = self.mac;
+        fl.flags = FLOW_F_FORWARD;
+        fl._pad = 0;
+        fl.svc_id = svc.id;
+        fl.backend_id = self.backend_id;
+        fl.timeout_s = svc.idle_timeout_s;
+        fl.csum_addr = csum::add(F::diff(&key.src, &self.snat), F::diff(&key.dst, &self.node));
+        fl.last_seen_ns = now;
+        self.set_snat_port(p, fl, snat_port);
     }
 
     /// Gives a forward entry its SNAT port, and the port checksum delta that goes with it.

@@ -31,19 +31,21 @@ pub fn alloc_snat_port<F: Family>(
     let start = rem(fmix(t.hash ^ 0x9e37_79b9), range);
     // The reverse entry rewrites node:NodePort → VIP:service port and SNAT port → client port.
     let (svc_port, client_port) = (p.key.dport, p.key.sport);
+    // The candidate reverse key lives in scratch slot 2, not on the stack (40 bytes for IPv6, on the deepest path).
+    let rkey = F::scratch().get_ptr_mut(2)? as *mut FlowKey<F::A>;
+    // SAFETY: this CPU's scratch slot, larger than a key and as aligned; nothing else runs on this CPU meanwhile.
+    let rkey = unsafe { &mut *rkey };
+    rkey.src = t.node;
+    rkey.dst = t.snat;
+    rkey.sport = t.node_port;
+    rkey.proto = proto;
+    rkey._pad = [0; 3];
     let mut i = 0;
     while i < SNAT_PORT_TRIES {
         let port = ((min + rem(start + i, range)) as u16).to_be();
         i += 1;
-        let rkey = FlowKey {
-            src: t.node,
-            dst: t.snat,
-            sport: t.node_port,
-            dport: port,
-            proto,
-            _pad: [0; 3],
-        };
-        if taken(&rkey) {
+        rkey.dport = port;
+        if taken(rkey) {
             continue;
         }
         let skey = ServiceKey {
@@ -59,7 +61,7 @@ pub fn alloc_snat_port<F: Family>(
             csum::diff16(t.node_port, svc_port),
             csum::diff16(port, client_port),
         );
-        if claim(&rkey, csum_port) {
+        if claim(rkey, csum_port) {
             return Some(port);
         }
     }

@@ -48,10 +48,10 @@ pub fn open<C: Ctx, F: Family>(
     };
     // SAFETY (`e`): this CPU's scratch slot.
     unsafe {
-        (*e).flow = t.reverse(p, svc, now);
+        t.fill_reverse(p, svc, now, &mut (*e).flow);
         (*e).ack_be = 0;
         (*e)._pad = 0;
-        (*e).fwd = t.forward(p, svc, 0, now);
+        t.fill_forward(p, svc, 0, now, &mut (*e).fwd);
     }
     // The client's own handshake, when the search meets it.
     let mut retransmit: *mut Transient<F::A> = core::ptr::null_mut();
@@ -110,7 +110,18 @@ pub fn open<C: Ctx, F: Family>(
         return Verdict::Drop;
     };
     let e = unsafe { &*e };
-    point(own_slot, &e.fwd.partner_key(PROTO_TCP));
+    if let Some(slot) = own_slot {
+        // The handshake's reverse key, written field by field: a key built first is 40 more bytes of stack for
+        // IPv6. (Another CPU may write the same slot: see `point`.)
+        unsafe {
+            (*slot).src = e.fwd.new_dst;
+            (*slot).dst = e.fwd.new_src;
+            (*slot).sport = e.fwd.new_dport;
+            (*slot).dport = e.fwd.new_sport;
+            (*slot).proto = PROTO_TCP;
+            (*slot)._pad = [0; 3];
+        }
+    }
     if !retransmit.is_null() {
         // SAFETY: as above.
         let h = unsafe { &mut *retransmit };
