@@ -77,8 +77,9 @@ impl FlowAddr for In6 {
     }
 }
 
-/// A 16-byte address in network byte order; IPv4 uses `bytes[0..4]` and zeroes the rest.
-#[repr(C)]
+/// A 16-byte address in network byte order; IPv4 uses `bytes[0..4]` and zeroes the rest. Aligned as its words, so
+/// that the BPF programs move it a word at a time; every struct holding one has it at a 4-byte offset.
+#[repr(C, align(4))]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub struct Addr {
     /// The address bytes as on the wire.
@@ -89,45 +90,28 @@ impl Addr {
     /// An IPv4 address from its on-wire (network order) `u32`, as read straight from a header.
     #[inline(always)]
     pub const fn from_v4_raw(raw_be: u32) -> Self {
-        let b = raw_be.to_ne_bytes();
-        Addr {
-            bytes: [b[0], b[1], b[2], b[3], 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0],
-        }
+        Self::from_v6_raw([raw_be, 0, 0, 0])
     }
 
     /// The on-wire (network order) `u32` of an IPv4 address.
     #[inline(always)]
     pub const fn v4_raw(&self) -> u32 {
-        u32::from_ne_bytes([self.bytes[0], self.bytes[1], self.bytes[2], self.bytes[3]])
+        self.v6_raw()[0]
     }
 
     /// An IPv6 address from its four on-wire words, as read straight from a header.
     #[inline(always)]
     pub const fn from_v6_raw(w: In6) -> Self {
-        let (a, b, c, d) = (
-            w[0].to_ne_bytes(),
-            w[1].to_ne_bytes(),
-            w[2].to_ne_bytes(),
-            w[3].to_ne_bytes(),
-        );
-        Addr {
-            bytes: [
-                a[0], a[1], a[2], a[3], b[0], b[1], b[2], b[3], c[0], c[1], c[2], c[3], d[0], d[1],
-                d[2], d[3],
-            ],
-        }
+        // SAFETY: both are 16 plain bytes, 4-aligned; a word's memory is its on-wire bytes. (Word moves: built
+        // byte by byte, the BPF programs spilled each byte.)
+        unsafe { core::mem::transmute::<In6, Addr>(w) }
     }
 
     /// The four on-wire words of an IPv6 address.
     #[inline(always)]
     pub const fn v6_raw(&self) -> In6 {
-        let b = &self.bytes;
-        [
-            u32::from_ne_bytes([b[0], b[1], b[2], b[3]]),
-            u32::from_ne_bytes([b[4], b[5], b[6], b[7]]),
-            u32::from_ne_bytes([b[8], b[9], b[10], b[11]]),
-            u32::from_ne_bytes([b[12], b[13], b[14], b[15]]),
-        ]
+        // SAFETY: as in `from_v6_raw`.
+        unsafe { core::mem::transmute::<Addr, In6>(*self) }
     }
 }
 
@@ -899,6 +883,13 @@ pub mod map_names {
 pub const V6_PROG_FAST: u32 = 0;
 /// Index of the traced IPv6 program (`lbctl trace`).
 pub const V6_PROG_TRACED: u32 = 1;
+/// Index of the IPv6 new-flow program, tail-called by the fast IPv6 program for a packet that opens a flow (its
+/// own program: a fresh 512-byte stack for the new-flow path).
+pub const V6_PROG_NEW_FLOW: u32 = 2;
+/// Index of the traced new-flow program, tail-called by the traced IPv6 program.
+pub const V6_PROG_NEW_FLOW_TRACED: u32 = 3;
+/// Slots of `V6_PROGS_XDP` / `V6_PROGS_TC`.
+pub const V6_PROGS: u32 = 4;
 
 /// Default capacities, overridable by the agent at load time.
 pub mod defaults {

@@ -151,4 +151,7 @@ pub enum Verdict {
     Tx,
     /// An IPv6 frame: the entry point hands it to the IPv6 program (by tail call).
     Ipv6,
+    /// An IPv6 packet that opens a flow: the IPv6 program hands it to its new-flow program (by tail call; see
+    /// `maps::NEW_FLOW_HANDOFF`).
+    NewFlow,
 }

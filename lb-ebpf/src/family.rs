@@ -22,9 +22,10 @@ pub trait Family: 'static {
     type Ip;
     /// Address bits (a source range's full-address lookup).
     const ADDR_BITS: u32;
-    /// Whether the new-flow path runs in a BPF call frame of its own: IPv6's keys and entries do not fit one
-    /// 448-byte frame (see `process::l4`); IPv4's do, and stay inlined.
-    const SPLIT: bool;
+    /// Whether a new flow is opened by a program of its own, reached by tail call (`ipv6::new_flow6`): with
+    /// IPv6's keys and entries the lookups and the new-flow path do not fit one 512-byte stack; IPv4's do, and
+    /// stay in one program.
+    const NEW_FLOW_PROGRAM: bool;
     /// Connection tracking (`FLOWS_V4`/`FLOWS_V6`).
     fn flows() -> &'static LruHashMap<FlowKey<Self::A>, Flow<Self::A>>;
     /// Handshakes and closed connections.
@@ -53,7 +54,7 @@ impl Family for V4 {
     type A = u32;
     type Ip = Ipv4Hdr;
     const ADDR_BITS: u32 = 32;
-    const SPLIT: bool = false;
+    const NEW_FLOW_PROGRAM: bool = false;
     #[inline(always)]
     fn flows() -> &'static LruHashMap<FlowKey<u32>, Flow<u32>> {
         &FLOWS_V4
@@ -99,7 +100,7 @@ impl Family for V6 {
     type A = In6;
     type Ip = Ipv6Hdr;
     const ADDR_BITS: u32 = 128;
-    const SPLIT: bool = true;
+    const NEW_FLOW_PROGRAM: bool = true;
     #[inline(always)]
     fn flows() -> &'static LruHashMap<FlowKey<In6>, Flow<In6>> {
         &FLOWS_V6

@@ -3,20 +3,27 @@
 //! over the family), and ICMPv6 errors about our flows translated both ways. See docs/design.md, "Data plane
 //! rules".
 
+use aya_ebpf::helpers::bpf_ktime_get_coarse_ns;
 use lb_common::{
     klog::{MALFORMED_ETHERNET, MALFORMED_IPV6_EXT, MALFORMED_IPV6_HEADER, MALFORMED_IPV6_LENGTH},
-    stat, Addr, FlowKeyV6, FlowV6, In6, ServiceKey, FAMILY_V6, PROTO_ICMPV6, PROTO_TCP, PROTO_UDP,
+    stat, Addr, FlowKeyV6, FlowV6, In6, Service, ServiceKey, FAMILY_V6, PROTO_ICMPV6, PROTO_TCP,
+    PROTO_UDP,
 };
 
 use crate::{
-    csum,
+    conntrack, csum,
     ctx::{ptr_at, Ctx, Verdict},
     family::V6,
     hdr::*,
     klog,
-    maps::{count, with_service_stats, FLOWS_V6, SERVICES, TRANSIENT_V6, VIPS},
+    lb::pick_backend,
+    maps::{
+        count, with_service_stats, FLOWS_V6, NEW_FLOW_HANDOFF, SCRATCH_V6, SERVICES, TRANSIENT_V6,
+        VIPS,
+    },
+    nat::Target,
     packet::L4Pkt,
-    process::{config, l4},
+    process::{config, l4, open_handshake, reopen_of},
     transient,
 };
 
@@ -168,6 +175,122 @@ fn l4_frame<C: Ctx>(
         tot: tot_proto as u16,
     };
     l4(c, &config(), &p)
+}
+
+/// The new-flow program's logic (`lb_xdp6_new`, `lb_tc6_new`): the packet the IPv6 program handed over (see
+/// `maps::NEW_FLOW_HANDOFF`) opens a flow for its service. Its headers are taken again at the handed offset
+/// (checked again: the verifier knows nothing of the other program), its service and the entry it releases
+/// looked up again.
+#[inline(always)]
+pub fn new_flow6<C: Ctx>(c: &C) -> Verdict {
+    let Some(h) = NEW_FLOW_HANDOFF.get(0) else {
+        count(stat::PASS_NOT_SERVICE);
+        return Verdict::Pass;
+    };
+    let (off, proto) = (h.l4_off as usize, h.proto);
+    // The parser walked at most `MAX_EXT_HEADERS` headers of at most 2 KiB each.
+    if off > ETH_LEN + IPV6_LEN + MAX_EXT_HEADERS * 2048 {
+        return malformed(c, MALFORMED_IPV6_EXT);
+    }
+    let (Some(eth), Some(ip)) = (ptr_at::<C, EthHdr>(c, 0), ptr_at::<C, Ipv6Hdr>(c, ETH_LEN))
+    else {
+        return malformed(c, MALFORMED_IPV6_HEADER);
+    };
+    let (ports, tcp) = if proto == PROTO_TCP {
+        let Some(tcp) = ptr_at::<C, TcpHdr>(c, off) else {
+            return malformed(c, lb_common::klog::MALFORMED_TCP);
+        };
+        (tcp as *mut Ports, tcp)
+    } else {
+        let Some(udp) = ptr_at::<C, UdpHdr>(c, off) else {
+            return malformed(c, lb_common::klog::MALFORMED_UDP);
+        };
+        (udp as *mut Ports, core::ptr::null_mut())
+    };
+    // SAFETY: bounds-checked above.
+    let p = L4Pkt::<V6> {
+        eth,
+        ip,
+        ports,
+        key: flow_key6(ip, ports, proto),
+        tcp_flags: if tcp.is_null() {
+            0
+        } else {
+            unsafe { (*tcp).flags }
+        },
+        tcp,
+        tot: h.tot,
+    };
+    let skey = ServiceKey {
+        addr: Addr::from_v6_raw(p.key.dst),
+        port_be: p.key.dport,
+        proto,
+        family: FAMILY_V6,
+    };
+    let Some(svc) = SERVICES.get_ptr(skey) else {
+        count(stat::PASS_NOT_SERVICE);
+        return Verdict::Pass;
+    };
+    let reopen = if h.reopen != 0 {
+        FLOWS_V6.get_ptr(&p.key).unwrap_or(core::ptr::null())
+    } else {
+        core::ptr::null()
+    };
+    // SAFETY: a value of the map, valid under RCU for this program run.
+    let svc = unsafe { &*svc };
+    // The backend, then the entries, in two call frames side by side under this one (each reads the settings
+    // itself): inlined, the new-flow path took all of the 512-byte stack.
+    // The target lives in scratch slot 3, not on this frame (48 bytes).
+    let Some(t) = SCRATCH_V6.get_ptr_mut(3) else {
+        count(stat::DROP_FLOW_INSERT);
+        return Verdict::Drop;
+    };
+    let t = t as *mut Target<In6>;
+    if let Err(v) = pick_backend_frame(&p, svc, t) {
+        return v;
+    }
+    // SAFETY: this CPU's slot (larger than a target, as aligned), written by `pick_backend_frame`.
+    let t = unsafe { &*t };
+    if p.is_tcp() {
+        handshake_frame(c, &p, svc, t, reopen)
+    } else {
+        udp_flow_frame(c, &p, svc, t, reopen)
+    }
+}
+
+/// [`pick_backend`] in a call frame of its own; the target is written to `t` when it returns `Ok`.
+#[inline(never)]
+fn pick_backend_frame(p: &L4Pkt<V6>, svc: &Service, t: *mut Target<In6>) -> Result<(), Verdict> {
+    // SAFETY: `t` is the caller's scratch slot, written whole.
+    pick_backend(&config(), p, svc).map(|v| unsafe { t.write(v) })
+}
+
+/// [`open_handshake`] in a call frame of its own.
+#[inline(never)]
+fn handshake_frame<C: Ctx>(
+    c: &C,
+    p: &L4Pkt<V6>,
+    svc: &Service,
+    t: &Target<In6>,
+    reopen: *const FlowV6,
+) -> Verdict {
+    open_handshake(c, &config(), p, svc, t, reopen, unsafe {
+        bpf_ktime_get_coarse_ns()
+    })
+}
+
+/// [`conntrack::open`] in a call frame of its own.
+#[inline(never)]
+fn udp_flow_frame<C: Ctx>(
+    c: &C,
+    p: &L4Pkt<V6>,
+    svc: &Service,
+    t: &Target<In6>,
+    reopen: *const FlowV6,
+) -> Verdict {
+    conntrack::open(c, &config(), p, svc, t, reopen_of(reopen), unsafe {
+        bpf_ktime_get_coarse_ns()
+    })
 }
 
 #[inline(always)]

@@ -52,16 +52,28 @@ fn event(kind_why: u32, svc_id: u32, value: u32, port_be: u32, addr: Option<(u8,
     let Some(mut e) = KLOG_EVENTS.reserve::<KernelEvent>(0) else {
         return;
     };
-    e.write(KernelEvent {
-        kind: kind as u8,
-        why: (kind_why >> 8) as u8,
-        port_be: port_be as u16,
-        svc_id,
-        value,
-        family: addr.map_or(0, |a| a.0),
-        _pad: [0; 3],
-        addr: addr.map_or(Addr::default(), |a| a.1),
-    });
+    // Field by field into the record: a record built by value is a 48-byte temporary on the BPF stack, under the
+    // IPv6 programs' deepest frames.
+    let r = e.as_mut_ptr();
+    // SAFETY: an exclusively owned ring-buffer record of this type.
+    unsafe {
+        (*r).kind = kind as u8;
+        (*r).why = (kind_why >> 8) as u8;
+        (*r).port_be = port_be as u16;
+        (*r).svc_id = svc_id;
+        (*r).value = value;
+        (*r)._pad = [0; 3];
+        match addr {
+            Some((family, a)) => {
+                (*r).family = family;
+                (*r).addr = a;
+            }
+            None => {
+                (*r).family = 0;
+                (*r).addr = Addr::default();
+            }
+        }
+    }
     e.submit(0);
 }
 

@@ -3,8 +3,10 @@
 //! `*_trace` variants, the same logic reporting each packet ([`lb_ebpf::trace`]), while it runs.
 //!
 //! IPv6 has programs of its own (`*6`), reached by tail call through `V6_PROGS_XDP` / `V6_PROGS_TC`: both
-//! families in one program would exceed the verifier's budget. The tail call is made here, in the entry
-//! function: the verifier restricts tail calls from subprograms.
+//! families in one program would exceed the verifier's budget. A packet that opens an IPv6 flow goes on, by a
+//! second tail call, to the new-flow program (`*6_new`): with IPv6's keys the lookups and the new-flow path do not
+//! fit one 512-byte stack. The tail calls are made here, in the entry functions: the verifier restricts tail
+//! calls from subprograms.
 #![cfg_attr(target_arch = "bpf", no_std)]
 #![cfg_attr(target_arch = "bpf", no_main)]
 
@@ -17,6 +19,8 @@ mod programs {
         programs::{TcContext, XdpContext},
     };
     use lb_common::{stat, V6_PROG_FAST, V6_PROG_TRACED};
+    #[cfg(feature = "ipv6-programs")]
+    use lb_common::{V6_PROG_NEW_FLOW, V6_PROG_NEW_FLOW_TRACED};
     use lb_ebpf::{
         ctx::{Tc, Verdict, Xdp},
         maps::{count, V6_PROGS_TC, V6_PROGS_XDP},
@@ -24,7 +28,10 @@ mod programs {
         trace::traced,
     };
     #[cfg(feature = "ipv6-programs")]
-    use lb_ebpf::{ipv6::process6, trace::traced6};
+    use lb_ebpf::{
+        ipv6::{new_flow6, process6},
+        trace::{traced6, traced6_new},
+    };
 
     /// XDP entry point: attach natively to the LB interface.
     #[xdp]
@@ -58,20 +65,50 @@ mod programs {
     #[cfg(feature = "ipv6-programs")]
     #[xdp]
     pub fn lb_xdp6(ctx: XdpContext) -> u32 {
-        xdp_action(process6(&Xdp(&ctx)))
+        match process6(&Xdp(&ctx)) {
+            Verdict::NewFlow => {
+                // SAFETY: as in `lb_xdp`.
+                unsafe { V6_PROGS_XDP.tail_call(&ctx, V6_PROG_NEW_FLOW) };
+                count(stat::PASS_NO_IPV6_PROGRAM);
+                xdp_action::XDP_PASS
+            }
+            v => xdp_action(v),
+        }
     }
 
     /// [`lb_xdp6`] with `lbctl trace`'s report (slot `V6_PROG_TRACED`).
     #[cfg(feature = "ipv6-programs")]
     #[xdp]
     pub fn lb_xdp6_trace(ctx: XdpContext) -> u32 {
-        xdp_action(traced6(&Xdp(&ctx)))
+        match traced6(&Xdp(&ctx)) {
+            Verdict::NewFlow => {
+                // SAFETY: as in `lb_xdp`.
+                unsafe { V6_PROGS_XDP.tail_call(&ctx, V6_PROG_NEW_FLOW_TRACED) };
+                count(stat::PASS_NO_IPV6_PROGRAM);
+                xdp_action::XDP_PASS
+            }
+            v => xdp_action(v),
+        }
+    }
+
+    /// The IPv6 XDP new-flow program (slot `V6_PROG_NEW_FLOW`).
+    #[cfg(feature = "ipv6-programs")]
+    #[xdp]
+    pub fn lb_xdp6_new(ctx: XdpContext) -> u32 {
+        xdp_action(new_flow6(&Xdp(&ctx)))
+    }
+
+    /// [`lb_xdp6_new`] with `lbctl trace`'s report (slot `V6_PROG_NEW_FLOW_TRACED`).
+    #[cfg(feature = "ipv6-programs")]
+    #[xdp]
+    pub fn lb_xdp6_new_trace(ctx: XdpContext) -> u32 {
+        xdp_action(traced6_new(&Xdp(&ctx)))
     }
 
     #[inline(always)]
     fn xdp_action(v: Verdict) -> u32 {
         match v {
-            Verdict::Pass | Verdict::Ipv6 => xdp_action::XDP_PASS,
+            Verdict::Pass | Verdict::Ipv6 | Verdict::NewFlow => xdp_action::XDP_PASS,
             Verdict::Drop => xdp_action::XDP_DROP,
             Verdict::Tx => xdp_action::XDP_TX,
         }
@@ -119,7 +156,15 @@ mod programs {
     #[classifier]
     pub fn lb_tc6(ctx: TcContext) -> i32 {
         linear_headers(&ctx, HEADERS6);
-        tc_action(&ctx, process6(&Tc(&ctx)))
+        match process6(&Tc(&ctx)) {
+            Verdict::NewFlow => {
+                // SAFETY: as in `lb_xdp`.
+                unsafe { V6_PROGS_TC.tail_call(&ctx, V6_PROG_NEW_FLOW) };
+                count(stat::PASS_NO_IPV6_PROGRAM);
+                TC_ACT_OK
+            }
+            v => tc_action(&ctx, v),
+        }
     }
 
     /// [`lb_tc6`] with `lbctl trace`'s report (slot `V6_PROG_TRACED`).
@@ -127,7 +172,29 @@ mod programs {
     #[classifier]
     pub fn lb_tc6_trace(ctx: TcContext) -> i32 {
         linear_headers(&ctx, HEADERS6);
-        tc_action(&ctx, traced6(&Tc(&ctx)))
+        match traced6(&Tc(&ctx)) {
+            Verdict::NewFlow => {
+                // SAFETY: as in `lb_xdp`.
+                unsafe { V6_PROGS_TC.tail_call(&ctx, V6_PROG_NEW_FLOW_TRACED) };
+                count(stat::PASS_NO_IPV6_PROGRAM);
+                TC_ACT_OK
+            }
+            v => tc_action(&ctx, v),
+        }
+    }
+
+    /// The IPv6 TC new-flow program (slot `V6_PROG_NEW_FLOW`; the headers were made linear by `lb_tc6`).
+    #[cfg(feature = "ipv6-programs")]
+    #[classifier]
+    pub fn lb_tc6_new(ctx: TcContext) -> i32 {
+        tc_action(&ctx, new_flow6(&Tc(&ctx)))
+    }
+
+    /// [`lb_tc6_new`] with `lbctl trace`'s report (slot `V6_PROG_NEW_FLOW_TRACED`).
+    #[cfg(feature = "ipv6-programs")]
+    #[classifier]
+    pub fn lb_tc6_new_trace(ctx: TcContext) -> i32 {
+        tc_action(&ctx, traced6_new(&Tc(&ctx)))
     }
 
     /// GRO'd skbs may hold headers in paged data; direct access needs them linear.
@@ -146,7 +213,7 @@ mod programs {
     #[inline(always)]
     fn tc_action(ctx: &TcContext, v: Verdict) -> i32 {
         match v {
-            Verdict::Pass | Verdict::Ipv6 => TC_ACT_OK,
+            Verdict::Pass | Verdict::Ipv6 | Verdict::NewFlow => TC_ACT_OK,
             Verdict::Drop => TC_ACT_SHOT,
             Verdict::Tx => {
                 let ifindex = unsafe { (*ctx.skb.skb).ifindex };

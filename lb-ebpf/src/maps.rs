@@ -93,18 +93,40 @@ pub static SYN_GUARD: PerCpuArray<u64> = PerCpuArray::with_max_entries(1, 0);
 #[map]
 pub static SCRATCH: PerCpuArray<TransientV4> = PerCpuArray::with_max_entries(3, 0);
 
-/// IPv6's `SCRATCH`.
+/// IPv6's `SCRATCH`, and slot 3: a new flow's target (`ipv6::new_flow6`).
 #[map]
-pub static SCRATCH_V6: PerCpuArray<TransientV6> = PerCpuArray::with_max_entries(3, 0);
+pub static SCRATCH_V6: PerCpuArray<TransientV6> = PerCpuArray::with_max_entries(4, 0);
 
-/// The IPv6 XDP programs (`lb_common::V6_PROG_FAST`, `V6_PROG_TRACED`), reached by tail call from the IPv4
-/// entry points: one program for both families would exceed the verifier's budget.
+/// The IPv6 XDP programs (`lb_common::V6_PROG_*`), reached by tail call from the IPv4 entry points (one
+/// program for both families would exceed the verifier's budget), and their new-flow programs, reached by tail
+/// call from them (the IPv6 new-flow path needs a stack of its own).
 #[map]
-pub static V6_PROGS_XDP: ProgramArray = ProgramArray::with_max_entries(2, 0);
+pub static V6_PROGS_XDP: ProgramArray = ProgramArray::with_max_entries(lb_common::V6_PROGS, 0);
 
 /// The IPv6 TC programs, as `V6_PROGS_XDP`.
 #[map]
-pub static V6_PROGS_TC: ProgramArray = ProgramArray::with_max_entries(2, 0);
+pub static V6_PROGS_TC: ProgramArray = ProgramArray::with_max_entries(lb_common::V6_PROGS, 0);
+
+/// What the IPv6 program hands its new-flow program (`ipv6::new_flow6`): where the packet's L4 header is and
+/// whether a previous connection on the client's port is to be released. Per CPU: the tail call runs on the same
+/// CPU, right after.
+#[map]
+pub static NEW_FLOW_HANDOFF: PerCpuArray<NewFlowHandoff> = PerCpuArray::with_max_entries(1, 0);
+
+/// See [`NEW_FLOW_HANDOFF`].
+#[derive(Clone, Copy)]
+#[repr(C)]
+pub struct NewFlowHandoff {
+    /// Offset of the TCP or UDP header in the frame.
+    pub l4_off: u16,
+    /// IPv6 total length (fixed header + payload).
+    pub tot: u16,
+    /// `PROTO_TCP` or `PROTO_UDP`.
+    pub proto: u8,
+    /// The packet's flow entry is a finished connection on the client's port, released by the new one.
+    pub reopen: u8,
+    pub _pad: [u8; 2],
+}
 
 /// Per-service counters.
 #[map]

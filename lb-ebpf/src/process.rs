@@ -18,7 +18,8 @@ use crate::{
     hdr::*,
     icmp, klog,
     lb::pick_backend,
-    maps::{count, with_service_stats, CONFIG, SERVICES, VIPS},
+    maps::{count, with_service_stats, CONFIG, NEW_FLOW_HANDOFF, SERVICES, VIPS},
+    nat::Target,
     packet::{flow_key, L4Pkt},
     syn_guard, transient,
 };
@@ -224,29 +225,34 @@ pub(crate) fn l4<C: Ctx, F: Family>(c: &C, cfg: &Config, p: &L4Pkt<F>) -> Verdic
         with_service_stats(svc.id, |s| s.drop_no_flow += 1);
         return Verdict::Drop;
     }
-    if F::SPLIT {
-        new_flow_frame(c, cfg, p, svc, reopen)
-    } else {
-        new_flow(c, cfg, p, svc, reopen, now)
+    if F::NEW_FLOW_PROGRAM {
+        return hand_off_new_flow(p, reopen);
     }
+    new_flow(c, cfg, p, svc, reopen, now)
 }
 
-/// [`new_flow`] in a call frame of its own (see `Family::SPLIT`); it reads the clock again (5 arguments at most
-/// in a BPF call).
-#[inline(never)]
-fn new_flow_frame<C: Ctx, F: Family>(
-    c: &C,
-    cfg: &Config,
-    p: &L4Pkt<F>,
-    svc: &Service,
-    reopen: *const Flow<F::A>,
-) -> Verdict {
-    new_flow(c, cfg, p, svc, reopen, unsafe { bpf_ktime_get_coarse_ns() })
+/// IPv6: the new flow is opened by the new-flow program (`ipv6::new_flow6`), reached by tail call with a fresh
+/// stack — the lookups' frames and the new-flow path's do not fit one 512-byte stack together with IPv6's keys.
+#[inline(always)]
+fn hand_off_new_flow<F: Family>(p: &L4Pkt<F>, reopen: *const Flow<F::A>) -> Verdict {
+    let Some(h) = NEW_FLOW_HANDOFF.get_ptr_mut(0) else {
+        count(stat::DROP_FLOW_INSERT);
+        return Verdict::Drop;
+    };
+    // SAFETY: this CPU's slot; the tail call runs next on this CPU.
+    unsafe {
+        (*h).l4_off = (p.ports as usize - p.eth as usize) as u16;
+        (*h).tot = p.tot;
+        (*h).proto = p.key.proto;
+        (*h).reopen = u8::from(!reopen.is_null());
+        (*h)._pad = [0; 2];
+    }
+    Verdict::NewFlow
 }
 
 /// A flow for service `svc`: its backend, then a TCP handshake or a UDP flow.
 #[inline(always)]
-fn new_flow<C: Ctx, F: Family>(
+pub(crate) fn new_flow<C: Ctx, F: Family>(
     c: &C,
     cfg: &Config,
     p: &L4Pkt<F>,
@@ -254,27 +260,53 @@ fn new_flow<C: Ctx, F: Family>(
     reopen: *const Flow<F::A>,
     now: u64,
 ) -> Verdict {
-    let (key, proto) = (&p.key, p.key.proto);
-    let t = match pick_backend(cfg, p, svc) {
-        Ok(t) => t,
-        Err(v) => return v,
-    };
+    match pick_backend(cfg, p, svc) {
+        Ok(t) => open_flow(c, cfg, p, svc, &t, reopen, now),
+        Err(v) => v,
+    }
+}
+
+/// A flow for service `svc` to backend `t`: a TCP handshake or a UDP flow.
+#[inline(always)]
+pub(crate) fn open_flow<C: Ctx, F: Family>(
+    c: &C,
+    cfg: &Config,
+    p: &L4Pkt<F>,
+    svc: &Service,
+    t: &Target<F::A>,
+    reopen: *const Flow<F::A>,
+    now: u64,
+) -> Verdict {
     if p.is_tcp() {
-        if let Some(old) = reopen_of(reopen) {
-            // The previous connection on this client port is over: its entries go now, so that the new one's
-            // segments cannot follow them.
-            let _ = F::flows().remove(unsafe { &*old }.partner_key(proto));
-            let _ = F::flows().remove(key);
-        }
-        // The handshake waits in TRANSIENT_V4; FLOWS_V4 gets the connection when the client completes it.
-        return transient::open(c, cfg, p, svc, &t, now);
+        return open_handshake(c, cfg, p, svc, t, reopen, now);
     }
     // A UDP flow has no handshake: it goes straight to FLOWS_V4.
-    conntrack::open(c, cfg, p, svc, &t, reopen_of(reopen), now)
+    conntrack::open(c, cfg, p, svc, t, reopen_of(reopen), now)
+}
+
+/// A TCP connection for service `svc` to backend `t`: the handshake waits in TRANSIENT_V4; FLOWS_V4 gets the
+/// connection when the client completes it.
+#[inline(always)]
+pub(crate) fn open_handshake<C: Ctx, F: Family>(
+    c: &C,
+    cfg: &Config,
+    p: &L4Pkt<F>,
+    svc: &Service,
+    t: &Target<F::A>,
+    reopen: *const Flow<F::A>,
+    now: u64,
+) -> Verdict {
+    if let Some(old) = reopen_of(reopen) {
+        // The previous connection on this client port is over: its entries go now, so that the new one's
+        // segments cannot follow them.
+        let _ = F::flows().remove(unsafe { &*old }.partner_key(p.key.proto));
+        let _ = F::flows().remove(&p.key);
+    }
+    transient::open(c, cfg, p, svc, t, now)
 }
 
 #[inline(always)]
-fn reopen_of<A>(p: *const Flow<A>) -> Option<*const Flow<A>> {
+pub(crate) fn reopen_of<A>(p: *const Flow<A>) -> Option<*const Flow<A>> {
     (!p.is_null()).then_some(p)
 }
 

@@ -10,7 +10,13 @@ use aya_ebpf::{
 };
 use lb_common::{stat, TraceEvent, TraceFilter, TRACE_HDR};
 
-use crate::{ctx::Ctx, ctx::Verdict, ipv6::process6, maps::STATS, process::process};
+use crate::{
+    ctx::Ctx,
+    ctx::Verdict,
+    ipv6::{new_flow6, process6},
+    maps::STATS,
+    process::process,
+};
 
 /// What to report (written by `lbctl`; this program's own map, never pinned).
 #[map]
@@ -37,6 +43,13 @@ pub fn traced6<C: Ctx>(c: &C) -> Verdict {
     around(c, process6_frame)
 }
 
+/// The IPv6 new-flow program's [`traced`]. The packet is reported by this program only: its counters are those
+/// the new-flow program moved (the IPv6 program's, such as `ipv6_ext_headers`, are not in the report).
+#[inline(always)]
+pub fn traced6_new<C: Ctx>(c: &C) -> Verdict {
+    around(c, new_flow6_frame)
+}
+
 #[inline(always)]
 fn around<C: Ctx>(c: &C, run: impl Fn(&C) -> Verdict) -> Verdict {
     let Some(mut ev) = TRACE_EVENTS.reserve::<TraceEvent>(0) else {
@@ -44,8 +57,8 @@ fn around<C: Ctx>(c: &C, run: impl Fn(&C) -> Verdict) -> Verdict {
     };
     before(c, ev.as_mut_ptr());
     let v = run(c);
-    // An IPv6 frame goes on to the IPv6 traced program, which reports it itself.
-    if v != Verdict::Ipv6 && after(c, ev.as_mut_ptr(), v) {
+    // An IPv6 frame goes on to the IPv6 traced program, a new IPv6 flow to its new-flow program: they report it.
+    if v != Verdict::Ipv6 && v != Verdict::NewFlow && after(c, ev.as_mut_ptr(), v) {
         ev.submit(0);
     } else {
         ev.discard(0);
@@ -64,6 +77,12 @@ fn process_frame<C: Ctx>(c: &C) -> Verdict {
 #[inline(never)]
 fn process6_frame<C: Ctx>(c: &C) -> Verdict {
     process6(c)
+}
+
+/// [`new_flow6`] in a call frame of its own, as [`process_frame`].
+#[inline(never)]
+fn new_flow6_frame<C: Ctx>(c: &C) -> Verdict {
+    new_flow6(c)
 }
 
 /// Fills the record with the packet as it arrived and keeps this CPU's counters.
@@ -104,7 +123,7 @@ fn after<C: Ctx>(c: &C, e: *mut TraceEvent, v: Verdict) -> bool {
             Verdict::Pass => 1,
             Verdict::Drop => 2,
             Verdict::Tx => 3,
-            Verdict::Ipv6 => 1,
+            Verdict::Ipv6 | Verdict::NewFlow => 1,
         };
         let n = (*e).hdr_len as usize;
         matches(filter, &(*e).before, n) || matches(filter, &(*e).after, n)

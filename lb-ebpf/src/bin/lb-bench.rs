@@ -99,7 +99,7 @@ mod programs {
             return xdp_action::XDP_ABORTED;
         }
         match process(&Xdp(&ctx)) {
-            Verdict::Ipv6 => xdp_action::XDP_PASS,
+            Verdict::Ipv6 | Verdict::NewFlow => xdp_action::XDP_PASS,
             Verdict::Pass => xdp_action::XDP_PASS,
             Verdict::Drop => xdp_action::XDP_DROP,
             Verdict::Tx => xdp_action::XDP_TX,
