@@ -1525,7 +1525,12 @@ fn verified_instruction_counts() {
     }
     .expect("loading the data plane (root needed)");
     let only = std::env::var("LB_PROGRAMS").unwrap_or_default();
-    for (name, xdp) in lb_agent::dataplane::PROGRAMS {
+    let has_v6 = dp.ebpf_mut().unwrap().program("lb_xdp6").is_some();
+    let v6 = lb_agent::dataplane::V6_PROGRAMS
+        .iter()
+        .filter(|_| has_v6)
+        .map(|(name, xdp, _)| (name, xdp));
+    for (name, xdp) in lb_agent::dataplane::PROGRAMS.iter().map(|(n, x)| (n, x)).chain(v6) {
         if !only.is_empty() && !only.split(',').any(|p| p == *name) {
             continue;
         }

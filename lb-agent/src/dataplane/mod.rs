@@ -44,6 +44,19 @@ pub const PROGRAMS: &[(&str, bool)] = &[
     (XDP_TRACE_PROGRAM, true),
     (TC_TRACE_PROGRAM, false),
 ];
+/// The IPv6 programs, when the object has them (lb-ebpf's feature `ipv6-programs`): name, whether it is an XDP
+/// program (else TC), and its slot in `V6_PROGS_XDP` / `V6_PROGS_TC`, where the IPv4 entry points (and the IPv6
+/// programs, for a new flow) tail-call it.
+pub const V6_PROGRAMS: &[(&str, bool, u32)] = &[
+    ("lb_xdp6", true, lb_common::V6_PROG_FAST),
+    ("lb_xdp6_trace", true, lb_common::V6_PROG_TRACED),
+    ("lb_xdp6_new", true, lb_common::V6_PROG_NEW_FLOW),
+    ("lb_xdp6_new_trace", true, lb_common::V6_PROG_NEW_FLOW_TRACED),
+    ("lb_tc6", false, lb_common::V6_PROG_FAST),
+    ("lb_tc6_trace", false, lb_common::V6_PROG_TRACED),
+    ("lb_tc6_new", false, lb_common::V6_PROG_NEW_FLOW),
+    ("lb_tc6_new_trace", false, lb_common::V6_PROG_NEW_FLOW_TRACED),
+];
 
 /// Capacities of the maps, set at load time.
 #[derive(Clone, Debug)]
