@@ -100,7 +100,7 @@ both_hooks! {
         assert_eq!(h.dp.maps.transient.entries().unwrap(), vec![(rkey, r)]);
         let t = r.fwd;
         assert_eq!(t.flags & FLOW_F_FORWARD, FLOW_F_FORWARD);
-        assert_eq!(t.new_dst, u32::from_ne_bytes(p.dst.octets()));
+        assert_eq!(t.new_dst, u32::from_ne_bytes(p.dst4().octets()));
         assert_eq!(u16::from_be(t.new_sport), p.sport);
         assert_eq!(t.timeout_s, 3600, "the service's idle timeout, for later");
         assert_eq!(rkey, t.partner_key(6));
@@ -109,7 +109,7 @@ both_hooks! {
         let shown = lb_agent::report::inspect::flows(&h.dp.maps, &Default::default()).unwrap();
         assert_eq!(shown.len(), 1);
         assert_eq!((shown[0].state, shown[0].table), ("syn", "transient"));
-        assert_eq!((shown[0].snat.port(), shown[0].backend.ip()), (p.sport, IpAddr::V4(p.dst)));
+        assert_eq!((shown[0].snat.port(), shown[0].backend.ip()), (p.sport, p.dst));
         assert_eq!(r.flow.new_dst, u32::from_ne_bytes(CLIENT.octets()));
         assert_eq!(r.flow.mac, CLIENT_MAC, "replies go back where the client's frames came from");
         let s = h.svc_stats(&web(&[]).id);
@@ -332,8 +332,8 @@ both_hooks! {
         let (v, out) = h.run(&reply_tcp(&syn, SYN_ACK, b""));
         assert_eq!(v, Verdict::Tx);
         let p = parse(&out);
-        assert_eq!((p.src, p.sport), (VIP, WEB_PORT));
-        assert_eq!((p.dst, p.dport), (CLIENT, 40003));
+        assert_eq!((p.src4(), p.sport), (VIP, WEB_PORT));
+        assert_eq!((p.dst4(), p.dport), (CLIENT, 40003));
         assert_eq!(p.dst_mac, CLIENT_MAC);
         assert_eq!(p.src_mac, LB_MAC);
         assert!(p.ip_csum_ok && p.l4_csum_ok, "{p:?}");
@@ -347,7 +347,7 @@ both_hooks! {
         let (v, out) = h.run(&client_udp(5353, b"query"));
         assert_eq!(v, Verdict::Tx);
         let p = parse(&out);
-        assert_eq!((p.src, p.dport, p.proto), (VIP, DNS_NODE_PORT, 17));
+        assert_eq!((p.src4(), p.dport, p.proto), (VIP, DNS_NODE_PORT, 17));
         assert!(p.ip_csum_ok && p.l4_csum_ok && !p.udp_csum_zero);
         assert_eq!(p.payload, b"query");
         let f = h.dp.maps.flows.get(&fwd_key(5353, 17, DNS_PORT)).unwrap().unwrap();
@@ -356,7 +356,7 @@ both_hooks! {
         let (v, out) = h.run(&back);
         assert_eq!(v, Verdict::Tx);
         let r = parse(&out);
-        assert_eq!((r.src, r.sport, r.dst, r.dport), (VIP, DNS_PORT, CLIENT, 5353));
+        assert_eq!((r.src4(), r.sport, r.dst4(), r.dport), (VIP, DNS_PORT, CLIENT, 5353));
         assert!(r.ip_csum_ok && r.l4_csum_ok);
         assert_eq!(r.payload, b"answer");
     }
@@ -577,7 +577,7 @@ both_hooks! {
         let (v, out) = h.run(&reply_tcp(&p, SYN_ACK, b""));
         assert_eq!(v, Verdict::Tx);
         let r = parse(&out);
-        assert_eq!((r.src, r.sport, r.dst), (VIP, WEB_PORT, CLIENT));
+        assert_eq!((r.src4(), r.sport, r.dst4()), (VIP, WEB_PORT, CLIENT));
     }
 
     fn idle_udp_flow_expires_and_a_new_one_is_made(h) {
@@ -684,7 +684,7 @@ both_hooks! {
         // The node (or a router before it) cannot forward our 1500-byte segment: it quotes what we sent.
         let quoted_frame = tcp(LB_MAC, syn.dst_mac, syn.src, syn.sport, syn.dst, syn.dport, ACK, &[0u8; 64]);
         let quoted = &quoted_frame[14..];
-        let f = icmp_error(syn.dst_mac, LB_MAC, syn.dst, syn.src, 3, 4, [0, 0, 0x05, 0x00], quoted);
+        let f = icmp_error(syn.dst_mac, LB_MAC, syn.dst4(), syn.src4(), 3, 4, [0, 0, 0x05, 0x00], quoted);
         let (v, out) = h.run(&f);
         assert_eq!(v, Verdict::Tx);
         assert_eq!(&out[0..6], &CLIENT_MAC);
@@ -718,7 +718,7 @@ both_hooks! {
         let (v, out) = h.run(&f);
         assert_eq!(v, Verdict::Tx);
         assert_eq!(&out[0..6], &node_mac(1));
-        assert_eq!(&out[26..30], &fwd.src.octets(), "from the SNAT address");
+        assert_eq!(&out[26..30], &fwd.src4().octets(), "from the SNAT address");
         assert_eq!(&out[30..34], &node(1).octets());
         assert_eq!(internet_checksum(&[&out[34..]]), 0, "ICMP checksum");
         let inner = &out[42..];
@@ -746,7 +746,7 @@ both_hooks! {
         let quoted_frame = tcp(LB_MAC, syn.dst_mac, syn.src, syn.sport, syn.dst, syn.dport, ACK, b"");
         let quoted = &quoted_frame[14..];
         // The error quotes the inner IP header and ports; the rest of the segment (its checksum too) is padding.
-        let mut f = icmp_error(syn.dst_mac, LB_MAC, syn.dst, syn.src, 3, 4, [0, 0, 5, 0], &quoted[..24]);
+        let mut f = icmp_error(syn.dst_mac, LB_MAC, syn.dst4(), syn.src4(), 3, 4, [0, 0, 5, 0], &quoted[..24]);
         let end = f.len();
         f.extend_from_slice(&quoted[24..]);
         let (v, out) = h.run(&f);
@@ -755,7 +755,7 @@ both_hooks! {
         assert_eq!(&out[end..], &quoted[24..], "padding untouched");
         assert_eq!(&out[end - 24 + 12..end - 24 + 16], &CLIENT.octets(), "quote translated");
         // With the ports in the padding, the error is about nothing known.
-        let mut g = icmp_error(syn.dst_mac, LB_MAC, syn.dst, syn.src, 3, 4, [0, 0, 5, 0], &quoted[..20]);
+        let mut g = icmp_error(syn.dst_mac, LB_MAC, syn.dst4(), syn.src4(), 3, 4, [0, 0, 5, 0], &quoted[..20]);
         g.extend_from_slice(&quoted[20..]);
         let (v, out) = h.run(&g);
         assert_eq!((v, &out), (Verdict::Pass, &g));

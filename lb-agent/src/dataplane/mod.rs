@@ -16,7 +16,7 @@ pub use maps::Maps;
 
 use anyhow::{anyhow, bail, Context, Result};
 use aya::{
-    maps::{Map, MapData},
+    maps::{Map, MapData, ProgramArray},
     programs::{
         links::{FdLink, PinnedLink},
         tc::{self, SchedClassifier, TcAttachOptions, TcAttachType},
@@ -57,6 +57,9 @@ pub const V6_PROGRAMS: &[(&str, bool, u32)] = &[
     ("lb_tc6_new", false, lb_common::V6_PROG_NEW_FLOW),
     ("lb_tc6_new_trace", false, lb_common::V6_PROG_NEW_FLOW_TRACED),
 ];
+
+/// The IPv6 programs' tail-call arrays (see [`V6_PROGRAMS`]).
+const V6_PROG_ARRAYS: &[&str] = &[names::V6_PROGS_XDP, names::V6_PROGS_TC];
 
 /// Capacities of the maps, set at load time.
 #[derive(Clone, Debug)]
@@ -155,8 +158,15 @@ impl Dataplane {
             .map_max_entries(names::NEXTHOPS, sizes.nexthops)
             .map_max_entries(names::SOURCE_RANGES, sizes.source_ranges)
             .map_max_entries(names::TRUSTED_SOURCES, sizes.trusted_sources);
+        // The IPv6 programs' tail-call arrays are pinned with the maps: a kernel empties a program array when no
+        // process or pin holds it any more, and the attached IPv4 programs would then pass IPv6 to the kernel
+        // while the agent restarts.
         let pins: Vec<(&str, PathBuf)> = match &pin_dir {
-            Some(dir) => Maps::NAMES.iter().map(|m| (*m, dir.join(m))).collect(),
+            Some(dir) => Maps::NAMES
+                .iter()
+                .chain(V6_PROG_ARRAYS)
+                .map(|m| (*m, dir.join(m)))
+                .collect(),
             None => Vec::new(),
         };
         for (name, path) in &pins {
@@ -241,6 +251,49 @@ impl Dataplane {
         Ok(prog)
     }
 
+    /// Whether the object has the IPv6 programs (lb-ebpf's feature `ipv6-programs`).
+    pub fn has_ipv6_programs(&mut self) -> bool {
+        self.ebpf
+            .as_mut()
+            .is_some_and(|e| e.program(V6_PROGRAMS[0].0).is_some())
+    }
+
+    /// Loads (verifies) the IPv6 programs of one hook — the fast ones, or `lbctl trace`'s — and puts each into its
+    /// tail-call slot, where the entry points find them. Returns false when the object has none (IPv6 then goes
+    /// to the kernel, counted as `pass_no_ipv6_program`).
+    pub fn load_ipv6_programs(&mut self, xdp: bool, traced: bool) -> Result<bool> {
+        if !self.has_ipv6_programs() {
+            return Ok(false);
+        }
+        let traced_slot = |slot: u32| {
+            slot == lb_common::V6_PROG_TRACED || slot == lb_common::V6_PROG_NEW_FLOW_TRACED
+        };
+        for (name, _, slot) in V6_PROGRAMS
+            .iter()
+            .filter(|(_, x, slot)| *x == xdp && traced_slot(*slot) == traced)
+        {
+            let fd = if xdp {
+                self.xdp_program(name)?.fd()?.try_clone()?
+            } else {
+                self.tc_program_named(name)?.fd()?.try_clone()?
+            };
+            let array = if xdp {
+                names::V6_PROGS_XDP
+            } else {
+                names::V6_PROGS_TC
+            };
+            let mut progs = ProgramArray::try_from(
+                self.ebpf_mut()?
+                    .map_mut(array)
+                    .ok_or_else(|| anyhow!("map {array} missing from the object"))?,
+            )?;
+            progs
+                .set(*slot, &fd, 0)
+                .with_context(|| format!("putting {name} into {array}[{slot}]"))?;
+        }
+        Ok(true)
+    }
+
     /// Attaches to `iface`. With a pin directory the link is pinned, and an existing pinned link is
     /// updated in place, which swaps the program atomically: no packet sees no program.
     /// Returns the mode actually used.
@@ -252,6 +305,9 @@ impl Dataplane {
             .pin_dir
             .as_ref()
             .map(|d| d.join(format!("link-{iface}-{}", mode_tag(mode))));
+        // The IPv6 programs are in their slots before the first packet can look for them.
+        let ipv6 = self.load_ipv6_programs(mode != AttachMode::Tc, false)?;
+        tracing::debug!(ipv6, "IPv6 programs");
         match mode {
             AttachMode::Tc => {
                 let prog = self.tc_program()?;

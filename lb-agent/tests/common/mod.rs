@@ -10,7 +10,7 @@ use lb_agent::dataplane::programmer::{ip_to_addr, Programmer};
 use lb_agent::dataplane::{Dataplane, MapSizes, XDP_PROGRAM};
 use lb_common::NextHop;
 pub use packets::*;
-use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::time::Duration;
 
 /// The virtual IP.
@@ -26,6 +26,14 @@ pub const DNS_NODE_PORT: u16 = 30053;
 /// Address of node `i` (1-based).
 pub fn node(i: u8) -> Ipv4Addr {
     Ipv4Addr::new(10, 0, 0, 10 + i)
+}
+
+pub const VIP6: Ipv6Addr = Ipv6Addr::new(0x2001, 0xdb8, 0x113, 0, 0, 0, 0, 1);
+pub const CLIENT6: Ipv6Addr = Ipv6Addr::new(0x2001, 0xdb8, 0x100, 0, 0, 0, 0, 0x10);
+
+/// Node `i`'s IPv6 address.
+pub fn node6(i: u8) -> Ipv6Addr {
+    Ipv6Addr::new(0xfd00, 0, 0, 0, 0, 0, 0, 0x10 + i as u16)
 }
 
 /// Which entry point a test drives.
@@ -96,6 +104,33 @@ impl Harness {
     }
 
     /// Programs the services.
+    /// Puts the IPv6 programs of both hooks into their tail-call slots (verifying them takes about a second:
+    /// only the tests that send IPv6 ask for it) and gives the IPv6 nodes ([`node6`]) their next hops. Panics
+    /// when the object has no IPv6 programs.
+    pub fn with_ipv6(mut self) -> Self {
+        for xdp in [true, false] {
+            assert!(
+                self.dp.load_ipv6_programs(xdp, false).expect("IPv6 programs load"),
+                "the eBPF object has no IPv6 programs"
+            );
+        }
+        for i in 1..=4 {
+            self.dp
+                .maps
+                .nexthops
+                .insert(
+                    &ip_to_addr(IpAddr::V6(node6(i))),
+                    &NextHop {
+                        mac: node_mac(i),
+                        _pad: 0,
+                        ifindex: 0,
+                    },
+                )
+                .unwrap();
+        }
+        self
+    }
+
     pub fn apply(&mut self, specs: &[ServiceSpec]) {
         self.programmer
             .apply(&mut self.dp.maps, specs)
@@ -160,9 +195,24 @@ pub fn dns(nodes: &[u8]) -> ServiceSpec {
 
 /// A service on the VIP.
 pub fn spec(protocol: Protocol, port: u16, node_port: u16, nodes: &[u8]) -> ServiceSpec {
+    spec_on(IpAddr::V4(VIP), protocol, port, node_port, nodes)
+}
+
+/// A service on `vip`, to the nodes' addresses of its family.
+pub fn spec_on(
+    vip: IpAddr,
+    protocol: Protocol,
+    port: u16,
+    node_port: u16,
+    nodes: &[u8],
+) -> ServiceSpec {
+    let node_addr = |i: u8| match vip {
+        IpAddr::V4(_) => IpAddr::V4(node(i)),
+        IpAddr::V6(_) => IpAddr::V6(node6(i)),
+    };
     ServiceSpec {
         id: ServiceId {
-            vip: IpAddr::V4(VIP),
+            vip,
             port,
             protocol,
         },
@@ -171,7 +221,7 @@ pub fn spec(protocol: Protocol, port: u16, node_port: u16, nodes: &[u8]) -> Serv
         source_ranges: vec![],
         backends: nodes
             .iter()
-            .map(|i| SocketAddr::new(IpAddr::V4(node(*i)), node_port))
+            .map(|i| SocketAddr::new(node_addr(*i), node_port))
             .collect(),
     }
 }
@@ -188,11 +238,20 @@ pub fn client_udp(sport: u16, payload: &[u8]) -> Vec<u8> {
     udp(CLIENT_MAC, LB_MAC, CLIENT, sport, VIP, DNS_PORT, payload)
 }
 
-/// Index (1-based) of the node an output frame goes to.
+/// Index (1-based) of the node an output frame goes to (IPv4 or IPv6).
 pub fn node_index(p: &Parsed) -> u8 {
-    let o = p.dst.octets();
-    assert_eq!(&o[..3], &[10, 0, 0], "not sent to a node: {p:?}");
-    o[3] - 10
+    match p.dst {
+        IpAddr::V4(a) => {
+            let o = a.octets();
+            assert_eq!(&o[..3], &[10, 0, 0], "not sent to a node: {p:?}");
+            o[3] - 10
+        }
+        IpAddr::V6(a) => {
+            let s = a.segments();
+            assert_eq!(&s[..7], &[0xfd00, 0, 0, 0, 0, 0, 0], "not sent to a node: {p:?}");
+            (s[7] - 0x10) as u8
+        }
+    }
 }
 
 /// Duration shorthand.
@@ -203,7 +262,10 @@ pub fn secs(s: u64) -> Duration {
 /// Generates one test per hook from a body that takes the harness.
 #[macro_export]
 macro_rules! both_hooks {
-    ($( $(#[$m:meta])* fn $name:ident($h:ident) $body:block )*) => {
+    (ipv6: $($rest:tt)*) => {
+        both_hooks!(@with (|h: Harness| h.with_ipv6()); $($rest)*);
+    };
+    (@with $ctor:expr; $( $(#[$m:meta])* fn $name:ident($h:ident) $body:block )*) => {
         $(
             mod $name {
                 #[allow(unused_imports)]
@@ -212,13 +274,16 @@ macro_rules! both_hooks {
                 fn body($h: &mut Harness) $body
                 #[test]
                 fn xdp() {
-                    body(&mut Harness::new(Hook::Xdp))
+                    body(&mut ($ctor)(Harness::new(Hook::Xdp)))
                 }
                 #[test]
                 fn tc() {
-                    body(&mut Harness::new(Hook::Tc))
+                    body(&mut ($ctor)(Harness::new(Hook::Tc)))
                 }
             }
         )*
+    };
+    ($($rest:tt)*) => {
+        both_hooks!(@with (|h: Harness| h); $($rest)*);
     };
 }

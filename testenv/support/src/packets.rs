@@ -1,7 +1,7 @@
 //! Frames for data-plane tests and benchmarks, built with etherparse, and a parser of what comes out.
 
 use etherparse::{IpNumber, Ipv4Header, PacketBuilder, TcpHeader, UdpHeader};
-use std::net::Ipv4Addr;
+use std::net::{IpAddr, Ipv4Addr};
 
 /// MAC of the client's router (where client frames come from).
 pub const CLIENT_MAC: [u8; 6] = [0x02, 0xc1, 0, 0, 0, 1];
@@ -68,14 +68,15 @@ pub const RST: Flags = Flags {
 /// acknowledges a backend's SYN-ACK built the same way (the handshake the data plane checks).
 pub const SEQ: u32 = 1000;
 
-/// An Ethernet + IPv4 + TCP frame with sequence number [`SEQ`] and (with ACK) acknowledgement `SEQ + 1`.
+/// An Ethernet + IP + TCP frame with sequence number [`SEQ`] and (with ACK) acknowledgement `SEQ + 1`; IPv4 or
+/// IPv6 as the addresses are.
 #[allow(clippy::too_many_arguments)]
 pub fn tcp(
     src_mac: [u8; 6],
     dst_mac: [u8; 6],
-    src: Ipv4Addr,
+    src: impl Into<IpAddr>,
     sport: u16,
-    dst: Ipv4Addr,
+    dst: impl Into<IpAddr>,
     dport: u16,
     flags: Flags,
     payload: &[u8],
@@ -83,27 +84,25 @@ pub fn tcp(
     tcp_seq(
         src_mac,
         dst_mac,
-        (src, sport),
-        (dst, dport),
+        (src.into(), sport),
+        (dst.into(), dport),
         flags,
         (SEQ, SEQ + 1),
         payload,
     )
 }
 
-/// An Ethernet + IPv4 + TCP frame with explicit (sequence, acknowledgement) numbers.
+/// An Ethernet + IP + TCP frame with explicit (sequence, acknowledgement) numbers.
 pub fn tcp_seq(
     src_mac: [u8; 6],
     dst_mac: [u8; 6],
-    (src, sport): (Ipv4Addr, u16),
-    (dst, dport): (Ipv4Addr, u16),
+    (src, sport): (impl Into<IpAddr>, u16),
+    (dst, dport): (impl Into<IpAddr>, u16),
     flags: Flags,
     (seq, ack): (u32, u32),
     payload: &[u8],
 ) -> Vec<u8> {
-    let mut b = PacketBuilder::ethernet2(src_mac, dst_mac)
-        .ipv4(src.octets(), dst.octets(), 64)
-        .tcp(sport, dport, seq, 64240);
+    let mut b = ip(src_mac, dst_mac, src.into(), dst.into()).tcp(sport, dport, seq, 64240);
     if flags.syn {
         b = b.syn();
     }
@@ -124,22 +123,35 @@ pub fn tcp_seq(
     out
 }
 
-/// An Ethernet + IPv4 + UDP frame.
+/// An Ethernet + IP + UDP frame; IPv4 or IPv6 as the addresses are.
 pub fn udp(
     src_mac: [u8; 6],
     dst_mac: [u8; 6],
-    src: Ipv4Addr,
+    src: impl Into<IpAddr>,
     sport: u16,
-    dst: Ipv4Addr,
+    dst: impl Into<IpAddr>,
     dport: u16,
     payload: &[u8],
 ) -> Vec<u8> {
-    let b = PacketBuilder::ethernet2(src_mac, dst_mac)
-        .ipv4(src.octets(), dst.octets(), 64)
-        .udp(sport, dport);
+    let b = ip(src_mac, dst_mac, src.into(), dst.into()).udp(sport, dport);
     let mut out = Vec::with_capacity(b.size(payload.len()));
     b.write(&mut out, payload).unwrap();
     out
+}
+
+/// The Ethernet and IP layers of a frame (hop limit 64).
+fn ip(
+    src_mac: [u8; 6],
+    dst_mac: [u8; 6],
+    src: IpAddr,
+    dst: IpAddr,
+) -> etherparse::PacketBuilderStep<etherparse::IpHeaders> {
+    let b = PacketBuilder::ethernet2(src_mac, dst_mac);
+    match (src, dst) {
+        (IpAddr::V4(s), IpAddr::V4(d)) => b.ipv4(s.octets(), d.octets(), 64),
+        (IpAddr::V6(s), IpAddr::V6(d)) => b.ipv6(s.octets(), d.octets(), 64),
+        _ => panic!("a frame from {src} to {dst}: one family, please"),
+    }
 }
 
 /// An ICMP error (type/code, `rest` = bytes 4..8 of the header, e.g. the MTU) quoting `inner`
@@ -209,8 +221,8 @@ pub fn fix_ip_checksum(frame: &mut [u8]) {
 pub struct Parsed {
     pub dst_mac: [u8; 6],
     pub src_mac: [u8; 6],
-    pub src: Ipv4Addr,
-    pub dst: Ipv4Addr,
+    pub src: IpAddr,
+    pub dst: IpAddr,
     pub proto: u8,
     pub sport: u16,
     pub dport: u16,
@@ -222,17 +234,47 @@ pub struct Parsed {
     pub payload: Vec<u8>,
 }
 
-/// Parses an Ethernet + IPv4 + TCP/UDP frame and verifies its checksums from scratch.
+impl Parsed {
+    /// The source address of an IPv4 frame.
+    pub fn src4(&self) -> Ipv4Addr {
+        v4(self.src)
+    }
+
+    /// The destination address of an IPv4 frame.
+    pub fn dst4(&self) -> Ipv4Addr {
+        v4(self.dst)
+    }
+}
+
+fn v4(a: IpAddr) -> Ipv4Addr {
+    match a {
+        IpAddr::V4(a) => a,
+        IpAddr::V6(a) => panic!("{a}: an IPv4 address was expected"),
+    }
+}
+
+/// Parses an Ethernet + IPv4 or IPv6 (no extension headers) + TCP/UDP frame and verifies its checksums from
+/// scratch (IPv6 has no header checksum: `ip_csum_ok` is true).
 pub fn parse(frame: &[u8]) -> Parsed {
     assert!(frame.len() >= 34, "frame too short: {}", frame.len());
-    let hl = ((frame[14] & 0x0f) as usize) * 4;
-    let ip = &frame[14..14 + hl];
-    let tot = u16::from_be_bytes([frame[16], frame[17]]) as usize;
-    let proto = ip[9];
-    let src = Ipv4Addr::new(ip[12], ip[13], ip[14], ip[15]);
-    let dst = Ipv4Addr::new(ip[16], ip[17], ip[18], ip[19]);
-    let ip_csum_ok = internet_checksum(&[ip]) == 0;
-    let l4 = &frame[14 + hl..14 + tot];
+    let (src, dst, proto, ip_csum_ok, l4) = if frame[12..14] == [0x86, 0xdd] {
+        assert!(frame.len() >= 54, "IPv6 frame too short: {}", frame.len());
+        let plen = u16::from_be_bytes([frame[18], frame[19]]) as usize;
+        let addr = |at: usize| IpAddr::from(<[u8; 16]>::try_from(&frame[at..at + 16]).unwrap());
+        (addr(22), addr(38), frame[20], true, &frame[54..54 + plen])
+    } else {
+        let hl = ((frame[14] & 0x0f) as usize) * 4;
+        let ip = &frame[14..14 + hl];
+        let tot = u16::from_be_bytes([frame[16], frame[17]]) as usize;
+        let addr = |at: usize| IpAddr::from(Ipv4Addr::new(ip[at], ip[at + 1], ip[at + 2], ip[at + 3]));
+        (
+            addr(12),
+            addr(16),
+            ip[9],
+            internet_checksum(&[ip]) == 0,
+            &frame[14 + hl..14 + tot],
+        )
+    };
     let pseudo = pseudo_header(src, dst, proto, l4.len());
     let (sport, dport) = (
         u16::from_be_bytes([l4[0], l4[1]]),
@@ -277,12 +319,23 @@ pub fn parse(frame: &[u8]) -> Parsed {
     }
 }
 
-/// The IPv4 pseudo header for L4 checksums.
-pub fn pseudo_header(src: Ipv4Addr, dst: Ipv4Addr, proto: u8, len: usize) -> Vec<u8> {
-    let mut p = Vec::with_capacity(12);
-    p.extend_from_slice(&src.octets());
-    p.extend_from_slice(&dst.octets());
-    p.extend_from_slice(&[0, proto]);
-    p.extend_from_slice(&(len as u16).to_be_bytes());
+/// The IPv4 or IPv6 pseudo header for L4 checksums.
+pub fn pseudo_header(src: impl Into<IpAddr>, dst: impl Into<IpAddr>, proto: u8, len: usize) -> Vec<u8> {
+    let mut p = Vec::with_capacity(40);
+    match (src.into(), dst.into()) {
+        (IpAddr::V4(s), IpAddr::V4(d)) => {
+            p.extend_from_slice(&s.octets());
+            p.extend_from_slice(&d.octets());
+            p.extend_from_slice(&[0, proto]);
+            p.extend_from_slice(&(len as u16).to_be_bytes());
+        }
+        (IpAddr::V6(s), IpAddr::V6(d)) => {
+            p.extend_from_slice(&s.octets());
+            p.extend_from_slice(&d.octets());
+            p.extend_from_slice(&(len as u32).to_be_bytes());
+            p.extend_from_slice(&[0, 0, 0, proto]);
+        }
+        (s, d) => panic!("a pseudo header from {s} to {d}: one family, please"),
+    }
     p
 }

@@ -65,6 +65,9 @@ pub fn run(
             dp.xdp_program(name)?;
         }
     }
+    // The traced IPv6 programs go into their own slots of the (pinned, shared) tail-call arrays; the agent's
+    // fast ones stay in theirs.
+    dp.load_ipv6_programs(!tc, true)?;
     let ebpf = dp.ebpf_mut()?;
     let mut f: Array<_, TraceFilter> = Array::try_from(
         ebpf.map_mut(map_names::TRACE_FILTER)
