@@ -1,6 +1,7 @@
 //! Full NAT: the two entries of a new flow (forward: client → SNAT, VIP → node; reverse: node → VIP, SNAT → client)
 //! and the rewrite of a packet by its entry — MACs, addresses, ports, and the checksums updated incrementally.
 
+use aya_ebpf::helpers::bpf_ktime_get_coarse_ns;
 use lb_common::{stat, Flow, FlowAddr, Service, FLOW_F_FORWARD, FLOW_F_REVERSE, PROTO_UDP};
 
 use crate::{
@@ -41,9 +42,25 @@ pub struct Target<A> {
 impl<A: FlowAddr> Target<A> {
     /// Writes the reverse entry (backend → SNAT) of a new flow into `fl`; its port fields are completed by the SNAT
     /// search. Field by field into the caller's (scratch) entry: an IPv6 entry built by value is a 72-byte
-    /// temporary on the BPF stack.
+    /// temporary on the BPF stack. IPv6 writes it in a call frame of its own ([`fill_reverse_frame`]): inlined,
+    /// the target's and key's address words loaded for it stayed live (spilled) across the SNAT search.
     #[inline(always)]
     pub fn fill_reverse<F: Family<A = A>>(
+        &self,
+        p: &L4Pkt<F>,
+        svc: &Service,
+        now: u64,
+        fl: &mut Flow<A>,
+    ) {
+        if F::NEW_FLOW_PROGRAM {
+            fill_reverse_frame(self, p, svc, now, fl)
+        } else {
+            self.write_reverse(p, svc, now, fl)
+        }
+    }
+
+    #[inline(always)]
+    fn write_reverse<F: Family<A = A>>(
         &self,
         p: &L4Pkt<F>,
         svc: &Service,
@@ -67,9 +84,25 @@ impl<A: FlowAddr> Target<A> {
     }
 
     /// Writes the forward entry (client → backend) of a new flow with SNAT port `snat_port` into `fl` (in place,
-    /// as [`Self::fill_reverse`]).
+    /// and for IPv6 in a frame of its own, as [`Self::fill_reverse`]).
     #[inline(always)]
     pub fn fill_forward<F: Family<A = A>>(
+        &self,
+        p: &L4Pkt<F>,
+        svc: &Service,
+        snat_port: u16,
+        now: u64,
+        fl: &mut Flow<A>,
+    ) {
+        if F::NEW_FLOW_PROGRAM {
+            fill_forward_frame(self, p, svc, snat_port, fl)
+        } else {
+            self.write_forward(p, svc, snat_port, now, fl)
+        }
+    }
+
+    #[inline(always)]
+    fn write_forward<F: Family<A = A>>(
         &self,
         p: &L4Pkt<F>,
         svc: &Service,
@@ -101,6 +134,32 @@ impl<A: FlowAddr> Target<A> {
             csum::diff16(p.key.dport, self.node_port),
         );
     }
+}
+
+/// [`Target::fill_reverse`] in a call frame of its own.
+#[inline(never)]
+fn fill_reverse_frame<F: Family>(
+    t: &Target<F::A>,
+    p: &L4Pkt<F>,
+    svc: &Service,
+    now: u64,
+    fl: &mut Flow<F::A>,
+) {
+    t.write_reverse(p, svc, now, fl)
+}
+
+/// [`Target::fill_forward`] in a call frame of its own; it reads the (coarse) clock itself, as a BPF call takes 5
+/// arguments at most.
+#[inline(never)]
+fn fill_forward_frame<F: Family>(
+    t: &Target<F::A>,
+    p: &L4Pkt<F>,
+    svc: &Service,
+    snat_port: u16,
+    fl: &mut Flow<F::A>,
+) {
+    let now = unsafe { bpf_ktime_get_coarse_ns() };
+    t.write_forward(p, svc, snat_port, now, fl)
 }
 
 /// Applies a flow's rewrite to the packet: MACs, addresses, ports, checksums.
