@@ -1530,7 +1530,11 @@ fn verified_instruction_counts() {
         .iter()
         .filter(|_| has_v6)
         .map(|(name, xdp, _)| (name, xdp));
-    for (name, xdp) in lb_agent::dataplane::PROGRAMS.iter().map(|(n, x)| (n, x)).chain(v6) {
+    for (name, xdp) in lb_agent::dataplane::PROGRAMS
+        .iter()
+        .map(|(n, x)| (n, x))
+        .chain(v6)
+    {
         if !only.is_empty() && !only.split(',').any(|p| p == *name) {
             continue;
         }

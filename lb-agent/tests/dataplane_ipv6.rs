@@ -17,7 +17,9 @@ fn dns6(nodes: &[u8]) -> lb_agent::dataplane::model::ServiceSpec {
 }
 
 fn client6_tcp(sport: u16, flags: Flags, payload: &[u8]) -> Vec<u8> {
-    tcp(CLIENT_MAC, LB_MAC, CLIENT6, sport, VIP6, WEB_PORT, flags, payload)
+    tcp(
+        CLIENT_MAC, LB_MAC, CLIENT6, sport, VIP6, WEB_PORT, flags, payload,
+    )
 }
 
 fn client6_udp(sport: u16, payload: &[u8]) -> Vec<u8> {
@@ -26,7 +28,9 @@ fn client6_udp(sport: u16, payload: &[u8]) -> Vec<u8> {
 
 /// The backend's reply to forwarded packet `p`.
 fn reply(p: &Parsed, flags: Flags, payload: &[u8]) -> Vec<u8> {
-    tcp(p.dst_mac, LB_MAC, p.dst, p.dport, p.src, p.sport, flags, payload)
+    tcp(
+        p.dst_mac, LB_MAC, p.dst, p.dport, p.src, p.sport, flags, payload,
+    )
 }
 
 /// An Ethernet + IPv6 frame with next header `nh` and payload `payload` (hand-built: extension headers,

@@ -18,19 +18,15 @@ mod programs {
         macros::{classifier, xdp},
         programs::{TcContext, XdpContext},
     };
-    use lb_common::{stat, V6_PROG_FAST, V6_PROG_TRACED};
-    #[cfg(feature = "ipv6-programs")]
-    use lb_common::{V6_PROG_NEW_FLOW, V6_PROG_NEW_FLOW_TRACED};
+    use lb_common::{
+        stat, V6_PROG_FAST, V6_PROG_NEW_FLOW, V6_PROG_NEW_FLOW_TRACED, V6_PROG_TRACED,
+    };
     use lb_ebpf::{
         ctx::{Tc, Verdict, Xdp},
+        ipv6::{new_flow6, process6},
         maps::{count, V6_PROGS_TC, V6_PROGS_XDP},
         process::process,
-        trace::traced,
-    };
-    #[cfg(feature = "ipv6-programs")]
-    use lb_ebpf::{
-        ipv6::{new_flow6, process6},
-        trace::{traced6, traced6_new},
+        trace::{traced, traced6, traced6_new},
     };
 
     /// XDP entry point: attach natively to the LB interface.
@@ -62,7 +58,6 @@ mod programs {
     }
 
     /// The IPv6 XDP program (slot `V6_PROG_FAST` of `V6_PROGS_XDP`).
-    #[cfg(feature = "ipv6-programs")]
     #[xdp]
     pub fn lb_xdp6(ctx: XdpContext) -> u32 {
         match process6(&Xdp(&ctx)) {
@@ -77,7 +72,6 @@ mod programs {
     }
 
     /// [`lb_xdp6`] with `lbctl trace`'s report (slot `V6_PROG_TRACED`).
-    #[cfg(feature = "ipv6-programs")]
     #[xdp]
     pub fn lb_xdp6_trace(ctx: XdpContext) -> u32 {
         match traced6(&Xdp(&ctx)) {
@@ -92,14 +86,12 @@ mod programs {
     }
 
     /// The IPv6 XDP new-flow program (slot `V6_PROG_NEW_FLOW`).
-    #[cfg(feature = "ipv6-programs")]
     #[xdp]
     pub fn lb_xdp6_new(ctx: XdpContext) -> u32 {
         xdp_action(new_flow6(&Xdp(&ctx)))
     }
 
     /// [`lb_xdp6_new`] with `lbctl trace`'s report (slot `V6_PROG_NEW_FLOW_TRACED`).
-    #[cfg(feature = "ipv6-programs")]
     #[xdp]
     pub fn lb_xdp6_new_trace(ctx: XdpContext) -> u32 {
         xdp_action(traced6_new(&Xdp(&ctx)))
@@ -118,7 +110,6 @@ mod programs {
     const HEADERS: u32 = 14 + 60 + 8 + 20 + 20;
     /// The same for IPv6: Ethernet + IPv6 + walked extension headers (typically small) + ICMPv6 + inner IPv6 +
     /// inner ports.
-    #[cfg(feature = "ipv6-programs")]
     const HEADERS6: u32 = 14 + 40 + 64 + 8 + 40 + 20;
 
     /// TC ingress entry point (tcx): for interfaces where super-packets matter more than per-packet cost.
@@ -152,7 +143,6 @@ mod programs {
     }
 
     /// The IPv6 TC program (slot `V6_PROG_FAST` of `V6_PROGS_TC`).
-    #[cfg(feature = "ipv6-programs")]
     #[classifier]
     pub fn lb_tc6(ctx: TcContext) -> i32 {
         linear_headers(&ctx, HEADERS6);
@@ -168,7 +158,6 @@ mod programs {
     }
 
     /// [`lb_tc6`] with `lbctl trace`'s report (slot `V6_PROG_TRACED`).
-    #[cfg(feature = "ipv6-programs")]
     #[classifier]
     pub fn lb_tc6_trace(ctx: TcContext) -> i32 {
         linear_headers(&ctx, HEADERS6);
@@ -184,14 +173,12 @@ mod programs {
     }
 
     /// The IPv6 TC new-flow program (slot `V6_PROG_NEW_FLOW`; the headers were made linear by `lb_tc6`).
-    #[cfg(feature = "ipv6-programs")]
     #[classifier]
     pub fn lb_tc6_new(ctx: TcContext) -> i32 {
         tc_action(&ctx, new_flow6(&Tc(&ctx)))
     }
 
     /// [`lb_tc6_new`] with `lbctl trace`'s report (slot `V6_PROG_NEW_FLOW_TRACED`).
-    #[cfg(feature = "ipv6-programs")]
     #[classifier]
     pub fn lb_tc6_new_trace(ctx: TcContext) -> i32 {
         tc_action(&ctx, traced6_new(&Tc(&ctx)))

@@ -44,18 +44,26 @@ pub const PROGRAMS: &[(&str, bool)] = &[
     (XDP_TRACE_PROGRAM, true),
     (TC_TRACE_PROGRAM, false),
 ];
-/// The IPv6 programs, when the object has them (lb-ebpf's feature `ipv6-programs`): name, whether it is an XDP
+/// The IPv6 programs (the benchmark wrappers' objects have none): name, whether it is an XDP
 /// program (else TC), and its slot in `V6_PROGS_XDP` / `V6_PROGS_TC`, where the IPv4 entry points (and the IPv6
 /// programs, for a new flow) tail-call it.
 pub const V6_PROGRAMS: &[(&str, bool, u32)] = &[
     ("lb_xdp6", true, lb_common::V6_PROG_FAST),
     ("lb_xdp6_trace", true, lb_common::V6_PROG_TRACED),
     ("lb_xdp6_new", true, lb_common::V6_PROG_NEW_FLOW),
-    ("lb_xdp6_new_trace", true, lb_common::V6_PROG_NEW_FLOW_TRACED),
+    (
+        "lb_xdp6_new_trace",
+        true,
+        lb_common::V6_PROG_NEW_FLOW_TRACED,
+    ),
     ("lb_tc6", false, lb_common::V6_PROG_FAST),
     ("lb_tc6_trace", false, lb_common::V6_PROG_TRACED),
     ("lb_tc6_new", false, lb_common::V6_PROG_NEW_FLOW),
-    ("lb_tc6_new_trace", false, lb_common::V6_PROG_NEW_FLOW_TRACED),
+    (
+        "lb_tc6_new_trace",
+        false,
+        lb_common::V6_PROG_NEW_FLOW_TRACED,
+    ),
 ];
 
 /// The IPv6 programs' tail-call arrays (see [`V6_PROGRAMS`]).
@@ -251,7 +259,7 @@ impl Dataplane {
         Ok(prog)
     }
 
-    /// Whether the object has the IPv6 programs (lb-ebpf's feature `ipv6-programs`).
+    /// Whether the object has the IPv6 programs (the benchmark wrappers' objects have none).
     pub fn has_ipv6_programs(&mut self) -> bool {
         self.ebpf
             .as_mut()

@@ -110,7 +110,9 @@ impl Harness {
     pub fn with_ipv6(mut self) -> Self {
         for xdp in [true, false] {
             assert!(
-                self.dp.load_ipv6_programs(xdp, false).expect("IPv6 programs load"),
+                self.dp
+                    .load_ipv6_programs(xdp, false)
+                    .expect("IPv6 programs load"),
                 "the eBPF object has no IPv6 programs"
             );
         }
@@ -248,7 +250,11 @@ pub fn node_index(p: &Parsed) -> u8 {
         }
         IpAddr::V6(a) => {
             let s = a.segments();
-            assert_eq!(&s[..7], &[0xfd00, 0, 0, 0, 0, 0, 0], "not sent to a node: {p:?}");
+            assert_eq!(
+                &s[..7],
+                &[0xfd00, 0, 0, 0, 0, 0, 0],
+                "not sent to a node: {p:?}"
+            );
             (s[7] - 0x10) as u8
         }
     }

@@ -266,7 +266,8 @@ pub fn parse(frame: &[u8]) -> Parsed {
         let hl = ((frame[14] & 0x0f) as usize) * 4;
         let ip = &frame[14..14 + hl];
         let tot = u16::from_be_bytes([frame[16], frame[17]]) as usize;
-        let addr = |at: usize| IpAddr::from(Ipv4Addr::new(ip[at], ip[at + 1], ip[at + 2], ip[at + 3]));
+        let addr =
+            |at: usize| IpAddr::from(Ipv4Addr::new(ip[at], ip[at + 1], ip[at + 2], ip[at + 3]));
         (
             addr(12),
             addr(16),
@@ -320,7 +321,12 @@ pub fn parse(frame: &[u8]) -> Parsed {
 }
 
 /// The IPv4 or IPv6 pseudo header for L4 checksums.
-pub fn pseudo_header(src: impl Into<IpAddr>, dst: impl Into<IpAddr>, proto: u8, len: usize) -> Vec<u8> {
+pub fn pseudo_header(
+    src: impl Into<IpAddr>,
+    dst: impl Into<IpAddr>,
+    proto: u8,
+    len: usize,
+) -> Vec<u8> {
     let mut p = Vec::with_capacity(40);
     match (src.into(), dst.into()) {
         (IpAddr::V4(s), IpAddr::V4(d)) => {
