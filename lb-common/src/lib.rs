@@ -29,11 +29,6 @@ pub const FAMILY_V4: u8 = 4;
 /// `family` value of an IPv6 address.
 pub const FAMILY_V6: u8 = 6;
 
-/// Whether this build's data plane forwards IPv6. The maps, the agent and the controllers handle IPv6 already;
-/// the IPv6 packet programs come separately. Until they do, the agent says so for every IPv6 VIP it is given
-/// (a warning, and an Event in Kubernetes mode) instead of leaving IPv6 clients without an answer unexplained.
-pub const IPV6_FORWARDING: bool = false;
-
 /// An IPv6 address as the data plane reads it from a header: four 32-bit words of network-order bytes loaded
 /// natively (so checksum deltas are computed word by word, as for IPv4's `u32`).
 pub type In6 = [u32; 4];

@@ -102,9 +102,10 @@ pub struct RunArgs {
     /// Forward LoadBalancer events at most this old (seconds) when first seen after a start.
     #[arg(long, env = "EVENT_MAX_AGE", default_value_t = 300)]
     pub event_max_age: u64,
-    /// Serve the IPv6 part of Services (dual-stack and IPv6-only). Off until the load balancers' image
-    /// forwards IPv6: Services asking for IPv6 are then served over IPv4 or refused, with an Event saying so.
-    #[arg(long, env = "SERVE_IPV6", default_value_t = false, action = clap::ArgAction::Set)]
+    /// Serve the IPv6 part of Services (dual-stack and IPv6-only). Off for load balancers whose image does not
+    /// forward IPv6 (older images): Services asking for IPv6 are then served over IPv4 or refused, with an Event
+    /// saying so.
+    #[arg(long, env = "SERVE_IPV6", default_value_t = true, action = clap::ArgAction::Set)]
     pub serve_ipv6: bool,
     /// Infrastructure defaults (yawol's environment variables).
     #[command(flatten)]

@@ -20,9 +20,9 @@
 //! nodes have only the other family gets its LoadBalancer anyway (address allocated, stable) plus a
 //! `NoIPv4Nodes`/`NoIPv6Nodes` Warning, instead of silently zero backends.
 //!
-//! All of this once IPv6 is served at all (`serve_ipv6`, the controller's `--serve-ipv6`): until the load
-//! balancers' image forwards IPv6 it is off, and a Service asking for IPv6 is told so (`IPFamilyNotSupported`):
-//! PreferDualStack is served over IPv4 only, IPv6-only and RequireDualStack are refused.
+//! All of this when IPv6 is served at all (`serve_ipv6`, the controller's `--serve-ipv6`, on by default): turned
+//! off (load balancers of an image that does not forward IPv6), a Service asking for IPv6 is told so
+//! (`IPFamilyNotSupported`): PreferDualStack is served over IPv4 only, IPv6-only and RequireDualStack are refused.
 
 use k8s_openapi::api::core::v1::{Node, Service};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
@@ -89,8 +89,7 @@ where
     let listed = families.join(", ");
     let mut warnings = Vec::new();
     if !serve_ipv6 && families.iter().any(|f| f == IPV6) {
-        let why = "this installation does not serve IPv6 yet (the controller's --serve-ipv6 is off until the \
-                   load balancers' image forwards IPv6)";
+        let why = "this installation does not serve IPv6 (the controller's --serve-ipv6 is off)";
         if policy == "RequireDualStack" || !families.iter().any(|f| f == IPV4) {
             let message = format!(
                 "ipFamilies [{listed}] (ipFamilyPolicy {policy}) cannot be served: {why}, so no LoadBalancer is \

@@ -42,8 +42,8 @@ pub struct Config {
     pub resync: Duration,
     /// Poll interval while waiting for a LoadBalancer to be deleted.
     pub deletion_poll: Duration,
-    /// Serve the IPv6 part of Services (`--serve-ipv6`). Off until the load balancers' image forwards IPv6:
-    /// IPv6 is then refused or narrowed to IPv4 with an Event and a condition ([`ip_families::decide`]).
+    /// Serve the IPv6 part of Services (`--serve-ipv6`). Off, IPv6 is refused or narrowed to IPv4 with an Event
+    /// and a condition ([`ip_families::decide`]).
     pub serve_ipv6: bool,
 }
 

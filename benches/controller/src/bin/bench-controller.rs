@@ -121,7 +121,7 @@ async fn main() -> anyhow::Result<()> {
             classes: ClassFilter::default(),
             resync: Duration::from_secs(3600),
             deletion_poll: Duration::from_secs(5),
-            serve_ipv6: false,
+            serve_ipv6: true,
         },
         event_max_age: Duration::from_secs(300),
         event_component: "lb-cloud-controller".into(),
