@@ -102,6 +102,59 @@ fn tcp_and_udp_through_tc() {
     check_tcp_and_udp("tc");
 }
 
+/// A dual-stack load balancer (an IPv4 and an IPv6 VIP, every node with both addresses) carrying both families
+/// at once: 1000 verified TCP connections and 1000 UDP flows over each, spread over the backends.
+fn check_dual_stack(mode: &str) {
+    let r = rig(|c| {
+        c.attach_mode = mode.into();
+        c.topology.ipv6 = true;
+    });
+    let vip6 = r.vip6.expect("an IPv6 VIP");
+    let (tcp4, udp4) = targets(&r);
+    let (tcp6, udp6) = (
+        format!("[{vip6}]:{TCP_PORT}"),
+        format!("[{vip6}]:{UDP_PORT}"),
+    );
+    let run = |tcp: &str, udp: &str| {
+        r.load(&[
+            "--tcp",
+            tcp,
+            "--connections",
+            "1000",
+            "--payload",
+            "512",
+            "--udp",
+            udp,
+            "--udp-flows",
+            "1000",
+        ])
+        .unwrap()
+    };
+    let (rep4, rep6) = std::thread::scope(|s| {
+        let v6 = s.spawn(|| run(&tcp6, &udp6));
+        let v4 = run(&tcp4, &udp4);
+        (v4, v6.join().unwrap())
+    });
+    let backends = ["backend-1", "backend-2", "backend-3"];
+    assert_spread(&rep6, 1000, 1000, &backends);
+    assert_spread(&rep4, 1000, 1000, &backends);
+}
+
+#[test]
+fn dual_stack_tcp_and_udp_through_native_xdp() {
+    check_dual_stack("xdp-native");
+}
+
+#[test]
+fn dual_stack_tcp_and_udp_through_generic_xdp() {
+    check_dual_stack("xdp-generic");
+}
+
+#[test]
+fn dual_stack_tcp_and_udp_through_tc() {
+    check_dual_stack("tc");
+}
+
 #[test]
 fn source_ranges_allow_and_deny_tcp_and_udp() {
     let r = rig(|c| c.options = "  loadBalancerSourceRanges: [10.200.0.10/32]\n".into());
