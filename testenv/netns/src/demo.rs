@@ -13,6 +13,10 @@ const UDP_FIRST_PORT: u16 = 20000;
 /// The round after a backend left.
 const SECOND_ROUND_CONNECTIONS: usize = 1000;
 const SECOND_ROUND_UDP_FLOWS: usize = 300;
+/// The IPv6 round: connections and flows to the IPv6 VIP of the same (dual-stack) load balancer.
+const IPV6_CONNECTIONS: usize = 1000;
+const IPV6_UDP_FLOWS: usize = 300;
+const IPV6_UDP_FIRST_PORT: u16 = 40000;
 
 /// Demo settings.
 #[derive(Clone, Debug)]
@@ -31,10 +35,12 @@ pub fn run(cfg: &DemoConfig, on_topology: impl FnOnce(&str)) -> Result<()> {
     let t0 = Instant::now();
     let mut rc = RigConfig::new()?;
     rc.attach_mode = cfg.attach_mode.clone();
+    rc.topology.ipv6 = true;
     println!("==> building client, lb and 3 backend namespaces on one L2 segment; starting echo servers and lb-agent ({} mode)", cfg.attach_mode);
     let mut rig = Rig::start_with(rc, on_topology)?;
     let vip = rig.vip;
-    println!("    VIP {vip}: TCP {TCP_PORT} -> backends:{TCP_NODE_PORT}, UDP {UDP_PORT} -> backends:30053 (ready in {:.1}s)", t0.elapsed().as_secs_f64());
+    let vip6 = rig.vip6.expect("the demo's rig is dual-stack");
+    println!("    VIPs {vip} and {vip6}: TCP {TCP_PORT} -> backends:{TCP_NODE_PORT}, UDP {UDP_PORT} -> backends:30053 (ready in {:.1}s)", t0.elapsed().as_secs_f64());
 
     println!(
         "==> {} TCP connections (1 KiB echoed each) and {} UDP flows to the VIP",
@@ -63,15 +69,32 @@ pub fn run(cfg: &DemoConfig, on_topology: impl FnOnce(&str)) -> Result<()> {
     print_report(&r);
     let mut problems = Vec::new();
     check_flow_counts(&rig, cfg.connections, cfg.udp_flows, &mut problems)?;
-    let (t, u) = (r.tcp.as_ref().unwrap(), r.udp.as_ref().unwrap());
-    if t.failed > 0 || u.failed > 0 {
-        problems.push(format!("{} TCP and {} UDP failures", t.failed, u.failed));
-    }
-    for b in rig.topo.backends() {
-        if t.per_backend.get(&b.name()).copied().unwrap_or(0) == 0 {
-            problems.push(format!("{b} got no TCP connection"));
-        }
-    }
+    check_round("", &r, &rig, &mut problems);
+
+    println!(
+        "==> the same load balancer over IPv6: {IPV6_CONNECTIONS} TCP connections and {IPV6_UDP_FLOWS} UDP flows to {vip6}"
+    );
+    let r6 = rig.load(&[
+        "--tcp",
+        &format!("[{vip6}]:{TCP_PORT}"),
+        "--connections",
+        &IPV6_CONNECTIONS.to_string(),
+        "--payload",
+        "1024",
+        "--udp",
+        &format!("[{vip6}]:{UDP_PORT}"),
+        "--udp-flows",
+        &IPV6_UDP_FLOWS.to_string(),
+        "--udp-first-port",
+        &IPV6_UDP_FIRST_PORT.to_string(),
+    ])?;
+    print_report(&r6);
+    let (tcp_made, udp_made) = (
+        cfg.connections + IPV6_CONNECTIONS,
+        cfg.udp_flows + IPV6_UDP_FLOWS,
+    );
+    check_flow_counts(&rig, tcp_made, udp_made, &mut problems)?;
+    check_round("IPv6: ", &r6, &rig, &mut problems);
 
     println!("==> stopping backend-2's server; waiting for its health check to take it out");
     rig.stop_backend(2)?;
@@ -117,8 +140,8 @@ pub fn run(cfg: &DemoConfig, on_topology: impl FnOnce(&str)) -> Result<()> {
     }
     check_flow_counts(
         &rig,
-        cfg.connections + SECOND_ROUND_CONNECTIONS,
-        cfg.udp_flows + SECOND_ROUND_UDP_FLOWS,
+        tcp_made + SECOND_ROUND_CONNECTIONS,
+        udp_made + SECOND_ROUND_UDP_FLOWS,
         &mut problems,
     )?;
     drop(rig);
@@ -131,6 +154,22 @@ pub fn run(cfg: &DemoConfig, on_topology: impl FnOnce(&str)) -> Result<()> {
         Ok(())
     } else {
         bail!("demo failed: {}", problems.join("; "))
+    }
+}
+
+/// Every connection and flow of a round succeeded, and every backend got some.
+fn check_round(what: &str, r: &LoadReport, rig: &Rig, problems: &mut Vec<String>) {
+    let (t, u) = (r.tcp.as_ref().unwrap(), r.udp.as_ref().unwrap());
+    if t.failed > 0 || u.failed > 0 {
+        problems.push(format!(
+            "{what}{} TCP and {} UDP failures",
+            t.failed, u.failed
+        ));
+    }
+    for b in rig.topo.backends() {
+        if t.per_backend.get(&b.name()).copied().unwrap_or(0) == 0 {
+            problems.push(format!("{what}{b} got no TCP connection"));
+        }
     }
 }
 
