@@ -17,9 +17,9 @@ use crate::rig::{
 };
 use crate::{ChildGuard, Host, Topology, TopologyConfig};
 use anyhow::{bail, Context, Result};
-use lb_common::{FlowKeyV4, FlowV4};
-use std::collections::BTreeMap;
-use std::net::{IpAddr, Ipv4Addr};
+use lb_common::{Flow, FlowAddr, FlowKey};
+use std::collections::{BTreeMap, HashMap};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
@@ -47,6 +47,8 @@ pub struct HaRigConfig {
     pub start_agents: bool,
     /// Connection-state sync between the agents (off: VRRP only, like yawol).
     pub sync: bool,
+    /// Dual-stack: an IPv6 VIP beside the IPv4 one (moved by the same VRRP instance) and IPv6 backends.
+    pub ipv6: bool,
 }
 
 impl HaRigConfig {
@@ -62,6 +64,7 @@ impl HaRigConfig {
             agent_args: Vec::new(),
             start_agents: true,
             sync: true,
+            ipv6: false,
         })
     }
 }
@@ -72,6 +75,8 @@ pub struct HaRig {
     pub topo: Topology,
     /// The shared virtual IP.
     pub vip: Ipv4Addr,
+    /// The shared IPv6 virtual IP, when dual-stack.
+    pub vip6: Option<Ipv6Addr>,
     /// Settings it was built with.
     pub cfg: HaRigConfig,
     agents: BTreeMap<Host, ChildGuard>,
@@ -91,9 +96,11 @@ impl HaRig {
             lb_replicas: cfg.replicas,
             // Native XDP: frames reach the replicas at wire size; their bridge ports get NAPI from xdp_pass.
             switch_port_gro: Some(false),
+            ipv6: cfg.ipv6,
             ..TopologyConfig::default()
         })?;
         let vip = topo.addr(100);
+        let vip6 = cfg.ipv6.then(|| topo.addr6(100));
         let dir = std::env::temp_dir().join(format!("{}-ha", topo.id()));
         std::fs::create_dir_all(&dir)?;
         std::fs::write(
@@ -104,6 +111,7 @@ impl HaRig {
         let mut rig = HaRig {
             topo,
             vip,
+            vip6,
             cfg,
             agents: BTreeMap::new(),
             echo: Vec::new(),
@@ -121,9 +129,17 @@ impl HaRig {
         let nodes: Vec<Vec<IpAddr>> = rig
             .topo
             .backends()
-            .map(|b| vec![rig.topo.ip(b).into()])
+            .map(|b| {
+                let h = rig.topo.host(b);
+                std::iter::once(IpAddr::from(h.ip))
+                    .chain(h.ip6.map(IpAddr::from))
+                    .collect()
+            })
             .collect();
-        std::fs::write(rig.config_path(), lb_config_yaml(&[vip.into()], &nodes, ""))?;
+        let vips: Vec<IpAddr> = std::iter::once(IpAddr::from(vip))
+            .chain(vip6.map(IpAddr::from))
+            .collect();
+        std::fs::write(rig.config_path(), lb_config_yaml(&vips, &nodes, ""))?;
         if rig.cfg.start_agents {
             for h in rig.topo.lbs() {
                 rig.start_agent(h, 100)?;
@@ -349,29 +365,31 @@ impl HaRig {
         self.agents.get(&host).map(|a| a.pid())
     }
 
-    /// Every entry of replica `host`'s connection table (`FLOWS_V4`, forward and reverse), read from its pinned
-    /// map.
-    pub fn flow_table(&self, host: Host) -> Result<std::collections::HashMap<FlowKeyV4, FlowV4>> {
+    /// Every entry of replica `host`'s connection table of one family (`FLOWS_V4` or `FLOWS_V6` as `A` is; forward
+    /// and reverse), read from its pinned map.
+    pub fn flow_table<A: FlowAddr>(&self, host: Host) -> Result<HashMap<FlowKey<A>, Flow<A>>> {
+        let name = if A::FAMILY == lb_common::FAMILY_V6 {
+            lb_common::map_names::FLOWS_V6
+        } else {
+            lb_common::map_names::FLOWS_V4
+        };
         let path = self
             .pin_dir
             .join(host.name())
             .join(self.topo.ifname(host))
             .join(format!("v{}", lb_common::LAYOUT_VERSION))
-            .join(lb_common::map_names::FLOWS_V4);
+            .join(name);
         let data = aya::maps::MapData::from_pin(&path)
             .with_context(|| format!("opening {}", path.display()))?;
-        let map: aya::maps::HashMap<_, FlowKeyV4, FlowV4> =
+        let map: aya::maps::HashMap<_, FlowKey<A>, Flow<A>> =
             aya::maps::HashMap::try_from(aya::maps::Map::LruHashMap(data))?;
         Ok(map.iter().filter_map(|r| r.ok()).collect())
     }
 
     /// Every forward flow entry of replica `host` (client tuple → rewritten tuple).
-    pub fn forward_flows(
-        &self,
-        host: Host,
-    ) -> Result<std::collections::HashMap<FlowKeyV4, (u32, u32, u16, u16)>> {
+    pub fn forward_flows<A: FlowAddr>(&self, host: Host) -> Result<HashMap<FlowKey<A>, (A, A, u16, u16)>> {
         Ok(self
-            .flow_table(host)?
+            .flow_table::<A>(host)?
             .into_iter()
             .filter(|(_, f)| f.flags & lb_common::FLOW_F_FORWARD != 0)
             .map(|(k, f)| (k, (f.new_src, f.new_dst, f.new_sport, f.new_dport)))

@@ -10,6 +10,7 @@
 use lb_testbed::ha::{survival, HaRig, HaRigConfig};
 use lb_testbed::hold::HoldReport;
 use lb_testbed::rig::{TCP_PORT, UDP_PORT};
+use lb_common::{FlowAddr, In6};
 use lb_testbed::Host;
 use std::time::{Duration, Instant};
 
@@ -30,13 +31,18 @@ fn rig(f: impl FnOnce(&mut HaRigConfig)) -> (std::sync::MutexGuard<'static, ()>,
 }
 
 fn hold_args(r: &HaRig, conns: usize, udp: usize) -> Vec<String> {
+    hold_args_to(&r.vip.to_string(), conns, udp)
+}
+
+/// [`hold_args`] towards `vip` (an IPv6 one in brackets).
+fn hold_args_to(vip: &str, conns: usize, udp: usize) -> Vec<String> {
     [
         "--tcp".to_string(),
-        format!("{}:{TCP_PORT}", r.vip),
+        format!("{vip}:{TCP_PORT}"),
         "--connections".into(),
         conns.to_string(),
         "--udp".into(),
-        format!("{}:{UDP_PORT}", r.vip),
+        format!("{vip}:{UDP_PORT}"),
         "--udp-flows".into(),
         udp.to_string(),
         "--udp-retry-ms".into(),
@@ -58,30 +64,33 @@ fn wait_until(what: &str, timeout: Duration, mut f: impl FnMut() -> bool) {
     }
 }
 
-/// Waits until replica `to` has every forward flow `from` has (sync caught up).
+/// Waits until replica `to` has every forward flow `from` has, of both families (sync caught up).
 fn wait_synced(r: &HaRig, from: Host, to: Host) {
+    fn holds<A: FlowAddr>(r: &HaRig, from: Host, to: Host) -> bool {
+        let a = r.forward_flows::<A>(from).unwrap();
+        let b = r.forward_flows::<A>(to).unwrap();
+        a.keys().all(|k| b.contains_key(k))
+    }
     wait_until(
         &format!("{to} to hold {from}'s flows"),
         Duration::from_secs(20),
-        || {
-            let a = r.forward_flows(from).unwrap();
-            let b = r.forward_flows(to).unwrap();
-            a.keys().all(|k| b.contains_key(k))
-        },
+        || holds::<u32>(r, from, to) && holds::<In6>(r, from, to),
     );
 }
 
-/// Split-brain guard: every flow both replicas know is translated identically, and no sync conflict was
-/// counted anywhere.
+/// Split-brain guard: every flow both replicas know is translated identically (both families), and no sync
+/// conflict was counted anywhere.
 fn assert_consistent(r: &HaRig, hosts: &[Host]) {
+    fn differ<A: FlowAddr>(r: &HaRig, a: Host, b: Host) -> usize {
+        let fa = r.forward_flows::<A>(a).unwrap();
+        let fb = r.forward_flows::<A>(b).unwrap();
+        fa.iter()
+            .filter(|(k, v)| fb.get(k).is_some_and(|w| w != *v))
+            .count()
+    }
     for (i, a) in hosts.iter().enumerate() {
         for b in &hosts[i + 1..] {
-            let fa = r.forward_flows(*a).unwrap();
-            let fb = r.forward_flows(*b).unwrap();
-            let differ = fa
-                .iter()
-                .filter(|(k, v)| fb.get(k).is_some_and(|w| w != *v))
-                .count();
+            let differ = differ::<u32>(r, *a, *b) + differ::<In6>(r, *a, *b);
             assert_eq!(
                 differ, 0,
                 "{a} and {b} translate {differ} flows differently"
@@ -130,6 +139,37 @@ fn master_dies_and_connections_survive() {
     std::thread::sleep(Duration::from_secs(4));
     let rep = hold.stop().unwrap();
     report("master link cut", &rep);
+    println!("VRRP takeover after {} ms", takeover.as_millis());
+    assert!(
+        survival(&rep) >= 0.99,
+        "only {:.2} % survived: {:?}",
+        survival(&rep) * 100.0,
+        rep.connections.iter().take(5).collect::<Vec<_>>()
+    );
+    assert_consistent(&r, &[backup]);
+}
+
+/// The same over IPv6: a dual-stack pair, the client holding connections and flows to the IPv6 VIP, which the
+/// VRRP instance moves with the IPv4 one (unsolicited neighbour advertisements from the new master).
+#[test]
+fn master_dies_and_ipv6_connections_survive() {
+    let (_one, r) = rig(|c| c.ipv6 = true);
+    let (master, backup) = r.wait_master_and_backup(Duration::from_secs(20)).unwrap();
+    let vip6 = format!("[{}]", r.vip6.expect("dual-stack rig"));
+    let args = hold_args_to(&vip6, 300, 20);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let hold = r.start_hold(&args).unwrap();
+    wait_synced(&r, master, backup);
+    assert!(
+        !r.forward_flows::<In6>(backup).unwrap().is_empty(),
+        "the backup holds the IPv6 flows"
+    );
+    assert_consistent(&r, &[master, backup]);
+
+    let takeover = kill_master(&r, master, backup);
+    std::thread::sleep(Duration::from_secs(4));
+    let rep = hold.stop().unwrap();
+    report("IPv6, master link cut", &rep);
     println!("VRRP takeover after {} ms", takeover.as_millis());
     assert!(
         survival(&rep) >= 0.99,
@@ -229,7 +269,7 @@ fn comparable_table(r: &HaRig, host: Host) -> Table {
         | lb_common::FLOW_F_REVERSE
         | lb_common::FLOW_F_FIN
         | lb_common::FLOW_F_RST;
-    r.flow_table(host)
+    r.flow_table::<u32>(host)
         .unwrap()
         .into_iter()
         .map(|(k, f)| {
