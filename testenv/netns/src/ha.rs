@@ -387,7 +387,10 @@ impl HaRig {
     }
 
     /// Every forward flow entry of replica `host` (client tuple → rewritten tuple).
-    pub fn forward_flows<A: FlowAddr>(&self, host: Host) -> Result<HashMap<FlowKey<A>, (A, A, u16, u16)>> {
+    pub fn forward_flows<A: FlowAddr>(
+        &self,
+        host: Host,
+    ) -> Result<HashMap<FlowKey<A>, (A, A, u16, u16)>> {
         Ok(self
             .flow_table::<A>(host)?
             .into_iter()

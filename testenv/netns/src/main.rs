@@ -186,9 +186,9 @@ struct SynfloodArgs {
     /// Destination MAC (the load balancer's interface).
     #[arg(long)]
     dst_mac: String,
-    /// Destination IPv4 (the VIP).
+    /// Destination address (the VIP, IPv4 or IPv6).
     #[arg(long)]
-    dst_ip: Ipv4Addr,
+    dst_ip: IpAddr,
     /// Destination port.
     #[arg(long, default_value_t = 80)]
     dst_port: u16,

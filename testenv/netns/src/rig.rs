@@ -376,6 +376,17 @@ impl Rig {
     /// `seconds`, at most `rate` per second (0: as fast as one socket sends); [`Flood::finish`] waits for its
     /// report.
     pub fn start_synflood(&self, port: u16, seconds: f64, rate: u64) -> Result<Flood> {
+        self.start_synflood_to(self.vip.into(), port, seconds, rate)
+    }
+
+    /// [`Self::start_synflood`] to `vip` (the IPv6 VIP, say).
+    pub fn start_synflood_to(
+        &self,
+        vip: IpAddr,
+        port: u16,
+        seconds: f64,
+        rate: u64,
+    ) -> Result<Flood> {
         let bin = crate::binary_path()?;
         let child = self.topo.spawn(
             Host::Client,
@@ -387,7 +398,7 @@ impl Rig {
                 "--dst-mac".into(),
                 crate::topology::mac_string(&self.topo.mac(Host::Lb)),
                 "--dst-ip".into(),
-                self.vip.to_string(),
+                vip.to_string(),
                 "--dst-port".into(),
                 port.to_string(),
                 "--seconds".into(),

@@ -1,5 +1,6 @@
 //! SYN flood from spoofed sources: TCP SYNs to one VIP:port, each from a random address of 100.64.0.0/10 (shared
-//! address space, never one of the rig's hosts) and a random port, sent as fast as one AF_PACKET socket can for a
+//! address space, never one of the rig's hosts; for an IPv6 VIP, of the documentation prefix 2001:db8::/32) and a
+//! random port, sent as fast as one AF_PACKET socket can for a
 //! given time. The attack that made the data plane evict established connections before handshakes got a table
 //! of their own; the end-to-end tests and `cargo xtask bench pktgen` use it.
 
@@ -7,7 +8,7 @@ use crate::rawsend::RawSocket;
 use anyhow::Result;
 use etherparse::PacketBuilder;
 use serde::{Deserialize, Serialize};
-use std::net::Ipv4Addr;
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 use std::time::{Duration, Instant};
 
 /// Where the flood goes and for how long.
@@ -16,7 +17,7 @@ pub struct FloodConfig {
     pub iface: String,
     pub src_mac: [u8; 6],
     pub dst_mac: [u8; 6],
-    pub dst: Ipv4Addr,
+    pub dst: IpAddr,
     pub dst_port: u16,
     pub duration: Duration,
     /// Stop after this many SYNs (0: only the duration counts).
@@ -45,15 +46,28 @@ fn next(state: &mut u64) -> u64 {
     state.wrapping_mul(0x2545_f491_4f6c_dd1d)
 }
 
-/// One SYN from `src:sport`.
-pub fn syn_frame(cfg: &FloodConfig, src: Ipv4Addr, sport: u16, seq: u32) -> Vec<u8> {
-    let b = PacketBuilder::ethernet2(cfg.src_mac, cfg.dst_mac)
-        .ipv4(src.octets(), cfg.dst.octets(), 64)
-        .tcp(sport, cfg.dst_port, seq, 64240)
-        .syn();
+/// One SYN from `src:sport` (of the VIP's family).
+pub fn syn_frame(cfg: &FloodConfig, src: IpAddr, sport: u16, seq: u32) -> Vec<u8> {
+    let eth = PacketBuilder::ethernet2(cfg.src_mac, cfg.dst_mac);
+    let ip = match (src, cfg.dst) {
+        (IpAddr::V4(s), IpAddr::V4(d)) => eth.ipv4(s.octets(), d.octets(), 64),
+        (IpAddr::V6(s), IpAddr::V6(d)) => eth.ipv6(s.octets(), d.octets(), 64),
+        (s, d) => panic!("a SYN from {s} to {d}: one family, please"),
+    };
+    let b = ip.tcp(sport, cfg.dst_port, seq, 64240).syn();
     let mut out = Vec::with_capacity(b.size(0));
     b.write(&mut out, &[]).expect("writing to a Vec");
     out
+}
+
+/// A spoofed source of `dst`'s family from random bits `x`.
+fn spoofed(dst: IpAddr, x: u64) -> IpAddr {
+    match dst {
+        IpAddr::V4(_) => Ipv4Addr::from(0x6440_0000 | (x as u32 & 0x003f_ffff)).into(),
+        IpAddr::V6(_) => {
+            Ipv6Addr::from(0x2001_0db8_u128 << 96 | (x as u128 & 0xffff_ffff_ffff)).into()
+        }
+    }
 }
 
 /// Sends SYNs until the duration (or `max_frames`) is reached.
@@ -73,7 +87,7 @@ pub fn flood(cfg: &FloodConfig) -> Result<FloodReport> {
         // A batch between clock reads.
         for _ in 0..256 {
             let x = next(&mut state);
-            let src = Ipv4Addr::from(0x6440_0000 | (x as u32 & 0x003f_ffff));
+            let src = spoofed(cfg.dst, x);
             let sport = 1024 + ((x >> 32) as u16 % 64000);
             match sock.send(&syn_frame(cfg, src, sport, (x >> 16) as u32)) {
                 Ok(()) => r.sent += 1,
@@ -97,14 +111,14 @@ mod tests {
             iface: String::new(),
             src_mac: [2, 0, 0, 0, 0, 1],
             dst_mac: [2, 0, 0, 0, 0, 2],
-            dst: Ipv4Addr::new(10, 200, 0, 100),
+            dst: Ipv4Addr::new(10, 200, 0, 100).into(),
             dst_port: 80,
             duration: Duration::ZERO,
             max_frames: 0,
             rate: 0,
             seed: 7,
         };
-        let f = syn_frame(&cfg, Ipv4Addr::new(100, 64, 1, 2), 5000, 9);
+        let f = syn_frame(&cfg, Ipv4Addr::new(100, 64, 1, 2).into(), 5000, 9);
         let s = SlicedPacket::from_ethernet(&f).unwrap();
         match s.transport {
             Some(TransportSlice::Tcp(t)) => {

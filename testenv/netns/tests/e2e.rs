@@ -803,8 +803,15 @@ fn invalid_config_is_rejected_and_the_last_good_one_keeps_forwarding() {
 /// without the guard — the attacker, the load balancer and the backends share the cores; the socket's full rate
 /// is `cargo xtask bench synflood`'s business.
 fn syn_flood_breaks_no_connection(mode: &str, guard: bool) {
+    syn_flood_of_a_family_breaks_no_connection(mode, guard, false)
+}
+
+/// [`syn_flood_breaks_no_connection`] over IPv6 (`ipv6`: a dual-stack rig; the held connections, the new ones and
+/// the flood go to the IPv6 VIP).
+fn syn_flood_of_a_family_breaks_no_connection(mode: &str, guard: bool, ipv6: bool) {
     let r = rig(|c| {
         c.attach_mode = mode.into();
+        c.topology.ipv6 = ipv6;
         // A handshake table the flood overruns many times over in its first second.
         c.agent_args = vec!["--max-transient-flows".into(), "8192".into()];
         // Off, or a limit far below the flood's rate.
@@ -812,7 +819,10 @@ fn syn_flood_breaks_no_connection(mode: &str, guard: bool) {
         c.agent_args
             .extend(["--syn-rate-limit".into(), limit.into()]);
     });
-    let (tcp, _) = targets(&r);
+    let (vip, tcp) = match r.vip6.filter(|_| ipv6) {
+        Some(v6) => (std::net::IpAddr::from(v6), format!("[{v6}]:{TCP_PORT}")),
+        None => (std::net::IpAddr::from(r.vip), targets(&r).0),
+    };
     let hold = r
         .start_hold(&[
             "--tcp",
@@ -823,7 +833,7 @@ fn syn_flood_breaks_no_connection(mode: &str, guard: bool) {
             "500",
         ])
         .unwrap();
-    let flood = r.start_synflood(TCP_PORT, 8.0, 50_000).unwrap();
+    let flood = r.start_synflood_to(vip, TCP_PORT, 8.0, 50_000).unwrap();
     std::thread::sleep(Duration::from_secs(1));
     // Legitimate connections made while the flood runs.
     let rep = r
@@ -842,7 +852,7 @@ fn syn_flood_breaks_no_connection(mode: &str, guard: bool) {
     let entries = r.metric("lb_flow_table_entries", "").unwrap();
     let t = rep.tcp.as_ref().unwrap();
     eprintln!(
-        "{mode}, guard {guard}: flood {} SYNs at {:.0}/s; held {} broken {} (longest pause {:.0} ms); new connections {} ok \
+        "{mode}, guard {guard}, {vip}: flood {} SYNs at {:.0}/s; held {} broken {} (longest pause {:.0} ms); new connections {} ok \
          of 300 ({:?}); handshakes {handshakes}, drop_syn_rate {syn_rate}, drop_no_flow {no_flow}, flow table {entries} entries",
         report.sent, report.per_second, held.established, held.broken, held.max_gap_ms, t.ok, t.errors
     );
@@ -877,6 +887,16 @@ fn syn_flood_breaks_no_connection(mode: &str, guard: bool) {
 #[test]
 fn syn_flood_breaks_no_connection_native_xdp() {
     syn_flood_breaks_no_connection("xdp-native", false);
+}
+
+#[test]
+fn ipv6_syn_flood_breaks_no_ipv6_connection_native_xdp() {
+    syn_flood_of_a_family_breaks_no_connection("xdp-native", false, true);
+}
+
+#[test]
+fn ipv6_syn_flood_over_the_rate_guard_breaks_no_ipv6_connection_tc() {
+    syn_flood_of_a_family_breaks_no_connection("tc", true, true);
 }
 
 #[test]

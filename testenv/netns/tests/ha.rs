@@ -7,10 +7,10 @@
 //! Times are printed, not asserted (benchmarks measure them: `cargo xtask bench failover`); what is asserted
 //! is that connections survive and that the replicas never translate one flow differently.
 
+use lb_common::{FlowAddr, In6};
 use lb_testbed::ha::{survival, HaRig, HaRigConfig};
 use lb_testbed::hold::HoldReport;
 use lb_testbed::rig::{TCP_PORT, UDP_PORT};
-use lb_common::{FlowAddr, In6};
 use lb_testbed::Host;
 use std::time::{Duration, Instant};
 
