@@ -170,4 +170,132 @@ both_hooks! { ipv6:
         assert!([1, 2].contains(&node_index(&parse(&out4))));
         assert!([3, 4].contains(&node_index(&parse(&out6))));
     }
+
+    fn packet_too_big_from_a_node_reaches_the_client_translated(h) {
+        h.apply(&[web6(&[1])]);
+        let syn = open(h, 40100);
+        // The node (or a router before it) cannot forward our segment: it quotes what we sent (IPv6 routers
+        // never fragment, so this is how the client learns the path MTU).
+        let quoted_frame = tcp(LB_MAC, syn.dst_mac, syn.src, syn.sport, syn.dst, syn.dport, ACK, &[0u8; 64]);
+        let f = icmp_error(syn.dst_mac, LB_MAC, syn.dst, syn.src, 2, 0, 1280u32.to_be_bytes(), &quoted_frame[14..]);
+        let (v, out) = h.run(&f);
+        assert_eq!(v, Verdict::Tx);
+        assert_eq!(&out[0..6], &CLIENT_MAC);
+        assert_eq!(&out[22..38], &VIP6.octets(), "outer source: the VIP");
+        assert_eq!(&out[38..54], &CLIENT6.octets(), "outer destination: the client");
+        let icmp = &out[54..];
+        assert_eq!(internet_checksum(&[&pseudo_header(VIP6, CLIENT6, 58, icmp.len()), icmp]), 0, "ICMPv6 checksum");
+        assert_eq!((icmp[0], icmp[1], &icmp[4..8]), (2, 0, &1280u32.to_be_bytes()[..]), "type, code and MTU kept");
+        let inner = &icmp[8..];
+        assert_eq!(&inner[8..24], &CLIENT6.octets(), "inner source is the client");
+        assert_eq!(&inner[24..40], &VIP6.octets(), "inner destination is the VIP");
+        assert_eq!(u16::from_be_bytes([inner[40], inner[41]]), 40100);
+        assert_eq!(u16::from_be_bytes([inner[42], inner[43]]), WEB_PORT);
+        let pseudo = pseudo_header(CLIENT6, VIP6, 6, inner.len() - 40);
+        assert_eq!(internet_checksum(&[&pseudo, &inner[40..]]), 0, "inner TCP checksum");
+        assert_eq!(h.stat(stat::ICMP_TRANSLATED), 1);
+        assert_eq!(h.svc_stats(&web6(&[]).id).icmp_translated, 1);
+    }
+
+    fn an_icmpv6_error_from_the_client_side_reaches_the_backend(h) {
+        h.apply(&[dns6(&[1])]);
+        let (_, out) = h.run(&client6_udp(5380, b"q"));
+        let fwd = parse(&out);
+        // What the client saw from us (VIP:53 → client:5380), quoted by the client's router: port unreachable.
+        let quoted_frame = udp(LB_MAC, CLIENT_MAC, VIP6, DNS_PORT, CLIENT6, 5380, b"answer");
+        let router: Ipv6Addr = "2001:db8:100::1".parse().unwrap();
+        let f = icmp_error(CLIENT_MAC, LB_MAC, router, VIP6, 1, 4, [0; 4], &quoted_frame[14..]);
+        let (v, out) = h.run(&f);
+        assert_eq!(v, Verdict::Tx);
+        assert_eq!(&out[0..6], &node_mac(1));
+        assert_eq!(IpAddr::from(<[u8; 16]>::try_from(&out[22..38]).unwrap()), fwd.src, "from the SNAT address");
+        assert_eq!(&out[38..54], &node6(1).octets());
+        let icmp = &out[54..];
+        assert_eq!(internet_checksum(&[&pseudo_header(fwd.src, node6(1), 58, icmp.len()), icmp]), 0, "ICMPv6 checksum");
+        let inner = &icmp[8..];
+        assert_eq!(&inner[8..24], &node6(1).octets(), "as the node sent it");
+        assert_eq!(u16::from_be_bytes([inner[40], inner[41]]), DNS_NODE_PORT);
+        assert_eq!(u16::from_be_bytes([inner[42], inner[43]]), fwd.sport);
+        let pseudo = pseudo_header(node6(1), fwd.src, 17, inner.len() - 40);
+        assert_eq!(internet_checksum(&[&pseudo, &inner[40..]]), 0, "inner UDP checksum");
+    }
+
+    fn icmpv6_errors_about_other_traffic_pass(h) {
+        h.apply(&[web6(&[1])]);
+        let quoted = tcp(LB_MAC, CLIENT_MAC, VIP6, 22, CLIENT6, 50000, ACK, b"");
+        let f = icmp_error(CLIENT_MAC, LB_MAC, CLIENT6, VIP6, 1, 4, [0; 4], &quoted[14..]);
+        let (v, out) = h.run(&f);
+        assert_eq!((v, &out), (Verdict::Pass, &f));
+        assert_eq!(h.stat(stat::PASS_ICMP_UNKNOWN), 1);
+    }
+
+    fn echo_to_the_vip_goes_to_the_kernel(h) {
+        h.apply(&[web6(&[1])]);
+        let f = icmp_error(CLIENT_MAC, LB_MAC, CLIENT6, VIP6, 128, 0, [0, 1, 0, 1], b"ping");
+        assert_eq!(h.run(&f).0, Verdict::Pass);
+        assert_eq!(h.stat(stat::DROP_MALFORMED) + h.stat(stat::PASS_ICMP_UNKNOWN), 0);
+    }
+
+    fn source_ranges_with_ipv6_prefixes(h) {
+        let mut s = web6(&[1]);
+        s.source_ranges = vec!["2001:db8:100::/48".parse().unwrap()];
+        h.apply(&[s]);
+        assert_eq!(h.run(&client6_tcp(40200, SYN, b"")).0, Verdict::Tx, "inside the range");
+        let outsider: Ipv6Addr = "2001:db8:200::10".parse().unwrap();
+        let f = tcp(CLIENT_MAC, LB_MAC, outsider, 40201, VIP6, WEB_PORT, SYN, b"");
+        assert_eq!(h.run(&f).0, Verdict::Drop, "outside the range");
+        assert_eq!(h.stat(stat::DROP_SOURCE_RANGE), 1);
+        assert_eq!(h.svc_stats(&web6(&[]).id).drop_source_range, 1);
+    }
+
+    fn extension_headers_are_walked_and_left_untouched(h) {
+        h.apply(&[web6(&[1])]);
+        let plain = client6_tcp(40300, SYN, b"");
+        // A destination-options header (8 bytes: next header TCP, length 0, PadN) between IPv6 and TCP.
+        let mut f = plain[..54].to_vec();
+        f[20] = 60;
+        f.extend_from_slice(&[6, 0, 1, 4, 0, 0, 0, 0]);
+        f.extend_from_slice(&plain[54..]);
+        let plen = u16::from_be_bytes([f[18], f[19]]) + 8;
+        f[18..20].copy_from_slice(&plen.to_be_bytes());
+        let (v, out) = h.run(&f);
+        assert_eq!(v, Verdict::Tx);
+        assert_eq!(&out[54..62], &[6, 0, 1, 4, 0, 0, 0, 0], "the option is forwarded as it came");
+        assert_eq!(h.stat(stat::IPV6_EXT_HEADERS), 1);
+        // A routing header with segments left: the destination is not final, the kernel's business.
+        let mut r = plain[..54].to_vec();
+        r[20] = 43;
+        r.extend_from_slice(&[6, 0, 4, 1, 0, 0, 0, 0]);
+        r.extend_from_slice(&plain[54..]);
+        r[18..20].copy_from_slice(&plen.to_be_bytes());
+        assert_eq!(h.run(&r).0, Verdict::Pass);
+        assert_eq!(h.stat(stat::PASS_IPV6_EXT), 1);
+    }
+
+    fn malformed_ipv6_is_dropped_and_counted(h) {
+        h.apply(&[web6(&[1])]);
+        let mut f = client6_tcp(40400, SYN, b"");
+        // A payload length beyond the frame.
+        f[18..20].copy_from_slice(&400u16.to_be_bytes());
+        assert_eq!(h.run(&f).0, Verdict::Drop);
+        assert_eq!(h.stat(stat::DROP_MALFORMED), 1);
+    }
+}
+
+/// Opens an IPv6 connection (SYN, SYN-ACK, ACK, each forwarded) and returns the forwarded SYN.
+fn open(h: &mut Harness, sport: u16) -> Parsed {
+    let (v, out) = h.run(&client6_tcp(sport, SYN, b""));
+    assert_eq!(v, Verdict::Tx, "SYN from port {sport} forwarded");
+    let p = parse(&out);
+    assert_eq!(
+        h.run(&reply(&p, SYN_ACK, b"")).0,
+        Verdict::Tx,
+        "SYN-ACK forwarded"
+    );
+    assert_eq!(
+        h.run(&client6_tcp(sport, ACK, b"")).0,
+        Verdict::Tx,
+        "ACK forwarded"
+    );
+    p
 }

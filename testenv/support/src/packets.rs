@@ -1,6 +1,6 @@
 //! Frames for data-plane tests and benchmarks, built with etherparse, and a parser of what comes out.
 
-use etherparse::{IpNumber, Ipv4Header, PacketBuilder, TcpHeader, UdpHeader};
+use etherparse::{IpNumber, Ipv4Header, Ipv6Header, PacketBuilder, TcpHeader, UdpHeader};
 use std::net::{IpAddr, Ipv4Addr};
 
 /// MAC of the client's router (where client frames come from).
@@ -154,36 +154,56 @@ fn ip(
     }
 }
 
-/// An ICMP error (type/code, `rest` = bytes 4..8 of the header, e.g. the MTU) quoting `inner`
-/// (an IPv4 packet without Ethernet header).
+/// An ICMP error (type/code, `rest` = bytes 4..8 of the header, e.g. the MTU) quoting `inner` (an IP packet
+/// without Ethernet header); ICMPv6, its checksum over the pseudo header, when the addresses are IPv6.
 #[allow(clippy::too_many_arguments)]
 pub fn icmp_error(
     src_mac: [u8; 6],
     dst_mac: [u8; 6],
-    src: Ipv4Addr,
-    dst: Ipv4Addr,
+    src: impl Into<IpAddr>,
+    dst: impl Into<IpAddr>,
     ty: u8,
     code: u8,
     rest: [u8; 4],
     inner: &[u8],
 ) -> Vec<u8> {
+    let (src, dst) = (src.into(), dst.into());
     let mut icmp = vec![ty, code, 0, 0, rest[0], rest[1], rest[2], rest[3]];
     icmp.extend_from_slice(inner);
-    let c = internet_checksum(&[&icmp]);
-    icmp[2..4].copy_from_slice(&c.to_be_bytes());
-    let ip = Ipv4Header::new(
-        icmp.len() as u16,
-        64,
-        IpNumber::ICMP,
-        src.octets(),
-        dst.octets(),
-    )
-    .unwrap();
     let mut out = Vec::new();
     out.extend_from_slice(&dst_mac);
     out.extend_from_slice(&src_mac);
-    out.extend_from_slice(&[0x08, 0x00]);
-    ip.write(&mut out).unwrap();
+    match (src, dst) {
+        (IpAddr::V4(s), IpAddr::V4(d)) => {
+            let c = internet_checksum(&[&icmp]);
+            icmp[2..4].copy_from_slice(&c.to_be_bytes());
+            let ip = Ipv4Header::new(
+                icmp.len() as u16,
+                64,
+                IpNumber::ICMP,
+                s.octets(),
+                d.octets(),
+            )
+            .unwrap();
+            out.extend_from_slice(&[0x08, 0x00]);
+            ip.write(&mut out).unwrap();
+        }
+        (IpAddr::V6(s), IpAddr::V6(d)) => {
+            let c = internet_checksum(&[&pseudo_header(s, d, 58, icmp.len()), &icmp]);
+            icmp[2..4].copy_from_slice(&c.to_be_bytes());
+            let ip = Ipv6Header {
+                payload_length: icmp.len() as u16,
+                next_header: IpNumber::IPV6_ICMP,
+                hop_limit: 64,
+                source: s.octets(),
+                destination: d.octets(),
+                ..Default::default()
+            };
+            out.extend_from_slice(&[0x86, 0xdd]);
+            ip.write(&mut out).unwrap();
+        }
+        (s, d) => panic!("an ICMP error from {s} to {d}: one family, please"),
+    }
     out.extend_from_slice(&icmp);
     out
 }
