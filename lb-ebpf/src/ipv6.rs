@@ -264,9 +264,7 @@ fn service_frame(p: &L4Pkt<V6>) -> *const Service {
         proto: p.key.proto,
         family: FAMILY_V6,
     };
-    SERVICES
-        .get_ptr(skey)
-        .map_or(core::ptr::null(), |s| s as *const Service)
+    SERVICES.get_ptr(skey).unwrap_or(core::ptr::null())
 }
 
 /// [`pick_backend`] in a call frame of its own; the target is written to `t` when it returns `Ok`.
