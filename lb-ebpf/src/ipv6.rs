@@ -187,7 +187,8 @@ pub fn new_flow6<C: Ctx>(c: &C) -> Verdict {
         count(stat::PASS_NOT_SERVICE);
         return Verdict::Pass;
     };
-    let (off, proto) = (h.l4_off as usize, h.proto);
+    // Read whole before the lookups below: the slot's pointer is then not live (spilled) across them.
+    let (off, proto, tot, reopen) = (h.l4_off as usize, h.proto, h.tot, h.reopen != 0);
     // The parser walked at most `MAX_EXT_HEADERS` headers of at most 2 KiB each.
     if off > ETH_LEN + IPV6_LEN + MAX_EXT_HEADERS * 2048 {
         return malformed(c, MALFORMED_IPV6_EXT);
@@ -219,19 +220,14 @@ pub fn new_flow6<C: Ctx>(c: &C) -> Verdict {
             unsafe { (*tcp).flags }
         },
         tcp,
-        tot: h.tot,
+        tot,
     };
-    let skey = ServiceKey {
-        addr: Addr::from_v6_raw(p.key.dst),
-        port_be: p.key.dport,
-        proto,
-        family: FAMILY_V6,
-    };
-    let Some(svc) = SERVICES.get_ptr(skey) else {
+    let svc = service_frame(&p);
+    if svc.is_null() {
         count(stat::PASS_NOT_SERVICE);
         return Verdict::Pass;
-    };
-    let reopen = if h.reopen != 0 {
+    }
+    let reopen = if reopen {
         FLOWS_V6.get_ptr(&p.key).unwrap_or(core::ptr::null())
     } else {
         core::ptr::null()
@@ -256,6 +252,19 @@ pub fn new_flow6<C: Ctx>(c: &C) -> Verdict {
     } else {
         udp_flow_frame(c, &p, svc, t, reopen)
     }
+}
+
+/// The packet's service (null if none), in a call frame of its own: its key (20 bytes) stays off the new-flow
+/// program's main frame, which holds the `L4Pkt` under everything.
+#[inline(never)]
+fn service_frame(p: &L4Pkt<V6>) -> *const Service {
+    let skey = ServiceKey {
+        addr: Addr::from_v6_raw(p.key.dst),
+        port_be: p.key.dport,
+        proto: p.key.proto,
+        family: FAMILY_V6,
+    };
+    SERVICES.get_ptr(skey).unwrap_or(core::ptr::null())
 }
 
 /// [`pick_backend`] in a call frame of its own; the target is written to `t` when it returns `Ok`.

@@ -53,25 +53,27 @@ fn event(kind_why: u32, svc_id: u32, value: u32, port_be: u32, addr: Option<(u8,
         return;
     };
     // Field by field into the record: a record built by value is a 48-byte temporary on the BPF stack, under the
-    // IPv6 programs' deepest frames.
+    // IPv6 programs' deepest frames. Volatile stores, and the family with the padding after it as one word: LLVM
+    // merges adjacent zero stores (a record without an address) into a call of `memset`, a BPF function of its own
+    // under this one (the kernel counts 32 bytes of stack for any frame).
     let r = e.as_mut_ptr();
-    // SAFETY: an exclusively owned ring-buffer record of this type.
+    let (family, words) = match addr {
+        // The 16 bytes as words, for either family.
+        Some((family, a)) => (family, a.v6_raw()),
+        None => (0, [0; 4]),
+    };
+    // SAFETY: an exclusively owned ring-buffer record of this type; `addr` is 4-aligned, as is `family`, which
+    // the 3 bytes of padding follow.
     unsafe {
-        (*r).kind = kind as u8;
-        (*r).why = (kind_why >> 8) as u8;
-        (*r).port_be = port_be as u16;
-        (*r).svc_id = svc_id;
-        (*r).value = value;
-        (*r)._pad = [0; 3];
-        match addr {
-            Some((family, a)) => {
-                (*r).family = family;
-                (*r).addr = a;
-            }
-            None => {
-                (*r).family = 0;
-                (*r).addr = Addr::default();
-            }
+        (&raw mut (*r).kind).write_volatile(kind as u8);
+        (&raw mut (*r).why).write_volatile((kind_why >> 8) as u8);
+        (&raw mut (*r).port_be).write_volatile(port_be as u16);
+        (&raw mut (*r).svc_id).write_volatile(svc_id);
+        (&raw mut (*r).value).write_volatile(value);
+        (&raw mut (*r).family as *mut u32).write_volatile(u32::from_ne_bytes([family, 0, 0, 0]));
+        let w = &raw mut (*r).addr as *mut u32;
+        for (i, x) in words.into_iter().enumerate() {
+            w.add(i).write_volatile(x);
         }
     }
     e.submit(0);

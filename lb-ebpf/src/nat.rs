@@ -1,7 +1,6 @@
 //! Full NAT: the two entries of a new flow (forward: client → SNAT, VIP → node; reverse: node → VIP, SNAT → client)
 //! and the rewrite of a packet by its entry — MACs, addresses, ports, and the checksums updated incrementally.
 
-use aya_ebpf::helpers::bpf_ktime_get_coarse_ns;
 use lb_common::{stat, Flow, FlowAddr, Service, FLOW_F_FORWARD, FLOW_F_REVERSE, PROTO_UDP};
 
 use crate::{
@@ -53,7 +52,7 @@ impl<A: FlowAddr> Target<A> {
         fl: &mut Flow<A>,
     ) {
         if F::NEW_FLOW_PROGRAM {
-            fill_reverse_frame(self, p, svc, now, fl)
+            fl.csum_addr = fill_reverse_frame(self, p, svc, now, fl);
         } else {
             self.write_reverse(p, svc, now, fl)
         }
@@ -95,10 +94,11 @@ impl<A: FlowAddr> Target<A> {
         fl: &mut Flow<A>,
     ) {
         if F::NEW_FLOW_PROGRAM {
-            fill_forward_frame(self, p, svc, snat_port, fl)
+            fl.csum_addr = fill_forward_frame(self, p, svc, snat_port, fl);
         } else {
-            self.write_forward(p, svc, snat_port, now, fl)
+            self.write_forward(p, svc, snat_port, fl)
         }
+        fl.last_seen_ns = now;
     }
 
     #[inline(always)]
@@ -107,7 +107,6 @@ impl<A: FlowAddr> Target<A> {
         p: &L4Pkt<F>,
         svc: &Service,
         snat_port: u16,
-        now: u64,
         fl: &mut Flow<A>,
     ) {
         let key = &p.key;
@@ -121,7 +120,6 @@ impl<A: FlowAddr> Target<A> {
         fl.backend_id = self.backend_id;
         fl.timeout_s = svc.idle_timeout_s;
         fl.csum_addr = csum::add(F::diff(&key.src, &self.snat), F::diff(&key.dst, &self.node));
-        fl.last_seen_ns = now;
         self.set_snat_port(p, fl, snat_port);
     }
 
@@ -136,7 +134,9 @@ impl<A: FlowAddr> Target<A> {
     }
 }
 
-/// [`Target::fill_reverse`] in a call frame of its own.
+/// [`Target::fill_reverse`] in a call frame of its own. Returns the entry's address checksum delta, which the caller
+/// stores: a BPF function without a result (or with one nobody reads, which LLVM drops) returns whatever r0 held,
+/// and the verifier refuses one that returns a pointer to its caller's stack.
 #[inline(never)]
 fn fill_reverse_frame<F: Family>(
     t: &Target<F::A>,
@@ -144,12 +144,13 @@ fn fill_reverse_frame<F: Family>(
     svc: &Service,
     now: u64,
     fl: &mut Flow<F::A>,
-) {
-    t.write_reverse(p, svc, now, fl)
+) -> u32 {
+    t.write_reverse(p, svc, now, fl);
+    fl.csum_addr
 }
 
-/// [`Target::fill_forward`] in a call frame of its own; it reads the (coarse) clock itself, as a BPF call takes 5
-/// arguments at most.
+/// [`Target::fill_forward`] in a call frame of its own, all but the time (a BPF call takes 5 arguments at most).
+/// Returns the entry's address checksum delta, as [`fill_reverse_frame`].
 #[inline(never)]
 fn fill_forward_frame<F: Family>(
     t: &Target<F::A>,
@@ -157,9 +158,9 @@ fn fill_forward_frame<F: Family>(
     svc: &Service,
     snat_port: u16,
     fl: &mut Flow<F::A>,
-) {
-    let now = unsafe { bpf_ktime_get_coarse_ns() };
-    t.write_forward(p, svc, snat_port, now, fl)
+) -> u32 {
+    t.write_forward(p, svc, snat_port, fl);
+    fl.csum_addr
 }
 
 /// Applies a flow's rewrite to the packet: MACs, addresses, ports, checksums.
