@@ -239,11 +239,13 @@ fn print_agent(rig: &Rig) -> Result<()> {
         );
     }
     println!(
-        "      data plane: drop_malformed {} drop_no_flow {} pass_not_service {}; flow table {} entries",
+        "      data plane: drop_malformed {} drop_no_flow {} pass_not_service {}; flow tables {} (IPv4) + {} (IPv6) \
+         entries",
         m("lb_dataplane_packets_total", "reason=\"drop_malformed\""),
         m("lb_dataplane_packets_total", "reason=\"drop_no_flow\""),
         m("lb_dataplane_packets_total", "reason=\"pass_not_service\""),
-        m("lb_flow_table_entries", "")
+        m("lb_flow_table_entries", ""),
+        m("lb_flow_table_v6_entries", "")
     );
     Ok(())
 }
