@@ -49,6 +49,8 @@ pub struct HaRigConfig {
     pub sync: bool,
     /// Dual-stack: an IPv6 VIP beside the IPv4 one (moved by the same VRRP instance) and IPv6 backends.
     pub ipv6: bool,
+    /// With `ipv6`: the IPv6 VIP only, so the VRRP instance is an IPv6 one (VRRPv3 from link-local addresses).
+    pub ipv6_only: bool,
 }
 
 impl HaRigConfig {
@@ -65,6 +67,7 @@ impl HaRigConfig {
             start_agents: true,
             sync: true,
             ipv6: false,
+            ipv6_only: false,
         })
     }
 }
@@ -137,6 +140,7 @@ impl HaRig {
             })
             .collect();
         let vips: Vec<IpAddr> = std::iter::once(IpAddr::from(vip))
+            .filter(|_| !rig.cfg.ipv6_only)
             .chain(vip6.map(IpAddr::from))
             .collect();
         std::fs::write(rig.config_path(), lb_config_yaml(&vips, &nodes, ""))?;
@@ -264,9 +268,14 @@ impl HaRig {
     /// The replicas whose interface carries the VIP (a cut-off old master still has it configured).
     pub fn vip_holders(&self) -> Result<Vec<Host>> {
         let mut holders = Vec::new();
+        // The IPv6 VIP when it is the only one.
+        let (family, vip) = match self.vip6.filter(|_| self.cfg.ipv6_only) {
+            Some(v6) => ("-6", IpAddr::from(v6)),
+            None => ("-4", IpAddr::from(self.vip)),
+        };
         for h in self.topo.lbs() {
-            let out = self.topo.exec(h, ["ip", "-4", "-o", "addr", "show"])?;
-            if String::from_utf8_lossy(&out.stdout).contains(&format!(" {}/", self.vip)) {
+            let out = self.topo.exec(h, ["ip", family, "-o", "addr", "show"])?;
+            if String::from_utf8_lossy(&out.stdout).contains(&format!(" {vip}/")) {
                 holders.push(h);
             }
         }

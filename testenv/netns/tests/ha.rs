@@ -180,6 +180,33 @@ fn master_dies_and_ipv6_connections_survive() {
     assert_consistent(&r, &[backup]);
 }
 
+/// An IPv6-only pair: the VRRP instance is an IPv6 one (VRRPv3 adverts from link-local addresses, unsolicited
+/// neighbour advertisements on takeover).
+#[test]
+fn an_ipv6_only_pair_fails_over_with_vrrpv3() {
+    let (_one, r) = rig(|c| {
+        c.ipv6 = true;
+        c.ipv6_only = true;
+    });
+    let (master, backup) = r.wait_master_and_backup(Duration::from_secs(20)).unwrap();
+    let vip6 = format!("[{}]", r.vip6.expect("IPv6 rig"));
+    let args = hold_args_to(&vip6, 200, 10);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let hold = r.start_hold(&args).unwrap();
+    wait_synced(&r, master, backup);
+    let takeover = kill_master(&r, master, backup);
+    std::thread::sleep(Duration::from_secs(4));
+    let rep = hold.stop().unwrap();
+    report("IPv6 only, master link cut", &rep);
+    println!("VRRPv3 (IPv6) takeover after {} ms", takeover.as_millis());
+    assert!(
+        survival(&rep) >= 0.99,
+        "only {:.2} % survived: {:?}",
+        survival(&rep) * 100.0,
+        rep.connections.iter().take(5).collect::<Vec<_>>()
+    );
+}
+
 #[test]
 fn planned_rollover_to_a_new_revision_breaks_nothing() {
     let (_one, mut r) = rig(|c| {
