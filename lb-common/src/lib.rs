@@ -595,14 +595,16 @@ pub const TRACE_HDR: usize = 96;
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct TraceFilter {
-    /// An address the packet comes from or goes to (IPv4, network order): a client, a node.
-    pub addr: u32,
-    /// Destination address (IPv4, network order): a VIP.
-    pub dst: u32,
-    /// Destination port, network order.
+    /// An address the packet comes from or goes to: a client, a node (family `addr_family`).
+    pub addr: Addr,
+    /// Destination address: a VIP (family `dst_family`).
+    pub dst: Addr,
+    /// Destination port, network order (IPv6: of a packet without extension headers).
     pub dport_be: u16,
-    /// Reserved, zero.
-    pub _pad: u16,
+    /// `FAMILY_V4`, `FAMILY_V6`, or 0: any address.
+    pub addr_family: u8,
+    /// The same for `dst`.
+    pub dst_family: u8,
 }
 
 /// One packet seen by the traced program (`TRACE_EVENTS` ring buffer): its headers before and after, the

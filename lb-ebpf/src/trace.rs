@@ -8,7 +8,7 @@ use aya_ebpf::{
     macros::map,
     maps::{Array, PerCpuArray, RingBuf},
 };
-use lb_common::{stat, TraceEvent, TraceFilter, TRACE_HDR};
+use lb_common::{stat, Addr, TraceEvent, TraceFilter, FAMILY_V4, FAMILY_V6, TRACE_HDR};
 
 use crate::{
     ctx::Ctx,
@@ -130,27 +130,46 @@ fn after<C: Ctx>(c: &C, e: *mut TraceEvent, v: Verdict) -> bool {
     }
 }
 
-/// Whether headers `h` (the first `n` bytes of a frame) are what `f` asks for (0 fields match anything).
+/// Whether headers `h` (the first `n` bytes of a frame) are what `f` asks for (unset fields match anything; an
+/// address of one family matches no frame of the other).
 #[inline(always)]
 fn matches(f: &TraceFilter, h: &[u8; TRACE_HDR], n: usize) -> bool {
-    let any = f.addr == 0 && f.dst == 0 && f.dport_be == 0;
-    if n < 34 || h[12] != 0x08 || h[13] != 0x00 {
-        return any;
-    }
-    let src = u32::from_ne_bytes([h[26], h[27], h[28], h[29]]);
-    let dst = u32::from_ne_bytes([h[30], h[31], h[32], h[33]]);
-    if f.addr != 0 && src != f.addr && dst != f.addr {
+    let any = f.addr_family == 0 && f.dst_family == 0 && f.dport_be == 0;
+    // Where the frame's addresses are, their length and where its L4 header is.
+    let (family, at, len, l4) = match (h[12], h[13]) {
+        (0x08, 0x00) if n >= 34 => (FAMILY_V4, 26, 4, 14 + (h[14] & 0x0f) as usize * 4),
+        (0x86, 0xdd) if n >= 54 => (FAMILY_V6, 22, 16, 54),
+        _ => return any,
+    };
+    let is = |fam: u8, a: &Addr, off: usize| fam == family && same(&a.bytes, h, off, len);
+    if f.addr_family != 0
+        && !is(f.addr_family, &f.addr, at)
+        && !is(f.addr_family, &f.addr, at + len)
+    {
         return false;
     }
-    if f.dst != 0 && dst != f.dst {
+    if f.dst_family != 0 && !is(f.dst_family, &f.dst, at + len) {
         return false;
     }
     if f.dport_be != 0 {
-        let at = 14 + (h[14] & 0x0f) as usize * 4 + 2;
+        let at = l4 + 2;
         if at + 2 > n || at + 2 > TRACE_HDR {
             return false;
         }
         return u16::from_ne_bytes([h[at], h[at + 1]]) == f.dport_be;
+    }
+    true
+}
+
+/// Whether `h[off..off + len]` is `a[..len]` (`len` 4 or 16).
+#[inline(always)]
+fn same(a: &[u8; 16], h: &[u8; TRACE_HDR], off: usize, len: usize) -> bool {
+    let mut i = 0;
+    while i < len {
+        if off + i >= TRACE_HDR || a[i] != h[off + i] {
+            return false;
+        }
+        i += 1;
     }
     true
 }

@@ -6,7 +6,7 @@ use clap::{Parser, Subcommand};
 use lb_agent::dataplane::{self, Dataplane};
 use lb_agent::report::inspect::{self, FlowFilter};
 use lb_common::TraceFilter;
-use std::net::{IpAddr, Ipv4Addr, SocketAddr, SocketAddrV4};
+use std::net::{IpAddr, SocketAddr};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
@@ -64,12 +64,12 @@ enum Cmd {
     /// reason of a drop or pass, a new flow, a handshake). The traced program is swapped onto the agent's link
     /// while this runs; the fast one goes back when it ends, however it ends (Ctrl-C, a kill, an error).
     Trace {
-        /// Only packets from or to this address (a client, a node).
+        /// Only packets from or to this address (a client, a node; IPv4 or IPv6).
         #[arg(long)]
-        addr: Option<Ipv4Addr>,
-        /// Only packets to this VIP:port (port 0: any port).
+        addr: Option<IpAddr>,
+        /// Only packets to this VIP:port (port 0: any port; `[v6]:port` for an IPv6 VIP).
         #[arg(long)]
-        service: Option<SocketAddrV4>,
+        service: Option<SocketAddr>,
         /// Stop after this many seconds.
         #[arg(long)]
         seconds: Option<f64>,
@@ -95,11 +95,14 @@ fn main() -> Result<()> {
             seconds,
             count,
         } => {
+            let (addr_family, addr) = trace_addr(addr);
+            let (dst_family, dst) = trace_addr(service.map(|s| s.ip()));
             let filter = TraceFilter {
-                addr: addr.map_or(0, |a| u32::from_ne_bytes(a.octets())),
-                dst: service.map_or(0, |s| u32::from_ne_bytes(s.ip().octets())),
+                addr,
+                dst,
                 dport_be: service.map_or(0, |s| s.port().to_be()),
-                _pad: 0,
+                addr_family,
+                dst_family,
             };
             return inspect::trace::run(
                 &pin,
@@ -241,4 +244,19 @@ fn only_interface(pin_dir: &Path) -> Result<String> {
 fn print_json(v: &impl serde::Serialize) -> Result<()> {
     println!("{}", serde_json::to_string_pretty(v)?);
     Ok(())
+}
+
+/// A trace filter's address and its family (0: none).
+fn trace_addr(a: Option<IpAddr>) -> (u8, lb_common::Addr) {
+    match a {
+        Some(ip) => (
+            if ip.is_ipv4() {
+                lb_common::FAMILY_V4
+            } else {
+                lb_common::FAMILY_V6
+            },
+            dataplane::programmer::ip_to_addr(ip),
+        ),
+        None => (0, lb_common::Addr::default()),
+    }
 }

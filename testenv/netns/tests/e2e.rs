@@ -652,6 +652,16 @@ fn lbctl_trace_shows_decisions_and_always_puts_the_fast_program_back_tc() {
     lbctl_trace_shows_decisions_and_always_puts_the_fast_program_back("tc", "lb_tc");
 }
 
+/// The program on the agent's pinned link (`lbctl program`).
+fn attached_program(r: &Rig) -> String {
+    let out = r
+        .topo
+        .exec(Host::Lb, lbctl_argv(r, &["program", "--json"]))
+        .unwrap();
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    v["program"].as_str().unwrap().to_string()
+}
+
 /// `lbctl trace`: a client's packets with their decisions — a SYN opening a handshake towards a node,
 /// a malformed frame dropped with its reason — while the traced program is on the agent's link; afterwards the
 /// fast program is back, also when the trace was killed with SIGKILL.
@@ -659,14 +669,7 @@ fn lbctl_trace_shows_decisions_and_always_puts_the_fast_program_back(mode: &str,
     let r = rig(|c| c.attach_mode = mode.into());
     let (tcp, udp) = targets(&r);
     let lbctl = |args: &[&str]| lbctl_argv(&r, args);
-    let attached = || -> String {
-        let out = r
-            .topo
-            .exec(Host::Lb, lbctl(&["program", "--json"]))
-            .unwrap();
-        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-        v["program"].as_str().unwrap().to_string()
-    };
+    let attached = || attached_program(&r);
     let wait_for = |program: &str| {
         let deadline = Instant::now() + Duration::from_secs(60);
         while attached() != program {
@@ -763,6 +766,75 @@ fn lbctl_trace_shows_decisions_and_always_puts_the_fast_program_back(mode: &str,
     // And traffic still flows through it.
     let rep = r.load(&["--tcp", &tcp, "--connections", "20"]).unwrap();
     assert_eq!(rep.tcp.as_ref().unwrap().ok, 20);
+}
+
+/// `lbctl trace` of an IPv6 client: its SYNs are reported by the traced IPv6 new-flow program (a handshake
+/// towards a node's IPv6 address), the rest of its packets by the traced IPv6 program, none of the IPv4 client's.
+#[test]
+fn lbctl_trace_shows_ipv6_decisions() {
+    let r = rig(|c| c.topology.ipv6 = true);
+    let vip6 = r.vip6.expect("dual-stack rig");
+    let client6 = r
+        .topo
+        .host(Host::Client)
+        .ip6
+        .expect("IPv6 client")
+        .to_string();
+    let trace = r
+        .topo
+        .spawn(
+            Host::Lb,
+            lbctl_argv(
+                &r,
+                &["trace", "--json", "--addr", &client6, "--seconds", "8"],
+            ),
+        )
+        .unwrap();
+    // Loading and verifying the traced programs takes a few seconds; the IPv6 ones are in their slots before the
+    // traced program is swapped onto the link.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while attached_program(&r) != "lb_xdp_trace" {
+        assert!(Instant::now() < deadline, "the trace did not start");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let (tcp4, _) = targets(&r);
+    let tcp6 = format!("[{vip6}]:{TCP_PORT}");
+    let rep = r.load(&["--tcp", &tcp6, "--connections", "5"]).unwrap();
+    assert_eq!(rep.tcp.as_ref().unwrap().ok, 5);
+    let rep = r.load(&["--tcp", &tcp4, "--connections", "5"]).unwrap();
+    assert_eq!(rep.tcp.as_ref().unwrap().ok, 5);
+    let out = trace.finish(Duration::from_secs(20)).unwrap();
+    let decisions: Vec<serde_json::Value> = out
+        .stdout
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let syns: Vec<_> = decisions
+        .iter()
+        .filter(|d| {
+            d["reasons"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .any(|r| r == "new_handshakes")
+        })
+        .collect();
+    assert_eq!(syns.len(), 5, "{}", out.stdout);
+    for d in &syns {
+        assert_eq!(d["verdict"], "tx");
+        assert_eq!(d["before"]["flags"], "S");
+        let to = d["after"]["dst"].as_str().unwrap();
+        assert!(
+            to.starts_with("[fd00:") && to.ends_with(&format!("]:{TCP_NODE_PORT}")),
+            "{d}"
+        );
+    }
+    let client4 = r.topo.ip(Host::Client).to_string();
+    assert!(
+        !out.stdout.contains(&format!("\"{client4}:")),
+        "only the IPv6 client's packets: {}",
+        out.stdout
+    );
 }
 
 #[test]

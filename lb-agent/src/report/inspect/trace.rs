@@ -12,7 +12,7 @@ use anyhow::{anyhow, bail, Context, Result};
 use aya::maps::{Array, RingBuf};
 use lb_common::{map_names, stat, TraceEvent, TraceFilter};
 use serde::Serialize;
-use std::net::Ipv4Addr;
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::path::Path;
 use std::time::{Duration, Instant};
 
@@ -182,38 +182,49 @@ fn headers(h: &[u8]) -> Headers {
         return unknown(format!("{} bytes", h.len()));
     }
     let ethertype = u16::from_be_bytes([h[12], h[13]]);
-    if ethertype != 0x0800 || h.len() < 34 {
-        return unknown(format!("ethertype {ethertype:#06x}"));
-    }
-    let src = Ipv4Addr::new(h[26], h[27], h[28], h[29]);
-    let dst = Ipv4Addr::new(h[30], h[31], h[32], h[33]);
-    let ihl = (h[14] & 0x0f) as usize;
-    if h[14] >> 4 != 4 || ihl < 5 {
-        return Headers {
-            protocol: format!("IPv4 header {:#04x}", h[14]),
-            src: src.to_string(),
-            dst: dst.to_string(),
-            flags: String::new(),
-        };
-    }
-    let l4 = 14 + ihl * 4;
+    // Addresses, the L4 protocol and where its header starts (IPv6: extension headers are not walked).
+    let (src, dst, proto, l4): (IpAddr, IpAddr, u8, usize) = match ethertype {
+        0x0800 if h.len() >= 34 => {
+            let src = Ipv4Addr::new(h[26], h[27], h[28], h[29]);
+            let dst = Ipv4Addr::new(h[30], h[31], h[32], h[33]);
+            let ihl = (h[14] & 0x0f) as usize;
+            if h[14] >> 4 != 4 || ihl < 5 {
+                return Headers {
+                    protocol: format!("IPv4 header {:#04x}", h[14]),
+                    src: src.to_string(),
+                    dst: dst.to_string(),
+                    flags: String::new(),
+                };
+            }
+            (src.into(), dst.into(), h[23], 14 + ihl * 4)
+        }
+        0x86dd if h.len() >= 54 => {
+            let addr = |at: usize| IpAddr::from(<[u8; 16]>::try_from(&h[at..at + 16]).unwrap());
+            (addr(22), addr(38), h[20], 54)
+        }
+        _ => return unknown(format!("ethertype {ethertype:#06x}")),
+    };
     let ports = (l4 + 4 <= h.len()).then(|| {
         (
             u16::from_be_bytes([h[l4], h[l4 + 1]]),
             u16::from_be_bytes([h[l4 + 2], h[l4 + 3]]),
         )
     });
-    let (protocol, with_ports) = match h[23] {
+    let (protocol, with_ports) = match proto {
         6 => ("TCP".to_string(), true),
         17 => ("UDP".to_string(), true),
         1 => (
             format!("ICMP type {}", h.get(l4).copied().unwrap_or(0)),
             false,
         ),
+        58 => (
+            format!("ICMPv6 type {}", h.get(l4).copied().unwrap_or(0)),
+            false,
+        ),
         p => (format!("protocol {p}"), false),
     };
     let mut flags = String::new();
-    if h[23] == 6 && l4 + 14 <= h.len() {
+    if proto == 6 && l4 + 14 <= h.len() {
         let f = h[l4 + 13];
         for (bit, c) in [
             (0x02, 'S'),
@@ -227,8 +238,8 @@ fn headers(h: &[u8]) -> Headers {
             }
         }
     }
-    let at = |ip: Ipv4Addr, port: Option<u16>| match (with_ports, port) {
-        (true, Some(p)) => format!("{ip}:{p}"),
+    let at = |ip: IpAddr, port: Option<u16>| match (with_ports, port) {
+        (true, Some(p)) => SocketAddr::new(ip, p).to_string(),
         _ => ip.to_string(),
     };
     Headers {
