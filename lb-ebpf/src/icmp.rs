@@ -1,15 +1,15 @@
 //! ICMP errors quoting one of our flows, translated both ways so that path-MTU discovery works through the load
 //! balancer.
 
-use lb_common::{stat, FlowKeyV4, PROTO_TCP, PROTO_UDP};
+use lb_common::{stat, Flow, FlowKey, FlowKeyV4, PROTO_TCP, PROTO_UDP};
 
 use crate::{
     csum,
     ctx::{ptr_at, Ctx, Verdict},
-    family::V4,
+    family::{Family, V4},
     hdr::*,
     klog,
-    maps::{count, with_service_stats, FLOWS_V4, TRANSIENT_V4},
+    maps::{count, with_service_stats},
     transient,
 };
 
@@ -62,26 +62,13 @@ pub(crate) fn translate<C: Ctx>(
             _pad: [0; 3],
         }
     };
-    // Established flows first, then handshakes and closed connections (a host unreachable for a SYN): under the
-    // key itself, or a client's handshake through its index.
-    let fl = match FLOWS_V4.get_ptr(key) {
-        Some(fp) => unsafe { *fp },
-        None if iproto == PROTO_TCP => match TRANSIENT_V4.get_ptr(key) {
-            Some(tp) => unsafe { (*tp).flow },
-            None => match transient::find::<V4>(&key) {
-                Some(hp) => unsafe { (*hp).fwd },
-                None => {
-                    count(stat::PASS_ICMP_UNKNOWN);
-                    return Verdict::Pass;
-                }
-            },
-        },
-        None => {
-            count(stat::PASS_ICMP_UNKNOWN);
-            return Verdict::Pass;
-        }
+    let Some(fl) = quoted_flow::<V4>(&key) else {
+        count(stat::PASS_ICMP_UNKNOWN);
+        return Verdict::Pass;
     };
+    // SAFETY: a map value, valid under RCU for this program run; packet pointers bounds-checked above.
     unsafe {
+        let fl = &*fl;
         // Outer header: from us, to the far side of the flow.
         let d_outer = csum::add(
             csum::diff32((*ip).src, fl.new_src),
@@ -96,26 +83,92 @@ pub(crate) fn translate<C: Ctx>(
             csum::diff32((*iip).src, fl.new_dst),
             csum::diff32((*iip).dst, fl.new_src),
         );
-        let d_iport = csum::add(
-            csum::diff16((*ip4).sport, fl.new_dport),
-            csum::diff16((*ip4).dport, fl.new_sport),
-        );
         (*iip).src = fl.new_dst;
         (*iip).dst = fl.new_src;
         let old_ick = (*iip).check;
         let new_ick = csum::apply(old_ick, d_iaddr);
         (*iip).check = new_ick;
-        (*ip4).sport = fl.new_dport;
-        (*ip4).dport = fl.new_sport;
-        let mut d_icmp = csum::add(csum::add(d_iaddr, d_iport), csum::diff16(old_ick, new_ick));
-        // The inner L4 checksum is there only if the error quoted enough of the packet.
+        // The ICMP checksum covers the inner header's checksum too.
+        finish(
+            c,
+            eth,
+            ip4,
+            Quote {
+                l4_off,
+                il4_off,
+                end,
+                udp: iproto == PROTO_UDP,
+            },
+            fl,
+            d_iaddr,
+            csum::diff16(old_ick, new_ick),
+        )
+    }
+}
+
+/// The entry of the flow an ICMP error is about, `key` being the quoted packet turned around: an established
+/// flow, else (TCP) a handshake or closed connection under the key itself, or a client's handshake through its
+/// index (a host unreachable for a SYN). A reference into map memory: an IPv6 entry copied would take 72 bytes
+/// of stack.
+// Keys go to the map helpers by reference: a copy would take 40 bytes of the BPF stack.
+#[allow(clippy::needless_borrows_for_generic_args)]
+#[inline(always)]
+pub(crate) fn quoted_flow<F: Family>(key: &FlowKey<F::A>) -> Option<*const Flow<F::A>> {
+    if let Some(fp) = F::flows().get_ptr(key) {
+        return Some(fp);
+    }
+    if key.proto != PROTO_TCP {
+        return None;
+    }
+    if let Some(tp) = F::transient().get_ptr(key) {
+        // SAFETY: a map value, valid under RCU for this program run.
+        return Some(unsafe { &raw const (*tp).flow });
+    }
+    // SAFETY: as above.
+    transient::find::<F>(key).map(|hp| unsafe { &raw const (*hp).fwd })
+}
+
+/// Where a translated error's parts are: its ICMP header (`l4_off`), the quoted L4 header (`il4_off`, TCP or UDP),
+/// the end of the message.
+pub(crate) struct Quote {
+    pub l4_off: usize,
+    pub il4_off: usize,
+    pub end: usize,
+    pub udp: bool,
+}
+
+/// The part of a translation both families share, once the addresses are rewritten: the quoted ports, the quoted
+/// L4 checksum (if the error quoted that far) by the inner addresses' delta `d_iaddr` and the ports', the ICMP
+/// checksum by all of that and `d_other` (IPv4: the inner header checksum's change; IPv6: the outer addresses',
+/// which its pseudo-header covers), the MACs and the counters.
+///
+/// # Safety
+/// `eth` and `ports` must point into the bounds-checked frame.
+#[inline(always)]
+pub(crate) unsafe fn finish<C: Ctx, A>(
+    c: &C,
+    eth: *mut EthHdr,
+    ports: *mut Ports,
+    q: Quote,
+    fl: &Flow<A>,
+    d_iaddr: u32,
+    d_other: u32,
+) -> Verdict {
+    // SAFETY: as the function's; the checksum fields are bounds-checked here.
+    unsafe {
+        let d_iport = csum::add(
+            csum::diff16((*ports).sport, fl.new_dport),
+            csum::diff16((*ports).dport, fl.new_sport),
+        );
+        (*ports).sport = fl.new_dport;
+        (*ports).dport = fl.new_sport;
         let l4_diff = csum::add(d_iaddr, d_iport);
-        let udp = iproto == PROTO_UDP;
-        let l4_csum_off = il4_off + if udp { UDP_CSUM_OFF } else { TCP_CSUM_OFF };
-        if l4_csum_off + 2 <= end {
+        let mut d_icmp = csum::add(d_other, l4_diff);
+        let l4_csum_off = q.il4_off + if q.udp { UDP_CSUM_OFF } else { TCP_CSUM_OFF };
+        if l4_csum_off + 2 <= q.end {
             if let Some(p) = ptr_at::<C, u16>(c, l4_csum_off) {
                 let old = *p;
-                let new = if udp {
+                let new = if q.udp {
                     csum::apply_udp(old, l4_diff)
                 } else {
                     csum::apply(old, l4_diff)
@@ -125,7 +178,7 @@ pub(crate) fn translate<C: Ctx>(
             }
         }
         // ICMP header pointer re-derived: the bounds checks above may have clobbered the register.
-        if let Some(ih) = ptr_at::<C, IcmpHdr>(c, l4_off) {
+        if let Some(ih) = ptr_at::<C, IcmpHdr>(c, q.l4_off) {
             (*ih).check = csum::apply((*ih).check, d_icmp);
         }
         (*eth).src = (*eth).dst;

@@ -15,16 +15,13 @@ use crate::{
     ctx::{ptr_at, Ctx, Verdict},
     family::V6,
     hdr::*,
+    icmp::{finish, quoted_flow, Quote},
     klog,
     lb::pick_backend,
-    maps::{
-        count, with_service_stats, FLOWS_V6, NEW_FLOW_HANDOFF, SCRATCH_V6, SERVICES, TRANSIENT_V6,
-        VIPS,
-    },
+    maps::{count, FLOWS_V6, NEW_FLOW_HANDOFF, SCRATCH_V6, SERVICES, VIPS},
     nat::Target,
     packet::L4Pkt,
     process::{config, l4, open_handshake, reopen_of},
-    transient,
 };
 
 /// Extension headers walked before the packet goes to the kernel instead.
@@ -397,23 +394,9 @@ fn translate6<C: Ctx>(
             _pad: [0; 3],
         }
     };
-    // A reference into map memory, not a copy: 72 bytes of stack.
-    let fl: *const FlowV6 = match FLOWS_V6.get_ptr(&key) {
-        Some(fp) => fp,
-        None if iproto == PROTO_TCP => match TRANSIENT_V6.get_ptr(&key) {
-            Some(tp) => unsafe { &(*tp).flow },
-            None => match transient::find::<V6>(&key) {
-                Some(hp) => unsafe { &(*hp).fwd },
-                None => {
-                    count(stat::PASS_ICMP_UNKNOWN);
-                    return Verdict::Pass;
-                }
-            },
-        },
-        None => {
-            count(stat::PASS_ICMP_UNKNOWN);
-            return Verdict::Pass;
-        }
+    let Some(fl) = quoted_flow::<V6>(&key) else {
+        count(stat::PASS_ICMP_UNKNOWN);
+        return Verdict::Pass;
     };
     // SAFETY: a map value, valid under RCU for this program run; packet pointers bounds-checked above.
     unsafe {
@@ -428,39 +411,14 @@ fn translate6<C: Ctx>(
             set_addr(&raw mut (*iip).src, &fl.new_dst),
             set_addr(&raw mut (*iip).dst, &fl.new_src),
         );
-        let d_iport = csum::add(
-            csum::diff16((*ip4).sport, fl.new_dport),
-            csum::diff16((*ip4).dport, fl.new_sport),
-        );
-        (*ip4).sport = fl.new_dport;
-        (*ip4).dport = fl.new_sport;
-        let l4_diff = csum::add(d_iaddr, d_iport);
-        let mut d_icmp = csum::add(d_outer, l4_diff);
-        // The inner L4 checksum is there only if the error quoted enough of the packet.
-        let udp = iproto == PROTO_UDP;
-        let l4_csum_off = il4_off + if udp { UDP_CSUM_OFF } else { TCP_CSUM_OFF };
-        if l4_csum_off + 2 <= end {
-            if let Some(p) = ptr_at::<C, u16>(c, l4_csum_off) {
-                let old = *p;
-                let new = if udp {
-                    csum::apply_udp(old, l4_diff)
-                } else {
-                    csum::apply(old, l4_diff)
-                };
-                *p = new;
-                d_icmp = csum::add(d_icmp, csum::diff16(old, new));
-            }
-        }
-        // ICMPv6 header pointer re-derived: the bounds checks above may have clobbered the register.
-        if let Some(ih) = ptr_at::<C, IcmpHdr>(c, l4_off) {
-            (*ih).check = csum::apply((*ih).check, d_icmp);
-        }
-        (*eth).src = (*eth).dst;
-        (*eth).dst = fl.mac;
-        count(stat::ICMP_TRANSLATED);
-        with_service_stats(fl.svc_id, |s| s.icmp_translated += 1);
+        let q = Quote {
+            l4_off,
+            il4_off,
+            end,
+            udp: iproto == PROTO_UDP,
+        };
+        finish(c, eth, ip4, q, fl, d_iaddr, d_outer)
     }
-    Verdict::Tx
 }
 
 /// Writes address `new` over `*a` one word at a time and returns the checksum delta: each word's diff is taken
