@@ -263,8 +263,8 @@ fn round(r: &HaRig, a: &Args, sync: bool, timeout_ms: u64) -> Result<Round> {
             "the backup to have the flows",
             Duration::from_secs(20),
             || {
-                let m = r.forward_flows(master)?;
-                let b = r.forward_flows(backup)?;
+                let m = r.forward_flows::<u32>(master)?;
+                let b = r.forward_flows::<u32>(backup)?;
                 Ok(m.keys().all(|k| b.contains_key(k)))
             },
         )?;
@@ -409,8 +409,8 @@ fn sync_throughput(a: &Args) -> Result<SyncRun> {
         + m(backup, "lb_sync_records_unchanged_total")
         - applied0;
     let (dm, db) = (cpu(master) - cm, cpu(backup) - cb);
-    let fm = r.forward_flows(master)?;
-    let fb = r.forward_flows(backup)?;
+    let fm = r.forward_flows::<u32>(master)?;
+    let fb = r.forward_flows::<u32>(backup)?;
     Ok(SyncRun {
         connections: a.sync_connections,
         seconds,

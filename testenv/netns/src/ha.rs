@@ -72,6 +72,9 @@ impl HaRigConfig {
     }
 }
 
+/// A forward flow's rewrite: new source, new destination, new source port, new destination port.
+pub type Rewrite<A> = (A, A, u16, u16);
+
 /// The running HA rig. Dropping it stops everything and removes the namespaces.
 pub struct HaRig {
     /// The namespaces.
@@ -399,7 +402,7 @@ impl HaRig {
     pub fn forward_flows<A: FlowAddr>(
         &self,
         host: Host,
-    ) -> Result<HashMap<FlowKey<A>, (A, A, u16, u16)>> {
+    ) -> Result<HashMap<FlowKey<A>, Rewrite<A>>> {
         Ok(self
             .flow_table::<A>(host)?
             .into_iter()
