@@ -9,6 +9,7 @@ mod fuzz;
 mod image;
 mod openstack;
 mod prereq;
+mod stack;
 mod test;
 mod util;
 
