@@ -280,8 +280,10 @@ scrape_configs:
     )
 }
 
-/// `getKubeConfigForServiceAccount`: clientcmd's `latest.Codec` encoding (JSON) of the ServiceAccount's token and
-/// CA for `api_endpoint` (yawol-controller's `API_ENDPOINT`), context namespace = the token Secret's namespace.
+/// `getKubeConfigForServiceAccount`: clientcmd's `latest.Codec` encoding of the ServiceAccount's token and CA for
+/// `api_endpoint` (yawol-controller's `API_ENDPOINT`), context namespace = the token Secret's namespace. That codec
+/// is client-go's YAML serializer: the object as JSON, turned into YAML with sorted keys (sigs.k8s.io/yaml), which
+/// is what this writes (serde_json's map is sorted; serde_yaml writes block style, sequences unindented as yaml.v2).
 pub fn kubeconfig(api_endpoint: &str, ca_pem: &[u8], token: &str, namespace: &str) -> String {
     let doc = serde_json::json!({
         "kind": "Config",
@@ -297,9 +299,7 @@ pub fn kubeconfig(api_endpoint: &str, ca_pem: &[u8], token: &str, namespace: &st
         }}],
         "current-context": "context",
     });
-    // serde_json keeps the insertion order here (preserve_order is not enabled: keys are sorted, which clientcmd's
-    // output also does not promise; the parser does not care).
-    format!("{doc}\n")
+    serde_yaml::to_string(&doc).expect("a JSON value serialises as YAML")
 }
 
 /// `GetRoleRules`: the Role yawol-controller gives each machine's ServiceAccount (six rules; events in the core
@@ -376,4 +376,20 @@ pub fn machine_json(ns: &str, name: &str, loadbalancer: &str) -> serde_json::Val
             "infrastructure": infrastructure(ns),
         }
     })
+}
+
+#[cfg(test)]
+mod kubeconfig_tests {
+    /// The shape client-go's YAML serializer gives it: sorted keys, block style, sequences unindented.
+    #[test]
+    fn the_kubeconfig_is_yaml_as_client_go_writes_it() {
+        let k = super::kubeconfig("https://10.0.2.2:6443", b"CA", "tok", "ns");
+        assert_eq!(
+            k,
+            "apiVersion: v1\nclusters:\n- cluster:\n    certificate-authority-data: Q0E=\n    server: https://10.0.2.2:6443\n  \
+             name: default-cluster\ncontexts:\n- context:\n    cluster: default-cluster\n    namespace: ns\n    user: user\n  \
+             name: context\ncurrent-context: context\nkind: Config\npreferences: {}\nusers:\n- name: user\n  user:\n    \
+             token: tok\n"
+        );
+    }
 }
