@@ -354,13 +354,18 @@ impl Harness {
 
     /// The core/v1 Events about the machine.
     async fn events(&self) -> Vec<Event> {
+        self.events_about(LBM).await
+    }
+
+    /// The core/v1 Events about the object named `name` (the machine, the LoadBalancer).
+    async fn events_about(&self, name: &str) -> Vec<Event> {
         self.events
             .list(&ListParams::default())
             .await
             .expect("listing Events")
             .items
             .into_iter()
-            .filter(|e| e.involved_object.name.as_deref() == Some(LBM))
+            .filter(|e| e.involved_object.name.as_deref() == Some(name))
             .collect()
     }
 
@@ -844,6 +849,27 @@ async fn an_invalid_spec_is_rejected_with_a_warning_and_the_last_config_keeps_fo
         assert_eq!(
             event.source.as_ref().and_then(|s| s.component.as_deref()),
             Some("lb-agent")
+        );
+        // The same on the LoadBalancer, for the cloud controller to re-emit on the Service: once, whichever
+        // replica wrote it.
+        let on_lb = eventually(&format!("{what}: Warning event on the LoadBalancer"), || async {
+            let found: Vec<Event> = h
+                .events_about(LB)
+                .await
+                .into_iter()
+                .filter(|e| {
+                    e.reason.as_deref() == Some("ConfigurationRejected")
+                        && e.message.as_deref().unwrap_or("").contains(needle)
+                })
+                .collect();
+            (!found.is_empty()).then_some(found)
+        })
+        .await;
+        assert_eq!(on_lb.len(), 1, "{what}: one Event on the LoadBalancer");
+        assert_eq!(on_lb[0].involved_object.kind.as_deref(), Some("LoadBalancer"));
+        assert_eq!(
+            on_lb[0].source.as_ref().and_then(|s| s.component.as_deref()),
+            Some("yawol-service")
         );
 
         let (in_effect, _) = h.in_effect.lock().unwrap().clone().unwrap();
@@ -1707,15 +1733,30 @@ async fn under_yawols_role_revision_ad_hoc_debug_and_unsupported_options() {
     .await;
     let reasons: Vec<&str> = items.iter().filter_map(|e| e.reason.as_deref()).collect();
     assert!(reasons.contains(&"Update"), "{reasons:?}");
-    // yawollet's recorder name, so filters and alerts on the component keep finding them.
+    // yawollet's recorder name on the machine, so filters and alerts on the component keep finding them; the
+    // unsupported options also on the LoadBalancer as `yawol-service`, which yawol's controller re-emits on the
+    // Service (written under yawol's Role: events create in the namespace).
     for e in &items {
         let component = e.source.as_ref().and_then(|s| s.component.as_deref());
+        let expected = match e.involved_object.kind.as_deref() {
+            Some("LoadBalancer") => "yawol-service",
+            _ => "yawollet",
+        };
         assert_eq!(
             (component, e.reporting_component.as_deref()),
-            (Some("yawollet"), Some("yawollet")),
+            (Some(expected), Some(expected)),
             "{e:?}"
         );
     }
+    let on_lb: Vec<&str> = items
+        .iter()
+        .filter(|e| e.involved_object.kind.as_deref() == Some("LoadBalancer"))
+        .filter_map(|e| e.reason.as_deref())
+        .collect();
+    assert!(
+        on_lb.contains(&"LogForwardNotSupported") && on_lb.contains(&"ProxyProtocolNotSupported"),
+        "{on_lb:?}"
+    );
     refusals.assert_none().unwrap();
     drop(mode);
     let _ = std::fs::remove_dir_all(&dir);

@@ -9,8 +9,8 @@ use ::kube::Client;
 use k8s_openapi::api::core::v1::{Event, EventSource, ObjectReference};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, Time};
 use k8s_openapi::jiff::Timestamp;
-use lb_api::constants::API_VERSION;
-use lb_api::LoadBalancerMachine;
+use lb_api::constants::{defaults::USER_EVENT_COMPONENT, API_VERSION};
+use lb_api::{LoadBalancer, LoadBalancerMachine};
 use tokio::sync::Mutex;
 
 /// `source.component` / `reportingComponent` of the Events the agent writes.
@@ -186,6 +186,62 @@ impl Recorder {
             tracing::warn!(error = %e, reason = event.reason, "could not write an Event on the LoadBalancerMachine");
         }
     }
+
+    /// Writes `event`, which is about the LoadBalancer's spec (a rejection, a warning, an unsupported option), on
+    /// the machine and on the LoadBalancer too, attributed to yawol's `yawol-service`: the cloud controller (ours
+    /// and yawol's) re-emits those on the Service, where its owner looks. Every replica sees the same spec, so the
+    /// LoadBalancer's Event has a name derived from its reason and message: the first replica creates it, the
+    /// others (and a restarted agent) find it there.
+    pub(super) async fn publish_spec_event(&self, lb: &LoadBalancer, event: &MachineEvent) {
+        self.publish(event).await;
+        let name = lb.metadata.name.clone().unwrap_or_default();
+        let now = Time(Timestamp::now());
+        let ev = Event {
+            metadata: ObjectMeta {
+                name: Some(spec_event_name(&name, event)),
+                namespace: Some(self.namespace.clone()),
+                ..Default::default()
+            },
+            involved_object: ObjectReference {
+                api_version: Some(API_VERSION.to_string()),
+                kind: Some("LoadBalancer".to_string()),
+                name: Some(name),
+                namespace: Some(self.namespace.clone()),
+                uid: lb.metadata.uid.clone(),
+                ..Default::default()
+            },
+            type_: Some(if event.warning { "Warning" } else { "Normal" }.to_string()),
+            reason: Some(event.reason.to_string()),
+            message: Some(event.message.clone()),
+            count: Some(1),
+            first_timestamp: Some(now.clone()),
+            last_timestamp: Some(now),
+            source: Some(EventSource {
+                component: Some(USER_EVENT_COMPONENT.to_string()),
+                host: None,
+            }),
+            reporting_component: Some(USER_EVENT_COMPONENT.to_string()),
+            reporting_instance: Some(self.machine.clone()),
+            ..Default::default()
+        };
+        match self.events.create(&PostParams::default(), &ev).await {
+            Ok(_) => {}
+            Err(::kube::Error::Api(e)) if e.code == 409 => {}
+            Err(e) => {
+                tracing::warn!(error = %e, reason = event.reason, "could not write an Event on the LoadBalancer")
+            }
+        }
+    }
+}
+
+/// The name of a spec Event on LoadBalancer `lb`: the same on every replica for the same reason and message
+/// (FNV-1a of both: a hash that is the same in every build, unlike std's).
+fn spec_event_name(lb: &str, event: &MachineEvent) -> String {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in event.reason.bytes().chain([0]).chain(event.message.bytes()) {
+        h = (h ^ b as u64).wrapping_mul(0x0000_0100_0000_01b3);
+    }
+    format!("{lb}.{h:016x}")
 }
 
 #[cfg(test)]

@@ -237,11 +237,14 @@ async fn publish(
         tracing::warn!(option = u.option.field(), message = %u.message,
             "the LoadBalancer asks for an option this image does not implement; forwarding without it");
         recorder
-            .publish(&MachineEvent {
-                warning: true,
-                reason: unsupported_condition(u.option).1,
-                message: truncate(&u.message),
-            })
+            .publish_spec_event(
+                lb,
+                &MachineEvent {
+                    warning: true,
+                    reason: unsupported_condition(u.option).1,
+                    message: truncate(&u.message),
+                },
+            )
             .await;
     }
     extras.unsupported_reported = unsupported.clone();
@@ -276,11 +279,14 @@ async fn publish(
                 }
                 tracing::warn!(generation, warning = %w, "LoadBalancer accepted with a warning");
                 recorder
-                    .publish(&MachineEvent {
-                        warning: true,
-                        reason: event_reasons::CONFIG_WARNING,
-                        message: truncate(w),
-                    })
+                    .publish_spec_event(
+                        lb,
+                        &MachineEvent {
+                            warning: true,
+                            reason: event_reasons::CONFIG_WARNING,
+                            message: truncate(w),
+                        },
+                    )
                     .await;
             }
             extras.warnings_reported = c.warnings.clone();
@@ -288,13 +294,17 @@ async fn publish(
         ConfigState::Invalid(msg, generation) => {
             tracing::error!(generation, error = %msg, "LoadBalancer rejected; the last valid configuration keeps forwarding");
             recorder
-                .publish(&MachineEvent {
-                    warning: true,
-                    reason: event_reasons::CONFIG_REJECTED,
-                    message: truncate(&format!(
-                        "LoadBalancer generation {generation} rejected, the last valid configuration keeps forwarding: {msg}"
-                    )),
-                })
+                .publish_spec_event(
+                    lb,
+                    &MachineEvent {
+                        warning: true,
+                        reason: event_reasons::CONFIG_REJECTED,
+                        message: truncate(&format!(
+                            "LoadBalancer generation {generation} rejected, the last valid configuration keeps \
+                             forwarding: {msg}"
+                        )),
+                    },
+                )
                 .await;
         }
     }
