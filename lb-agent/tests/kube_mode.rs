@@ -67,6 +67,22 @@ fn lbm_json(ns: &str, name: &str, loadbalancer: &str) -> Value {
     yawol::machine_json(ns, name, loadbalancer)
 }
 
+/// The agent's Kubernetes-mode settings for the test's machine in namespace `ns`, on the test's clock.
+fn settings(ns: &str, clock: &Arc<Mutex<i64>>) -> KubeSettings {
+    let c = clock.clone();
+    KubeSettings {
+        namespace: ns.to_string(),
+        loadbalancer: LB.into(),
+        machine: LBM.into(),
+        health_check: HealthCheckSpec::default(),
+        requeue: REQUEUE,
+        clock: Arc::new(move || Time(Timestamp::from_second(*c.lock().unwrap()).unwrap())),
+        machine_revision: None,
+        ad_hoc_debug: None,
+        yawollet: None,
+    }
+}
+
 /// The config in effect in the fake data plane (what `agent::run` would have in its maps).
 type InEffect = Arc<Mutex<Option<(Arc<DesiredConfig>, u64)>>>;
 
@@ -258,18 +274,7 @@ impl Harness {
         seed(&cluster.lbs, &cluster.lbms, &cluster.ns).await;
         let (machine_client, kubeconfig) = cluster.machine_client(env).await;
         let clock = Arc::new(Mutex::new(T0));
-        let c = clock.clone();
-        let settings = KubeSettings {
-            namespace: cluster.ns.clone(),
-            loadbalancer: LB.into(),
-            machine: LBM.into(),
-            health_check: HealthCheckSpec::default(),
-            requeue: REQUEUE,
-            clock: Arc::new(move || Time(Timestamp::from_second(*c.lock().unwrap()).unwrap())),
-            machine_revision: None,
-            ad_hoc_debug: None,
-            yawollet: None,
-        };
+        let settings = settings(&cluster.ns, &clock);
         let (status_tx, status_rx) = watch::channel(AgentStatus::default());
         let snapshot: SharedSnapshot = Arc::new(std::sync::RwLock::new(sample_snapshot()));
         let in_effect = InEffect::default();
@@ -303,6 +308,25 @@ impl Harness {
             mode,
             _status_tx: status_tx,
         }
+    }
+
+    /// A second agent for the same machine, as when yawol's user data restarts the agent at boot (the first one
+    /// keeps running here: the API server sees the same as with a stop and a start). Dropping the result stops
+    /// reporting its status.
+    async fn start_again(&self) -> (KubeMode, watch::Sender<AgentStatus>) {
+        let (status_tx, status_rx) = watch::channel(AgentStatus::default());
+        let mode = kube_mode::start(
+            self.machine_client.clone(),
+            settings(&self.ns, &self.clock),
+            status_rx,
+            Arc::new(std::sync::RwLock::new(sample_snapshot())),
+        );
+        tokio::spawn(fake_agent(
+            mode.config.clone(),
+            status_tx.clone(),
+            InEffect::default(),
+        ));
+        (mode, status_tx)
     }
 
     fn advance_clock(&self, secs: i64) -> Time {
@@ -680,6 +704,60 @@ async fn the_api_server_defaults_port_protocol_and_replicas() {
     assert_eq!(cfg.services[0].id.protocol, Protocol::Tcp);
 }
 
+/// yawol's user data starts the agent twice at boot: the second start writes no second `Update` for the
+/// generation the first applied, nor a second Event about the spec, on the machine or the LoadBalancer.
+#[tokio::test]
+async fn a_second_start_repeats_no_event() {
+    let h = Harness::start(KubeEnv::shared(), async |lbs, lbms, ns| {
+        let mut lb = good_lb(ns);
+        // An option this image does not implement: a spec Event on the machine and on the LoadBalancer.
+        lb["spec"]["options"]["tcpProxyProtocol"] = json!(true);
+        create(lbs, lbms, lb, Some(VIP)).await
+    })
+    .await;
+    let count = |events: &[Event], reason: &str| {
+        events
+            .iter()
+            .filter(|e| e.reason.as_deref() == Some(reason))
+            .count()
+    };
+    let reasons = ["Update", "ProxyProtocolNotSupported"];
+    eventually("the first start's Events", || async {
+        let on_machine = h.events().await;
+        let on_lb = h.events_about(LB).await;
+        (reasons.iter().all(|r| count(&on_machine, r) == 1) && count(&on_lb, reasons[1]) == 1)
+            .then_some(())
+    })
+    .await;
+    let (second, _status) = h.start_again().await;
+    second
+        .config
+        .clone()
+        .wait_for(|s| matches!(s, ConfigState::Valid(..)))
+        .await
+        .unwrap();
+    // The second start's status reporter writes its first status (and would write its Events) within a period.
+    h.wait_conditions("the second start's status", |c| {
+        find(c, "ConfigReady").is_some()
+    })
+    .await;
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let on_machine = h.events().await;
+    let on_lb = h.events_about(LB).await;
+    for r in reasons {
+        assert_eq!(
+            count(&on_machine, r),
+            1,
+            "{r} on the machine: {on_machine:#?}"
+        );
+    }
+    assert_eq!(
+        count(&on_lb, reasons[1]),
+        1,
+        "on the LoadBalancer: {on_lb:#?}"
+    );
+}
+
 #[tokio::test]
 async fn a_spec_change_is_a_new_generation_and_status_updates_are_not() {
     let h = Harness::start(KubeEnv::shared(), async |lbs, lbms, ns| {
@@ -852,23 +930,32 @@ async fn an_invalid_spec_is_rejected_with_a_warning_and_the_last_config_keeps_fo
         );
         // The same on the LoadBalancer, for the cloud controller to re-emit on the Service: once, whichever
         // replica wrote it.
-        let on_lb = eventually(&format!("{what}: Warning event on the LoadBalancer"), || async {
-            let found: Vec<Event> = h
-                .events_about(LB)
-                .await
-                .into_iter()
-                .filter(|e| {
-                    e.reason.as_deref() == Some("ConfigurationRejected")
-                        && e.message.as_deref().unwrap_or("").contains(needle)
-                })
-                .collect();
-            (!found.is_empty()).then_some(found)
-        })
+        let on_lb = eventually(
+            &format!("{what}: Warning event on the LoadBalancer"),
+            || async {
+                let found: Vec<Event> = h
+                    .events_about(LB)
+                    .await
+                    .into_iter()
+                    .filter(|e| {
+                        e.reason.as_deref() == Some("ConfigurationRejected")
+                            && e.message.as_deref().unwrap_or("").contains(needle)
+                    })
+                    .collect();
+                (!found.is_empty()).then_some(found)
+            },
+        )
         .await;
         assert_eq!(on_lb.len(), 1, "{what}: one Event on the LoadBalancer");
-        assert_eq!(on_lb[0].involved_object.kind.as_deref(), Some("LoadBalancer"));
         assert_eq!(
-            on_lb[0].source.as_ref().and_then(|s| s.component.as_deref()),
+            on_lb[0].involved_object.kind.as_deref(),
+            Some("LoadBalancer")
+        );
+        assert_eq!(
+            on_lb[0]
+                .source
+                .as_ref()
+                .and_then(|s| s.component.as_deref()),
             Some("yawol-service")
         );
 

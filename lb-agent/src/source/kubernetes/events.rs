@@ -140,7 +140,50 @@ impl Recorder {
         }
     }
 
+    /// Writes `event` on the LoadBalancerMachine. `Update` is a fact about one configuration generation: it is
+    /// named by its reason and message, so that a second start of the agent (yawol's user data restarts it at
+    /// boot) finds it there instead of writing it again. Other events are each one occurrence.
     pub(super) async fn publish(&self, event: &MachineEvent) {
+        let name =
+            (event.reason == event_reasons::UPDATE).then(|| event_name(&self.machine, event));
+        let machine = self.machine_ref().await;
+        self.write(machine, self.component, name, event).await;
+    }
+
+    /// Writes `event`, which is about the LoadBalancer's spec (a rejection, a warning, an unsupported option), on
+    /// the machine and on the LoadBalancer too, attributed to yawol's `yawol-service`: the cloud controller (ours
+    /// and yawol's) re-emits those on the Service, where its owner looks. Every replica sees the same spec, so
+    /// both Events are named by their reason and message: the first replica (or start) writes them, the others
+    /// find them there.
+    pub(super) async fn publish_spec_event(&self, lb: &LoadBalancer, event: &MachineEvent) {
+        let machine = self.machine_ref().await;
+        self.write(
+            machine,
+            self.component,
+            Some(event_name(&self.machine, event)),
+            event,
+        )
+        .await;
+        let name = lb.metadata.name.clone().unwrap_or_default();
+        let on_lb = ObjectReference {
+            api_version: Some(API_VERSION.to_string()),
+            kind: Some("LoadBalancer".to_string()),
+            name: Some(name.clone()),
+            namespace: Some(self.namespace.clone()),
+            uid: lb.metadata.uid.clone(),
+            ..Default::default()
+        };
+        self.write(
+            on_lb,
+            USER_EVENT_COMPONENT,
+            Some(event_name(&name, event)),
+            event,
+        )
+        .await;
+    }
+
+    /// The reference to this machine (its uid looked up once: `kubectl describe` finds Events by it).
+    async fn machine_ref(&self) -> ObjectReference {
         let uid = {
             let mut uid = self.uid.lock().await;
             if uid.is_none() {
@@ -153,63 +196,38 @@ impl Recorder {
             }
             uid.clone()
         };
-        let now = Time(Timestamp::now());
-        let ev = Event {
-            metadata: ObjectMeta {
-                generate_name: Some(format!("{}.", self.machine)),
-                namespace: Some(self.namespace.clone()),
-                ..Default::default()
-            },
-            involved_object: ObjectReference {
-                api_version: Some(API_VERSION.to_string()),
-                kind: Some("LoadBalancerMachine".to_string()),
-                name: Some(self.machine.clone()),
-                namespace: Some(self.namespace.clone()),
-                uid,
-                ..Default::default()
-            },
-            type_: Some(if event.warning { "Warning" } else { "Normal" }.to_string()),
-            reason: Some(event.reason.to_string()),
-            message: Some(event.message.clone()),
-            count: Some(1),
-            first_timestamp: Some(now.clone()),
-            last_timestamp: Some(now),
-            source: Some(EventSource {
-                component: Some(self.component.to_string()),
-                host: None,
-            }),
-            reporting_component: Some(self.component.to_string()),
-            reporting_instance: Some(self.machine.clone()),
+        ObjectReference {
+            api_version: Some(API_VERSION.to_string()),
+            kind: Some("LoadBalancerMachine".to_string()),
+            name: Some(self.machine.clone()),
+            namespace: Some(self.namespace.clone()),
+            uid,
             ..Default::default()
-        };
-        if let Err(e) = self.events.create(&PostParams::default(), &ev).await {
-            tracing::warn!(error = %e, reason = event.reason, "could not write an Event on the LoadBalancerMachine");
         }
     }
 
-    /// Writes `event`, which is about the LoadBalancer's spec (a rejection, a warning, an unsupported option), on
-    /// the machine and on the LoadBalancer too, attributed to yawol's `yawol-service`: the cloud controller (ours
-    /// and yawol's) re-emits those on the Service, where its owner looks. Every replica sees the same spec, so the
-    /// LoadBalancer's Event has a name derived from its reason and message: the first replica creates it, the
-    /// others (and a restarted agent) find it there.
-    pub(super) async fn publish_spec_event(&self, lb: &LoadBalancer, event: &MachineEvent) {
-        self.publish(event).await;
-        let name = lb.metadata.name.clone().unwrap_or_default();
+    /// Creates the Event about `involved` (named `name`, or a generated name); one that exists under its name is
+    /// left as it is.
+    async fn write(
+        &self,
+        involved: ObjectReference,
+        component: &'static str,
+        name: Option<String>,
+        event: &MachineEvent,
+    ) {
+        let kind = involved.kind.clone().unwrap_or_default();
+        let generate_name = name
+            .is_none()
+            .then(|| format!("{}.", involved.name.clone().unwrap_or_default()));
         let now = Time(Timestamp::now());
         let ev = Event {
             metadata: ObjectMeta {
-                name: Some(spec_event_name(&name, event)),
+                name,
+                generate_name,
                 namespace: Some(self.namespace.clone()),
                 ..Default::default()
             },
-            involved_object: ObjectReference {
-                api_version: Some(API_VERSION.to_string()),
-                kind: Some("LoadBalancer".to_string()),
-                name: Some(name),
-                namespace: Some(self.namespace.clone()),
-                uid: lb.metadata.uid.clone(),
-                ..Default::default()
-            },
+            involved_object: involved,
             type_: Some(if event.warning { "Warning" } else { "Normal" }.to_string()),
             reason: Some(event.reason.to_string()),
             message: Some(event.message.clone()),
@@ -217,10 +235,10 @@ impl Recorder {
             first_timestamp: Some(now.clone()),
             last_timestamp: Some(now),
             source: Some(EventSource {
-                component: Some(USER_EVENT_COMPONENT.to_string()),
+                component: Some(component.to_string()),
                 host: None,
             }),
-            reporting_component: Some(USER_EVENT_COMPONENT.to_string()),
+            reporting_component: Some(component.to_string()),
             reporting_instance: Some(self.machine.clone()),
             ..Default::default()
         };
@@ -228,20 +246,20 @@ impl Recorder {
             Ok(_) => {}
             Err(::kube::Error::Api(e)) if e.code == 409 => {}
             Err(e) => {
-                tracing::warn!(error = %e, reason = event.reason, "could not write an Event on the LoadBalancer")
+                tracing::warn!(error = %e, reason = event.reason, %kind, "could not write an Event")
             }
         }
     }
 }
 
-/// The name of a spec Event on LoadBalancer `lb`: the same on every replica for the same reason and message
-/// (FNV-1a of both: a hash that is the same in every build, unlike std's).
-fn spec_event_name(lb: &str, event: &MachineEvent) -> String {
+/// The name of an Event about `object` that is the same wherever and whenever it is written for the same reason
+/// and message (FNV-1a of both: a hash that is the same in every build, unlike std's).
+fn event_name(object: &str, event: &MachineEvent) -> String {
     let mut h: u64 = 0xcbf2_9ce4_8422_2325;
     for b in event.reason.bytes().chain([0]).chain(event.message.bytes()) {
         h = (h ^ b as u64).wrapping_mul(0x0000_0100_0000_01b3);
     }
-    format!("{lb}.{h:016x}")
+    format!("{object}.{h:016x}")
 }
 
 #[cfg(test)]
