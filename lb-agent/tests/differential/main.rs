@@ -104,6 +104,8 @@ struct Report {
     hook: Hook,
     seed: u64,
     frames: usize,
+    /// Frames with IPv6's EtherType.
+    ipv6: usize,
     refused: usize,
     /// Epochs cut short because a clock-dependent rule fell between the two clock readings, by rule.
     ambiguous: std::collections::BTreeMap<&'static str, usize>,
@@ -116,11 +118,13 @@ struct Report {
 impl Report {
     fn print(&self) {
         println!(
-            "differential {:?} seed {}: {} frames, 0 differences, {} epochs, {} frames the kernel's test run refuses \
-             (shorter than an Ethernet header), epochs cut short at a clock boundary: {:?}; {:.1} s, {:.0} frames/s",
+            "differential {:?} seed {}: {} frames ({} IPv6), 0 differences, {} epochs, {} frames the kernel's test run \
+             refuses (shorter than an Ethernet header), epochs cut short at a clock boundary: {:?}; {:.1} s, {:.0} \
+             frames/s",
             self.hook,
             self.seed,
             self.frames,
+            self.ipv6,
             self.epochs,
             self.refused,
             self.ambiguous,
@@ -154,6 +158,7 @@ fn campaign(hook: Hook, seed: u64, frames: usize) -> Report {
         hook,
         seed,
         frames: 0,
+        ipv6: 0,
         refused: 0,
         ambiguous: Default::default(),
         epochs: 0,
@@ -170,8 +175,9 @@ fn campaign(hook: Hook, seed: u64, frames: usize) -> Report {
         while ops.len() < EPOCH && report.frames < frames {
             let op = gen.op(&model);
             ops.push(op.clone());
-            if matches!(op, Op::Frame(_)) {
+            if let Op::Frame(f) = &op {
                 report.frames += 1;
+                report.ipv6 += usize::from(f.get(12..14) == Some(&[0x86, 0xdd]));
             }
             outcome = apply(&mut h, &mut events, &mut model, &op, &mut report.refused);
             if outcome.is_err() {
