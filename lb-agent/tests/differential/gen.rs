@@ -574,7 +574,13 @@ impl Gen {
             1 => A::IP_LEN + 8,
             _ => inner.len(),
         };
-        let inner = &inner[..cut.min(inner.len())];
+        let mut inner = inner[..cut.min(inner.len())].to_vec();
+        if v6 && self.chance(10) {
+            // A quote whose transport header follows extension headers (or is another protocol's): the data plane
+            // does not walk quoted extension headers.
+            inner[6] = self.pick(&[0u8, 44, 58, 60]);
+        }
+        let inner = &inner[..];
         match (outer_src, outer_dst) {
             (IpAddr::V4(s), IpAddr::V4(d)) => {
                 icmp_error(mac, LB_MAC, s, d, ty, code, [0, 0, 0x05, 0xdc], inner)

@@ -104,8 +104,9 @@ struct Report {
     hook: Hook,
     seed: u64,
     frames: usize,
-    /// Frames with IPv6's EtherType.
+    /// Frames with IPv6's EtherType, and the counters they moved.
     ipv6: usize,
+    ipv6_counters: Vec<u64>,
     refused: usize,
     /// Epochs cut short because a clock-dependent rule fell between the two clock readings, by rule.
     ambiguous: std::collections::BTreeMap<&'static str, usize>,
@@ -135,6 +136,11 @@ impl Report {
             .map(|i| format!("{} {}", lb_common::stat::NAMES[i], self.counters[i]))
             .collect();
         println!("  rules reached: {}", reached.join(", "));
+        let reached: Vec<String> = (0..self.ipv6_counters.len())
+            .filter(|i| self.ipv6_counters[*i] != 0)
+            .map(|i| format!("{} {}", lb_common::stat::NAMES[i], self.ipv6_counters[i]))
+            .collect();
+        println!("  by IPv6 frames: {}", reached.join(", "));
     }
 }
 
@@ -159,6 +165,7 @@ fn campaign(hook: Hook, seed: u64, frames: usize) -> Report {
         seed,
         frames: 0,
         ipv6: 0,
+        ipv6_counters: vec![0; lb_common::stat::NAMES.len()],
         refused: 0,
         ambiguous: Default::default(),
         epochs: 0,
@@ -175,11 +182,20 @@ fn campaign(hook: Hook, seed: u64, frames: usize) -> Report {
         while ops.len() < EPOCH && report.frames < frames {
             let op = gen.op(&model);
             ops.push(op.clone());
+            let mut ipv6 = None;
             if let Op::Frame(f) = &op {
                 report.frames += 1;
-                report.ipv6 += usize::from(f.get(12..14) == Some(&[0x86, 0xdd]));
+                if f.get(12..14) == Some(&[0x86, 0xdd]) {
+                    report.ipv6 += 1;
+                    ipv6 = Some(model.state.stats.clone());
+                }
             }
             outcome = apply(&mut h, &mut events, &mut model, &op, &mut report.refused);
+            if let (Some(before), Ok(())) = (ipv6, &outcome) {
+                for (i, (a, b)) in model.state.stats.iter().zip(before).enumerate() {
+                    report.ipv6_counters[i] += a - b;
+                }
+            }
             if outcome.is_err() {
                 break;
             }
