@@ -1,8 +1,9 @@
-//! Differential fuzzing of the data plane: generated conversations, hostile and corrupted frames go
-//! through the real XDP and TC programs (`BPF_PROG_TEST_RUN`) and through `model`, a reference model written from
-//! docs/design.md's "Data plane rules". Every frame's verdict, output bytes and counters, and every flow-table entry it
-//! touches, must agree; both tables are compared whole at the end of each epoch. A difference fails with the seed
-//! and the shortest sequence found that still shows it. Needs root.
+//! Differential fuzzing of the data plane: generated conversations, hostile and corrupted frames, IPv4 and IPv6, go
+//! through the real XDP and TC programs (`BPF_PROG_TEST_RUN`; the IPv6 programs in their tail-call slots) and
+//! through `model`, a reference model written from docs/design.md's "Data plane rules". Every frame's verdict, output
+//! bytes and counters, and every flow-table entry it touches, must agree; both families' tables are compared whole at
+//! the end of each epoch. A difference fails with the seed and the shortest sequence found that still shows it.
+//! Needs root.
 //!
 //! `cargo test` runs a short fixed-seed pass per hook; `cargo xtask fuzz dataplane --frames N [--seed S]` runs
 //! the ignored `campaign` test with `LB_FUZZ_FRAMES` / `LB_FUZZ_SEED` and prints frames/s.
