@@ -1,8 +1,9 @@
-//! Differential fuzzing of the data plane: generated conversations, hostile and corrupted frames go
-//! through the real XDP and TC programs (`BPF_PROG_TEST_RUN`) and through `model`, a reference model written from
-//! docs/design.md's "Data plane rules". Every frame's verdict, output bytes and counters, and every flow-table entry it
-//! touches, must agree; both tables are compared whole at the end of each epoch. A difference fails with the seed
-//! and the shortest sequence found that still shows it. Needs root.
+//! Differential fuzzing of the data plane: generated conversations, hostile and corrupted frames, IPv4 and IPv6, go
+//! through the real XDP and TC programs (`BPF_PROG_TEST_RUN`; the IPv6 programs in their tail-call slots) and
+//! through `model`, a reference model written from docs/design.md's "Data plane rules". Every frame's verdict, output
+//! bytes and counters, and every flow-table entry it touches, must agree; both families' tables are compared whole at
+//! the end of each epoch. A difference fails with the seed and the shortest sequence found that still shows it.
+//! Needs root.
 //!
 //! `cargo test` runs a short fixed-seed pass per hook; `cargo xtask fuzz dataplane --frames N [--seed S]` runs
 //! the ignored `campaign` test with `LB_FUZZ_FRAMES` / `LB_FUZZ_SEED` and prints frames/s.
@@ -13,11 +14,56 @@ mod gen;
 mod model;
 
 use common::{Harness, Hook};
-use gen::{Gen, Op, Scenario};
-use lb_common::FlowKeyV4;
+use gen::{Gen, GenFam, Op, Scenario, TableOp};
+use lb_agent::dataplane::maps::{Maps, Slots, Table};
+use lb_common::{Flow, FlowEvent, FlowKey, In6, Transient};
 use model::{Clock, Fault, Model, Run, Tables};
 use std::collections::{HashMap, HashSet};
 use std::time::Instant;
+
+/// A family's tables and sync ring buffer in the kernel, beside the model's (`model::Fam`).
+trait KFam: GenFam {
+    fn flows(m: &mut Maps) -> &mut Table<FlowKey<Self>, Flow<Self>>;
+    fn transient(m: &mut Maps) -> &mut Table<FlowKey<Self>, Transient<Self>>;
+    fn handshakes(m: &Maps) -> &Slots<FlowKey<Self>>;
+    fn events(e: &mut Events) -> &mut RingBuf;
+}
+
+impl KFam for u32 {
+    fn flows(m: &mut Maps) -> &mut Table<FlowKey<Self>, Flow<Self>> {
+        &mut m.flows
+    }
+    fn transient(m: &mut Maps) -> &mut Table<FlowKey<Self>, Transient<Self>> {
+        &mut m.transient
+    }
+    fn handshakes(m: &Maps) -> &Slots<FlowKey<Self>> {
+        &m.handshakes
+    }
+    fn events(e: &mut Events) -> &mut RingBuf {
+        &mut e.0
+    }
+}
+
+impl KFam for In6 {
+    fn flows(m: &mut Maps) -> &mut Table<FlowKey<Self>, Flow<Self>> {
+        &mut m.flows_v6
+    }
+    fn transient(m: &mut Maps) -> &mut Table<FlowKey<Self>, Transient<Self>> {
+        &mut m.transient_v6
+    }
+    fn handshakes(m: &Maps) -> &Slots<FlowKey<Self>> {
+        &m.handshakes_v6
+    }
+    fn events(e: &mut Events) -> &mut RingBuf {
+        &mut e.1
+    }
+}
+
+/// Writes a flow entry as the agent's flow store does, marked in the flow filter.
+fn set_flow<A: KFam>(m: &mut Maps, key: &FlowKey<A>, v: &Flow<A>) {
+    A::flows(m).insert(key, v).unwrap();
+    m.flow_filter.mark(key);
+}
 
 /// Frames per epoch at most: short epochs keep every timestamp younger than the data plane's 1 s refresh step,
 /// so clock-dependent rules stay decidable, and a failure's sequence short.
@@ -59,6 +105,9 @@ struct Report {
     hook: Hook,
     seed: u64,
     frames: usize,
+    /// Frames with IPv6's EtherType, and the counters they moved.
+    ipv6: usize,
+    ipv6_counters: Vec<u64>,
     refused: usize,
     /// Epochs cut short because a clock-dependent rule fell between the two clock readings, by rule.
     ambiguous: std::collections::BTreeMap<&'static str, usize>,
@@ -71,11 +120,13 @@ struct Report {
 impl Report {
     fn print(&self) {
         println!(
-            "differential {:?} seed {}: {} frames, 0 differences, {} epochs, {} frames the kernel's test run refuses \
-             (shorter than an Ethernet header), epochs cut short at a clock boundary: {:?}; {:.1} s, {:.0} frames/s",
+            "differential {:?} seed {}: {} frames ({} IPv6), 0 differences, {} epochs, {} frames the kernel's test run \
+             refuses (shorter than an Ethernet header), epochs cut short at a clock boundary: {:?}; {:.1} s, {:.0} \
+             frames/s",
             self.hook,
             self.seed,
             self.frames,
+            self.ipv6,
             self.epochs,
             self.refused,
             self.ambiguous,
@@ -86,6 +137,11 @@ impl Report {
             .map(|i| format!("{} {}", lb_common::stat::NAMES[i], self.counters[i]))
             .collect();
         println!("  rules reached: {}", reached.join(", "));
+        let reached: Vec<String> = (0..self.ipv6_counters.len())
+            .filter(|i| self.ipv6_counters[*i] != 0)
+            .map(|i| format!("{} {}", lb_common::stat::NAMES[i], self.ipv6_counters[i]))
+            .collect();
+        println!("  by IPv6 frames: {}", reached.join(", "));
     }
 }
 
@@ -98,14 +154,19 @@ fn campaign(hook: Hook, seed: u64, frames: usize) -> Report {
         libc::CPU_SET(0, &mut set);
         libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set);
     }
-    let mut h = Harness::new(hook);
-    let mut events = h.dp.maps.take_flow_events().unwrap();
+    let mut h = Harness::new(hook).with_ipv6();
+    let mut events = (
+        h.dp.maps.take_flow_events().unwrap(),
+        h.dp.maps.take_flow_events_v6().unwrap(),
+    );
     let mut gen = Gen::new(seed);
     let start = Instant::now();
     let mut report = Report {
         hook,
         seed,
         frames: 0,
+        ipv6: 0,
+        ipv6_counters: vec![0; lb_common::stat::NAMES.len()],
         refused: 0,
         ambiguous: Default::default(),
         epochs: 0,
@@ -122,10 +183,20 @@ fn campaign(hook: Hook, seed: u64, frames: usize) -> Report {
         while ops.len() < EPOCH && report.frames < frames {
             let op = gen.op(&model);
             ops.push(op.clone());
-            if matches!(op, Op::Frame(_)) {
+            let mut ipv6 = None;
+            if let Op::Frame(f) = &op {
                 report.frames += 1;
+                if f.get(12..14) == Some(&[0x86, 0xdd]) {
+                    report.ipv6 += 1;
+                    ipv6 = Some(model.state.stats.clone());
+                }
             }
             outcome = apply(&mut h, &mut events, &mut model, &op, &mut report.refused);
+            if let (Some(before), Ok(())) = (ipv6, &outcome) {
+                for (i, (a, b)) in model.state.stats.iter().zip(before).enumerate() {
+                    report.ipv6_counters[i] += a - b;
+                }
+            }
             if outcome.is_err() {
                 break;
             }
@@ -160,12 +231,8 @@ fn setup(h: &mut Harness, s: &Scenario) -> Model {
         .config
         .set(lb_common::CONFIG_INDEX, &s.cfg)
         .unwrap();
-    for (k, _) in h.dp.maps.flows.entries().unwrap() {
-        h.dp.maps.flows.remove(&k).unwrap();
-    }
-    for (k, _) in h.dp.maps.transient.entries().unwrap() {
-        h.dp.maps.transient.remove(&k).unwrap();
-    }
+    clear_tables::<u32>(&mut h.dp.maps);
+    clear_tables::<In6>(&mut h.dp.maps);
     // Empty tables, empty flow filter (the model starts with no marks).
     h.dp.maps.flow_filter.clear();
     // The SYN rate guard starts with its whole budget and nobody trusted, like the model.
@@ -212,13 +279,7 @@ fn setup(h: &mut Harness, s: &Scenario) -> Model {
             .into_iter()
             .map(|(a, nh)| (a, nh.mac))
             .collect();
-    t.source_ranges =
-        h.dp.maps
-            .source_ranges
-            .entries()
-            .into_iter()
-            .map(|(id, a, len)| (id, a.bytes[..4].try_into().unwrap(), len))
-            .collect();
+    t.source_ranges = h.dp.maps.source_ranges.entries().into_iter().collect();
     t.vips = h.dp.maps.vips.keys().unwrap().into_iter().collect();
     // The fragment rule reads this set: every VIP and SNAT address must be in it.
     for svc in t.services.iter().flat_map(|(k, s)| [k.addr, s.snat_addr]) {
@@ -237,6 +298,15 @@ fn coarse_now() -> u64 {
     ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
 }
 
+fn clear_tables<A: KFam>(m: &mut Maps) {
+    for (k, _) in A::flows(m).entries().unwrap() {
+        A::flows(m).remove(&k).unwrap();
+    }
+    for (k, _) in A::transient(m).entries().unwrap() {
+        A::transient(m).remove(&k).unwrap();
+    }
+}
+
 /// Applies one operation to the kernel and the model and compares what it changed.
 fn apply(
     h: &mut Harness,
@@ -246,53 +316,12 @@ fn apply(
     refused: &mut usize,
 ) -> Result<(), Fault> {
     match op {
-        Op::Age { key, transient } => {
-            let age = |f: &mut lb_common::FlowV4| {
-                f.last_seen_ns = 1;
-                f.timeout_s = f.timeout_s.min(1);
-            };
-            if *transient {
-                if let Some(mut t) = h.dp.maps.transient.get(key).unwrap() {
-                    age(&mut t.flow);
-                    h.dp.maps.transient.insert(key, &t).unwrap();
-                }
-                if let Some(t) = m.state.transient.get_mut(key) {
-                    age(&mut t.flow);
-                }
-            } else {
-                if let Some(mut f) = h.dp.maps.flows.get(key).unwrap() {
-                    age(&mut f);
-                    h.dp.maps.set_flow(key, &f).unwrap();
-                }
-                if let Some(f) = m.state.flows.get_mut(key) {
-                    age(f);
-                }
-            }
+        Op::V4(op) => {
+            table_op(&mut h.dp.maps, m, op);
             Ok(())
         }
-        Op::Synced {
-            key,
-            fwd,
-            rev,
-            age_s,
-        } => {
-            let seen = coarse_now().saturating_sub(age_s * 1_000_000_000);
-            let (fwd, rev) = (
-                lb_common::FlowV4 {
-                    last_seen_ns: seen,
-                    ..*fwd
-                },
-                lb_common::FlowV4 {
-                    last_seen_ns: seen,
-                    ..*rev
-                },
-            );
-            let rkey = fwd.partner_key(key.proto);
-            // Reverse first, as the flow store writes them.
-            h.dp.maps.set_flow(&rkey, &rev).unwrap();
-            h.dp.maps.set_flow(key, &fwd).unwrap();
-            m.state.enter_flows(rkey, rev);
-            m.state.enter_flows(*key, fwd);
+        Op::V6(op) => {
+            table_op(&mut h.dp.maps, m, op);
             Ok(())
         }
         Op::Frame(frame) => {
@@ -328,37 +357,103 @@ fn apply(
                     stat_diff(&m.state.stats, &stats)
                 )));
             }
-            compare_events(events, m, clock)?;
-            let touched: HashSet<FlowKeyV4> = m.touched.iter().copied().collect();
-            for k in touched {
-                compare_key(h, m, &k, clock)?;
-            }
-            compare_slots(h, m, m.indexed.iter().copied())
+            compare_frame::<u32>(h, events, m, clock)?;
+            compare_frame::<In6>(h, events, m, clock)
         }
     }
 }
 
-/// The flow-event ring buffer (connection-state sync), read after every frame.
-type Events = aya::maps::RingBuf<aya::maps::MapData>;
+/// An operation on a family's tables, in the kernel and the model.
+fn table_op<A: KFam>(maps: &mut Maps, m: &mut Model, op: &TableOp<A>) {
+    match op {
+        TableOp::Age { key, transient } => {
+            let age = |f: &mut Flow<A>| {
+                f.last_seen_ns = 1;
+                f.timeout_s = f.timeout_s.min(1);
+            };
+            if *transient {
+                if let Some(mut t) = A::transient(maps).get(key).unwrap() {
+                    age(&mut t.flow);
+                    A::transient(maps).insert(key, &t).unwrap();
+                }
+                if let Some(t) = A::conn_mut(&mut m.state).transient.get_mut(key) {
+                    age(&mut t.flow);
+                }
+            } else {
+                if let Some(mut f) = A::flows(maps).get(key).unwrap() {
+                    age(&mut f);
+                    set_flow(maps, key, &f);
+                }
+                if let Some(f) = A::conn_mut(&mut m.state).flows.get_mut(key) {
+                    age(f);
+                }
+            }
+        }
+        TableOp::Synced {
+            key,
+            fwd,
+            rev,
+            age_s,
+        } => {
+            let seen = coarse_now().saturating_sub(age_s * 1_000_000_000);
+            let (fwd, rev) = (
+                Flow {
+                    last_seen_ns: seen,
+                    ..*fwd
+                },
+                Flow {
+                    last_seen_ns: seen,
+                    ..*rev
+                },
+            );
+            let rkey = fwd.partner_key(key.proto);
+            // Reverse first, as the flow store writes them.
+            set_flow(maps, &rkey, &rev);
+            set_flow(maps, key, &fwd);
+            m.state.enter_flows(rkey, rev);
+            m.state.enter_flows(*key, fwd);
+        }
+    }
+}
+
+/// Both flow-event ring buffers (connection-state sync), read after every frame.
+type RingBuf = aya::maps::RingBuf<aya::maps::MapData>;
+type Events = (RingBuf, RingBuf);
+
+/// What a frame did to family `A`'s tables and sync events, against the model.
+fn compare_frame<A: KFam>(
+    h: &mut Harness,
+    events: &mut Events,
+    m: &mut Model,
+    clock: Clock,
+) -> Result<(), Fault> {
+    compare_events::<A>(A::events(events), m, clock)?;
+    let touched: HashSet<FlowKey<A>> = A::conn(&m.state).touched.iter().copied().collect();
+    for k in touched {
+        compare_key(h, m, &k, clock)?;
+    }
+    let indexed = A::conn(&m.state).indexed.clone();
+    compare_slots::<A>(h, m, indexed.into_iter())
+}
 
 /// What the frame published against what the model says it must.
-fn compare_events(events: &mut Events, m: &Model, clock: Clock) -> Result<(), Fault> {
+fn compare_events<A: KFam>(events: &mut RingBuf, m: &Model, clock: Clock) -> Result<(), Fault> {
     let mut published = vec![];
     while let Some(item) = events.next() {
-        assert_eq!(item.len(), std::mem::size_of::<lb_common::FlowEventV4>());
-        // SAFETY: the data plane writes whole `FlowEventV4`s; read_unaligned copes with any alignment.
-        published.push(unsafe {
-            std::ptr::read_unaligned(item.as_ptr().cast::<lb_common::FlowEventV4>())
-        });
+        assert_eq!(item.len(), std::mem::size_of::<FlowEvent<A>>());
+        // SAFETY: the data plane writes whole `FlowEvent`s of the family; read_unaligned copes with any alignment.
+        published.push(unsafe { std::ptr::read_unaligned(item.as_ptr().cast::<FlowEvent<A>>()) });
     }
-    if published.len() != m.events.len() {
+    let expected = &A::conn(&m.state).events;
+    if published.len() != expected.len() {
         return Err(Fault::Differs(format!(
-            "{} sync events published, the model says {}: {published:?}",
+            "{} {} sync events published, the model says {}: {published:?}",
             published.len(),
-            m.events.len()
+            A::NAME,
+            expected.len()
         )));
     }
-    for (ev, (kind, key, fwd, rev)) in published.iter().zip(&m.events) {
+    for (ev, (kind, key, fwd, rev)) in published.iter().zip(expected) {
         if (ev.kind, ev.key) != (*kind, *key) {
             return Err(Fault::Differs(format!(
                 "sync event {} for {:?}, the model says {kind} for {key:?}",
@@ -373,42 +468,57 @@ fn compare_events(events: &mut Events, m: &Model, clock: Clock) -> Result<(), Fa
 }
 
 /// Compares one key's entries in both tables, adopting the timestamps the program wrote.
-fn compare_key(h: &mut Harness, m: &mut Model, k: &FlowKeyV4, clock: Clock) -> Result<(), Fault> {
-    let kernel = h.dp.maps.flows.get(k).unwrap();
-    match (m.state.flows.get(k).copied(), kernel) {
+fn compare_key<A: KFam>(
+    h: &mut Harness,
+    m: &mut Model,
+    k: &FlowKey<A>,
+    clock: Clock,
+) -> Result<(), Fault> {
+    let (flows, transient) = (
+        format!("FLOWS_{}", A::NAME),
+        format!("TRANSIENT_{}", A::NAME),
+    );
+    let kernel = A::flows(&mut h.dp.maps).get(k).unwrap();
+    let c = A::conn_mut(&mut m.state);
+    match (c.flows.get(k).copied(), kernel) {
         (None, None) => {}
         (Some(e), Some(a)) => {
-            let kept = model::compare_flow("FLOWS_V4", k, &e, &a, clock).map_err(Fault::Differs)?;
-            m.state.flows.insert(*k, kept);
+            let kept = model::compare_flow(&flows, k, &e, &a, clock).map_err(Fault::Differs)?;
+            c.flows.insert(*k, kept);
         }
         (e, a) => {
             return Err(Fault::Differs(format!(
-                "FLOWS_V4 {k:?}: model {e:?}, kernel {a:?}"
+                "{flows} {k:?}: model {e:?}, kernel {a:?}"
             )))
         }
     }
-    let kernel = h.dp.maps.transient.get(k).unwrap();
-    match (m.state.transient.get(k).copied(), kernel) {
+    let kernel = A::transient(&mut h.dp.maps).get(k).unwrap();
+    match (c.transient.get(k).copied(), kernel) {
         (None, None) => {}
         (Some(e), Some(a)) => {
-            let kept = model::compare_flow("TRANSIENT_V4", k, &e.flow, &a.flow, clock)
+            let kept = model::compare_flow(&transient, k, &e.flow, &a.flow, clock)
                 .map_err(Fault::Differs)?;
-            let kept_fwd =
-                model::compare_flow("TRANSIENT_V4 (forward entry)", k, &e.fwd, &a.fwd, clock)
-                    .map_err(Fault::Differs)?;
+            let kept_fwd = model::compare_flow(
+                &format!("{transient} (forward entry)"),
+                k,
+                &e.fwd,
+                &a.fwd,
+                clock,
+            )
+            .map_err(Fault::Differs)?;
             if (e.ack_be, e._pad) != (a.ack_be, a._pad) {
                 return Err(Fault::Differs(format!(
-                    "TRANSIENT_V4 {k:?}: ack {:#x}, the model says {:#x}",
+                    "{transient} {k:?}: ack {:#x}, the model says {:#x}",
                     a.ack_be, e.ack_be
                 )));
             }
-            let t = m.state.transient.get_mut(k).unwrap();
+            let t = c.transient.get_mut(k).unwrap();
             t.flow = kept;
             t.fwd = kept_fwd;
         }
         (e, a) => {
             return Err(Fault::Differs(format!(
-                "TRANSIENT_V4 {k:?}: model {e:?}, kernel {a:?}"
+                "{transient} {k:?}: model {e:?}, kernel {a:?}"
             )))
         }
     }
@@ -417,61 +527,79 @@ fn compare_key(h: &mut Harness, m: &mut Model, k: &FlowKeyV4, clock: Clock) -> R
 
 /// `HANDSHAKES` slots: the kernel's must name what the model's do. (Only slots the model wrote this epoch: the
 /// others may hold keys of earlier epochs, which find nothing — see `model::State::handshakes`.)
-fn compare_slots(
+fn compare_slots<A: KFam>(
     h: &mut Harness,
     m: &Model,
     slots: impl Iterator<Item = u32>,
 ) -> Result<(), Fault> {
     for slot in slots {
-        let kernel = h.dp.maps.handshakes.get(slot).unwrap();
-        let model = m.state.handshakes[&slot];
+        let kernel = A::handshakes(&h.dp.maps).get(slot).unwrap();
+        let model = A::conn(&m.state).handshakes[&slot];
         if kernel != model {
             return Err(Fault::Differs(format!(
-                "HANDSHAKES slot {slot}: {kernel:?}, the model says {model:?}"
+                "HANDSHAKES ({}) slot {slot}: {kernel:?}, the model says {model:?}",
+                A::NAME
             )));
         }
     }
     Ok(())
 }
 
-/// Both tables whole, the `HANDSHAKES` slots written, and the services' counters.
+/// Both families' tables whole, the `HANDSHAKES` slots written, and the services' counters.
 fn compare_all(h: &mut Harness, m: &Model) -> Result<(), Fault> {
-    let flows: HashMap<_, _> = h.dp.maps.flows.entries().unwrap().into_iter().collect();
-    let transient: HashMap<_, _> = h.dp.maps.transient.entries().unwrap().into_iter().collect();
-    let fresh = m
-        .state
+    compare_tables::<u32>(h, m)?;
+    compare_tables::<In6>(h, m)?;
+    for (id, expected) in &m.state.svc_stats {
+        let actual = h.dp.maps.service_stats.total(*id).unwrap();
+        if *expected != actual {
+            return Err(Fault::Differs(format!(
+                "service {id} counters:\n  model  {expected:?}\n  kernel {actual:?}"
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// One family's tables whole and its `HANDSHAKES` slots written.
+fn compare_tables<A: KFam>(h: &mut Harness, m: &Model) -> Result<(), Fault> {
+    let flows: HashMap<_, _> = A::flows(&mut h.dp.maps)
+        .entries()
+        .unwrap()
+        .into_iter()
+        .collect();
+    let transient: HashMap<_, _> = A::transient(&mut h.dp.maps)
+        .entries()
+        .unwrap()
+        .into_iter()
+        .collect();
+    let c = A::conn(&m.state);
+    let fresh = c
         .flows
         .values()
-        .chain(m.state.transient.values().flat_map(|t| [&t.flow, &t.fwd]))
+        .chain(c.transient.values().flat_map(|t| [&t.flow, &t.fwd]))
         .any(|f| f.last_seen_ns == model::FRESH);
     if fresh {
         return Err(Fault::Differs("a timestamp was never checked".into()));
     }
     let no_clock = Clock { lo: 0, hi: 0 };
     // Flow entries as transient ones without ack or forward entry, so that one loop compares both tables.
-    let as_transient = |f: &lb_common::FlowV4| lb_common::TransientV4 {
+    let as_transient = |f: &Flow<A>| Transient {
         flow: *f,
         ..Default::default()
     };
-    let model_flows: HashMap<_, _> = m
-        .state
-        .flows
-        .iter()
-        .map(|(k, f)| (*k, as_transient(f)))
-        .collect();
+    let model_flows: HashMap<_, _> = c.flows.iter().map(|(k, f)| (*k, as_transient(f))).collect();
     let kernel_flows: HashMap<_, _> = flows.iter().map(|(k, f)| (*k, as_transient(f))).collect();
-    let model_transient = m.state.transient.clone();
-    let kernel_transient = transient;
     for (name, model, kernel) in [
-        ("FLOWS_V4", model_flows, kernel_flows),
-        ("TRANSIENT_V4", model_transient, kernel_transient),
+        ("FLOWS", model_flows, kernel_flows),
+        ("TRANSIENT", c.transient.clone(), transient),
     ] {
+        let name = format!("{name}_{}", A::NAME);
         for k in model.keys().chain(kernel.keys()) {
             match (model.get(k), kernel.get(k)) {
                 (Some(e), Some(a)) => {
-                    model::compare_flow(name, k, &e.flow, &a.flow, no_clock)
+                    model::compare_flow(&name, k, &e.flow, &a.flow, no_clock)
                         .map_err(Fault::Differs)?;
-                    model::compare_flow(name, k, &e.fwd, &a.fwd, no_clock)
+                    model::compare_flow(&name, k, &e.fwd, &a.fwd, no_clock)
                         .map_err(Fault::Differs)?;
                     if (e.ack_be, e._pad) != (a.ack_be, a._pad) {
                         return Err(Fault::Differs(format!(
@@ -488,16 +616,7 @@ fn compare_all(h: &mut Harness, m: &Model) -> Result<(), Fault> {
             }
         }
     }
-    compare_slots(h, m, m.state.handshakes.keys().copied())?;
-    for (id, expected) in &m.state.svc_stats {
-        let actual = h.dp.maps.service_stats.total(*id).unwrap();
-        if *expected != actual {
-            return Err(Fault::Differs(format!(
-                "service {id} counters:\n  model  {expected:?}\n  kernel {actual:?}"
-            )));
-        }
-    }
-    Ok(())
+    compare_slots::<A>(h, m, c.handshakes.keys().copied())
 }
 
 fn stat_diff(model: &[u64], kernel: &[u64]) -> String {
@@ -564,24 +683,27 @@ fn fail(
         ops.len()
     );
     for (i, op) in ops.iter().enumerate() {
-        match op {
-            Op::Frame(f) => text += &format!("  {i}: frame {}\n", hex(f)),
-            Op::Age { key, transient } => {
-                text += &format!("  {i}: age {key:?} (transient: {transient})\n")
-            }
-            Op::Synced {
-                key,
-                fwd,
-                rev,
-                age_s,
-            } => {
-                text += &format!(
-                    "  {i}: synced {key:?} seen {age_s} s ago\n    fwd {fwd:?}\n    rev {rev:?}\n"
-                )
-            }
-        }
+        text += &match op {
+            Op::Frame(f) => format!("  {i}: frame {}\n", hex(f)),
+            Op::V4(op) => describe(i, op),
+            Op::V6(op) => describe(i, op),
+        };
     }
     panic!("{text}");
+}
+
+fn describe<A: KFam>(i: usize, op: &TableOp<A>) -> String {
+    match op {
+        TableOp::Age { key, transient } => format!("  {i}: age {key:?} (transient: {transient})\n"),
+        TableOp::Synced {
+            key,
+            fwd,
+            rev,
+            age_s,
+        } => {
+            format!("  {i}: synced {key:?} seen {age_s} s ago\n    fwd {fwd:?}\n    rev {rev:?}\n")
+        }
+    }
 }
 
 fn hex(b: &[u8]) -> String {

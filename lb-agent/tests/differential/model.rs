@@ -2,7 +2,11 @@
 //! parser, its own checksum arithmetic (whole-word RFC 1624 updates from the fields as they were and are, not
 //! the per-flow deltas the program stores), its own tables. Given what user space programmed and a frame, it
 //! says what the program must answer, what the frame must look like afterwards, which counters move and how
-//! both flow tables change.
+//! the flow tables of both families change.
+//!
+//! The rules are written once, generic over the address family ([`Fam`]: where the addresses are in the header,
+//! whether it has a header checksum, which tables hold the family's connections), as the data plane's are; only
+//! the parsers of the two IP headers and of their ICMP errors are the family's own.
 //!
 //! Two things are the program's free choice and are taken from what it did, after checking that they obey the
 //! rules: the SNAT port of a new flow (in the range, not a service port of the SNAT address, not held by another
@@ -11,13 +15,14 @@
 //! reported as ambiguous instead of guessed.
 
 use lb_common::{
-    stat, Addr, Backend, Config, FlowKeyV4, FlowV4, Service, ServiceKey, ServiceStats, TransientV4,
-    CFG_F_CHECK_DST_MAC, CFG_F_SYNC_EVENTS, FAMILY_V4, FLOW_EV_CLOSE, FLOW_EV_NEW, FLOW_F_FIN,
+    stat, Addr, Backend, Config, Flow, FlowAddr, FlowKey, In6, Service, ServiceKey, ServiceStats,
+    Transient, CFG_F_CHECK_DST_MAC, CFG_F_SYNC_EVENTS, FLOW_EV_CLOSE, FLOW_EV_NEW, FLOW_F_FIN,
     FLOW_F_FORWARD, FLOW_F_REVERSE, FLOW_F_RST, FLOW_F_SYNCED, FLOW_F_SYN_ACK, PROTO_ICMP,
-    PROTO_TCP, PROTO_UDP, SNAT_PORT_TRIES, SVC_F_SOURCE_RANGES, TCP_CLOSING_TIMEOUT_S,
-    TCP_HANDSHAKE_TIMEOUT_S,
+    PROTO_ICMPV6, PROTO_TCP, PROTO_UDP, SNAT_PORT_TRIES, SVC_F_SOURCE_RANGES,
+    TCP_CLOSING_TIMEOUT_S, TCP_HANDSHAKE_TIMEOUT_S,
 };
 use std::collections::{HashMap, HashSet};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
 const NS: u64 = 1_000_000_000;
 const TCP_FIN: u8 = 0x01;
@@ -25,12 +30,130 @@ const TCP_SYN: u8 = 0x02;
 const TCP_RST: u8 = 0x04;
 const TCP_ACK: u8 = 0x10;
 
+/// IPv6 extension headers: hop-by-hop options, routing, fragment, destination options, and those the parser does
+/// not walk (authentication, ESP, mobility).
+const HOPOPTS: u8 = 0;
+const ROUTING: u8 = 43;
+const FRAGMENT: u8 = 44;
+const DSTOPTS: u8 = 60;
+const AH: u8 = 51;
+const ESP: u8 = 50;
+const MOBILITY: u8 = 135;
+/// Extension headers the IPv6 parser walks at most.
+const MAX_EXT_HEADERS: usize = 3;
+
 /// The program's verdict.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Verdict {
     Pass,
     Drop,
     Tx,
+}
+
+/// An address family: its address as the key holds it, where its IP header keeps the addresses, and which of
+/// the model's tables hold its connections.
+pub trait Fam: FlowAddr {
+    /// "V4" or "V6", as the maps' names end.
+    const NAME: &'static str;
+    /// Length of the fixed IP header.
+    const IP_LEN: usize;
+    /// Offsets of the source and destination address in the IP header.
+    const SRC: usize;
+    const DST: usize;
+    /// Offset of the header checksum (IPv4's), covering the addresses.
+    const IP_CSUM: Option<usize>;
+    /// Whether the ICMP checksum covers the outer addresses (ICMPv6's pseudo header).
+    const ICMP_PSEUDO: bool;
+    /// The address at `at` as the program loads it.
+    fn read(b: &[u8], at: usize) -> Self;
+    /// Writes the address at `at`.
+    fn write(self, b: &mut [u8], at: usize);
+    /// The address's 32-bit words as loaded (the hashes fold them one by one).
+    fn raw_words(self) -> Vec<u32>;
+    fn from_addr(a: &Addr) -> Self;
+    fn ip(self) -> IpAddr;
+    fn from_ip(a: IpAddr) -> Self;
+    fn conn(s: &State) -> &Conn<Self>;
+    fn conn_mut(s: &mut State) -> &mut Conn<Self>;
+
+    /// The address's one's-complement 16-bit words, network order.
+    fn words(self) -> Vec<u16> {
+        self.raw_words().into_iter().flat_map(words32).collect()
+    }
+}
+
+impl Fam for u32 {
+    const NAME: &'static str = "V4";
+    const IP_LEN: usize = 20;
+    const SRC: usize = 12;
+    const DST: usize = 16;
+    const IP_CSUM: Option<usize> = Some(10);
+    const ICMP_PSEUDO: bool = false;
+    fn read(b: &[u8], at: usize) -> Self {
+        raw32(b, at)
+    }
+    fn write(self, b: &mut [u8], at: usize) {
+        b[at..at + 4].copy_from_slice(&self.to_ne_bytes());
+    }
+    fn raw_words(self) -> Vec<u32> {
+        vec![self]
+    }
+    fn from_addr(a: &Addr) -> Self {
+        a.v4_raw()
+    }
+    fn ip(self) -> IpAddr {
+        IpAddr::V4(Ipv4Addr::from(self.to_ne_bytes()))
+    }
+    fn from_ip(a: IpAddr) -> Self {
+        match a {
+            IpAddr::V4(a) => u32::from_ne_bytes(a.octets()),
+            IpAddr::V6(a) => panic!("{a}: not IPv4"),
+        }
+    }
+    fn conn(s: &State) -> &Conn<Self> {
+        &s.v4
+    }
+    fn conn_mut(s: &mut State) -> &mut Conn<Self> {
+        &mut s.v4
+    }
+}
+
+impl Fam for In6 {
+    const NAME: &'static str = "V6";
+    const IP_LEN: usize = 40;
+    const SRC: usize = 8;
+    const DST: usize = 24;
+    const IP_CSUM: Option<usize> = None;
+    const ICMP_PSEUDO: bool = true;
+    fn read(b: &[u8], at: usize) -> Self {
+        std::array::from_fn(|i| raw32(b, at + 4 * i))
+    }
+    fn write(self, b: &mut [u8], at: usize) {
+        for (i, w) in self.iter().enumerate() {
+            b[at + 4 * i..at + 4 * i + 4].copy_from_slice(&w.to_ne_bytes());
+        }
+    }
+    fn raw_words(self) -> Vec<u32> {
+        self.to_vec()
+    }
+    fn from_addr(a: &Addr) -> Self {
+        a.v6_raw()
+    }
+    fn ip(self) -> IpAddr {
+        IpAddr::V6(Ipv6Addr::from(Addr::from_v6_raw(self).bytes))
+    }
+    fn from_ip(a: IpAddr) -> Self {
+        match a {
+            IpAddr::V6(a) => Addr { bytes: a.octets() }.v6_raw(),
+            IpAddr::V4(a) => panic!("{a}: not IPv6"),
+        }
+    }
+    fn conn(s: &State) -> &Conn<Self> {
+        &s.v6
+    }
+    fn conn_mut(s: &mut State) -> &mut Conn<Self> {
+        &mut s.v6
+    }
 }
 
 /// What user space programmed, read back from the maps.
@@ -42,44 +165,37 @@ pub struct Tables {
     pub maglev: HashMap<u32, Vec<u32>>,
     pub backends: HashMap<u32, Backend>,
     pub nexthops: HashMap<Addr, [u8; 6]>,
-    /// (service id, IPv4 prefix as on the wire, prefix length).
-    pub source_ranges: Vec<(u32, [u8; 4], u32)>,
+    /// (service id, prefix as on the wire, CIDR prefix length).
+    pub source_ranges: Vec<(u32, Addr, u32)>,
     pub vips: HashSet<Addr>,
 }
 
-/// The flow tables and counters, as the model expects them.
+/// One family's connections as the model expects them (`FLOWS_V4`, `TRANSIENT_V4`, `HANDSHAKES` or IPv6's), and
+/// what the frame being processed did to them.
 #[derive(Clone, Debug, Default)]
-pub struct State {
-    pub flows: HashMap<FlowKeyV4, FlowV4>,
-    pub transient: HashMap<FlowKeyV4, TransientV4>,
-    /// The flow filter's bits (`lb_common::flow_filter::slot`, the map's layout) of every TCP key that entered
-    /// `FLOWS_V4` this epoch: a TCP SNAT port whose reverse key shares one counts as taken.
-    pub marked: HashSet<(u32, u64)>,
+pub struct Conn<A: Fam> {
+    pub flows: HashMap<FlowKey<A>, Flow<A>>,
+    pub transient: HashMap<FlowKey<A>, Transient<A>>,
     /// `HANDSHAKES` slots (`lb_common::handshakes::slot` of a client's key) written this epoch: the reverse key of
     /// a handshake. A slot not written this epoch can hold a key of an earlier one, whose entry no longer exists
     /// or, if written again since, is another client's handshake: it finds nothing, like no slot.
-    pub handshakes: HashMap<u32, FlowKeyV4>,
-    pub stats: Vec<u64>,
-    pub svc_stats: HashMap<u32, ServiceStats>,
+    pub handshakes: HashMap<u32, FlowKey<A>>,
+    /// Keys of both tables this frame read or wrote (the runner compares them with the kernel's).
+    pub touched: Vec<FlowKey<A>>,
+    /// `HANDSHAKES` slots this frame wrote (the runner compares them with the kernel's).
+    pub indexed: Vec<u32>,
+    /// What this frame publishes for the HA peers' sync (with `CFG_F_SYNC_EVENTS`): kind, key, entry, and for a
+    /// new flow its reverse entry.
+    pub events: Vec<Event<A>>,
 }
 
-impl State {
-    /// Writes a TCP connection's entry into `FLOWS_V4`, marked in the flow filter.
-    pub fn enter_flows(&mut self, key: FlowKeyV4, entry: FlowV4) {
-        if key.proto == PROTO_TCP {
-            self.marked.insert(lb_common::flow_filter::slot(&key));
-        }
-        self.flows.insert(key, entry);
-    }
+/// A published flow event: kind, key, entry and (new flows) reverse entry.
+pub type Event<A> = (u8, FlowKey<A>, Flow<A>, Flow<A>);
 
-    /// Whether the flow filter may hold `key` (a mark of it or of a key with the same bit).
-    pub fn marked(&self, key: &FlowKeyV4) -> bool {
-        self.marked.contains(&lb_common::flow_filter::slot(key))
-    }
-
+impl<A: Fam> Conn<A> {
     /// The handshake of the client's key `key`, as the data plane finds it: the slot's reverse key, and its entry
     /// if that is this client's handshake.
-    pub fn handshake(&self, key: &FlowKeyV4) -> Option<(FlowKeyV4, TransientV4)> {
+    pub fn handshake(&self, key: &FlowKey<A>) -> Option<(FlowKey<A>, Transient<A>)> {
         let rkey = *self.handshakes.get(&lb_common::handshakes::slot(key))?;
         let t = *self.transient.get(&rkey)?;
         handshake_of(&t, key).then_some((rkey, t))
@@ -87,7 +203,7 @@ impl State {
 
     /// A handshake of the client's key `key` wherever it is (what its backend was sent), even one its slot no
     /// longer names.
-    pub fn any_handshake(&self, key: &FlowKeyV4) -> Option<(FlowKeyV4, TransientV4)> {
+    pub fn any_handshake(&self, key: &FlowKey<A>) -> Option<(FlowKey<A>, Transient<A>)> {
         self.handshake(key).or_else(|| {
             self.transient
                 .iter()
@@ -95,15 +211,49 @@ impl State {
                 .map(|(k, t)| (*k, *t))
         })
     }
+
+    fn new_frame(&mut self) {
+        self.touched.clear();
+        self.indexed.clear();
+        self.events.clear();
+    }
+}
+
+/// The flow tables and counters, as the model expects them.
+#[derive(Clone, Debug, Default)]
+pub struct State {
+    pub v4: Conn<u32>,
+    pub v6: Conn<In6>,
+    /// The flow filter's bits (`lb_common::flow_filter::slot`, the map's layout) of every TCP key that entered
+    /// `FLOWS_V4` or `FLOWS_V6` this epoch (one filter for both): a TCP SNAT port whose reverse key shares one
+    /// counts as taken.
+    pub marked: HashSet<(u32, u64)>,
+    pub stats: Vec<u64>,
+    pub svc_stats: HashMap<u32, ServiceStats>,
+}
+
+impl State {
+    /// Writes a TCP connection's entry into `FLOWS_V4`/`FLOWS_V6`, marked in the flow filter.
+    pub fn enter_flows<A: Fam>(&mut self, key: FlowKey<A>, entry: Flow<A>) {
+        if key.proto == PROTO_TCP {
+            self.marked.insert(lb_common::flow_filter::slot(&key));
+        }
+        A::conn_mut(self).flows.insert(key, entry);
+    }
+
+    /// Whether the flow filter may hold `key` (a mark of it or of a key with the same bit).
+    pub fn marked<A: Fam>(&self, key: &FlowKey<A>) -> bool {
+        self.marked.contains(&lb_common::flow_filter::slot(key))
+    }
 }
 
 /// A handshake's entry (both directions, under the reverse key), as opposed to one of a closed connection's two.
-fn is_handshake(t: &TransientV4) -> bool {
+fn is_handshake<A: Fam>(t: &Transient<A>) -> bool {
     t.fwd.flags & FLOW_F_FORWARD != 0
 }
 
 /// Whether `t` is the handshake of the client's key `key`: its reverse entry leads back to that client.
-fn handshake_of(t: &TransientV4, key: &FlowKeyV4) -> bool {
+fn handshake_of<A: Fam>(t: &Transient<A>, key: &FlowKey<A>) -> bool {
     is_handshake(t) && t.flow.partner_key(key.proto) == *key
 }
 
@@ -142,27 +292,20 @@ pub const FRESH: u64 = u64::MAX;
 pub struct Model {
     pub tables: Tables,
     pub state: State,
-    /// Keys of both tables this frame read or wrote (the runner compares them with the kernel's).
-    pub touched: Vec<FlowKeyV4>,
-    /// `HANDSHAKES` slots this frame wrote (the runner compares them with the kernel's).
-    pub indexed: Vec<u32>,
-    /// What this frame publishes for the HA peers' sync (with `CFG_F_SYNC_EVENTS`): kind, key, entry, and for a
-    /// new flow its reverse entry.
-    pub events: Vec<(u8, FlowKeyV4, FlowV4, FlowV4)>,
-    /// The SYN rate guard of the one CPU the runner runs on: when its budget was last taken, as the range of the
-    /// clock then plus one interval (`None`: never).
+    /// The SYN rate guard of the one CPU the runner runs on (one for both families): when its budget was last
+    /// taken, as the range of the clock then plus one interval (`None`: never).
     guard_tat: Option<(u64, u64)>,
     /// Sources that completed a handshake while the guard is on.
-    trusted: HashSet<u32>,
+    trusted: HashSet<Addr>,
 }
 
 /// A parsed TCP/UDP packet.
-struct L4 {
-    key: FlowKeyV4,
+struct L4<A: Fam> {
+    key: FlowKey<A>,
     flags: u8,
     seq: u32,
     ack: u32,
-    /// IP total length.
+    /// IP total length (IPv6: fixed header and payload).
     tot: u64,
     l4_off: usize,
     /// The frame's Ethernet source and destination.
@@ -170,7 +313,7 @@ struct L4 {
     eth_dst: [u8; 6],
 }
 
-impl L4 {
+impl<A: Fam> L4<A> {
     fn tcp(&self) -> bool {
         self.key.proto == PROTO_TCP
     }
@@ -189,7 +332,7 @@ fn raw16(b: &[u8], at: usize) -> u16 {
     u16::from_ne_bytes([b[at], b[at + 1]])
 }
 
-/// One's-complement 16-bit words of an address or port as on the wire.
+/// One's-complement 16-bit words of an address word or port as on the wire.
 fn words32(raw: u32) -> [u16; 2] {
     let b = raw.to_ne_bytes();
     [
@@ -253,9 +396,6 @@ impl Model {
                 svc_stats,
                 ..Default::default()
             },
-            touched: vec![],
-            indexed: vec![],
-            events: vec![],
             guard_tat: None,
             trusted: HashSet::new(),
         }
@@ -269,21 +409,37 @@ impl Model {
         self.state.svc_stats.entry(id).or_default()
     }
 
-    fn flow(&mut self, key: FlowKeyV4) -> Option<FlowV4> {
-        self.touched.push(key);
-        self.state.flows.get(&key).copied()
+    /// The connections of family `A`.
+    fn c<A: Fam>(&mut self) -> &mut Conn<A> {
+        A::conn_mut(&mut self.state)
     }
 
-    fn transient(&mut self, key: FlowKeyV4) -> Option<TransientV4> {
-        self.touched.push(key);
-        self.state.transient.get(&key).copied()
+    fn flow<A: Fam>(&mut self, key: FlowKey<A>) -> Option<Flow<A>> {
+        let c = self.c::<A>();
+        c.touched.push(key);
+        c.flows.get(&key).copied()
+    }
+
+    fn transient<A: Fam>(&mut self, key: FlowKey<A>) -> Option<Transient<A>> {
+        let c = self.c::<A>();
+        c.touched.push(key);
+        c.transient.get(&key).copied()
+    }
+
+    fn malformed(&mut self) -> Step<Answer> {
+        self.count(stat::DROP_MALFORMED);
+        Ok((Verdict::Drop, None))
+    }
+
+    fn pass(&mut self, idx: u32) -> Step<Answer> {
+        self.count(idx);
+        Ok((Verdict::Pass, None))
     }
 
     /// Runs one frame through the model and checks the program's run against it.
     pub fn step(&mut self, frame: &[u8], run: &Run) -> Step<()> {
-        self.touched.clear();
-        self.indexed.clear();
-        self.events.clear();
+        self.state.v4.new_frame();
+        self.state.v6.new_frame();
         let (verdict, out) = self.process(frame, run)?;
         if verdict != run.verdict {
             return differs(format!(
@@ -305,53 +461,147 @@ impl Model {
     fn process(&mut self, f: &[u8], run: &Run) -> Step<Answer> {
         let cfg = self.tables.cfg;
         if f.len() < 14 {
-            self.count(stat::DROP_MALFORMED);
-            return Ok((Verdict::Drop, None));
+            return self.malformed();
         }
         let ethertype = be16(f, 12);
         if ethertype != 0x0800 && ethertype != 0x86dd {
-            self.count(stat::PASS_NOT_IP);
-            return Ok((Verdict::Pass, None));
+            return self.pass(stat::PASS_NOT_IP);
         }
         if cfg.flags & CFG_F_CHECK_DST_MAC != 0 && f[0..6] != cfg.local_mac {
-            self.count(stat::PASS_OTHER_HOST);
-            return Ok((Verdict::Pass, None));
+            return self.pass(stat::PASS_OTHER_HOST);
         }
         if ethertype == 0x86dd {
-            // IPv6 goes to the IPv6 program by tail call; the harness loads none, so the entry point passes it.
-            self.count(stat::PASS_NO_IPV6_PROGRAM);
-            return Ok((Verdict::Pass, None));
+            // The IPv6 program, by tail call.
+            return self.ipv6(f, run);
         }
         if f.len() < 14 + 20 {
-            self.count(stat::DROP_MALFORMED);
-            return Ok((Verdict::Drop, None));
+            return self.malformed();
         }
         let (version, ihl) = (f[14] >> 4, (f[14] & 0x0f) as usize);
         let tot = be16(f, 16) as usize;
         if version != 4 || ihl < 5 || tot < ihl * 4 || tot + 14 > f.len() {
-            self.count(stat::DROP_MALFORMED);
-            return Ok((Verdict::Drop, None));
+            return self.malformed();
         }
         if ihl > 5 {
             self.count(stat::IP_OPTIONS);
         }
-        let dst = raw32(f, 30);
         // More fragments, or an offset: not a whole packet.
         if be16(f, 20) & 0x3fff != 0 {
-            return Ok(if self.tables.vips.contains(&Addr::from_v4_raw(dst)) {
-                self.count(stat::DROP_FRAGMENT);
-                (Verdict::Drop, None)
-            } else {
-                self.count(stat::PASS_FRAGMENT);
-                (Verdict::Pass, None)
-            });
+            return self.fragment::<u32>(f);
         }
         let l4_off = 14 + ihl * 4;
-        let proto = f[23];
-        let l4 = |flags, seq, ack| L4 {
-            key: FlowKeyV4 {
-                src: raw32(f, 26),
-                dst,
+        match f[23] {
+            PROTO_ICMP => self.icmp(f, l4_off, 14 + tot),
+            proto => self.transport::<u32>(f, proto, l4_off, tot, run),
+        }
+    }
+
+    /// The IPv6 program: the fixed header, at most `MAX_EXT_HEADERS` hop-by-hop, routing (none with segments
+    /// left) and destination options headers walked, then TCP, UDP (with a checksum), ICMPv6; fragments as
+    /// IPv4's.
+    fn ipv6(&mut self, f: &[u8], run: &Run) -> Step<Answer> {
+        if f.len() < 14 + 40 || f[14] >> 4 != 6 {
+            return self.malformed();
+        }
+        let tot = 40 + be16(f, 18) as usize;
+        if tot + 14 > f.len() {
+            return self.malformed();
+        }
+        let (mut nh, mut off, mut walked) = (f[20], 14 + 40, 0);
+        while walked < MAX_EXT_HEADERS && matches!(nh, HOPOPTS | ROUTING | DSTOPTS) {
+            if off + 4 > f.len() {
+                return self.malformed();
+            }
+            if nh == ROUTING && f[off + 3] != 0 {
+                // Segments left: the destination is not the final one.
+                return self.pass(stat::PASS_IPV6_EXT);
+            }
+            nh = f[off];
+            off += (f[off + 1] as usize + 1) * 8;
+            walked += 1;
+        }
+        if walked > 0 {
+            self.count(stat::IPV6_EXT_HEADERS);
+        }
+        if off > 14 + tot {
+            return self.malformed();
+        }
+        match nh {
+            PROTO_UDP if off + 8 <= f.len() && off - 14 + 8 <= tot && be16(f, off + 6) == 0 => {
+                // No checksum (mandatory in IPv6): dropped when it belongs to a flow or a service.
+                let key = FlowKey::<In6> {
+                    src: In6::read(f, 14 + In6::SRC),
+                    dst: In6::read(f, 14 + In6::DST),
+                    sport: raw16(f, off),
+                    dport: raw16(f, off + 2),
+                    proto: PROTO_UDP,
+                    _pad: [0; 3],
+                };
+                let ours = self.flow(key).is_some()
+                    || self.tables.services.contains_key(&service_key(&key));
+                if ours {
+                    self.count(stat::DROP_UDP6_NO_CHECKSUM);
+                    return Ok((Verdict::Drop, None));
+                }
+                self.pass(stat::PASS_NOT_SERVICE)
+            }
+            PROTO_TCP | PROTO_UDP => self.transport::<In6>(f, nh, off, tot, run),
+            PROTO_ICMPV6 => self.icmp6(f, off, 14 + tot),
+            FRAGMENT => self.fragment::<In6>(f),
+            HOPOPTS | ROUTING | DSTOPTS | AH | ESP | MOBILITY => self.pass(stat::PASS_IPV6_EXT),
+            _ => self.pass(stat::PASS_NOT_SERVICE),
+        }
+    }
+
+    /// A fragment: dropped when it is for one of our addresses, the kernel's otherwise.
+    fn fragment<A: Fam>(&mut self, f: &[u8]) -> Step<Answer> {
+        let dst = A::read(f, 14 + A::DST);
+        if self.tables.vips.contains(&dst.to_addr()) {
+            self.count(stat::DROP_FRAGMENT);
+            Ok((Verdict::Drop, None))
+        } else {
+            self.pass(stat::PASS_FRAGMENT)
+        }
+    }
+
+    /// A TCP or UDP header at `l4_off` (the IP header, with its options or extension headers, is `l4_off - 14`
+    /// bytes long; the packet `tot`), or another protocol.
+    fn transport<A: Fam>(
+        &mut self,
+        f: &[u8],
+        proto: u8,
+        l4_off: usize,
+        tot: usize,
+        run: &Run,
+    ) -> Step<Answer> {
+        let hl = l4_off - 14;
+        let (flags, seq, ack) = match proto {
+            PROTO_TCP => {
+                if l4_off + 20 > f.len() {
+                    return self.malformed();
+                }
+                let doff = (f[l4_off + 12] >> 4) as usize * 4;
+                if doff < 20 || hl + doff > tot {
+                    return self.malformed();
+                }
+                (
+                    f[l4_off + 13],
+                    u32::from_be_bytes(f[l4_off + 4..l4_off + 8].try_into().unwrap()),
+                    u32::from_be_bytes(f[l4_off + 8..l4_off + 12].try_into().unwrap()),
+                )
+            }
+            PROTO_UDP => {
+                if l4_off + 8 > f.len() || hl + 8 > tot {
+                    return self.malformed();
+                }
+                (0, 0, 0)
+            }
+            _ => return self.pass(stat::PASS_NOT_SERVICE),
+        };
+        let p = L4 {
+            key: FlowKey {
+                src: A::read(f, 14 + A::SRC),
+                dst: A::read(f, 14 + A::DST),
                 sport: raw16(f, l4_off),
                 dport: raw16(f, l4_off + 2),
                 proto,
@@ -365,57 +615,17 @@ impl Model {
             eth_dst: f[0..6].try_into().unwrap(),
             eth_src: f[6..12].try_into().unwrap(),
         };
-        match proto {
-            PROTO_TCP => {
-                if l4_off + 20 > f.len() {
-                    self.count(stat::DROP_MALFORMED);
-                    return Ok((Verdict::Drop, None));
-                }
-                let doff = (f[l4_off + 12] >> 4) as usize * 4;
-                if doff < 20 || ihl * 4 + doff > tot {
-                    self.count(stat::DROP_MALFORMED);
-                    return Ok((Verdict::Drop, None));
-                }
-                let p = l4(
-                    f[l4_off + 13],
-                    u32::from_be_bytes(f[l4_off + 4..l4_off + 8].try_into().unwrap()),
-                    u32::from_be_bytes(f[l4_off + 8..l4_off + 12].try_into().unwrap()),
-                );
-                self.l4(f, &p, run)
-            }
-            PROTO_UDP => {
-                if l4_off + 8 > f.len() {
-                    self.count(stat::DROP_MALFORMED);
-                    return Ok((Verdict::Drop, None));
-                }
-                if ihl * 4 + 8 > tot {
-                    self.count(stat::DROP_MALFORMED);
-                    return Ok((Verdict::Drop, None));
-                }
-                let p = l4(0, 0, 0);
-                self.l4(f, &p, run)
-            }
-            PROTO_ICMP => self.icmp(f, l4_off, 14 + tot),
-            _ => {
-                self.count(stat::PASS_NOT_SERVICE);
-                Ok((Verdict::Pass, None))
-            }
-        }
+        self.l4(f, &p, run)
     }
 
-    fn l4(&mut self, f: &[u8], p: &L4, run: &Run) -> Step<Answer> {
+    fn l4<A: Fam>(&mut self, f: &[u8], p: &L4<A>, run: &Run) -> Step<Answer> {
         let key = p.key;
         let clock = run.clock;
-        let skey = ServiceKey {
-            addr: Addr::from_v4_raw(key.dst),
-            port_be: key.dport,
-            proto: key.proto,
-            family: FAMILY_V4,
-        };
+        let skey = service_key(&key);
         // Over the new-handshake rate, a service's SYN gets in only from a source that completed a handshake.
         if p.syn() && self.over_rate(clock)? {
             if let Some(svc) = self.tables.services.get(&skey).copied() {
-                if self.trusted.contains(&key.src) {
+                if self.trusted.contains(&key.src.to_addr()) {
                     self.count(stat::SYN_TRUSTED);
                 } else {
                     self.count(stat::DROP_SYN_RATE);
@@ -453,8 +663,7 @@ impl Model {
             }
         }
         let Some(svc) = svc else {
-            self.count(stat::PASS_NOT_SERVICE);
-            return Ok((Verdict::Pass, None));
+            return self.pass(stat::PASS_NOT_SERVICE);
         };
         if p.tcp() && !p.syn() {
             // The client's handshake in progress, through its HANDSHAKES slot.
@@ -478,7 +687,6 @@ impl Model {
             self.remove_flow(key);
         }
         // With a range no larger than the bounded search, exhaustion is exact: every port held.
-        let cfg = self.tables.cfg;
         let range = (cfg.snat_port_min..=cfg.snat_port_max).map(u16::to_be);
         if range.len() as u32 <= SNAT_PORT_TRIES
             && range
@@ -513,9 +721,10 @@ impl Model {
         let fwd = target.forward(p, &svc, port);
         let rev = target.reverse(p, &svc, port);
         let rkey = fwd.partner_key(key.proto);
-        self.touched.push(rkey);
-        self.state.flows.insert(rkey, rev);
-        self.state.flows.insert(key, fwd);
+        let c = self.c::<A>();
+        c.touched.push(rkey);
+        c.flows.insert(rkey, rev);
+        c.flows.insert(key, fwd);
         self.established_new(key, fwd, rev);
         self.count_dir(&fwd, p);
         Ok((Verdict::Tx, Some(rewrite(f, p, &fwd))))
@@ -526,12 +735,12 @@ impl Model {
     /// `HANDSHAKES` slot. When the port holds this client's handshake already and the client's slot names it, that
     /// one goes on (a retransmitted SYN: no new handshake) unless it is over (stale or closed), and then the new one
     /// takes its place.
-    fn open(
+    fn open<A: Fam>(
         &mut self,
         f: &[u8],
-        p: &L4,
+        p: &L4<A>,
         svc: &Service,
-        target: &Target,
+        target: &Target<A>,
         port: u16,
         clock: Clock,
     ) -> Step<Answer> {
@@ -546,16 +755,16 @@ impl Model {
         self.index(&key, rkey);
         if let Some(mut h) = current {
             h.flow.last_seen_ns = FRESH;
-            self.state.transient.insert(rkey, h);
+            self.c::<A>().transient.insert(rkey, h);
             self.count_dir(&h.fwd, p);
             return Ok((Verdict::Tx, Some(rewrite(f, p, &h.fwd))));
         }
-        let h = TransientV4 {
+        let h = Transient {
             flow: target.reverse(p, svc, port),
             fwd,
             ..Default::default()
         };
-        self.state.transient.insert(rkey, h);
+        self.c::<A>().transient.insert(rkey, h);
         self.take_budget(clock)?;
         self.count(stat::NEW_HANDSHAKES);
         let s = self.svc(svc.id);
@@ -566,20 +775,19 @@ impl Model {
     }
 
     /// Points the `HANDSHAKES` slot of the client's key `key` at its handshake's reverse key.
-    fn index(&mut self, key: &FlowKeyV4, rkey: FlowKeyV4) {
+    fn index<A: Fam>(&mut self, key: &FlowKey<A>, rkey: FlowKey<A>) {
         let slot = lb_common::handshakes::slot(key);
-        self.state.handshakes.insert(slot, rkey);
-        self.indexed.push(slot);
+        let c = self.c::<A>();
+        c.handshakes.insert(slot, rkey);
+        c.indexed.push(slot);
     }
 
     /// The handshake of the client's key `key`, found through its `HANDSHAKES` slot.
-    fn find(&mut self, key: &FlowKeyV4) -> Option<(FlowKeyV4, TransientV4)> {
-        let rkey = *self
-            .state
-            .handshakes
-            .get(&lb_common::handshakes::slot(key))?;
-        self.touched.push(rkey);
-        self.state.handshake(key)
+    fn find<A: Fam>(&mut self, key: &FlowKey<A>) -> Option<(FlowKey<A>, Transient<A>)> {
+        let c = self.c::<A>();
+        let rkey = *c.handshakes.get(&lb_common::handshakes::slot(key))?;
+        c.touched.push(rkey);
+        c.handshake(key)
     }
 
     /// The guard is on and this CPU used its budget: the next handshake is due after `now` (burst 0 here).
@@ -610,15 +818,9 @@ impl Model {
     /// the SNAT address, or the reverse key of another flow (a TCP one's marked, or in the transient table as
     /// anything but this client's handshake that the client's slot names — the program looks a taken port up only
     /// then).
-    fn snat_port_held(&self, t: &Target, key: &FlowKeyV4, port_be: u16) -> bool {
+    fn snat_port_held<A: Fam>(&self, t: &Target<A>, key: &FlowKey<A>, port_be: u16) -> bool {
         let proto = key.proto;
-        let skey = ServiceKey {
-            addr: Addr::from_v4_raw(t.snat),
-            port_be,
-            proto,
-            family: FAMILY_V4,
-        };
-        let rkey = FlowKeyV4 {
+        let rkey = FlowKey {
             src: t.node,
             dst: t.snat,
             sport: t.node_port,
@@ -626,36 +828,37 @@ impl Model {
             proto,
             _pad: [0; 3],
         };
-        self.tables.services.contains_key(&skey)
-            || self.state.flows.contains_key(&rkey)
+        let c = A::conn(&self.state);
+        self.tables.services.contains_key(&service_key(&rkey))
+            || c.flows.contains_key(&rkey)
             || (proto == PROTO_TCP
                 && (self.state.marked(&rkey)
-                    || self.state.transient.get(&rkey).is_some_and(|t| {
+                    || c.transient.get(&rkey).is_some_and(|t| {
                         !(handshake_of(t, key)
-                            && self.state.handshakes.get(&lb_common::handshakes::slot(key))
-                                == Some(&rkey))
+                            && c.handshakes.get(&lb_common::handshakes::slot(key)) == Some(&rkey))
                     })))
     }
 
-    fn remove_flow(&mut self, key: FlowKeyV4) {
-        self.touched.push(key);
-        self.state.flows.remove(&key);
+    fn remove_flow<A: Fam>(&mut self, key: FlowKey<A>) {
+        let c = self.c::<A>();
+        c.touched.push(key);
+        c.flows.remove(&key);
     }
 
     /// A flow entered the big table: counted and published.
-    fn established_new(&mut self, key: FlowKeyV4, fwd: FlowV4, rev: FlowV4) {
+    fn established_new<A: Fam>(&mut self, key: FlowKey<A>, fwd: Flow<A>, rev: Flow<A>) {
         self.count(stat::NEW_FLOWS);
         self.svc(fwd.svc_id).new_flows += 1;
         self.publish(FLOW_EV_NEW, key, fwd, rev);
     }
 
-    fn publish(&mut self, kind: u8, key: FlowKeyV4, fl: FlowV4, rev: FlowV4) {
+    fn publish<A: Fam>(&mut self, kind: u8, key: FlowKey<A>, fl: Flow<A>, rev: Flow<A>) {
         if self.tables.cfg.flags & CFG_F_SYNC_EVENTS != 0 {
-            self.events.push((kind, key, fl, rev));
+            self.c::<A>().events.push((kind, key, fl, rev));
         }
     }
 
-    fn count_dir(&mut self, fl: &FlowV4, p: &L4) {
+    fn count_dir<A: Fam>(&mut self, fl: &Flow<A>, p: &L4<A>) {
         let s = self.svc(fl.svc_id);
         if fl.flags & FLOW_F_FORWARD != 0 {
             s.rx_packets += 1;
@@ -667,7 +870,7 @@ impl Model {
     }
 
     /// A forward entry past its idle timeout, with its partner idle too (or gone).
-    fn expired(&mut self, fl: &FlowV4, proto: u8, clock: Clock) -> Step<bool> {
+    fn expired<A: Fam>(&mut self, fl: &Flow<A>, proto: u8, clock: Clock) -> Step<bool> {
         if !idle(fl, clock)? {
             return Ok(false);
         }
@@ -677,7 +880,13 @@ impl Model {
         }
     }
 
-    fn established(&mut self, f: &[u8], p: &L4, mut fl: FlowV4, clock: Clock) -> Step<Answer> {
+    fn established<A: Fam>(
+        &mut self,
+        f: &[u8],
+        p: &L4<A>,
+        mut fl: Flow<A>,
+        clock: Clock,
+    ) -> Step<Answer> {
         let key = p.key;
         // The timestamp moves at most once a second.
         if fl.last_seen_ns != FRESH {
@@ -694,7 +903,7 @@ impl Model {
         let mut closed = false;
         if p.tcp() && p.flags & (TCP_FIN | TCP_RST) != 0 {
             if let Some(bit) = self.close_bit(&mut fl, p.flags) {
-                self.publish(FLOW_EV_CLOSE, key, fl, FlowV4::default());
+                self.publish(FLOW_EV_CLOSE, key, fl, Flow::default());
                 let pkey = fl.partner_key(key.proto);
                 closed = match self.flow(pkey) {
                     None => true,
@@ -702,7 +911,7 @@ impl Model {
                         if bit == FLOW_F_RST {
                             partner.flags |= FLOW_F_RST;
                             partner.timeout_s = TCP_CLOSING_TIMEOUT_S;
-                            self.state.flows.insert(pkey, partner);
+                            self.c::<A>().flows.insert(pkey, partner);
                             true
                         } else {
                             partner.flags & (FLOW_F_FIN | FLOW_F_RST) != 0
@@ -711,24 +920,26 @@ impl Model {
                 };
             }
         }
-        self.state.flows.insert(key, fl);
+        self.c::<A>().flows.insert(key, fl);
         self.count_dir(&fl, p);
         let out = rewrite(f, p, &fl);
         if closed {
             // Both entries leave the big table for the transient one, as they are now.
             let pkey = fl.partner_key(key.proto);
-            if let Some(partner) = self.flow(pkey) {
-                self.state.transient.insert(pkey, transient(partner));
+            let partner = self.flow(pkey);
+            let c = self.c::<A>();
+            if let Some(partner) = partner {
+                c.transient.insert(pkey, transient(partner));
             }
-            self.state.transient.insert(key, transient(fl));
-            self.state.flows.remove(&key);
-            self.state.flows.remove(&pkey);
+            c.transient.insert(key, transient(fl));
+            c.flows.remove(&key);
+            c.flows.remove(&pkey);
         }
         Ok((Verdict::Tx, Some(out)))
     }
 
     /// FIN or RST seen for the first time in an entry's direction.
-    fn close_bit(&mut self, fl: &mut FlowV4, flags: u8) -> Option<u8> {
+    fn close_bit<A: Fam>(&mut self, fl: &mut Flow<A>, flags: u8) -> Option<u8> {
         let bit = if flags & TCP_RST != 0 {
             FLOW_F_RST
         } else if flags & TCP_FIN != 0 {
@@ -752,7 +963,13 @@ impl Model {
 
     /// A TCP segment with an entry in the transient table under its own key: a backend's segment of a handshake,
     /// or a segment of a closed connection. `None` when the entry no longer counts.
-    fn segment(&mut self, f: &[u8], p: &L4, mut t: TransientV4, run: &Run) -> Step<Option<Answer>> {
+    fn segment<A: Fam>(
+        &mut self,
+        f: &[u8],
+        p: &L4<A>,
+        mut t: Transient<A>,
+        run: &Run,
+    ) -> Step<Option<Answer>> {
         let stale = stale(&t, run.clock)?;
         if is_handshake(&t) {
             // The backend's side: its SYN-ACK records what the client must acknowledge, and points the client's
@@ -767,62 +984,63 @@ impl Model {
             }
             t.flow.last_seen_ns = FRESH;
             self.close_bit(&mut t.flow, p.flags);
-            self.state.transient.insert(p.key, t);
+            self.c::<A>().transient.insert(p.key, t);
             self.count_dir(&t.flow, p);
             return Ok(Some((Verdict::Tx, Some(rewrite(f, p, &t.flow)))));
         }
         let partner = t.flow.partner_key(PROTO_TCP);
         if stale || (p.syn() && t.flow.flags & FLOW_F_FORWARD != 0) {
             // Both entries go.
-            self.touched.push(partner);
-            self.state.transient.remove(&partner);
-            self.state.transient.remove(&p.key);
+            let c = self.c::<A>();
+            c.touched.push(partner);
+            c.transient.remove(&partner);
+            c.transient.remove(&p.key);
             return Ok(None);
         }
         Ok(Some(self.track_transient(f, p, t, partner)))
     }
 
     /// The last segments of a closed connection: timestamp, FIN/RST (a RST closes the partner too), forwarded.
-    fn track_transient(
+    fn track_transient<A: Fam>(
         &mut self,
         f: &[u8],
-        p: &L4,
-        mut t: TransientV4,
-        partner: FlowKeyV4,
+        p: &L4<A>,
+        mut t: Transient<A>,
+        partner: FlowKey<A>,
     ) -> Answer {
         t.flow.last_seen_ns = FRESH;
         if self.close_bit(&mut t.flow, p.flags) == Some(FLOW_F_RST) {
             if let Some(mut pe) = self.transient(partner) {
                 pe.flow.flags |= FLOW_F_RST;
                 pe.flow.timeout_s = TCP_CLOSING_TIMEOUT_S;
-                self.state.transient.insert(partner, pe);
+                self.c::<A>().transient.insert(partner, pe);
             }
         }
-        self.state.transient.insert(p.key, t);
+        self.c::<A>().transient.insert(p.key, t);
         self.count_dir(&t.flow, p);
         (Verdict::Tx, Some(rewrite(f, p, &t.flow)))
     }
 
     /// A client's segment (not a SYN) of its handshake `h` (under `rkey`); `None` when the handshake is past its
     /// time.
-    fn client_segment(
+    fn client_segment<A: Fam>(
         &mut self,
         f: &[u8],
-        p: &L4,
-        rkey: FlowKeyV4,
-        mut h: TransientV4,
-        reopen: Option<FlowV4>,
+        p: &L4<A>,
+        rkey: FlowKey<A>,
+        mut h: Transient<A>,
+        reopen: Option<Flow<A>>,
         run: &Run,
     ) -> Step<Option<Answer>> {
         if stale(&h, run.clock)? {
-            self.state.transient.remove(&rkey);
+            self.c::<A>().transient.remove(&rkey);
             return Ok(None);
         }
         if closed(&h.flow) || p.flags & TCP_RST != 0 {
             // A reset handshake's last segments, or the client giving up: the backend must hear it.
             h.flow.last_seen_ns = FRESH;
             self.close_bit(&mut h.flow, p.flags);
-            self.state.transient.insert(rkey, h);
+            self.c::<A>().transient.insert(rkey, h);
             self.count_dir(&h.fwd, p);
             return Ok(Some((Verdict::Tx, Some(rewrite(f, p, &h.fwd)))));
         }
@@ -839,13 +1057,13 @@ impl Model {
 
     /// The client acknowledged the backend's SYN-ACK: both directions enter the flow table (marked), the handshake
     /// leaves the transient table.
-    fn promote(
+    fn promote<A: Fam>(
         &mut self,
         f: &[u8],
-        p: &L4,
-        rkey: FlowKeyV4,
-        mut h: TransientV4,
-        reopen: Option<FlowV4>,
+        p: &L4<A>,
+        rkey: FlowKey<A>,
+        mut h: Transient<A>,
+        reopen: Option<Flow<A>>,
     ) -> Answer {
         let key = p.key;
         h.fwd.last_seen_ns = FRESH;
@@ -862,22 +1080,23 @@ impl Model {
         self.state.enter_flows(key, h.fwd);
         self.established_new(key, h.fwd, h.flow);
         if self.tables.cfg.syn_interval_ns != 0 {
-            self.trusted.insert(key.src);
+            self.trusted.insert(key.src.to_addr());
         }
         self.count_dir(&h.fwd, p);
-        self.state.transient.remove(&rkey);
+        self.c::<A>().transient.remove(&rkey);
         (Verdict::Tx, Some(rewrite(f, p, &h.fwd)))
     }
 
-    fn pick_backend(&mut self, p: &L4, svc: &Service) -> Result<Target, Verdict> {
+    fn pick_backend<A: Fam>(&mut self, p: &L4<A>, svc: &Service) -> Result<Target<A>, Verdict> {
         let key = &p.key;
         if svc.flags & SVC_F_SOURCE_RANGES != 0 {
-            let src = key.src.to_ne_bytes();
+            let src = key.src.to_addr();
+            let bits = 32 * key.src.raw_words().len() as u32;
             let allowed = self
                 .tables
                 .source_ranges
                 .iter()
-                .any(|(id, net, len)| *id == svc.id && prefix_match(&src, net, *len));
+                .any(|(id, net, len)| *id == svc.id && prefix_match(&src, net, *len, bits));
             if !allowed {
                 self.count(stat::DROP_SOURCE_RANGE);
                 self.svc(svc.id).drop_source_range += 1;
@@ -896,7 +1115,7 @@ impl Model {
             .tables
             .backends
             .get(&backend_id)
-            .filter(|b| b.family == FAMILY_V4)
+            .filter(|b| b.family == A::FAMILY)
             .copied()
         else {
             self.count(stat::DROP_BAD_BACKEND);
@@ -909,36 +1128,71 @@ impl Model {
         };
         Ok(Target {
             backend_id,
-            node: backend.addr.v4_raw(),
+            node: A::from_addr(&backend.addr),
             node_port: backend.port_be,
             mac,
-            snat: svc.snat_addr.v4_raw(),
+            snat: A::from_addr(&svc.snat_addr),
         })
     }
 
-    /// ICMP errors about one of our flows are translated, outer and inner headers; all else is the kernel's. The
-    /// message ends where the IP packet does (`end`): Ethernet padding after it is no part of the quote.
+    /// An ICMP error: types 3 and 11 quoting an IPv4 packet of ours (header without options, TCP or UDP) are
+    /// translated; all else is the kernel's. The message ends where the IP packet does (`end`): Ethernet padding
+    /// after it is no part of the quote.
     fn icmp(&mut self, f: &[u8], l4_off: usize, end: usize) -> Step<Answer> {
         if l4_off + 8 > end {
-            self.count(stat::DROP_MALFORMED);
-            return Ok((Verdict::Drop, None));
+            return self.malformed();
         }
         let ty = f[l4_off];
         if ty != 3 && ty != 11 {
-            self.count(stat::PASS_NOT_SERVICE);
-            return Ok((Verdict::Pass, None));
+            return self.pass(stat::PASS_NOT_SERVICE);
         }
         let inner = l4_off + 8;
-        let ports = inner + 20;
-        if ports + 4 > end || f[inner] != 0x45 || !matches!(f[inner + 9], PROTO_TCP | PROTO_UDP) {
-            self.count(stat::PASS_ICMP_UNKNOWN);
-            return Ok((Verdict::Pass, None));
+        if inner + 24 > end || f[inner] != 0x45 || !matches!(f[inner + 9], PROTO_TCP | PROTO_UDP) {
+            return self.pass(stat::PASS_ICMP_UNKNOWN);
         }
-        let iproto = f[inner + 9];
+        self.translate::<u32>(f, l4_off, f[inner + 9], end)
+    }
+
+    /// An ICMPv6 message: echo, neighbour discovery and router messages are the kernel's; errors (destination
+    /// unreachable, packet too big, time exceeded) quoting a TCP or UDP packet of ours right after its fixed
+    /// header are translated; other types are the kernel's.
+    fn icmp6(&mut self, f: &[u8], l4_off: usize, end: usize) -> Step<Answer> {
+        if l4_off + 8 > end {
+            return self.malformed();
+        }
+        let ty = f[l4_off];
+        if matches!(ty, 128 | 129 | 133..=137) {
+            return self.pass(stat::PASS_NOT_SERVICE);
+        }
+        if !matches!(ty, 1..=3) {
+            return self.pass(stat::PASS_ICMP_UNKNOWN);
+        }
+        let inner = l4_off + 8;
+        // The quoted header whole in the frame, its ports within the message.
+        if inner + 40 > f.len()
+            || inner + 44 > end
+            || !matches!(f[inner + 6], PROTO_TCP | PROTO_UDP)
+        {
+            return self.pass(stat::PASS_ICMP_UNKNOWN);
+        }
+        self.translate::<In6>(f, l4_off, f[inner + 6], end)
+    }
+
+    /// ICMP errors about one of our flows are translated, outer and inner headers, and sent the way the flow goes.
+    /// The quote (an IP header without options or extension headers, then `iproto`'s ports) starts at `l4_off + 8`.
+    fn translate<A: Fam>(
+        &mut self,
+        f: &[u8],
+        l4_off: usize,
+        iproto: u8,
+        end: usize,
+    ) -> Step<Answer> {
+        let inner = l4_off + 8;
+        let ports = inner + A::IP_LEN;
         // The quoted packet is one we sent: turned around, it is the key of this direction's entry.
-        let key = FlowKeyV4 {
-            src: raw32(f, inner + 16),
-            dst: raw32(f, inner + 12),
+        let key = FlowKey::<A> {
+            src: A::read(f, inner + A::DST),
+            dst: A::read(f, inner + A::SRC),
             sport: raw16(f, ports + 2),
             dport: raw16(f, ports),
             proto: iproto,
@@ -954,50 +1208,46 @@ impl Model {
             None => None,
         };
         let Some(fl) = fl else {
-            self.count(stat::PASS_ICMP_UNKNOWN);
-            return Ok((Verdict::Pass, None));
+            return self.pass(stat::PASS_ICMP_UNKNOWN);
         };
         let mut o = f.to_vec();
-        let set32 = |o: &mut Vec<u8>, at: usize, raw: u32| {
-            o[at..at + 4].copy_from_slice(&raw.to_ne_bytes())
-        };
         let set16 = |o: &mut Vec<u8>, at: usize, raw: u16| {
             o[at..at + 2].copy_from_slice(&raw.to_ne_bytes())
         };
         let word = |o: &Vec<u8>, at: usize| be16(o, at);
+        let mut csums = vec![(l4_off + 2, false)];
         // Outer: from us to the far side of the flow.
-        let (osrc, odst) = (raw32(f, 26), raw32(f, 30));
-        let ock = update(
-            word(&o, 24),
-            &[words32(osrc), words32(odst)].concat(),
-            &[words32(fl.new_src), words32(fl.new_dst)].concat(),
-        );
-        set32(&mut o, 26, fl.new_src);
-        set32(&mut o, 30, fl.new_dst);
-        o[24..26].copy_from_slice(&ock.to_be_bytes());
+        let (osrc, odst) = (A::read(f, 14 + A::SRC), A::read(f, 14 + A::DST));
+        let old_outer = [osrc.words(), odst.words()].concat();
+        let new_outer = [fl.new_src.words(), fl.new_dst.words()].concat();
+        fl.new_src.write(&mut o, 14 + A::SRC);
+        fl.new_dst.write(&mut o, 14 + A::DST);
+        if let Some(at) = A::IP_CSUM {
+            let ck = update(word(&o, 14 + at), &old_outer, &new_outer);
+            o[14 + at..14 + at + 2].copy_from_slice(&ck.to_be_bytes());
+            csums.push((14 + at, false));
+        }
         // Inner: the packet as the far side sent it.
-        let (isrc, idst) = (raw32(f, inner + 12), raw32(f, inner + 16));
+        let (isrc, idst) = (A::read(f, inner + A::SRC), A::read(f, inner + A::DST));
         let (isport, idport) = (raw16(f, ports), raw16(f, ports + 2));
-        let old_words = [
-            words32(isrc).as_slice(),
-            &words32(idst),
-            &[word16(isport), word16(idport)],
-        ]
-        .concat();
+        let old_addrs = [isrc.words(), idst.words()].concat();
+        let new_addrs = [fl.new_dst.words(), fl.new_src.words()].concat();
+        let old_words = [old_addrs.as_slice(), &[word16(isport), word16(idport)]].concat();
         let new_words = [
-            words32(fl.new_dst).as_slice(),
-            &words32(fl.new_src),
+            new_addrs.as_slice(),
             &[word16(fl.new_dport), word16(fl.new_sport)],
         ]
         .concat();
-        set32(&mut o, inner + 12, fl.new_dst);
-        set32(&mut o, inner + 16, fl.new_src);
-        let ick = update(word(&o, inner + 10), &old_words[..4], &new_words[..4]);
-        o[inner + 10..inner + 12].copy_from_slice(&ick.to_be_bytes());
+        fl.new_dst.write(&mut o, inner + A::SRC);
+        fl.new_src.write(&mut o, inner + A::DST);
+        if let Some(at) = A::IP_CSUM {
+            let ick = update(word(&o, inner + at), &old_addrs, &new_addrs);
+            o[inner + at..inner + at + 2].copy_from_slice(&ick.to_be_bytes());
+            csums.push((inner + at, false));
+        }
         set16(&mut o, ports, fl.new_dport);
         set16(&mut o, ports + 2, fl.new_sport);
         // The inner L4 checksum, when the quote reaches it.
-        let mut csums = vec![(24, false), (inner + 10, false), (l4_off + 2, false)];
         let ck_at = ports + if iproto == PROTO_TCP { 16 } else { 6 };
         if ck_at + 2 <= end {
             csums.push((ck_at, iproto == PROTO_UDP));
@@ -1014,9 +1264,13 @@ impl Model {
             };
             o[ck_at..ck_at + 2].copy_from_slice(&new.to_be_bytes());
         }
-        // The ICMP checksum covers the whole message: every 16-bit word that changed in it.
-        let mut old_icmp = vec![];
-        let mut new_icmp = vec![];
+        // The ICMP checksum covers the whole message: every 16-bit word that changed in it (and for ICMPv6 the
+        // outer addresses, in its pseudo header).
+        let (mut old_icmp, mut new_icmp) = if A::ICMP_PSEUDO {
+            (old_outer, new_outer)
+        } else {
+            (vec![], vec![])
+        };
         let mut at = l4_off;
         while at + 1 < end {
             if at != l4_off + 2 {
@@ -1035,20 +1289,30 @@ impl Model {
     }
 }
 
-/// The backend chosen for a new flow.
-struct Target {
-    backend_id: u32,
-    node: u32,
-    node_port: u16,
-    mac: [u8; 6],
-    snat: u32,
+/// The `SERVICES` key a packet with flow key `key` is for.
+fn service_key<A: Fam>(key: &FlowKey<A>) -> ServiceKey {
+    ServiceKey {
+        addr: key.dst.to_addr(),
+        port_be: key.dport,
+        proto: key.proto,
+        family: A::FAMILY,
+    }
 }
 
-impl Target {
+/// The backend chosen for a new flow.
+struct Target<A: Fam> {
+    backend_id: u32,
+    node: A,
+    node_port: u16,
+    mac: [u8; 6],
+    snat: A,
+}
+
+impl<A: Fam> Target<A> {
     /// Backend → client: node:NodePort → VIP:service port, SNAT port `port` → client port.
-    fn reverse(&self, p: &L4, svc: &Service, port: u16) -> FlowV4 {
+    fn reverse(&self, p: &L4<A>, svc: &Service, port: u16) -> Flow<A> {
         let k = &p.key;
-        FlowV4 {
+        Flow {
             new_src: k.dst,
             new_dst: k.src,
             new_sport: k.dport,
@@ -1060,8 +1324,8 @@ impl Target {
             backend_id: self.backend_id,
             timeout_s: svc.idle_timeout_s,
             csum_addr: delta(
-                &[words32(self.node), words32(self.snat)].concat(),
-                &[words32(k.dst), words32(k.src)].concat(),
+                &[self.node.words(), self.snat.words()].concat(),
+                &[k.dst.words(), k.src.words()].concat(),
             ) as u32,
             csum_port: delta(
                 &[word16(self.node_port), word16(port)],
@@ -1072,9 +1336,9 @@ impl Target {
     }
 
     /// Client → backend: client:port → SNAT:port, VIP:service port → node:NodePort.
-    fn forward(&self, p: &L4, svc: &Service, port: u16) -> FlowV4 {
+    fn forward(&self, p: &L4<A>, svc: &Service, port: u16) -> Flow<A> {
         let k = &p.key;
-        FlowV4 {
+        Flow {
             new_src: self.snat,
             new_dst: self.node,
             new_sport: port,
@@ -1086,8 +1350,8 @@ impl Target {
             backend_id: self.backend_id,
             timeout_s: svc.idle_timeout_s,
             csum_addr: delta(
-                &[words32(k.src), words32(k.dst)].concat(),
-                &[words32(self.snat), words32(self.node)].concat(),
+                &[k.src.words(), k.dst.words()].concat(),
+                &[self.snat.words(), self.node.words()].concat(),
             ) as u32,
             csum_port: delta(
                 &[word16(k.sport), word16(k.dport)],
@@ -1099,20 +1363,20 @@ impl Target {
 }
 
 /// A closed connection's entry.
-fn transient(flow: FlowV4) -> TransientV4 {
-    TransientV4 {
+fn transient<A: Fam>(flow: Flow<A>) -> Transient<A> {
+    Transient {
         flow,
         ..Default::default()
     }
 }
 
 /// FIN or RST seen.
-fn closed(fl: &FlowV4) -> bool {
+fn closed<A: Fam>(fl: &Flow<A>) -> bool {
     fl.flags & (FLOW_F_FIN | FLOW_F_RST) != 0
 }
 
 /// Idle past the timeout at `now` (0 = never).
-fn idle(fl: &FlowV4, clock: Clock) -> Step<bool> {
+fn idle<A: Fam>(fl: &Flow<A>, clock: Clock) -> Step<bool> {
     if fl.timeout_s == 0 || fl.last_seen_ns == FRESH {
         return Ok(false);
     }
@@ -1125,7 +1389,7 @@ fn idle(fl: &FlowV4, clock: Clock) -> Step<bool> {
 }
 
 /// A handshake past its 30 s, or a closed connection past its closing timeout.
-fn stale(t: &TransientV4, clock: Clock) -> Step<bool> {
+fn stale<A: Fam>(t: &Transient<A>, clock: Clock) -> Step<bool> {
     if t.flow.flags & (FLOW_F_FIN | FLOW_F_RST) != 0 {
         return idle(&t.flow, clock);
     }
@@ -1147,19 +1411,21 @@ fn decide(clock: Clock, rule: impl Fn(u64) -> bool, what: &'static str) -> Step<
     Ok(lo)
 }
 
-fn prefix_match(addr: &[u8; 4], net: &[u8; 4], len: u32) -> bool {
-    let a = u32::from_be_bytes(*addr);
-    let n = u32::from_be_bytes(*net);
-    let mask = if len == 0 {
-        0
-    } else {
-        u32::MAX << (32 - len.min(32))
-    };
-    a & mask == n & mask
+/// Whether `addr` (an address of `bits` bits) is in the prefix `net`/`len`: a range longer than the address's
+/// family never matches (the LPM lookup's key is that long).
+fn prefix_match(addr: &Addr, net: &Addr, len: u32, bits: u32) -> bool {
+    if len > bits {
+        return false;
+    }
+    (0..len as usize).all(|i| {
+        let bit = |a: &Addr| (a.bytes[i / 8] >> (7 - i % 8)) & 1;
+        bit(addr) == bit(net)
+    })
 }
 
-/// murmur3's finaliser over the 5-tuple, seeded: docs/design.md's "seeded 5-tuple hash" that replicas share.
-pub fn flow_hash(k: &FlowKeyV4, seed: u32) -> u32 {
+/// murmur3's finaliser over the 5-tuple, seeded, each address word by word: docs/design.md's "seeded 5-tuple
+/// hash" that replicas share.
+pub fn flow_hash<A: Fam>(k: &FlowKey<A>, seed: u32) -> u32 {
     fn fmix(mut h: u32) -> u32 {
         h ^= h >> 16;
         h = h.wrapping_mul(0x85eb_ca6b);
@@ -1167,24 +1433,31 @@ pub fn flow_hash(k: &FlowKeyV4, seed: u32) -> u32 {
         h = h.wrapping_mul(0xc2b2_ae35);
         h ^ (h >> 16)
     }
-    let mut h = fmix(seed ^ k.src);
-    h = fmix(h ^ k.dst);
+    let mut h = seed;
+    for w in k.src.raw_words().into_iter().chain(k.dst.raw_words()) {
+        h = fmix(h ^ w);
+    }
     h = fmix(h ^ (((k.sport as u32) << 16) | k.dport as u32));
     fmix(h ^ k.proto as u32)
 }
 
-/// The frame after a flow's rewrite: MACs, addresses, ports, the IP and L4 checksums.
-fn rewrite(f: &[u8], p: &L4, fl: &FlowV4) -> Out {
+/// The frame after a flow's rewrite: MACs, addresses, ports, the IPv4 header checksum and the L4 checksum.
+fn rewrite<A: Fam>(f: &[u8], p: &L4<A>, fl: &Flow<A>) -> Out {
     let mut o = f.to_vec();
     let k = &p.key;
     o[6..12].copy_from_slice(&p.eth_dst);
     o[0..6].copy_from_slice(&fl.mac);
-    let old_addr = [words32(k.src), words32(k.dst)].concat();
-    let new_addr = [words32(fl.new_src), words32(fl.new_dst)].concat();
-    let ipck = update(be16(f, 24), &old_addr, &new_addr);
-    o[24..26].copy_from_slice(&ipck.to_be_bytes());
-    o[26..30].copy_from_slice(&fl.new_src.to_ne_bytes());
-    o[30..34].copy_from_slice(&fl.new_dst.to_ne_bytes());
+    let old_addr = [k.src.words(), k.dst.words()].concat();
+    let new_addr = [fl.new_src.words(), fl.new_dst.words()].concat();
+    let mut csums = vec![];
+    if let Some(at) = A::IP_CSUM {
+        let at = 14 + at;
+        let ipck = update(be16(f, at), &old_addr, &new_addr);
+        o[at..at + 2].copy_from_slice(&ipck.to_be_bytes());
+        csums.push((at, false));
+    }
+    fl.new_src.write(&mut o, 14 + A::SRC);
+    fl.new_dst.write(&mut o, 14 + A::DST);
     o[p.l4_off..p.l4_off + 2].copy_from_slice(&fl.new_sport.to_ne_bytes());
     o[p.l4_off + 2..p.l4_off + 4].copy_from_slice(&fl.new_dport.to_ne_bytes());
     let ck_at = p.l4_off + if p.tcp() { 16 } else { 6 };
@@ -1206,10 +1479,8 @@ fn rewrite(f: &[u8], p: &L4, fl: &FlowV4) -> Out {
         }
     };
     o[ck_at..ck_at + 2].copy_from_slice(&new.to_be_bytes());
-    Out {
-        frame: o,
-        csums: vec![(24, false), (ck_at, !p.tcp())],
-    }
+    csums.push((ck_at, !p.tcp()));
+    Out { frame: o, csums }
 }
 
 /// Compares the expected output frame with the program's. Checksums compare as one's-complement numbers (0 and
@@ -1252,13 +1523,13 @@ pub fn first_difference(a: &[u8], b: &[u8]) -> String {
 
 /// Compares a table entry of the kernel with the model's; timestamps written in this run must lie within the
 /// clock readings and are adopted. Returns the entry the model keeps.
-pub fn compare_flow(
+pub fn compare_flow<A: Fam>(
     what: &str,
-    key: &FlowKeyV4,
-    model: &FlowV4,
-    kernel: &FlowV4,
+    key: &FlowKey<A>,
+    model: &Flow<A>,
+    kernel: &Flow<A>,
     clock: Clock,
-) -> Result<FlowV4, String> {
+) -> Result<Flow<A>, String> {
     let mut m = *model;
     if m.last_seen_ns == FRESH {
         if !(clock.lo..=clock.hi).contains(&kernel.last_seen_ns) {
