@@ -181,6 +181,8 @@ fn l4_frame<C: Ctx>(
 /// `maps::NEW_FLOW_HANDOFF`) opens a flow for its service. Its headers are taken again at the handed offset
 /// (checked again: the verifier knows nothing of the other program), its service and the entry it releases
 /// looked up again.
+// Keys go to the map helpers by reference: a copy would take 40 bytes of the BPF stack.
+#[allow(clippy::needless_borrows_for_generic_args)]
 #[inline(always)]
 pub fn new_flow6<C: Ctx>(c: &C) -> Verdict {
     let Some(h) = NEW_FLOW_HANDOFF.get(0) else {

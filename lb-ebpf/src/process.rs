@@ -286,6 +286,8 @@ pub(crate) fn open_flow<C: Ctx, F: Family>(
 
 /// A TCP connection for service `svc` to backend `t`: the handshake waits in TRANSIENT_V4; FLOWS_V4 gets the
 /// connection when the client completes it.
+// Keys go to the map helpers by reference: a copy would take 40 bytes of the BPF stack (IPv6).
+#[allow(clippy::needless_borrows_for_generic_args)]
 #[inline(always)]
 pub(crate) fn open_handshake<C: Ctx, F: Family>(
     c: &C,
