@@ -4,13 +4,15 @@
 //! after the first would see a NATed packet. The wrappers copy a template packet into the frame first;
 //! `bench_restore` measures that copy alone so the report can subtract it.
 //!
-//! IPv6 takes the product's path: `bench_lb` runs the IPv4 entry logic, whose `Verdict::Ipv6` tail-calls the IPv6
-//! program through `V6_PROGS_XDP`, which tail-calls its new-flow program for a new flow. The IPv6 programs here
-//! are the product's (`lb_xdp6`, `lb_xdp6_new`: same names, same glue from `lb_ebpf::entry`, same logic), built
-//! into this object because a tail call only reaches a program array of the caller's object, and the IPv6
-//! programs must work on this object's maps, which the benchmark fills. The benchmark puts them into their slots
-//! as the agent does (`Dataplane::load_ipv6_programs`). So an IPv6 case measures both tail calls, and the
-//! restore runs once, before them.
+//! IPv6 takes the product's path, so that its cases cost what a real IPv6 packet costs: `bench_lb` runs `lb_xdp`'s
+//! logic (`process`, then `lb_ebpf::entry::xdp_after_ipv4`), whose `Verdict::Ipv6` tail-calls slot `V6_PROG_FAST`
+//! of `V6_PROGS_XDP`, and that program tail-calls slot `V6_PROG_NEW_FLOW` for a new flow. The two IPv6 programs
+//! below are the product's (`lb_xdp6`, `lb_xdp6_new` of `src/main.rs`: same names, same library code), built into
+//! this object, and the benchmark fills this object's program array as the agent fills lb.o's
+//! (`Dataplane::load_ipv6_programs`). Why so: a wrapper calling `process6` directly would leave out the IPv4 entry
+//! logic and both tail calls, part of what IPv6 costs; lb.o's own programs, loaded beside, would work on lb.o's
+//! maps, not on the ones the benchmark fills (sharing them would take pinning both objects' maps). The restore
+//! runs once, in `bench_lb`, before the tail calls.
 //!
 //! `storm_gen` is the netns e2e's malformed-frame storm (`lb-testbed stormgen`), a live-frames generator too.
 #![cfg_attr(target_arch = "bpf", no_std)]
