@@ -13,6 +13,7 @@
 pub mod conntrack;
 pub mod csum;
 pub mod ctx;
+pub mod entry;
 pub mod family;
 pub mod flow_filter;
 pub mod hash;

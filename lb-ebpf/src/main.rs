@@ -5,15 +5,16 @@
 //! IPv6 has programs of its own (`*6`), reached by tail call through `V6_PROGS_XDP` / `V6_PROGS_TC`: both
 //! families in one program would exceed the verifier's budget. A packet that opens an IPv6 flow goes on, by a
 //! second tail call, to the new-flow program (`*6_new`): with IPv6's keys the lookups and the new-flow path do not
-//! fit one 512-byte stack. The tail calls are made here, in the entry functions: the verifier restricts tail
-//! calls from subprograms.
+//! fit one 512-byte stack. The tail calls are made here, in the entry functions (the XDP ones through
+//! [`lb_ebpf::entry`], inlined, which the benchmark wrappers share): the verifier restricts tail calls from
+//! subprograms.
 #![cfg_attr(target_arch = "bpf", no_std)]
 #![cfg_attr(target_arch = "bpf", no_main)]
 
 #[cfg(target_arch = "bpf")]
 mod programs {
     use aya_ebpf::{
-        bindings::{xdp_action, TC_ACT_OK, TC_ACT_SHOT},
+        bindings::{TC_ACT_OK, TC_ACT_SHOT},
         helpers::bpf_redirect,
         macros::{classifier, xdp},
         programs::{TcContext, XdpContext},
@@ -23,8 +24,9 @@ mod programs {
     };
     use lb_ebpf::{
         ctx::{Tc, Verdict, Xdp},
+        entry::{xdp_after_ipv4, xdp_after_ipv6, xdp_verdict},
         ipv6::{new_flow6, process6},
-        maps::{count, V6_PROGS_TC, V6_PROGS_XDP},
+        maps::{count, V6_PROGS_TC},
         process::process,
         trace::{traced, traced6, traced6_new},
     };
@@ -32,78 +34,37 @@ mod programs {
     /// XDP entry point: attach natively to the LB interface.
     #[xdp]
     pub fn lb_xdp(ctx: XdpContext) -> u32 {
-        match process(&Xdp(&ctx)) {
-            Verdict::Ipv6 => {
-                // SAFETY: a tail call with this program's own context; on success it does not return.
-                unsafe { V6_PROGS_XDP.tail_call(&ctx, V6_PROG_FAST) };
-                count(stat::PASS_NO_IPV6_PROGRAM);
-                xdp_action::XDP_PASS
-            }
-            v => xdp_action(v),
-        }
+        xdp_after_ipv4(&ctx, process(&Xdp(&ctx)), V6_PROG_FAST)
     }
 
     /// [`lb_xdp`] with `lbctl trace`'s report (swapped onto the link only while a trace runs).
     #[xdp]
     pub fn lb_xdp_trace(ctx: XdpContext) -> u32 {
-        match traced(&Xdp(&ctx)) {
-            Verdict::Ipv6 => {
-                // SAFETY: as in `lb_xdp`.
-                unsafe { V6_PROGS_XDP.tail_call(&ctx, V6_PROG_TRACED) };
-                count(stat::PASS_NO_IPV6_PROGRAM);
-                xdp_action::XDP_PASS
-            }
-            v => xdp_action(v),
-        }
+        xdp_after_ipv4(&ctx, traced(&Xdp(&ctx)), V6_PROG_TRACED)
     }
 
     /// The IPv6 XDP program (slot `V6_PROG_FAST` of `V6_PROGS_XDP`).
     #[xdp]
     pub fn lb_xdp6(ctx: XdpContext) -> u32 {
-        match process6(&Xdp(&ctx)) {
-            Verdict::NewFlow => {
-                // SAFETY: as in `lb_xdp`.
-                unsafe { V6_PROGS_XDP.tail_call(&ctx, V6_PROG_NEW_FLOW) };
-                count(stat::PASS_NO_IPV6_PROGRAM);
-                xdp_action::XDP_PASS
-            }
-            v => xdp_action(v),
-        }
+        xdp_after_ipv6(&ctx, process6(&Xdp(&ctx)), V6_PROG_NEW_FLOW)
     }
 
     /// [`lb_xdp6`] with `lbctl trace`'s report (slot `V6_PROG_TRACED`).
     #[xdp]
     pub fn lb_xdp6_trace(ctx: XdpContext) -> u32 {
-        match traced6(&Xdp(&ctx)) {
-            Verdict::NewFlow => {
-                // SAFETY: as in `lb_xdp`.
-                unsafe { V6_PROGS_XDP.tail_call(&ctx, V6_PROG_NEW_FLOW_TRACED) };
-                count(stat::PASS_NO_IPV6_PROGRAM);
-                xdp_action::XDP_PASS
-            }
-            v => xdp_action(v),
-        }
+        xdp_after_ipv6(&ctx, traced6(&Xdp(&ctx)), V6_PROG_NEW_FLOW_TRACED)
     }
 
     /// The IPv6 XDP new-flow program (slot `V6_PROG_NEW_FLOW`).
     #[xdp]
     pub fn lb_xdp6_new(ctx: XdpContext) -> u32 {
-        xdp_action(new_flow6(&Xdp(&ctx)))
+        xdp_verdict(new_flow6(&Xdp(&ctx)))
     }
 
     /// [`lb_xdp6_new`] with `lbctl trace`'s report (slot `V6_PROG_NEW_FLOW_TRACED`).
     #[xdp]
     pub fn lb_xdp6_new_trace(ctx: XdpContext) -> u32 {
-        xdp_action(traced6_new(&Xdp(&ctx)))
-    }
-
-    #[inline(always)]
-    fn xdp_action(v: Verdict) -> u32 {
-        match v {
-            Verdict::Pass | Verdict::Ipv6 | Verdict::NewFlow => xdp_action::XDP_PASS,
-            Verdict::Drop => xdp_action::XDP_DROP,
-            Verdict::Tx => xdp_action::XDP_TX,
-        }
+        xdp_verdict(traced6_new(&Xdp(&ctx)))
     }
 
     /// Headers the logic may read directly: Ethernet + IPv4 with options + ICMP + inner IPv4 + inner ports.

@@ -4,19 +4,31 @@
 //! The load balancer rewrites the test buffer, so its cases run through a wrapper that first restores the
 //! template frame (see `lb-ebpf/src/bin/lb-bench.rs`). The wrapper's own cost (`restore` minus bare
 //! `XDP_TX`) is measured and subtracted: `net = wrapped − (restore − tx)`; ratio = `net / reflector`.
+//!
+//! The IPv6 cases (`tcp6_*`, 84-byte frames: the IPv4 frames' headers and payload plus IPv6's 20 more header bytes)
+//! run in the same wrapper and take the product's path: the IPv4 entry logic, then a tail call into the IPv6
+//! program and, for a new flow, another into its new-flow program — the product's programs, built into the
+//! benchmark object and put into its program array as the agent does (see lb-bench.rs). Their own restore
+//! (84 bytes) is measured and subtracted the same way. The report compares IPv6 with IPv4, case by case; the
+//! established and other fast cases are measured in rounds (each case once per round), so that the drift of a
+//! shared machine does not fall on one family.
 
 use anyhow::{bail, Context, Result};
 use aya::maps::Array;
 use aya::programs::{TestRun, TestRunOptions};
 use clap::Parser;
+use lb_agent::dataplane::flow_filter::FlowFilterMap;
+use lb_agent::dataplane::maps::Table;
 use lb_agent::dataplane::model::{Protocol, ServiceId, ServiceSpec};
 use lb_agent::dataplane::programmer::{ip_to_addr, Programmer};
 use lb_agent::dataplane::{Dataplane, MapSizes};
 use lb_benches::{median, write_json};
-use lb_common::{FlowKeyV4, FlowV4, NextHop, FLOW_F_FORWARD, FLOW_F_REVERSE};
+use lb_common::{
+    Addr, Flow, FlowAddr, FlowKey, FlowKeyV4, FlowKeyV6, NextHop, FLOW_F_FORWARD, FLOW_F_REVERSE,
+};
 use lb_test_support::packets::*;
 use serde::Serialize;
-use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::path::PathBuf;
 use std::time::Duration;
 
@@ -31,7 +43,7 @@ struct Args {
     /// Measurements per case (the median is reported).
     #[arg(long, default_value_t = 3)]
     runs: usize,
-    /// Flow-table size of the production-sized case (filled before it runs).
+    /// Flow-table size of the production-sized cases, each family's (filled before they run).
     #[arg(long, default_value_t = 4 << 20)]
     production_flows: u32,
     /// A few seconds' run that only proves the benchmark loads and runs (`cargo xtask test`): 1000 repeats, one
@@ -40,7 +52,9 @@ struct Args {
     smoke: bool,
 }
 
+/// Bytes of an IPv4 benchmark frame, and of an IPv6 one (mirrors of lb-bench.rs).
 const FRAME: usize = 64;
+const FRAME6: usize = 84;
 
 /// Mirror of `BenchPacket` in lb-bench.rs.
 #[repr(C)]
@@ -48,7 +62,9 @@ const FRAME: usize = 64;
 struct BenchPacket {
     vary: u32,
     counter: u32,
-    data: [u8; FRAME],
+    len: u32,
+    _pad: u32,
+    data: [u8; FRAME6],
 }
 // SAFETY: repr(C), integers and bytes only, no padding.
 unsafe impl aya::Pod for BenchPacket {}
@@ -61,9 +77,18 @@ fn node_ip(i: u8) -> Ipv4Addr {
     Ipv4Addr::new(10, 0, 1, 10 + i)
 }
 
+const VIP6: Ipv6Addr = Ipv6Addr::new(0x2001, 0xdb8, 0x113, 0, 0, 0, 0, 1);
+const CLIENT6: Ipv6Addr = Ipv6Addr::new(0x2001, 0xdb8, 0x100, 0, 0, 0, 0, 0x10);
+
+fn node_ip6(i: u8) -> Ipv6Addr {
+    Ipv6Addr::new(0xfd00, 0, 0, 1, 0, 0, 0, 0x10 + i as u16)
+}
+
 #[derive(Serialize)]
 struct Case {
     name: &'static str,
+    /// "ipv4" or "ipv6".
+    family: &'static str,
     verdict: &'static str,
     wrapped_ns: f64,
     net_ns: f64,
@@ -78,8 +103,12 @@ struct Report {
     reflector_ns: f64,
     restore_ns: f64,
     wrapper_cost_ns: f64,
+    /// The restore of an IPv6 (84-byte) frame, and its own cost (subtracted from the IPv6 cases).
+    restore6_ns: f64,
+    wrapper6_cost_ns: f64,
     cases: Vec<Case>,
     targets: Targets,
+    ipv6_vs_ipv4: V6VsV4,
 }
 
 #[derive(Serialize)]
@@ -88,6 +117,24 @@ struct Targets {
     established_met: bool,
     new_flow_max_ratio: f64,
     new_flow_met: bool,
+}
+
+/// IPv6's net cost over IPv4's, same case, same run.
+#[derive(Serialize)]
+struct V6VsV4 {
+    /// `tcp6_established` / `tcp_established`.
+    established: f64,
+    /// `tcp6_established_full` / `tcp_established_full`.
+    established_full: f64,
+    /// `tcp6_reply` / `tcp_reply`.
+    reply: f64,
+    /// `tcp6_new_flow_syn` / `tcp_new_flow_syn`.
+    new_flow: f64,
+    /// `tcp6_new_flow_syn_full` / `tcp_new_flow_syn_full`.
+    new_flow_full: f64,
+    /// The goal for `established`.
+    established_max: f64,
+    established_met: bool,
 }
 
 struct Bench {
@@ -101,10 +148,14 @@ fn load(obj: &[u8], sizes: &MapSizes) -> Result<Dataplane> {
     for p in ["bench_tx", "bench_reflect", "bench_restore", "bench_lb"] {
         dp.xdp_program(p)?;
     }
+    // The IPv6 programs into their tail-call slots, as the agent does before it attaches.
+    if !dp.load_ipv6_programs(true, false)? {
+        bail!("the benchmark object has no IPv6 programs (lb_xdp6): rebuild it (`cargo xtask build-ebpf`)");
+    }
     let mut programmer = Programmer::new(sizes.services, sizes.backends, sizes.maglev_slots);
-    let svc = |protocol, port, node_port| ServiceSpec {
+    let svc_on = |vip: IpAddr, protocol, port, node_port| ServiceSpec {
         id: ServiceId {
-            vip: IpAddr::V4(VIP),
+            vip,
             port,
             protocol,
         },
@@ -114,9 +165,16 @@ fn load(obj: &[u8], sizes: &MapSizes) -> Result<Dataplane> {
         // 64 nodes: one SNAT address gives ~64k concurrent flows per node:NodePort, and the new-flow
         // case creates millions.
         backends: (0..NODES)
-            .map(|i| SocketAddr::new(IpAddr::V4(node_ip(i)), node_port))
+            .map(|i| {
+                let node = match vip {
+                    IpAddr::V4(_) => IpAddr::V4(node_ip(i)),
+                    IpAddr::V6(_) => IpAddr::V6(node_ip6(i)),
+                };
+                SocketAddr::new(node, node_port)
+            })
             .collect(),
     };
+    let svc = |protocol, port, node_port| svc_on(IpAddr::V4(VIP), protocol, port, node_port);
     let mut denied = svc(Protocol::Tcp, 8443, 30443);
     denied.source_ranges = vec!["192.0.2.0/24".parse()?];
     programmer.apply(
@@ -125,35 +183,46 @@ fn load(obj: &[u8], sizes: &MapSizes) -> Result<Dataplane> {
             svc(Protocol::Tcp, 80, 30080),
             svc(Protocol::Udp, 53, 30053),
             denied,
+            svc_on(IpAddr::V6(VIP6), Protocol::Tcp, 80, 30080),
         ],
     )?;
     for i in 0..NODES {
-        dp.maps.nexthops.insert(
-            &ip_to_addr(IpAddr::V4(node_ip(i))),
-            &NextHop {
-                mac: node_mac(i + 1),
-                _pad: 0,
-                ifindex: 0,
-            },
-        )?;
+        for node in [IpAddr::V4(node_ip(i)), IpAddr::V6(node_ip6(i))] {
+            dp.maps.nexthops.insert(
+                &ip_to_addr(node),
+                &NextHop {
+                    mac: node_mac(i + 1),
+                    _pad: 0,
+                    ifindex: 0,
+                },
+            )?;
+        }
     }
     Ok(dp)
 }
 
-/// Fills the flow table to its capacity with established-looking connections from other clients (both
-/// entries each), as a busy load balancer's table is; returns the entries written.
-fn fill(dp: &mut Dataplane, capacity: u32) -> Result<u32> {
+/// Fills a flow table to its capacity with established-looking connections from other clients (both entries each,
+/// marked in the flow filter, as `Maps::set_flow` marks them), as a busy load balancer's table is; returns the
+/// entries written. `client(i)` is the address of the `i`-th 256 connections' client.
+fn fill<A: FlowAddr>(
+    flows: &mut Table<FlowKey<A>, Flow<A>>,
+    filter: &FlowFilterMap,
+    capacity: u32,
+    vip: A,
+    client: impl Fn(u32) -> A,
+    node: impl Fn(u8) -> A,
+) -> Result<u32> {
+    const BATCH: usize = 1 << 16;
+    let mut batch = Vec::with_capacity(BATCH);
     let mut n = 0;
     let mut i = 0u32;
     while n + 2 <= capacity {
-        let client = u32::from_ne_bytes(Ipv4Addr::from(0x6400_0000 + (i >> 8)).octets());
-        let node = u32::from_ne_bytes(node_ip((i % NODES as u32) as u8).octets());
-        let vip = u32::from_ne_bytes(VIP.octets());
         // SNAT ports scattered over the range as the data plane's hash-seeded search leaves them (a contiguous
         // block would make every search that starts inside it walk the whole block).
         let scattered = 1024 + ((i >> 6) as u64 * 40499 % 64512) as u16;
         let (cport, sport) = ((1024 + (i & 0xff) as u16).to_be(), scattered.to_be());
-        let fwd_key = FlowKeyV4 {
+        let client = client(i >> 8);
+        let fwd_key = FlowKey {
             src: client,
             dst: vip,
             sport: cport,
@@ -161,16 +230,16 @@ fn fill(dp: &mut Dataplane, capacity: u32) -> Result<u32> {
             proto: 6,
             _pad: [0; 3],
         };
-        let fwd = FlowV4 {
+        let fwd = Flow {
             new_src: vip,
-            new_dst: node,
+            new_dst: node((i % NODES as u32) as u8),
             new_sport: sport,
             new_dport: 30080u16.to_be(),
             flags: FLOW_F_FORWARD,
             last_seen_ns: u64::MAX / 2,
             ..Default::default()
         };
-        let rev = FlowV4 {
+        let rev = Flow {
             new_src: vip,
             new_dst: client,
             new_sport: 80u16.to_be(),
@@ -179,24 +248,68 @@ fn fill(dp: &mut Dataplane, capacity: u32) -> Result<u32> {
             last_seen_ns: u64::MAX / 2,
             ..Default::default()
         };
-        dp.maps.set_flow(&fwd_key, &fwd)?;
-        dp.maps.set_flow(&fwd.partner_key(6), &rev)?;
+        batch.push((fwd_key, fwd));
+        batch.push((fwd.partner_key(6), rev));
         n += 2;
         i += 1;
+        if batch.len() >= BATCH {
+            write_marked(flows, filter, &mut batch)?;
+        }
     }
+    write_marked(flows, filter, &mut batch)?;
     Ok(n)
 }
 
+/// Writes `batch` into `flows`, marks its keys in the flow filter, and empties it.
+fn write_marked<A: FlowAddr>(
+    flows: &mut Table<FlowKey<A>, Flow<A>>,
+    filter: &FlowFilterMap,
+    batch: &mut Vec<(FlowKey<A>, Flow<A>)>,
+) -> Result<()> {
+    flows.insert_many(batch)?;
+    for (k, _) in batch.iter() {
+        filter.mark(k);
+    }
+    batch.clear();
+    Ok(())
+}
+
+/// Both families' flow tables filled ([`fill`]); returns the entries written into each.
+fn fill_both(dp: &mut Dataplane, sizes: &MapSizes) -> Result<(u32, u32)> {
+    let m = &mut dp.maps;
+    let v4 = |a: Ipv4Addr| u32::from_ne_bytes(a.octets());
+    let v6 = |a: Ipv6Addr| Addr { bytes: a.octets() }.v6_raw();
+    let n4 = fill(
+        &mut m.flows,
+        &m.flow_filter,
+        sizes.flows,
+        v4(VIP),
+        |i| v4(Ipv4Addr::from(0x6400_0000 + i)),
+        |i| v4(node_ip(i)),
+    )?;
+    let n6 = fill(
+        &mut m.flows_v6,
+        &m.flow_filter,
+        sizes.flows_v6,
+        v6(VIP6),
+        |i| v6(Ipv6Addr::from(0x2001_0db8_6400_u128 << 80 | i as u128)),
+        |i| v6(node_ip6(i)),
+    )?;
+    Ok((n4, n6))
+}
+
 impl Bench {
+    /// Makes `frame` (IPv4, `FRAME` bytes, or IPv6, `FRAME6` bytes) the wrapper's template; with `vary`, every
+    /// repeat gets another source address and port.
     fn set_template(&mut self, frame: &[u8], vary: bool) -> Result<()> {
-        if frame.len() != FRAME {
+        if frame.len() != FRAME && frame.len() != FRAME6 {
             bail!(
-                "benchmark frames must be {FRAME} bytes, got {}",
+                "benchmark frames must be {FRAME} (IPv4) or {FRAME6} (IPv6) bytes, got {}",
                 frame.len()
             );
         }
-        let mut data = [0u8; FRAME];
-        data.copy_from_slice(frame);
+        let mut data = [0u8; FRAME6];
+        data[..frame.len()].copy_from_slice(frame);
         let map = self
             .dp
             .ebpf_mut()?
@@ -208,6 +321,8 @@ impl Bench {
             BenchPacket {
                 vary: vary as u32,
                 counter: 0,
+                len: frame.len() as u32,
+                _pad: 0,
                 data,
             },
             0,
@@ -215,8 +330,8 @@ impl Bench {
         Ok(())
     }
 
-    /// Runs `prog` on `frame` with `repeat` repeats and returns (ns per run, return value).
-    fn run(&mut self, prog: &str, frame: &[u8], repeat: u32) -> Result<(f64, u32)> {
+    /// Runs `prog` on `frame` with `repeat` repeats and returns (ns per run, return value, the frame afterwards).
+    fn run(&mut self, prog: &str, frame: &[u8], repeat: u32) -> Result<(f64, u32, Vec<u8>)> {
         let mut out = vec![0u8; frame.len() + 256];
         let mut opts = TestRunOptions::new();
         opts.data_in = Some(frame);
@@ -227,7 +342,8 @@ impl Bench {
             .xdp_program(prog)?
             .test_run(opts)
             .with_context(|| format!("test run of {prog}"))?;
-        Ok((duration_ns(r.duration), r.return_value))
+        out.truncate(r.data_size_out as usize);
+        Ok((duration_ns(r.duration), r.return_value, out))
     }
 
     /// Median ns per packet over `runs` measurements.
@@ -235,67 +351,109 @@ impl Bench {
         let mut v = Vec::new();
         let mut ret = 0;
         for _ in 0..self.args.runs {
-            let (ns, r) = self.run(prog, frame, self.args.repeat)?;
+            let (ns, r, _) = self.run(prog, frame, self.args.repeat)?;
             v.push(ns);
             ret = r;
         }
         Ok((median(v), ret))
     }
+
+    /// Median ns per packet and return value of `bench_lb` on each case's frame (its template, not varied),
+    /// measured in rounds — every case once per round, `runs` rounds — so that the drift of a shared machine falls
+    /// on all of them alike, not on those measured last (IPv6's established path is compared with IPv4's).
+    fn measure_rounds(&mut self, cases: &[(&str, &[u8])]) -> Result<Vec<(f64, u32)>> {
+        let mut ns = vec![Vec::new(); cases.len()];
+        let mut ret = vec![0; cases.len()];
+        for _ in 0..self.args.runs {
+            for (i, (_, frame)) in cases.iter().enumerate() {
+                self.set_template(frame, false)?;
+                let (t, r, _) = self.run("bench_lb", frame, self.args.repeat)?;
+                ns[i].push(t);
+                ret[i] = r;
+            }
+        }
+        Ok(ns.into_iter().map(median).zip(ret).collect())
+    }
+
+    /// Sends `frame` once through the load balancer; it must be forwarded (`XDP_TX`): returns the forwarded frame.
+    fn forward(&mut self, frame: &[u8], what: &str) -> Result<Parsed> {
+        self.set_template(frame, false)?;
+        let (_, verdict, out) = self.run("bench_lb", frame, 1)?;
+        if verdict != XDP_TX {
+            bail!(
+                "{what} was not forwarded (verdict {}, counters {:?})",
+                verdict_name(verdict),
+                self.dp.maps.stats.totals().unwrap_or_default()
+            );
+        }
+        Ok(parse(&out))
+    }
 }
 
-/// Opens a connection from CLIENT:`port` to VIP:80 on the current data plane — the client's SYN, the backend's
-/// SYN-ACK, the client's ACK — and returns its established segment and a reply from its backend.
-fn open_connection(b: &mut Bench, port: u16) -> Result<(Vec<u8>, Vec<u8>)> {
-    let syn = pad(tcp(CLIENT_MAC, LB_MAC, CLIENT, port, VIP, 80, SYN, b""));
-    b.set_template(&syn, false)?;
-    let (_, verdict) = b.run("bench_lb", &syn, 1)?;
-    let key = FlowKeyV4 {
-        src: u32::from_ne_bytes(CLIENT.octets()),
-        dst: u32::from_ne_bytes(VIP.octets()),
-        sport: port.to_be(),
-        dport: 80u16.to_be(),
-        proto: 6,
-        _pad: [0; 3],
+const XDP_TX: u32 = 3;
+
+/// Opens a connection from `client`:`port` to `vip`:80 (either family) on the current data plane — the client's
+/// SYN, the backend's SYN-ACK, the client's ACK — and returns its established segment and a reply from its backend.
+fn open_connection(
+    b: &mut Bench,
+    client: IpAddr,
+    vip: IpAddr,
+    port: u16,
+) -> Result<(Vec<u8>, Vec<u8>)> {
+    let to_vip = |flags, payload: &[u8]| {
+        pad(tcp(
+            CLIENT_MAC, LB_MAC, client, port, vip, 80, flags, payload,
+        ))
     };
-    let (_, f) = b.dp.maps.handshake(&key)?.with_context(|| {
-        format!(
-            "the SYN from port {port} opened no handshake (verdict {}, counters {:?})",
-            verdict_name(verdict),
-            b.dp.maps.stats.totals().unwrap_or_default()
-        )
-    })?;
-    let f = f.fwd;
-    let node = Ipv4Addr::from(f.new_dst.to_ne_bytes());
+    let syn = b.forward(&to_vip(SYN, b""), &format!("the SYN from port {port}"))?;
+    // The backend answers the SNAT address and port the SYN came from.
     let from_node = |flags, payload: &[u8]| {
         pad(tcp(
-            node_mac(node.octets()[3] - 9),
+            syn.dst_mac,
             LB_MAC,
-            node,
-            u16::from_be(f.new_dport),
-            VIP,
-            u16::from_be(f.new_sport),
+            syn.dst,
+            syn.dport,
+            syn.src,
+            syn.sport,
             flags,
             payload,
         ))
     };
-    let seg = pad(tcp(
-        CLIENT_MAC,
-        LB_MAC,
-        CLIENT,
-        port,
-        VIP,
-        80,
-        ACK,
-        b"0123456789",
-    ));
-    for frame in [&from_node(SYN_ACK, b""), &seg] {
-        b.set_template(frame, false)?;
-        b.run("bench_lb", frame, 1)?;
+    let seg = to_vip(ACK, b"0123456789");
+    b.forward(&from_node(SYN_ACK, b""), "the SYN-ACK")?;
+    b.forward(&seg, "the handshake's ACK")?;
+    let established = match (client, vip) {
+        (IpAddr::V4(c), IpAddr::V4(v)) => {
+            b.dp.maps
+                .flows
+                .get(&FlowKeyV4 {
+                    src: u32::from_ne_bytes(c.octets()),
+                    dst: u32::from_ne_bytes(v.octets()),
+                    sport: port.to_be(),
+                    dport: 80u16.to_be(),
+                    proto: 6,
+                    _pad: [0; 3],
+                })?
+                .is_some()
+        }
+        (IpAddr::V6(c), IpAddr::V6(v)) => {
+            b.dp.maps
+                .flows_v6
+                .get(&FlowKeyV6 {
+                    src: Addr { bytes: c.octets() }.v6_raw(),
+                    dst: Addr { bytes: v.octets() }.v6_raw(),
+                    sport: port.to_be(),
+                    dport: 80u16.to_be(),
+                    proto: 6,
+                    _pad: [0; 3],
+                })?
+                .is_some()
+        }
+        _ => bail!("{client} and {vip} are of different families"),
+    };
+    if !established {
+        bail!("the connection from {client} port {port} was not established");
     }
-    b.dp.maps
-        .flows
-        .get(&key)?
-        .with_context(|| format!("the connection from port {port} was not established"))?;
     Ok((seg, from_node(ACK, b"0123456789")))
 }
 
@@ -303,8 +461,15 @@ fn duration_ns(d: Duration) -> f64 {
     d.as_secs_f64() * 1e9
 }
 
+/// `f` padded to the benchmark frame size of its family.
 fn pad(mut f: Vec<u8>) -> Vec<u8> {
-    f.resize(FRAME, 0);
+    let len = if f[12..14] == [0x86, 0xdd] {
+        FRAME6
+    } else {
+        FRAME
+    };
+    assert!(f.len() <= len, "a {}-byte frame exceeds {len}", f.len());
+    f.resize(len, 0);
     f
 }
 
@@ -332,14 +497,18 @@ fn main() -> Result<()> {
     let room = 2 * args.repeat * args.runs as u32 + 4096;
     let sizes = MapSizes {
         // Room for every entry the new-flow case makes (one per SYN; sized for two, as when a handshake had two
-        // entries, so that runs of both designs compare): measures inserts, not eviction.
+        // entries, so that runs of both designs compare): measures inserts, not eviction. IPv6 the same.
         flows: room,
         transient: room,
+        flows_v6: room,
+        transient_v6: room,
         ..MapSizes::default()
     };
     let production = MapSizes {
-        // Katran's production flow table (4M), filled; our default transient table, which the SYNs overrun.
+        // Katran's production flow table (4M), filled; our default transient table, which the SYNs overrun. IPv6's
+        // flow table the same size (its default is smaller): the cases compare with IPv4's.
         flows: args.production_flows,
+        flows_v6: args.production_flows,
         ..MapSizes::default()
     };
     let mut b = Bench {
@@ -347,6 +516,7 @@ fn main() -> Result<()> {
         args,
     };
     let syn = pad(tcp(CLIENT_MAC, LB_MAC, CLIENT, 40000, VIP, 80, SYN, b""));
+    let syn6 = pad(tcp(CLIENT_MAC, LB_MAC, CLIENT6, 40000, VIP6, 80, SYN, b""));
     let dgram = pad(udp(
         CLIENT_MAC,
         LB_MAC,
@@ -365,45 +535,69 @@ fn main() -> Result<()> {
     b.set_template(&syn, false)?;
     let (restore, _) = b.measure("bench_restore", &syn)?;
     let wrapper = (restore - bare_tx).max(0.0);
+    b.set_template(&syn6, false)?;
+    let (restore6, _) = b.measure("bench_restore", &syn6)?;
+    let wrapper6 = (restore6 - bare_tx).max(0.0);
 
-    // Establish the TCP connection and the UDP flow once.
-    let (seg, reply) = open_connection(&mut b, 40000)?;
-    b.set_template(&dgram, false)?;
-    b.run("bench_lb", &dgram, 1)?;
+    // Establish the TCP connections and the UDP flow once.
+    let (seg, reply) = open_connection(&mut b, CLIENT.into(), VIP.into(), 40000)?;
+    let (seg6, reply6) = open_connection(&mut b, CLIENT6.into(), VIP6.into(), 40000)?;
+    b.forward(&dgram, "the UDP datagram")?;
 
-    let cases: [(&'static str, &Vec<u8>, bool); 6] = [
-        ("tcp_established", &seg, false),
-        ("tcp_reply", &reply, false),
-        ("udp_established", &dgram, false),
-        ("non_service_pass", &other, false),
-        ("source_range_drop", &denied_syn, false),
-        // Last: it fills the handshake table (sized to hold every one of them: no eviction).
-        ("tcp_new_flow_syn", &syn, true),
-    ];
     let mut results = Vec::new();
-    let mut case = |b: &mut Bench, name, frame: &Vec<u8>, vary| -> Result<()> {
-        b.set_template(frame, vary)?;
-        let (ns, ret) = b.measure("bench_lb", frame)?;
+    let mut record = |name, frame: &[u8], (ns, ret): (f64, u32)| {
+        let (family, wrapper) = if frame.len() == FRAME6 {
+            ("ipv6", wrapper6)
+        } else {
+            ("ipv4", wrapper)
+        };
         let net = (ns - wrapper).max(0.0);
         results.push(Case {
             name,
+            family,
             verdict: verdict_name(ret),
             wrapped_ns: ns,
             net_ns: net,
             ratio_to_reflector: net / reflector,
         });
-        Ok(())
     };
-    for (name, frame, vary) in cases {
-        case(&mut b, name, frame, vary)?;
+    let fast: [(&'static str, &[u8]); 7] = [
+        ("tcp_established", &seg),
+        ("tcp_reply", &reply),
+        ("udp_established", &dgram),
+        ("non_service_pass", &other),
+        ("source_range_drop", &denied_syn),
+        ("tcp6_established", &seg6),
+        ("tcp6_reply", &reply6),
+    ];
+    for ((name, frame), m) in fast.into_iter().zip(b.measure_rounds(&fast)?) {
+        record(name, frame, m);
     }
-    // The steady state of a busy load balancer: a production-sized flow table, full, and the default handshake
-    // table, which the SYNs overrun (every insert evicts).
+    // Last: they fill the handshake tables (sized to hold every one of them: no eviction).
+    for (name, frame) in [("tcp_new_flow_syn", &syn), ("tcp6_new_flow_syn", &syn6)] {
+        b.set_template(frame, true)?;
+        record(name, frame, b.measure("bench_lb", frame)?);
+    }
+    // The steady state of a busy load balancer: production-sized flow tables, full, and the default handshake
+    // tables, which the SYNs overrun (every insert evicts).
     b.dp = load(&obj, &production)?;
-    let filled = fill(&mut b.dp, production.flows)?;
-    case(&mut b, "tcp_new_flow_syn_full", &syn, true)?;
-    let (seg, _) = open_connection(&mut b, 40001)?;
-    case(&mut b, "tcp_established_full", &seg, false)?;
+    let (filled, filled6) = fill_both(&mut b.dp, &production)?;
+    for (name, frame) in [
+        ("tcp_new_flow_syn_full", &syn),
+        ("tcp6_new_flow_syn_full", &syn6),
+    ] {
+        b.set_template(frame, true)?;
+        record(name, frame, b.measure("bench_lb", frame)?);
+    }
+    let (seg, _) = open_connection(&mut b, CLIENT.into(), VIP.into(), 40001)?;
+    let (seg6, _) = open_connection(&mut b, CLIENT6.into(), VIP6.into(), 40001)?;
+    let full: [(&'static str, &[u8]); 2] = [
+        ("tcp_established_full", &seg),
+        ("tcp6_established_full", &seg6),
+    ];
+    for ((name, frame), m) in full.into_iter().zip(b.measure_rounds(&full)?) {
+        record(name, frame, m);
+    }
     // A SYN flood with the rate guard on, over its rate: what a spoofed SYN costs once the guard drops it. (Other
     // sources than the cases above, whose handshakes are still in the table.)
     b.dp.maps.config.set(
@@ -420,19 +614,30 @@ fn main() -> Result<()> {
         SYN,
         b"",
     ));
-    case(&mut b, "tcp_syn_guard_drop_full", &spoofed, true)?;
+    b.set_template(&spoofed, true)?;
+    record(
+        "tcp_syn_guard_drop_full",
+        &spoofed,
+        b.measure("bench_lb", &spoofed)?,
+    );
+    // Printed and written IPv4 first, each family in the order measured.
+    results.sort_by_key(|c| c.family);
 
     println!(
-        "data plane, BPF_PROG_TEST_RUN, {} repeats x {} runs (median), 64-byte frames",
+        "data plane, BPF_PROG_TEST_RUN, {} repeats x {} runs (median), 64-byte IPv4 / 84-byte IPv6 frames",
         b.args.repeat, b.args.runs
     );
     println!(
-        "  *_full: flow table of {} entries holding {filled}, handshake table of {} entries",
-        production.flows, production.transient
+        "  *_full: flow tables of {} entries holding {filled} (IPv4) and {filled6} (IPv6), handshake tables of {} \
+         and {} entries",
+        production.flows, production.transient, production.transient_v6
     );
     println!("  bare XDP_TX       {bare_tx:7.1} ns/pkt");
     println!("  reflector (MACs)  {reflector:7.1} ns/pkt   <- reference");
     println!("  restore wrapper   {restore:7.1} ns/pkt   (its own cost {wrapper:.1} ns is subtracted below)");
+    println!(
+        "  restore, IPv6     {restore6:7.1} ns/pkt   (its own cost {wrapper6:.1} ns is subtracted from tcp6_*)"
+    );
     println!();
     println!(
         "  {:<24} {:>8} {:>11} {:>9} {:>8}",
@@ -444,13 +649,13 @@ fn main() -> Result<()> {
             c.name, c.verdict, c.wrapped_ns, c.net_ns, c.ratio_to_reflector
         );
     }
-    let est = results
-        .iter()
+    // The targets are IPv4's (IPv6's is its ratio to IPv4, below).
+    let v4 = || results.iter().filter(|c| c.family == "ipv4");
+    let est = v4()
         .filter(|c| c.name.contains("established") || c.name == "tcp_reply")
         .map(|c| c.ratio_to_reflector)
         .fold(0.0, f64::max);
-    let new = results
-        .iter()
+    let new = v4()
         .filter(|c| c.name.starts_with("tcp_new_flow"))
         .map(|c| c.ratio_to_reflector)
         .fold(0.0, f64::max);
@@ -460,19 +665,40 @@ fn main() -> Result<()> {
         new_flow_max_ratio: new,
         new_flow_met: new <= 3.0,
     };
+    let net = |name: &str| {
+        results
+            .iter()
+            .find(|c| c.name == name)
+            .map_or(f64::NAN, |c| c.net_ns)
+    };
+    let v6_over_v4 = |case: &str| net(&case.replacen("tcp", "tcp6", 1)) / net(case);
+    let established = v6_over_v4("tcp_established");
+    let ipv6_vs_ipv4 = V6VsV4 {
+        established,
+        established_full: v6_over_v4("tcp_established_full"),
+        reply: v6_over_v4("tcp_reply"),
+        new_flow: v6_over_v4("tcp_new_flow_syn"),
+        new_flow_full: v6_over_v4("tcp_new_flow_syn_full"),
+        established_max: 1.3,
+        established_met: established <= 1.3,
+    };
+    let met = |m: bool| if m { "met" } else { "NOT met" };
     println!();
     println!(
         "  targets: established ≤ 1.5x reflector: {} ({est:.2}x); new flow ≤ 3x: {} ({new:.2}x)",
-        if targets.established_met {
-            "met"
-        } else {
-            "NOT met"
-        },
-        if targets.new_flow_met {
-            "met"
-        } else {
-            "NOT met"
-        },
+        met(targets.established_met),
+        met(targets.new_flow_met),
+    );
+    println!(
+        "  IPv6 / IPv4, net: established {:.2}x (goal ≤ {:.1}x: {}), reply {:.2}x, new flow {:.2}x; full tables: \
+         established {:.2}x, new flow {:.2}x",
+        ipv6_vs_ipv4.established,
+        ipv6_vs_ipv4.established_max,
+        met(ipv6_vs_ipv4.established_met),
+        ipv6_vs_ipv4.reply,
+        ipv6_vs_ipv4.new_flow,
+        ipv6_vs_ipv4.established_full,
+        ipv6_vs_ipv4.new_flow_full,
     );
     let report = Report {
         repeat: b.args.repeat,
@@ -481,8 +707,11 @@ fn main() -> Result<()> {
         reflector_ns: reflector,
         restore_ns: restore,
         wrapper_cost_ns: wrapper,
+        restore6_ns: restore6,
+        wrapper6_cost_ns: wrapper6,
         cases: results,
         targets,
+        ipv6_vs_ipv4,
     };
     let path = write_json("dataplane", b.args.smoke, &report)?;
     println!("  JSON: {}", path.display());

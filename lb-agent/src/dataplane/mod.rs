@@ -44,7 +44,7 @@ pub const PROGRAMS: &[(&str, bool)] = &[
     (XDP_TRACE_PROGRAM, true),
     (TC_TRACE_PROGRAM, false),
 ];
-/// The IPv6 programs (the benchmark wrappers' objects have none): name, whether it is an XDP
+/// The IPv6 programs (the benchmark object, lb-bench.o, has only the fast XDP ones): name, whether it is an XDP
 /// program (else TC), and its slot in `V6_PROGS_XDP` / `V6_PROGS_TC`, where the IPv4 entry points (and the IPv6
 /// programs, for a new flow) tail-call it.
 pub const V6_PROGRAMS: &[(&str, bool, u32)] = &[
@@ -259,7 +259,7 @@ impl Dataplane {
         Ok(prog)
     }
 
-    /// Whether the object has the IPv6 programs (the benchmark wrappers' objects have none).
+    /// Whether the object has the IPv6 programs (lb-bench.o has only the fast XDP ones, `lb_xdp6` and `lb_xdp6_new`).
     pub fn has_ipv6_programs(&mut self) -> bool {
         self.ebpf
             .as_mut()

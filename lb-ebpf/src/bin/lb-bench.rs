@@ -4,6 +4,16 @@
 //! after the first would see a NATed packet. The wrappers copy a template packet into the frame first;
 //! `bench_restore` measures that copy alone so the report can subtract it.
 //!
+//! IPv6 takes the product's path, so that its cases cost what a real IPv6 packet costs: `bench_lb` runs `lb_xdp`'s
+//! logic (`process`, then `lb_ebpf::entry::xdp_after_ipv4`), whose `Verdict::Ipv6` tail-calls slot `V6_PROG_FAST`
+//! of `V6_PROGS_XDP`, and that program tail-calls slot `V6_PROG_NEW_FLOW` for a new flow. The two IPv6 programs
+//! below are the product's (`lb_xdp6`, `lb_xdp6_new` of `src/main.rs`: same names, same library code), built into
+//! this object, and the benchmark fills this object's program array as the agent fills lb.o's
+//! (`Dataplane::load_ipv6_programs`). Why so: a wrapper calling `process6` directly would leave out the IPv4 entry
+//! logic and both tail calls, part of what IPv6 costs; lb.o's own programs, loaded beside, would work on lb.o's
+//! maps, not on the ones the benchmark fills (sharing them would take pinning both objects' maps). The restore
+//! runs once, in `bench_lb`, before the tail calls.
+//!
 //! `storm_gen` is the netns e2e's malformed-frame storm (`lb-testbed stormgen`), a live-frames generator too.
 #![cfg_attr(target_arch = "bpf", no_std)]
 #![cfg_attr(target_arch = "bpf", no_main)]
@@ -16,14 +26,19 @@ mod programs {
         maps::{Array, PerCpuArray},
         programs::XdpContext,
     };
+    use lb_common::{V6_PROG_FAST, V6_PROG_NEW_FLOW};
     use lb_ebpf::{
-        ctx::{ptr_at, Verdict, Xdp},
+        ctx::{ptr_at, Xdp},
+        entry::{xdp_after_ipv4, xdp_after_ipv6, xdp_verdict},
         hdr::EthHdr,
+        ipv6::{new_flow6, process6},
         process::process,
     };
 
-    /// Bytes of the template packet (every benchmark frame has exactly this size).
+    /// Bytes of an IPv4 template packet and of every generated frame (`bench_gen`).
     const FRAME: usize = 64;
+    /// Bytes of an IPv6 template packet: the IPv4 one's headers and payload, with IPv6's 20 more header bytes.
+    const FRAME6: usize = 84;
 
     /// The template packet and its options.
     #[repr(C)]
@@ -33,8 +48,12 @@ mod programs {
         pub vary: u32,
         /// Per-repeat counter.
         pub counter: u32,
+        /// `FRAME6` for an IPv6 template (all of `data`), else an IPv4 one (the first `FRAME` bytes).
+        pub len: u32,
+        /// Padding.
+        pub _pad: u32,
         /// The frame.
-        pub data: [u8; FRAME],
+        pub data: [u8; FRAME6],
     }
 
     #[map]
@@ -45,20 +64,39 @@ mod programs {
         let Some(t) = BENCH.get_ptr_mut(0) else {
             return false;
         };
-        let Some(dst) = ptr_at::<Xdp, [u8; FRAME]>(&Xdp(ctx), 0) else {
-            return false;
-        };
+        // SAFETY: `t` is the map's value; `dst` was bounds-checked for the bytes written.
         unsafe {
-            core::ptr::copy_nonoverlapping(&(*t).data, dst, 1);
-            if (*t).vary != 0 {
-                let n = (*t).counter;
+            let n = (*t).counter;
+            let vary = (*t).vary != 0;
+            if vary {
                 (*t).counter = n.wrapping_add(1);
-                let d = dst as *mut u8;
-                // IPv4 source address bytes 2..4 and the L4 source port (no options in bench frames).
-                *d.add(28) = (n >> 24) as u8;
-                *d.add(29) = (n >> 16) as u8;
-                *d.add(34) = (n >> 8) as u8;
-                *d.add(35) = n as u8;
+            }
+            if (*t).len == FRAME6 as u32 {
+                let Some(dst) = ptr_at::<Xdp, [u8; FRAME6]>(&Xdp(ctx), 0) else {
+                    return false;
+                };
+                core::ptr::copy_nonoverlapping(&(*t).data, dst, 1);
+                if vary {
+                    let d = dst as *mut u8;
+                    // IPv6 source address bytes 14..16 and the L4 source port (no extension headers).
+                    *d.add(36) = (n >> 24) as u8;
+                    *d.add(37) = (n >> 16) as u8;
+                    *d.add(54) = (n >> 8) as u8;
+                    *d.add(55) = n as u8;
+                }
+            } else {
+                let Some(dst) = ptr_at::<Xdp, [u8; FRAME]>(&Xdp(ctx), 0) else {
+                    return false;
+                };
+                core::ptr::copy_nonoverlapping((*t).data.as_ptr() as *const [u8; FRAME], dst, 1);
+                if vary {
+                    let d = dst as *mut u8;
+                    // IPv4 source address bytes 2..4 and the L4 source port (no options in bench frames).
+                    *d.add(28) = (n >> 24) as u8;
+                    *d.add(29) = (n >> 16) as u8;
+                    *d.add(34) = (n >> 8) as u8;
+                    *d.add(35) = n as u8;
+                }
             }
         }
         true
@@ -92,18 +130,25 @@ mod programs {
         xdp_action::XDP_TX
     }
 
-    /// Restore, then the load balancer.
+    /// Restore, then the load balancer's XDP entry logic (`lb_xdp`'s): IPv4 here, IPv6 by tail call.
     #[xdp]
     pub fn bench_lb(ctx: XdpContext) -> u32 {
         if !restore(&ctx) {
             return xdp_action::XDP_ABORTED;
         }
-        match process(&Xdp(&ctx)) {
-            Verdict::Ipv6 | Verdict::NewFlow => xdp_action::XDP_PASS,
-            Verdict::Pass => xdp_action::XDP_PASS,
-            Verdict::Drop => xdp_action::XDP_DROP,
-            Verdict::Tx => xdp_action::XDP_TX,
-        }
+        xdp_after_ipv4(&ctx, process(&Xdp(&ctx)), V6_PROG_FAST)
+    }
+
+    /// The product's IPv6 XDP program (slot `V6_PROG_FAST` of this object's `V6_PROGS_XDP`).
+    #[xdp]
+    pub fn lb_xdp6(ctx: XdpContext) -> u32 {
+        xdp_after_ipv6(&ctx, process6(&Xdp(&ctx)), V6_PROG_NEW_FLOW)
+    }
+
+    /// The product's IPv6 XDP new-flow program (slot `V6_PROG_NEW_FLOW`).
+    #[xdp]
+    pub fn lb_xdp6_new(ctx: XdpContext) -> u32 {
+        xdp_verdict(new_flow6(&Xdp(&ctx)))
     }
 
     // ---- `cargo xtask bench pktgen`: live-frames generator, same-path forwarder, sink counter ----
