@@ -5,7 +5,7 @@
 //! `bench_restore` measures that copy alone so the report can subtract it.
 //!
 //! IPv6 takes the product's path, so that its cases cost what a real IPv6 packet costs: `bench_lb` runs `lb_xdp`'s
-//! logic (`process`, then `lb_ebpf::entry::xdp_after_ipv4`), whose `Verdict::Ipv6` tail-calls slot `V6_PROG_FAST`
+//! logic (`process`, then `lb_ebpf::entry::xdp_next`), whose `Verdict::Ipv6` tail-calls slot `V6_PROG_FAST`
 //! of `V6_PROGS_XDP`, and that program tail-calls slot `V6_PROG_NEW_FLOW` for a new flow. The two IPv6 programs
 //! below are the product's (`lb_xdp6`, `lb_xdp6_new` of `src/main.rs`: same names, same library code), built into
 //! this object, and the benchmark fills this object's program array as the agent fills lb.o's
@@ -29,7 +29,7 @@ mod programs {
     use lb_common::{V6_PROG_FAST, V6_PROG_NEW_FLOW};
     use lb_ebpf::{
         ctx::{ptr_at, Xdp},
-        entry::{xdp_after_ipv4, xdp_after_ipv6, xdp_verdict},
+        entry::{xdp_next, xdp_verdict},
         hdr::EthHdr,
         ipv6::{new_flow6, process6},
         process::process,
@@ -136,13 +136,13 @@ mod programs {
         if !restore(&ctx) {
             return xdp_action::XDP_ABORTED;
         }
-        xdp_after_ipv4(&ctx, process(&Xdp(&ctx)), V6_PROG_FAST)
+        xdp_next(&ctx, process(&Xdp(&ctx)), V6_PROG_FAST)
     }
 
     /// The product's IPv6 XDP program (slot `V6_PROG_FAST` of this object's `V6_PROGS_XDP`).
     #[xdp]
     pub fn lb_xdp6(ctx: XdpContext) -> u32 {
-        xdp_after_ipv6(&ctx, process6(&Xdp(&ctx)), V6_PROG_NEW_FLOW)
+        xdp_next(&ctx, process6(&Xdp(&ctx)), V6_PROG_NEW_FLOW)
     }
 
     /// The product's IPv6 XDP new-flow program (slot `V6_PROG_NEW_FLOW`).
