@@ -158,18 +158,15 @@ fn l4_frame<C: Ctx>(
         core::ptr::null_mut()
     };
     // SAFETY: the parser bounds-checked the headers (the whole TCP header for TCP).
-    let p = L4Pkt::<V6> {
-        eth,
-        ip,
-        ports,
-        key: flow_key6(ip, ports, proto),
-        tcp_flags: if tcp.is_null() {
-            0
-        } else {
-            unsafe { (*tcp).flags }
-        },
-        tcp,
-        tot: tot_proto as u16,
+    let p = unsafe {
+        L4Pkt::<V6>::new(
+            eth,
+            ip,
+            ports,
+            tcp,
+            flow_key6(ip, ports, proto),
+            tot_proto as u16,
+        )
     };
     l4(c, &config(), &p)
 }
@@ -208,19 +205,7 @@ pub fn new_flow6<C: Ctx>(c: &C) -> Verdict {
         (udp as *mut Ports, core::ptr::null_mut())
     };
     // SAFETY: bounds-checked above.
-    let p = L4Pkt::<V6> {
-        eth,
-        ip,
-        ports,
-        key: flow_key6(ip, ports, proto),
-        tcp_flags: if tcp.is_null() {
-            0
-        } else {
-            unsafe { (*tcp).flags }
-        },
-        tcp,
-        tot,
-    };
+    let p = unsafe { L4Pkt::<V6>::new(eth, ip, ports, tcp, flow_key6(ip, ports, proto), tot) };
     let svc = service_frame(&p);
     if svc.is_null() {
         count(stat::PASS_NOT_SERVICE);

@@ -13,9 +13,11 @@ pub struct L4Pkt<F: Family> {
     pub ip: *mut F::Ip,
     /// The L4 header's ports (TCP or UDP).
     pub ports: *mut Ports,
-    /// The TCP header (null for UDP): sequence and acknowledgement numbers are read only where the handshake
-    /// rules need them, off the established path.
-    pub tcp: *mut TcpHdr,
+    /// TCP sequence and acknowledgement numbers as on the wire (0 for UDP). Values, not a pointer to the TCP
+    /// header that is null for UDP: with a nullable pointer read on TCP-only paths, kernel 6.1's verifier followed
+    /// the UDP path into the read ("invalid mem access 'scalar'"), as it cannot tie the protocol to the pointer.
+    pub seq_be: u32,
+    pub ack_be: u32,
     /// The 5-tuple as it arrived.
     pub key: FlowKey<F::A>,
     /// IP total length (IPv6: fixed header + payload length).
@@ -25,23 +27,53 @@ pub struct L4Pkt<F: Family> {
 }
 
 impl<F: Family> L4Pkt<F> {
+    /// The packet of headers `eth`, `ip` and `ports` (the L4 header), 5-tuple `key` and IP total length `tot`;
+    /// `tcp` is the TCP header (the same address as `ports`), null for UDP.
+    ///
+    /// # Safety
+    /// The pointers must have been bounds-checked for their types.
+    #[inline(always)]
+    pub unsafe fn new(
+        eth: *mut EthHdr,
+        ip: *mut F::Ip,
+        ports: *mut Ports,
+        tcp: *mut TcpHdr,
+        key: FlowKey<F::A>,
+        tot: u16,
+    ) -> Self {
+        let (tcp_flags, seq_be, ack_be) = if tcp.is_null() {
+            (0, 0, 0)
+        } else {
+            // SAFETY: as the function's.
+            unsafe { ((*tcp).flags, (*tcp).seq, (*tcp).ack) }
+        };
+        L4Pkt {
+            eth,
+            ip,
+            ports,
+            seq_be,
+            ack_be,
+            key,
+            tot,
+            tcp_flags,
+        }
+    }
+
     #[inline(always)]
     pub fn is_tcp(&self) -> bool {
         self.key.proto == PROTO_TCP
     }
 
-    /// TCP sequence number as on the wire. Only for TCP packets.
+    /// TCP sequence number as on the wire (0 for UDP).
     #[inline(always)]
     pub fn seq_be(&self) -> u32 {
-        // SAFETY: `tcp` was bounds-checked when the packet was parsed and is read before any rewrite.
-        unsafe { (*self.tcp).seq }
+        self.seq_be
     }
 
-    /// TCP acknowledgement number as on the wire. Only for TCP packets.
+    /// TCP acknowledgement number as on the wire (0 for UDP).
     #[inline(always)]
     pub fn ack_be(&self) -> u32 {
-        // SAFETY: as for `seq_be`.
-        unsafe { (*self.tcp).ack }
+        self.ack_be
     }
 
     /// The L4 checksum field and its offset in the frame (TC's helpers take the offset).

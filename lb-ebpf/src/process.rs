@@ -99,16 +99,16 @@ pub fn process<C: Ctx>(c: &C) -> Verdict {
                 klog::malformed(lb_common::klog::MALFORMED_TCP, c.packet_len());
                 return Verdict::Drop;
             }
+            // SAFETY: bounds-checked above.
             unsafe {
-                L4Pkt::<V4> {
+                L4Pkt::<V4>::new(
                     eth,
                     ip,
-                    ports: tcp as *mut Ports,
-                    key: flow_key(ip, tcp as *mut Ports, PROTO_TCP),
-                    tcp_flags: (*tcp).flags,
+                    tcp as *mut Ports,
                     tcp,
-                    tot: tot as u16,
-                }
+                    flow_key(ip, tcp as *mut Ports, PROTO_TCP),
+                    tot as u16,
+                )
             }
         }
         PROTO_UDP => {
@@ -122,14 +122,16 @@ pub fn process<C: Ctx>(c: &C) -> Verdict {
                 klog::malformed(lb_common::klog::MALFORMED_UDP, c.packet_len());
                 return Verdict::Drop;
             }
-            L4Pkt::<V4> {
-                eth,
-                ip,
-                ports: udp as *mut Ports,
-                key: flow_key(ip, udp as *mut Ports, PROTO_UDP),
-                tcp_flags: 0,
-                tcp: core::ptr::null_mut(),
-                tot: tot as u16,
+            // SAFETY: bounds-checked above.
+            unsafe {
+                L4Pkt::<V4>::new(
+                    eth,
+                    ip,
+                    udp as *mut Ports,
+                    core::ptr::null_mut(),
+                    flow_key(ip, udp as *mut Ports, PROTO_UDP),
+                    tot as u16,
+                )
             }
         }
         PROTO_ICMP => return icmp::translate(c, eth, ip, l4_off, ETH_LEN + tot),
