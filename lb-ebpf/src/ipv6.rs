@@ -79,13 +79,7 @@ pub fn process6<C: Ctx>(c: &C) -> Verdict {
             if doff < TCP_LEN || hl + doff > tot {
                 return malformed(c, lb_common::klog::MALFORMED_TCP);
             }
-            l4_frame(
-                c,
-                eth,
-                ip,
-                tcp as *mut Ports,
-                tot as u32 | (PROTO_TCP as u32) << 16,
-            )
+            l4_frame(c, ip, tcp as *mut Ports, tot as u32, PROTO_TCP as u32)
         }
         PROTO_UDP => {
             let Some(udp) = ptr_at::<C, UdpHdr>(c, off) else {
@@ -98,13 +92,7 @@ pub fn process6<C: Ctx>(c: &C) -> Verdict {
                 // Mandatory in IPv6 (RFC 8200 §8.1): an incremental update of a missing checksum cannot make one.
                 return no_checksum(&flow_key6(ip, udp as *mut Ports, PROTO_UDP));
             }
-            l4_frame(
-                c,
-                eth,
-                ip,
-                udp as *mut Ports,
-                tot as u32 | (PROTO_UDP as u32) << 16,
-            )
+            l4_frame(c, ip, udp as *mut Ports, tot as u32, PROTO_UDP as u32)
         }
         PROTO_ICMPV6 => translate6(c, eth, ip, off, ETH_LEN + tot),
         IPV6_FRAGMENT => {
@@ -141,32 +129,25 @@ const IPV6_ESP: u8 = 50;
 const IPV6_MOBILITY: u8 = 135;
 
 /// TCP and UDP in a call frame of their own: the parser's state is not live across them, and the packet's
-/// `L4Pkt` (its key is 40 bytes) is built here, not held in the parser's frame. `tot_proto` is the IPv6 total
-/// length with the protocol in bits 16..24 (a BPF call takes 5 arguments at most).
+/// `L4Pkt` (its key is 40 bytes) is built here, not held in the parser's frame. The protocol is an argument of its
+/// own, a constant at each call site, so that the verifier knows which header `ports` is: packed into another
+/// argument, kernel 6.1's verifier lost it and followed UDP into the TCP header's reads. (The Ethernet header is
+/// taken again here: a BPF call takes 5 arguments at most.)
 #[inline(never)]
-fn l4_frame<C: Ctx>(
-    c: &C,
-    eth: *mut EthHdr,
-    ip: *mut Ipv6Hdr,
-    ports: *mut Ports,
-    tot_proto: u32,
-) -> Verdict {
-    let proto = (tot_proto >> 16) as u8;
-    let tcp = if proto == PROTO_TCP {
-        ports as *mut TcpHdr
-    } else {
-        core::ptr::null_mut()
+fn l4_frame<C: Ctx>(c: &C, ip: *mut Ipv6Hdr, ports: *mut Ports, tot: u32, proto: u32) -> Verdict {
+    let Some(eth) = ptr_at::<C, EthHdr>(c, 0) else {
+        return malformed(c, MALFORMED_ETHERNET);
     };
+    let proto = proto as u8;
     // SAFETY: the parser bounds-checked the headers (the whole TCP header for TCP).
     let p = unsafe {
-        L4Pkt::<V6>::new(
-            eth,
-            ip,
-            ports,
-            tcp,
-            flow_key6(ip, ports, proto),
-            tot_proto as u16,
-        )
+        if proto == PROTO_TCP {
+            let key = flow_key6(ip, ports, PROTO_TCP);
+            L4Pkt::<V6>::new(eth, ip, ports, ports as *mut TcpHdr, key, tot as u16)
+        } else {
+            let key = flow_key6(ip, ports, PROTO_UDP);
+            L4Pkt::<V6>::new(eth, ip, ports, core::ptr::null_mut(), key, tot as u16)
+        }
     };
     l4(c, &config(), &p)
 }
@@ -193,19 +174,22 @@ pub fn new_flow6<C: Ctx>(c: &C) -> Verdict {
     else {
         return malformed(c, MALFORMED_IPV6_HEADER);
     };
-    let (ports, tcp) = if proto == PROTO_TCP {
+    // The packet built in each protocol's branch: the TCP header is read only where the verifier knows it is one.
+    // SAFETY: bounds-checked in the branch.
+    let p = if proto == PROTO_TCP {
         let Some(tcp) = ptr_at::<C, TcpHdr>(c, off) else {
             return malformed(c, lb_common::klog::MALFORMED_TCP);
         };
-        (tcp as *mut Ports, tcp)
+        let ports = tcp as *mut Ports;
+        unsafe { L4Pkt::<V6>::new(eth, ip, ports, tcp, flow_key6(ip, ports, PROTO_TCP), tot) }
     } else {
         let Some(udp) = ptr_at::<C, UdpHdr>(c, off) else {
             return malformed(c, lb_common::klog::MALFORMED_UDP);
         };
-        (udp as *mut Ports, core::ptr::null_mut())
+        let ports = udp as *mut Ports;
+        let key = flow_key6(ip, ports, PROTO_UDP);
+        unsafe { L4Pkt::<V6>::new(eth, ip, ports, core::ptr::null_mut(), key, tot) }
     };
-    // SAFETY: bounds-checked above.
-    let p = unsafe { L4Pkt::<V6>::new(eth, ip, ports, tcp, flow_key6(ip, ports, proto), tot) };
     let svc = service_frame(&p);
     if svc.is_null() {
         count(stat::PASS_NOT_SERVICE);
