@@ -101,6 +101,28 @@ fn assert_consistent(r: &HaRig, hosts: &[Host]) {
     }
 }
 
+/// Cuts the master's link while `hold` runs, and asserts that at least 99 % of its connections and flows survived
+/// the takeover (reported as `what`).
+fn master_dies_and_most_survive(
+    r: &HaRig,
+    master: Host,
+    backup: Host,
+    hold: lb_testbed::rig::Hold,
+    what: &str,
+) {
+    let takeover = kill_master(r, master, backup);
+    std::thread::sleep(Duration::from_secs(4));
+    let rep = hold.stop().unwrap();
+    report(what, &rep);
+    println!("VRRP takeover after {} ms", takeover.as_millis());
+    assert!(
+        survival(&rep) >= 0.99,
+        "only {:.2} % survived: {:?}",
+        survival(&rep) * 100.0,
+        rep.connections.iter().take(5).collect::<Vec<_>>()
+    );
+}
+
 /// Cuts the master's link (a dead VM) and waits until the backup holds the VIP; returns the takeover time.
 fn kill_master(r: &HaRig, master: Host, backup: Host) -> Duration {
     let t0 = Instant::now();
@@ -135,17 +157,7 @@ fn master_dies_and_connections_survive() {
     wait_synced(&r, master, backup);
     assert_consistent(&r, &[master, backup]);
 
-    let takeover = kill_master(&r, master, backup);
-    std::thread::sleep(Duration::from_secs(4));
-    let rep = hold.stop().unwrap();
-    report("master link cut", &rep);
-    println!("VRRP takeover after {} ms", takeover.as_millis());
-    assert!(
-        survival(&rep) >= 0.99,
-        "only {:.2} % survived: {:?}",
-        survival(&rep) * 100.0,
-        rep.connections.iter().take(5).collect::<Vec<_>>()
-    );
+    master_dies_and_most_survive(&r, master, backup, hold, "master link cut");
     assert_consistent(&r, &[backup]);
 }
 
@@ -166,17 +178,7 @@ fn master_dies_and_ipv6_connections_survive() {
     );
     assert_consistent(&r, &[master, backup]);
 
-    let takeover = kill_master(&r, master, backup);
-    std::thread::sleep(Duration::from_secs(4));
-    let rep = hold.stop().unwrap();
-    report("IPv6, master link cut", &rep);
-    println!("VRRP takeover after {} ms", takeover.as_millis());
-    assert!(
-        survival(&rep) >= 0.99,
-        "only {:.2} % survived: {:?}",
-        survival(&rep) * 100.0,
-        rep.connections.iter().take(5).collect::<Vec<_>>()
-    );
+    master_dies_and_most_survive(&r, master, backup, hold, "IPv6, master link cut");
     assert_consistent(&r, &[backup]);
 }
 
@@ -194,17 +196,7 @@ fn an_ipv6_only_pair_fails_over_with_vrrpv3() {
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
     let hold = r.start_hold(&args).unwrap();
     wait_synced(&r, master, backup);
-    let takeover = kill_master(&r, master, backup);
-    std::thread::sleep(Duration::from_secs(4));
-    let rep = hold.stop().unwrap();
-    report("IPv6 only, master link cut", &rep);
-    println!("VRRPv3 (IPv6) takeover after {} ms", takeover.as_millis());
-    assert!(
-        survival(&rep) >= 0.99,
-        "only {:.2} % survived: {:?}",
-        survival(&rep) * 100.0,
-        rep.connections.iter().take(5).collect::<Vec<_>>()
-    );
+    master_dies_and_most_survive(&r, master, backup, hold, "IPv6 only, master link cut");
 }
 
 #[test]
