@@ -652,6 +652,22 @@ fn lbctl_trace_shows_decisions_and_always_puts_the_fast_program_back_tc() {
     lbctl_trace_shows_decisions_and_always_puts_the_fast_program_back("tc", "lb_tc");
 }
 
+/// The decisions of `lbctl trace --json`'s output, one JSON object a line.
+fn trace_decisions(stdout: &str) -> Vec<serde_json::Value> {
+    stdout
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect()
+}
+
+/// The decisions that moved counter `reason`.
+fn with_reason<'a>(decisions: &'a [serde_json::Value], reason: &str) -> Vec<&'a serde_json::Value> {
+    decisions
+        .iter()
+        .filter(|d| d["reasons"].as_array().unwrap().iter().any(|r| r == reason))
+        .collect()
+}
+
 /// The program on the agent's pinned link (`lbctl program`).
 fn attached_program(r: &Rig) -> String {
     let out = r
@@ -730,17 +746,8 @@ fn lbctl_trace_shows_decisions_and_always_puts_the_fast_program_back(mode: &str,
         )
         .unwrap();
     let out = trace.finish(Duration::from_secs(20)).unwrap();
-    let decisions: Vec<serde_json::Value> = out
-        .stdout
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect();
-    let with = |reason: &str| {
-        decisions
-            .iter()
-            .filter(|d| d["reasons"].as_array().unwrap().iter().any(|r| r == reason))
-            .collect::<Vec<_>>()
-    };
+    let decisions = trace_decisions(&out.stdout);
+    let with = |reason: &str| with_reason(&decisions, reason);
     let syns = with("new_handshakes");
     assert_eq!(syns.len(), 5, "{}", out.stdout);
     for d in &syns {
@@ -804,21 +811,8 @@ fn lbctl_trace_shows_ipv6_decisions() {
     let rep = r.load(&["--tcp", &tcp4, "--connections", "5"]).unwrap();
     assert_eq!(rep.tcp.as_ref().unwrap().ok, 5);
     let out = trace.finish(Duration::from_secs(20)).unwrap();
-    let decisions: Vec<serde_json::Value> = out
-        .stdout
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect();
-    let syns: Vec<_> = decisions
-        .iter()
-        .filter(|d| {
-            d["reasons"]
-                .as_array()
-                .unwrap()
-                .iter()
-                .any(|r| r == "new_handshakes")
-        })
-        .collect();
+    let decisions = trace_decisions(&out.stdout);
+    let syns = with_reason(&decisions, "new_handshakes");
     assert_eq!(syns.len(), 5, "{}", out.stdout);
     for d in &syns {
         assert_eq!(d["verdict"], "tx");
