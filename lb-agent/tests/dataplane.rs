@@ -4,13 +4,13 @@
 mod common;
 use common::*;
 
-both_hooks! {
+both_families! {
     fn syn_creates_flow_and_is_full_natted(h) {
-        h.apply(&[web(&[1, 2, 3])]);
-        let (v, out) = h.run(&client_tcp(40000, SYN, b""));
+        h.apply(&[h.web(&[1, 2, 3])]);
+        let (v, out) = h.run(&h.client_tcp(40000, SYN, b""));
         assert_eq!(v, Verdict::Tx);
         let p = parse(&out);
-        assert_eq!(p.src, VIP, "SNAT to the VIP by default");
+        assert_eq!(p.src, h.vip(), "SNAT to the VIP by default");
         assert_eq!(p.dport, WEB_NODE_PORT);
         assert!(p.ip_csum_ok && p.l4_csum_ok, "{p:?}");
         let n = node_index(&p);
@@ -22,37 +22,25 @@ both_hooks! {
 
 use lb_agent::dataplane::model::Protocol;
 use lb_common::{
-    handshakes, stat, FlowKeyV4, FLOW_F_FIN, FLOW_F_FORWARD, FLOW_F_REVERSE, FLOW_F_RST,
-    FLOW_F_SYN_ACK,
+    handshakes, stat, FlowAddr, FlowEvent, FlowKey, FLOW_F_FIN, FLOW_F_FORWARD, FLOW_F_REVERSE,
+    FLOW_F_RST, FLOW_F_SYN_ACK,
 };
 use std::net::{IpAddr, Ipv4Addr};
 
-/// The forward flow key of a client connection.
-fn fwd_key(sport: u16, proto: u8, dport: u16) -> FlowKeyV4 {
-    FlowKeyV4 {
-        src: u32::from_ne_bytes(CLIENT.octets()),
-        dst: u32::from_ne_bytes(VIP.octets()),
-        sport: sport.to_be(),
-        dport: dport.to_be(),
-        proto,
-        _pad: [0; 3],
-    }
-}
-
-/// Sends a client's SYN and returns it as forwarded (the handshake is then in `TRANSIENT_V4`).
-fn syn(h: &mut Harness, sport: u16) -> Parsed {
-    let (v, out) = h.run(&client_tcp(sport, SYN, b""));
+/// Sends a client's SYN and returns it as forwarded (the handshake is then in the transient table).
+fn syn<F: Fam>(h: &mut Harness<F>, sport: u16) -> Parsed {
+    let (v, out) = h.run(&h.client_tcp(sport, SYN, b""));
     assert_eq!(v, Verdict::Tx, "SYN from port {sport} forwarded");
     parse(&out)
 }
 
 /// Opens a TCP connection — the client's SYN, the backend's SYN-ACK, the client's ACK, each forwarded — and
 /// returns the forwarded SYN.
-fn open(h: &mut Harness, sport: u16) -> Parsed {
+fn open<F: Fam>(h: &mut Harness<F>, sport: u16) -> Parsed {
     let p = syn(h, sport);
     let (v, _) = h.run(&reply_tcp(&p, SYN_ACK, b""));
     assert_eq!(v, Verdict::Tx, "SYN-ACK to port {sport} forwarded");
-    let (v, _) = h.run(&client_tcp(sport, ACK, b""));
+    let (v, _) = h.run(&h.client_tcp(sport, ACK, b""));
     assert_eq!(v, Verdict::Tx, "handshake ACK from port {sport} forwarded");
     p
 }
@@ -65,11 +53,11 @@ fn reply_tcp(p: &Parsed, flags: Flags, payload: &[u8]) -> Vec<u8> {
 }
 
 /// Two client ports from `from` up whose keys share a slot of the handshake index.
-fn colliding_ports(from: u16) -> (u16, u16) {
+fn colliding_ports<F: Fam>(h: &Harness<F>, from: u16) -> (u16, u16) {
     let mut seen = std::collections::HashMap::new();
     (from..=u16::MAX)
         .find_map(|port| {
-            seen.insert(handshakes::slot(&fwd_key(port, 6, WEB_PORT)), port)
+            seen.insert(handshakes::slot(&h.key(port, 6, WEB_PORT)), port)
                 .map(|other| (other, port))
         })
         .expect("thousands of ports in 2^20 slots collide")
@@ -77,30 +65,30 @@ fn colliding_ports(from: u16) -> (u16, u16) {
 
 /// Makes both entries of a flow look idle past their timeout. The timeout is shortened to 1 s because the
 /// monotonic clock may not have run for a whole TCP timeout since boot; a zero timeout stays zero.
-fn age(h: &mut Harness, key: &FlowKeyV4) {
-    let f = h.dp.maps.flows.get(key).unwrap().expect("flow exists");
+fn age<F: Fam>(h: &mut Harness<F>, key: &FlowKey<F::A>) {
+    let f = h.flows().get(key).unwrap().expect("flow exists");
     for k in [*key, f.partner_key(key.proto)] {
-        let mut e = h.dp.maps.flows.get(&k).unwrap().expect("entry exists");
+        let mut e = h.flows().get(&k).unwrap().expect("entry exists");
         e.last_seen_ns = 1;
         e.timeout_s = e.timeout_s.min(1);
         h.dp.maps.set_flow(&k, &e).unwrap();
     }
 }
 
-both_hooks! {
+both_families! {
     fn a_syn_waits_in_the_transient_table_until_the_handshake_completes(h) {
-        h.apply(&[web(&[1, 2, 3])]);
+        h.apply(&[h.web(&[1, 2, 3])]);
         let p = syn(h, 40001);
-        let key = fwd_key(40001, 6, WEB_PORT);
-        assert_eq!(h.dp.maps.flows.get(&key).unwrap(), None, "no established entry for a SYN");
+        let key = h.key(40001, 6, WEB_PORT);
+        assert_eq!(h.flows().get(&key).unwrap(), None, "no established entry for a SYN");
         // One entry per handshake, under its reverse key, holding both directions; the client's key finds it
         // through the handshake index.
-        assert_eq!(h.dp.maps.transient.get(&key).unwrap(), None, "nothing under the client's key");
+        assert_eq!(h.transient().get(&key).unwrap(), None, "nothing under the client's key");
         let (rkey, r) = h.dp.maps.handshake(&key).unwrap().expect("the client's handshake");
-        assert_eq!(h.dp.maps.transient.entries().unwrap(), vec![(rkey, r)]);
+        assert_eq!(h.transient().entries().unwrap(), vec![(rkey, r)]);
         let t = r.fwd;
         assert_eq!(t.flags & FLOW_F_FORWARD, FLOW_F_FORWARD);
-        assert_eq!(t.new_dst, u32::from_ne_bytes(p.dst4().octets()));
+        assert_eq!(t.new_dst, h.raw(p.dst));
         assert_eq!(u16::from_be(t.new_sport), p.sport);
         assert_eq!(t.timeout_s, 3600, "the service's idle timeout, for later");
         assert_eq!(rkey, t.partner_key(6));
@@ -110,257 +98,500 @@ both_hooks! {
         assert_eq!(shown.len(), 1);
         assert_eq!((shown[0].state, shown[0].table), ("syn", "transient"));
         assert_eq!((shown[0].snat.port(), shown[0].backend.ip()), (p.sport, p.dst));
-        assert_eq!(r.flow.new_dst, u32::from_ne_bytes(CLIENT.octets()));
+        assert_eq!(r.flow.new_dst, h.raw(h.client()));
         assert_eq!(r.flow.mac, CLIENT_MAC, "replies go back where the client's frames came from");
-        let s = h.svc_stats(&web(&[]).id);
+        let s = h.svc_stats(&h.web(&[]).id);
         assert_eq!((s.handshakes, s.new_flows, s.rx_packets), (1, 0, 1));
         assert_eq!((h.stat(stat::NEW_HANDSHAKES), h.stat(stat::NEW_FLOWS)), (1, 0));
 
         // The backend's SYN-ACK records what the client must acknowledge; the client's ACK completes it.
         assert_eq!(h.run(&reply_tcp(&p, SYN_ACK, b"")).0, Verdict::Tx);
-        let r = h.dp.maps.transient.get(&rkey).unwrap().unwrap();
+        let r = h.transient().get(&rkey).unwrap().unwrap();
         assert_eq!(r.flow.flags & FLOW_F_SYN_ACK, FLOW_F_SYN_ACK);
         assert_eq!(u32::from_be(r.ack_be), SEQ + 1);
-        let (v, out) = h.run(&client_tcp(40001, ACK, b""));
+        let (v, out) = h.run(&h.client_tcp(40001, ACK, b""));
         assert_eq!(v, Verdict::Tx);
         assert_eq!(parse(&out).dst, p.dst);
-        let f = h.dp.maps.flows.get(&key).unwrap().expect("established forward entry");
+        let f = h.flows().get(&key).unwrap().expect("established forward entry");
         assert_eq!((f.new_dst, f.new_sport, f.timeout_s), (t.new_dst, t.new_sport, 3600));
-        let r = h.dp.maps.flows.get(&rkey).unwrap().expect("established reverse entry");
+        let r = h.flows().get(&rkey).unwrap().expect("established reverse entry");
         assert_eq!(r.flags & (FLOW_F_REVERSE | FLOW_F_SYN_ACK), FLOW_F_REVERSE);
-        assert_eq!(h.dp.maps.transient.entries().unwrap(), vec![], "the handshake's entry is gone");
-        let s = h.svc_stats(&web(&[]).id);
+        assert_eq!(h.transient().entries().unwrap(), vec![], "the handshake's entry is gone");
+        let s = h.svc_stats(&h.web(&[]).id);
         assert_eq!((s.handshakes, s.new_flows, s.rx_packets, s.tx_packets), (1, 1, 2, 1));
         assert_eq!(h.stat(stat::NEW_FLOWS), 1);
     }
 
     fn only_an_ack_of_the_backends_syn_ack_completes_a_handshake(h) {
-        h.apply(&[web(&[1])]);
+        h.apply(&[h.web(&[1])]);
         let p = syn(h, 40005);
-        let key = fwd_key(40005, 6, WEB_PORT);
+        let key = h.key(40005, 6, WEB_PORT);
         // Before the SYN-ACK, nothing can be acknowledged: a blind ACK (spoofed source) is dropped.
-        assert_eq!(h.run(&client_tcp(40005, ACK, b"")).0, Verdict::Drop);
+        assert_eq!(h.run(&h.client_tcp(40005, ACK, b"")).0, Verdict::Drop);
         h.run(&reply_tcp(&p, SYN_ACK, b""));
         // An ACK with another number, a segment without ACK: dropped, counted, nothing established.
         let wrong = tcp_seq(
-            CLIENT_MAC, LB_MAC, (CLIENT, 40005), (VIP, WEB_PORT), ACK, (SEQ, SEQ + 7), b"",
+            CLIENT_MAC, LB_MAC, (h.client(), 40005), (h.vip(), WEB_PORT), ACK, (SEQ, SEQ + 7), b"",
         );
         assert_eq!(h.run(&wrong).0, Verdict::Drop);
         let bare = tcp_seq(
-            CLIENT_MAC, LB_MAC, (CLIENT, 40005), (VIP, WEB_PORT), Flags::default(), (SEQ, 0), b"",
+            CLIENT_MAC, LB_MAC, (h.client(), 40005), (h.vip(), WEB_PORT), Flags::default(), (SEQ, 0), b"",
         );
         assert_eq!(h.run(&bare).0, Verdict::Drop);
-        assert_eq!(h.dp.maps.flows.get(&key).unwrap(), None);
+        assert_eq!(h.flows().get(&key).unwrap(), None);
         assert_eq!(h.stat(stat::DROP_HANDSHAKE), 3);
-        assert_eq!(h.svc_stats(&web(&[]).id).drop_handshake, 3);
+        assert_eq!(h.svc_stats(&h.web(&[]).id).drop_handshake, 3);
         // The real ACK still completes it.
-        assert_eq!(h.run(&client_tcp(40005, ACK, b"")).0, Verdict::Tx);
-        assert!(h.dp.maps.flows.get(&key).unwrap().is_some());
+        assert_eq!(h.run(&h.client_tcp(40005, ACK, b"")).0, Verdict::Tx);
+        assert!(h.flows().get(&key).unwrap().is_some());
     }
 
     fn a_syn_flood_never_touches_established_connections(h) {
-        h.apply(&[web(&[1, 2, 3])]);
+        h.apply(&[h.web(&[1, 2, 3])]);
         let held = open(h, 40006);
         // Three times the transient table's capacity (1024 entries in tests) of SYNs from spoofed sources.
         for i in 0..1536u32 {
-            let src = Ipv4Addr::from(0x0a80_0000 + i);
-            let frame = tcp(CLIENT_MAC, LB_MAC, src, 1024 + (i % 60000) as u16, VIP, WEB_PORT, SYN, b"");
+            let frame = tcp(CLIENT_MAC, LB_MAC, F::source(i), 1024 + (i % 60000) as u16, h.vip(), WEB_PORT, SYN, b"");
             assert_eq!(h.run(&frame).0, Verdict::Tx);
         }
-        assert_eq!(h.dp.maps.flows.entries().unwrap().len(), 2, "only the established connection's two entries");
-        assert!(h.dp.maps.transient.entries().unwrap().len() <= 1024);
-        let (v, out) = h.run(&client_tcp(40006, ACK, b"still here"));
+        assert_eq!(h.flows().entries().unwrap().len(), 2, "only the established connection's two entries");
+        assert!(h.transient().entries().unwrap().len() <= 1024);
+        let (v, out) = h.run(&h.client_tcp(40006, ACK, b"still here"));
         assert_eq!(v, Verdict::Tx);
         assert_eq!(parse(&out).dst, held.dst);
-        let s = h.svc_stats(&web(&[]).id);
+        let s = h.svc_stats(&h.web(&[]).id);
         assert_eq!((s.handshakes, s.new_flows), (1537, 1));
     }
 
     fn a_stale_handshake_no_longer_counts(h) {
-        h.apply(&[web(&[1])]);
+        h.apply(&[h.web(&[1])]);
         let p = syn(h, 40007);
         h.run(&reply_tcp(&p, SYN_ACK, b""));
-        let key = fwd_key(40007, 6, WEB_PORT);
+        let key = h.key(40007, 6, WEB_PORT);
         let (rkey, mut t) = h.dp.maps.handshake(&key).unwrap().unwrap();
         t.flow.last_seen_ns = 1;
-        h.dp.maps.transient.insert(&rkey, &t).unwrap();
+        h.transient_mut().insert(&rkey, &t).unwrap();
         // Past the handshake timeout the ACK finds nothing (and releases the entry); a SYN starts over.
-        assert_eq!(h.run(&client_tcp(40007, ACK, b"")).0, Verdict::Drop);
+        assert_eq!(h.run(&h.client_tcp(40007, ACK, b"")).0, Verdict::Drop);
         assert_eq!(h.stat(stat::DROP_NO_FLOW), 1);
-        assert_eq!(h.dp.maps.transient.entries().unwrap(), vec![]);
+        assert_eq!(h.transient().entries().unwrap(), vec![]);
         syn(h, 40007);
         let (_, t) = h.dp.maps.handshake(&key).unwrap().unwrap();
         assert!(t.flow.last_seen_ns > 1);
-        assert_eq!(h.svc_stats(&web(&[]).id).handshakes, 2);
+        assert_eq!(h.svc_stats(&h.web(&[]).id).handshakes, 2);
         // A stale handshake that the ACK never touched is replaced by the client's next SYN on its port.
         let (rkey, mut t) = h.dp.maps.handshake(&key).unwrap().unwrap();
         t.flow.last_seen_ns = 1;
-        h.dp.maps.transient.insert(&rkey, &t).unwrap();
+        h.transient_mut().insert(&rkey, &t).unwrap();
         syn(h, 40007);
-        assert_eq!(h.svc_stats(&web(&[]).id).handshakes, 3);
-        assert_eq!(h.dp.maps.transient.entries().unwrap().len(), 1, "one entry: replaced, not a second port");
+        assert_eq!(h.svc_stats(&h.web(&[]).id).handshakes, 3);
+        assert_eq!(h.transient().entries().unwrap().len(), 1, "one entry: replaced, not a second port");
     }
 
     fn a_retransmitted_syn_finds_its_handshake(h) {
-        h.apply(&[web(&[1, 2, 3])]);
+        h.apply(&[h.web(&[1, 2, 3])]);
         let a = syn(h, 40091);
         let b = syn(h, 40091);
         assert_eq!((a.dst, a.sport), (b.dst, b.sport), "the same backend and SNAT port");
-        assert_eq!(h.svc_stats(&web(&[]).id).handshakes, 1);
-        assert_eq!(h.dp.maps.transient.entries().unwrap().len(), 1);
+        assert_eq!(h.svc_stats(&h.web(&[]).id).handshakes, 1);
+        assert_eq!(h.transient().entries().unwrap().len(), 1);
         h.run(&reply_tcp(&b, SYN_ACK, b""));
-        assert_eq!(h.run(&client_tcp(40091, ACK, b"")).0, Verdict::Tx);
-        assert!(h.dp.maps.flows.get(&fwd_key(40091, 6, WEB_PORT)).unwrap().is_some());
+        assert_eq!(h.run(&h.client_tcp(40091, ACK, b"")).0, Verdict::Tx);
+        assert!(h.flows().get(&h.key(40091, 6, WEB_PORT)).unwrap().is_some());
     }
 
     fn a_handshake_index_slot_taken_by_another_client_is_repaired_by_the_syn_ack(h) {
-        let (p1, p2) = colliding_ports(1024);
-        h.apply(&[web(&[1])]);
+        let (p1, p2) = colliding_ports(h, 1024);
+        h.apply(&[h.web(&[1])]);
         let a = syn(h, p1);
         let b = syn(h, p2);
         // Each SYN-ACK points the slot back at its own handshake: both complete.
         h.run(&reply_tcp(&a, SYN_ACK, b""));
-        assert_eq!(h.run(&client_tcp(p1, ACK, b"")).0, Verdict::Tx);
+        assert_eq!(h.run(&h.client_tcp(p1, ACK, b"")).0, Verdict::Tx);
         h.run(&reply_tcp(&b, SYN_ACK, b""));
-        assert_eq!(h.run(&client_tcp(p2, ACK, b"")).0, Verdict::Tx);
-        assert_eq!(h.dp.maps.flows.entries().unwrap().len(), 4);
+        assert_eq!(h.run(&h.client_tcp(p2, ACK, b"")).0, Verdict::Tx);
+        assert_eq!(h.flows().entries().unwrap().len(), 4);
         // A slot taken between the SYN-ACK and the ACK: the ACK finds nothing and is dropped, counted; the
         // backend's retransmitted SYN-ACK repairs it.
-        let (p3, p4) = colliding_ports(p2 + 1);
+        let (p3, p4) = colliding_ports(h, p2 + 1);
         let c = syn(h, p3);
         h.run(&reply_tcp(&c, SYN_ACK, b""));
         syn(h, p4);
-        assert_eq!(h.run(&client_tcp(p3, ACK, b"")).0, Verdict::Drop);
+        assert_eq!(h.run(&h.client_tcp(p3, ACK, b"")).0, Verdict::Drop);
         assert_eq!(h.stat(stat::DROP_NO_FLOW), 1);
         h.run(&reply_tcp(&c, SYN_ACK, b""));
-        assert_eq!(h.run(&client_tcp(p3, ACK, b"")).0, Verdict::Tx);
+        assert_eq!(h.run(&h.client_tcp(p3, ACK, b"")).0, Verdict::Tx);
     }
 
     fn a_client_reset_during_the_handshake_reaches_the_backend(h) {
-        h.apply(&[web(&[1])]);
+        h.apply(&[h.web(&[1])]);
         let p = syn(h, 40008);
-        let (v, out) = h.run(&client_tcp(40008, RST, b""));
+        let (v, out) = h.run(&h.client_tcp(40008, RST, b""));
         assert_eq!(v, Verdict::Tx);
         assert_eq!((parse(&out).dst, parse(&out).sport), (p.dst, p.sport));
-        let key = fwd_key(40008, 6, WEB_PORT);
+        let key = h.key(40008, 6, WEB_PORT);
         let (_, t) = h.dp.maps.handshake(&key).unwrap().unwrap();
         assert_eq!(t.flow.flags & FLOW_F_RST, FLOW_F_RST);
-        assert_eq!(h.dp.maps.flows.get(&key).unwrap(), None);
+        assert_eq!(h.flows().get(&key).unwrap(), None);
         // The backend's answer to it still reaches the client.
         assert_eq!(h.run(&reply_tcp(&p, RST, b"")).0, Verdict::Tx);
         // A new SYN on the port is a new handshake, in the same entry.
         syn(h, 40008);
-        assert_eq!(h.svc_stats(&web(&[]).id).handshakes, 2);
+        assert_eq!(h.svc_stats(&h.web(&[]).id).handshakes, 2);
         let (_, t) = h.dp.maps.handshake(&key).unwrap().unwrap();
         assert_eq!(t.flow.flags & FLOW_F_RST, 0);
-        assert_eq!(h.dp.maps.transient.entries().unwrap().len(), 1);
+        assert_eq!(h.transient().entries().unwrap().len(), 1);
     }
 
     fn a_closed_connection_leaves_the_flow_table_and_its_last_ack_passes(h) {
-        h.apply(&[web(&[1])]);
+        h.apply(&[h.web(&[1])]);
         let p = open(h, 40009);
-        let key = fwd_key(40009, 6, WEB_PORT);
-        assert_eq!(h.run(&client_tcp(40009, FIN_ACK, b"")).0, Verdict::Tx);
-        assert!(h.dp.maps.flows.get(&key).unwrap().is_some(), "half closed: the backend may still send");
+        let key = h.key(40009, 6, WEB_PORT);
+        assert_eq!(h.run(&h.client_tcp(40009, FIN_ACK, b"")).0, Verdict::Tx);
+        assert!(h.flows().get(&key).unwrap().is_some(), "half closed: the backend may still send");
         assert_eq!(h.run(&reply_tcp(&p, FIN_ACK, b"")).0, Verdict::Tx);
-        assert_eq!(h.dp.maps.flows.entries().unwrap(), vec![], "closed both ways: out of the flow table");
-        let t = h.dp.maps.transient.get(&key).unwrap().expect("moved to the transient table");
+        assert_eq!(h.flows().entries().unwrap(), vec![], "closed both ways: out of the flow table");
+        let t = h.transient().get(&key).unwrap().expect("moved to the transient table");
         assert_eq!((t.flow.flags & FLOW_F_FIN, t.flow.timeout_s), (FLOW_F_FIN, 10));
-        let (v, out) = h.run(&client_tcp(40009, ACK, b""));
+        let (v, out) = h.run(&h.client_tcp(40009, ACK, b""));
         assert_eq!(v, Verdict::Tx, "the last ACK");
         assert_eq!(parse(&out).dst, p.dst);
-        assert_eq!(h.svc_stats(&web(&[]).id).closed_flows, 2);
+        assert_eq!(h.svc_stats(&h.web(&[]).id).closed_flows, 2);
     }
 
     fn a_fin_on_the_completing_ack_is_recorded(h) {
-        h.apply(&[web(&[1])]);
+        h.apply(&[h.web(&[1])]);
         let p = syn(h, 40012);
         h.run(&reply_tcp(&p, SYN_ACK, b""));
-        assert_eq!(h.run(&client_tcp(40012, FIN_ACK, b"GET / HTTP/1.0\r\n\r\n")).0, Verdict::Tx);
-        let f = h.dp.maps.flows.get(&fwd_key(40012, 6, WEB_PORT)).unwrap().expect("established");
+        assert_eq!(h.run(&h.client_tcp(40012, FIN_ACK, b"GET / HTTP/1.0\r\n\r\n")).0, Verdict::Tx);
+        let f = h.flows().get(&h.key(40012, 6, WEB_PORT)).unwrap().expect("established");
         assert_eq!((f.flags & FLOW_F_FIN, f.timeout_s), (FLOW_F_FIN, 10));
     }
 
     fn a_syn_from_the_backend_side_follows_only_an_existing_flow(h) {
         // No simultaneous open through a full NAT: a backend's SYN towards a SNAT port is forwarded only as
         // part of a flow that exists; without one it is not a service packet and goes to the kernel.
-        h.apply(&[web(&[1])]);
+        h.apply(&[h.web(&[1])]);
         let p = open(h, 40010);
         let (v, out) = h.run(&reply_tcp(&p, SYN, b""));
         assert_eq!(v, Verdict::Tx);
-        assert_eq!(parse(&out).dst, CLIENT);
-        let stray = tcp(node_mac(1), LB_MAC, node(1), WEB_NODE_PORT, VIP, 50123, SYN, b"");
+        assert_eq!(parse(&out).dst, h.client());
+        let stray = tcp(node_mac(1), LB_MAC, h.node(1), WEB_NODE_PORT, h.vip(), 50123, SYN, b"");
         assert_eq!(h.run(&stray).0, Verdict::Pass);
     }
 
     fn a_connection_a_peer_established_is_followed(h) {
         // State sync writes both entries straight into the flow table; no handshake is seen here.
-        h.apply(&[web(&[1])]);
+        h.apply(&[h.web(&[1])]);
         let p = open(h, 40011);
-        let key = fwd_key(40011, 6, WEB_PORT);
+        let key = h.key(40011, 6, WEB_PORT);
         let (f, r) = {
-            let f = h.dp.maps.flows.get(&key).unwrap().unwrap();
-            (f, h.dp.maps.flows.get(&f.partner_key(6)).unwrap().unwrap())
+            let f = h.flows().get(&key).unwrap().unwrap();
+            (f, h.flows().get(&f.partner_key(6)).unwrap().unwrap())
         };
-        let mut fresh = Harness::new(h.hook);
-        fresh.apply(&[web(&[1])]);
+        let mut fresh = Harness::<F>::open(h.hook);
+        fresh.apply(&[h.web(&[1])]);
         fresh.dp.maps.set_flow(&key, &f).unwrap();
         fresh.dp.maps.set_flow(&f.partner_key(6), &r).unwrap();
-        let (v, out) = fresh.run(&client_tcp(40011, ACK, b"after failover"));
+        let (v, out) = fresh.run(&h.client_tcp(40011, ACK, b"after failover"));
         assert_eq!(v, Verdict::Tx);
         assert_eq!((parse(&out).dst, parse(&out).sport), (p.dst, p.sport));
         assert_eq!(fresh.run(&reply_tcp(&p, ACK, b"reply")).0, Verdict::Tx);
     }
 
     fn established_segment_follows_its_flow(h) {
-        h.apply(&[web(&[1, 2, 3])]);
+        h.apply(&[h.web(&[1, 2, 3])]);
         let syn = open(h, 40002);
         for i in 0..5 {
-            let (v, out) = h.run(&client_tcp(40002, ACK, format!("segment {i}").as_bytes()));
+            let (v, out) = h.run(&h.client_tcp(40002, ACK, format!("segment {i}").as_bytes()));
             assert_eq!(v, Verdict::Tx);
             let p = parse(&out);
             assert_eq!((p.dst, p.sport, p.dport), (syn.dst, syn.sport, syn.dport));
             assert!(p.ip_csum_ok && p.l4_csum_ok);
             assert_eq!(p.payload, format!("segment {i}").as_bytes());
         }
-        assert_eq!(h.svc_stats(&web(&[]).id).new_flows, 1);
+        assert_eq!(h.svc_stats(&h.web(&[]).id).new_flows, 1);
     }
 
     fn reply_is_translated_back_to_the_client(h) {
-        h.apply(&[web(&[1, 2, 3])]);
+        h.apply(&[h.web(&[1, 2, 3])]);
         let syn = syn(h, 40003);
         let (v, out) = h.run(&reply_tcp(&syn, SYN_ACK, b""));
         assert_eq!(v, Verdict::Tx);
         let p = parse(&out);
-        assert_eq!((p.src4(), p.sport), (VIP, WEB_PORT));
-        assert_eq!((p.dst4(), p.dport), (CLIENT, 40003));
+        assert_eq!((p.src, p.sport), (h.vip(), WEB_PORT));
+        assert_eq!((p.dst, p.dport), (h.client(), 40003));
         assert_eq!(p.dst_mac, CLIENT_MAC);
         assert_eq!(p.src_mac, LB_MAC);
         assert!(p.ip_csum_ok && p.l4_csum_ok, "{p:?}");
-        let s = h.svc_stats(&web(&[]).id);
+        let s = h.svc_stats(&h.web(&[]).id);
         assert_eq!(s.tx_packets, 1);
         assert!(s.tx_bytes >= 40);
     }
 
     fn udp_is_full_natted_both_ways(h) {
-        h.apply(&[dns(&[1, 2, 3])]);
-        let (v, out) = h.run(&client_udp(5353, b"query"));
+        h.apply(&[h.dns(&[1, 2, 3])]);
+        let (v, out) = h.run(&h.client_udp(5353, b"query"));
         assert_eq!(v, Verdict::Tx);
         let p = parse(&out);
-        assert_eq!((p.src4(), p.dport, p.proto), (VIP, DNS_NODE_PORT, 17));
+        assert_eq!((p.src, p.dport, p.proto), (h.vip(), DNS_NODE_PORT, 17));
         assert!(p.ip_csum_ok && p.l4_csum_ok && !p.udp_csum_zero);
         assert_eq!(p.payload, b"query");
-        let f = h.dp.maps.flows.get(&fwd_key(5353, 17, DNS_PORT)).unwrap().unwrap();
+        let f = h.flows().get(&h.key(5353, 17, DNS_PORT)).unwrap().unwrap();
         assert_eq!(f.timeout_s, 60, "UDP default idle timeout");
         let back = udp(p.dst_mac, LB_MAC, p.dst, p.dport, p.src, p.sport, b"answer");
         let (v, out) = h.run(&back);
         assert_eq!(v, Verdict::Tx);
         let r = parse(&out);
-        assert_eq!((r.src4(), r.sport, r.dst4(), r.dport), (VIP, DNS_PORT, CLIENT, 5353));
+        assert_eq!((r.src, r.sport, r.dst, r.dport), (h.vip(), DNS_PORT, h.client(), 5353));
         assert!(r.ip_csum_ok && r.l4_csum_ok);
         assert_eq!(r.payload, b"answer");
     }
 
+    fn zero_length_payloads_are_forwarded(h) {
+        h.apply(&[h.dns(&[1]), h.web(&[1])]);
+        let (v, out) = h.run(&h.client_udp(5355, b""));
+        assert_eq!(v, Verdict::Tx);
+        assert!(parse(&out).l4_csum_ok);
+        open(h, 40004);
+        let (v, out) = h.run(&h.client_tcp(40004, ACK, b""));
+        assert_eq!(v, Verdict::Tx);
+        assert!(parse(&out).l4_csum_ok);
+    }
+
+    fn tcp_without_flow_that_is_not_a_syn_is_dropped(h) {
+        h.apply(&[h.web(&[1, 2])]);
+        for (name, flags) in [("ack", ACK), ("syn-ack", SYN_ACK), ("fin", FIN_ACK), ("rst", RST)] {
+            let (v, _) = h.run(&h.client_tcp(40010, flags, b"data"));
+            assert_eq!(v, Verdict::Drop, "{name}");
+        }
+        assert_eq!(h.stat(stat::DROP_NO_FLOW), 4);
+        assert_eq!(h.svc_stats(&h.web(&[]).id).drop_no_flow, 4);
+        assert!(h.flows().entries().unwrap().is_empty(), "no state created");
+    }
+
+    fn maglev_spreads_new_flows_and_backend_changes_keep_established_ones(h) {
+        h.apply(&[h.web(&[1, 2, 3])]);
+        let mut per_node = [0u32; 5];
+        let mut chosen = Vec::new();
+        for sport in 41000..41600u16 {
+            let p = open(h, sport);
+            let n = node_index(&p);
+            per_node[n as usize] += 1;
+            chosen.push((sport, n, p.sport));
+        }
+        for n in 1..=3 {
+            assert!((150..=250).contains(&per_node[n]), "node {n}: {per_node:?}");
+        }
+        // A fourth backend joins and node 2 leaves: existing flows stay where they are.
+        h.apply(&[h.web(&[1, 3, 4])]);
+        for (sport, n, snat_port) in &chosen {
+            let (v, out) = h.run(&h.client_tcp(*sport, ACK, b"x"));
+            assert_eq!(v, Verdict::Tx);
+            let p = parse(&out);
+            assert_eq!((node_index(&p), p.sport), (*n, *snat_port), "flow from {sport} moved");
+        }
+        // New flows only go to the new set.
+        let mut seen = [0u32; 5];
+        for sport in 42000..42300u16 {
+            seen[node_index(&open(h, sport)) as usize] += 1;
+        }
+        assert_eq!(seen[2], 0, "removed backend gets no new flow: {seen:?}");
+        assert!(seen[4] > 50, "new backend takes its share: {seen:?}");
+    }
+
+    fn no_healthy_backend_drops_new_flows(h) {
+        h.apply(&[h.web(&[])]);
+        assert_eq!(h.run(&h.client_tcp(40030, SYN, b"")).0, Verdict::Drop);
+        assert_eq!(h.svc_stats(&h.web(&[]).id).drop_no_backend, 1);
+        assert_eq!(h.stat(stat::DROP_NO_BACKEND), 1);
+    }
+
+    fn unknown_next_hop_goes_to_the_kernel_and_is_counted(h) {
+        h.apply(&[h.web(&[1])]);
+        h.dp.maps.nexthops.remove(&lb_agent::dataplane::programmer::ip_to_addr(h.node(1))).unwrap();
+        let f = h.client_tcp(40040, SYN, b"");
+        let (v, out) = h.run(&f);
+        assert_eq!(v, Verdict::Pass);
+        assert_eq!(out, f, "passed unchanged");
+        assert_eq!(h.stat(stat::PASS_NO_NEXTHOP), 1);
+        assert_eq!(h.svc_stats(&h.web(&[]).id).pass_no_nexthop, 1);
+        assert!(h.flows().entries().unwrap().is_empty(), "no half-made flow");
+    }
+
+    fn snat_ports_avoid_service_ports_and_existing_flows(h) {
+        h.dp.maps.config.set(lb_common::CONFIG_INDEX, &lb_common::Config { snat_port_min: 40000, snat_port_max: 40003, hash_seed: 7, ..Default::default() }).unwrap();
+        // A service on port 40001 of the VIP: replies to that port would look like new connections.
+        h.apply(&[h.web(&[1]), h.spec(Protocol::Tcp, 40001, 31000, &[1])]);
+        let mut ports = Vec::new();
+        for sport in 43000..43003u16 {
+            ports.push(open(h, sport).sport);
+        }
+        ports.sort();
+        assert_eq!(ports, vec![40000, 40002, 40003]);
+        // The range is used up for this backend: the next SYN is dropped and counted.
+        assert_eq!(h.run(&h.client_tcp(43003, SYN, b"")).0, Verdict::Drop);
+        assert_eq!(h.stat(stat::DROP_SNAT_EXHAUSTED), 1);
+        assert_eq!(h.svc_stats(&h.web(&[]).id).drop_snat_exhausted, 1);
+    }
+
+    fn a_snat_port_the_flow_filter_marks_is_skipped_until_the_gc_rebuilds_it(h) {
+        h.dp.maps.config.set(lb_common::CONFIG_INDEX, &lb_common::Config { snat_port_min: 40000, snat_port_max: 40003, hash_seed: 7, ..Default::default() }).unwrap();
+        h.apply(&[h.web(&[1])]);
+        let p = open(h, 43100);
+        let key = h.key(43100, 6, WEB_PORT);
+        let rkey = h.flows().get(&key).unwrap().unwrap().partner_key(6);
+        let filter = &h.dp.maps.flow_filter;
+        assert!(filter.may_hold(&key) && filter.may_hold(&rkey), "a completed handshake marks both keys");
+        // Marks that no connection holds (a connection gone since, or another key's bit) on all free ports but
+        // one: the next SYN takes that one without looking the others up, the one after finds none.
+        let rkey_of = |port: u16| FlowKey { dport: port.to_be(), ..rkey };
+        let free: Vec<u16> = (40000..=40003).filter(|&x| x != p.sport).collect();
+        for &port in &free[1..] {
+            filter.mark(&rkey_of(port));
+        }
+        assert_eq!(syn(h, 43101).sport, free[0]);
+        assert_eq!(h.run(&h.client_tcp(43102, SYN, b"")).0, Verdict::Drop);
+        assert_eq!(h.stat(stat::DROP_SNAT_EXHAUSTED), 1);
+        // The GC's walk rebuilds the filter from what the table holds: the stale marks are gone, the
+        // connection's stay.
+        let report = lb_agent::dataplane::gc::collect(&mut h.dp.maps, lb_agent::dataplane::gc::now_ns(), None).unwrap();
+        assert!(matches!(report.flow_filter_bits, Some(1..=2)), "{:?}", report.flow_filter_bits);
+        let filter = &h.dp.maps.flow_filter;
+        assert!(filter.may_hold(&key) && filter.may_hold(&rkey));
+        assert!(free[1..].iter().all(|&port| !filter.may_hold(&rkey_of(port))));
+        let p2 = syn(h, 43102);
+        assert!(free[1..].contains(&p2.sport), "{}", p2.sport);
+    }
+
+    fn a_connection_made_while_the_filter_is_rebuilt_stays_marked(h) {
+        h.apply(&[h.web(&[1])]);
+        // The rebuild clears its generation, then a handshake completes that the walk does not see.
+        h.dp.maps.flow_filter.begin_rebuild();
+        open(h, 43200);
+        h.dp.maps.flow_filter.finish_rebuild([]);
+        let key = h.key(43200, 6, WEB_PORT);
+        let rkey = h.flows().get(&key).unwrap().unwrap().partner_key(6);
+        let filter = &h.dp.maps.flow_filter;
+        assert!(filter.may_hold(&key) && filter.may_hold(&rkey), "marked in both generations by the data plane");
+        // A SYN on it is looked up, so it still follows the connection (a stray SYN, not a new handshake).
+        h.run(&h.client_tcp(43200, SYN, b""));
+        assert_eq!(h.transient().get(&key).unwrap(), None);
+    }
+
+    fn configured_snat_address_is_used(h) {
+        let mut w = h.web(&[1]);
+        let snat = F::snat();
+        w.snat = Some(snat);
+        h.apply(&[w]);
+        let p = open(h, 40050);
+        assert_eq!(p.src, snat);
+        let (v, out) = h.run(&reply_tcp(&p, SYN_ACK, b""));
+        assert_eq!(v, Verdict::Tx);
+        let r = parse(&out);
+        assert_eq!((r.src, r.sport, r.dst), (h.vip(), WEB_PORT, h.client()));
+    }
+
+    fn idle_udp_flow_expires_and_a_new_one_is_made(h) {
+        h.apply(&[h.dns(&[1, 2, 3])]);
+        h.run(&h.client_udp(5370, b"a"));
+        let key = h.key(5370, 17, DNS_PORT);
+        let before = h.flows().get(&key).unwrap().unwrap();
+        age(h, &key);
+        let (v, _) = h.run(&h.client_udp(5370, b"b"));
+        assert_eq!(v, Verdict::Tx);
+        assert_eq!(h.svc_stats(&h.dns(&[]).id).new_flows, 2, "expired flow replaced");
+        let after = h.flows().get(&key).unwrap().unwrap();
+        assert!(after.last_seen_ns > 1);
+        assert!(h.flows().get(&before.partner_key(17)).unwrap().is_none() || before.new_sport == after.new_sport,
+            "the old reverse entry is released");
+    }
+
+    fn idle_tcp_flow_expires(h) {
+        h.apply(&[h.web(&[1])]);
+        open(h, 40060);
+        let key = h.key(40060, 6, WEB_PORT);
+        age(h, &key);
+        assert_eq!(h.run(&h.client_tcp(40060, ACK, b"late")).0, Verdict::Drop, "expired TCP flow is gone");
+        assert_eq!(h.stat(stat::DROP_NO_FLOW), 1);
+    }
+
+    fn a_flow_alive_in_one_direction_does_not_expire(h) {
+        h.apply(&[h.dns(&[1])]);
+        let p = {
+            let (_, out) = h.run(&h.client_udp(5371, b"a"));
+            parse(&out)
+        };
+        let key = h.key(5371, 17, DNS_PORT);
+        let mut f = h.flows().get(&key).unwrap().unwrap();
+        f.last_seen_ns = 1;
+        h.dp.maps.set_flow(&key, &f).unwrap();
+        // Only the forward entry is stale; the backend keeps streaming, so the flow stays.
+        let (v, out) = h.run(&h.client_udp(5371, b"b"));
+        assert_eq!(v, Verdict::Tx);
+        assert_eq!(parse(&out).sport, p.sport);
+        assert_eq!(h.svc_stats(&h.dns(&[]).id).new_flows, 1);
+    }
+
+    fn zero_idle_timeout_never_expires(h) {
+        let mut d = h.dns(&[1]);
+        d.idle_timeout = secs(0);
+        h.apply(&[d]);
+        h.run(&h.client_udp(5372, b"a"));
+        let key = h.key(5372, 17, DNS_PORT);
+        assert_eq!(h.flows().get(&key).unwrap().unwrap().timeout_s, 0);
+        age(h, &key);
+        h.run(&h.client_udp(5372, b"b"));
+        assert_eq!(h.svc_stats(&h.dns(&[]).id).new_flows, 1);
+    }
+
+    fn fin_and_rst_shorten_the_lifetime(h) {
+        h.apply(&[h.web(&[1])]);
+        let p = open(h, 40070);
+        let key = h.key(40070, 6, WEB_PORT);
+        h.run(&h.client_tcp(40070, FIN_ACK, b""));
+        let f = h.flows().get(&key).unwrap().unwrap();
+        assert_eq!(f.flags & FLOW_F_FIN, FLOW_F_FIN);
+        assert_eq!(f.timeout_s, 10);
+        let r = h.flows().get(&f.partner_key(6)).unwrap().unwrap();
+        assert_eq!(r.timeout_s, 3600, "the other direction may still send (half close)");
+        // A reset from the backend ends both directions (and moves them to the transient table).
+        h.run(&reply_tcp(&p, RST, b""));
+        let r = h.transient().get(&f.partner_key(6)).unwrap().unwrap().flow;
+        assert_eq!((r.flags & FLOW_F_RST, r.timeout_s), (FLOW_F_RST, 10));
+        let f = h.transient().get(&key).unwrap().unwrap().flow;
+        assert_eq!(f.flags & FLOW_F_RST, FLOW_F_RST);
+        assert_eq!(h.svc_stats(&h.web(&[]).id).closed_flows, 2);
+    }
+
+    fn syn_on_a_closed_flow_opens_a_new_one(h) {
+        h.apply(&[h.web(&[1])]);
+        let first = open(h, 40080);
+        let key = h.key(40080, 6, WEB_PORT);
+        let old = h.flows().get(&key).unwrap().unwrap();
+        h.run(&h.client_tcp(40080, RST, b""));
+        // A retransmitted SYN on a live flow reuses it; after the reset a SYN is a new connection.
+        let second = open(h, 40080);
+        assert_eq!(h.svc_stats(&h.web(&[]).id).new_flows, 2);
+        let new = h.flows().get(&key).unwrap().unwrap();
+        assert_eq!(new.flags & FLOW_F_RST, 0);
+        if new.new_sport != old.new_sport {
+            assert!(h.flows().get(&old.partner_key(6)).unwrap().is_none(), "old reverse entry released");
+        }
+        assert_eq!(first.dst, second.dst);
+    }
+
+    fn retransmitted_syn_reuses_the_flow(h) {
+        h.apply(&[h.web(&[1, 2, 3])]);
+        let a = open(h, 40090);
+        let b = open(h, 40090);
+        assert_eq!((a.dst, a.sport), (b.dst, b.sport));
+        assert_eq!(h.svc_stats(&h.web(&[]).id).new_flows, 1);
+        assert_eq!(h.flows().entries().unwrap().len(), 2);
+    }
+}
+
+both_hooks! {
     fn udp_zero_checksum_stays_zero(h) {
         h.apply(&[dns(&[1])]);
         let mut frame = client_udp(5354, b"no checksum");
@@ -371,17 +602,6 @@ both_hooks! {
         let p = parse(&out);
         assert!(p.udp_csum_zero, "a zero UDP checksum means none and must stay zero");
         assert!(p.ip_csum_ok);
-    }
-
-    fn zero_length_payloads_are_forwarded(h) {
-        h.apply(&[dns(&[1]), web(&[1])]);
-        let (v, out) = h.run(&client_udp(5355, b""));
-        assert_eq!(v, Verdict::Tx);
-        assert!(parse(&out).l4_csum_ok);
-        open(h, 40004);
-        let (v, out) = h.run(&client_tcp(40004, ACK, b""));
-        assert_eq!(v, Verdict::Tx);
-        assert!(parse(&out).l4_csum_ok);
     }
 
     fn everything_else_goes_to_the_kernel_untouched(h) {
@@ -423,17 +643,6 @@ both_hooks! {
         assert_eq!(h.stat(stat::NEW_FLOWS), 0);
     }
 
-    fn tcp_without_flow_that_is_not_a_syn_is_dropped(h) {
-        h.apply(&[web(&[1, 2])]);
-        for (name, flags) in [("ack", ACK), ("syn-ack", SYN_ACK), ("fin", FIN_ACK), ("rst", RST)] {
-            let (v, _) = h.run(&client_tcp(40010, flags, b"data"));
-            assert_eq!(v, Verdict::Drop, "{name}");
-        }
-        assert_eq!(h.stat(stat::DROP_NO_FLOW), 4);
-        assert_eq!(h.svc_stats(&web(&[]).id).drop_no_flow, 4);
-        assert!(h.dp.maps.flows.entries().unwrap().is_empty(), "no state created");
-    }
-
     fn source_ranges_allow_and_deny_tcp_and_udp(h) {
         let mut w = web(&[1]);
         w.source_ranges = vec!["198.51.100.0/28".parse().unwrap(), "192.0.2.1/32".parse().unwrap()];
@@ -456,226 +665,6 @@ both_hooks! {
         h.apply(&[w, d]);
         assert_eq!(h.run(&f).0, Verdict::Tx);
         assert!(h.dp.maps.source_ranges.entries().iter().all(|(_, _, len)| *len == 16), "stale ranges removed");
-    }
-
-    fn maglev_spreads_new_flows_and_backend_changes_keep_established_ones(h) {
-        h.apply(&[web(&[1, 2, 3])]);
-        let mut per_node = [0u32; 5];
-        let mut chosen = Vec::new();
-        for sport in 41000..41600u16 {
-            let p = open(h, sport);
-            let n = node_index(&p);
-            per_node[n as usize] += 1;
-            chosen.push((sport, n, p.sport));
-        }
-        for n in 1..=3 {
-            assert!((150..=250).contains(&per_node[n]), "node {n}: {per_node:?}");
-        }
-        // A fourth backend joins and node 2 leaves: existing flows stay where they are.
-        h.apply(&[web(&[1, 3, 4])]);
-        for (sport, n, snat_port) in &chosen {
-            let (v, out) = h.run(&client_tcp(*sport, ACK, b"x"));
-            assert_eq!(v, Verdict::Tx);
-            let p = parse(&out);
-            assert_eq!((node_index(&p), p.sport), (*n, *snat_port), "flow from {sport} moved");
-        }
-        // New flows only go to the new set.
-        let mut seen = [0u32; 5];
-        for sport in 42000..42300u16 {
-            seen[node_index(&open(h, sport)) as usize] += 1;
-        }
-        assert_eq!(seen[2], 0, "removed backend gets no new flow: {seen:?}");
-        assert!(seen[4] > 50, "new backend takes its share: {seen:?}");
-    }
-
-    fn no_healthy_backend_drops_new_flows(h) {
-        h.apply(&[web(&[])]);
-        assert_eq!(h.run(&client_tcp(40030, SYN, b"")).0, Verdict::Drop);
-        assert_eq!(h.svc_stats(&web(&[]).id).drop_no_backend, 1);
-        assert_eq!(h.stat(stat::DROP_NO_BACKEND), 1);
-    }
-
-    fn unknown_next_hop_goes_to_the_kernel_and_is_counted(h) {
-        h.apply(&[web(&[1])]);
-        h.dp.maps.nexthops.remove(&lb_agent::dataplane::programmer::ip_to_addr(IpAddr::V4(node(1)))).unwrap();
-        let f = client_tcp(40040, SYN, b"");
-        let (v, out) = h.run(&f);
-        assert_eq!(v, Verdict::Pass);
-        assert_eq!(out, f, "passed unchanged");
-        assert_eq!(h.stat(stat::PASS_NO_NEXTHOP), 1);
-        assert_eq!(h.svc_stats(&web(&[]).id).pass_no_nexthop, 1);
-        assert!(h.dp.maps.flows.entries().unwrap().is_empty(), "no half-made flow");
-    }
-
-    fn snat_ports_avoid_service_ports_and_existing_flows(h) {
-        h.dp.maps.config.set(lb_common::CONFIG_INDEX, &lb_common::Config { snat_port_min: 40000, snat_port_max: 40003, hash_seed: 7, ..Default::default() }).unwrap();
-        // A service on port 40001 of the VIP: replies to that port would look like new connections.
-        h.apply(&[web(&[1]), spec(Protocol::Tcp, 40001, 31000, &[1])]);
-        let mut ports = Vec::new();
-        for sport in 43000..43003u16 {
-            ports.push(open(h, sport).sport);
-        }
-        ports.sort();
-        assert_eq!(ports, vec![40000, 40002, 40003]);
-        // The range is used up for this backend: the next SYN is dropped and counted.
-        assert_eq!(h.run(&client_tcp(43003, SYN, b"")).0, Verdict::Drop);
-        assert_eq!(h.stat(stat::DROP_SNAT_EXHAUSTED), 1);
-        assert_eq!(h.svc_stats(&web(&[]).id).drop_snat_exhausted, 1);
-    }
-
-    fn a_snat_port_the_flow_filter_marks_is_skipped_until_the_gc_rebuilds_it(h) {
-        h.dp.maps.config.set(lb_common::CONFIG_INDEX, &lb_common::Config { snat_port_min: 40000, snat_port_max: 40003, hash_seed: 7, ..Default::default() }).unwrap();
-        h.apply(&[web(&[1])]);
-        let p = open(h, 43100);
-        let key = fwd_key(43100, 6, WEB_PORT);
-        let rkey = h.dp.maps.flows.get(&key).unwrap().unwrap().partner_key(6);
-        let filter = &h.dp.maps.flow_filter;
-        assert!(filter.may_hold(&key) && filter.may_hold(&rkey), "a completed handshake marks both keys");
-        // Marks that no connection holds (a connection gone since, or another key's bit) on all free ports but
-        // one: the next SYN takes that one without looking the others up, the one after finds none.
-        let rkey_of = |port: u16| FlowKeyV4 { dport: port.to_be(), ..rkey };
-        let free: Vec<u16> = (40000..=40003).filter(|&x| x != p.sport).collect();
-        for &port in &free[1..] {
-            filter.mark(&rkey_of(port));
-        }
-        assert_eq!(syn(h, 43101).sport, free[0]);
-        assert_eq!(h.run(&client_tcp(43102, SYN, b"")).0, Verdict::Drop);
-        assert_eq!(h.stat(stat::DROP_SNAT_EXHAUSTED), 1);
-        // The GC's walk rebuilds the filter from what the table holds: the stale marks are gone, the
-        // connection's stay.
-        let report = lb_agent::dataplane::gc::collect(&mut h.dp.maps, lb_agent::dataplane::gc::now_ns(), None).unwrap();
-        assert!(matches!(report.flow_filter_bits, Some(1..=2)), "{:?}", report.flow_filter_bits);
-        let filter = &h.dp.maps.flow_filter;
-        assert!(filter.may_hold(&key) && filter.may_hold(&rkey));
-        assert!(free[1..].iter().all(|&port| !filter.may_hold(&rkey_of(port))));
-        let p2 = syn(h, 43102);
-        assert!(free[1..].contains(&p2.sport), "{}", p2.sport);
-    }
-
-    fn a_connection_made_while_the_filter_is_rebuilt_stays_marked(h) {
-        h.apply(&[web(&[1])]);
-        // The rebuild clears its generation, then a handshake completes that the walk does not see.
-        h.dp.maps.flow_filter.begin_rebuild();
-        open(h, 43200);
-        h.dp.maps.flow_filter.finish_rebuild([]);
-        let key = fwd_key(43200, 6, WEB_PORT);
-        let rkey = h.dp.maps.flows.get(&key).unwrap().unwrap().partner_key(6);
-        let filter = &h.dp.maps.flow_filter;
-        assert!(filter.may_hold(&key) && filter.may_hold(&rkey), "marked in both generations by the data plane");
-        // A SYN on it is looked up, so it still follows the connection (a stray SYN, not a new handshake).
-        h.run(&client_tcp(43200, SYN, b""));
-        assert_eq!(h.dp.maps.transient.get(&key).unwrap(), None);
-    }
-
-    fn configured_snat_address_is_used(h) {
-        let mut w = web(&[1]);
-        let snat = Ipv4Addr::new(10, 0, 0, 5);
-        w.snat = Some(IpAddr::V4(snat));
-        h.apply(&[w]);
-        let p = open(h, 40050);
-        assert_eq!(p.src, snat);
-        let (v, out) = h.run(&reply_tcp(&p, SYN_ACK, b""));
-        assert_eq!(v, Verdict::Tx);
-        let r = parse(&out);
-        assert_eq!((r.src4(), r.sport, r.dst4()), (VIP, WEB_PORT, CLIENT));
-    }
-
-    fn idle_udp_flow_expires_and_a_new_one_is_made(h) {
-        h.apply(&[dns(&[1, 2, 3])]);
-        h.run(&client_udp(5370, b"a"));
-        let key = fwd_key(5370, 17, DNS_PORT);
-        let before = h.dp.maps.flows.get(&key).unwrap().unwrap();
-        age(h, &key);
-        let (v, _) = h.run(&client_udp(5370, b"b"));
-        assert_eq!(v, Verdict::Tx);
-        assert_eq!(h.svc_stats(&dns(&[]).id).new_flows, 2, "expired flow replaced");
-        let after = h.dp.maps.flows.get(&key).unwrap().unwrap();
-        assert!(after.last_seen_ns > 1);
-        assert!(h.dp.maps.flows.get(&before.partner_key(17)).unwrap().is_none() || before.new_sport == after.new_sport,
-            "the old reverse entry is released");
-    }
-
-    fn idle_tcp_flow_expires(h) {
-        h.apply(&[web(&[1])]);
-        open(h, 40060);
-        let key = fwd_key(40060, 6, WEB_PORT);
-        age(h, &key);
-        assert_eq!(h.run(&client_tcp(40060, ACK, b"late")).0, Verdict::Drop, "expired TCP flow is gone");
-        assert_eq!(h.stat(stat::DROP_NO_FLOW), 1);
-    }
-
-    fn a_flow_alive_in_one_direction_does_not_expire(h) {
-        h.apply(&[dns(&[1])]);
-        let p = {
-            let (_, out) = h.run(&client_udp(5371, b"a"));
-            parse(&out)
-        };
-        let key = fwd_key(5371, 17, DNS_PORT);
-        let mut f = h.dp.maps.flows.get(&key).unwrap().unwrap();
-        f.last_seen_ns = 1;
-        h.dp.maps.set_flow(&key, &f).unwrap();
-        // Only the forward entry is stale; the backend keeps streaming, so the flow stays.
-        let (v, out) = h.run(&client_udp(5371, b"b"));
-        assert_eq!(v, Verdict::Tx);
-        assert_eq!(parse(&out).sport, p.sport);
-        assert_eq!(h.svc_stats(&dns(&[]).id).new_flows, 1);
-    }
-
-    fn zero_idle_timeout_never_expires(h) {
-        let mut d = dns(&[1]);
-        d.idle_timeout = secs(0);
-        h.apply(&[d]);
-        h.run(&client_udp(5372, b"a"));
-        let key = fwd_key(5372, 17, DNS_PORT);
-        assert_eq!(h.dp.maps.flows.get(&key).unwrap().unwrap().timeout_s, 0);
-        age(h, &key);
-        h.run(&client_udp(5372, b"b"));
-        assert_eq!(h.svc_stats(&dns(&[]).id).new_flows, 1);
-    }
-
-    fn fin_and_rst_shorten_the_lifetime(h) {
-        h.apply(&[web(&[1])]);
-        let p = open(h, 40070);
-        let key = fwd_key(40070, 6, WEB_PORT);
-        h.run(&client_tcp(40070, FIN_ACK, b""));
-        let f = h.dp.maps.flows.get(&key).unwrap().unwrap();
-        assert_eq!(f.flags & FLOW_F_FIN, FLOW_F_FIN);
-        assert_eq!(f.timeout_s, 10);
-        let r = h.dp.maps.flows.get(&f.partner_key(6)).unwrap().unwrap();
-        assert_eq!(r.timeout_s, 3600, "the other direction may still send (half close)");
-        // A reset from the backend ends both directions (and moves them to the transient table).
-        h.run(&reply_tcp(&p, RST, b""));
-        let r = h.dp.maps.transient.get(&f.partner_key(6)).unwrap().unwrap().flow;
-        assert_eq!((r.flags & FLOW_F_RST, r.timeout_s), (FLOW_F_RST, 10));
-        let f = h.dp.maps.transient.get(&key).unwrap().unwrap().flow;
-        assert_eq!(f.flags & FLOW_F_RST, FLOW_F_RST);
-        assert_eq!(h.svc_stats(&web(&[]).id).closed_flows, 2);
-    }
-
-    fn syn_on_a_closed_flow_opens_a_new_one(h) {
-        h.apply(&[web(&[1])]);
-        let first = open(h, 40080);
-        let key = fwd_key(40080, 6, WEB_PORT);
-        let old = h.dp.maps.flows.get(&key).unwrap().unwrap();
-        h.run(&client_tcp(40080, RST, b""));
-        // A retransmitted SYN on a live flow reuses it; after the reset a SYN is a new connection.
-        let second = open(h, 40080);
-        assert_eq!(h.svc_stats(&web(&[]).id).new_flows, 2);
-        let new = h.dp.maps.flows.get(&key).unwrap().unwrap();
-        assert_eq!(new.flags & FLOW_F_RST, 0);
-        if new.new_sport != old.new_sport {
-            assert!(h.dp.maps.flows.get(&old.partner_key(6)).unwrap().is_none(), "old reverse entry released");
-        }
-        assert_eq!(first.dst, second.dst);
-    }
-
-    fn retransmitted_syn_reuses_the_flow(h) {
-        h.apply(&[web(&[1, 2, 3])]);
-        let a = open(h, 40090);
-        let b = open(h, 40090);
-        assert_eq!((a.dst, a.sport), (b.dst, b.sport));
-        assert_eq!(h.svc_stats(&web(&[]).id).new_flows, 1);
-        assert_eq!(h.dp.maps.flows.entries().unwrap().len(), 2);
     }
 
     fn icmp_frag_needed_from_a_node_reaches_the_client_translated(h) {
@@ -860,11 +849,20 @@ both_hooks! {
 }
 
 /// Frames the check applies to: addressed to `dst_mac`, otherwise the client's SYN.
-fn client_syn_to(dst_mac: [u8; 6], sport: u16) -> Vec<u8> {
-    tcp(CLIENT_MAC, dst_mac, CLIENT, sport, VIP, WEB_PORT, SYN, b"")
+fn client_syn_to<F: Fam>(h: &Harness<F>, dst_mac: [u8; 6], sport: u16) -> Vec<u8> {
+    tcp(
+        CLIENT_MAC,
+        dst_mac,
+        h.client(),
+        sport,
+        h.vip(),
+        WEB_PORT,
+        SYN,
+        b"",
+    )
 }
 
-fn set_flags(h: &mut Harness, flags: u32) {
+fn set_flags<F: Fam>(h: &mut Harness<F>, flags: u32) {
     h.dp.maps
         .config
         .set(
@@ -878,60 +876,60 @@ fn set_flags(h: &mut Harness, flags: u32) {
         .unwrap();
 }
 
-both_hooks! {
+both_families! {
     fn frames_for_another_hosts_mac_go_to_the_kernel_when_checked(h) {
-        h.apply(&[web(&[1, 2])]);
+        h.apply(&[h.web(&[1, 2])]);
         let other = [0x02, 0, 0, 0, 0, 0x99];
         // Unchecked (single machine): the MAC does not matter.
-        assert_eq!(h.run(&client_syn_to(other, 41000)).0, Verdict::Tx);
+        assert_eq!(h.run(&client_syn_to(h, other, 41000)).0, Verdict::Tx);
         set_flags(h, lb_common::CFG_F_CHECK_DST_MAC);
-        assert_eq!(h.run(&client_syn_to(other, 41001)).0, Verdict::Pass, "another replica's frame");
+        assert_eq!(h.run(&client_syn_to(h, other, 41001)).0, Verdict::Pass, "another replica's frame");
         assert_eq!(h.stat(stat::PASS_OTHER_HOST), 1);
-        assert!(h.dp.maps.flows.get(&fwd_key(41001, 6, WEB_PORT)).unwrap().is_none(), "no flow for it");
-        assert_eq!(h.run(&client_syn_to(LB_MAC, 41002)).0, Verdict::Tx, "ours");
+        assert!(h.flows().get(&h.key(41001, 6, WEB_PORT)).unwrap().is_none(), "no flow for it");
+        assert_eq!(h.run(&client_syn_to(h, LB_MAC, 41002)).0, Verdict::Tx, "ours");
     }
 }
 
-both_hooks! {
+both_families! {
     fn new_and_closing_flows_are_published_for_sync(h) {
-        h.apply(&[web(&[1, 2])]);
-        let mut events = h.dp.maps.take_flow_events().unwrap();
+        h.apply(&[h.web(&[1, 2])]);
+        let mut events = h.dp.maps.take_flow_events::<F::A>().unwrap();
         open(h, 42000);
         assert!(events.next().is_none(), "nothing published while sync is off");
         set_flags(h, lb_common::CFG_F_SYNC_EVENTS);
         let p = open(h, 42001);
-        let key = fwd_key(42001, 6, WEB_PORT);
-        let ev = read_event(&mut events).expect("a new-flow event");
+        let key = h.key(42001, 6, WEB_PORT);
+        let ev = read_event::<F::A>(&mut events).expect("a new-flow event");
         assert_eq!(ev.kind, lb_common::FLOW_EV_NEW);
         assert_eq!(ev.key, key);
-        let fwd = h.dp.maps.flows.get(&key).unwrap().unwrap();
+        let fwd = h.flows().get(&key).unwrap().unwrap();
         assert_eq!(ev.fwd, fwd);
-        assert_eq!(ev.rev, h.dp.maps.flows.get(&fwd.partner_key(6)).unwrap().unwrap());
+        assert_eq!(ev.rev, h.flows().get(&fwd.partner_key(6)).unwrap().unwrap());
         // Established traffic publishes nothing; the first FIN of a direction does.
-        h.run(&client_tcp(42001, ACK, b"x"));
-        assert!(read_event(&mut events).is_none());
+        h.run(&h.client_tcp(42001, ACK, b"x"));
+        assert!(read_event::<F::A>(&mut events).is_none());
         h.run(&reply_tcp(&p, FIN_ACK, b""));
-        let ev = read_event(&mut events).expect("a close event");
+        let ev = read_event::<F::A>(&mut events).expect("a close event");
         assert_eq!(ev.kind, lb_common::FLOW_EV_CLOSE);
         assert_eq!(ev.key, fwd.partner_key(6), "the entry that saw the FIN");
         assert_eq!(ev.fwd.flags & FLOW_F_FIN, FLOW_F_FIN);
         h.run(&reply_tcp(&p, FIN_ACK, b""));
-        assert!(read_event(&mut events).is_none(), "only the first FIN");
+        assert!(read_event::<F::A>(&mut events).is_none(), "only the first FIN");
     }
 }
 
-both_hooks! {
+both_families! {
     fn traffic_clears_the_synced_mark(h) {
-        h.apply(&[web(&[1, 2])]);
+        h.apply(&[h.web(&[1, 2])]);
         open(h, 43000);
-        let key = fwd_key(43000, 6, WEB_PORT);
-        let mut f = h.dp.maps.flows.get(&key).unwrap().unwrap();
+        let key = h.key(43000, 6, WEB_PORT);
+        let mut f = h.flows().get(&key).unwrap().unwrap();
         f.flags |= lb_common::FLOW_F_SYNCED;
         f.last_seen_ns = 1;
         f.timeout_s = 0;
         h.dp.maps.set_flow(&key, &f).unwrap();
-        assert_eq!(h.run(&client_tcp(43000, ACK, b"x")).0, Verdict::Tx);
-        let f = h.dp.maps.flows.get(&key).unwrap().unwrap();
+        assert_eq!(h.run(&h.client_tcp(43000, ACK, b"x")).0, Verdict::Tx);
+        let f = h.flows().get(&key).unwrap().unwrap();
         assert_eq!(f.flags & lb_common::FLOW_F_SYNCED, 0, "used here now: refreshed by this replica");
         assert!(f.last_seen_ns > 1);
     }
@@ -939,7 +937,7 @@ both_hooks! {
 
 /// Turns the SYN rate guard on: `rate` handshakes per second with a burst of `burst` (per CPU; a test runs on
 /// one CPU and takes well under a second, so nothing refills).
-fn set_syn_rate(h: &mut Harness, rate: u32, burst: u32) {
+fn set_syn_rate<F: Fam>(h: &mut Harness<F>, rate: u32, burst: u32) {
     h.dp.maps
         .config
         .set(
@@ -950,46 +948,49 @@ fn set_syn_rate(h: &mut Harness, rate: u32, burst: u32) {
 }
 
 /// A SYN to the web service from `src`.
-fn syn_from(src: Ipv4Addr, sport: u16) -> Vec<u8> {
-    tcp(CLIENT_MAC, LB_MAC, src, sport, VIP, WEB_PORT, SYN, b"")
+fn syn_from<F: Fam>(h: &Harness<F>, src: IpAddr, sport: u16) -> Vec<u8> {
+    tcp(CLIENT_MAC, LB_MAC, src, sport, h.vip(), WEB_PORT, SYN, b"")
 }
 
-both_hooks! {
+both_families! {
     fn over_the_syn_rate_only_sources_that_completed_a_handshake_get_in(h) {
-        h.apply(&[web(&[1, 2])]);
-        let spoofed = Ipv4Addr::new(100, 64, 0, 1);
+        h.apply(&[h.web(&[1, 2])]);
+        let spoofed = F::source(1);
         // Three handshakes at once fit the burst: the client completes one, which makes it trusted.
         set_syn_rate(h, 1, 2);
         open(h, 44000);
-        assert_eq!(h.run(&syn_from(spoofed, 1000)).0, Verdict::Tx);
-        assert_eq!(h.run(&syn_from(spoofed, 1001)).0, Verdict::Tx);
+        assert_eq!(h.run(&syn_from(h, spoofed, 1000)).0, Verdict::Tx);
+        assert_eq!(h.run(&syn_from(h, spoofed, 1001)).0, Verdict::Tx);
         // Over the rate: the unknown source is dropped before it costs a handshake entry, and counted.
-        assert_eq!(h.run(&syn_from(spoofed, 1002)).0, Verdict::Drop);
-        let key = FlowKeyV4 { src: u32::from_ne_bytes(spoofed.octets()), ..fwd_key(1002, 6, WEB_PORT) };
+        assert_eq!(h.run(&syn_from(h, spoofed, 1002)).0, Verdict::Drop);
+        let key = FlowKey { src: h.raw(spoofed), ..h.key(1002, 6, WEB_PORT) };
         assert_eq!(h.dp.maps.handshake(&key).unwrap(), None, "no handshake entry for a dropped SYN");
         assert_eq!(h.stat(stat::DROP_SYN_RATE), 1);
-        assert_eq!(h.svc_stats(&web(&[]).id).drop_syn_rate, 1);
+        assert_eq!(h.svc_stats(&h.web(&[]).id).drop_syn_rate, 1);
         // The client that completed a handshake still connects, and keeps its established connection.
         let p = open(h, 44001);
         assert_eq!(h.stat(stat::SYN_TRUSTED), 1);
         assert_eq!(h.run(&reply_tcp(&p, ACK, b"still here")).0, Verdict::Tx);
         // Over the rate the guard comes before everything else: even a retransmitted SYN of an admitted
         // handshake from an unknown source is dropped (its client retries; the handshake entry stays).
-        assert_eq!(h.run(&syn_from(spoofed, 1000)).0, Verdict::Drop);
+        assert_eq!(h.run(&syn_from(h, spoofed, 1000)).0, Verdict::Drop);
         assert_eq!(h.stat(stat::DROP_SYN_RATE), 2);
-        let key = FlowKeyV4 { src: u32::from_ne_bytes(spoofed.octets()), ..fwd_key(1000, 6, WEB_PORT) };
+        let key = FlowKey { src: h.raw(spoofed), ..h.key(1000, 6, WEB_PORT) };
         assert!(h.dp.maps.handshake(&key).unwrap().is_some());
         // Without the guard every SYN opens a handshake again.
         set_syn_rate(h, 0, 0);
-        assert_eq!(h.run(&syn_from(spoofed, 1003)).0, Verdict::Tx);
+        assert_eq!(h.run(&syn_from(h, spoofed, 1003)).0, Verdict::Tx);
     }
 }
 
-fn read_event(rb: &mut aya::maps::RingBuf<aya::maps::MapData>) -> Option<lb_common::FlowEventV4> {
+fn read_event<A: FlowAddr>(
+    rb: &mut aya::maps::RingBuf<aya::maps::MapData>,
+) -> Option<FlowEvent<A>> {
     let item = rb.next()?;
-    assert_eq!(item.len(), std::mem::size_of::<lb_common::FlowEventV4>());
-    // SAFETY: the data plane writes whole `FlowEventV4`s; read_unaligned copes with any alignment.
-    Some(unsafe { std::ptr::read_unaligned(item.as_ptr().cast::<lb_common::FlowEventV4>()) })
+    assert_eq!(item.len(), std::mem::size_of::<FlowEvent<A>>());
+    // SAFETY: the data plane writes whole `FlowEvent<A>`s to the family's ring; read_unaligned copes with any
+    // alignment.
+    Some(unsafe { std::ptr::read_unaligned(item.as_ptr().cast::<FlowEvent<A>>()) })
 }
 
 mod state_sync {
@@ -997,26 +998,41 @@ mod state_sync {
     //! `BpfFlowStore` are translated identically by both.
     use super::*;
     use lb_agent::ha::flowstore::BpfFlowStore;
-    use lb_agent::ha::sync::ApplyOutcome;
+    use lb_agent::ha::sync::{ApplyOutcome, FlowRecord};
     use std::sync::atomic::AtomicBool;
     use std::sync::Arc;
 
+    /// Applies a peer's record through the store's one-record entry point.
+    pub(super) fn apply<F: Fam>(
+        store: &mut BpfFlowStore,
+        ev: &FlowEvent<F::A>,
+        age_ms: u32,
+    ) -> ApplyOutcome {
+        let rec = FlowRecord {
+            event: F::sync_event(*ev),
+            age_ms,
+        };
+        let mut outcomes = store.apply_batch(&[rec]).unwrap();
+        assert_eq!(outcomes.len(), 1);
+        outcomes.remove(0)
+    }
+
     /// Replica A publishing its flow events (returned), replica B with a store to apply them to; A SNATs to
     /// `snat` (first, last port) when given.
-    pub(super) fn pair(
+    pub(super) fn pair<F: Fam>(
         snat: Option<(u16, u16)>,
     ) -> (
-        Harness,
-        Harness,
+        Harness<F>,
+        Harness<F>,
         BpfFlowStore,
         aya::maps::RingBuf<aya::maps::MapData>,
     ) {
-        let mut a = Harness::new(Hook::Xdp);
-        let mut b = Harness::new(Hook::Xdp);
+        let mut a = Harness::<F>::open(Hook::Xdp);
+        let mut b = Harness::<F>::open(Hook::Xdp);
         // Different service-id history on the two replicas: ids must be translated.
-        a.apply(&[web(&[1, 2, 3]), dns(&[1, 2])]);
-        b.apply(&[dns(&[1, 2])]);
-        b.apply(&[dns(&[1, 2]), web(&[1, 2, 3])]);
+        a.apply(&[a.web(&[1, 2, 3]), a.dns(&[1, 2])]);
+        b.apply(&[b.dns(&[1, 2])]);
+        b.apply(&[b.dns(&[1, 2]), b.web(&[1, 2, 3])]);
         let store = BpfFlowStore::open(&b.dp.maps, Arc::new(AtomicBool::new(false))).unwrap();
         let mut cfg = lb_common::Config {
             flags: lb_common::CFG_F_SYNC_EVENTS,
@@ -1026,112 +1042,114 @@ mod state_sync {
             (cfg.snat_port_min, cfg.snat_port_max) = (min, max);
         }
         a.dp.maps.config.set(lb_common::CONFIG_INDEX, &cfg).unwrap();
-        let events = a.dp.maps.take_flow_events().unwrap();
+        let events = a.dp.maps.take_flow_events::<F::A>().unwrap();
         (a, b, store, events)
     }
 
-    #[test]
-    fn a_synced_flow_is_translated_like_on_its_origin() {
-        let (mut a, mut b, mut store, mut events) = pair(None);
-        let p = open(&mut a, 44000);
-        let ev = read_event(&mut events).unwrap();
-        assert_eq!(b.dp.maps.trusted_sources.keys().unwrap(), vec![]);
-        assert_eq!(store.apply(&ev, 250).unwrap(), ApplyOutcome::Applied);
-        assert_eq!(
-            store.apply(&ev, 250).unwrap(),
-            ApplyOutcome::Unchanged,
-            "idempotent"
-        );
-        // The peer's completed handshake vouches for its client here too (the SYN rate guard lets it through).
-        let client = lb_agent::dataplane::programmer::ip_to_addr(IpAddr::V4(CLIENT));
-        assert_eq!(b.dp.maps.trusted_sources.keys().unwrap(), vec![client]);
-
-        // Client data and the backend's reply through B: exactly A's rewrite, no SYN needed.
-        let data = client_tcp(44000, ACK, b"hello");
-        let (va, oa) = a.run(&data);
-        let (vb, ob) = b.run(&data);
-        assert_eq!((va, vb), (Verdict::Tx, Verdict::Tx));
-        assert_eq!(parse(&oa), parse(&ob));
-        let reply = reply_tcp(&p, ACK, b"world");
-        let (va, oa) = a.run(&reply);
-        let (vb, ob) = b.run(&reply);
-        assert_eq!((va, vb), (Verdict::Tx, Verdict::Tx));
-        assert_eq!(parse(&oa), parse(&ob));
-        // B counts the flow under its own id for the service.
-        let key = fwd_key(44000, 6, WEB_PORT);
-        let fb = b.dp.maps.flows.get(&key).unwrap().unwrap();
-        let svc_b =
-            b.dp.maps
-                .services
-                .entries()
-                .unwrap()
-                .into_iter()
-                .find(|(k, _)| k.port_be == WEB_PORT.to_be())
-                .unwrap()
-                .1;
-        assert_eq!(fb.svc_id, svc_b.id);
-        assert_eq!(b.svc_stats(&web(&[]).id).rx_packets, 1);
-    }
-
-    #[test]
-    fn closes_and_unknown_services_and_conflicts() {
-        let (mut a, b, mut store, mut events) = pair(None);
-        let p = open(&mut a, 45000);
-        let new = read_event(&mut events).unwrap();
-        store.apply(&new, 0).unwrap();
-        a.run(&reply_tcp(&p, RST, b""));
-        let close = read_event(&mut events).unwrap();
-        assert_eq!(store.apply(&close, 0).unwrap(), ApplyOutcome::Applied);
-        // A reset ends the connection: both entries leave the flow table for the transient one, as on A.
-        let key = fwd_key(45000, 6, WEB_PORT);
-        assert_eq!(b.dp.maps.flows.get(&key).unwrap(), None);
-        assert_eq!(b.dp.maps.flows.get(&new.fwd.partner_key(6)).unwrap(), None);
-        for k in [key, new.fwd.partner_key(6)] {
-            let t = b.dp.maps.transient.get(&k).unwrap().expect("closed entry");
+    per_family! {
+        fn a_synced_flow_is_translated_like_on_its_origin() {
+            let (mut a, mut b, mut store, mut events) = pair::<F>(None);
+            let p = open(&mut a, 44000);
+            let ev = read_event::<F::A>(&mut events).unwrap();
+            assert_eq!(b.dp.maps.trusted_sources.keys().unwrap(), vec![]);
+            assert_eq!(apply::<F>(&mut store, &ev, 250), ApplyOutcome::Applied);
             assert_eq!(
-                t.flow.flags & FLOW_F_RST,
-                FLOW_F_RST,
-                "a reset closes both entries"
+                apply::<F>(&mut store, &ev, 250),
+                ApplyOutcome::Unchanged,
+                "idempotent"
             );
-            assert_eq!(t.flow.timeout_s, lb_common::TCP_CLOSING_TIMEOUT_S);
+            // The peer's completed handshake vouches for its client here too (the SYN rate guard lets it through).
+            let client = lb_agent::dataplane::programmer::ip_to_addr(F::client());
+            assert_eq!(b.dp.maps.trusted_sources.keys().unwrap(), vec![client]);
+            // Both entries are marked in B's flow filter (B's data plane skips the lookup of unmarked TCP keys).
+            let filter = &b.dp.maps.flow_filter;
+            assert!(filter.may_hold(&ev.key) && filter.may_hold(&ev.fwd.partner_key(6)));
+
+            // Client data and the backend's reply through B: exactly A's rewrite, no SYN needed.
+            let data = a.client_tcp(44000, ACK, b"hello");
+            let (va, oa) = a.run(&data);
+            let (vb, ob) = b.run(&data);
+            assert_eq!((va, vb), (Verdict::Tx, Verdict::Tx));
+            assert_eq!(parse(&oa), parse(&ob));
+            let reply = reply_tcp(&p, ACK, b"world");
+            let (va, oa) = a.run(&reply);
+            let (vb, ob) = b.run(&reply);
+            assert_eq!((va, vb), (Verdict::Tx, Verdict::Tx));
+            assert_eq!(parse(&oa), parse(&ob));
+            // B counts the flow under its own id for the service.
+            let key = b.key(44000, 6, WEB_PORT);
+            let fb = b.flows().get(&key).unwrap().unwrap();
+            let svc_b =
+                b.dp.maps
+                    .services
+                    .entries()
+                    .unwrap()
+                    .into_iter()
+                    .find(|(k, _)| k.port_be == WEB_PORT.to_be())
+                    .unwrap()
+                    .1;
+            assert_eq!(fb.svc_id, svc_b.id);
+            assert_eq!(b.svc_stats(&b.web(&[]).id).rx_packets, 1);
         }
-        assert_eq!(
-            store.apply(&close, 0).unwrap(),
-            ApplyOutcome::Unchanged,
-            "idempotent"
-        );
 
-        // A flow for a service B does not have.
-        let mut other = new;
-        other.key.dport = 9999u16.to_be();
-        assert_eq!(
-            store.apply(&other, 0).unwrap(),
-            ApplyOutcome::UnknownService
-        );
+        fn closes_and_unknown_services_and_conflicts() {
+            let (mut a, b, mut store, mut events) = pair::<F>(None);
+            let p = open(&mut a, 45000);
+            let new = read_event::<F::A>(&mut events).unwrap();
+            apply::<F>(&mut store, &new, 0);
+            a.run(&reply_tcp(&p, RST, b""));
+            let close = read_event::<F::A>(&mut events).unwrap();
+            assert_eq!(apply::<F>(&mut store, &close, 0), ApplyOutcome::Applied);
+            // A reset ends the connection: both entries leave the flow table for the transient one, as on A.
+            let key = b.key(45000, 6, WEB_PORT);
+            assert_eq!(b.flows().get(&key).unwrap(), None);
+            assert_eq!(b.flows().get(&new.fwd.partner_key(6)).unwrap(), None);
+            for k in [key, new.fwd.partner_key(6)] {
+                let t = b.transient().get(&k).unwrap().expect("closed entry");
+                assert_eq!(
+                    t.flow.flags & FLOW_F_RST,
+                    FLOW_F_RST,
+                    "a reset closes both entries"
+                );
+                assert_eq!(t.flow.timeout_s, lb_common::TCP_CLOSING_TIMEOUT_S);
+            }
+            assert_eq!(
+                apply::<F>(&mut store, &close, 0),
+                ApplyOutcome::Unchanged,
+                "idempotent"
+            );
 
-        // Same client tuple, another SNAT port: the peer's later record replaces its earlier copy here (not a
-        // conflict: this replica does not carry the connection itself).
-        let mut moved = new;
-        moved.key.sport = 45001u16.to_be();
-        moved.fwd.new_sport = 50001u16.to_be();
-        moved.rev.new_dport = 45001u16.to_be();
-        store.apply(&moved, 0).unwrap();
-        let mut conflicting = moved;
-        conflicting.fwd.new_sport = 50002u16.to_be();
-        assert_eq!(store.apply(&conflicting, 0).unwrap(), ApplyOutcome::Applied);
-        let k = conflicting.key;
-        assert_eq!(
-            b.dp.maps.flows.get(&k).unwrap().unwrap().new_sport,
-            50002u16.to_be()
-        );
-        assert!(
-            b.dp.maps
-                .flows
-                .get(&moved.fwd.partner_key(6))
-                .unwrap()
-                .is_none(),
-            "the replaced SNAT port is freed"
-        );
+            // A flow for a service B does not have.
+            let mut other = new;
+            other.key.dport = 9999u16.to_be();
+            assert_eq!(
+                apply::<F>(&mut store, &other, 0),
+                ApplyOutcome::UnknownService
+            );
+
+            // Same client tuple, another SNAT port: the peer's later record replaces its earlier copy here (not a
+            // conflict: this replica does not carry the connection itself).
+            let mut moved = new;
+            moved.key.sport = 45001u16.to_be();
+            moved.fwd.new_sport = 50001u16.to_be();
+            moved.rev.new_dport = 45001u16.to_be();
+            apply::<F>(&mut store, &moved, 0);
+            let mut conflicting = moved;
+            conflicting.fwd.new_sport = 50002u16.to_be();
+            assert_eq!(apply::<F>(&mut store, &conflicting, 0), ApplyOutcome::Applied);
+            let k = conflicting.key;
+            assert_eq!(
+                b.flows().get(&k).unwrap().unwrap().new_sport,
+                50002u16.to_be()
+            );
+            assert!(
+                b.flows()
+                    .get(&moved.fwd.partner_key(6))
+                    .unwrap()
+                    .is_none(),
+                "the replaced SNAT port is freed"
+            );
+        }
     }
 
     /// An IPv6 connection's records land in the IPv6 tables under the same rules: the service id translated,
@@ -1252,50 +1270,53 @@ mod sync_churn {
     //! and SNAT ports on a master, its flow events applied to a backup in batches of varying size. The backup's
     //! connection table must equal the master's — the same connections, translations and close state — and no
     //! record may count as a conflict: nothing here is a split brain.
+    use super::state_sync::apply;
     use super::*;
     use lb_agent::ha::flowstore::BpfFlowStore;
     use lb_agent::ha::sync::{ApplyOutcome, FlowRecord};
-    use lb_common::{FlowV4, FLOW_F_SYNCED};
+    use lb_common::{Flow, FLOW_F_SYNCED};
     use std::collections::BTreeMap;
 
     /// A master publishing its flow events and SNATing to 24 ports (so that ports are reused as soon as a
     /// connection closed), a backup with a store to apply them to.
-    fn pair() -> (
-        Harness,
-        Harness,
+    fn pair<F: Fam>() -> (
+        Harness<F>,
+        Harness<F>,
         BpfFlowStore,
         aya::maps::RingBuf<aya::maps::MapData>,
     ) {
         super::state_sync::pair(Some((40000, 40023)))
     }
 
-    /// Addresses and ports of a key, or of a translation.
-    type Tuple = (u32, u32, u16, u16);
+    /// Addresses (as on the wire) and ports of a key, or of a translation.
+    type Tuple = ([u8; 16], [u8; 16], u16, u16);
+
+    fn tuple<A: FlowAddr>(src: A, dst: A, sport: u16, dport: u16) -> Tuple {
+        (src.to_addr().bytes, dst.to_addr().bytes, sport, dport)
+    }
 
     /// The connection table as the sync must reproduce it: translations, close state and timeouts, without ids,
     /// ages and marks.
-    fn table(h: &mut Harness) -> BTreeMap<Tuple, (Tuple, u8, u32)> {
-        let norm = |f: &FlowV4| {
+    fn table<F: Fam>(h: &mut Harness<F>) -> BTreeMap<Tuple, (Tuple, u8, u32)> {
+        let norm = |f: &Flow<F::A>| {
             let flags = f.flags & !FLOW_F_SYNCED;
             (
-                (f.new_src, f.new_dst, f.new_sport, f.new_dport),
+                tuple(f.new_src, f.new_dst, f.new_sport, f.new_dport),
                 flags,
                 f.timeout_s,
             )
         };
-        h.dp.maps
-            .flows
+        h.flows()
             .entries()
             .unwrap()
             .iter()
-            .map(|(k, f)| ((k.src, k.dst, k.sport, k.dport), norm(f)))
+            .map(|(k, f)| (tuple(k.src, k.dst, k.sport, k.dport), norm(f)))
             .collect()
     }
 
-    /// Closed connections' entries in `TRANSIENT_V4`, by key.
-    fn closed(h: &mut Harness) -> BTreeMap<Tuple, Tuple> {
-        h.dp.maps
-            .transient
+    /// Closed connections' entries in the transient table, by key.
+    fn closed<F: Fam>(h: &mut Harness<F>) -> BTreeMap<Tuple, Tuple> {
+        h.transient()
             .entries()
             .unwrap()
             .iter()
@@ -1303,23 +1324,23 @@ mod sync_churn {
             .map(|(k, t)| {
                 let f = &t.flow;
                 (
-                    (k.src, k.dst, k.sport, k.dport),
-                    (f.new_src, f.new_dst, f.new_sport, f.new_dport),
+                    tuple(k.src, k.dst, k.sport, k.dport),
+                    tuple(f.new_src, f.new_dst, f.new_sport, f.new_dport),
                 )
             })
             .collect()
     }
 
-    /// Lets a closing connection's time run out (both entries of a closed one in `TRANSIENT_V4`, a half-closed
-    /// one's in `FLOWS_V4`), then runs the agent's GC pass, which deletes them.
-    fn pass_closing_timeout(h: &mut Harness) {
-        for (k, mut t) in h.dp.maps.transient.entries().unwrap() {
+    /// Lets a closing connection's time run out (both entries of a closed one in the transient table, a
+    /// half-closed one's in the flow table), then runs the agent's GC pass, which deletes them.
+    fn pass_closing_timeout<F: Fam>(h: &mut Harness<F>) {
+        for (k, mut t) in h.transient().entries().unwrap() {
             if t.closed() {
                 t.flow.last_seen_ns = 1;
-                h.dp.maps.transient.insert(&k, &t).unwrap();
+                h.transient_mut().insert(&k, &t).unwrap();
             }
         }
-        for (k, mut f) in h.dp.maps.flows.entries().unwrap() {
+        for (k, mut f) in h.flows().entries().unwrap() {
             if f.flags & (FLOW_F_FIN | FLOW_F_RST) != 0 {
                 f.last_seen_ns = 1;
                 h.dp.maps.set_flow(&k, &f).unwrap();
@@ -1329,118 +1350,118 @@ mod sync_churn {
             .unwrap();
     }
 
-    #[test]
-    fn the_backup_holds_the_masters_table_and_sees_no_conflict() {
-        let (mut a, mut b, mut store, mut events) = pair();
-        let mut outcomes = Vec::new();
-        let mut batch = 1;
-        // Client ports per SNAT port, from the new connections' records.
-        let mut snat_users: BTreeMap<u16, std::collections::BTreeSet<u16>> = BTreeMap::new();
-        let mut sync = |events: &mut aya::maps::RingBuf<aya::maps::MapData>,
-                        store: &mut BpfFlowStore,
-                        outcomes: &mut Vec<ApplyOutcome>| {
-            let mut recs = Vec::new();
-            while let Some(event) = read_event(events) {
-                if event.kind == lb_common::FLOW_EV_NEW {
-                    snat_users
-                        .entry(event.fwd.new_sport)
-                        .or_default()
-                        .insert(event.key.sport);
-                }
-                recs.push(FlowRecord {
-                    event: event.into(),
-                    age_ms: 0,
-                });
-            }
-            // Frames of 1, 2, 3 … 7 records: a connection's records are split across batches in every way.
-            for chunk in recs.chunks(batch) {
-                outcomes.extend(store.apply_batch(chunk).unwrap());
-                batch = batch % 7 + 1;
-            }
-        };
-        // Rounds of 12 client ports on 24 SNAT ports: ports a round frees are taken again by the next ones.
-        for round in 0..8u16 {
-            let ports: Vec<u16> = (0..12).map(|i| 41000 + (round % 3) * 12 + i).collect();
-            let mut open_now = Vec::new();
-            for &port in &ports {
-                open_now.push((port, open(&mut a, port)));
-            }
-            sync(&mut events, &mut store, &mut outcomes);
-            for (i, (port, p)) in open_now.iter().enumerate() {
-                match i % 4 {
-                    // FIN from the client first, then from the backend.
-                    0 => {
-                        assert_eq!(a.run(&client_tcp(*port, FIN_ACK, b"")).0, Verdict::Tx);
-                        assert_eq!(a.run(&reply_tcp(p, FIN_ACK, b"")).0, Verdict::Tx);
+    per_family! {
+        fn the_backup_holds_the_masters_table_and_sees_no_conflict() {
+            let (mut a, mut b, mut store, mut events) = pair::<F>();
+            let mut outcomes = Vec::new();
+            let mut batch = 1;
+            // Client ports per SNAT port, from the new connections' records.
+            let mut snat_users: BTreeMap<u16, std::collections::BTreeSet<u16>> = BTreeMap::new();
+            let mut sync = |events: &mut aya::maps::RingBuf<aya::maps::MapData>,
+                            store: &mut BpfFlowStore,
+                            outcomes: &mut Vec<ApplyOutcome>| {
+                let mut recs = Vec::new();
+                while let Some(event) = read_event::<F::A>(events) {
+                    if event.kind == lb_common::FLOW_EV_NEW {
+                        snat_users
+                            .entry(event.fwd.new_sport)
+                            .or_default()
+                            .insert(event.key.sport);
                     }
-                    // The backend closes first.
-                    1 => {
-                        assert_eq!(a.run(&reply_tcp(p, FIN_ACK, b"")).0, Verdict::Tx);
-                        assert_eq!(a.run(&client_tcp(*port, FIN_ACK, b"")).0, Verdict::Tx);
+                    recs.push(FlowRecord {
+                        event: F::sync_event(event),
+                        age_ms: 0,
+                    });
+                }
+                // Frames of 1, 2, 3 … 7 records: a connection's records are split across batches in every way.
+                for chunk in recs.chunks(batch) {
+                    outcomes.extend(store.apply_batch(chunk).unwrap());
+                    batch = batch % 7 + 1;
+                }
+            };
+            // Rounds of 12 client ports on 24 SNAT ports: ports a round frees are taken again by the next ones.
+            for round in 0..8u16 {
+                let ports: Vec<u16> = (0..12).map(|i| 41000 + (round % 3) * 12 + i).collect();
+                let mut open_now = Vec::new();
+                for &port in &ports {
+                    open_now.push((port, open(&mut a, port)));
+                }
+                sync(&mut events, &mut store, &mut outcomes);
+                for (i, (port, p)) in open_now.iter().enumerate() {
+                    match i % 4 {
+                        // FIN from the client first, then from the backend.
+                        0 => {
+                            assert_eq!(a.run(&a.client_tcp(*port, FIN_ACK, b"")).0, Verdict::Tx);
+                            assert_eq!(a.run(&reply_tcp(p, FIN_ACK, b"")).0, Verdict::Tx);
+                        }
+                        // The backend closes first.
+                        1 => {
+                            assert_eq!(a.run(&reply_tcp(p, FIN_ACK, b"")).0, Verdict::Tx);
+                            assert_eq!(a.run(&a.client_tcp(*port, FIN_ACK, b"")).0, Verdict::Tx);
+                        }
+                        // A reset.
+                        2 => assert_eq!(a.run(&a.client_tcp(*port, RST, b"")).0, Verdict::Tx),
+                        // Half closed: stays in the table.
+                        _ => assert_eq!(a.run(&a.client_tcp(*port, FIN_ACK, b"")).0, Verdict::Tx),
                     }
-                    // A reset.
-                    2 => assert_eq!(a.run(&client_tcp(*port, RST, b"")).0, Verdict::Tx),
-                    // Half closed: stays in the table.
-                    _ => assert_eq!(a.run(&client_tcp(*port, FIN_ACK, b"")).0, Verdict::Tx),
+                    if i % 5 == 0 {
+                        sync(&mut events, &mut store, &mut outcomes);
+                    }
                 }
-                if i % 5 == 0 {
-                    sync(&mut events, &mut store, &mut outcomes);
-                }
-            }
-            sync(&mut events, &mut store, &mut outcomes);
-            assert_eq!(
-                table(&mut b),
-                table(&mut a),
-                "round {round}: the connection tables differ"
-            );
-            let closed_a = closed(&mut a);
-            let closed_b = closed(&mut b);
-            for (k, t) in &closed_a {
+                sync(&mut events, &mut store, &mut outcomes);
                 assert_eq!(
-                    closed_b.get(k),
-                    Some(t),
-                    "round {round}: a closed connection on the backup"
+                    table(&mut b),
+                    table(&mut a),
+                    "round {round}: the connection tables differ"
                 );
+                let closed_a = closed(&mut a);
+                let closed_b = closed(&mut b);
+                for (k, t) in &closed_a {
+                    assert_eq!(
+                        closed_b.get(k),
+                        Some(t),
+                        "round {round}: a closed connection on the backup"
+                    );
+                }
+                // The closing timeout passes on both: closed connections free their SNAT ports for the next round.
+                for h in [&mut a, &mut b] {
+                    pass_closing_timeout(h);
+                }
             }
-            // The closing timeout passes on both: closed connections free their SNAT ports for the next round.
-            for h in [&mut a, &mut b] {
-                pass_closing_timeout(h);
-            }
+            assert!(outcomes.len() > 8 * 12 * 2, "{} records", outcomes.len());
+            assert!(
+                snat_users.values().filter(|c| c.len() > 1).count() >= 8,
+                "SNAT ports reused by other clients: {snat_users:?}"
+            );
+            let conflicts = outcomes
+                .iter()
+                .filter(|o| **o == ApplyOutcome::Conflict)
+                .count();
+            assert_eq!(conflicts, 0, "outcomes: {outcomes:?}");
         }
-        assert!(outcomes.len() > 8 * 12 * 2, "{} records", outcomes.len());
-        assert!(
-            snat_users.values().filter(|c| c.len() > 1).count() >= 8,
-            "SNAT ports reused by other clients: {snat_users:?}"
-        );
-        let conflicts = outcomes
-            .iter()
-            .filter(|o| **o == ApplyOutcome::Conflict)
-            .count();
-        assert_eq!(conflicts, 0, "outcomes: {outcomes:?}");
-    }
 
-    #[test]
-    fn a_split_brain_is_a_conflict() {
-        let (mut a, mut b, mut store, mut events) = pair();
-        // Both replicas carry the same client port at once, each with its own connection: B's data plane made its
-        // own (its SNAT range differs from A's, so the translations differ).
-        open(&mut a, 42000);
-        open(&mut b, 42000);
-        let ev = read_event(&mut events).unwrap();
-        assert_eq!(store.apply(&ev, 0).unwrap(), ApplyOutcome::Conflict);
-        // A copy of a peer's connection is superseded by the peer's later record without a conflict.
-        let (mut a2, mut b2, mut store2, mut events2) = pair();
-        let _ = &mut b2;
-        open(&mut a2, 42001);
-        let first = read_event(&mut events2).unwrap();
-        let mut moved = first;
-        moved.fwd.new_sport = 40007u16.to_be();
-        moved.rev = FlowV4 {
-            new_dport: 42001u16.to_be(),
-            ..first.rev
-        };
-        assert_eq!(store2.apply(&moved, 0).unwrap(), ApplyOutcome::Applied);
-        assert_eq!(store2.apply(&first, 0).unwrap(), ApplyOutcome::Applied);
+        fn a_split_brain_is_a_conflict() {
+            let (mut a, mut b, mut store, mut events) = pair::<F>();
+            // Both replicas carry the same client port at once, each with its own connection: B's data plane made its
+            // own (its SNAT range differs from A's, so the translations differ).
+            open(&mut a, 42000);
+            open(&mut b, 42000);
+            let ev = read_event::<F::A>(&mut events).unwrap();
+            assert_eq!(apply::<F>(&mut store, &ev, 0), ApplyOutcome::Conflict);
+            // A copy of a peer's connection is superseded by the peer's later record without a conflict.
+            let (mut a2, mut b2, mut store2, mut events2) = pair::<F>();
+            let _ = &mut b2;
+            open(&mut a2, 42001);
+            let first = read_event::<F::A>(&mut events2).unwrap();
+            let mut moved = first;
+            moved.fwd.new_sport = 40007u16.to_be();
+            moved.rev = Flow {
+                new_dport: 42001u16.to_be(),
+                ..first.rev
+            };
+            assert_eq!(apply::<F>(&mut store2, &moved, 0), ApplyOutcome::Applied);
+            assert_eq!(apply::<F>(&mut store2, &first, 0), ApplyOutcome::Applied);
+        }
     }
 }
 
@@ -1466,33 +1487,36 @@ fn pin_to_one_cpu() {
     }
 }
 
-both_hooks! {
+both_families! {
     fn rare_events_reach_the_agents_log_with_their_details_once_per_second(h) {
         pin_to_one_cpu();
         let mut ring = lb_agent::report::kernel_log::ring(&mut h.dp).unwrap();
         // One SNAT port for the backend: the second connection finds none, twice.
         h.dp.maps.config.set(lb_common::CONFIG_INDEX, &lb_common::Config { snat_port_min: 40000, snat_port_max: 40000, hash_seed: 7, ..Default::default() }).unwrap();
-        h.apply(&[web(&[1])]);
+        h.apply(&[h.web(&[1])]);
         open(h, 43000);
         for sport in [43001, 43002] {
-            assert_eq!(h.run(&client_tcp(sport, SYN, b"")).0, Verdict::Drop);
+            assert_eq!(h.run(&h.client_tcp(sport, SYN, b"")).0, Verdict::Drop);
         }
         assert_eq!(h.stat(stat::DROP_SNAT_EXHAUSTED), 2);
         // Malformed frames, many: counted each, logged once.
-        let mut bad = client_tcp(43003, SYN, b"");
-        bad[14] = 0x44;
+        let mut bad = h.client_tcp(43003, SYN, b"");
+        // Version 4 with a header length of 4 words; in an IPv6 frame, version 4.
+        let v6 = F::A::FAMILY == lb_common::FAMILY_V6;
+        bad[14] = if v6 { 0x40 } else { 0x44 };
         for _ in 0..50 {
             assert_eq!(h.run(&bad).0, Verdict::Drop);
         }
         assert_eq!(h.stat(stat::DROP_MALFORMED), 50);
         let lines: Vec<String> = lb_agent::report::kernel_log::drain(&mut ring).iter().map(lb_agent::report::kernel_log::describe).collect();
-        let backend = format!("{}:{WEB_NODE_PORT}", node(1));
+        let backend = std::net::SocketAddr::new(h.node(1), WEB_NODE_PORT).to_string();
         let snat: Vec<_> = lines.iter().filter(|l| l.contains("no free SNAT port")).collect();
         assert_eq!(snat.len(), 1, "one line for two drops within a second: {lines:?}");
         assert!(snat[0].contains(&backend) && snat[0].starts_with("service "), "{lines:?}");
         let malformed: Vec<_> = lines.iter().filter(|l| l.contains("malformed frame")).collect();
         assert_eq!(malformed.len(), 1, "one line for 50 frames within a second: {lines:?}");
-        assert!(malformed[0].contains(&format!("of {} bytes: IPv4 version or header length invalid", bad.len())), "{lines:?}");
+        let why = if v6 { "IPv6 header cut short or version not 6" } else { "IPv4 version or header length invalid" };
+        assert!(malformed[0].contains(&format!("of {} bytes: {why}", bad.len())), "{lines:?}");
         assert_eq!(lines.len(), 2, "nothing else: {lines:?}");
     }
 }

@@ -41,6 +41,8 @@ pub trait FlowAddr:
     const FAMILY: u8;
     /// The address in a family-agnostic 16-byte [`Addr`].
     fn to_addr(self) -> Addr;
+    /// The address of this family held in `a` (the inverse of [`FlowAddr::to_addr`]).
+    fn from_addr(a: Addr) -> Self;
     /// Folds the address into a running murmur3 hash (each 32-bit word through [`fmix`]).
     fn mix(self, h: u32) -> u32;
 }
@@ -50,6 +52,10 @@ impl FlowAddr for u32 {
     #[inline(always)]
     fn to_addr(self) -> Addr {
         Addr::from_v4_raw(self)
+    }
+    #[inline(always)]
+    fn from_addr(a: Addr) -> Self {
+        a.v4_raw()
     }
     #[inline(always)]
     fn mix(self, h: u32) -> u32 {
@@ -62,6 +68,10 @@ impl FlowAddr for In6 {
     #[inline(always)]
     fn to_addr(self) -> Addr {
         Addr::from_v6_raw(self)
+    }
+    #[inline(always)]
+    fn from_addr(a: Addr) -> Self {
+        a.v6_raw()
     }
     #[inline(always)]
     fn mix(self, h: u32) -> u32 {

@@ -16,8 +16,9 @@ use aya::maps::{
 };
 use aya::Pod;
 use lb_common::{
-    map_names as names, Addr, Backend, Config, FlowKeyV4, FlowKeyV6, FlowV4, FlowV6, NextHop,
-    Service, ServiceKey, ServiceStats, SourceRangeKey, TransientV4, TransientV6,
+    map_names as names, Addr, Backend, Config, Flow, FlowAddr, FlowKey, FlowKeyV4, FlowKeyV6,
+    FlowV4, FlowV6, In6, NextHop, Service, ServiceKey, ServiceStats, SourceRangeKey, Transient,
+    TransientV4, TransientV6,
 };
 
 /// A map opened from aya's untyped [`Map`], checked against the type it is declared with.
@@ -91,37 +92,77 @@ maps! {
     flow_events_v6: Option<RingBuf<MapData>> = FLOW_EVENTS_V6,
 }
 
+/// One address family's connection-tracking maps (`u32`: IPv4, `In6`: IPv6), so that code written once over
+/// `lb_common::FlowAddr` reaches its family's tables.
+pub trait FamilyMaps: FlowAddr {
+    /// `flows` or `flows_v6`.
+    fn flows(m: &Maps) -> &Table<FlowKey<Self>, Flow<Self>>;
+    /// As [`FamilyMaps::flows`], to write.
+    fn flows_mut(m: &mut Maps) -> &mut Table<FlowKey<Self>, Flow<Self>>;
+    /// `transient` or `transient_v6`.
+    fn transient(m: &Maps) -> &Table<FlowKey<Self>, Transient<Self>>;
+    /// As [`FamilyMaps::transient`], to write.
+    fn transient_mut(m: &mut Maps) -> &mut Table<FlowKey<Self>, Transient<Self>>;
+    /// `handshakes` or `handshakes_v6`.
+    fn handshakes(m: &Maps) -> &Slots<FlowKey<Self>>;
+    /// `flow_events` or `flow_events_v6`, with the map's name.
+    fn flow_events(m: &mut Maps) -> (&mut Option<RingBuf<MapData>>, &'static str);
+}
+
+macro_rules! family_maps {
+    ($a:ty: $flows:ident, $transient:ident, $handshakes:ident, $events:ident = $events_name:ident) => {
+        impl FamilyMaps for $a {
+            fn flows(m: &Maps) -> &Table<FlowKey<Self>, Flow<Self>> {
+                &m.$flows
+            }
+            fn flows_mut(m: &mut Maps) -> &mut Table<FlowKey<Self>, Flow<Self>> {
+                &mut m.$flows
+            }
+            fn transient(m: &Maps) -> &Table<FlowKey<Self>, Transient<Self>> {
+                &m.$transient
+            }
+            fn transient_mut(m: &mut Maps) -> &mut Table<FlowKey<Self>, Transient<Self>> {
+                &mut m.$transient
+            }
+            fn handshakes(m: &Maps) -> &Slots<FlowKey<Self>> {
+                &m.$handshakes
+            }
+            fn flow_events(m: &mut Maps) -> (&mut Option<RingBuf<MapData>>, &'static str) {
+                (&mut m.$events, names::$events_name)
+            }
+        }
+    };
+}
+
+family_maps!(u32: flows, transient, handshakes, flow_events = FLOW_EVENTS);
+family_maps!(In6: flows_v6, transient_v6, handshakes_v6, flow_events_v6 = FLOW_EVENTS_V6);
+
 impl Maps {
-    /// Writes a flow entry (tests, next-hop changes), marked in the flow filter.
-    pub fn set_flow(&mut self, key: &FlowKeyV4, v: &FlowV4) -> Result<()> {
-        self.flows.insert(key, v)?;
+    /// Writes a flow entry of either family (tests, next-hop changes), marked in the flow filter.
+    pub fn set_flow<A: FamilyMaps>(&mut self, key: &FlowKey<A>, v: &Flow<A>) -> Result<()> {
+        A::flows_mut(self).insert(key, v)?;
         self.flow_filter.mark(key);
         Ok(())
     }
 
-    /// The handshake in progress of a client's key (client → VIP): its reverse key and its entry in
-    /// `transient`, found the way the data plane finds it (see `lb_common::handshakes`).
-    pub fn handshake(&self, key: &FlowKeyV4) -> Result<Option<(FlowKeyV4, TransientV4)>> {
-        let rkey = self.handshakes.get(lb_common::handshakes::slot(key))?;
-        Ok(self
-            .transient
+    /// The handshake in progress of a client's key (client → VIP): its reverse key and its entry in the
+    /// family's transient table, found the way the data plane finds it (see `lb_common::handshakes`).
+    pub fn handshake<A: FamilyMaps>(
+        &self,
+        key: &FlowKey<A>,
+    ) -> Result<Option<(FlowKey<A>, Transient<A>)>> {
+        let rkey = A::handshakes(self).get(lb_common::handshakes::slot(key))?;
+        Ok(A::transient(self)
             .get(&rkey)?
             .filter(|t| t.handshake_of(key))
             .map(|t| (rkey, t)))
     }
 
-    /// Takes the flow-event ring buffer; it has one consumer, so this succeeds once.
-    pub fn take_flow_events(&mut self) -> Result<RingBuf<MapData>> {
-        self.flow_events
-            .take()
-            .ok_or_else(|| anyhow!("map {} already taken", names::FLOW_EVENTS))
-    }
-
-    /// Takes IPv6's flow-event ring buffer, as [`Maps::take_flow_events`].
-    pub fn take_flow_events_v6(&mut self) -> Result<RingBuf<MapData>> {
-        self.flow_events_v6
-            .take()
-            .ok_or_else(|| anyhow!("map {} already taken", names::FLOW_EVENTS_V6))
+    /// Takes a family's flow-event ring buffer (`FlowEvent<A>`s); it has one consumer, so this succeeds once.
+    pub fn take_flow_events<A: FamilyMaps>(&mut self) -> Result<RingBuf<MapData>> {
+        let (ring, name) = A::flow_events(self);
+        ring.take()
+            .ok_or_else(|| anyhow!("map {name} already taken"))
     }
 }
 

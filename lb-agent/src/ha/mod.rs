@@ -146,7 +146,10 @@ impl Ha {
             ha.pending_sync = Some(PendingSync {
                 settings: s,
                 store,
-                events: (maps.take_flow_events()?, maps.take_flow_events_v6()?),
+                events: (
+                    maps.take_flow_events::<u32>()?,
+                    maps.take_flow_events::<In6>()?,
+                ),
                 peers_rx,
             });
             ha.peers_tx = Some(peers_tx);

@@ -35,11 +35,12 @@ pub fn drain(ring: &mut RingBuf<MapData>) -> Vec<KernelEvent> {
 /// The log line of an event, ending with the counter that counts its kind.
 pub fn describe(e: &KernelEvent) -> String {
     let addr = addr_to_ip(&e.addr, e.family != FAMILY_V6);
-    let port = u16::from_be(e.port_be);
+    // An IPv6 address with its port in brackets, as `SocketAddr` writes it.
+    let backend = std::net::SocketAddr::new(addr, u16::from_be(e.port_be));
     let svc = e.svc_id;
     match e.kind {
         KIND_SNAT_EXHAUSTED => format!(
-            "service {svc}: no free SNAT port towards backend {addr}:{port}; new connections to it are dropped \
+            "service {svc}: no free SNAT port towards backend {backend}; new connections to it are dropped \
              (drop_snat_exhausted)"
         ),
         KIND_FLOW_INSERT => format!(
@@ -61,7 +62,7 @@ pub fn describe(e: &KernelEvent) -> String {
                 MALFORMED_IPV4_VERSION => "IPv4 version or header length invalid",
                 MALFORMED_IPV4_LENGTH => "IPv4 total length out of bounds",
                 MALFORMED_TCP => "TCP header cut short or data offset out of bounds",
-                MALFORMED_UDP => "UDP header cut short or beyond the IPv4 length",
+                MALFORMED_UDP => "UDP header cut short or beyond the IP packet",
                 MALFORMED_ICMP => "ICMP header cut short",
                 MALFORMED_IPV6_HEADER => "IPv6 header cut short or version not 6",
                 MALFORMED_IPV6_LENGTH => "IPv6 payload length beyond the frame",

@@ -5,11 +5,14 @@
 pub use lb_test_support::packets;
 
 use aya::programs::{TestRun, TestRunOptions};
+use lb_agent::dataplane::maps::{FamilyMaps, Table};
 use lb_agent::dataplane::model::{Protocol, ServiceId, ServiceSpec};
 use lb_agent::dataplane::programmer::{ip_to_addr, Programmer};
 use lb_agent::dataplane::{Dataplane, MapSizes, XDP_PROGRAM};
-use lb_common::NextHop;
+use lb_agent::ha::sync::SyncEvent;
+use lb_common::{Flow, FlowAddr, FlowEvent, FlowKey, In6, NextHop, Transient};
 pub use packets::*;
+use std::marker::PhantomData;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::time::Duration;
 
@@ -52,11 +55,81 @@ pub enum Verdict {
     Other(u32),
 }
 
-/// A loaded data plane plus the programmer that fills it.
-pub struct Harness {
+/// The address family a test runs in: its addresses, and its key type in the maps. The rules are written once
+/// over the family, so most packet tests run in both ([`both_families!`]).
+pub trait Fam: 'static {
+    /// The key and entry type of the family's connection-tracking maps.
+    type A: FamilyMaps;
+    /// The virtual IP.
+    fn vip() -> IpAddr;
+    /// The client.
+    fn client() -> IpAddr;
+    /// Node `i` (1-based).
+    fn node(i: u8) -> IpAddr;
+    /// The `i`-th of many other clients (floods, spoofed sources), outside every range the tests configure.
+    fn source(i: u32) -> IpAddr;
+    /// A configured SNAT address (in the nodes' network).
+    fn snat() -> IpAddr;
+    /// A flow event of the family as flow sync carries it.
+    fn sync_event(e: FlowEvent<Self::A>) -> SyncEvent;
+}
+
+/// IPv4: [`VIP`], [`CLIENT`], [`node`].
+pub struct V4;
+/// IPv6: [`VIP6`], [`CLIENT6`], [`node6`]; the harness loads the IPv6 programs into their slots.
+pub struct V6;
+
+impl Fam for V4 {
+    type A = u32;
+    fn vip() -> IpAddr {
+        VIP.into()
+    }
+    fn client() -> IpAddr {
+        CLIENT.into()
+    }
+    fn node(i: u8) -> IpAddr {
+        node(i).into()
+    }
+    fn source(i: u32) -> IpAddr {
+        Ipv4Addr::from(0x0a80_0000 + i).into()
+    }
+    fn snat() -> IpAddr {
+        Ipv4Addr::new(10, 0, 0, 5).into()
+    }
+    fn sync_event(e: FlowEvent<u32>) -> SyncEvent {
+        e.into()
+    }
+}
+
+impl Fam for V6 {
+    type A = In6;
+    fn vip() -> IpAddr {
+        VIP6.into()
+    }
+    fn client() -> IpAddr {
+        CLIENT6.into()
+    }
+    fn node(i: u8) -> IpAddr {
+        node6(i).into()
+    }
+    fn source(i: u32) -> IpAddr {
+        Ipv6Addr::from(0x2001_0db8_0a80_0000_0000_0000_0000_0000u128 + i as u128).into()
+    }
+    fn snat() -> IpAddr {
+        Ipv6Addr::new(0xfd00, 0, 0, 0, 0, 0, 0, 5).into()
+    }
+    fn sync_event(e: FlowEvent<In6>) -> SyncEvent {
+        e.into()
+    }
+}
+
+/// A loaded data plane plus the programmer that fills it; `F` is the family its tests send (an IPv4 harness
+/// can still be given the IPv6 programs: [`Harness::with_ipv6`]).
+pub struct Harness<F: Fam = V4> {
     pub dp: Dataplane,
     pub programmer: Programmer,
     pub hook: Hook,
+    family: PhantomData<F>,
 }
 
 /// Small maps: tests load many objects in parallel.
@@ -75,9 +148,17 @@ pub fn test_sizes() -> MapSizes {
     }
 }
 
-impl Harness {
-    /// Loads the data plane with next hops for nodes 1..=4.
+impl Harness<V4> {
+    /// Loads the data plane with next hops for nodes 1..=4, for IPv4 tests.
     pub fn new(hook: Hook) -> Self {
+        Self::open(hook)
+    }
+}
+
+impl<F: Fam> Harness<F> {
+    /// Loads the data plane with next hops for nodes 1..=4, for tests of family `F` (for IPv6 with the IPv6
+    /// programs in their slots).
+    pub fn open(hook: Hook) -> Self {
         let sizes = test_sizes();
         let mut dp = Dataplane::load(&sizes, None).expect("loading the data plane (root needed)");
         dp.xdp_program(XDP_PROGRAM).expect("XDP program loads");
@@ -96,10 +177,16 @@ impl Harness {
                 .unwrap();
         }
         let programmer = Programmer::new(sizes.services, sizes.backends, sizes.maglev_slots);
-        Harness {
+        let h = Harness {
             dp,
             programmer,
             hook,
+            family: PhantomData,
+        };
+        if F::A::FAMILY == lb_common::FAMILY_V6 {
+            h.with_ipv6()
+        } else {
+            h
         }
     }
 
@@ -128,6 +215,95 @@ impl Harness {
                 .unwrap();
         }
         self
+    }
+
+    /// The family's virtual IP.
+    pub fn vip(&self) -> IpAddr {
+        F::vip()
+    }
+
+    /// The family's client.
+    pub fn client(&self) -> IpAddr {
+        F::client()
+    }
+
+    /// The family's node `i`.
+    pub fn node(&self, i: u8) -> IpAddr {
+        F::node(i)
+    }
+
+    /// An address of the family as the maps hold it.
+    pub fn raw(&self, ip: IpAddr) -> F::A {
+        F::A::from_addr(ip_to_addr(ip))
+    }
+
+    /// The forward flow key of a client connection (client → VIP).
+    pub fn key(&self, sport: u16, proto: u8, dport: u16) -> FlowKey<F::A> {
+        FlowKey {
+            src: self.raw(F::client()),
+            dst: self.raw(F::vip()),
+            sport: sport.to_be(),
+            dport: dport.to_be(),
+            proto,
+            _pad: [0; 3],
+        }
+    }
+
+    /// The family's established connections and UDP flows.
+    pub fn flows(&self) -> &Table<FlowKey<F::A>, Flow<F::A>> {
+        F::A::flows(&self.dp.maps)
+    }
+
+    /// The family's handshakes and closed connections.
+    pub fn transient(&self) -> &Table<FlowKey<F::A>, Transient<F::A>> {
+        F::A::transient(&self.dp.maps)
+    }
+
+    /// As [`Harness::transient`], to write.
+    pub fn transient_mut(&mut self) -> &mut Table<FlowKey<F::A>, Transient<F::A>> {
+        F::A::transient_mut(&mut self.dp.maps)
+    }
+
+    /// The TCP web service VIP:80 → nodes:30080.
+    pub fn web(&self, nodes: &[u8]) -> ServiceSpec {
+        self.spec(Protocol::Tcp, WEB_PORT, WEB_NODE_PORT, nodes)
+    }
+
+    /// The UDP DNS service VIP:53 → nodes:30053.
+    pub fn dns(&self, nodes: &[u8]) -> ServiceSpec {
+        self.spec(Protocol::Udp, DNS_PORT, DNS_NODE_PORT, nodes)
+    }
+
+    /// A service on the family's VIP.
+    pub fn spec(&self, protocol: Protocol, port: u16, node_port: u16, nodes: &[u8]) -> ServiceSpec {
+        spec_on(F::vip(), protocol, port, node_port, nodes)
+    }
+
+    /// A client → VIP TCP frame.
+    pub fn client_tcp(&self, sport: u16, flags: Flags, payload: &[u8]) -> Vec<u8> {
+        tcp(
+            CLIENT_MAC,
+            LB_MAC,
+            F::client(),
+            sport,
+            F::vip(),
+            WEB_PORT,
+            flags,
+            payload,
+        )
+    }
+
+    /// A client → VIP UDP frame.
+    pub fn client_udp(&self, sport: u16, payload: &[u8]) -> Vec<u8> {
+        udp(
+            CLIENT_MAC,
+            LB_MAC,
+            F::client(),
+            sport,
+            F::vip(),
+            DNS_PORT,
+            payload,
+        )
     }
 
     /// Programs the services.
@@ -263,31 +439,87 @@ pub fn secs(s: u64) -> Duration {
     Duration::from_secs(s)
 }
 
-/// Generates one test per hook from a body that takes the harness.
+/// Generates one test per hook from a body that takes an IPv4 harness (`ipv6:` first: an IPv6 one).
 #[macro_export]
 macro_rules! both_hooks {
     (ipv6: $($rest:tt)*) => {
-        both_hooks!(@with (|h: Harness| h.with_ipv6()); $($rest)*);
+        both_hooks!(@family V6; $($rest)*);
     };
-    (@with $ctor:expr; $( $(#[$m:meta])* fn $name:ident($h:ident) $body:block )*) => {
+    (@family $fam:ident; $( $(#[$m:meta])* fn $name:ident($h:ident) $body:block )*) => {
         $(
             mod $name {
                 #[allow(unused_imports)]
                 use super::*;
                 $(#[$m])*
-                fn body($h: &mut Harness) $body
+                fn body($h: &mut Harness<$fam>) $body
                 #[test]
                 fn xdp() {
-                    body(&mut ($ctor)(Harness::new(Hook::Xdp)))
+                    body(&mut Harness::<$fam>::open(Hook::Xdp))
                 }
                 #[test]
                 fn tc() {
-                    body(&mut ($ctor)(Harness::new(Hook::Tc)))
+                    body(&mut Harness::<$fam>::open(Hook::Tc))
                 }
             }
         )*
     };
     ($($rest:tt)*) => {
-        both_hooks!(@with (|h: Harness| h); $($rest)*);
+        both_hooks!(@family V4; $($rest)*);
+    };
+}
+
+/// Generates four tests from a body generic over the family (`F: Fam`): IPv4 and IPv6, each through the XDP
+/// and the TC entry point.
+#[macro_export]
+macro_rules! both_families {
+    ($( $(#[$m:meta])* fn $name:ident($h:ident) $body:block )*) => {
+        $(
+            mod $name {
+                #[allow(unused_imports)]
+                use super::*;
+                $(#[$m])*
+                fn body<F: Fam>($h: &mut Harness<F>) $body
+                #[test]
+                fn v4_xdp() {
+                    body(&mut Harness::<V4>::open(Hook::Xdp))
+                }
+                #[test]
+                fn v4_tc() {
+                    body(&mut Harness::<V4>::open(Hook::Tc))
+                }
+                #[test]
+                fn v6_xdp() {
+                    body(&mut Harness::<V6>::open(Hook::Xdp))
+                }
+                #[test]
+                fn v6_tc() {
+                    body(&mut Harness::<V6>::open(Hook::Tc))
+                }
+            }
+        )*
+    };
+}
+
+/// Generates an IPv4 and an IPv6 test from a body generic over the family (`F: Fam`) that makes its own
+/// harnesses (several replicas, one hook).
+#[macro_export]
+macro_rules! per_family {
+    ($( $(#[$m:meta])* fn $name:ident() $body:block )*) => {
+        $(
+            mod $name {
+                #[allow(unused_imports)]
+                use super::*;
+                $(#[$m])*
+                fn body<F: Fam>() $body
+                #[test]
+                fn v4() {
+                    body::<V4>()
+                }
+                #[test]
+                fn v6() {
+                    body::<V6>()
+                }
+            }
+        )*
     };
 }

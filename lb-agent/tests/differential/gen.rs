@@ -376,7 +376,7 @@ impl Gen {
             .iter()
             .find(|(k, _)| {
                 k.family == A::FAMILY
-                    && A::from_addr(&k.addr) == key.dst
+                    && A::from_addr(k.addr) == key.dst
                     && k.port_be == key.dport
                     && k.proto == key.proto
             })?
@@ -389,7 +389,7 @@ impl Gen {
             + self.below((cfg.snat_port_max - cfg.snat_port_min) as u32 + 1))
             as u16;
         let port = port.to_be();
-        let snat = A::from_addr(&svc.snat_addr);
+        let snat = A::from_addr(svc.snat_addr);
         let rkey = FlowKey {
             src: node,
             dst: snat,
@@ -400,7 +400,7 @@ impl Gen {
         };
         let service_port = model.tables.services.keys().any(|k| {
             k.family == A::FAMILY
-                && A::from_addr(&k.addr) == snat
+                && A::from_addr(k.addr) == snat
                 && k.port_be == port
                 && k.proto == key.proto
         });

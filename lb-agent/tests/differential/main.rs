@@ -15,54 +15,27 @@ mod model;
 
 use common::{Harness, Hook};
 use gen::{Gen, GenFam, Op, Scenario, TableOp};
-use lb_agent::dataplane::maps::{Maps, Slots, Table};
+use lb_agent::dataplane::maps::{FamilyMaps, Maps};
 use lb_common::{Flow, FlowEvent, FlowKey, In6, Transient};
 use model::{Clock, Fault, Model, Run, Tables};
 use std::collections::{HashMap, HashSet};
 use std::time::Instant;
 
-/// A family's tables and sync ring buffer in the kernel, beside the model's (`model::Fam`).
-trait KFam: GenFam {
-    fn flows(m: &mut Maps) -> &mut Table<FlowKey<Self>, Flow<Self>>;
-    fn transient(m: &mut Maps) -> &mut Table<FlowKey<Self>, Transient<Self>>;
-    fn handshakes(m: &Maps) -> &Slots<FlowKey<Self>>;
+/// A family's tables in the kernel (`FamilyMaps`) and its sync ring buffer, beside the model's (`model::Fam`).
+trait KFam: GenFam + FamilyMaps {
     fn events(e: &mut Events) -> &mut RingBuf;
 }
 
 impl KFam for u32 {
-    fn flows(m: &mut Maps) -> &mut Table<FlowKey<Self>, Flow<Self>> {
-        &mut m.flows
-    }
-    fn transient(m: &mut Maps) -> &mut Table<FlowKey<Self>, Transient<Self>> {
-        &mut m.transient
-    }
-    fn handshakes(m: &Maps) -> &Slots<FlowKey<Self>> {
-        &m.handshakes
-    }
     fn events(e: &mut Events) -> &mut RingBuf {
         &mut e.0
     }
 }
 
 impl KFam for In6 {
-    fn flows(m: &mut Maps) -> &mut Table<FlowKey<Self>, Flow<Self>> {
-        &mut m.flows_v6
-    }
-    fn transient(m: &mut Maps) -> &mut Table<FlowKey<Self>, Transient<Self>> {
-        &mut m.transient_v6
-    }
-    fn handshakes(m: &Maps) -> &Slots<FlowKey<Self>> {
-        &m.handshakes_v6
-    }
     fn events(e: &mut Events) -> &mut RingBuf {
         &mut e.1
     }
-}
-
-/// Writes a flow entry as the agent's flow store does, marked in the flow filter.
-fn set_flow<A: KFam>(m: &mut Maps, key: &FlowKey<A>, v: &Flow<A>) {
-    A::flows(m).insert(key, v).unwrap();
-    m.flow_filter.mark(key);
 }
 
 /// Frames per epoch at most: short epochs keep every timestamp younger than the data plane's 1 s refresh step,
@@ -156,8 +129,8 @@ fn campaign(hook: Hook, seed: u64, frames: usize) -> Report {
     }
     let mut h = Harness::new(hook).with_ipv6();
     let mut events = (
-        h.dp.maps.take_flow_events().unwrap(),
-        h.dp.maps.take_flow_events_v6().unwrap(),
+        h.dp.maps.take_flow_events::<u32>().unwrap(),
+        h.dp.maps.take_flow_events::<In6>().unwrap(),
     );
     let mut gen = Gen::new(seed);
     let start = Instant::now();
@@ -300,10 +273,10 @@ fn coarse_now() -> u64 {
 
 fn clear_tables<A: KFam>(m: &mut Maps) {
     for (k, _) in A::flows(m).entries().unwrap() {
-        A::flows(m).remove(&k).unwrap();
+        A::flows_mut(m).remove(&k).unwrap();
     }
     for (k, _) in A::transient(m).entries().unwrap() {
-        A::transient(m).remove(&k).unwrap();
+        A::transient_mut(m).remove(&k).unwrap();
     }
 }
 
@@ -374,7 +347,7 @@ fn table_op<A: KFam>(maps: &mut Maps, m: &mut Model, op: &TableOp<A>) {
             if *transient {
                 if let Some(mut t) = A::transient(maps).get(key).unwrap() {
                     age(&mut t.flow);
-                    A::transient(maps).insert(key, &t).unwrap();
+                    A::transient_mut(maps).insert(key, &t).unwrap();
                 }
                 if let Some(t) = A::conn_mut(&mut m.state).transient.get_mut(key) {
                     age(&mut t.flow);
@@ -382,7 +355,7 @@ fn table_op<A: KFam>(maps: &mut Maps, m: &mut Model, op: &TableOp<A>) {
             } else {
                 if let Some(mut f) = A::flows(maps).get(key).unwrap() {
                     age(&mut f);
-                    set_flow(maps, key, &f);
+                    maps.set_flow(key, &f).unwrap();
                 }
                 if let Some(f) = A::conn_mut(&mut m.state).flows.get_mut(key) {
                     age(f);
@@ -408,8 +381,8 @@ fn table_op<A: KFam>(maps: &mut Maps, m: &mut Model, op: &TableOp<A>) {
             );
             let rkey = fwd.partner_key(key.proto);
             // Reverse first, as the flow store writes them.
-            set_flow(maps, &rkey, &rev);
-            set_flow(maps, key, &fwd);
+            maps.set_flow(&rkey, &rev).unwrap();
+            maps.set_flow(key, &fwd).unwrap();
             m.state.enter_flows(rkey, rev);
             m.state.enter_flows(*key, fwd);
         }
@@ -478,7 +451,7 @@ fn compare_key<A: KFam>(
         format!("FLOWS_{}", A::NAME),
         format!("TRANSIENT_{}", A::NAME),
     );
-    let kernel = A::flows(&mut h.dp.maps).get(k).unwrap();
+    let kernel = A::flows(&h.dp.maps).get(k).unwrap();
     let c = A::conn_mut(&mut m.state);
     match (c.flows.get(k).copied(), kernel) {
         (None, None) => {}
@@ -492,7 +465,7 @@ fn compare_key<A: KFam>(
             )))
         }
     }
-    let kernel = A::transient(&mut h.dp.maps).get(k).unwrap();
+    let kernel = A::transient(&h.dp.maps).get(k).unwrap();
     match (c.transient.get(k).copied(), kernel) {
         (None, None) => {}
         (Some(e), Some(a)) => {
@@ -562,12 +535,12 @@ fn compare_all(h: &mut Harness, m: &Model) -> Result<(), Fault> {
 
 /// One family's tables whole and its `HANDSHAKES` slots written.
 fn compare_tables<A: KFam>(h: &mut Harness, m: &Model) -> Result<(), Fault> {
-    let flows: HashMap<_, _> = A::flows(&mut h.dp.maps)
+    let flows: HashMap<_, _> = A::flows(&h.dp.maps)
         .entries()
         .unwrap()
         .into_iter()
         .collect();
-    let transient: HashMap<_, _> = A::transient(&mut h.dp.maps)
+    let transient: HashMap<_, _> = A::transient(&h.dp.maps)
         .entries()
         .unwrap()
         .into_iter()

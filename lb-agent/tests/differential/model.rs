@@ -70,7 +70,6 @@ pub trait Fam: FlowAddr {
     fn write(self, b: &mut [u8], at: usize);
     /// The address's 32-bit words as loaded (the hashes fold them one by one).
     fn raw_words(self) -> Vec<u32>;
-    fn from_addr(a: &Addr) -> Self;
     fn ip(self) -> IpAddr;
     fn from_ip(a: IpAddr) -> Self;
     fn conn(s: &State) -> &Conn<Self>;
@@ -97,9 +96,6 @@ impl Fam for u32 {
     }
     fn raw_words(self) -> Vec<u32> {
         vec![self]
-    }
-    fn from_addr(a: &Addr) -> Self {
-        a.v4_raw()
     }
     fn ip(self) -> IpAddr {
         IpAddr::V4(Ipv4Addr::from(self.to_ne_bytes()))
@@ -135,9 +131,6 @@ impl Fam for In6 {
     }
     fn raw_words(self) -> Vec<u32> {
         self.to_vec()
-    }
-    fn from_addr(a: &Addr) -> Self {
-        a.v6_raw()
     }
     fn ip(self) -> IpAddr {
         IpAddr::V6(Ipv6Addr::from(Addr::from_v6_raw(self).bytes))
@@ -1128,10 +1121,10 @@ impl Model {
         };
         Ok(Target {
             backend_id,
-            node: A::from_addr(&backend.addr),
+            node: A::from_addr(backend.addr),
             node_port: backend.port_be,
             mac,
-            snat: A::from_addr(&svc.snat_addr),
+            snat: A::from_addr(svc.snat_addr),
         })
     }
 
