@@ -25,8 +25,10 @@ use tokio::sync::watch;
 /// Agent settings that are not part of the load balancer's config.
 #[derive(Clone, Debug)]
 pub struct AgentOptions {
-    /// Interface to attach to.
+    /// Interface that carries the VIP (VRRP runs there; the pin directory is named after it).
     pub interface: String,
+    /// Further interfaces to forward on (backends routed through them).
+    pub forward_interfaces: Vec<String>,
     /// XDP (native with generic fallback), or TC.
     pub attach_mode: AttachMode,
     /// bpffs directory for pinned maps and links; `None` = no pinning (state dies with the process).
@@ -46,6 +48,13 @@ pub struct AgentOptions {
     pub detach_on_exit: bool,
     /// VRRP and connection-state sync between replicas.
     pub ha: HaOptions,
+}
+
+impl AgentOptions {
+    /// Every interface the agent forwards on, the VIP's first: slot `i + 1` of the data plane's egress table.
+    pub fn interfaces(&self) -> impl Iterator<Item = &String> {
+        std::iter::once(&self.interface).chain(&self.forward_interfaces)
+    }
 }
 
 /// Runs until `shutdown` resolves.
@@ -163,8 +172,21 @@ impl Agent {
                 "adopted the previous agent's services; flows keep running"
             );
         }
-        let mode = dp.attach(&opts.interface, opts.attach_mode)?;
-        tracing::info!(interface = %opts.interface, ?mode, "data plane attached");
+        let mut mode = opts.attach_mode;
+        for (i, iface) in opts.interfaces().enumerate() {
+            // Slot 1 upwards in the order given: replicas configured alike share the slots (flow sync carries
+            // them).
+            let (ifindex, mac) = neighbor::interface(iface)?;
+            dp.maps.set_egress(i as u32 + 1, ifindex, mac)?;
+            let used = dp.attach(iface, opts.attach_mode)?;
+            tracing::info!(interface = %iface, mode = ?used, "data plane attached");
+            if i == 0 {
+                mode = used;
+            } else if used != mode {
+                tracing::warn!(interface = %iface, mode = ?used, first = ?mode,
+                    "attached in another mode than the first interface");
+            }
+        }
         status_tx.send_modify(|s| {
             s.dataplane_ready = true;
             s.attached = Some(mode);
@@ -367,7 +389,7 @@ impl Agent {
         let ips: BTreeSet<IpAddr> = cfg.backends().iter().map(|b| b.ip()).collect();
         let existing: HashMap<lb_common::Addr, NextHop> =
             maps.nexthops.entries()?.into_iter().collect();
-        let mut changed: HashMap<lb_common::Addr, [u8; 6]> = HashMap::new();
+        let mut changed: HashMap<lb_common::Addr, NextHop> = HashMap::new();
         let deadline = Instant::now() + wait;
         let mut pending: BTreeSet<IpAddr> = if only_new {
             ips.iter()
@@ -377,28 +399,38 @@ impl Agent {
         } else {
             ips.clone()
         };
-        let interface = &self.opts.interface;
         loop {
             for ip in pending.clone() {
                 let addr = ip_to_addr(ip);
                 match neighbor::resolve(ip) {
                     Ok(Some(r)) => {
                         pending.remove(&ip);
-                        if r.dev != *interface {
-                            tracing::warn!(backend = %ip, dev = %r.dev, %interface,
-                                "backend is routed via another interface; the data plane sends out of the attached one");
-                        }
+                        // The interface the route names, by its egress slot; a route through an interface
+                        // the agent does not forward on is followed out of the first one (and reported).
+                        let slot = self.opts.interfaces().position(|i| *i == r.dev);
+                        let (egress, ifindex) = match slot {
+                            Some(i) => (
+                                i as u8 + 1,
+                                neighbor::interface(&r.dev).map(|(x, _)| x).unwrap_or(0),
+                            ),
+                            None => (0, 0),
+                        };
                         let nh = NextHop {
                             mac: r.mac,
+                            egress,
                             _pad: 0,
-                            ifindex: 0,
+                            ifindex,
                         };
                         match existing.get(&addr) {
-                            Some(old) if old.mac == nh.mac => {}
+                            Some(old) if *old == nh => {}
                             old => {
+                                if slot.is_none() {
+                                    tracing::warn!(backend = %ip, dev = %r.dev, interface = %self.opts.interface,
+                                        "backend is routed via an interface the agent does not forward on (add it with --interface); frames to it leave by the first one");
+                                }
                                 if old.is_some() {
-                                    tracing::info!(backend = %ip, "next-hop MAC changed");
-                                    changed.insert(addr, nh.mac);
+                                    tracing::info!(backend = %ip, dev = %r.dev, "next hop changed (MAC or interface)");
+                                    changed.insert(addr, nh);
                                 }
                                 maps.nexthops.insert(&addr, &nh)?;
                             }

@@ -41,9 +41,11 @@ enum LogFormat {
     about = "XDP load-balancer agent: programs the data plane from a LoadBalancer"
 )]
 struct Cli {
-    /// Interface that carries the VIP (traffic comes in and goes out here).
-    #[arg(long, env = "LB_INTERFACE")]
-    interface: String,
+    /// Interfaces to forward on, repeatable or comma-separated: the first carries the VIP (VRRP runs there);
+    /// backends routed through another one get their frames redirected there, and replies go back by the
+    /// interface their client came in on.
+    #[arg(long, env = "LB_INTERFACE", value_delimiter = ',', required = true)]
+    interface: Vec<String>,
     /// Local config file (LoadBalancer-shaped YAML); reloaded when it changes.
     #[arg(long, env = "LB_CONFIG", conflicts_with = "loadbalancer_name")]
     config: Option<PathBuf>,
@@ -239,7 +241,7 @@ impl Cli {
     /// VRRP and sync settings.
     fn ha(&self) -> Result<HaOptions> {
         let vrrp = self.vrrp_router_id.map(|id| {
-            let mut v = VrrpOptions::new(self.interface.clone(), id, self.vrrp_run_dir.clone());
+            let mut v = VrrpOptions::new(self.interface[0].clone(), id, self.vrrp_run_dir.clone());
             v.base_priority = self.vrrp_priority;
             v.advert_interval = self.vrrp_advert_interval;
             v.version = self.vrrp_version;
@@ -378,14 +380,15 @@ async fn main() -> Result<()> {
     }
     let (min, max) = parse_ports(&cli.snat_ports)?;
     let opts = AgentOptions {
-        interface: cli.interface.clone(),
+        interface: cli.interface[0].clone(),
+        forward_interfaces: cli.interface[1..].to_vec(),
         attach_mode: match cli.attach_mode {
             Mode::Xdp => AttachMode::Xdp,
             Mode::XdpNative => AttachMode::XdpNative,
             Mode::XdpGeneric => AttachMode::XdpGeneric,
             Mode::Tc => AttachMode::Tc,
         },
-        pin_dir: (!cli.no_pin).then(|| cli.pin_dir.join(&cli.interface)),
+        pin_dir: (!cli.no_pin).then(|| cli.pin_dir.join(&cli.interface[0])),
         sizes: MapSizes {
             flows: cli.max_flows,
             transient: cli.max_transient_flows,

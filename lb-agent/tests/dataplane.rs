@@ -21,6 +21,7 @@ both_families! {
 }
 
 use lb_agent::dataplane::model::Protocol;
+use lb_agent::dataplane::programmer::ip_to_addr;
 use lb_common::{
     handshakes, stat, FlowAddr, FlowEvent, FlowKey, FLOW_F_FIN, FLOW_F_FORWARD, FLOW_F_REVERSE,
     FLOW_F_RST, FLOW_F_SYN_ACK,
@@ -1462,6 +1463,135 @@ mod sync_churn {
             assert_eq!(apply::<F>(&mut store2, &moved, 0), ApplyOutcome::Applied);
             assert_eq!(apply::<F>(&mut store2, &first, 0), ApplyOutcome::Applied);
         }
+    }
+}
+
+/// Moves this test's thread into a network namespace of its own holding a veth pair, `lbx0` (returned: its index)
+/// and `lbx1`: the device map takes only interfaces of the caller's namespace, and the test runs see their frames
+/// come in on that namespace's loopback (index 1). Other tests, on other threads, stay where they are.
+fn netns_with_an_interface() -> u32 {
+    // SAFETY: a plain syscall on this thread's own namespaces.
+    assert_eq!(
+        unsafe { libc::unshare(libc::CLONE_NEWNET) },
+        0,
+        "unshare(CLONE_NEWNET)"
+    );
+    let ok = std::process::Command::new("ip")
+        .args([
+            "link", "add", "lbx0", "type", "veth", "peer", "name", "lbx1",
+        ])
+        .status()
+        .expect("running ip");
+    assert!(ok.success(), "creating a veth pair");
+    // Not from /sys/class/net: sysfs shows the namespace of whoever mounted it, not this thread's.
+    let name = std::ffi::CString::new("lbx0").unwrap();
+    // SAFETY: a NUL-terminated name.
+    let index = unsafe { libc::if_nametoindex(name.as_ptr()) };
+    assert_ne!(index, 0, "lbx0's index");
+    index
+}
+
+/// The MAC of the backends' interface in the multi-interface tests.
+const BACK_MAC: [u8; 6] = [0x02, 0, 0, 0, 0xbb, 0x01];
+
+/// Two interfaces: the client's, where the test runs' frames come in (loopback, slot 1, [`LB_MAC`]), and the
+/// backends' (`lbx0`, slot 2, [`BACK_MAC`]), which node 1 is routed through; node 2 stays on the client's.
+fn two_interfaces<F: Fam>(h: &mut Harness<F>) -> u32 {
+    let back = netns_with_an_interface();
+    h.dp.maps.set_egress(1, 1, LB_MAC).unwrap();
+    h.dp.maps.set_egress(2, back, BACK_MAC).unwrap();
+    for (node, egress, ifindex) in [(1, 2, back), (2, 1, 1)] {
+        let nh = lb_common::NextHop {
+            mac: node_mac(node),
+            egress,
+            _pad: 0,
+            ifindex,
+        };
+        h.dp.maps
+            .nexthops
+            .insert(&ip_to_addr(h.node(node)), &nh)
+            .unwrap();
+    }
+    back
+}
+
+both_families! {
+    fn a_backend_behind_another_interface_gets_its_frames_redirected_and_replies_cross_back(h) {
+        two_interfaces(h);
+        h.apply(&[h.web(&[1])]);
+        // XDP redirects through the device map; TC's redirect is the same action as its "back out" (`Tx`).
+        let redirected = if h.hook == Hook::Xdp { Verdict::Redirect } else { Verdict::Tx };
+        let (v, out) = h.run(&h.client_tcp(40000, SYN, b""));
+        assert_eq!(v, redirected);
+        let p = parse(&out);
+        assert_eq!((p.src_mac, p.dst_mac), (BACK_MAC, node_mac(1)), "from the backends' interface to the node");
+        assert_eq!((p.src, p.dst, p.dport), (h.vip(), h.node(1), WEB_NODE_PORT));
+        assert!(p.ip_csum_ok && p.l4_csum_ok);
+        let key = h.key(40000, 6, WEB_PORT);
+        let (rkey, t) = h.dp.maps.handshake(&key).unwrap().expect("the handshake");
+        assert_eq!((t.fwd.egress, t.flow.egress), (2, 1), "forward by the backends' interface, replies by the client's");
+        // The backend's SYN-ACK crosses back: out of the client's interface, from its MAC.
+        let (v, out) = h.run(&reply_tcp(&p, SYN_ACK, b""));
+        assert_eq!(v, redirected);
+        let r = parse(&out);
+        assert_eq!((r.src_mac, r.dst_mac), (LB_MAC, CLIENT_MAC));
+        assert_eq!((r.src, r.sport, r.dst, r.dport), (h.vip(), WEB_PORT, h.client(), 40000));
+        assert!(r.l4_csum_ok);
+        // Established, both entries keep their interfaces.
+        assert_eq!(h.run(&h.client_tcp(40000, ACK, b"")).0, redirected);
+        let f = h.flows().get(&key).unwrap().expect("established");
+        let b = h.flows().get(&rkey).unwrap().expect("established");
+        assert_eq!((f.egress, b.egress), (2, 1));
+        let (v, out) = h.run(&h.client_tcp(40000, ACK, b"data"));
+        assert_eq!((v, parse(&out).src_mac), (redirected, BACK_MAC));
+        // UDP the same way.
+        h.apply(&[h.web(&[1]), h.dns(&[1])]);
+        let (v, out) = h.run(&h.client_udp(5353, b"q"));
+        assert_eq!((v, parse(&out).src_mac), (redirected, BACK_MAC));
+        let u = parse(&out);
+        let back = udp(u.dst_mac, BACK_MAC, u.dst, u.dport, u.src, u.sport, b"a");
+        let (v, out) = h.run(&back);
+        assert_eq!((v, parse(&out).dst_mac, parse(&out).src_mac), (redirected, CLIENT_MAC, LB_MAC));
+    }
+
+    fn a_backend_on_the_clients_interface_is_answered_with_xdp_tx(h) {
+        // The one-armed path stays what it was on a machine with more interfaces: no redirect, no slot.
+        two_interfaces(h);
+        h.apply(&[h.web(&[2])]);
+        let p = open(h, 40001);
+        assert_eq!((p.src_mac, p.dst_mac), (LB_MAC, node_mac(2)));
+        let f = h.flows().get(&h.key(40001, 6, WEB_PORT)).unwrap().unwrap();
+        assert_eq!(f.egress, 0);
+        let (v, out) = h.run(&reply_tcp(&p, ACK, b"x"));
+        assert_eq!((v, parse(&out).src_mac), (Verdict::Tx, LB_MAC));
+    }
+
+    fn an_egress_slot_the_agent_has_not_filled_sends_the_frame_to_the_kernel(h) {
+        two_interfaces(h);
+        let nh = lb_common::NextHop { mac: node_mac(3), egress: 5, _pad: 0, ifindex: 99 };
+        h.dp.maps.nexthops.insert(&ip_to_addr(h.node(3)), &nh).unwrap();
+        h.apply(&[h.web(&[3])]);
+        let f = h.client_tcp(40002, SYN, b"");
+        let (v, out) = h.run(&f);
+        assert_eq!((v, &out), (Verdict::Pass, &f), "passed unchanged");
+        assert_eq!(h.stat(stat::PASS_NO_NEXTHOP), 1);
+    }
+
+    fn frames_to_the_mac_of_the_interface_they_came_in_by_are_ours_when_checked(h) {
+        // With the check on (replicas on one segment), the VIP's MAC is another (VRRP's); a backend's reply on
+        // the backends' interface is addressed to that interface's own MAC.
+        two_interfaces(h);
+        h.apply(&[h.web(&[1])]);
+        h.dp.maps.config.set(lb_common::CONFIG_INDEX, &lb_common::Config {
+            flags: lb_common::CFG_F_CHECK_DST_MAC,
+            local_mac: [0, 0, 0x5e, 0, 1, 1],
+            ..Default::default()
+        }).unwrap();
+        // Here the test runs' frames come in on the loopback, slot 1, whose MAC is LB_MAC.
+        assert_ne!(h.run(&h.client_tcp(40003, SYN, b"")).0, Verdict::Pass);
+        assert_eq!(h.stat(stat::PASS_OTHER_HOST), 0);
+        assert_eq!(h.run(&client_syn_to(h, [0x02, 0, 0, 0, 0, 0x99], 40004)).0, Verdict::Pass, "another host's");
+        assert_eq!(h.stat(stat::PASS_OTHER_HOST), 1);
     }
 }
 

@@ -283,13 +283,21 @@ fn udp_flush_and_next_hop_changes_reach_ipv6_flows() {
     write(&mut dp, &tcp);
 
     let mac = [2, 0, 0, 0, 0, 0x11];
-    let changed: HashMap<Addr, [u8; 6]> = [(ip_to_addr(NODE.parse().unwrap()), mac)].into();
+    let nh = lb_common::NextHop {
+        mac,
+        egress: 2,
+        ..Default::default()
+    };
+    let changed: HashMap<Addr, lb_common::NextHop> =
+        [(ip_to_addr(NODE.parse().unwrap()), nh)].into();
     let written = gc::retarget(&mut dp.maps.flows_v6, &changed).unwrap();
     assert_eq!(written.len(), 2, "the forward entries of both connections");
-    assert_eq!(dp.maps.flows_v6.get(&tcp[0].0).unwrap().unwrap().mac, mac);
+    let fwd = dp.maps.flows_v6.get(&tcp[0].0).unwrap().unwrap();
+    assert_eq!((fwd.mac, fwd.egress), (mac, 2), "the new MAC and interface");
+    let rev = dp.maps.flows_v6.get(&tcp[1].0).unwrap().unwrap();
     assert_eq!(
-        dp.maps.flows_v6.get(&tcp[1].0).unwrap().unwrap().mac,
-        [0; 6],
+        (rev.mac, rev.egress),
+        ([0; 6], 0),
         "reverse entries go to the client side"
     );
 

@@ -180,10 +180,30 @@ pub struct Backend {
 pub struct NextHop {
     /// Destination MAC (the node's, or its gateway's when the node is not on-link).
     pub mac: [u8; 6],
+    /// The egress interface's slot in `EGRESS` (0: the frame leaves by the interface it came in on, as on a
+    /// one-armed machine).
+    pub egress: u8,
+    /// Reserved, zero.
+    pub _pad: u8,
+    /// The egress interface's index (0 with `egress` 0). A frame that arrived on this interface leaves by it
+    /// (`XDP_TX`) whatever the slot.
+    pub ifindex: u32,
+}
+
+/// Slots of `EGRESS` and `EGRESS_DEVMAP`: one per interface the agent forwards on; slot 0 is never used (an
+/// entry's egress 0 means "out of the interface it came in on").
+pub const MAX_INTERFACES: u32 = 16;
+
+/// Value of the `EGRESS` array: an interface a translated frame may leave by, other than the one it came in on.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Egress {
+    /// Interface index (TC redirects to it; XDP redirects through `EGRESS_DEVMAP`'s same slot).
+    pub ifindex: u32,
+    /// The interface's MAC: the frame's new source MAC.
+    pub mac: [u8; 6],
     /// Reserved, zero.
     pub _pad: u16,
-    /// Egress interface; today always the ingress one (one-armed `XDP_TX`), kept for multi-NIC machines.
-    pub ifindex: u32,
 }
 
 /// Data of an `SOURCE_RANGES` LPM-trie key. The prefix length counts the 32 bits of `svc_id` plus the
@@ -269,8 +289,8 @@ pub struct Flow<A> {
     pub mac: [u8; 6],
     /// `FLOW_F_*` bits.
     pub flags: u8,
-    /// Reserved, zero.
-    pub _pad: u8,
+    /// Slot in `EGRESS` of the interface the rewritten frame leaves by; 0: the one it came in on (`XDP_TX`).
+    pub egress: u8,
     /// Service id (for counters).
     pub svc_id: u32,
     /// Backend id.
@@ -628,7 +648,7 @@ pub struct TraceEvent {
     pub reasons: u32,
     /// Frame length.
     pub len: u16,
-    /// 1 pass, 2 drop, 3 sent back out (rewritten).
+    /// 1 pass, 2 drop, 3 sent back out (rewritten), 4 sent out of another interface (rewritten).
     pub verdict: u8,
     /// Bytes of the headers kept in `before` and `after` (at most [`TRACE_HDR`]).
     pub hdr_len: u8,
@@ -842,6 +862,12 @@ pub mod map_names {
     pub const MAGLEV: &str = "MAGLEV";
     /// `HashMap<Addr, NextHop>`.
     pub const NEXTHOPS: &str = "NEXTHOPS";
+    /// `Array<Egress>`, [`super::MAX_INTERFACES`] slots.
+    pub const EGRESS: &str = "EGRESS";
+    /// `DevMap`, the `EGRESS` slots' interfaces (XDP redirects).
+    pub const EGRESS_DEVMAP: &str = "EGRESS_DEVMAP";
+    /// `HashMap<u32, u32>`: interface index → its `EGRESS` slot (where a new flow's replies leave).
+    pub const INTERFACES: &str = "INTERFACES";
     /// `LpmTrie<SourceRangeKey, u8>`.
     pub const SOURCE_RANGES: &str = "SOURCE_RANGES";
     /// `HashMap<Addr, u32>`: every address that carries at least one service (fragment policy).
@@ -939,6 +965,7 @@ mod pod {
     unsafe impl aya::Pod for super::Service {}
     unsafe impl aya::Pod for super::Backend {}
     unsafe impl aya::Pod for super::NextHop {}
+    unsafe impl aya::Pod for super::Egress {}
     unsafe impl aya::Pod for super::SourceRangeKey {}
     unsafe impl<A: super::FlowAddr> aya::Pod for super::FlowKey<A> {}
     unsafe impl<A: super::FlowAddr> aya::Pod for super::Flow<A> {}

@@ -1,9 +1,9 @@
 //! What the packet logic needs from its attach point.
 
-use crate::csum;
+use crate::{csum, maps::EGRESS_DEVMAP};
 use aya_ebpf::{
     bindings::{BPF_F_MARK_MANGLED_0, BPF_F_PSEUDO_HDR},
-    helpers::{bpf_l4_csum_replace, bpf_skb_load_bytes, bpf_xdp_load_bytes},
+    helpers::{bpf_l4_csum_replace, bpf_redirect, bpf_skb_load_bytes, bpf_xdp_load_bytes},
     programs::{TcContext, XdpContext},
     EbpfContext,
 };
@@ -23,6 +23,11 @@ pub trait Ctx {
     /// Copies the first bytes of the frame (as many as fit and exist) into `to` through the kernel's helper;
     /// returns how many (`lbctl trace` only).
     fn load_head(&self, to: &mut [u8]) -> usize;
+    /// Index of the interface the frame came in on.
+    fn ingress_ifindex(&self) -> u32;
+    /// Sends the frame out of the interface in `EGRESS` slot `slot` (index `ifindex`): `Verdict::Redirect`, or
+    /// `Verdict::Pass` when the hook cannot.
+    fn redirect(&self, slot: u32, ifindex: u32) -> Verdict;
 }
 
 /// Bounds-checked pointer to a `T` at offset `off`.
@@ -86,6 +91,19 @@ impl Ctx for Xdp<'_> {
             0
         }
     }
+    #[inline(always)]
+    fn ingress_ifindex(&self) -> u32 {
+        // SAFETY: the context's xdp_md is valid for this program run.
+        unsafe { (*self.0.ctx).ingress_ifindex }
+    }
+    #[inline(always)]
+    fn redirect(&self, slot: u32, _ifindex: u32) -> Verdict {
+        // Through the device map: the kernel bulks the frames of one NAPI poll per device.
+        match EGRESS_DEVMAP.redirect(slot, 0) {
+            Ok(_) => Verdict::Redirect,
+            Err(_) => Verdict::Pass,
+        }
+    }
 }
 
 /// An skb at TC.
@@ -138,6 +156,20 @@ impl Ctx for Tc<'_> {
             0
         }
     }
+    // At the ingress hook the skb's device is the one it came in by (its `ingress_ifindex`, the kernel's
+    // skb_iif, is not set in test runs).
+    #[allow(clippy::misnamed_getters)]
+    #[inline(always)]
+    fn ingress_ifindex(&self) -> u32 {
+        // SAFETY: the context's skb is valid for this program run.
+        unsafe { (*self.0.skb.skb).ifindex }
+    }
+    #[inline(always)]
+    fn redirect(&self, _slot: u32, ifindex: u32) -> Verdict {
+        // SAFETY: a helper call with a plain interface index; it only records the target.
+        unsafe { bpf_redirect(ifindex, 0) };
+        Verdict::Redirect
+    }
 }
 
 /// What to do with the packet; each hook maps it to its own return code.
@@ -149,6 +181,8 @@ pub enum Verdict {
     Drop,
     /// Send back out of the interface it came in on (rewritten).
     Tx,
+    /// Send out of another interface (rewritten; the target is set, see `Ctx::redirect`).
+    Redirect,
     /// An IPv6 frame: the entry point hands it to the IPv6 program (by tail call).
     Ipv6,
     /// An IPv6 packet that opens a flow: the IPv6 program hands it to its new-flow program (by tail call; see

@@ -5,7 +5,7 @@
 //! Inlined into each entry function: the verifier restricts tail calls from subprograms.
 
 use aya_ebpf::{
-    bindings::{xdp_action, TC_ACT_OK, TC_ACT_SHOT},
+    bindings::{xdp_action, TC_ACT_OK, TC_ACT_REDIRECT, TC_ACT_SHOT},
     helpers::bpf_redirect,
     programs::{TcContext, XdpContext},
 };
@@ -36,6 +36,7 @@ pub fn xdp_verdict(v: Verdict) -> u32 {
         Verdict::Pass | Verdict::Ipv6 | Verdict::NewFlow => xdp_action::XDP_PASS,
         Verdict::Drop => xdp_action::XDP_DROP,
         Verdict::Tx => xdp_action::XDP_TX,
+        Verdict::Redirect => xdp_action::XDP_REDIRECT,
     }
 }
 
@@ -50,7 +51,8 @@ pub fn tc_next(ctx: &TcContext, v: Verdict, slot: u32) -> i32 {
     tc_verdict(ctx, v)
 }
 
-/// The TC action of a final verdict (`Tx`: redirected out of the interface it came in on).
+/// The TC action of a final verdict (`Tx`: redirected out of the interface it came in on; `Redirect`: to the
+/// interface `Ctx::redirect` set).
 #[inline(always)]
 pub fn tc_verdict(ctx: &TcContext, v: Verdict) -> i32 {
     match v {
@@ -62,6 +64,7 @@ pub fn tc_verdict(ctx: &TcContext, v: Verdict) -> i32 {
             // SAFETY: a helper call with a plain interface index.
             unsafe { bpf_redirect(ifindex, 0) as i32 }
         }
+        Verdict::Redirect => TC_ACT_REDIRECT,
     }
 }
 

@@ -10,6 +10,7 @@ use crate::{
     hdr::*,
     klog,
     maps::{count, with_service_stats},
+    nat::{egress, send, set_macs, Out},
     transient,
 };
 
@@ -66,6 +67,10 @@ pub(crate) fn translate<C: Ctx>(
         count(stat::PASS_ICMP_UNKNOWN);
         return Verdict::Pass;
     };
+    // SAFETY: a map value, valid under RCU for this program run.
+    let Ok(out) = egress(unsafe { (*fl).egress }) else {
+        return Verdict::Pass;
+    };
     // SAFETY: a map value, valid under RCU for this program run; packet pointers bounds-checked above.
     unsafe {
         let fl = &*fl;
@@ -98,6 +103,7 @@ pub(crate) fn translate<C: Ctx>(
                 il4_off,
                 end,
                 udp: iproto == PROTO_UDP,
+                out,
             },
             fl,
             d_iaddr,
@@ -128,19 +134,20 @@ pub(crate) fn quoted_flow<F: Family>(key: &FlowKey<F::A>) -> Option<*const Flow<
     transient::find::<F>(key).map(|hp| unsafe { &raw const (*hp).fwd })
 }
 
-/// Where a translated error's parts are: its ICMP header (`l4_off`), the quoted L4 header (`il4_off`, TCP or UDP),
-/// the end of the message.
+/// Where a translated error's parts are — its ICMP header (`l4_off`), the quoted L4 header (`il4_off`, TCP or
+/// UDP), the end of the message — and its way out.
 pub(crate) struct Quote {
     pub l4_off: usize,
     pub il4_off: usize,
     pub end: usize,
     pub udp: bool,
+    pub out: Out,
 }
 
 /// The part of a translation both families share, once the addresses are rewritten: the quoted ports, the quoted
 /// L4 checksum (if the error quoted that far) by the inner addresses' delta `d_iaddr` and the ports', the ICMP
 /// checksum by all of that and `d_other` (IPv4: the inner header checksum's change; IPv6: the outer addresses',
-/// which its pseudo-header covers), the MACs and the counters.
+/// which its pseudo-header covers), the MACs and the counters; the verdict sends it out by `q.out`.
 ///
 /// # Safety
 /// `eth` and `ports` must point into the bounds-checked frame.
@@ -181,10 +188,9 @@ pub(crate) unsafe fn finish<C: Ctx, A>(
         if let Some(ih) = ptr_at::<C, IcmpHdr>(c, q.l4_off) {
             (*ih).check = csum::apply((*ih).check, d_icmp);
         }
-        (*eth).src = (*eth).dst;
-        (*eth).dst = fl.mac;
+        set_macs(eth, &fl.mac, q.out);
     }
     count(stat::ICMP_TRANSLATED);
     with_service_stats(fl.svc_id, |s| s.icmp_translated += 1);
-    Verdict::Tx
+    send(c, fl.egress, q.out)
 }

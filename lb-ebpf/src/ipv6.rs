@@ -19,7 +19,7 @@ use crate::{
     klog,
     lb::pick_backend,
     maps::{count, FLOWS_V6, NEW_FLOW_HANDOFF, SCRATCH_V6, SERVICES, VIPS},
-    nat::Target,
+    nat::{egress, Target},
     packet::L4Pkt,
     process::{config, l4, open_handshake, reopen_of},
 };
@@ -196,7 +196,7 @@ pub fn new_flow6<C: Ctx>(c: &C) -> Verdict {
         return Verdict::Pass;
     }
     let reopen = if reopen {
-        FLOWS_V6.get_ptr(&p.key).unwrap_or(core::ptr::null())
+        FLOWS_V6.get_ptr(&p.key).unwrap_or_default()
     } else {
         core::ptr::null()
     };
@@ -210,7 +210,7 @@ pub fn new_flow6<C: Ctx>(c: &C) -> Verdict {
         return Verdict::Drop;
     };
     let t = t as *mut Target<In6>;
-    if let Err(v) = pick_backend_frame(&p, svc, t) {
+    if let Err(v) = pick_backend_frame(&p, svc, t, c.ingress_ifindex()) {
         return v;
     }
     // SAFETY: this CPU's slot (larger than a target, as aligned), written by `pick_backend_frame`.
@@ -232,14 +232,19 @@ fn service_frame(p: &L4Pkt<V6>) -> *const Service {
         proto: p.key.proto,
         family: FAMILY_V6,
     };
-    SERVICES.get_ptr(skey).unwrap_or(core::ptr::null())
+    SERVICES.get_ptr(skey).unwrap_or_default()
 }
 
 /// [`pick_backend`] in a call frame of its own; the target is written to `t` when it returns `Ok`.
 #[inline(never)]
-fn pick_backend_frame(p: &L4Pkt<V6>, svc: &Service, t: *mut Target<In6>) -> Result<(), Verdict> {
+fn pick_backend_frame(
+    p: &L4Pkt<V6>,
+    svc: &Service,
+    t: *mut Target<In6>,
+    ingress: u32,
+) -> Result<(), Verdict> {
     // SAFETY: `t` is the caller's scratch slot, written whole.
-    pick_backend(&config(), p, svc).map(|v| unsafe { t.write(v) })
+    pick_backend(&config(), p, svc, ingress).map(|v| unsafe { t.write(v) })
 }
 
 /// [`open_handshake`] in a call frame of its own.
@@ -369,6 +374,10 @@ fn translate6<C: Ctx>(
         count(stat::PASS_ICMP_UNKNOWN);
         return Verdict::Pass;
     };
+    // SAFETY: a map value, valid under RCU for this program run.
+    let Ok(out) = egress(unsafe { (*fl).egress }) else {
+        return Verdict::Pass;
+    };
     // SAFETY: a map value, valid under RCU for this program run; packet pointers bounds-checked above.
     unsafe {
         let fl = &*fl;
@@ -387,6 +396,7 @@ fn translate6<C: Ctx>(
             il4_off,
             end,
             udp: iproto == PROTO_UDP,
+            out,
         };
         finish(c, eth, ip4, q, fl, d_iaddr, d_outer)
     }

@@ -11,17 +11,19 @@ use crate::{
     family::Family,
     hash::{flow_hash, rem},
     klog,
-    maps::{count, with_service_stats, BACKENDS, MAGLEV, NEXTHOPS, SOURCE_RANGES},
+    maps::{count, with_service_stats, BACKENDS, INTERFACES, MAGLEV, NEXTHOPS, SOURCE_RANGES},
     nat::Target,
     packet::L4Pkt,
 };
 
-/// Source ranges, Maglev, backend and next hop for a new flow of `svc`; the verdict after counting why not.
+/// Source ranges, Maglev, backend and next hop for a new flow of `svc` that came in on interface `ingress`; the
+/// verdict after counting why not.
 #[inline(always)]
 pub fn pick_backend<F: Family>(
     cfg: &Config,
     p: &L4Pkt<F>,
     svc: &Service,
+    ingress: u32,
 ) -> Result<Target<F::A>, Verdict> {
     let key = &p.key;
     if svc.flags & SVC_F_SOURCE_RANGES != 0 {
@@ -67,11 +69,26 @@ pub fn pick_backend<F: Family>(
         with_service_stats(svc.id, |s| s.pass_no_nexthop += 1);
         return Err(Verdict::Pass);
     };
+    // SAFETY: a map value, valid under RCU for this program run.
+    let (nh_egress, nh_ifindex) = unsafe { ((*nh).egress, (*nh).ifindex) };
+    // The backend is reached through another interface than the client came in by: the forward entry
+    // redirects to the next hop's, the reverse one back to the client's (one-armed: both 0, `XDP_TX`).
+    let (egress, reply_egress) = if nh_egress == 0 || nh_ifindex == ingress {
+        (0, 0)
+    } else {
+        // SAFETY: a map value, valid under RCU for this program run.
+        let back = INTERFACES
+            .get_ptr(ingress)
+            .map_or(0, |s| unsafe { *s } as u8);
+        (nh_egress, back)
+    };
     Ok(Target {
         backend_id,
         node: F::from_addr(&backend.addr),
         node_port: backend.port_be,
         mac: unsafe { (*nh).mac },
+        egress,
+        reply_egress,
         snat: F::from_addr(&svc.snat_addr),
         hash,
     })

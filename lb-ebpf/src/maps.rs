@@ -4,11 +4,13 @@
 use aya_ebpf::{
     bindings::BPF_F_MMAPABLE,
     macros::map,
-    maps::{lpm_trie::LpmTrie, Array, HashMap, LruHashMap, PerCpuArray, ProgramArray, RingBuf},
+    maps::{
+        lpm_trie::LpmTrie, Array, DevMap, HashMap, LruHashMap, PerCpuArray, ProgramArray, RingBuf,
+    },
 };
 use lb_common::{
-    defaults, Addr, Backend, Config, FlowKeyV4, FlowKeyV6, FlowV4, FlowV6, NextHop, Service,
-    ServiceKey, ServiceStats, SourceRangeKey, TransientV4, TransientV6,
+    defaults, Addr, Backend, Config, Egress, FlowKeyV4, FlowKeyV6, FlowV4, FlowV6, NextHop,
+    Service, ServiceKey, ServiceStats, SourceRangeKey, TransientV4, TransientV6,
 };
 
 /// (VIP, port, protocol) → service.
@@ -28,6 +30,19 @@ pub static MAGLEV: Array<u32> = Array::with_max_entries(defaults::MAGLEV_SLOTS, 
 /// Backend address → next-hop MAC, kept resolved by user space.
 #[map]
 pub static NEXTHOPS: HashMap<Addr, NextHop> = HashMap::with_max_entries(defaults::MAX_NEXTHOPS, 0);
+
+/// The interfaces a translated frame may leave by other than the one it came in on, by slot (`Flow::egress`,
+/// `NextHop::egress`); slot 0 stays empty.
+#[map]
+pub static EGRESS: Array<Egress> = Array::with_max_entries(lb_common::MAX_INTERFACES, 0);
+
+/// `EGRESS`'s interfaces for `XDP_REDIRECT` (same slots).
+#[map]
+pub static EGRESS_DEVMAP: DevMap = DevMap::with_max_entries(lb_common::MAX_INTERFACES, 0);
+
+/// Interface index → its `EGRESS` slot: where the replies of a flow that came in on it leave.
+#[map]
+pub static INTERFACES: HashMap<u32, u32> = HashMap::with_max_entries(lb_common::MAX_INTERFACES, 0);
 
 /// (service id, client prefix) → allowed.
 #[map]

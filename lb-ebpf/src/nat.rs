@@ -1,13 +1,14 @@
 //! Full NAT: the two entries of a new flow (forward: client → SNAT, VIP → node; reverse: node → VIP, SNAT → client)
 //! and the rewrite of a packet by its entry — MACs, addresses, ports, and the checksums updated incrementally.
 
-use lb_common::{stat, Flow, FlowAddr, Service, FLOW_F_FORWARD, FLOW_F_REVERSE, PROTO_UDP};
+use lb_common::{stat, Egress, Flow, FlowAddr, Service, FLOW_F_FORWARD, FLOW_F_REVERSE, PROTO_UDP};
 
 use crate::{
     csum,
     ctx::{Ctx, Verdict},
     family::Family,
-    maps::{count, with_service_stats},
+    hdr::EthHdr,
+    maps::{count, with_service_stats, EGRESS},
     packet::L4Pkt,
 };
 
@@ -33,6 +34,9 @@ pub struct Target<A> {
     pub node: A,
     pub node_port: u16,
     pub mac: [u8; 6],
+    /// `EGRESS` slot of the forward entry (towards the backend) and of the reverse one (towards the client).
+    pub egress: u8,
+    pub reply_egress: u8,
     pub snat: A,
     /// The flow's hash (also seeds the SNAT port search).
     pub hash: u32,
@@ -73,7 +77,7 @@ impl<A: FlowAddr> Target<A> {
         fl.new_dport = key.sport;
         fl.mac = unsafe { (*p.eth).src };
         fl.flags = FLOW_F_REVERSE;
-        fl._pad = 0;
+        fl.egress = self.reply_egress;
         fl.svc_id = svc.id;
         fl.backend_id = self.backend_id;
         fl.timeout_s = svc.idle_timeout_s;
@@ -115,7 +119,7 @@ impl<A: FlowAddr> Target<A> {
         fl.new_dport = self.node_port;
         fl.mac = self.mac;
         fl.flags = FLOW_F_FORWARD;
-        fl._pad = 0;
+        fl.egress = self.egress;
         fl.svc_id = svc.id;
         fl.backend_id = self.backend_id;
         fl.timeout_s = svc.idle_timeout_s;
@@ -163,12 +167,14 @@ fn fill_forward_frame<F: Family>(
     fl.csum_addr
 }
 
-/// Applies a flow's rewrite to the packet: MACs, addresses, ports, checksums.
+/// Applies a flow's rewrite to the packet: MACs, addresses, ports, checksums; sends it by the entry's egress.
 #[inline(always)]
 pub fn rewrite<C: Ctx, F: Family>(c: &C, p: &L4Pkt<F>, fl: &Flow<F::A>) -> Verdict {
+    let Ok(out) = egress(fl.egress) else {
+        return Verdict::Pass;
+    };
     unsafe {
-        (*p.eth).src = (*p.eth).dst;
-        (*p.eth).dst = fl.mac;
+        set_macs(p.eth, &fl.mac, out);
         F::set_addrs(p.ip, &fl.new_src, &fl.new_dst, fl.csum_addr);
         (*p.ports).sport = fl.new_sport;
         (*p.ports).dport = fl.new_dport;
@@ -187,5 +193,54 @@ pub fn rewrite<C: Ctx, F: Family>(c: &C, p: &L4Pkt<F>, fl: &Flow<F::A>) -> Verdi
         fl.csum_port,
         p.key.proto == PROTO_UDP,
     );
-    Verdict::Tx
+    send(c, fl.egress, out)
+}
+
+/// A frame's way out: the interface it came in on (`None`), or another one.
+pub type Out = Option<&'static Egress>;
+
+/// An egress slot the agent has not filled (counted as a missing next hop: the kernel gets the frame unchanged,
+/// the agent refreshes).
+pub struct NoEgress;
+
+/// The way out of an entry with egress slot `slot`: 0 is the interface the frame came in on.
+#[inline(always)]
+pub fn egress(slot: u8) -> Result<Out, NoEgress> {
+    if slot == 0 {
+        return Ok(None);
+    }
+    match EGRESS.get_ptr(slot as u32) {
+        // SAFETY: a value of the map, valid under RCU for this program run (which is all "static" means here).
+        Some(e) if unsafe { (*e).ifindex } != 0 => Ok(Some(unsafe { &*e })),
+        _ => {
+            count(stat::PASS_NO_NEXTHOP);
+            Err(NoEgress)
+        }
+    }
+}
+
+/// The frame's MACs for its way out: to `dst`, from the egress interface's MAC, or (back out of the interface it
+/// came in on) from the MAC it was sent to.
+///
+/// # Safety
+/// `eth` points to the frame's bounds-checked Ethernet header.
+#[inline(always)]
+pub unsafe fn set_macs(eth: *mut EthHdr, dst: &[u8; 6], out: Out) {
+    // SAFETY: as the function's.
+    unsafe {
+        (*eth).src = match out {
+            None => (*eth).dst,
+            Some(e) => e.mac,
+        };
+        (*eth).dst = *dst;
+    }
+}
+
+/// The verdict that sends a rewritten frame: `Tx`, or a redirect to the egress interface in slot `slot`.
+#[inline(always)]
+pub fn send<C: Ctx>(c: &C, slot: u8, out: Out) -> Verdict {
+    match out {
+        None => Verdict::Tx,
+        Some(e) => c.redirect(slot as u32, e.ifindex),
+    }
 }

@@ -18,7 +18,9 @@ use crate::{
     hdr::*,
     icmp, klog,
     lb::pick_backend,
-    maps::{count, with_service_stats, CONFIG, NEW_FLOW_HANDOFF, SERVICES, VIPS},
+    maps::{
+        count, with_service_stats, CONFIG, EGRESS, INTERFACES, NEW_FLOW_HANDOFF, SERVICES, VIPS,
+    },
     nat::Target,
     packet::{flow_key, L4Pkt},
     syn_guard, transient,
@@ -39,7 +41,10 @@ pub fn process<C: Ctx>(c: &C) -> Verdict {
         return Verdict::Pass;
     }
     let cfg = config();
-    if cfg.flags & CFG_F_CHECK_DST_MAC != 0 && !same_mac(unsafe { &(*eth).dst }, &cfg.local_mac) {
+    if cfg.flags & CFG_F_CHECK_DST_MAC != 0
+        && !same_mac(unsafe { &(*eth).dst }, &cfg.local_mac)
+        && !interface_mac(c.ingress_ifindex(), unsafe { &(*eth).dst })
+    {
         // Another replica's frame, flooded by the segment: forwarding it too would duplicate it.
         count(stat::PASS_OTHER_HOST);
         return Verdict::Pass;
@@ -262,7 +267,7 @@ pub(crate) fn new_flow<C: Ctx, F: Family>(
     reopen: *const Flow<F::A>,
     now: u64,
 ) -> Verdict {
-    match pick_backend(cfg, p, svc) {
+    match pick_backend(cfg, p, svc, c.ingress_ifindex()) {
         Ok(t) => open_flow(c, cfg, p, svc, &t, reopen, now),
         Err(v) => v,
     }
@@ -312,6 +317,20 @@ pub(crate) fn open_handshake<C: Ctx, F: Family>(
 #[inline(always)]
 pub(crate) fn reopen_of<A>(p: *const Flow<A>) -> Option<*const Flow<A>> {
     (!p.is_null()).then_some(p)
+}
+
+/// Whether `mac` is the MAC of interface `ifindex`, one the agent forwards on other than the one carrying the VIP
+/// (whose frames, replies from backends, are addressed to it).
+#[inline(always)]
+fn interface_mac(ifindex: u32, mac: &[u8; 6]) -> bool {
+    let Some(slot) = INTERFACES.get_ptr(ifindex) else {
+        return false;
+    };
+    // SAFETY: map values, valid under RCU for this program run.
+    match EGRESS.get_ptr(unsafe { *slot }) {
+        Some(e) => same_mac(unsafe { &(*e).mac }, mac),
+        None => false,
+    }
 }
 
 /// Byte-wise MAC comparison without `memcmp` (not available to BPF programs).

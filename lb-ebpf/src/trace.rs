@@ -123,6 +123,7 @@ fn after<C: Ctx>(c: &C, e: *mut TraceEvent, v: Verdict) -> bool {
             Verdict::Pass => 1,
             Verdict::Drop => 2,
             Verdict::Tx => 3,
+            Verdict::Redirect => 4,
             Verdict::Ipv6 | Verdict::NewFlow => 1,
         };
         let n = (*e).hdr_len as usize;

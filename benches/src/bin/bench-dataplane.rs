@@ -192,6 +192,7 @@ fn load(obj: &[u8], sizes: &MapSizes) -> Result<Dataplane> {
                 &ip_to_addr(node),
                 &NextHop {
                     mac: node_mac(i + 1),
+                    egress: 0,
                     _pad: 0,
                     ifindex: 0,
                 },

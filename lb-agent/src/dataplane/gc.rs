@@ -6,7 +6,7 @@ use crate::dataplane::programmer::addr_to_ip;
 use crate::dataplane::Maps;
 use anyhow::Result;
 use lb_common::{
-    Addr, Flow, FlowAddr, FlowEvent, FlowEventV4, FlowEventV6, FlowKey, FlowKeyV4, FlowV4,
+    Addr, Flow, FlowAddr, FlowEvent, FlowEventV4, FlowEventV6, FlowKey, FlowKeyV4, FlowV4, NextHop,
     Transient, FAMILY_V4, FLOW_EV_REFRESH, FLOW_F_FORWARD, FLOW_F_SYNCED,
 };
 use std::collections::{BTreeSet, HashMap, HashSet};
@@ -198,18 +198,19 @@ fn flush_udp<A: FlowAddr>(
     Ok(gone.len() as u64 / 2)
 }
 
-/// Points the forward entries of connections to a backend whose next hop changed at its new MAC (`changed`:
-/// backend address → MAC), in one family's flow table; returns the entries rewritten, which the caller marks
-/// in the flow filter.
+/// Points the forward entries of connections to a backend whose next hop changed at its new MAC and egress
+/// interface (`changed`: backend address → next hop), in one family's flow table; returns the entries rewritten,
+/// which the caller marks in the flow filter. The reverse entries keep the interface their client came in by.
 pub fn retarget<A: FlowAddr>(
     table: &mut Table<FlowKey<A>, Flow<A>>,
-    changed: &HashMap<Addr, [u8; 6]>,
+    changed: &HashMap<Addr, NextHop>,
 ) -> Result<Vec<FlowKey<A>>> {
     let mut written = Vec::new();
     for (k, mut f) in table.entries()? {
         if f.flags & FLOW_F_FORWARD != 0 {
-            if let Some(mac) = changed.get(&f.new_dst.to_addr()) {
-                f.mac = *mac;
+            if let Some(nh) = changed.get(&f.new_dst.to_addr()) {
+                f.mac = nh.mac;
+                f.egress = nh.egress;
                 table.insert(&k, &f)?;
                 written.push(k);
             }

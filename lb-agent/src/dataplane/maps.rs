@@ -12,13 +12,14 @@ use super::mapped::MappedArray;
 use anyhow::{anyhow, bail, Context, Result};
 use aya::maps::{
     lpm_trie::{Key as LpmKey, LpmTrie},
-    Array, HashMap, IterableMap, Map, MapData, MapError, PerCpuArray, PerCpuValues, RingBuf,
+    Array, DevMap, HashMap, IterableMap, Map, MapData, MapError, PerCpuArray, PerCpuValues,
+    RingBuf,
 };
 use aya::Pod;
 use lb_common::{
-    map_names as names, Addr, Backend, Config, Flow, FlowAddr, FlowKey, FlowKeyV4, FlowKeyV6,
-    FlowV4, FlowV6, In6, NextHop, Service, ServiceKey, ServiceStats, SourceRangeKey, Transient,
-    TransientV4, TransientV6,
+    map_names as names, Addr, Backend, Config, Egress, Flow, FlowAddr, FlowKey, FlowKeyV4,
+    FlowKeyV6, FlowV4, FlowV6, In6, NextHop, Service, ServiceKey, ServiceStats, SourceRangeKey,
+    Transient, TransientV4, TransientV6,
 };
 
 /// A map opened from aya's untyped [`Map`], checked against the type it is declared with.
@@ -59,6 +60,12 @@ maps! {
     maglev: Maglev = MAGLEV,
     /// Next hops (MACs) of backend addresses.
     nexthops: Table<Addr, NextHop> = NEXTHOPS,
+    /// The interfaces frames may leave by other than the one they came in on, by slot (see [`Maps::set_egress`]).
+    egress: Slots<Egress> = EGRESS,
+    /// `egress`'s interfaces for the XDP programs' redirects.
+    egress_devmap: DevMap<MapData> = EGRESS_DEVMAP,
+    /// Interface index → its `egress` slot.
+    interfaces: Table<u32, u32> = INTERFACES,
     /// Allowed client prefixes per service.
     source_ranges: SourceRanges = SOURCE_RANGES,
     /// Every address that carries a service (fragment policy).
@@ -138,6 +145,30 @@ family_maps!(u32: flows, transient, handshakes, flow_events = FLOW_EVENTS);
 family_maps!(In6: flows_v6, transient_v6, handshakes_v6, flow_events_v6 = FLOW_EVENTS_V6);
 
 impl Maps {
+    /// Puts interface `ifindex` with MAC `mac` into egress slot `slot` (1..`lb_common::MAX_INTERFACES`): the
+    /// device map first, then the MAC, then the index, so that a program that finds the slot's entry finds all
+    /// of it.
+    pub fn set_egress(&mut self, slot: u32, ifindex: u32, mac: [u8; 6]) -> Result<()> {
+        if slot == 0 || slot >= lb_common::MAX_INTERFACES {
+            bail!(
+                "egress slot {slot} out of range (1..{})",
+                lb_common::MAX_INTERFACES
+            );
+        }
+        self.egress_devmap
+            .set(slot, ifindex, None, 0)
+            .with_context(|| format!("{}[{slot}] = interface {ifindex}", names::EGRESS_DEVMAP))?;
+        self.egress.set(
+            slot,
+            &Egress {
+                ifindex,
+                mac,
+                _pad: 0,
+            },
+        )?;
+        self.interfaces.insert(&ifindex, &slot)
+    }
+
     /// Writes a flow entry of either family (tests, next-hop changes), marked in the flow filter.
     pub fn set_flow<A: FamilyMaps>(&mut self, key: &FlowKey<A>, v: &Flow<A>) -> Result<()> {
         A::flows_mut(self).insert(key, v)?;
@@ -456,6 +487,12 @@ impl Maglev {
                 .with_context(|| format!("Maglev table [{offset}, +{len}) is outside the arena"));
         }
         (offset..offset + len).map(|i| self.slots.get(i)).collect()
+    }
+}
+
+impl Open for DevMap<MapData> {
+    fn open(name: &'static str, map: Map) -> Result<Self> {
+        DevMap::try_from(map).with_context(|| format!("{name} is not a device map"))
     }
 }
 

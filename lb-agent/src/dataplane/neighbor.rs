@@ -108,6 +108,22 @@ fn provoke_resolution(ip: IpAddr, dev: &str) {
     }
 }
 
+/// An interface's index and MAC, from sysfs.
+pub fn interface(name: &str) -> Result<(u32, [u8; 6])> {
+    let dir = std::path::Path::new("/sys/class/net").join(name);
+    let read = |f: &str| {
+        std::fs::read_to_string(dir.join(f))
+            .map(|s| s.trim().to_string())
+            .with_context(|| format!("interface {name}: reading {}", dir.join(f).display()))
+    };
+    let ifindex = read("ifindex")?
+        .parse()
+        .with_context(|| format!("interface {name}: its index"))?;
+    let address = read("address")?;
+    let mac = parse_mac(&address).with_context(|| format!("interface {name}: MAC {address}"))?;
+    Ok((ifindex, mac))
+}
+
 /// Parses `aa:bb:cc:dd:ee:ff`.
 pub fn parse_mac(s: &str) -> Option<[u8; 6]> {
     let mut mac = [0u8; 6];

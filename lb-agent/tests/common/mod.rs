@@ -52,6 +52,8 @@ pub enum Verdict {
     Pass,
     Drop,
     Tx,
+    /// XDP's redirect to another interface (TC's redirect is one action for both: `Tx`).
+    Redirect,
     Other(u32),
 }
 
@@ -170,6 +172,7 @@ impl<F: Fam> Harness<F> {
                     &ip_to_addr(IpAddr::V4(node(i))),
                     &NextHop {
                         mac: node_mac(i),
+                        egress: 0,
                         _pad: 0,
                         ifindex: 0,
                     },
@@ -208,6 +211,7 @@ impl<F: Fam> Harness<F> {
                     &ip_to_addr(IpAddr::V6(node6(i))),
                     &NextHop {
                         mac: node_mac(i),
+                        egress: 0,
                         _pad: 0,
                         ifindex: 0,
                     },
@@ -338,6 +342,7 @@ impl<F: Fam> Harness<F> {
             (Hook::Xdp, 1) | (Hook::Tc, 2) => Verdict::Drop,
             (Hook::Xdp, 2) | (Hook::Tc, 0) => Verdict::Pass,
             (Hook::Xdp, 3) | (Hook::Tc, 7) => Verdict::Tx,
+            (Hook::Xdp, 4) => Verdict::Redirect,
             (_, n) => Verdict::Other(n),
         };
         out.truncate(size as usize);

@@ -424,7 +424,7 @@ impl Gen {
             new_dport,
             mac,
             flags: flags | FLOW_F_SYNCED,
-            _pad: 0,
+            egress: 0,
             svc_id: svc.id,
             backend_id: u32::MAX,
             timeout_s: svc.idle_timeout_s,

@@ -311,8 +311,8 @@ fn apply(
                 common::Verdict::Pass => model::Verdict::Pass,
                 common::Verdict::Drop => model::Verdict::Drop,
                 common::Verdict::Tx => model::Verdict::Tx,
-                common::Verdict::Other(n) => {
-                    return Err(Fault::Differs(format!("program returned {n}")))
+                common::Verdict::Redirect | common::Verdict::Other(_) => {
+                    return Err(Fault::Differs(format!("program returned {verdict:?}")))
                 }
             };
             m.step(

@@ -16,12 +16,12 @@
 //!   version u8 | kind u8 | reserved u16 = 0 | payload length u32 | sequence u64         (16 bytes)
 //!   payload | HMAC-SHA256(direction key, header || payload)                            (32 bytes)
 //!   sequence numbers start at 0 in each direction and grow by one per frame
-//! payloads: Records = count u32 | count × (family u8 = 4 | IPv4 record, 96 bytes
-//!                                         or family u8 = 6 | IPv6 record, 168 bytes);
+//! payloads: Records = count u32 | count × (family u8 = 4 | IPv4 record, 98 bytes
+//!                                         or family u8 = 6 | IPv6 record, 170 bytes);
 //!           DumpDone = records in the dump u64; Ack = sequence of the last applied Records frame u64;
 //!           Heartbeat = empty
 //! record:   kind u8 | key: src, dst, sport, dport, proto | forward entry | reverse entry | age_ms u32
-//! entry:    new_src, new_dst, new_sport, new_dport, mac [6], flags u8, svc_id, backend_id, timeout_s,
+//! entry:    new_src, new_dst, new_sport, new_dport, mac [6], flags u8, egress u8, svc_id, backend_id, timeout_s,
 //!           csum_addr, csum_port (u32 LE each); addresses are 4 (IPv4) or 16 (IPv6) bytes
 //! ```
 
@@ -37,8 +37,9 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 type HmacSha256 = Hmac<Sha256>;
 
 /// Protocol version spoken by this build; a peer with another one is rejected during the handshake. Version 2
-/// added IPv6 records (each record names its family).
-pub const VERSION: u8 = 2;
+/// added IPv6 records (each record names its family); version 3 the entries' egress interface slot (replicas
+/// configured with the same interfaces in the same order share the slots).
+pub const VERSION: u8 = 3;
 /// First bytes of every handshake message.
 pub const MAGIC: [u8; 4] = *b"LBSY";
 /// Length of an HMAC-SHA256 tag.
@@ -68,10 +69,10 @@ pub const RECORDS_PER_FRAME: usize = (MAX_PAYLOAD - 4) / RECORD_LEN_V6;
 /// (their `last_seen_ns` and padding are not sent), age.
 const fn record_len(addr: usize) -> usize {
     let key = 2 * addr + 5;
-    let flow = 2 * addr + 4 + 6 + 1 + 20;
+    let flow = 2 * addr + 4 + 6 + 1 + 1 + 20;
     1 + key + 2 * flow + 4
 }
-const _: () = assert!(RECORD_LEN_V4 == 1 + 96 && RECORD_LEN_V6 == 1 + 168);
+const _: () = assert!(RECORD_LEN_V4 == 1 + 98 && RECORD_LEN_V6 == 1 + 170);
 
 const MSG_HELLO: u8 = 1;
 const MSG_CHALLENGE: u8 = 2;
@@ -317,6 +318,7 @@ fn put_flow<A: WireAddr>(f: &Flow<A>, out: &mut Vec<u8>) {
     out.extend_from_slice(&f.new_dport.to_ne_bytes());
     out.extend_from_slice(&f.mac);
     out.push(f.flags);
+    out.push(f.egress);
     out.extend_from_slice(&f.svc_id.to_le_bytes());
     out.extend_from_slice(&f.backend_id.to_le_bytes());
     out.extend_from_slice(&f.timeout_s.to_le_bytes());
@@ -353,7 +355,7 @@ impl Rd<'_> {
             new_dport: self.ne16(),
             mac: self.take(),
             flags: self.u8(),
-            _pad: 0,
+            egress: self.u8(),
             svc_id: self.le32(),
             backend_id: self.le32(),
             timeout_s: self.le32(),
@@ -650,7 +652,7 @@ mod tests {
                 new_dport: 30080u16.to_be(),
                 mac: [2, 3, 4, 5, 6, 7],
                 flags: FLOW_F_FORWARD | FLOW_F_FIN,
-                _pad: 0,
+                egress: 2,
                 svc_id: 7,
                 backend_id: 0x0102_0304,
                 timeout_s: 3600,
@@ -693,7 +695,7 @@ mod tests {
             new_dport: f.new_dport,
             mac: f.mac,
             flags: f.flags,
-            _pad: 0,
+            egress: f.egress,
             svc_id: f.svc_id,
             backend_id: f.backend_id,
             timeout_s: f.timeout_s,
@@ -738,7 +740,7 @@ mod tests {
         assert_eq!(payload[4], FAMILY_V4);
         assert_eq!(&payload[6..10], &[10, 0, 0, 1]);
         assert_eq!(&payload[14..16], &40000u16.to_be_bytes());
-        assert_eq!(&payload[4 + 93..4 + 97], &123_456u32.to_le_bytes());
+        assert_eq!(&payload[4 + 95..4 + 99], &123_456u32.to_le_bytes());
         let v6 = 4 + 2 * RECORD_LEN_V4;
         assert_eq!(payload[v6], FAMILY_V6);
         assert_eq!(&payload[v6 + 2..v6 + 6], &[0x20, 0x01, 0x0d, 0xb8]);
@@ -751,7 +753,6 @@ mod tests {
         e.fwd.last_seen_ns = 99;
         e._pad = [1; 7];
         e.key._pad = [1; 3];
-        e.fwd._pad = 1;
         let a = FlowRecord {
             event: SyncEvent::V4(e),
             ..sample()

@@ -158,6 +158,7 @@ fn decision(e: &TraceEvent, t0: u64) -> Decision {
         1 => "pass",
         2 => "drop",
         3 => "tx",
+        4 => "redirect",
         _ => "?",
     };
     Decision {
@@ -165,7 +166,7 @@ fn decision(e: &TraceEvent, t0: u64) -> Decision {
         len: e.len,
         before: headers(&e.before[..n]),
         verdict,
-        after: (e.verdict == 3).then(|| headers(&e.after[..n])),
+        after: matches!(e.verdict, 3 | 4).then(|| headers(&e.after[..n])),
         reasons,
     }
 }
