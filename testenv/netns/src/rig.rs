@@ -123,7 +123,7 @@ pub struct Rig {
     agent: Option<ChildGuard>,
     /// The API server forwarded into the lb namespace (Kubernetes mode).
     api_forward: Option<Forward>,
-    xdp_pass: Option<ChildGuard>,
+    xdp_pass: Vec<ChildGuard>,
     dir: PathBuf,
     pin_dir: PathBuf,
 }
@@ -165,7 +165,7 @@ impl Rig {
             echo: BTreeMap::new(),
             agent: None,
             api_forward: None,
-            xdp_pass: None,
+            xdp_pass: Vec::new(),
             dir,
             pin_dir,
         };
@@ -235,10 +235,14 @@ impl Rig {
 
     /// Starts the agent (pinning its state in a per-rig bpffs directory) and waits for `/readyz`.
     pub fn start_agent(&mut self) -> Result<()> {
+        // The client's interface first (it carries the VIP), then the backends' in a routed topology.
+        let interfaces: Vec<&str> = std::iter::once(self.topo.ifname(Host::Lb))
+            .chain(self.topo.backend_side(Host::Lb).map(|b| b.ifname.as_str()))
+            .collect();
         let mut argv: Vec<String> = vec![
             self.cfg.agent_bin.display().to_string(),
             "--interface".into(),
-            self.topo.ifname(Host::Lb).into(),
+            interfaces.join(","),
             "--attach-mode".into(),
             self.cfg.attach_mode.clone(),
             "--pin-dir".into(),
@@ -418,13 +422,16 @@ impl Rig {
         spawn_hold(&self.topo, &self.dir, args)
     }
 
-    /// Attaches `xdp_pass` to the bridge side of the lb's veth (veth needs it for `XDP_TX`).
+    /// Attaches `xdp_pass` to the bridge side of the lb's veths (a veth needs it to receive `XDP_TX` and
+    /// `XDP_REDIRECT` frames).
     fn attach_xdp_pass(&mut self) -> Result<()> {
-        self.xdp_pass = Some(attach_xdp_pass(
-            &self.topo,
-            &self.cfg.xdp_pass_obj,
-            Host::Lb,
-        )?);
+        let obj = &self.cfg.xdp_pass_obj;
+        self.xdp_pass
+            .push(attach_xdp_pass(&self.topo, obj, Host::Lb)?);
+        if let Some(b) = self.topo.backend_side(Host::Lb) {
+            self.xdp_pass
+                .push(xdp_pass_on_port(&self.topo, obj, &b.switch_port)?);
+        }
         Ok(())
     }
 }
@@ -545,6 +552,11 @@ pub fn spawn_hold(topo: &Topology, dir: &Path, args: &[&str]) -> Result<Hold> {
 
 /// Attaches `xdp_pass` to the bridge side of `host`'s veth (a veth needs it to receive `XDP_TX` frames).
 pub fn attach_xdp_pass(topo: &Topology, obj: &Path, host: Host) -> Result<ChildGuard> {
+    xdp_pass_on_port(topo, obj, topo.switch_port(host))
+}
+
+/// Attaches `xdp_pass` to bridge port `port` in the switch namespace.
+fn xdp_pass_on_port(topo: &Topology, obj: &Path, port: &str) -> Result<ChildGuard> {
     let bin = crate::binary_path()?;
     let argv = vec![
         "ip".to_string(),
@@ -556,7 +568,7 @@ pub fn attach_xdp_pass(topo: &Topology, obj: &Path, host: Host) -> Result<ChildG
         "--object".into(),
         obj.display().to_string(),
         "--iface".into(),
-        topo.switch_port(host).to_string(),
+        port.to_string(),
     ];
     let mut c = ChildGuard::spawn(&argv, "xdp-pass@switch")?;
     c.wait_for_stdout("attached", Duration::from_secs(10))?;
@@ -570,7 +582,7 @@ impl Drop for Rig {
         }
         self.api_forward.take();
         self.echo.clear();
-        self.xdp_pass.take();
+        self.xdp_pass.clear();
         let _ = std::fs::remove_dir_all(&self.pin_dir);
         let _ = std::fs::remove_dir_all(&self.dir);
     }

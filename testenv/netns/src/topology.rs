@@ -35,6 +35,12 @@ pub const DEFAULT_PREFIX: &str = "lbt";
 /// Name of the bridge inside the switch namespace.
 pub const BRIDGE: &str = "br0";
 
+/// The backends' bridge of a routed topology ([`TopologyConfig::routed`]).
+pub const BACKEND_BRIDGE: &str = "br1";
+
+/// The load balancer's interface on the backends' segment of a routed topology.
+pub const BACKEND_IFNAME: &str = "eth1";
+
 /// Per-process counter making names unique between topologies of one process (parallel tests).
 static TOPOLOGY_COUNTER: AtomicU32 = AtomicU32::new(0);
 
@@ -116,6 +122,11 @@ pub struct TopologyConfig {
     /// counters and make "exactly N dropped" assertions flaky. With it on, every host also gets an IPv6 address
     /// ([`TopologyConfig::ip6`], a /64 without duplicate-address detection), and router solicitations are off.
     pub ipv6: bool,
+    /// Backends on a segment of their own: the next /24 ([`TopologyConfig::backend_subnet`], bridge
+    /// [`BACKEND_BRIDGE`]), which the load balancer reaches by a second interface ([`BACKEND_IFNAME`], `.2`
+    /// there) and through which the backends route everything else, as behind a router: the client's segment
+    /// never sees them. IPv4 only, one load balancer.
+    pub routed: bool,
 }
 
 impl Default for TopologyConfig {
@@ -130,6 +141,7 @@ impl Default for TopologyConfig {
             tune_client: true,
             lb_replicas: 1,
             ipv6: false,
+            routed: false,
         }
     }
 }
@@ -138,7 +150,19 @@ impl TopologyConfig {
     /// The address `host` will have: known before the topology exists, for objects that name it (a
     /// LoadBalancer's endpoints).
     pub fn ip(&self, host: Host) -> Ipv4Addr {
-        self.addr(host.octet())
+        match host {
+            Host::Backend(_) if self.routed => {
+                let o = self.backend_subnet().octets();
+                Ipv4Addr::new(o[0], o[1], o[2], host.octet())
+            }
+            _ => self.addr(host.octet()),
+        }
+    }
+
+    /// The backends' segment of a routed topology: the /24 after `subnet`.
+    pub fn backend_subnet(&self) -> Ipv4Addr {
+        let o = self.subnet.octets();
+        Ipv4Addr::new(o[0], o[1], o[2] + 1, 0)
     }
 
     /// An address in the /24 by last octet (see [`Topology::addr`]).
@@ -185,6 +209,21 @@ pub struct HostInfo {
     /// Deterministic MAC address of `ifname`: `02:00:` + the four bytes of `ip`.
     pub mac: [u8; 6],
     /// Name of the peer interface (bridge port) in the switch namespace.
+    pub switch_port: String,
+    /// The load balancer's interface on the backends' segment of a routed topology.
+    pub backend_side: Option<Side>,
+}
+
+/// A second interface of a host, on another segment.
+#[derive(Debug, Clone)]
+pub struct Side {
+    /// Interface name inside the namespace.
+    pub ifname: String,
+    /// Its address (/24).
+    pub ip: Ipv4Addr,
+    /// Its MAC (`02:00:` + the four bytes of `ip`).
+    pub mac: [u8; 6],
+    /// Its bridge port in the switch namespace.
     pub switch_port: String,
 }
 
@@ -241,6 +280,9 @@ impl Topology {
         if cfg.lb_replicas == 0 || cfg.lb_replicas > 5 {
             bail!("lb_replicas must be in 1..=5, got {}", cfg.lb_replicas);
         }
+        if cfg.routed && (cfg.lb_replicas > 1 || cfg.ipv6) {
+            bail!("a routed topology has one load balancer and IPv4 only");
+        }
         let mut all = vec![Host::Client, Host::Lb];
         all.extend((2..=cfg.lb_replicas).map(Host::LbReplica));
         all.extend((1..=cfg.backends).map(Host::Backend));
@@ -257,6 +299,15 @@ impl Topology {
                     ip6: cfg.ipv6.then(|| cfg.ip6(h)),
                     mac: [0x02, 0x00, o[0], o[1], o[2], o[3]],
                     switch_port: h.switch_port(),
+                    backend_side: (cfg.routed && h == Host::Lb).then(|| {
+                        let b = cfg.backend_subnet().octets();
+                        Side {
+                            ifname: BACKEND_IFNAME.into(),
+                            ip: Ipv4Addr::new(b[0], b[1], b[2], h.octet()),
+                            mac: [0x02, 0x00, b[0], b[1], b[2], h.octet()],
+                            switch_port: format!("{}-b", h.switch_port()),
+                        }
+                    }),
                 };
                 (h, info)
             })
@@ -277,24 +328,32 @@ impl Topology {
         let sw = self.switch_ns.clone();
         self.add_netns(&sw)?;
         self.prepare_netns(&sw, cfg)?;
-        // STP off and no forward delay: ports forward immediately. Multicast snooping off: nothing to learn here.
-        run_cmd([
-            "ip",
-            "-n",
-            &sw,
-            "link",
-            "add",
-            BRIDGE,
-            "type",
-            "bridge",
-            "stp_state",
-            "0",
-            "forward_delay",
-            "0",
-            "mcast_snooping",
-            "0",
-        ])?;
-        run_cmd(["ip", "-n", &sw, "link", "set", BRIDGE, "up"])?;
+        let bridges: &[&str] = if cfg.routed {
+            &[BRIDGE, BACKEND_BRIDGE]
+        } else {
+            &[BRIDGE]
+        };
+        for bridge in bridges {
+            // STP off and no forward delay: ports forward immediately. Multicast snooping off: nothing to learn
+            // here.
+            run_cmd([
+                "ip",
+                "-n",
+                &sw,
+                "link",
+                "add",
+                bridge,
+                "type",
+                "bridge",
+                "stp_state",
+                "0",
+                "forward_delay",
+                "0",
+                "mcast_snooping",
+                "0",
+            ])?;
+            run_cmd(["ip", "-n", &sw, "link", "set", bridge, "up"])?;
+        }
         // When br_netfilter is loaded (it is on many hosts, e.g. for Docker), a bridge hands IPv4 frames to
         // netfilter and first *validates* them: bad IHL, total length or header checksum are dropped on the
         // switch. A switch must be dumb, or malformed-frame tests never reach the load balancer and its
@@ -318,73 +377,37 @@ impl Topology {
             self.add_netns(&h.netns)?;
             let ns = h.netns.as_str();
             self.prepare_netns(ns, cfg)?;
-            let o = h.ip.octets();
-            let port_mac = mac_string(&[0x06, 0x00, o[0], o[1], o[2], o[3]]);
-            run_cmd([
-                "ip",
-                "-n",
-                &sw,
-                "link",
-                "add",
-                &h.switch_port,
-                "address",
-                &port_mac,
-                "type",
-                "veth",
-                "peer",
-                "name",
-                &h.ifname,
-                "address",
-                &mac_string(&h.mac),
-                "netns",
-                ns,
-            ])?;
-            run_cmd([
-                "ip",
-                "-n",
-                &sw,
-                "link",
-                "set",
-                &h.switch_port,
-                "master",
-                BRIDGE,
-            ])?;
-            run_cmd(["ip", "-n", &sw, "link", "set", &h.switch_port, "up"])?;
-            run_cmd([
-                "ip",
-                "-n",
-                ns,
-                "addr",
-                "add",
-                &format!("{}/24", h.ip),
-                "dev",
-                &h.ifname,
-            ])?;
-            if let Some(ip6) = h.ip6 {
+            let bridge = match h.host {
+                Host::Backend(_) if cfg.routed => BACKEND_BRIDGE,
+                _ => BRIDGE,
+            };
+            let side = Side {
+                ifname: h.ifname.clone(),
+                ip: h.ip,
+                mac: h.mac,
+                switch_port: h.switch_port.clone(),
+            };
+            self.plug(ns, &side, h.ip6, bridge, cfg)?;
+            if let Some(b) = &h.backend_side {
+                self.plug(ns, b, None, BACKEND_BRIDGE, cfg)?;
+            }
+        }
+        if cfg.routed {
+            // The backends reach everything beyond their segment (the client, the VIP) through the load
+            // balancer's interface there.
+            let gw = self.info(Host::Lb).backend_side.as_ref().map(|b| b.ip);
+            let gw = gw.context("a routed topology's load balancer has a backend side")?;
+            for h in infos.iter().filter(|h| matches!(h.host, Host::Backend(_))) {
                 run_cmd([
                     "ip",
                     "-n",
-                    ns,
-                    "-6",
-                    "addr",
+                    &h.netns,
+                    "route",
                     "add",
-                    &format!("{ip6}/64"),
-                    "dev",
-                    &h.ifname,
-                    "nodad",
+                    "default",
+                    "via",
+                    &gw.to_string(),
                 ])?;
-            }
-            run_cmd(["ip", "-n", ns, "link", "set", &h.ifname, "up"])?;
-            // Without this the kernel leaves checksums to "hardware" that a veth never has: frames would carry
-            // partial checksums, and the load balancer's incremental checksum rewrite would produce garbage
-            // that only works because the receiver trusts CHECKSUM_PARTIAL. Full checksums, like a real wire.
-            let mut features = vec!["tx", "off"];
-            if let Some(gro) = cfg.host_gro {
-                features.extend(["gro", on_off(gro)]);
-            }
-            self.ethtool(ns, &h.ifname, &features)?;
-            if let Some(gro) = cfg.switch_port_gro {
-                self.ethtool(&sw, &h.switch_port, &["gro", on_off(gro)])?;
             }
         }
         if cfg.tune_client {
@@ -400,6 +423,88 @@ impl Topology {
                 "net.ipv4.ip_local_port_range=1024 65535",
                 "net.ipv4.tcp_tw_reuse=1",
             ])?;
+        }
+        Ok(())
+    }
+
+    /// Connects interface `side` of namespace `ns` to `bridge` by a veth pair, with its address(es), full
+    /// checksums and the configured GRO.
+    fn plug(
+        &self,
+        ns: &str,
+        side: &Side,
+        ip6: Option<Ipv6Addr>,
+        bridge: &str,
+        cfg: &TopologyConfig,
+    ) -> Result<()> {
+        let sw = self.switch_ns.as_str();
+        let o = side.ip.octets();
+        let port_mac = mac_string(&[0x06, 0x00, o[0], o[1], o[2], o[3]]);
+        run_cmd([
+            "ip",
+            "-n",
+            sw,
+            "link",
+            "add",
+            &side.switch_port,
+            "address",
+            &port_mac,
+            "type",
+            "veth",
+            "peer",
+            "name",
+            &side.ifname,
+            "address",
+            &mac_string(&side.mac),
+            "netns",
+            ns,
+        ])?;
+        run_cmd([
+            "ip",
+            "-n",
+            sw,
+            "link",
+            "set",
+            &side.switch_port,
+            "master",
+            bridge,
+        ])?;
+        run_cmd(["ip", "-n", sw, "link", "set", &side.switch_port, "up"])?;
+        run_cmd([
+            "ip",
+            "-n",
+            ns,
+            "addr",
+            "add",
+            &format!("{}/24", side.ip),
+            "dev",
+            &side.ifname,
+        ])?;
+        if let Some(ip6) = ip6 {
+            run_cmd([
+                "ip",
+                "-n",
+                ns,
+                "-6",
+                "addr",
+                "add",
+                &format!("{ip6}/64"),
+                "dev",
+                &side.ifname,
+                "nodad",
+            ])?;
+        }
+        run_cmd(["ip", "-n", ns, "link", "set", &side.ifname, "up"])?;
+        // Without this the kernel leaves checksums to "hardware" that a veth never has: frames would carry
+        // partial checksums, and the load balancer's incremental checksum rewrite would produce garbage that only
+        // works because the receiver trusts CHECKSUM_PARTIAL. Full checksums, like a real wire.
+        let mut features = vec!["tx", "off"];
+        if let Some(gro) = cfg.host_gro {
+            features.extend(["gro", on_off(gro)]);
+        }
+        self.ethtool(ns, &side.ifname, &features)?;
+        if let Some(gro) = cfg.switch_port_gro {
+            self.ethtool(sw, &side.switch_port, &["gro", on_off(gro)])?;
         }
         Ok(())
     }
@@ -519,6 +624,11 @@ impl Topology {
     /// MAC of `host`'s interface.
     pub fn mac(&self, host: Host) -> [u8; 6] {
         self.info(host).mac
+    }
+
+    /// `host`'s interface on the backends' segment of a routed topology.
+    pub fn backend_side(&self, host: Host) -> Option<&Side> {
+        self.info(host).backend_side.as_ref()
     }
 
     /// An address in the segment's /24 by last octet (e.g. `addr(100)` for the conventional VIP).

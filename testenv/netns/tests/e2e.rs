@@ -155,6 +155,53 @@ fn dual_stack_tcp_and_udp_through_tc() {
     check_dual_stack("tc");
 }
 
+/// A routed topology: the client on one segment, the backends on another behind the load balancer's second
+/// interface (their only way out). Every flow crosses from one interface to the other and its replies back:
+/// 1000 verified TCP connections and 1000 UDP flows, spread over the backends.
+fn check_routed(mode: &str) {
+    let r = rig(|c| {
+        c.attach_mode = mode.into();
+        c.topology.routed = true;
+    });
+    let (tcp, udp) = targets(&r);
+    let rep = r
+        .load(&[
+            "--tcp",
+            &tcp,
+            "--connections",
+            "1000",
+            "--payload",
+            "512",
+            "--udp",
+            &udp,
+            "--udp-flows",
+            "1000",
+        ])
+        .unwrap();
+    assert_spread(&rep, 1000, 1000, &["backend-1", "backend-2", "backend-3"]);
+    assert_eq!(
+        r.metric("lb_dataplane_packets_total", "reason=\"pass_no_nexthop\"")
+            .unwrap_or(0.0),
+        0.0,
+        "every backend's next hop resolved, on the backends' interface"
+    );
+}
+
+#[test]
+fn routed_tcp_and_udp_through_native_xdp() {
+    check_routed("xdp-native");
+}
+
+#[test]
+fn routed_tcp_and_udp_through_generic_xdp() {
+    check_routed("xdp-generic");
+}
+
+#[test]
+fn routed_tcp_and_udp_through_tc() {
+    check_routed("tc");
+}
+
 #[test]
 fn source_ranges_allow_and_deny_tcp_and_udp() {
     let r = rig(|c| c.options = "  loadBalancerSourceRanges: [10.200.0.10/32]\n".into());
