@@ -128,6 +128,8 @@ struct Agent {
     /// Backend addresses with a next hop in the map; only they go into tables.
     /// Next-hop keys in the map (the 16-byte form: its keys carry no family).
     resolved: HashSet<lb_common::Addr>,
+    /// The interfaces the data plane is attached to, with the hook on each.
+    attached: Vec<(String, AttachMode)>,
     last_gc: Instant,
     last_nh: Instant,
 }
@@ -172,7 +174,7 @@ impl Agent {
                 "adopted the previous agent's services; flows keep running"
             );
         }
-        let mut mode = opts.attach_mode;
+        let mut attached = Vec::new();
         for (i, iface) in opts.interfaces().enumerate() {
             // Slot 1 upwards in the order given: replicas configured alike share the slots (flow sync carries
             // them).
@@ -180,16 +182,17 @@ impl Agent {
             dp.maps.set_egress(i as u32 + 1, ifindex, mac)?;
             let used = dp.attach(iface, opts.attach_mode)?;
             tracing::info!(interface = %iface, mode = ?used, "data plane attached");
-            if i == 0 {
-                mode = used;
-            } else if used != mode {
-                tracing::warn!(interface = %iface, mode = ?used, first = ?mode,
-                    "attached in another mode than the first interface");
+            if let Some((first, mode)) = attached.first() {
+                if used != *mode {
+                    tracing::warn!(interface = %iface, mode = ?used, %first, first_mode = ?mode,
+                        "attached in another mode than the first interface");
+                }
             }
+            attached.push((iface.clone(), used));
         }
         status_tx.send_modify(|s| {
             s.dataplane_ready = true;
-            s.attached = Some(mode);
+            s.attached = attached.clone();
         });
         let (hc, health_rx) = HealthChecker::new()?;
         let resolved = resolved_nexthops(&dp)?;
@@ -212,6 +215,7 @@ impl Agent {
             last_no_nexthop: 0,
             udp_down: BTreeSet::new(),
             resolved,
+            attached,
             last_gc: Instant::now(),
             last_nh,
         })
@@ -577,6 +581,11 @@ impl Agent {
             config_generation: self.applied_generation.unwrap_or(0),
             config_errors: self.errors,
             ready: self.applied > 0,
+            interfaces: self
+                .attached
+                .iter()
+                .map(|(i, m)| (i.clone(), m.describe()))
+                .collect(),
             ha,
         };
     }

@@ -60,6 +60,8 @@ pub struct Snapshot {
     pub config_errors: u64,
     /// The data plane is attached and the first configuration is applied.
     pub ready: bool,
+    /// The interfaces the data plane is attached to, with the hook on each.
+    pub interfaces: Vec<(String, &'static str)>,
     /// VRRP and flow sync, when enabled.
     pub ha: Option<crate::ha::HaSnapshot>,
 }
@@ -536,6 +538,22 @@ impl Collector for SnapshotCollector {
             "lb_config_generation",
             "Generation of the configuration in the maps.",
             &[(vec![], s.config_generation)],
+        )?;
+        let interfaces: Vec<_> = s
+            .interfaces
+            .iter()
+            .map(|(i, m)| {
+                (
+                    vec![("interface", i.clone()), ("hook", m.to_string())],
+                    1u64,
+                )
+            })
+            .collect();
+        gauge(
+            &mut enc,
+            "lb_interface_attached",
+            "1 for each interface the data plane is attached to, with its hook.",
+            &interfaces,
         )?;
         let host: Vec<_> = s
             .host

@@ -6,8 +6,8 @@
 pub struct AgentStatus {
     /// The data plane is loaded and attached.
     pub dataplane_ready: bool,
-    /// The hook it is attached at (for the status message), once attached.
-    pub attached: Option<crate::dataplane::AttachMode>,
+    /// The interfaces it is attached to and the hook on each (for the status message), once attached.
+    pub attached: Vec<(String, crate::dataplane::AttachMode)>,
     /// The latest config was invalid (message), or `None`.
     pub config_error: Option<String>,
     /// Generation of the latest input seen from the source.

@@ -185,6 +185,14 @@ fn check_routed(mode: &str) {
         0.0,
         "every backend's next hop resolved, on the backends' interface"
     );
+    for iface in ["eth0", "eth1"] {
+        assert_eq!(
+            r.metric("lb_interface_attached", &format!("interface=\"{iface}\""))
+                .unwrap(),
+            1.0,
+            "{iface} attached"
+        );
+    }
 }
 
 #[test]

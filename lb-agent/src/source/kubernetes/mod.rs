@@ -219,7 +219,7 @@ mod test_support {
             desired_generation: Some(generation),
             applied_generation: Some(generation),
             vrrp: None,
-            attached: Some(crate::dataplane::AttachMode::Tc),
+            attached: vec![("eth0".into(), crate::dataplane::AttachMode::Tc)],
             source_stale: None,
         }
     }

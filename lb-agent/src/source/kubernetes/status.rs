@@ -137,9 +137,17 @@ fn truths(s: &AgentStatus, ctx: &Context) -> Vec<Truth> {
             "waiting for the LoadBalancer and its status.portIP (VIP)".to_string(),
         ),
     };
-    let ready_msg = match (s.dataplane_ready, s.attached) {
-        (true, Some(mode)) => format!("the data plane is attached ({})", mode.describe()),
-        (true, None) => "the data plane is attached".to_string(),
+    let ready_msg = match (s.dataplane_ready, s.attached.as_slice()) {
+        (true, []) => "the data plane is attached".to_string(),
+        // One interface, as yawol's machines have: the hook alone.
+        (true, [(_, mode)]) => format!("the data plane is attached ({})", mode.describe()),
+        (true, all) => {
+            let each: Vec<String> = all
+                .iter()
+                .map(|(i, m)| format!("{i}: {}", m.describe()))
+                .collect();
+            format!("the data plane is attached ({})", each.join(", "))
+        }
         (false, _) => "the data plane is not attached".to_string(),
     };
     let up_to_date = s.up_to_date();
@@ -546,6 +554,19 @@ mod tests {
             Some("the data plane is attached (TC (tcx))")
         );
         assert_eq!(find(&c, cond::DATAPLANE_UP_TO_DATE).status, cond::TRUE);
+        // On more interfaces, each with its hook.
+        let two = AgentStatus {
+            attached: vec![
+                ("eth0".into(), crate::dataplane::AttachMode::XdpNative),
+                ("eth1".into(), crate::dataplane::AttachMode::XdpGeneric),
+            ],
+            ..running(3)
+        };
+        let c = conditions(&[], &two, &Context::default(), &t(0));
+        assert_eq!(
+            find(&c, cond::DATAPLANE_READY).message.as_deref(),
+            Some("the data plane is attached (eth0: XDP, eth1: generic XDP)")
+        );
         let stale = AgentStatus {
             source_stale: Some(
                 "the LoadBalancer watch is not in sync with the API server (watch stream failed)"
