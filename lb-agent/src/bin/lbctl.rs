@@ -61,8 +61,9 @@ enum Cmd {
         interval: f64,
     },
     /// Live per-packet decisions: headers before and after, verdict, and the counters each packet moved (the
-    /// reason of a drop or pass, a new flow, a handshake). The traced program is swapped onto the agent's link
-    /// while this runs; the fast one goes back when it ends, however it ends (Ctrl-C, a kill, an error).
+    /// reason of a drop or pass, a new flow, a handshake). The traced program is swapped onto the agent's links
+    /// (every interface it forwards on) while this runs; the fast one goes back when it ends, however it ends
+    /// (Ctrl-C, a kill, an error).
     Trace {
         /// Only packets from or to this address (a client, a node; IPv4 or IPv6).
         #[arg(long)]
@@ -77,7 +78,8 @@ enum Cmd {
         #[arg(long)]
         count: Option<u64>,
     },
-    /// The program attached on the agent's pinned link (the fast one, or the traced one while a trace runs).
+    /// The program attached on each of the agent's pinned links (the fast one, or the traced one while a trace
+    /// runs).
     Program,
 }
 
@@ -114,12 +116,24 @@ fn main() -> Result<()> {
         }
         Cmd::Program => {
             let dp = Dataplane::open_pinned(&pin)?;
-            let (link, _) = dp.pinned_link()?;
-            let name = dataplane::pinned_link_program(&link)?;
-            if cli.json {
-                return print_json(&serde_json::json!({ "link": link, "program": name }));
+            let (links, _) = dp.pinned_links()?;
+            let mut each = Vec::new();
+            for link in &links {
+                each.push((link, dataplane::pinned_link_program(link)?));
             }
-            println!("{name} on {}", link.display());
+            if cli.json {
+                // `link` and `program`: the first interface's (what a one-armed machine has).
+                let all: Vec<_> = each
+                    .iter()
+                    .map(|(l, p)| serde_json::json!({ "link": l, "program": p }))
+                    .collect();
+                return print_json(&serde_json::json!({
+                    "link": each[0].0, "program": each[0].1, "links": all
+                }));
+            }
+            for (link, name) in &each {
+                println!("{name} on {}", link.display());
+            }
             return Ok(());
         }
         _ => {}

@@ -364,15 +364,22 @@ impl Dataplane {
         }
     }
 
-    /// The link this data plane's agent pinned (under the pin directory), and whether it is a TC one.
-    pub fn pinned_link(&self) -> Result<(PathBuf, bool)> {
+    /// The links this data plane's agent pinned (under the pin directory: one per interface), and whether they
+    /// are TC ones.
+    pub fn pinned_links(&self) -> Result<(Vec<PathBuf>, bool)> {
         let dir = self.pin_dir.as_ref().context("not pinned")?;
         for tag in ["xdp", "tc"] {
-            for entry in std::fs::read_dir(dir)?.filter_map(|e| e.ok()) {
-                let name = entry.file_name().to_string_lossy().to_string();
-                if name.starts_with("link-") && name.ends_with(&format!("-{tag}")) {
-                    return Ok((entry.path(), tag == "tc"));
-                }
+            let mut links: Vec<PathBuf> = std::fs::read_dir(dir)?
+                .filter_map(|e| e.ok())
+                .filter(|e| {
+                    let name = e.file_name().to_string_lossy().to_string();
+                    name.starts_with("link-") && name.ends_with(&format!("-{tag}"))
+                })
+                .map(|e| e.path())
+                .collect();
+            if !links.is_empty() {
+                links.sort();
+                return Ok((links, tag == "tc"));
             }
         }
         bail!(

@@ -733,6 +733,94 @@ fn attached_program(r: &Rig) -> String {
     v["program"].as_str().unwrap().to_string()
 }
 
+/// The program on each of the agent's pinned links, one per interface (`lbctl program`).
+fn attached_programs(r: &Rig) -> Vec<String> {
+    let out = r
+        .topo
+        .exec(Host::Lb, lbctl_argv(r, &["program", "--json"]))
+        .unwrap();
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    v["links"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|l| l["program"].as_str().unwrap().to_string())
+        .collect()
+}
+
+/// `lbctl trace` on a machine with two interfaces: the traced program goes on both, so a connection's SYN
+/// (in by the client's interface) and its SYN-ACK (in by the backends') are both shown, each redirected to the
+/// other interface; afterwards the fast program is back on both.
+#[test]
+fn lbctl_trace_follows_flows_across_both_interfaces() {
+    let r = rig(|c| {
+        c.attach_mode = "xdp-native".into();
+        c.topology.routed = true;
+    });
+    let (tcp, _) = targets(&r);
+    assert_eq!(attached_programs(&r), ["lb_xdp", "lb_xdp"]);
+    let client = r.topo.ip(Host::Client).to_string();
+    let mut trace = r
+        .topo
+        .spawn(
+            Host::Lb,
+            lbctl_argv(
+                &r,
+                &["trace", "--json", "--addr", &client, "--seconds", "6"],
+            ),
+        )
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while attached_programs(&r) != ["lb_xdp_trace", "lb_xdp_trace"] {
+        if trace.try_wait().unwrap().is_some() || Instant::now() > deadline {
+            panic!("the trace did not start on both links: {}", trace.stderr());
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let rep = r.load(&["--tcp", &tcp, "--connections", "5"]).unwrap();
+    assert_eq!(rep.tcp.as_ref().unwrap().ok, 5);
+    let out = trace.finish(Duration::from_secs(20)).unwrap();
+    let decisions = trace_decisions(&out.stdout);
+    let syns = with_reason(&decisions, "new_handshakes");
+    assert_eq!(syns.len(), 5, "{}", out.stdout);
+    assert!(
+        syns.iter().all(|d| d["verdict"] == "redirect"),
+        "{}",
+        out.stdout
+    );
+    let backends = format!("{}.", {
+        let o = r.topo.ip(Host::Backend(1)).octets();
+        format!("{}.{}.{}", o[0], o[1], o[2])
+    });
+    let replies: Vec<_> = decisions
+        .iter()
+        .filter(|d| {
+            d["before"]["src"]
+                .as_str()
+                .unwrap_or("")
+                .starts_with(&backends)
+        })
+        .collect();
+    assert!(
+        replies.len() >= 5,
+        "the backends' replies, in by the second interface: {}",
+        out.stdout
+    );
+    assert!(
+        replies.iter().all(|d| d["verdict"] == "redirect"),
+        "{}",
+        out.stdout
+    );
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while attached_programs(&r) != ["lb_xdp", "lb_xdp"] {
+        assert!(
+            Instant::now() < deadline,
+            "the fast program is not back on both links"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
 /// `lbctl trace`: a client's packets with their decisions — a SYN opening a handshake towards a node,
 /// a malformed frame dropped with its reason — while the traced program is on the agent's link; afterwards the
 /// fast program is back, also when the trace was killed with SIGKILL.

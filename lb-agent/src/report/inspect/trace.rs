@@ -13,7 +13,7 @@ use aya::maps::{Array, RingBuf};
 use lb_common::{map_names, stat, TraceEvent, TraceFilter};
 use serde::Serialize;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 /// A packet's headers as the trace shows them.
@@ -51,7 +51,8 @@ pub fn run(
 ) -> Result<()> {
     let sizes = dataplane::pinned_sizes(pin)?;
     let mut dp = Dataplane::load(&sizes, Some(pin))?;
-    let (link, tc) = dp.pinned_link()?;
+    // Every interface the agent is attached to: a flow's replies may come in by another one.
+    let (links, tc) = dp.pinned_links()?;
     let (fast, traced) = if tc {
         (TC_PROGRAM, TC_TRACE_PROGRAM)
     } else {
@@ -78,11 +79,14 @@ pub fn run(
         ebpf.take_map(map_names::TRACE_EVENTS)
             .ok_or_else(|| anyhow!("TRACE_EVENTS missing from the object"))?,
     )?;
-    guard(&mut dp, &link, fast, tc)?;
-    dp.swap_pinned_link(traced, &link, tc)?;
+    guard(&mut dp, &links, fast, tc)?;
+    for link in &links {
+        dp.swap_pinned_link(traced, link, tc)?;
+    }
+    let on: Vec<String> = links.iter().map(|l| l.display().to_string()).collect();
     eprintln!(
         "tracing on {} ({traced} until this ends, then {fast} again)",
-        link.display()
+        on.join(", ")
     );
     let start = Instant::now();
     let mut first_ns = None;
@@ -113,9 +117,9 @@ pub fn run(
     }
 }
 
-/// Forks the guard that puts `fast` back on `link` once this process is gone (the read end of a pipe whose write
+/// Forks the guard that puts `fast` back on `links` once this process is gone (the read end of a pipe whose write
 /// end only this process holds returns end-of-file then).
-fn guard(dp: &mut Dataplane, link: &Path, fast: &str, tc: bool) -> Result<()> {
+fn guard(dp: &mut Dataplane, links: &[PathBuf], fast: &str, tc: bool) -> Result<()> {
     let mut fds = [0i32; 2];
     // SAFETY: plain syscalls on owned descriptors; the child only reads, swaps and exits.
     unsafe {
@@ -131,13 +135,16 @@ fn guard(dp: &mut Dataplane, link: &Path, fast: &str, tc: bool) -> Result<()> {
                 libc::setsid();
                 let mut b = [0u8; 1];
                 while libc::read(fds[0], b.as_mut_ptr().cast(), 1) > 0 {}
-                let code = match dp.swap_pinned_link(fast, link, tc) {
-                    Ok(()) => 0,
-                    Err(e) => {
-                        eprintln!("lbctl trace guard: putting {fast} back failed: {e:#}");
-                        1
+                let mut code = 0;
+                for link in links {
+                    if let Err(e) = dp.swap_pinned_link(fast, link, tc) {
+                        eprintln!(
+                            "lbctl trace guard: putting {fast} back on {} failed: {e:#}",
+                            link.display()
+                        );
+                        code = 1;
                     }
-                };
+                }
                 libc::_exit(code)
             }
             _ => {
