@@ -68,7 +68,7 @@ fn main() -> anyhow::Result<()> {
         loadbalancer: a.loadbalancer,
         machine: a.machine,
         vip: a.vip,
-        interface: a.interface,
+        interfaces: vec![a.interface],
         ntp_servers: a.ntp_servers,
         debug_ssh: a.debug_ssh,
         ha: a.vrrp_router_id.map(|router_id| HaSettings {

@@ -63,7 +63,7 @@ fn machine_spec(env: &TestEnv, lb: &LoadBalancer, name: &str) -> MachineSpec {
         loadbalancer: lb.metadata.name.clone().unwrap(),
         machine: name.into(),
         vip: st.port_ip.clone().unwrap_or_default(),
-        interface: "eth0".into(),
+        interfaces: vec!["eth0".into()],
         ntp_servers: vec!["pool.ntp.org".into()],
         debug_ssh: false,
         ..Default::default()

@@ -42,8 +42,9 @@ pub struct UserDataParams {
     pub machine: String,
     /// The VIP (for information in the env file; the agent reads the LoadBalancer status).
     pub vip: String,
-    /// Interface carrying the VIP.
-    pub interface: String,
+    /// The interfaces the agent forwards on: the one carrying the VIP first, then one per additional network
+    /// (see `machine::interfaces`).
+    pub interfaces: Vec<String>,
     /// NTP servers/pools.
     pub ntp_servers: Vec<String>,
     /// Start sshd (debug settings).
@@ -81,7 +82,7 @@ pub fn agent_args(p: &UserDataParams) -> Vec<String> {
         format!("--loadbalancer-name={}", p.loadbalancer),
         format!("--loadbalancer-machine-name={}", p.machine),
         format!("--kubeconfig={KUBECONFIG_PATH}"),
-        format!("--interface={}", p.interface),
+        format!("--interface={}", p.interfaces.join(",")),
     ];
     if let Some(ha) = &p.ha {
         args.extend(ha_args(ha));
@@ -186,7 +187,7 @@ mod tests {
             loadbalancer: "default--web".into(),
             machine: "default--web-abc12-x1y2z".into(),
             vip: "198.51.100.10".into(),
-            interface: "eth0".into(),
+            interfaces: vec!["eth0".into()],
             ntp_servers: vec!["pool.ntp.org".into(), "10.0.0.5".into()],
             debug_ssh: false,
             ha: Some(HaSettings {
@@ -219,6 +220,19 @@ mod tests {
 
     fn perms<'a>(doc: &'a Value, path: &str) -> Option<&'a str> {
         entry(doc, path)?["permissions"].as_str()
+    }
+
+    #[test]
+    fn a_machine_with_additional_networks_forwards_on_their_interfaces_too() {
+        use crate::openstack::machine::interfaces;
+        assert_eq!(interfaces("eth0", 0), ["eth0"]);
+        assert_eq!(interfaces("eth0", 2), ["eth0", "eth1", "eth2"]);
+        assert_eq!(interfaces("ens3", 1), ["ens3", "ens4"]);
+        let p = UserDataParams {
+            interfaces: interfaces("eth0", 1),
+            ..params()
+        };
+        assert!(agent_args(&p).contains(&"--interface=eth0,eth1".to_string()));
     }
 
     #[test]

@@ -581,7 +581,10 @@ async fn user_data<F: CloudFactory>(
         loadbalancer: lb.name_any(),
         machine: names.machine.clone(),
         vip: vip.to_string(),
-        interface: ctx.config.interface.clone(),
+        interfaces: interfaces(
+            &ctx.config.interface,
+            lbm.spec.infrastructure.additional_networks().len(),
+        ),
         ntp_servers: ctx.config.ntp_servers.clone(),
         debug_ssh: lb.spec.debug_settings().enabled,
         ha: Some(ha),
@@ -591,6 +594,19 @@ async fn user_data<F: CloudFactory>(
             .cloned(),
     };
     Ok(Ok(cloudinit::user_data(&params)))
+}
+
+/// The interfaces of a machine with `additional` networks besides its default one, whose interface is `primary`:
+/// Nova attaches the additional networks' ports after the default one, in order, and the guest names them by
+/// the same scheme with the trailing number counted up (`eth0`, `eth1`, …; `ens3`, `ens4`, … on predictable
+/// names). The agent forwards on all of them, so a backend reachable only through an additional network is
+/// served.
+pub fn interfaces(primary: &str, additional: usize) -> Vec<String> {
+    let stem = primary.trim_end_matches(|c: char| c.is_ascii_digit());
+    let first: usize = primary[stem.len()..].parse().unwrap_or(0);
+    std::iter::once(primary.to_string())
+        .chain((1..=additional).map(|i| format!("{stem}{}", first + i)))
+        .collect()
 }
 
 /// Server-side applies the four RBAC objects of a machine.
