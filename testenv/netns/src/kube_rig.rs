@@ -128,7 +128,7 @@ impl KubeRig {
                 loadbalancer: LB.into(),
                 machine: MACHINE.into(),
                 vip: vip.to_string(),
-                interface,
+                interfaces: vec![interface],
                 ..UserDataParams::default()
             };
             let kubeconfig = cloudinit::kubeconfig(&params);
