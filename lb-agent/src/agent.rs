@@ -393,7 +393,7 @@ impl Agent {
         let ips: BTreeSet<IpAddr> = cfg.backends().iter().map(|b| b.ip()).collect();
         let existing: HashMap<lb_common::Addr, NextHop> =
             maps.nexthops.entries()?.into_iter().collect();
-        let mut changed: HashMap<lb_common::Addr, NextHop> = HashMap::new();
+        let mut changed: HashMap<lb_common::Addr, gc::NewNextHop> = HashMap::new();
         let deadline = Instant::now() + wait;
         let mut pending: BTreeSet<IpAddr> = if only_new {
             ips.iter()
@@ -432,9 +432,16 @@ impl Agent {
                                     tracing::warn!(backend = %ip, dev = %r.dev, interface = %self.opts.interface,
                                         "backend is routed via an interface the agent does not forward on (add it with --interface); frames to it leave by the first one");
                                 }
-                                if old.is_some() {
+                                if let Some(old) = old {
                                     tracing::info!(backend = %ip, dev = %r.dev, "next hop changed (MAC or interface)");
-                                    changed.insert(addr, nh);
+                                    let moved = old.egress != nh.egress;
+                                    changed.insert(
+                                        addr,
+                                        gc::NewNextHop {
+                                            mac: nh.mac,
+                                            egress: moved.then_some(nh.egress),
+                                        },
+                                    );
                                 }
                                 maps.nexthops.insert(&addr, &nh)?;
                             }

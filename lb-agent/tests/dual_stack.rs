@@ -283,13 +283,11 @@ fn udp_flush_and_next_hop_changes_reach_ipv6_flows() {
     write(&mut dp, &tcp);
 
     let mac = [2, 0, 0, 0, 0, 0x11];
-    let nh = lb_common::NextHop {
+    let nh = gc::NewNextHop {
         mac,
-        egress: 2,
-        ..Default::default()
+        egress: Some(2),
     };
-    let changed: HashMap<Addr, lb_common::NextHop> =
-        [(ip_to_addr(NODE.parse().unwrap()), nh)].into();
+    let changed: HashMap<Addr, gc::NewNextHop> = [(ip_to_addr(NODE.parse().unwrap()), nh)].into();
     let written = gc::retarget(&mut dp.maps.flows_v6, &changed).unwrap();
     assert_eq!(written.len(), 2, "the forward entries of both connections");
     let fwd = dp.maps.flows_v6.get(&tcp[0].0).unwrap().unwrap();

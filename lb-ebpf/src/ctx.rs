@@ -98,7 +98,8 @@ impl Ctx for Xdp<'_> {
     }
     #[inline(always)]
     fn redirect(&self, slot: u32, _ifindex: u32) -> Verdict {
-        // Through the device map: the kernel bulks the frames of one NAPI poll per device.
+        // Through the device map: the kernel bulks the frames of one NAPI poll per device. The agent fills a
+        // slot's device-map entry before its `EGRESS` entry, so a frame that got here finds it.
         match EGRESS_DEVMAP.redirect(slot, 0) {
             Ok(_) => Verdict::Redirect,
             Err(_) => Verdict::Pass,

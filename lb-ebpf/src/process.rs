@@ -319,8 +319,8 @@ pub(crate) fn reopen_of<A>(p: *const Flow<A>) -> Option<*const Flow<A>> {
     (!p.is_null()).then_some(p)
 }
 
-/// Whether `mac` is the MAC of interface `ifindex`, one the agent forwards on other than the one carrying the VIP
-/// (whose frames, replies from backends, are addressed to it).
+/// Whether `mac` is the MAC of interface `ifindex`, one the agent forwards on: a backend's reply on another
+/// segment than the VIP's is addressed to it, not to the VIP's MAC.
 #[inline(always)]
 fn interface_mac(ifindex: u32, mac: &[u8; 6]) -> bool {
     let Some(slot) = INTERFACES.get_ptr(ifindex) else {

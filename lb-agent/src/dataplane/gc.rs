@@ -6,7 +6,7 @@ use crate::dataplane::programmer::addr_to_ip;
 use crate::dataplane::Maps;
 use anyhow::Result;
 use lb_common::{
-    Addr, Flow, FlowAddr, FlowEvent, FlowEventV4, FlowEventV6, FlowKey, FlowKeyV4, FlowV4, NextHop,
+    Addr, Flow, FlowAddr, FlowEvent, FlowEventV4, FlowEventV6, FlowKey, FlowKeyV4, FlowV4,
     Transient, FAMILY_V4, FLOW_EV_REFRESH, FLOW_F_FORWARD, FLOW_F_SYNCED,
 };
 use std::collections::{BTreeSet, HashMap, HashSet};
@@ -198,19 +198,30 @@ fn flush_udp<A: FlowAddr>(
     Ok(gone.len() as u64 / 2)
 }
 
-/// Points the forward entries of connections to a backend whose next hop changed at its new MAC and egress
-/// interface (`changed`: backend address → next hop), in one family's flow table; returns the entries rewritten,
-/// which the caller marks in the flow filter. The reverse entries keep the interface their client came in by.
+/// A backend's next hop that changed: its new MAC, and its new egress slot when its interface changed too.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct NewNextHop {
+    pub mac: [u8; 6],
+    pub egress: Option<u8>,
+}
+
+/// Points the forward entries of connections to a backend whose next hop changed at its new MAC, and at its new
+/// interface when that changed (`changed`: backend address → next hop), in one family's flow table; returns the
+/// entries rewritten, which the caller marks in the flow filter. An entry whose interface did not change keeps
+/// its slot (0 where client and backend share the interface: `XDP_TX`); the reverse entries keep the interface
+/// their client came in by.
 pub fn retarget<A: FlowAddr>(
     table: &mut Table<FlowKey<A>, Flow<A>>,
-    changed: &HashMap<Addr, NextHop>,
+    changed: &HashMap<Addr, NewNextHop>,
 ) -> Result<Vec<FlowKey<A>>> {
     let mut written = Vec::new();
     for (k, mut f) in table.entries()? {
         if f.flags & FLOW_F_FORWARD != 0 {
             if let Some(nh) = changed.get(&f.new_dst.to_addr()) {
                 f.mac = nh.mac;
-                f.egress = nh.egress;
+                if let Some(egress) = nh.egress {
+                    f.egress = egress;
+                }
                 table.insert(&k, &f)?;
                 written.push(k);
             }

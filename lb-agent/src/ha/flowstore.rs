@@ -271,11 +271,11 @@ impl BpfFlowStore {
         let rkey = ev.fwd.partner_key(key.proto);
         let mut fwd = ev.fwd;
         let mut rev = ev.rev;
-        // This machine's way to the backend; the reply side's interface slot is the peer's (replicas forward on
-        // the same interfaces, in the same order).
+        // This machine's MAC of the backend's next hop. The interface slots stay the peer's: replicas forward on
+        // the same interfaces in the same order, so the peer's choice (0 where client and backend share one) is
+        // this machine's too.
         if let Some(nh) = self.nexthop(sh, &fwd.new_dst.to_addr())? {
             fwd.mac = nh.mac;
-            fwd.egress = nh.egress;
         }
         for e in [&mut fwd, &mut rev] {
             e.svc_id = svc.id;
