@@ -19,8 +19,9 @@ const fn pkg(name: &'static str, provides: &'static [&'static str]) -> Pkg {
 /// Debian packages the network-namespace tests and the demo use: `ip` (iproute2) and `ethtool` (to turn
 /// off TX checksum offload on test veths, so frames carry real checksums as on a wire), and `keepalived` (VRRP
 /// of the HA tests, supervised by the agent as on the load-balancer VMs), and `etcd` (etcd-server: the store of
-/// the real kube-apiserver the Kubernetes-side tests start, see `kube-testenv`), and for the frontend-node test
-/// nginx with its stream module (API-server-like HTTPS and UDP backends), openssl (their CAs) and curl (the client).
+/// the real kube-apiserver the Kubernetes-side tests start, see `kube-testenv`); for the frontend-node test nginx
+/// with its stream module (API-server-like HTTPS and UDP backends), openssl (their CAs) and curl (the client); for
+/// the routing test BIRD 2 (BGP between the load balancer and its backends).
 pub const NETNS_PACKAGES: &[Pkg] = &[
     pkg("iproute2", &["ip"]),
     pkg("ethtool", &["ethtool"]),
@@ -33,6 +34,7 @@ pub const NETNS_PACKAGES: &[Pkg] = &[
     ),
     pkg("openssl", &["openssl"]),
     pkg("curl", &["curl"]),
+    pkg("bird2", &["/usr/sbin/bird", "/usr/sbin/birdc"]),
 ];
 
 /// Debian packages the parser fuzzing uses: a C++ compiler, for libFuzzer itself (`libfuzzer-sys` builds it from
