@@ -190,6 +190,14 @@ impl Agent {
             }
             attached.push((iface.clone(), used));
         }
+        if attached.len() > 1 && attached.iter().any(|(_, m)| *m == AttachMode::XdpGeneric) {
+            // Measured: bulk TCP across interfaces stops (bench connections --routed, generic XDP 0 Gbit/s).
+            tracing::warn!(
+                "generic XDP cannot redirect GRO/TSO super-packets to another interface (they exceed its MTU and \
+                 the kernel drops them): bulk transfers across interfaces stall; use --attach-mode tc or native \
+                 XDP, or turn GRO off on these interfaces"
+            );
+        }
         status_tx.send_modify(|s| {
             s.dataplane_ready = true;
             s.attached = attached.clone();

