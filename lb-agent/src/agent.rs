@@ -442,7 +442,9 @@ impl Agent {
                                 }
                                 if let Some(old) = old {
                                     tracing::info!(backend = %ip, dev = %r.dev, "next hop changed (MAC or interface)");
-                                    let moved = old.egress != nh.egress;
+                                    // An entry without an interface index was written by an agent before
+                                    // multi-interface forwarding: its flows' slots stay (0: `XDP_TX`).
+                                    let moved = old.ifindex != 0 && old.egress != nh.egress;
                                     changed.insert(
                                         addr,
                                         gc::NewNextHop {
