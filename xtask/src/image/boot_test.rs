@@ -70,9 +70,9 @@ const YAWOL_LOKI_URL: &str = "http://loki.example:3100/loki/api/v1/push";
 /// Which firmware to boot with.
 #[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum Firmware {
-    /// SeaBIOS (GRUB from the BIOS boot partition).
+    /// SeaBIOS (GRUB from the BIOS boot partition); lb-controller's user data from a NoCloud seed.
     Bios,
-    /// OVMF (GRUB from the EFI system partition).
+    /// OVMF (GRUB from the EFI system partition); lb-controller's user data from the metadata service.
     Uefi,
     /// One boot each.
     Both,
