@@ -1156,7 +1156,13 @@ fn judge(
                 "; the guest never asked the metadata service (no datasource gave it the user data)"
                     .into()
             }
-            Some(r) => format!("; the guest asked the metadata service: {r:?}"),
+            Some(r) => {
+                let user_data = r
+                    .iter()
+                    .find(|q| q.contains("/user-data "))
+                    .map_or("never asked for", String::as_str);
+                format!("; the user data from the metadata service: {user_data}; all its requests: {r:?}")
+            }
             None => String::new(),
         };
         j.fails.push(format!(
