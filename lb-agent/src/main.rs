@@ -180,6 +180,11 @@ struct Cli {
     /// Log filter when RUST_LOG is not set (error, warn, info, debug, trace, or tracing's directives).
     #[arg(long, env = "LB_LOG_LEVEL", default_value = "info")]
     log_level: String,
+    /// Load every program of the data plane into this kernel — the fast ones, `lbctl trace`'s, XDP and TC, IPv4 and
+    /// IPv6 — print the kernel's verdict on each and exit (1 if it refused any). Attaches nothing and leaves a
+    /// running agent alone: a preflight for a new kernel.
+    #[arg(long, exclusive = true)]
+    check_programs: bool,
     /// Kubernetes mode: the user whose authorized_keys takes the key of the LoadBalancer's ad-hoc debug
     /// annotations (yawol's `adHocDebug`, `adHocDebugSSHKey`), sshd started meanwhile; empty: not acted on.
     #[arg(long, env = "LB_AD_HOC_DEBUG_USER", default_value = debug::DEFAULT_USER)]
@@ -320,6 +325,50 @@ fn parse_ports(s: &str) -> Result<(u16, u16)> {
     Ok((a, b))
 }
 
+/// `--check-programs`: a line per program of the object, then a summary; an error naming the refused ones.
+fn check_programs() -> Result<()> {
+    let kernel = std::fs::read_to_string("/proc/sys/kernel/osrelease")
+        .map(|k| k.trim().to_string())
+        .unwrap_or_else(|_| "?".into());
+    let checks = lb_agent::dataplane::check_programs()?;
+    for c in &checks {
+        let verdict = if c.refused.is_some() {
+            "REFUSED"
+        } else {
+            "accepted"
+        };
+        println!("{:<20} {:<3} {verdict}", c.name, c.hook);
+    }
+    let refused: Vec<_> = checks.iter().filter(|c| c.refused.is_some()).collect();
+    for c in &refused {
+        // A verifier log runs to thousands of lines; what failed is at its end.
+        let text = c.refused.as_deref().unwrap_or("");
+        let lines: Vec<&str> = text.lines().collect();
+        let shown = if lines.len() > 40 {
+            format!(
+                "{}\n… ({} lines of the verifier log left out)\n{}",
+                lines[0],
+                lines.len() - 31,
+                lines[lines.len() - 30..].join("\n")
+            )
+        } else {
+            text.to_string()
+        };
+        println!("\n{} ({}): {shown}", c.name, c.hook);
+    }
+    if !refused.is_empty() {
+        let names: Vec<&str> = refused.iter().map(|c| c.name.as_str()).collect();
+        bail!(
+            "kernel {kernel} refused {} of {} programs: {}",
+            refused.len(),
+            checks.len(),
+            names.join(", ")
+        );
+    }
+    println!("kernel {kernel} accepts all {} programs", checks.len());
+    Ok(())
+}
+
 /// The command line to parse: the process's own, or — started as `yawollet` — lb-agent's arguments for yawollet's
 /// flags and yawol's keepalived.conf, with that translation (its notes and what yawollet does differently).
 fn command_line() -> Result<(Vec<OsString>, Option<yawollet::Translation>)> {
@@ -356,7 +405,16 @@ fn command_line() -> Result<(Vec<OsString>, Option<yawollet::Translation>)> {
 #[tokio::main]
 async fn main() -> Result<()> {
     let (argv, as_yawollet) = command_line()?;
+    // Before clap: alone, the flag would leave the required --interface without a value (clap's derive fails then);
+    // with anything else, clap refuses it as exclusive.
+    if argv.len() == 2 && argv[1] == "--check-programs" {
+        return check_programs();
+    }
     let cli = Cli::parse_from(&argv);
+    debug_assert!(
+        !cli.check_programs,
+        "alone it returned above; with others clap refuses it"
+    );
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .or_else(|_| tracing_subscriber::EnvFilter::try_new(&cli.log_level))
         .with_context(|| format!("--log-level {:?}", cli.log_level))?;

@@ -1705,3 +1705,23 @@ fn verified_instruction_counts() {
         );
     }
 }
+
+/// `lb-agent --check-programs`: every program of the object — exactly those the agent knows by name — loaded and
+/// accepted by this kernel's verifier.
+#[test]
+fn check_programs_loads_every_program_of_the_object() {
+    use lb_agent::dataplane::{check_programs, PROGRAMS, V6_PROGRAMS};
+    let checks = check_programs().expect("loading the data plane (root needed)");
+    let mut got: Vec<(&str, &str)> = checks.iter().map(|c| (c.name.as_str(), c.hook)).collect();
+    got.sort();
+    let mut want: Vec<(&str, &str)> = PROGRAMS
+        .iter()
+        .map(|(n, xdp)| (*n, *xdp))
+        .chain(V6_PROGRAMS.iter().map(|(n, xdp, _)| (*n, *xdp)))
+        .map(|(n, xdp)| (n, if xdp { "xdp" } else { "tc" }))
+        .collect();
+    want.sort();
+    assert_eq!(got, want);
+    let refused: Vec<_> = checks.iter().filter(|c| c.refused.is_some()).collect();
+    assert!(refused.is_empty(), "refused: {refused:#?}");
+}

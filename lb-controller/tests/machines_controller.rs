@@ -385,6 +385,8 @@ async fn creates_rbac_port_and_server_then_deletion_leaves_nothing() {
         (boot.flavor_id.as_str(), boot.image_id.as_str()),
         ("f", "i")
     );
+    // The user data also on a config drive (read without OpenStack DMI).
+    assert!(boot.config_drive);
 
     // The user data: cloud-config with the scoped kubeconfig, the agent's (HA) arguments and the sync secret.
     assert!(boot.user_data.starts_with("#cloud-config\n"));

@@ -138,6 +138,9 @@ async fn openstack_lb_create_with_machines_then_delete_leaves_nothing() -> Resul
             ensure!(port.allowed_address_pairs == spec.vip_addresses, "VIP as allowed address pair: {port:?}");
             let server = machine::ensure_server(&cloud, &spec, &port.id).await?;
             machine::wait_active(&cloud, &server.id, Duration::from_secs(90)).await?;
+            // Nova took the config drive (the user data's way in without OpenStack DMI).
+            let server = cloud.get_server(&server.id).await?;
+            ensure!(server.config_drive, "no config drive: {server:?}");
         }
         let t_active = t0.elapsed();
         eprintln!(

@@ -151,8 +151,11 @@ impl Ctx for Tc<'_> {
         let r = unsafe {
             bpf_skb_load_bytes(self.0.as_ptr().cast(), 0, to.as_mut_ptr().cast(), n as u32)
         };
+        // The length again rather than `n`: kept over the call, `n` went to a callee-saved register copied from the
+        // skb's length before `min` compared it, and kernel 6.1's verifier does not carry a bound over a 32-bit
+        // copy ("R4 unbounded memory access" in the TC trace programs).
         if r == 0 {
-            n
+            self.packet_len().min(to.len())
         } else {
             0
         }

@@ -58,7 +58,7 @@ pub const IMAGE_BUILD_PACKAGES: &[Pkg] = &[
 ];
 
 /// Debian packages `cargo xtask image boot-test` uses: QEMU, OVMF (UEFI firmware), mtools and dosfstools (the
-/// NoCloud seed), openssl (the test CA), etcd (the yawol boot's API server).
+/// NoCloud seed), openssl (the test CA), socat (the metadata service's relay), etcd (the yawol boot's API server).
 pub const IMAGE_TEST_PACKAGES: &[Pkg] = &[
     pkg("qemu-system-x86", &["qemu-system-x86_64"]),
     pkg("qemu-utils", &["qemu-img"]),
@@ -72,6 +72,8 @@ pub const IMAGE_TEST_PACKAGES: &[Pkg] = &[
     pkg("mtools", &["mcopy"]),
     pkg("dosfstools", &["mkfs.vfat"]),
     pkg("openssl", &["openssl"]),
+    // Relays each of the guest's connections to the test's metadata service (QEMU's guestfwd runs a command).
+    pkg("socat", &["socat"]),
     // The yawol boot's API server (kube-testenv: etcd + KUBEBUILDER_ASSETS' kube-apiserver).
     pkg("etcd-server", &["etcd"]),
 ];

@@ -399,6 +399,66 @@ impl Dataplane {
     }
 }
 
+/// One program of the data plane and this kernel's verdict on it ([`check_programs`]).
+#[derive(Debug)]
+pub struct ProgramCheck {
+    /// The program's name in the object (`lb_xdp`, `lb_tc6_new_trace`, …).
+    pub name: String,
+    /// `xdp` or `tc`.
+    pub hook: &'static str,
+    /// Why the kernel refused it (with the verifier log); `None`: accepted.
+    pub refused: Option<String>,
+}
+
+/// Loads every program of the embedded object into this kernel — the fast ones the agent attaches and the traced
+/// ones `lbctl trace` swaps in, XDP and TC, IPv4 and IPv6 — and attaches nothing: whether this kernel's verifier
+/// accepts the whole data plane, also the programs a host never loads until someone traces or picks
+/// `--attach-mode tc` (`lb-agent --check-programs`). Loading a TC program needs no tcx, so a kernel older than
+/// 6.6 verifies them too. The maps are created small and not pinned (the verifier does not depend on their sizes),
+/// so a running agent is not touched.
+pub fn check_programs() -> Result<Vec<ProgramCheck>> {
+    let sizes = MapSizes {
+        flows: 1024,
+        transient: 1024,
+        flows_v6: 1024,
+        transient_v6: 1024,
+        services: 16,
+        backends: 64,
+        maglev_slots: 1024,
+        nexthops: 16,
+        source_ranges: 16,
+        trusted_sources: 1024,
+    };
+    let mut dp = Dataplane::load(&sizes, None)?;
+    let ebpf = dp.ebpf_mut()?;
+    // The object's own list, not PROGRAMS / V6_PROGRAMS: a program added to lb-ebpf is checked without more code.
+    let mut names: Vec<String> = ebpf.programs().map(|(n, _)| n.to_string()).collect();
+    names.sort();
+    let mut checks = Vec::new();
+    for name in names {
+        let prog = ebpf
+            .program_mut(&name)
+            .ok_or_else(|| anyhow!("program {name} vanished from the object"))?;
+        let (hook, result) = match prog {
+            aya::programs::Program::Xdp(p) => ("xdp", p.load().map_err(verifier_error)),
+            aya::programs::Program::SchedClassifier(p) => ("tc", p.load().map_err(verifier_error)),
+            other => (
+                "other",
+                Err(anyhow!(
+                    "program type {:?} is not one the agent attaches",
+                    other.prog_type()
+                )),
+            ),
+        };
+        checks.push(ProgramCheck {
+            name,
+            hook,
+            refused: result.err().map(|e| format!("{e:#}")),
+        });
+    }
+    Ok(checks)
+}
+
 /// The MAC address of `iface` (for `Config::local_mac`).
 pub fn interface_mac(iface: &str) -> Result<[u8; 6]> {
     let path = format!("/sys/class/net/{iface}/address");

@@ -596,6 +596,7 @@ impl Cloud for FakeCloud {
             status,
             fault,
             created: Some("2026-01-01T00:00:00Z".into()),
+            config_drive: spec.config_drive,
         };
         if let Some(p) = st.ports.get_mut(&spec.port_id) {
             p.device_id = id.clone();

@@ -473,6 +473,12 @@ pub fn parse_server(what: &str, v: &Value) -> CloudResult<Server> {
             Some(fault) => Fields::of(what, "server.fault", fault)?.optional("message")?,
         },
         created: f.optional("created")?,
+        // A string ("True" or "") in Nova's API; a boolean is taken too.
+        config_drive: match f.get("config_drive") {
+            Some(Value::String(s)) => s.eq_ignore_ascii_case("true") || s == "1",
+            Some(Value::Bool(b)) => *b,
+            _ => false,
+        },
     })
 }
 
@@ -945,6 +951,9 @@ impl Cloud for SdkCloud {
             .image_ref(spec.image_id.as_str())
             .networks(ServerNetworks::F1(networks))
             .user_data(user_data.as_str());
+        if spec.config_drive {
+            b.config_drive(true);
+        }
         if let Some(az) = &spec.availability_zone {
             b.availability_zone(az.as_str());
         }
@@ -970,6 +979,7 @@ impl Cloud for SdkCloud {
             status: "BUILD".into(),
             fault: None,
             created: None,
+            config_drive: spec.config_drive,
         })
     }
 

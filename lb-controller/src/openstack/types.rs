@@ -213,6 +213,8 @@ pub struct Server {
     pub fault: Option<String>,
     /// When Nova created it (RFC 3339).
     pub created: Option<String>,
+    /// Whether Nova gives it a config drive.
+    pub config_drive: bool,
 }
 
 /// What to boot a server with.
@@ -236,6 +238,8 @@ pub struct ServerSpec {
     pub key_name: Option<String>,
     /// Scheduler hint `group`.
     pub server_group_id: Option<String>,
+    /// Ask Nova for a config drive.
+    pub config_drive: bool,
 }
 
 /// What went wrong, as far as the controllers' decisions go.

@@ -1,6 +1,8 @@
 //! `cargo xtask image boot-test`: boots `target/image/lb-vm.qcow2` in QEMU (KVM when usable, else TCG), each
-//! time from a fresh copy-on-write overlay, with a NoCloud seed — with lb-controller's user data once with SeaBIOS
-//! and once with OVMF (UEFI), and with yawol-controller's user data once (the first firmware):
+//! time from a fresh copy-on-write overlay — with lb-controller's user data once with SeaBIOS from a NoCloud seed
+//! and once with OVMF (UEFI) from a metadata service, and with yawol-controller's user data once (the first
+//! firmware, NoCloud seed). QEMU's DMI does not say OpenStack, so the metadata-service boot is the VM of a cloud
+//! whose VMs do not identify themselves, booted without a config drive (see image/README.md, "User data"):
 //!
 //! - `user-data`, lb-controller's: exactly what lb-controller gives a replicated load balancer's VM, printed by the
 //!   `render_user_data` example from `lb_controller::openstack::machine::cloudinit::user_data`. Its kubeconfig names
@@ -14,7 +16,11 @@
 //!   LoadBalancer; at the end the machine's status is judged as yawol-controller would, from the API server;
 //! - `vendor-data`: the test's own part (never in the image) — a `bootcmd` that installs
 //!   `image/boot-test/check.sh` under /run and queues it after cloud-final. It prints `LB-IMAGE-CHECK key=value`
-//!   lines on the serial console and powers off.
+//!   lines on the serial console and powers off;
+//! - the metadata service (no seed disk): a thread here answering EC2's paths as Nova's metadata service does
+//!   (Nova has no vendor data there, so the test's part goes as a second part of MIME multipart user data). The
+//!   guest reaches it at 169.254.169.254:80 through QEMU's guestfwd, which needs that address inside the user
+//!   network: this boot's eth0 is 169.254.169.0/24.
 //!
 //! With lb-controller's user data a second NIC (QEMU user network with a port forward) carries the data-plane
 //! check: the script starts a second agent in file mode on eth1 with one TCP service whose backend is this
@@ -43,6 +49,8 @@ const FILE_VIP: &str = "10.0.3.15";
 /// Why a KVM boot was given up: the kernel printed nothing within [`KVM_STALL_AFTER`].
 const KVM_STALLED: &str = "the guest kernel did not start under KVM";
 const KVM_STALL_AFTER: Duration = Duration::from_secs(45);
+/// The programs of lb.o, each of which `lb-agent --check-programs` must see accepted.
+const PROGRAMS_IN_OBJECT: usize = 12;
 /// Connections the host opens through the agent's data plane.
 const TRAFFIC_FLOWS: usize = 20;
 /// The yawol boot's VIP on eth0 (QEMU's default user network 10.0.2.0/24: the host is 10.0.2.2, the guest's DHCP
@@ -50,6 +58,10 @@ const TRAFFIC_FLOWS: usize = 20;
 const YAWOL_VIP: &str = "10.0.2.100";
 /// The name under which the yawol boot's VM reaches the API server (in the server certificate of kube-testenv).
 const YAWOL_API_HOST: &str = "kubernetes.default.svc";
+/// The metadata-service boot's eth0 (QEMU user network; guestfwd addresses must lie inside it) and the address
+/// Nova's metadata service has.
+const METADATA_NET: &str = "169.254.169.0/24";
+const METADATA_ADDR: &str = "169.254.169.254";
 /// yawol-controller's `--yawollet-requeue-time` in the yawol boot (short: the test waits for two heartbeats).
 const YAWOL_REQUEUE: u32 = 10;
 /// logForward in the yawol boot's LoadBalancer (reported as not supported).
@@ -58,9 +70,9 @@ const YAWOL_LOKI_URL: &str = "http://loki.example:3100/loki/api/v1/push";
 /// Which firmware to boot with.
 #[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum Firmware {
-    /// SeaBIOS (GRUB from the BIOS boot partition).
+    /// SeaBIOS (GRUB from the BIOS boot partition); lb-controller's user data from a NoCloud seed.
     Bios,
-    /// OVMF (GRUB from the EFI system partition).
+    /// OVMF (GRUB from the EFI system partition); lb-controller's user data from the metadata service.
     Uefi,
     /// One boot each.
     Both,
@@ -127,6 +139,16 @@ enum Kind {
     Yawol,
 }
 
+/// Where a boot's user data comes from.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Source {
+    /// A NoCloud seed disk (the local seed, found by its label).
+    NoCloud,
+    /// The test's metadata service at 169.254.169.254, no seed disk and no config drive: cloud-init must find it
+    /// without OpenStack DMI (the image's Ec2 datasource).
+    MetadataService,
+}
+
 /// Runs the boot test.
 pub fn boot_test(args: &BootTestArgs) -> Result<()> {
     crate::prereq::debian_packages(crate::prereq::IMAGE_TEST_PACKAGES)?;
@@ -155,41 +177,75 @@ pub fn boot_test(args: &BootTestArgs) -> Result<()> {
         Firmware::Uefi => &[Firmware::Uefi],
     };
     let fw_name = |fw: Firmware| if fw == Firmware::Bios { "bios" } else { "uefi" };
-    let mut plan: Vec<(String, Firmware, Kind)> = Vec::new();
+    // lb-controller's user data comes from the NoCloud seed with BIOS and from the metadata service with UEFI (two
+    // boots cover both firmwares and both ways in); the yawol boot needs 10.0.2.0/24 for its API server, which
+    // the metadata service's network would not be.
+    let source_of = |fw: Firmware| match fw {
+        Firmware::Uefi => Source::MetadataService,
+        _ => Source::NoCloud,
+    };
+    let mut plan: Vec<(String, Firmware, Kind, Source)> = Vec::new();
     if args.user_data != UserData::Yawol {
-        plan.extend(
-            firmwares
-                .iter()
-                .map(|&fw| (fw_name(fw).to_string(), fw, Kind::LbController)),
-        );
+        plan.extend(firmwares.iter().map(|&fw| {
+            (
+                fw_name(fw).to_string(),
+                fw,
+                Kind::LbController,
+                source_of(fw),
+            )
+        }));
     }
     if args.user_data != UserData::LbController {
         let fw = firmwares[0];
-        plan.push((format!("yawol-{}", fw_name(fw)), fw, Kind::Yawol));
+        plan.push((
+            format!("yawol-{}", fw_name(fw)),
+            fw,
+            Kind::Yawol,
+            Source::NoCloud,
+        ));
     }
-    let lb_seed = match plan.iter().any(|(_, _, k)| *k == Kind::LbController) {
-        true => Some(lb_controller_seed(&dir, echo_port)?),
+    let lb_user_data = match plan.iter().any(|p| p.2 == Kind::LbController) {
+        true => Some(lb_controller_user_data(&dir)?),
         false => None,
     };
+    // `lb-agent --check-programs` in the first lb-controller boot only: one kernel, and under TCG the verifier
+    // takes a while over twelve programs.
+    let programs_in = plan.iter().position(|p| p.2 == Kind::LbController);
     let mut report = serde_json::Map::new();
     let mut failed = Vec::new();
-    for (name, fw, kind) in plan {
+    for (i, (name, fw, kind, source)) in plan.into_iter().enumerate() {
+        let check_programs = programs_in == Some(i);
+        let lb_env = [
+            ("USER_DATA", "lb-controller".to_string()),
+            ("FILE_VIP", FILE_VIP.into()),
+            ("ECHO_PORT", echo_port.to_string()),
+            ("CHECK_PROGRAMS", (check_programs as u8).to_string()),
+        ];
         let boot_dir = dir.join(&name);
         std::fs::create_dir_all(&boot_dir)?;
         let mut yawol = match kind {
             Kind::Yawol => Some(YawolSide::start(&boot_dir, echo_port)?),
             Kind::LbController => None,
         };
-        let seed = match &yawol {
-            Some(y) => yawol_seed(&boot_dir, y)?,
-            None => lb_seed.clone().context("the lb-controller seed")?,
+        let lb_user_data = || lb_user_data.as_deref().context("lb-controller's user data");
+        let way_in = match (&yawol, source) {
+            (Some(y), _) => WayIn::Seed(yawol_seed(&boot_dir, y)?),
+            (None, Source::NoCloud) => WayIn::Seed(write_seed(
+                &boot_dir.join("seed"),
+                lb_user_data()?,
+                &lb_env,
+                &[],
+            )?),
+            (None, Source::MetadataService) => WayIn::Metadata(MetadataService::start(
+                &mime_user_data(lb_user_data()?, &test_cloud_config(&lb_env, &[])?),
+            )?),
         };
         let b = loop {
             let base = if kvm { 150 } else { 300 };
             let extra = if kind == Kind::Yawol { 100 } else { 0 };
             let timeout = Duration::from_secs(args.timeout.unwrap_or(base) + extra);
             eprintln!(
-                "image: booting {} with {} firmware and {} user data ({}; timeout {}s)",
+                "image: booting {} with {} firmware and {} user data from {} ({}; timeout {}s)",
                 image.display(),
                 fw_name(fw),
                 if kind == Kind::Yawol {
@@ -197,13 +253,17 @@ pub fn boot_test(args: &BootTestArgs) -> Result<()> {
                 } else {
                     "lb-controller's"
                 },
+                match &way_in {
+                    WayIn::Seed(_) => "a NoCloud seed".to_string(),
+                    WayIn::Metadata(_) => format!("a metadata service at {METADATA_ADDR}, no seed"),
+                },
                 if kvm { "KVM" } else { "TCG" },
                 timeout.as_secs()
             );
             let b = boot(
                 &boot_dir,
                 &image,
-                &seed,
+                &way_in,
                 fw,
                 kvm,
                 timeout,
@@ -219,7 +279,7 @@ pub fn boot_test(args: &BootTestArgs) -> Result<()> {
             }
             break b;
         };
-        let failures = judge(&b, virtual_bytes, kind);
+        let failures = judge(&b, virtual_bytes, kind, source, check_programs);
         print_result(&name, &b, &failures);
         if failures.is_empty() {
             // The VM's disk is only worth its space for looking into a failure; the logs stay.
@@ -287,9 +347,8 @@ fn echo_server() -> Result<u16> {
     Ok(port)
 }
 
-/// The seed of the lb-controller boots: lb-controller's user data for a replicated load balancer whose API server
-/// does not exist, with a real CA.
-fn lb_controller_seed(dir: &Path, echo_port: u16) -> Result<PathBuf> {
+/// lb-controller's user data for a replicated load balancer whose API server does not exist, with a real CA.
+fn lb_controller_user_data(dir: &Path) -> Result<String> {
     // A real CA, as the controller would hand over; the agent parses it before it tries the API.
     let ca = dir.join("ca.pem");
     run(
@@ -327,7 +386,7 @@ fn lb_controller_seed(dir: &Path, echo_port: u16) -> Result<PathBuf> {
         ]),
         "building lb-controller's render_user_data example",
     )?;
-    let user_data = output(
+    output(
         Command::new(root().join("target/debug/examples/render_user_data"))
             .args(["--api-server", API_SERVER, "--ca-file"])
             .arg(&ca)
@@ -341,16 +400,6 @@ fn lb_controller_seed(dir: &Path, echo_port: u16) -> Result<PathBuf> {
             ])
             .args(["--vrrp-router-id", "42", "--machine-revision", "1"]),
         "rendering the user data",
-    )?;
-    write_seed(
-        &dir.join("seed-lb-controller"),
-        &user_data,
-        &[
-            ("USER_DATA", "lb-controller".into()),
-            ("FILE_VIP", FILE_VIP.into()),
-            ("ECHO_PORT", echo_port.to_string()),
-        ],
-        &[],
     )
 }
 
@@ -376,15 +425,13 @@ fn yawol_seed(dir: &Path, y: &YawolSide) -> Result<PathBuf> {
     )
 }
 
-/// A NoCloud seed (`<dir>.img`: a small FAT image labelled CIDATA, mkfs.vfat + mcopy, nothing to mount) with
-/// `user_data` and the test's vendor-data: `bootcmd` (`extra_bootcmd`, then installing check.sh and queueing it
-/// after cloud-final with `env` and TRAFFIC_FLOWS).
-fn write_seed(
-    dir: &Path,
-    user_data: &str,
+/// The test's own cloud-config (the NoCloud seed's vendor-data, the metadata service's second part of the user
+/// data): `bootcmd` (`extra_bootcmd`, then installing check.sh and queueing it after cloud-final with `env` and
+/// TRAFFIC_FLOWS).
+fn test_cloud_config(
     env: &[(&str, String)],
     extra_bootcmd: &[serde_json::Value],
-) -> Result<PathBuf> {
+) -> Result<String> {
     let check = std::fs::read_to_string(recipe_dir().join("boot-test/check.sh"))?;
     let mut run_check = vec![
         "systemd-run".to_string(),
@@ -408,15 +455,26 @@ fn write_seed(
         serde_json::json!(run_check),
     ]);
     let vendor = serde_json::json!({ "bootcmd": bootcmd });
+    // JSON is YAML: no quoting of the script can go wrong.
+    Ok(format!(
+        "#cloud-config\n{}\n",
+        serde_json::to_string_pretty(&vendor)?
+    ))
+}
+
+/// A NoCloud seed (`<dir>.img`: a small FAT image labelled CIDATA, mkfs.vfat + mcopy, nothing to mount) with
+/// `user_data` and the test's vendor-data ([`test_cloud_config`]).
+fn write_seed(
+    dir: &Path,
+    user_data: &str,
+    env: &[(&str, String)],
+    extra_bootcmd: &[serde_json::Value],
+) -> Result<PathBuf> {
     std::fs::create_dir_all(dir)?;
     std::fs::write(dir.join("user-data"), user_data)?;
-    // JSON is YAML: no quoting of the script can go wrong.
     std::fs::write(
         dir.join("vendor-data"),
-        format!(
-            "#cloud-config\n{}\n",
-            serde_json::to_string_pretty(&vendor)?
-        ),
+        test_cloud_config(env, extra_bootcmd)?,
     )?;
     std::fs::write(
         dir.join("meta-data"),
@@ -439,6 +497,163 @@ fn write_seed(
     }
     run(mcopy.arg("::/"), "copying the seed files")?;
     Ok(seed)
+}
+
+/// How the user data reaches a boot.
+enum WayIn {
+    /// This NoCloud seed image as a second disk.
+    Seed(PathBuf),
+    /// This metadata service behind 169.254.169.254:80, no second disk.
+    Metadata(MetadataService),
+}
+
+/// User data of two MIME parts, as cloud-init takes it: `user_data` unchanged, then the test's cloud-config, merged
+/// into it by appending lists (the test's `bootcmd` must not replace one of the user data's). Base64 parts, so no
+/// byte of either is re-encoded on the way.
+fn mime_user_data(user_data: &str, test_part: &str) -> Vec<u8> {
+    use base64::Engine;
+    let boundary = "==lb-image-boot-test==";
+    let mut out =
+        format!("Content-Type: multipart/mixed; boundary=\"{boundary}\"\nMIME-Version: 1.0\n");
+    for (name, merge, body) in [
+        ("user-data", "", user_data),
+        (
+            "boot-test",
+            "Merge-Type: list(append)+dict(recurse_array)+str()\n",
+            test_part,
+        ),
+    ] {
+        let b64 = base64::engine::general_purpose::STANDARD.encode(body);
+        out.push_str(&format!(
+            "\n--{boundary}\nContent-Type: text/cloud-config; charset=\"utf-8\"\nMIME-Version: 1.0\n\
+             Content-Transfer-Encoding: base64\nContent-Disposition: attachment; filename=\"{name}\"\n{merge}\n"
+        ));
+        for line in b64.as_bytes().chunks(76) {
+            out.push_str(std::str::from_utf8(line).expect("base64 is ASCII"));
+            out.push('\n');
+        }
+    }
+    out.push_str(&format!("--{boundary}--\n"));
+    out.into_bytes()
+}
+
+/// A metadata service that answers EC2's paths as Nova's does: the versions up to 2009-04-04 and `latest` (a newer
+/// EC2 version is a 404, so cloud-init falls back to 2009-04-04), `meta-data/` with Nova's keys and `user-data`;
+/// anything else is a 404. A thread on the host's loopback; QEMU's guestfwd starts `socat` for each connection of
+/// the guest to 169.254.169.254:80 and relays it here. Every request is logged, so a failure can say whether the
+/// guest asked at all.
+struct MetadataService {
+    port: u16,
+    requests: std::sync::Arc<std::sync::Mutex<Vec<String>>>,
+}
+
+impl MetadataService {
+    fn start(user_data: &[u8]) -> Result<Self> {
+        let listener = TcpListener::bind("127.0.0.1:0")?;
+        let port = listener.local_addr()?.port();
+        let mut paths: BTreeMap<String, Vec<u8>> = BTreeMap::new();
+        let meta: &[(&str, &str)] = &[
+            ("ami-id", "ami-00000001"),
+            ("ami-launch-index", "0"),
+            ("hostname", "lb-image-boot-test.novalocal"),
+            ("instance-id", "i-00000001"),
+            ("instance-type", "m1.small"),
+            ("local-hostname", "lb-image-boot-test.novalocal"),
+            ("local-ipv4", "169.254.169.15"),
+            ("placement/availability-zone", "nova"),
+            ("public-hostname", "lb-image-boot-test.novalocal"),
+            ("reservation-id", "r-00000001"),
+            ("security-groups", "default"),
+        ];
+        let versions = [
+            "1.0",
+            "2007-01-19",
+            "2007-03-01",
+            "2007-08-29",
+            "2007-10-10",
+            "2007-12-15",
+            "2008-02-01",
+            "2008-09-01",
+            "2009-04-04",
+        ];
+        paths.insert("/".into(), (versions.join("\n") + "\nlatest").into_bytes());
+        for v in versions.iter().chain(&["latest"]) {
+            paths.insert(format!("/{v}/user-data"), user_data.to_vec());
+            paths.insert(format!("/{v}"), b"meta-data/\nuser-data".to_vec());
+            paths.insert(
+                format!("/{v}/meta-data"),
+                meta.iter()
+                    .map(|(k, _)| {
+                        k.split_once('/')
+                            .map_or(k.to_string(), |(dir, _)| format!("{dir}/"))
+                    })
+                    .collect::<Vec<_>>()
+                    .join("\n")
+                    .into_bytes(),
+            );
+            paths.insert(
+                format!("/{v}/meta-data/placement"),
+                b"availability-zone".to_vec(),
+            );
+            for (k, val) in meta {
+                paths.insert(format!("/{v}/meta-data/{k}"), val.as_bytes().to_vec());
+            }
+        }
+        let requests = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let log = requests.clone();
+        std::thread::spawn(move || {
+            for conn in listener.incoming().flatten() {
+                let _ = serve_metadata(conn, &paths, &log);
+            }
+        });
+        Ok(MetadataService { port, requests })
+    }
+
+    /// The requests so far, as `METHOD PATH STATUS`.
+    fn requests(&self) -> Vec<String> {
+        self.requests.lock().map(|r| r.clone()).unwrap_or_default()
+    }
+}
+
+/// Answers one HTTP request (the connection is closed after it: cloud-init opens one per request anyway).
+fn serve_metadata(
+    mut conn: TcpStream,
+    paths: &BTreeMap<String, Vec<u8>>,
+    log: &std::sync::Mutex<Vec<String>>,
+) -> std::io::Result<()> {
+    conn.set_read_timeout(Some(Duration::from_secs(10)))?;
+    let mut head = Vec::new();
+    let mut buf = [0u8; 1024];
+    while !head.windows(4).any(|w| w == b"\r\n\r\n") && head.len() < 16384 {
+        let n = conn.read(&mut buf)?;
+        if n == 0 {
+            break;
+        }
+        head.extend_from_slice(&buf[..n]);
+    }
+    let head = String::from_utf8_lossy(&head);
+    let mut words = head.lines().next().unwrap_or("").split_whitespace();
+    let (method, target) = (words.next().unwrap_or(""), words.next().unwrap_or(""));
+    let path = target.split('?').next().unwrap_or("");
+    // Nova answers a directory with or without its trailing slash.
+    let key = if path.len() > 1 {
+        path.trim_end_matches('/')
+    } else {
+        path
+    };
+    let (status, body) = match paths.get(key) {
+        Some(body) if method == "GET" => ("200 OK", body.as_slice()),
+        _ => ("404 Not Found", &b"404 Not Found"[..]),
+    };
+    if let Ok(mut l) = log.lock() {
+        l.push(format!("{method} {target} {}", &status[..3]));
+    }
+    write!(
+        conn,
+        "HTTP/1.1 {status}\r\nContent-Type: text/plain; charset=UTF-8\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+        body.len()
+    )?;
+    conn.write_all(body)
 }
 
 /// The host side of the yawol boot: the `yawol_boot` example (a real API server with the LoadBalancer and its
@@ -572,6 +787,8 @@ struct Boot {
     /// The yawol boot: the LoadBalancerMachine as the API server has it (the `yawol_boot` example's report), or why
     /// there is none.
     machine_report: Option<Result<serde_json::Value, String>>,
+    /// The metadata-service boot: the requests the guest made (`METHOD PATH STATUS`).
+    metadata_requests: Option<Vec<String>>,
 }
 
 impl Boot {
@@ -604,6 +821,7 @@ impl Boot {
                 Some(Err(e)) => serde_json::json!({ "error": e }),
                 None => serde_json::Value::Null,
             },
+            "metadata_requests": self.metadata_requests,
             "serial_log": self.serial_log,
         })
     }
@@ -615,7 +833,7 @@ impl Boot {
 fn boot(
     dir: &Path,
     image: &Path,
-    seed: &Path,
+    way_in: &WayIn,
     fw: Firmware,
     kvm: bool,
     timeout: Duration,
@@ -662,12 +880,28 @@ fn boot(
     .arg("-serial")
     .arg(format!("file:{}", serial_log.display()))
     .arg("-drive")
-    .arg(format!("if=virtio,format=qcow2,file={}", overlay.display()))
-    .arg("-drive")
-    .arg(format!(
-        "if=virtio,format=raw,readonly=on,file={}",
-        seed.display()
-    ));
+    .arg(format!("if=virtio,format=qcow2,file={}", overlay.display()));
+    if let WayIn::Seed(seed) = way_in {
+        qemu.arg("-drive").arg(format!(
+            "if=virtio,format=raw,readonly=on,file={}",
+            seed.display()
+        ));
+    }
+    // eth0 of the lb-controller boots: restricted, so nothing leaves the host; with the metadata service on
+    // 169.254.169.0/24 (guestfwd only forwards addresses inside the user network) and 169.254.169.254:80 relayed to
+    // it, as Nova's metadata service is reached from a VM.
+    let lb_eth0 = match way_in {
+        WayIn::Seed(_) => "user,id=n0,restrict=on".to_string(),
+        WayIn::Metadata(m) => {
+            if let Ok(mut r) = m.requests.lock() {
+                r.clear();
+            }
+            format!(
+                "user,id=n0,restrict=on,net={METADATA_NET},guestfwd=tcp:{METADATA_ADDR}:80-cmd:socat STDIO TCP:127.0.0.1:{}",
+                m.port
+            )
+        }
+    };
     if yawol.is_some() {
         // eth0: the agent's NIC, reaching the API server and the echo server on the host's loopback at 10.0.2.2;
         // the host reaches the VIP through the port forward.
@@ -677,19 +911,16 @@ fn boot(
             ))
             .args(["-device", "virtio-net-pci,netdev=n0"]);
     } else {
-        // eth0: the agent's NIC as on OpenStack; restricted, so nothing leaves the host.
-        qemu.args([
-            "-netdev",
-            "user,id=n0,restrict=on",
-            "-device",
-            "virtio-net-pci,netdev=n0",
-        ])
-        // eth1: the data-plane check; the host's echo server is 10.0.3.2:<port> from inside.
-        .arg("-netdev")
-        .arg(format!(
-            "user,id=n1,net=10.0.3.0/24,hostfwd=tcp:127.0.0.1:{fwd_port}-{FILE_VIP}:80"
-        ))
-        .args(["-device", "virtio-net-pci,netdev=n1"]);
+        // eth0: the agent's NIC as on OpenStack.
+        qemu.arg("-netdev")
+            .arg(&lb_eth0)
+            .args(["-device", "virtio-net-pci,netdev=n0"])
+            // eth1: the data-plane check; the host's echo server is 10.0.3.2:<port> from inside.
+            .arg("-netdev")
+            .arg(format!(
+                "user,id=n1,net=10.0.3.0/24,hostfwd=tcp:127.0.0.1:{fwd_port}-{FILE_VIP}:80"
+            ))
+            .args(["-device", "virtio-net-pci,netdev=n1"]);
     }
     if fw == Firmware::Uefi {
         let vars = dir.join("OVMF_VARS.fd");
@@ -719,6 +950,9 @@ fn boot(
     let mut b = result?;
     b.seconds_total = t.elapsed().as_secs_f64();
     b.serial_log = serial_log;
+    if let WayIn::Metadata(m) = way_in {
+        b.metadata_requests = Some(m.requests());
+    }
     Ok(b)
 }
 
@@ -742,6 +976,7 @@ fn watch(
         aborted: None,
         serial_log: serial_log.to_path_buf(),
         machine_report: None,
+        metadata_requests: None,
     };
     let mut seen = 0usize;
     let mut pending = String::new();
@@ -894,7 +1129,13 @@ impl Judge<'_> {
 }
 
 /// Compares the report with what it must be; returns the failures.
-fn judge(b: &Boot, virtual_bytes: u64, kind: Kind) -> Vec<String> {
+fn judge(
+    b: &Boot,
+    virtual_bytes: u64,
+    kind: Kind,
+    source: Source,
+    check_programs: bool,
+) -> Vec<String> {
     let mut j = Judge {
         b,
         fails: Vec::new(),
@@ -909,8 +1150,23 @@ fn judge(b: &Boot, virtual_bytes: u64, kind: Kind) -> Vec<String> {
         let tail: Vec<&str> = text.lines().rev().take(15).collect();
         let qemu =
             std::fs::read_to_string(b.serial_log.with_file_name("qemu.log")).unwrap_or_default();
+        // The check comes with the user data: without it, say whether any datasource asked for it.
+        let asked = match &b.metadata_requests {
+            Some(r) if r.is_empty() => {
+                "; the guest never asked the metadata service (no datasource gave it the user data)"
+                    .into()
+            }
+            Some(r) => {
+                let user_data = r
+                    .iter()
+                    .find(|q| q.contains("/user-data "))
+                    .map_or("never asked for", String::as_str);
+                format!("; the user data from the metadata service: {user_data}; all its requests: {r:?}")
+            }
+            None => String::new(),
+        };
         j.fails.push(format!(
-            "the check never ran; qemu.log: {:?}; last serial lines:\n      {}",
+            "the check never ran{asked}; qemu.log: {:?}; last serial lines:\n      {}",
             qemu.trim(),
             tail.into_iter().rev().collect::<Vec<_>>().join("\n      ")
         ));
@@ -923,11 +1179,45 @@ fn judge(b: &Boot, virtual_bytes: u64, kind: Kind) -> Vec<String> {
         "0",
     );
     j.want_eq("cloud_init_errors", "cloud-init must report no errors", "0");
-    j.want(
-        "cloud_init_datasource",
-        "the NoCloud seed must be the datasource",
-        |v| v.starts_with("DataSourceNoCloud"),
-    );
+    // The datasource cloud-init used, and ds-identify's choice before it (only that one, then None: a boot never
+    // tries a second source).
+    match source {
+        Source::NoCloud => {
+            j.want(
+                "cloud_init_datasource",
+                "the NoCloud seed must be the datasource",
+                |v| v.starts_with("DataSourceNoCloud"),
+            );
+            j.want_eq(
+                "ds_identify",
+                "ds-identify must pick the NoCloud seed alone",
+                "NoCloud,None",
+            );
+            j.want_eq(
+                "cloud_init_known_warnings",
+                "the Ec2 datasource's known warnings cannot come from the NoCloud seed",
+                "0",
+            );
+        }
+        Source::MetadataService => {
+            j.want_eq(
+                "cloud_init_datasource",
+                "without OpenStack DMI, config drive or seed, the Ec2 datasource must read Nova's metadata service",
+                "DataSourceEc2",
+            );
+            j.want_eq(
+                "ds_identify",
+                "ds-identify must fall back to Ec2 alone",
+                "Ec2,None",
+            );
+            let requests = b.metadata_requests.clone().unwrap_or_default();
+            if !requests.iter().any(|r| r.ends_with("/user-data 200")) {
+                j.fails.push(format!(
+                    "the user data was never read from the metadata service; requests: {requests:?}"
+                ));
+            }
+        }
+    }
     j.want_eq(
         "nic_eth0",
         "the NIC must be eth0 (the controller's default interface)",
@@ -973,7 +1263,7 @@ fn judge(b: &Boot, virtual_bytes: u64, kind: Kind) -> Vec<String> {
         |v| v.parse::<u64>().is_ok_and(|n| n > image_mib),
     );
     match kind {
-        Kind::LbController => judge_lb_controller(&mut j),
+        Kind::LbController => judge_lb_controller(&mut j, check_programs),
         Kind::Yawol => judge_yawol(&mut j),
     }
     if b.echo_ok != TRAFFIC_FLOWS {
@@ -985,7 +1275,22 @@ fn judge(b: &Boot, virtual_bytes: u64, kind: Kind) -> Vec<String> {
     j.fails
 }
 
-fn judge_lb_controller(j: &mut Judge) {
+fn judge_lb_controller(j: &mut Judge, check_programs: bool) {
+    // Every program of the object through the image kernel's verifier, by `lb-agent --check-programs`: the agents
+    // here attach only the fast XDP ones; the TC ones and `lbctl trace`'s would otherwise meet 6.1 nowhere.
+    if check_programs {
+        j.want_eq(
+            "programs_exit",
+            "lb-agent --check-programs: the kernel must accept every program of the data plane",
+            "0",
+        );
+        j.want_eq("programs_refused", "programs the kernel refused", "");
+        j.want_eq(
+            "programs_accepted",
+            "programs accepted (lb.o: lb_xdp, lb_tc, their traced twins and the eight IPv6 programs)",
+            &PROGRAMS_IN_OBJECT.to_string(),
+        );
+    }
     j.want_files(&[
         ("/etc/lb-agent/kubeconfig", "600:root:root"),
         ("/etc/lb-agent/agent.env", "600:root:root"),
@@ -1262,6 +1567,9 @@ fn print_result(name: &str, b: &Boot, failures: &[String]) {
     }
     for i in &b.infos {
         println!("  info: {i}");
+    }
+    if let Some(r) = &b.metadata_requests {
+        println!("  metadata service: {} requests: {}", r.len(), r.join(", "));
     }
     match &b.machine_report {
         Some(Ok(r)) => {

@@ -5,7 +5,8 @@
 //! - [`rootfs`]: the root filesystem from Debian packages (mmdebstrap), cached by a hash of its inputs;
 //! - [`disk`]: the bootable disk (GPT, GRUB for BIOS and UEFI, ext4 made from the directory) without
 //!   mounting anything or using loop devices;
-//! - [`boot_test`]: boots it with a NoCloud seed and checks what the VM reports on its serial console.
+//! - [`boot_test`]: boots it with the user data from a NoCloud seed or a metadata service and checks what the VM
+//!   reports on its serial console.
 //!
 //! `cargo xtask image controller` is the other image: lb-controller's OCI image ([`controller`], [`oci`]).
 
@@ -25,7 +26,8 @@ use std::path::PathBuf;
 pub enum ImageCmd {
     /// Build target/image/lb-vm.qcow2 (root filesystem cached under target/image/cache/).
     Build(BuildArgs),
-    /// Boot the built image in QEMU with lb-controller's user data and check the VM (BIOS and UEFI).
+    /// Boot the built image in QEMU with lb-controller's user data (BIOS: NoCloud seed, UEFI: metadata service) and
+    /// yawol-controller's, and check the VM.
     BootTest(boot_test::BootTestArgs),
     /// Build lb-controller's OCI image (static binary, empty root) into target/image/controller/.
     Controller(controller::ControllerArgs),

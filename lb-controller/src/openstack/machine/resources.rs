@@ -60,6 +60,10 @@ impl MachineSpec {
             user_data: self.user_data.clone(),
             key_name: self.key_name.clone(),
             server_group_id: self.server_group_id.clone(),
+            // The user data on a disk of the VM: cloud-init's ConfigDrive datasource reads it without a metadata
+            // service and without asking the DMI whether this is OpenStack (cloud-init 22.4, the image's, refuses
+            // its OpenStack datasource on VMs whose DMI does not say so). image/README.md, "User data".
+            config_drive: true,
         }
     }
 }
