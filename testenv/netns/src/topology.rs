@@ -9,6 +9,9 @@
 //!   client .10  lb .2  backend-1 .11  backend-2 .12 …
 //! ```
 //!
+//! A routed topology ([`TopologyConfig::routed`]) puts the backends on a second bridge in the switch namespace,
+//! reached by the load balancer's second interface ([`BACKEND_IFNAME`]) and routing everything else through it.
+//!
 //! Every veth pair is created directly between the switch namespace and the host namespace (`ip -n <sw> link
 //! add … peer … netns <host>`), so nothing ever appears in the caller's namespace and parallel topologies cannot
 //! collide on interface names; only namespace names are global, and those carry prefix + pid + counter.
