@@ -165,7 +165,10 @@ impl<F: Fam> Harness<F> {
         let mut dp = Dataplane::load(&sizes, None).expect("loading the data plane (root needed)");
         // Only the hook under test's program: verifying the other one too took a second of every test.
         match hook {
-            Hook::Xdp => dp.xdp_program(XDP_PROGRAM).map(drop).expect("XDP program loads"),
+            Hook::Xdp => dp
+                .xdp_program(XDP_PROGRAM)
+                .map(drop)
+                .expect("XDP program loads"),
             Hook::Tc => dp.tc_program().map(drop).expect("TC program loads"),
         }
         for i in 1..=4 {
