@@ -188,9 +188,9 @@ pub(crate) unsafe fn finish<C: Ctx, A>(
         if let Some(ih) = ptr_at::<C, IcmpHdr>(c, q.l4_off) {
             (*ih).check = csum::apply((*ih).check, d_icmp);
         }
-        set_macs(eth, &fl.mac, q.out);
+        set_macs(eth, &fl.mac, &q.out);
     }
     count(stat::ICMP_TRANSLATED);
     with_service_stats(fl.svc_id, |s| s.icmp_translated += 1);
-    send(c, fl.egress, q.out)
+    send(c, fl.egress, &q.out)
 }

@@ -1,7 +1,7 @@
 //! Full NAT: the two entries of a new flow (forward: client → SNAT, VIP → node; reverse: node → VIP, SNAT → client)
 //! and the rewrite of a packet by its entry — MACs, addresses, ports, and the checksums updated incrementally.
 
-use lb_common::{stat, Egress, Flow, FlowAddr, Service, FLOW_F_FORWARD, FLOW_F_REVERSE, PROTO_UDP};
+use lb_common::{stat, Flow, FlowAddr, Service, FLOW_F_FORWARD, FLOW_F_REVERSE, PROTO_UDP};
 
 use crate::{
     csum,
@@ -174,7 +174,7 @@ pub fn rewrite<C: Ctx, F: Family>(c: &C, p: &L4Pkt<F>, fl: &Flow<F::A>) -> Verdi
         return Verdict::Pass;
     };
     unsafe {
-        set_macs(p.eth, &fl.mac, out);
+        set_macs(p.eth, &fl.mac, &out);
         F::set_addrs(p.ip, &fl.new_src, &fl.new_dst, fl.csum_addr);
         (*p.ports).sport = fl.new_sport;
         (*p.ports).dport = fl.new_dport;
@@ -193,11 +193,17 @@ pub fn rewrite<C: Ctx, F: Family>(c: &C, p: &L4Pkt<F>, fl: &Flow<F::A>) -> Verdi
         fl.csum_port,
         p.key.proto == PROTO_UDP,
     );
-    send(c, fl.egress, out)
+    send(c, fl.egress, &out)
 }
 
-/// A frame's way out: the interface it came in on (`None`), or another one.
-pub type Out = Option<&'static Egress>;
+/// A frame's way out, copied out of `EGRESS`: `ifindex` 0 is the interface it came in on. Values, not a pointer
+/// into the map: kernel 6.1's verifier lost a nullable pointer's null check over the checksum code and the TC
+/// helper calls between it and its use, and refused the TC programs.
+#[derive(Clone, Copy)]
+pub struct Out {
+    pub ifindex: u32,
+    pub mac: [u8; 6],
+}
 
 /// An egress slot the agent has not filled (counted as a missing next hop: the kernel gets the frame unchanged,
 /// the agent refreshes).
@@ -207,11 +213,19 @@ pub struct NoEgress;
 #[inline(always)]
 pub fn egress(slot: u8) -> Result<Out, NoEgress> {
     if slot == 0 {
-        return Ok(None);
+        return Ok(Out {
+            ifindex: 0,
+            mac: [0; 6],
+        });
     }
     match EGRESS.get_ptr(slot as u32) {
-        // SAFETY: a value of the map, valid under RCU for this program run (which is all "static" means here).
-        Some(e) if unsafe { (*e).ifindex } != 0 => Ok(Some(unsafe { &*e })),
+        // SAFETY: a value of the map, valid under RCU for this program run.
+        Some(e) if unsafe { (*e).ifindex } != 0 => Ok(unsafe {
+            Out {
+                ifindex: (*e).ifindex,
+                mac: (*e).mac,
+            }
+        }),
         _ => {
             count(stat::PASS_NO_NEXTHOP);
             Err(NoEgress)
@@ -225,12 +239,13 @@ pub fn egress(slot: u8) -> Result<Out, NoEgress> {
 /// # Safety
 /// `eth` points to the frame's bounds-checked Ethernet header.
 #[inline(always)]
-pub unsafe fn set_macs(eth: *mut EthHdr, dst: &[u8; 6], out: Out) {
+pub unsafe fn set_macs(eth: *mut EthHdr, dst: &[u8; 6], out: &Out) {
     // SAFETY: as the function's.
     unsafe {
-        (*eth).src = match out {
-            None => (*eth).dst,
-            Some(e) => e.mac,
+        (*eth).src = if out.ifindex == 0 {
+            (*eth).dst
+        } else {
+            out.mac
         };
         (*eth).dst = *dst;
     }
@@ -238,9 +253,10 @@ pub unsafe fn set_macs(eth: *mut EthHdr, dst: &[u8; 6], out: Out) {
 
 /// The verdict that sends a rewritten frame: `Tx`, or a redirect to the egress interface in slot `slot`.
 #[inline(always)]
-pub fn send<C: Ctx>(c: &C, slot: u8, out: Out) -> Verdict {
-    match out {
-        None => Verdict::Tx,
-        Some(e) => c.redirect(slot as u32, e.ifindex),
+pub fn send<C: Ctx>(c: &C, slot: u8, out: &Out) -> Verdict {
+    if out.ifindex == 0 {
+        Verdict::Tx
+    } else {
+        c.redirect(slot as u32, out.ifindex)
     }
 }
