@@ -355,6 +355,25 @@ impl<F: Fam> Harness<F> {
         Ok((v, out))
     }
 
+    /// Runs each named malformed frame and asserts it is dropped; returns how many ran (the skb test runner
+    /// itself refuses some frames the XDP one accepts: those are reported and not counted).
+    pub fn run_malformed(&mut self, cases: &[(&str, Vec<u8>)]) -> u64 {
+        let mut ran = 0;
+        for (name, f) in cases {
+            match self.try_run(f) {
+                Ok((v, _)) => {
+                    assert_eq!(v, Verdict::Drop, "{name}");
+                    ran += 1;
+                }
+                Err(e) if self.hook == Hook::Tc => {
+                    eprintln!("{name}: refused by the kernel's skb test runner: {e}");
+                }
+                Err(e) => panic!("{name}: {e}"),
+            }
+        }
+        ran
+    }
+
     /// Global counter `idx` (see `lb_common::stat`).
     pub fn stat(&mut self, idx: u32) -> u64 {
         self.dp.maps.stats.totals().unwrap()[idx as usize]

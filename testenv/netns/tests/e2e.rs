@@ -56,23 +56,27 @@ fn wait_until(what: &str, timeout: Duration, mut f: impl FnMut() -> bool) {
     }
 }
 
+/// 1000 TCP connections (512-byte payloads) to `tcp` and 1000 UDP flows to `udp`, each verified.
+fn thousand_each(r: &Rig, tcp: &str, udp: &str) -> LoadReport {
+    r.load(&[
+        "--tcp",
+        tcp,
+        "--connections",
+        "1000",
+        "--payload",
+        "512",
+        "--udp",
+        udp,
+        "--udp-flows",
+        "1000",
+    ])
+    .unwrap()
+}
+
 fn check_tcp_and_udp(mode: &str) {
     let r = rig(|c| c.attach_mode = mode.into());
     let (tcp, udp) = targets(&r);
-    let rep = r
-        .load(&[
-            "--tcp",
-            &tcp,
-            "--connections",
-            "1000",
-            "--payload",
-            "512",
-            "--udp",
-            &udp,
-            "--udp-flows",
-            "1000",
-        ])
-        .unwrap();
+    let rep = thousand_each(&r, &tcp, &udp);
     assert_spread(&rep, 1000, 1000, &["backend-1", "backend-2", "backend-3"]);
     std::thread::sleep(Duration::from_millis(1500));
     assert!(
@@ -115,21 +119,7 @@ fn check_dual_stack(mode: &str) {
         format!("[{vip6}]:{TCP_PORT}"),
         format!("[{vip6}]:{UDP_PORT}"),
     );
-    let run = |tcp: &str, udp: &str| {
-        r.load(&[
-            "--tcp",
-            tcp,
-            "--connections",
-            "1000",
-            "--payload",
-            "512",
-            "--udp",
-            udp,
-            "--udp-flows",
-            "1000",
-        ])
-        .unwrap()
-    };
+    let run = |tcp: &str, udp: &str| thousand_each(&r, tcp, udp);
     let (rep4, rep6) = std::thread::scope(|s| {
         let v6 = s.spawn(|| run(&tcp6, &udp6));
         let v4 = run(&tcp4, &udp4);
@@ -164,20 +154,7 @@ fn check_routed(mode: &str) {
         c.topology.routed = true;
     });
     let (tcp, udp) = targets(&r);
-    let rep = r
-        .load(&[
-            "--tcp",
-            &tcp,
-            "--connections",
-            "1000",
-            "--payload",
-            "512",
-            "--udp",
-            &udp,
-            "--udp-flows",
-            "1000",
-        ])
-        .unwrap();
+    let rep = thousand_each(&r, &tcp, &udp);
     assert_spread(&rep, 1000, 1000, &["backend-1", "backend-2", "backend-3"]);
     assert_eq!(
         r.metric("lb_dataplane_packets_total", "reason=\"pass_no_nexthop\"")
