@@ -3,9 +3,10 @@
 //! channel of [`ConfigState`], so the file and Kubernetes modes share everything from here on.
 
 use crate::dataplane::gc;
-use crate::dataplane::model::ServiceSpec;
+use crate::dataplane::model::{Protocol, ServiceSpec};
 use crate::dataplane::neighbor;
 use crate::dataplane::programmer::{ip_to_addr, Programmer};
+use crate::dataplane::route_events::RouteEvents;
 use crate::dataplane::{AttachMode, Dataplane, MapSizes};
 use crate::ha::{Ha, HaOptions, HaSnapshot};
 use crate::health::{HealthChecker, HealthMap};
@@ -93,11 +94,26 @@ pub async fn run(
                     agent.apply();
                 }
             }
+            r = route_change(agent.routes.as_ref()) => match r {
+                Ok(()) => agent.routes_changed = true,
+                Err(e) => {
+                    tracing::warn!(error = %format!("{e:#}"), "watching route changes failed; next hops follow the periodic refresh only");
+                    agent.routes = None;
+                }
+            },
             _ = tick.tick() => agent.tick().await?,
         }
     }
     agent.stop().await;
     Ok(())
+}
+
+/// The next route change, or never without a subscription.
+async fn route_change(routes: Option<&RouteEvents>) -> Result<()> {
+    match routes {
+        Some(r) => r.changed().await,
+        None => std::future::pending().await,
+    }
 }
 
 /// The main loop's state, owned by [`run`]: the data plane and what programs it, HA, the health checks, where
@@ -123,8 +139,10 @@ struct Agent {
     idle_expired: HashMap<u32, u64>,
     /// The data plane's "no next hop" counter at the last next-hop refresh: a change triggers one.
     last_no_nexthop: u64,
-    /// UDP backends currently out of the tables (health), to notice the ones that just left.
-    udp_down: BTreeSet<std::net::SocketAddr>,
+    /// Backends whose connections stay (healthy or draining) at the last apply; `None` before the first.
+    serving: Option<BTreeSet<(Protocol, std::net::SocketAddr)>>,
+    /// Connections ended per service id since the start because their backend failed or left.
+    ended: HashMap<u32, u64>,
     /// Backend addresses with a next hop in the map; only they go into tables.
     /// Next-hop keys in the map (the 16-byte form: its keys carry no family).
     resolved: HashSet<lb_common::Addr>,
@@ -132,6 +150,10 @@ struct Agent {
     attached: Vec<(String, AttachMode)>,
     last_gc: Instant,
     last_nh: Instant,
+    /// The kernel's route changes (`None` when the subscription failed: the periodic refresh remains), and
+    /// whether one arrived since the last next-hop refresh.
+    routes: Option<RouteEvents>,
+    routes_changed: bool,
 }
 
 impl Agent {
@@ -205,6 +227,11 @@ impl Agent {
         let (hc, health_rx) = HealthChecker::new()?;
         let resolved = resolved_nexthops(&dp)?;
         let last_nh = Instant::now() - opts.neighbor_interval;
+        let routes = RouteEvents::open()
+            .map_err(|e| {
+                tracing::warn!(error = %format!("{e:#}"), "route changes are not watched; next hops follow the periodic refresh only")
+            })
+            .ok();
         Ok(Agent {
             opts,
             dp,
@@ -221,11 +248,14 @@ impl Agent {
             errors: 0,
             idle_expired: HashMap::new(),
             last_no_nexthop: 0,
-            udp_down: BTreeSet::new(),
+            serving: None,
+            ended: HashMap::new(),
             resolved,
             attached,
             last_gc: Instant::now(),
             last_nh,
+            routes,
+            routes_changed: false,
         })
     }
 
@@ -266,8 +296,13 @@ impl Agent {
     async fn tick(&mut self) -> Result<()> {
         let stats = self.dp.maps.stats.totals()?;
         let no_nh = stats[stat::PASS_NO_NEXTHOP as usize];
-        if self.last_nh.elapsed() >= self.opts.neighbor_interval || no_nh != self.last_no_nexthop {
+        // A route change (a routing daemon moved a backend) is taken at this tick: one refresh per burst.
+        if self.last_nh.elapsed() >= self.opts.neighbor_interval
+            || no_nh != self.last_no_nexthop
+            || self.routes_changed
+        {
             self.last_no_nexthop = no_nh;
+            self.routes_changed = false;
             match self.refresh_nexthops(Duration::ZERO, false) {
                 Ok(true) => self.apply(),
                 Ok(false) => {}
@@ -339,22 +374,13 @@ impl Agent {
             &self.resolved,
             self.opts.snat_override,
         );
-        // UDP backends that just left: move their flows (see gc::flush_udp_flows).
-        let down: BTreeSet<std::net::SocketAddr> = cfg
-            .services
-            .iter()
-            .zip(&services)
-            .filter(|(c, _)| c.id.protocol == crate::dataplane::model::Protocol::Udp)
-            .flat_map(|(c, e)| {
-                c.backends
-                    .iter()
-                    .filter(|b| !e.backends.contains(b))
-                    .copied()
-                    .collect::<Vec<_>>()
-            })
-            .collect();
-        let newly_down: BTreeSet<_> = down.difference(&self.udp_down).copied().collect();
-        self.udp_down = down;
+        // Backends whose connections stay (healthy or draining); those that just left the set have their
+        // connections ended below (see gc::end_flows). Before the first apply every configured backend counts
+        // as serving, so that flows pinned by an earlier agent to a backend found dead now end too.
+        let serving = cfg.serving(&self.health_rx.borrow());
+        let before = self.serving.take().unwrap_or_else(|| cfg.all_backends());
+        let gone: BTreeSet<_> = before.difference(&serving).copied().collect();
+        self.serving = Some(serving);
         let t = Instant::now();
         match self.programmer.apply(&mut self.dp.maps, &services) {
             Ok(r) => {
@@ -371,13 +397,22 @@ impl Agent {
                 self.applied_generation = generation;
                 self.status_tx
                     .send_modify(|s| s.applied_generation = generation);
-                match gc::flush_udp_flows(&mut self.dp.maps, &newly_down) {
-                    Ok(0) => {}
-                    Ok(n) => {
-                        tracing::info!(flows = n, backends = ?newly_down, "moved UDP flows off unhealthy backends")
+                match gc::end_flows(&mut self.dp.maps, &gone) {
+                    Ok(ended) if ended.is_empty() => {}
+                    Ok(ended) => {
+                        let n: u64 = ended.values().sum();
+                        tracing::info!(
+                            connections = n,
+                            backends = ?gone,
+                            "ended the connections of backends that failed or left (UDP flows move, TCP clients \
+                             get a reset on their next segment)"
+                        );
+                        for (svc, n) in ended {
+                            *self.ended.entry(svc).or_default() += n;
+                        }
                     }
                     Err(e) => {
-                        tracing::warn!(error = %e, "moving UDP flows off unhealthy backends failed")
+                        tracing::warn!(error = %e, "ending the connections of failed backends failed")
                     }
                 }
             }
@@ -555,6 +590,7 @@ impl Agent {
                 stats,
                 active,
                 idle_expired: self.idle_expired.get(&idx).copied().unwrap_or(0),
+                ended: self.ended.get(&idx).copied().unwrap_or(0),
             });
         }
         let mut s = self.snapshot.write().unwrap();

@@ -174,6 +174,10 @@ struct Cli {
     /// Idle-flow collection period (seconds).
     #[arg(long, env = "LB_GC_INTERVAL", default_value_t = 10)]
     gc_interval: u64,
+    /// Period of the next-hop refresh (seconds): backends' MACs and interfaces re-resolved from the kernel's
+    /// routing and neighbour tables. Route changes are taken within a second anyway (watched over rtnetlink).
+    #[arg(long, env = "LB_NEIGHBOR_INTERVAL", default_value_t = 5)]
+    neighbor_interval: u64,
     /// Log format.
     #[arg(long, env = "LB_LOG_FORMAT", value_enum, default_value = "text")]
     log_format: LogFormat,
@@ -467,7 +471,7 @@ async fn main() -> Result<()> {
         .with_syn_rate(cli.syn_rate_limit, cli.syn_burst),
         snat_override: cli.snat_address,
         gc_interval: Duration::from_secs(cli.gc_interval.max(1)),
-        neighbor_interval: Duration::from_secs(5),
+        neighbor_interval: Duration::from_secs(cli.neighbor_interval.max(1)),
         detach_on_exit: false,
         ha: cli.ha()?,
     };

@@ -23,8 +23,8 @@ both_families! {
 use lb_agent::dataplane::model::Protocol;
 use lb_agent::dataplane::programmer::ip_to_addr;
 use lb_common::{
-    handshakes, stat, FlowAddr, FlowEvent, FlowKey, FLOW_F_FIN, FLOW_F_FORWARD, FLOW_F_REVERSE,
-    FLOW_F_RST, FLOW_F_SYN_ACK,
+    handshakes, stat, FlowAddr, FlowEvent, FlowKey, FLOW_F_END, FLOW_F_FIN, FLOW_F_FORWARD,
+    FLOW_F_REVERSE, FLOW_F_RST, FLOW_F_SYN_ACK,
 };
 use std::net::{IpAddr, Ipv4Addr};
 
@@ -589,6 +589,96 @@ both_families! {
         assert_eq!((a.dst, a.sport), (b.dst, b.sport));
         assert_eq!(h.svc_stats(&h.web(&[]).id).new_flows, 1);
         assert_eq!(h.flows().entries().unwrap().len(), 2);
+    }
+}
+
+/// Marks the connection from client port `sport` as ended by the agent (its backend failed or left) and, with
+/// `silent`, makes its backend's last segment old (past `END_SILENCE_NS`).
+fn end<F: Fam>(h: &mut Harness<F>, sport: u16, silent: bool) -> FlowKey<F::A> {
+    let key = h.key(sport, 6, WEB_PORT);
+    let mut f = h.flows().get(&key).unwrap().expect("connection exists");
+    f.flags |= FLOW_F_END;
+    h.dp.maps.set_flow(&key, &f).unwrap();
+    if silent {
+        let rkey = f.partner_key(6);
+        let mut r = h.flows().get(&rkey).unwrap().expect("reverse entry exists");
+        r.last_seen_ns = 1;
+        h.dp.maps.set_flow(&rkey, &r).unwrap();
+    }
+    key
+}
+
+both_families! {
+    fn the_clients_next_segment_of_an_ended_connection_is_answered_with_a_reset(h) {
+        h.apply(&[h.web(&[1])]);
+        open(h, 40300);
+        let key = end(h, 40300, true);
+        let (v, out) = h.run(&h.client_tcp(40300, ACK, b"into a dead backend"));
+        assert_eq!(v, Verdict::Tx, "back to the client");
+        let r = parse(&out);
+        assert_eq!((r.src, r.sport), (h.vip(), WEB_PORT));
+        assert_eq!((r.dst, r.dport), (h.client(), 40300));
+        assert_eq!((r.dst_mac, r.src_mac), (CLIENT_MAC, LB_MAC));
+        assert_eq!(r.tcp_flags, 0x04, "RST alone");
+        assert_eq!(
+            (r.seq, r.ack),
+            (SEQ + 1, 0),
+            "the reset's sequence number is what the client acknowledged: exactly what it accepts"
+        );
+        assert!(r.ip_csum_ok && r.l4_csum_ok, "{r:?}");
+        // Closed as by a client's reset: both entries left for the transient table.
+        assert!(h.flows().get(&key).unwrap().is_none());
+        let t = h.transient().get(&key).unwrap().unwrap().flow;
+        assert_eq!(t.flags & FLOW_F_RST, FLOW_F_RST);
+        assert_eq!(h.stat(stat::RESET_BACKEND_GONE), 1);
+        let s = h.svc_stats(&h.web(&[]).id);
+        assert_eq!(
+            (s.reset_backend_gone, s.rx_packets),
+            (1, 2),
+            "only the handshake's SYN and ACK went on"
+        );
+    }
+
+    fn a_reset_from_the_client_of_an_ended_connection_closes_it_unanswered(h) {
+        h.apply(&[h.web(&[1])]);
+        open(h, 40301);
+        let key = end(h, 40301, true);
+        assert_eq!(h.run(&h.client_tcp(40301, RST, b"")).0, Verdict::Drop);
+        assert!(h.flows().get(&key).unwrap().is_none());
+        assert_eq!(h.stat(stat::RESET_BACKEND_GONE), 0);
+    }
+
+    fn a_syn_on_an_ended_connection_opens_a_new_one(h) {
+        h.apply(&[h.web(&[1])]);
+        open(h, 40302);
+        let key = end(h, 40302, true);
+        open(h, 40302);
+        assert_eq!(h.flows().get(&key).unwrap().unwrap().flags & FLOW_F_END, 0);
+        assert_eq!(h.svc_stats(&h.web(&[]).id).new_flows, 2);
+        assert_eq!(h.stat(stat::RESET_BACKEND_GONE), 0);
+    }
+
+    fn an_ended_connection_goes_on_while_its_backend_answers(h) {
+        h.apply(&[h.web(&[1])]);
+        let syn = open(h, 40304);
+        let key = end(h, 40304, false);
+        // The backend's SYN-ACK just passed: it is not silent (a failing health check under load, a backend
+        // removed while it serves), so the client's segment goes on.
+        let (v, out) = h.run(&h.client_tcp(40304, ACK, b"still served"));
+        assert_eq!(v, Verdict::Tx);
+        let p = parse(&out);
+        assert_eq!((p.dst, p.dport, p.payload.as_slice()), (syn.dst, syn.dport, &b"still served"[..]));
+        assert_eq!(h.flows().get(&key).unwrap().unwrap().flags & FLOW_F_END, FLOW_F_END);
+        assert_eq!(h.stat(stat::RESET_BACKEND_GONE), 0);
+    }
+
+    fn the_backends_segments_of_an_ended_connection_still_reach_the_client(h) {
+        h.apply(&[h.web(&[1])]);
+        let p = open(h, 40303);
+        end(h, 40303, true);
+        let (v, out) = h.run(&reply_tcp(&p, ACK, b"last words"));
+        assert_eq!(v, Verdict::Tx);
+        assert_eq!(parse(&out).payload, b"last words");
     }
 }
 

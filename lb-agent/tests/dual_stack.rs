@@ -7,8 +7,8 @@ use lb_agent::dataplane::model::{Protocol, ServiceId, ServiceSpec};
 use lb_agent::dataplane::programmer::{ip_to_addr, service_key, Programmer};
 use lb_agent::dataplane::{Dataplane, MapSizes};
 use lb_common::{
-    Addr, FlowKeyV4, FlowKeyV6, FlowV4, FlowV6, In6, TransientV6, FAMILY_V6, FLOW_F_FIN,
-    FLOW_F_FORWARD, FLOW_F_REVERSE, PROTO_TCP, PROTO_UDP, SVC_F_SOURCE_RANGES,
+    Addr, FlowKeyV4, FlowKeyV6, FlowV4, FlowV6, In6, TransientV6, FAMILY_V6, FLOW_F_END,
+    FLOW_F_FIN, FLOW_F_FORWARD, FLOW_F_REVERSE, PROTO_TCP, PROTO_UDP, SVC_F_SOURCE_RANGES,
 };
 use std::collections::{BTreeSet, HashMap};
 use std::net::{IpAddr, Ipv6Addr, SocketAddr};
@@ -274,7 +274,7 @@ fn the_gc_expires_idle_ipv6_connections_keeps_busy_ones_and_rebuilds_the_filter(
 }
 
 #[test]
-fn udp_flush_and_next_hop_changes_reach_ipv6_flows() {
+fn ending_a_backends_flows_and_next_hop_changes_reach_ipv6_flows() {
     let mut dp = load();
     let now = now_ns();
     let udp = connection(PROTO_UDP, 5353, now, 60);
@@ -299,17 +299,34 @@ fn udp_flush_and_next_hop_changes_reach_ipv6_flows() {
         "reverse entries go to the client side"
     );
 
-    let dead: BTreeSet<SocketAddr> = [SocketAddr::new(
-        IpAddr::V6(NODE.parse::<Ipv6Addr>().unwrap()),
-        30443,
-    )]
-    .into();
-    assert_eq!(gc::flush_udp_flows(&mut dp.maps, &dead).unwrap(), 1);
+    let node = SocketAddr::new(IpAddr::V6(NODE.parse::<Ipv6Addr>().unwrap()), 30443);
+    // The TCP backend stays healthy: only the UDP flow ends (a NodePort may serve both protocols).
+    let dead: BTreeSet<(Protocol, SocketAddr)> = [(Protocol::Udp, node)].into();
+    let ended = gc::end_flows(&mut dp.maps, &dead).unwrap();
+    assert_eq!(ended.values().sum::<u64>(), 1);
     assert!(dp.maps.flows_v6.get(&udp[0].0).unwrap().is_none());
     assert!(dp.maps.flows_v6.get(&udp[1].0).unwrap().is_none());
-    assert!(
-        dp.maps.flows_v6.get(&tcp[0].0).unwrap().is_some(),
-        "TCP flows stay"
+    let fwd = dp.maps.flows_v6.get(&tcp[0].0).unwrap().unwrap();
+    assert_eq!(fwd.flags & FLOW_F_END, 0, "the TCP connection stays");
+    // Now the TCP backend fails too: its connection is marked for a reset, its entries stay until then.
+    let dead: BTreeSet<(Protocol, SocketAddr)> = [(Protocol::Tcp, node)].into();
+    assert_eq!(
+        gc::end_flows(&mut dp.maps, &dead)
+            .unwrap()
+            .values()
+            .sum::<u64>(),
+        1
+    );
+    let fwd = dp.maps.flows_v6.get(&tcp[0].0).unwrap().unwrap();
+    assert_eq!(fwd.flags & FLOW_F_END, FLOW_F_END);
+    assert!(dp.maps.flows_v6.get(&tcp[1].0).unwrap().is_some());
+    assert_eq!(
+        gc::end_flows(&mut dp.maps, &dead)
+            .unwrap()
+            .values()
+            .sum::<u64>(),
+        0,
+        "a marked connection is not counted twice"
     );
     assert_eq!(gc::flow_ip(raw(NODE)), NODE.parse::<IpAddr>().unwrap());
 }

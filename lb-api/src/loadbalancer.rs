@@ -278,12 +278,22 @@ pub struct LoadBalancerEndpoint {
     /// Addresses of the endpoint (IPv4 and/or IPv6; the agent also accepts DNS names).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub addresses: Option<Vec<String>>,
+    /// The node is going away but still serves (an extension of yawol's schema): it takes no new connections,
+    /// and its established ones stay until they close, whatever its health checks say. A backend that fails
+    /// its checks or leaves the list without draining has its connections ended (TCP clients get a reset).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub draining: Option<bool>,
 }
 
 impl LoadBalancerEndpoint {
     /// The addresses (empty when unset).
     pub fn addresses(&self) -> &[String] {
         self.addresses.as_deref().unwrap_or_default()
+    }
+
+    /// Whether the node is draining (see [`Self::draining`]).
+    pub fn is_draining(&self) -> bool {
+        self.draining.unwrap_or(false)
     }
 }
 

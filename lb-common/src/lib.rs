@@ -13,7 +13,7 @@
 
 /// Bumped whenever a pinned map's key or value layout changes. The agent pins maps under a directory named
 /// after it, so an upgrade with a new layout starts with fresh maps instead of misreading old ones.
-pub const LAYOUT_VERSION: u32 = 7;
+pub const LAYOUT_VERSION: u32 = 8;
 
 /// IP protocol number of TCP.
 pub const PROTO_TCP: u8 = 6;
@@ -253,6 +253,17 @@ pub const FLOW_F_SYNCED: u8 = 1 << 4;
 /// Reverse entry of a TCP handshake in `TRANSIENT_V4`: the backend's SYN-ACK passed, and
 /// [`TransientV4::ack_be`] holds the acknowledgement number the client's ACK must carry.
 pub const FLOW_F_SYN_ACK: u8 = 1 << 5;
+
+/// Forward entry of a TCP connection the agent ended (its backend failed its checks or left the service, and is
+/// not draining): once the backend is silent on it ([`END_SILENCE_NS`]), the client's next segment is answered
+/// with a RST, and the connection closes as if the client had reset it.
+pub const FLOW_F_END: u8 = 1 << 6;
+
+/// How long the backend of an ended connection must have sent nothing on it before the client gets the reset
+/// (ns). Until then the backend still answers — a health check failing under load, a backend removed while it
+/// serves — and the connection goes on: the reset replaces silence, never a working exchange. The reverse
+/// entry's timestamp moves once a second, so the silence seen is 2–3 s.
+pub const END_SILENCE_NS: u64 = 2_000_000_000;
 
 /// Idle timeout of a TCP flow once FIN or RST was seen (seconds): long enough for the last ACKs and
 /// retransmissions, short enough to release the SNAT port soon.
@@ -692,6 +703,8 @@ pub struct ServiceStats {
     /// SYNs dropped by the new-handshake rate guard (over [`Config::syn_interval_ns`]'s rate, from a source that
     /// never completed a handshake here).
     pub drop_syn_rate: u64,
+    /// Clients reset because their connection's backend failed or left (see [`FLOW_F_END`]).
+    pub reset_backend_gone: u64,
 }
 
 /// Indices of the global per-CPU `STATS` array (`u64` each). Forwarded packets and bytes are counted per
@@ -752,8 +765,10 @@ pub mod stat {
     pub const PASS_IPV6_EXT: u32 = 24;
     /// Passed: an IPv6 frame when the IPv6 program could not be reached (its tail call failed).
     pub const PASS_NO_IPV6_PROGRAM: u32 = 25;
+    /// RSTs sent to clients whose connection's backend failed or left (see [`super::FLOW_F_END`]).
+    pub const RESET_BACKEND_GONE: u32 = 26;
     /// Number of counters.
-    pub const COUNT: u32 = 26;
+    pub const COUNT: u32 = 27;
 
     /// Names for metrics and logs, by index.
     pub const NAMES: [&str; COUNT as usize] = [
@@ -783,6 +798,7 @@ pub mod stat {
         "ipv6_ext_headers",
         "pass_ipv6_ext",
         "pass_no_ipv6_program",
+        "reset_backend_gone",
     ];
 }
 
@@ -1001,7 +1017,7 @@ mod tests {
         assert_eq!(size_of::<TransientV6>(), 152);
         assert_eq!(size_of::<FlowEventV6>(), 192);
         assert_eq!(size_of::<KernelEvent>(), 32);
-        assert_eq!(size_of::<ServiceStats>(), 120);
+        assert_eq!(size_of::<ServiceStats>(), 128);
         assert_eq!(size_of::<Config>(), 28);
         assert_eq!(stat::NAMES.len(), stat::COUNT as usize);
     }

@@ -604,8 +604,9 @@ async fn node_readiness_termination_and_meltdown() {
         vec![],
     )
     .await;
+    // Still Ready: it drains (no new connections, the established ones finish) instead of vanishing.
     h.wait_lb(LB, "autoscaler taint", |lb| {
-        endpoint_names(lb) == ["node-c"]
+        endpoint_names(lb) == ["node-a (draining)", "node-c"]
     })
     .await;
 
@@ -620,23 +621,36 @@ async fn node_readiness_termination_and_meltdown() {
     // No non-terminating node is Ready now: meltdown protection keeps node-b (NotReady but not
     // terminating) instead of emptying the endpoints.
     h.wait_lb(LB, "meltdown protection", |lb| {
-        endpoint_names(lb) == ["node-b"]
+        endpoint_names(lb) == ["node-a (draining)", "node-b", "node-c (draining)"]
     })
     .await;
 
     h.put_node("node-d", "True", &["10.0.0.4"]).await;
-    h.wait_lb(LB, "ready node back", |lb| endpoint_names(lb) == ["node-d"])
-        .await;
-
-    h.put_node("node-d", "True", &["10.0.0.40"]).await;
-    h.wait_lb(LB, "address change", |lb| {
-        lb.spec.endpoints()[0].addresses() == ["10.0.0.40"]
+    h.wait_lb(LB, "ready node back", |lb| {
+        endpoint_names(lb) == ["node-a (draining)", "node-c (draining)", "node-d"]
     })
     .await;
 
+    h.put_node("node-d", "True", &["10.0.0.40"]).await;
+    h.wait_lb(LB, "address change", |lb| {
+        lb.spec.endpoints()[2].addresses() == ["10.0.0.40"]
+    })
+    .await;
+
+    // A draining node that stops being Ready leaves the list (its connections end).
+    h.put_node_with(
+        "node-a",
+        "False",
+        &["10.0.0.1"],
+        json!({"taints": [{"key": "ToBeDeletedByClusterAutoscaler", "effect": "NoSchedule"}]}),
+        vec![],
+    )
+    .await;
     h.delete_node("node-d").await;
-    h.wait_lb(LB, "node deleted", |lb| endpoint_names(lb) == ["node-b"])
-        .await;
+    h.wait_lb(LB, "node deleted", |lb| {
+        endpoint_names(lb) == ["node-b", "node-c (draining)"]
+    })
+    .await;
     h.stop().await;
 }
 

@@ -5,7 +5,8 @@
 use aya_ebpf::bindings::BPF_NOEXIST;
 use lb_common::{
     stat, Config, Flow, FlowEvent, FlowKey, Service, Transient, CFG_F_SYNC_EVENTS, FLOW_EV_CLOSE,
-    FLOW_EV_NEW, FLOW_F_FIN, FLOW_F_RST, FLOW_F_SYNCED, PROTO_TCP, TCP_CLOSING_TIMEOUT_S,
+    FLOW_EV_NEW, FLOW_F_END, FLOW_F_FIN, FLOW_F_RST, FLOW_F_SYNCED, PROTO_TCP,
+    TCP_CLOSING_TIMEOUT_S,
 };
 
 use crate::{
@@ -16,6 +17,7 @@ use crate::{
     maps::{count, with_service_stats},
     nat::{forward, Target},
     packet::L4Pkt,
+    reset,
     snat::alloc_snat_port,
 };
 
@@ -90,6 +92,10 @@ pub fn established<C: Ctx, F: Family>(
     fl: &mut Flow<F::A>,
     now: u64,
 ) -> Verdict {
+    // Only ever on a TCP connection's forward entry: its backend failed or left.
+    if fl.flags & FLOW_F_END != 0 && reset::backend_silent::<F>(fl, now) {
+        return reset::end(c, cfg, p, fl, now);
+    }
     let closed = track::<F>(cfg, &p.key, fl, p.key.proto, p.tcp_flags, now);
     let v = forward(c, p, fl);
     if closed {
@@ -146,7 +152,7 @@ pub fn publish<F: Family>(
 /// Updates a flow entry's timestamp (at most once a second, to spare the shared cache line) and TCP state.
 /// Returns whether this packet closed the connection: a RST, or a FIN when the other direction already sent one.
 #[inline(always)]
-fn track<F: Family>(
+pub fn track<F: Family>(
     cfg: &Config,
     key: &FlowKey<F::A>,
     fl: &mut Flow<F::A>,

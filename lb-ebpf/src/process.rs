@@ -6,8 +6,8 @@
 
 use aya_ebpf::helpers::bpf_ktime_get_coarse_ns;
 use lb_common::{
-    stat, Addr, Config, Flow, FlowAddr, Service, ServiceKey, CFG_F_CHECK_DST_MAC, FLOW_F_FIN,
-    FLOW_F_FORWARD, FLOW_F_RST, PROTO_ICMP, PROTO_TCP, PROTO_UDP,
+    stat, Addr, Config, Flow, FlowAddr, Service, ServiceKey, CFG_F_CHECK_DST_MAC, FLOW_F_END,
+    FLOW_F_FIN, FLOW_F_FORWARD, FLOW_F_RST, PROTO_ICMP, PROTO_TCP, PROTO_UDP,
 };
 
 use crate::{
@@ -186,9 +186,9 @@ pub(crate) fn l4<C: Ctx, F: Family>(c: &C, cfg: &Config, p: &L4Pkt<F>) -> Verdic
     if let Some(fp) = lookup.then(|| F::flows().get_ptr_mut(key)).flatten() {
         let fl = unsafe { &mut *fp };
         let forward = fl.flags & FLOW_F_FORWARD != 0;
-        // A SYN on a closing flow opens a new connection on a reused client port; an idle-expired forward
-        // entry no longer counts. Reverse entries never decide: replies follow whatever state exists.
-        let closing_syn = syn && fl.flags & (FLOW_F_FIN | FLOW_F_RST) != 0;
+        // A SYN on a closing (or ended) flow opens a new connection on a reused client port; an idle-expired
+        // forward entry no longer counts. Reverse entries never decide: replies follow whatever state exists.
+        let closing_syn = syn && fl.flags & (FLOW_F_FIN | FLOW_F_RST | FLOW_F_END) != 0;
         if !forward || !(closing_syn || conntrack::expired::<F>(fl, proto, now)) {
             return conntrack::established(c, cfg, p, fl, now);
         }

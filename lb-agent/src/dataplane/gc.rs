@@ -2,12 +2,14 @@
 //! connections and idle expiries per service, and watches the table's fill level.
 
 use crate::dataplane::maps::Table;
+use crate::dataplane::model::Protocol;
 use crate::dataplane::programmer::addr_to_ip;
 use crate::dataplane::Maps;
 use anyhow::Result;
 use lb_common::{
     Addr, Flow, FlowAddr, FlowEvent, FlowEventV4, FlowEventV6, FlowKey, FlowKeyV4, FlowV4,
-    Transient, FAMILY_V4, FLOW_EV_REFRESH, FLOW_F_FORWARD, FLOW_F_SYNCED,
+    Transient, FAMILY_V4, FLOW_EV_REFRESH, FLOW_F_END, FLOW_F_FORWARD, FLOW_F_SYNCED, PROTO_TCP,
+    PROTO_UDP,
 };
 use std::collections::{BTreeSet, HashMap, HashSet};
 use std::net::{IpAddr, SocketAddr};
@@ -169,33 +171,52 @@ pub fn flow_ip<A: FlowAddr>(a: A) -> IpAddr {
     addr_to_ip(&a.to_addr(), A::FAMILY == FAMILY_V4)
 }
 
-/// Deletes the UDP flows (both entries, both families) that go to one of `backends`, so their next datagram
-/// picks a healthy backend instead of following conntrack to a dead one until the idle timeout. TCP flows are
-/// left alone: a dead backend answers them with a RST (or they time out), which tells the client to reconnect.
-/// Returns the number of flows moved.
-pub fn flush_udp_flows(maps: &mut Maps, backends: &BTreeSet<SocketAddr>) -> Result<u64> {
-    if backends.is_empty() {
-        return Ok(0);
+/// Ends the connections (both families) that go to one of `backends` — (protocol, node:NodePort) pairs that
+/// failed their checks or left the service without draining — and returns how many per service id. A UDP flow is
+/// deleted, both entries: its next datagram picks a live backend (a UDP flow has no handshake to lose). A TCP
+/// connection's forward entry is marked [`FLOW_F_END`]: the data plane answers the client's next segment with a
+/// RST instead of forwarding it into silence (the entries stay until then, or until they idle out).
+pub fn end_flows(
+    maps: &mut Maps,
+    backends: &BTreeSet<(Protocol, SocketAddr)>,
+) -> Result<HashMap<u32, u64>> {
+    let mut ended = HashMap::new();
+    if !backends.is_empty() {
+        end_in(&mut maps.flows, backends, &mut ended)?;
+        end_in(&mut maps.flows_v6, backends, &mut ended)?;
     }
-    Ok(flush_udp(&mut maps.flows, backends)? + flush_udp(&mut maps.flows_v6, backends)?)
+    Ok(ended)
 }
 
-fn flush_udp<A: FlowAddr>(
+fn end_in<A: FlowAddr>(
     table: &mut Table<FlowKey<A>, Flow<A>>,
-    backends: &BTreeSet<SocketAddr>,
-) -> Result<u64> {
+    backends: &BTreeSet<(Protocol, SocketAddr)>,
+    ended: &mut HashMap<u32, u64>,
+) -> Result<()> {
     let mut gone = Vec::new();
-    for (k, f) in table.entries()? {
-        if k.proto != lb_common::PROTO_UDP || f.flags & FLOW_F_FORWARD == 0 {
+    for (k, mut f) in table.entries()? {
+        if f.flags & (FLOW_F_FORWARD | FLOW_F_END) != FLOW_F_FORWARD {
             continue;
         }
+        let protocol = match k.proto {
+            PROTO_TCP => Protocol::Tcp,
+            PROTO_UDP => Protocol::Udp,
+            _ => continue,
+        };
         let to = SocketAddr::new(flow_ip(f.new_dst), u16::from_be(f.new_dport));
-        if backends.contains(&to) {
-            gone.extend([k, f.partner_key(k.proto)]);
+        if !backends.contains(&(protocol, to)) {
+            continue;
         }
+        if protocol == Protocol::Udp {
+            gone.extend([k, f.partner_key(k.proto)]);
+        } else {
+            f.flags |= FLOW_F_END;
+            table.insert(&k, &f)?;
+        }
+        *ended.entry(f.svc_id).or_default() += 1;
     }
     table.remove_many(&gone)?;
-    Ok(gone.len() as u64 / 2)
+    Ok(())
 }
 
 /// A backend's next hop that changed: its new MAC, and its new egress slot when its interface changed too.

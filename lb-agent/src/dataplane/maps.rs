@@ -325,6 +325,7 @@ impl CpuTotal for ServiceStats {
         self.handshakes += s.handshakes;
         self.drop_handshake += s.drop_handshake;
         self.drop_syn_rate += s.drop_syn_rate;
+        self.reset_backend_gone += s.reset_backend_gone;
     }
 }
 

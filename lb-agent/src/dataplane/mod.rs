@@ -11,6 +11,7 @@ pub mod maps;
 pub mod model;
 pub mod neighbor;
 pub mod programmer;
+pub mod route_events;
 
 pub use maps::Maps;
 

@@ -24,6 +24,9 @@ pub struct ServiceMetrics {
     pub active: u64,
     /// Connections expired for idleness since the agent started.
     pub idle_expired: u64,
+    /// Connections the agent ended since it started because their backend failed its checks or left without
+    /// draining (UDP flows moved, TCP connections marked for a reset).
+    pub ended: u64,
 }
 
 /// Everything the endpoints show, replaced as a whole by the agent loop.
@@ -377,6 +380,12 @@ impl Collector for SnapshotCollector {
         )?;
         counter(
             &mut enc,
+            "lb_upstream_cx_ended_backend_gone",
+            "Connections ended because their backend failed its checks or left without draining (UDP flows moved to a live backend, TCP connections marked: the client's next segment gets a reset).",
+            &svc(&|m| m.ended),
+        )?;
+        counter(
+            &mut enc,
             "lb_client_packets",
             "Packets client to backend.",
             &svc(&|m| m.stats.rx_packets),
@@ -422,6 +431,12 @@ impl Collector for SnapshotCollector {
             "lb_drop_syn_rate",
             "SYNs dropped by the new-handshake rate guard (over the rate, from a source that never completed a handshake).",
             &svc(&|m| m.stats.drop_syn_rate),
+        )?;
+        counter(
+            &mut enc,
+            "lb_reset_backend_gone",
+            "Clients answered with a RST because their connection's backend failed its checks or left the service (not draining).",
+            &svc(&|m| m.stats.reset_backend_gone),
         )?;
         counter(
             &mut enc,
@@ -661,6 +676,7 @@ mod tests {
                 },
                 active: 3,
                 idle_expired: 1,
+                ended: 0,
             }],
             dataplane: vec![("drop_malformed", 2)],
             backends: vec![(Protocol::Tcp, "10.0.0.11:30080".parse().unwrap(), true)],
@@ -709,6 +725,7 @@ mod tests {
             },
             active: 2,
             idle_expired: 0,
+            ended: 0,
         };
         let mut dual = snap.clone();
         dual.services.push(v6);

@@ -108,6 +108,8 @@ pub struct DesiredConfig {
     /// Whether this machine belongs to the newest revision of the load balancer (its VRRP priority gets a
     /// bonus); `None`: unknown (file mode).
     pub newest_revision: Option<bool>,
+    /// Addresses of draining endpoints (`draining: true`): they take no new flows and keep their connections.
+    pub draining: BTreeSet<IpAddr>,
     /// Accepted, but worth an operator's look (an endpoint without an address of a VIP's family, an
     /// allow-list without a range of a VIP's family); logged, and in Kubernetes mode reported as Events.
     pub warnings: Vec<String>,
@@ -152,20 +154,47 @@ pub fn udp_backend_healthy(b: &SocketAddr, health: &HealthMap) -> bool {
 }
 
 impl DesiredConfig {
-    /// The services as they must be in the maps now: configured backends minus unhealthy ones.
+    /// The services as they must be in the maps now: configured backends minus unhealthy and draining ones.
     pub fn effective(&self, health: &HealthMap) -> Vec<ServiceSpec> {
         self.services
             .iter()
             .map(|s| {
                 let mut s = s.clone();
                 let protocol = s.id.protocol;
-                s.backends.retain(|b| match health.get(&(protocol, *b)) {
-                    Some(up) => *up,
-                    None => protocol == Protocol::Tcp || udp_backend_healthy(b, health),
+                s.backends.retain(|b| {
+                    !self.draining.contains(&b.ip()) && backend_healthy(protocol, b, health)
                 });
                 s
             })
             .collect()
+    }
+
+    /// The backends whose connections stay: the healthy ones, and the draining ones whatever their checks say (a
+    /// node being drained may fail them on purpose, as kube-proxy's health check does on a node the autoscaler
+    /// removes). A backend that leaves this set has its connections ended (`gc::end_flows`).
+    pub fn serving(&self, health: &HealthMap) -> BTreeSet<(Protocol, SocketAddr)> {
+        self.services
+            .iter()
+            .flat_map(|s| s.backends.iter().map(|b| (s.id.protocol, *b)))
+            .filter(|(p, b)| self.draining.contains(&b.ip()) || backend_healthy(*p, b, health))
+            .collect()
+    }
+
+    /// Every configured backend with its service's protocol.
+    pub fn all_backends(&self) -> BTreeSet<(Protocol, SocketAddr)> {
+        self.services
+            .iter()
+            .flat_map(|s| s.backends.iter().map(|b| (s.id.protocol, *b)))
+            .collect()
+    }
+}
+
+/// Whether a backend passes its checks: its own when it has any, else a TCP backend counts as healthy (not
+/// checked yet) and a UDP one follows its node ([`udp_backend_healthy`]).
+fn backend_healthy(protocol: Protocol, b: &SocketAddr, health: &HealthMap) -> bool {
+    match health.get(&(protocol, *b)) {
+        Some(up) => *up,
+        None => protocol == Protocol::Tcp || udp_backend_healthy(b, health),
     }
 }
 
@@ -254,6 +283,7 @@ fn checked(
         }
     }
     // Endpoint addresses by node, both families.
+    let mut draining = BTreeSet::new();
     let mut nodes: Vec<(String, Vec<IpAddr>)> = Vec::new();
     for (i, ep) in endpoints.iter().enumerate() {
         let mut ips = Vec::new();
@@ -265,6 +295,9 @@ fn checked(
                     ep.name
                 )),
             }
+        }
+        if ep.is_draining() {
+            draining.extend(ips.iter().copied());
         }
         nodes.push((format!("endpoints[{i}] ({})", ep.name), ips));
     }
@@ -389,6 +422,7 @@ fn checked(
         health_check,
         sync_peers: None,
         newest_revision: None,
+        draining,
         warnings,
     })
 }
@@ -518,6 +552,36 @@ options:
             tcp.source_ranges,
             vec!["10.0.0.0/8".parse::<IpNet>().unwrap()]
         );
+    }
+
+    #[test]
+    fn a_draining_endpoint_takes_no_new_flows_and_keeps_serving_whatever_its_checks_say() {
+        let c: LocalConfig = serde_yaml::from_str(
+            "vip: 10.0.0.1\nports: [{port: 80, nodePort: 30080}, {port: 53, protocol: UDP, nodePort: 30053}]\n\
+             endpoints: [{name: a, addresses: [10.0.0.11]}, {name: b, addresses: [10.0.0.12], draining: true}]\n",
+        )
+        .unwrap();
+        let cfg = DesiredConfig::try_from(&c).unwrap();
+        let a = |port| SocketAddr::from(([10, 0, 0, 11], port));
+        let b = |port| SocketAddr::from(([10, 0, 0, 12], port));
+        // Both fail their TCP checks: a stops serving, b (draining) keeps its connections.
+        let health: HealthMap = [
+            ((Protocol::Tcp, a(30080)), false),
+            ((Protocol::Tcp, b(30080)), false),
+        ]
+        .into();
+        let services = cfg.effective(&health);
+        assert!(
+            services.iter().all(|s| s.backends.is_empty()),
+            "{services:?}"
+        );
+        assert_eq!(
+            cfg.serving(&health),
+            [(Protocol::Tcp, b(30080)), (Protocol::Udp, b(30053))].into()
+        );
+        assert_eq!(cfg.all_backends().len(), 4);
+        let healthy = cfg.effective(&HealthMap::new());
+        assert_eq!(healthy[0].backends, [a(30080)], "no new flows to b");
     }
 
     #[test]

@@ -1,10 +1,12 @@
 //! Node → endpoint selection (pure): which nodes receive traffic and with which addresses.
 //!
-//! Rules (yawol's, PR #341/#382/#386):
+//! Rules (yawol's, PR #341/#382/#386, and draining):
 //! - a node is *terminating* when it has a deletion timestamp, the cluster-autoscaler taint
 //!   `ToBeDeletedByClusterAutoscaler`, or a `Terminating=True` condition; terminating nodes never
-//!   receive traffic;
-//! - endpoints are the non-terminating nodes whose `Ready` condition is `True`;
+//!   receive new connections;
+//! - endpoints are the non-terminating nodes whose `Ready` condition is `True`, and the terminating ones
+//!   that are still Ready as *draining* endpoints: the agent sends them no new connections and lets their
+//!   established ones finish (a node that simply vanished from the list would have its connections reset);
 //! - meltdown protection: if *no* non-terminating node is Ready (e.g. the control plane lost
 //!   contact with every kubelet), all non-terminating nodes are kept instead of an empty list;
 //! - addresses are the node's `InternalIP`s, filtered by the Service's `ipFamilies`.
@@ -71,17 +73,23 @@ pub fn endpoints_for<'a>(
     nodes: impl IntoIterator<Item = &'a Node>,
     ip_families: &[String],
 ) -> Vec<LoadBalancerEndpoint> {
-    let candidates: Vec<&Node> = nodes.into_iter().filter(|n| !is_terminating(n)).collect();
-    let any_ready = candidates.iter().any(|n| is_ready(n));
-    let mut endpoints: Vec<LoadBalancerEndpoint> = candidates
+    let nodes: Vec<&Node> = nodes.into_iter().collect();
+    let any_ready = nodes.iter().any(|n| !is_terminating(n) && is_ready(n));
+    let mut endpoints: Vec<LoadBalancerEndpoint> = nodes
         .into_iter()
-        // Meltdown protection: with no Ready node at all, keep every non-terminating node.
-        .filter(|n| !any_ready || is_ready(n))
         .filter_map(|node| {
+            let draining = is_terminating(node);
+            let serves = if draining {
+                is_ready(node)
+            } else {
+                // Meltdown protection: with no Ready node at all, keep every non-terminating node.
+                !any_ready || is_ready(node)
+            };
             let addresses = node_addresses(node, ip_families);
-            (!addresses.is_empty()).then(|| LoadBalancerEndpoint {
+            (serves && !addresses.is_empty()).then(|| LoadBalancerEndpoint {
                 name: node.metadata.name.clone().unwrap_or_default(),
                 addresses: Some(addresses),
+                draining: draining.then_some(true),
             })
         })
         .collect();
@@ -149,7 +157,7 @@ mod tests {
     }
 
     #[test]
-    fn terminating_nodes_are_excluded() {
+    fn terminating_nodes_still_ready_are_draining_endpoints() {
         let mut tainted = node("tainted", "True", &["10.0.0.1"]);
         tainted.spec = Some(
             serde_json::from_value(
@@ -174,8 +182,12 @@ mod tests {
                 k8s_openapi::jiff::Timestamp::UNIX_EPOCH,
             ));
         let healthy = node("healthy", "True", &["10.0.0.4"]);
-        let eps = endpoints_for([&tainted, &condition, &deleting, &healthy], &[]);
-        assert_eq!(names(&eps), ["healthy"]);
+        let mut gone = node("gone", "False", &["10.0.0.5"]);
+        gone.spec = tainted.spec.clone();
+        let eps = endpoints_for([&tainted, &condition, &deleting, &healthy, &gone], &[]);
+        assert_eq!(names(&eps), ["condition", "deleting", "healthy", "tainted"]);
+        let draining: Vec<bool> = eps.iter().map(|e| e.is_draining()).collect();
+        assert_eq!(draining, [true, true, false, true]);
     }
 
     #[test]

@@ -118,15 +118,19 @@ where
         families.retain(|f| f == IPV4);
     }
 
-    // Only nodes that would receive traffic count (ready, not terminating), and only when there are some: a
+    // Only nodes that would receive new traffic count (ready, not terminating), and only when there are some: a
     // cluster without nodes yet gets every family it asks for.
-    let receiving = endpoints::endpoints_for(nodes.clone(), &[]).len();
+    let receiving = |families: &[String]| {
+        endpoints::endpoints_for(nodes.clone(), families)
+            .iter()
+            .filter(|e| !e.is_draining())
+            .count()
+    };
+    let any = receiving(&[]);
     let missing: Vec<&str> = families
         .iter()
         .map(String::as_str)
-        .filter(|f| {
-            receiving > 0 && endpoints::endpoints_for(nodes.clone(), &[f.to_string()]).is_empty()
-        })
+        .filter(|f| any > 0 && receiving(&[f.to_string()]) == 0)
         .collect();
     // No node count in the text: the message (event and condition) would change with every node added.
     let lacks =

@@ -713,6 +713,14 @@ pub async fn wait_within(what: &str, timeout: Duration, mut condition: impl FnMu
     }
 }
 
+/// The endpoints' names, a draining one as `name (draining)`.
 pub fn endpoint_names(lb: &LoadBalancer) -> Vec<String> {
-    lb.spec.endpoints().iter().map(|e| e.name.clone()).collect()
+    lb.spec
+        .endpoints()
+        .iter()
+        .map(|e| match e.is_draining() {
+            true => format!("{} (draining)", e.name),
+            false => e.name.clone(),
+        })
+        .collect()
 }

@@ -345,8 +345,21 @@ fn a_dead_backend_gets_no_new_flows_and_others_are_untouched() {
     }
 }
 
+/// `yaml` with backend `i`'s endpoint marked draining.
+fn draining(r: &Rig, yaml: &str, i: usize) -> String {
+    let ip = r.topo.ip(Host::Backend(i)).to_string();
+    yaml.lines()
+        .map(|l| match l.contains(&format!("addresses: [{ip}")) {
+            true => l.replace("]}", "], draining: true}"),
+            false => l.to_string(),
+        })
+        .collect::<Vec<_>>()
+        .join("\n")
+        + "\n"
+}
+
 #[test]
-fn backends_added_and_removed_under_long_lived_connections() {
+fn backends_join_drain_and_fail_under_long_lived_connections() {
     let r = rig(|c| {
         c.backends = 4;
         c.configured_backends = 3;
@@ -361,26 +374,75 @@ fn backends_added_and_removed_under_long_lived_connections() {
             "--udp",
             &udp,
             "--udp-flows",
-            "50",
+            "60",
             "--interval-ms",
             "50",
+            // Long enough for a TCP client's retransmissions to meet the reset, and for a UDP flow's resent
+            // datagrams (every 300 ms, as a DNS client would) to find its new backend.
+            "--timeout-ms",
+            "30000",
+            "--udp-retry-ms",
+            "300",
         ])
         .unwrap();
-    for backends in [vec![1, 2, 3, 4], vec![1, 3, 4], vec![2, 3], vec![1, 2, 3]] {
-        r.update_config(&r.config_yaml(&backends, "")).unwrap();
-        std::thread::sleep(Duration::from_millis(500));
-    }
-    let held = hold.stop().unwrap();
-    assert_eq!(
-        held.broken,
-        0,
-        "{:?}",
-        held.connections
-            .iter()
-            .filter(|c| c.broken)
-            .collect::<Vec<_>>()
+    // Backend 4 joins; backend 2 drains (no new connections, its own stay); backend 3 fails silently (its
+    // link goes down, as a crashed node's).
+    let all = r.config_yaml(&[1, 2, 3, 4], "");
+    r.update_config(&all).unwrap();
+    std::thread::sleep(Duration::from_millis(500));
+    r.update_config(&draining(&r, &all, 2)).unwrap();
+    std::thread::sleep(Duration::from_millis(500));
+    r.topo.set_link(Host::Backend(3), false).unwrap();
+    // Every TCP connection the agent ended gets its reset at the client's next retransmission.
+    let tcp_label = "protocol=\"TCP\"";
+    wait_until(
+        "backend 3's TCP connections reset",
+        Duration::from_secs(30),
+        || {
+            let ended = r
+                .metric("lb_upstream_cx_ended_backend_gone_total", tcp_label)
+                .unwrap();
+            ended > 0.0 && r.metric("lb_reset_backend_gone_total", tcp_label).unwrap() == ended
+        },
     );
-    assert_eq!(held.established, 250);
+    std::thread::sleep(Duration::from_secs(1));
+    let held = hold.stop().unwrap();
+    assert_eq!(held.established, 260);
+    let on = |c: &lb_testbed::hold::HeldConnection, b: &str| c.backend.as_deref() == Some(b);
+    let (mut reset, mut moved) = (0, 0);
+    for c in &held.connections {
+        match (c.proto.as_str(), on(c, "backend-3")) {
+            // The client got a RST: an error at its next retransmission, not a timeout after silence.
+            ("tcp", true) => {
+                assert_eq!(c.error.as_deref(), Some("reset"), "{c:?}");
+                reset += 1;
+            }
+            // Its flow moved to a live backend that is not draining.
+            ("udp", true) => {
+                assert!(!c.broken, "{c:?}");
+                let now = c.backends_seen.last().map(String::as_str);
+                assert!(matches!(now, Some("backend-1" | "backend-4")), "{c:?}");
+                moved += 1;
+            }
+            // Everything else, the draining backend's connections included, untouched.
+            _ => {
+                assert!(!c.broken, "{c:?}");
+                assert_eq!(c.backend_changes, 0, "{c:?}");
+            }
+        }
+    }
+    assert!(reset > 0 && moved > 0, "{reset} reset, {moved} moved");
+    let ended = r
+        .metric("lb_upstream_cx_ended_backend_gone_total", "")
+        .unwrap();
+    assert_eq!(ended as usize, reset + moved);
+    // New connections avoid the draining backend and the failed one.
+    let rep = r.load(&["--tcp", &tcp, "--connections", "100"]).unwrap();
+    let per = &rep.tcp.as_ref().unwrap().per_backend;
+    assert!(
+        per.keys().all(|b| b == "backend-1" || b == "backend-4"),
+        "{per:?}"
+    );
 }
 
 #[test]

@@ -2,8 +2,9 @@
 //! namespace and in each backend's. Every backend announces a service address of its own (a /32 on its loopback,
 //! as BGP-speaking nodes do) over BGP; the load balancer's BIRD installs the routes in its kernel, and the agent,
 //! knowing nothing of BGP, follows them. A route withdrawn while connections run: new flows leave that backend
-//! (its health check finds no route), established ones keep their next hop and survive; re-announced, the
-//! backend takes new flows again. Needs root and bird2.
+//! (its health check finds no route) while established ones go on (the backend still answers them on its
+//! segment, so they are not ended); re-announced, the backend takes new flows again. A route that moves reaches
+//! new flows within a second (the agent watches the kernel's route changes). Needs root and bird2.
 
 use lb_testbed::rig::{lb_config_yaml, Rig, RigConfig, TCP_NODE_PORT, TCP_PORT, UDP_PORT};
 use lb_testbed::{ChildGuard, Host};
@@ -217,7 +218,9 @@ fn backends_behind_bgp_routes_and_a_route_withdrawn_under_traffic() {
         t.per_backend
     );
 
-    // The held connections lived through it all: their next hop (the backend's MAC on its segment) was kept.
+    // The held connections lived through it all: backend 1 failed its checks (no route), which ends its
+    // connections only once it is silent on them, and it was not — it still answered on its segment through the
+    // cached next hop.
     let held = hold.stop().unwrap();
     assert_eq!(held.established, 30);
     assert_eq!(held.broken, 0, "{held:?}");
@@ -228,4 +231,65 @@ fn backends_behind_bgp_routes_and_a_route_withdrawn_under_traffic() {
     );
     drop(daemons);
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A route that moves to another host — an anycast service address on two backends, its route switched from
+/// one to the other as a routing daemon would — reaches new flows at once: the agent watches the kernel's route
+/// changes, with the periodic next-hop refresh set to a minute here so that only the watch can explain a move
+/// within the wait.
+#[test]
+fn a_route_moved_to_another_host_reaches_new_flows_at_once() {
+    assert!(lb_testbed::is_root(), "end-to-end tests need root");
+    let mut cfg = RigConfig::new().expect("artifacts built");
+    cfg.attach_mode = "xdp-native".into();
+    cfg.topology.routed = true;
+    cfg.agent_args.push("--neighbor-interval=60".into());
+    let r = Rig::start(cfg).expect("rig starts");
+    let anycast = Ipv4Addr::new(10, 210, 0, 100);
+    for i in 1..=2 {
+        r.topo
+            .exec(
+                Host::Backend(i),
+                ["ip", "addr", "add", &format!("{anycast}/32"), "dev", "lo"],
+            )
+            .unwrap();
+    }
+    let via = |i: usize| {
+        let (to, gw) = (
+            format!("{anycast}/32"),
+            r.topo.ip(Host::Backend(i)).to_string(),
+        );
+        r.topo
+            .exec(Host::Lb, ["ip", "route", "replace", &to, "via", &gw])
+            .unwrap();
+    };
+    via(1);
+    r.update_config(&lb_config_yaml(
+        &[IpAddr::from(r.vip)],
+        &[vec![anycast.into()]],
+        "",
+    ))
+    .unwrap();
+    let backend = format!("backend=\"{anycast}:{TCP_NODE_PORT}\"");
+    wait_for(
+        "the anycast backend healthy",
+        Duration::from_secs(20),
+        || r.metric("lb_backend_healthy", &backend).unwrap() == 1.0,
+    );
+    let tcp = format!("{}:{TCP_PORT}", r.vip);
+    let answered_by = || {
+        let rep = r.load(&["--tcp", &tcp, "--connections", "5"]).unwrap();
+        let t = rep.tcp.unwrap();
+        assert_eq!(t.failed, 0, "{:?}", t.errors);
+        t.per_backend.keys().cloned().collect::<Vec<_>>()
+    };
+    assert_eq!(answered_by(), ["backend-1"]);
+    let t = Instant::now();
+    via(2);
+    wait_for(
+        "new flows through the moved route",
+        Duration::from_secs(20),
+        || answered_by() == ["backend-2"],
+    );
+    eprintln!("new flows followed the moved route after {:?}", t.elapsed());
 }

@@ -251,6 +251,9 @@ pub struct Parsed {
     pub l4_csum_ok: bool,
     pub udp_csum_zero: bool,
     pub tcp_flags: u8,
+    /// TCP sequence and acknowledgement numbers (0 for UDP).
+    pub seq: u32,
+    pub ack: u32,
     pub payload: Vec<u8>,
 }
 
@@ -324,6 +327,13 @@ pub fn parse(frame: &[u8]) -> Parsed {
         }
         _ => (true, false, 0, l4.to_vec()),
     };
+    let (seq, ack) = match proto {
+        6 => (
+            u32::from_be_bytes(l4[4..8].try_into().unwrap()),
+            u32::from_be_bytes(l4[8..12].try_into().unwrap()),
+        ),
+        _ => (0, 0),
+    };
     Parsed {
         dst_mac: frame[0..6].try_into().unwrap(),
         src_mac: frame[6..12].try_into().unwrap(),
@@ -336,6 +346,8 @@ pub fn parse(frame: &[u8]) -> Parsed {
         l4_csum_ok,
         udp_csum_zero,
         tcp_flags,
+        seq,
+        ack,
         payload,
     }
 }

@@ -10,8 +10,9 @@ use crate::dataplane::programmer::addr_to_ip;
 use crate::dataplane::Maps;
 use anyhow::Result;
 use lb_common::{
-    stat, Flow, FlowAddr, FlowKey, ServiceStats, Transient, FAMILY_V4, FLOW_F_FIN, FLOW_F_FORWARD,
-    FLOW_F_RST, FLOW_F_SYNCED, FLOW_F_SYN_ACK, PROTO_TCP, PROTO_UDP, SVC_F_SOURCE_RANGES,
+    stat, Flow, FlowAddr, FlowKey, ServiceStats, Transient, FAMILY_V4, FLOW_F_END, FLOW_F_FIN,
+    FLOW_F_FORWARD, FLOW_F_RST, FLOW_F_SYNCED, FLOW_F_SYN_ACK, PROTO_TCP, PROTO_UDP,
+    SVC_F_SOURCE_RANGES,
 };
 use serde::Serialize;
 use std::collections::BTreeMap;
@@ -184,6 +185,7 @@ pub fn service_counters(s: &ServiceStats) -> BTreeMap<&'static str, u64> {
         ("drop_no_flow", s.drop_no_flow),
         ("drop_handshake", s.drop_handshake),
         ("drop_syn_rate", s.drop_syn_rate),
+        ("reset_backend_gone", s.reset_backend_gone),
         ("pass_no_nexthop", s.pass_no_nexthop),
         ("icmp_translated", s.icmp_translated),
     ])
@@ -198,6 +200,9 @@ fn state<A: FlowAddr>(fwd: &Flow<A>, rev: Option<&Flow<A>>, transient: bool) -> 
     let flags = fwd.flags | rev.map_or(0, |r| r.flags);
     if flags & FLOW_F_RST != 0 {
         "reset"
+    } else if fwd.flags & FLOW_F_END != 0 {
+        // Its backend failed or left: the client's next segment gets a RST.
+        "ending"
     } else if fwd.flags & FLOW_F_FIN != 0 && rev.is_some_and(|r| r.flags & FLOW_F_FIN != 0) {
         "closed"
     } else if flags & FLOW_F_FIN != 0 {
