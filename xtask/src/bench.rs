@@ -17,6 +17,9 @@ pub enum Which {
     Controller,
     /// Packet rate on the netns topology with XDP live frames, next to a bare XDP_TX forwarder (root).
     Pktgen,
+    /// `pktgen` on the routed topology (the agent on eth0 and eth1, backends behind eth1), next to a bare XDP
+    /// forwarder that redirects to eth1 (root).
+    PktgenRouted,
     /// SYN flood from spoofed sources against the real agent while 10 000 connections are held and new ones
     /// are made: surviving and succeeding shares, program cost per frame (root).
     Synflood,
@@ -43,10 +46,11 @@ pub enum Which {
 }
 
 /// Every kind, in the order `all` runs them.
-const ALL: [Which; 10] = [
+const ALL: [Which; 11] = [
     Which::Dataplane,
     Which::Controller,
     Which::Pktgen,
+    Which::PktgenRouted,
     Which::Synflood,
     Which::Connections,
     Which::Routed,
@@ -88,7 +92,7 @@ pub fn smoke_stage() -> Result<()> {
     }
     eprintln!("bench smoke runs (wall time):");
     for (name, d) in times {
-        eprintln!("    {name:<12} {:>6.1} s", d.as_secs_f64());
+        eprintln!("    {name:<14} {:>6.1} s", d.as_secs_f64());
     }
     Ok(())
 }
@@ -181,6 +185,10 @@ impl Binaries {
             Which::Dataplane => self.bin("bench-dataplane"),
             Which::Controller => self.controller(),
             Which::Pktgen => self.bin("bench-pktgen"),
+            Which::PktgenRouted => run(
+                self.command(self.dir.join("bench-pktgen")).arg("--routed"),
+                "bench-pktgen --routed",
+            ),
             Which::Connections => self.bin("bench-connections"),
             Which::Routed => run(
                 self.command(self.dir.join("bench-connections"))
