@@ -566,18 +566,7 @@ fn main() -> Result<()> {
         )
     })?;
     // Only the bench programs are used: keep the load balancer's maps in this object small.
-    let sizes = MapSizes {
-        flows: 1024,
-        transient: 1024,
-        flows_v6: 1024,
-        transient_v6: 1024,
-        services: 16,
-        backends: 64,
-        maglev_slots: 1024,
-        nexthops: 16,
-        source_ranges: 16,
-        trusted_sources: 16,
-    };
+    let sizes = MapSizes::small();
     let _stats = aya::sys::enable_stats(aya::sys::Stats::RunTime).ok();
     let (topology, forwarder, json) = if args.routed {
         ("routed topology", "XDP_REDIRECT", "pktgen-routed")

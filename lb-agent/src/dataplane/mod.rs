@@ -113,6 +113,26 @@ impl Default for MapSizes {
     }
 }
 
+impl MapSizes {
+    /// Tables of a few thousand entries at most: for an object loaded only to be checked or to run programs that
+    /// do not forward (`--check-programs`, the packet-rate benchmark's generator and reference forwarders), where
+    /// production sizes would only cost memory and load time.
+    pub fn small() -> Self {
+        MapSizes {
+            flows: 1024,
+            transient: 1024,
+            flows_v6: 1024,
+            transient_v6: 1024,
+            services: 16,
+            backends: 64,
+            maglev_slots: 1024,
+            nexthops: 16,
+            source_ranges: 16,
+            trusted_sources: 1024,
+        }
+    }
+}
+
 /// How to attach.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum AttachMode {
@@ -418,18 +438,7 @@ pub struct ProgramCheck {
 /// 6.6 verifies them too. The maps are created small and not pinned (the verifier does not depend on their sizes),
 /// so a running agent is not touched.
 pub fn check_programs() -> Result<Vec<ProgramCheck>> {
-    let sizes = MapSizes {
-        flows: 1024,
-        transient: 1024,
-        flows_v6: 1024,
-        transient_v6: 1024,
-        services: 16,
-        backends: 64,
-        maglev_slots: 1024,
-        nexthops: 16,
-        source_ranges: 16,
-        trusted_sources: 1024,
-    };
+    let sizes = MapSizes::small();
     let mut dp = Dataplane::load(&sizes, None)?;
     let ebpf = dp.ebpf_mut()?;
     // The object's own list, not PROGRAMS / V6_PROGRAMS: a program added to lb-ebpf is checked without more code.
