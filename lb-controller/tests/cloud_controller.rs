@@ -654,6 +654,47 @@ async fn node_readiness_termination_and_meltdown() {
     h.stop().await;
 }
 
+/// With a LoadBalancer CRD that does not know `endpoints[].draining` (yawol's own, or an older one of ours), the API
+/// server drops the field: the controller notices on its first write and leaves terminating nodes out as before
+/// (their connections end), with a Warning Event saying why, instead of writing endpoints that would come back as
+/// ordinary ones and take new connections.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_crd_without_draining_leaves_terminating_nodes_out() {
+    let mut h = Harness::new(Clusters::SplitPrivate, ClassFilter::default()).await;
+    let (_, crd) = lb_api::crds()
+        .into_iter()
+        .find(|(stem, _)| *stem == "yawol.stackit.cloud_loadbalancers")
+        .unwrap();
+    let mut v = serde_json::to_value(crd).unwrap();
+    let endpoint = "/spec/versions/0/schema/openAPIV3Schema/properties/spec/properties/endpoints/items/properties";
+    let removed = v
+        .pointer_mut(endpoint)
+        .and_then(|p| p.as_object_mut())
+        .and_then(|p| p.remove("draining"));
+    assert!(removed.is_some(), "our CRD has endpoints[].draining");
+    h.apply_control_crd(serde_json::from_value(v).unwrap())
+        .await;
+    h.put_node("node-a", "True", &["10.0.0.1"]).await;
+    h.put_node_with(
+        "node-b",
+        "True",
+        &["10.0.0.2"],
+        json!({"taints": [{"key": "ToBeDeletedByClusterAutoscaler", "effect": "NoSchedule"}]}),
+        vec![],
+    )
+    .await;
+    h.run().await;
+    h.create_service("default", "web", json!({}), json!({}))
+        .await;
+    h.wait_lb(LB, "the terminating node left out", |lb| {
+        endpoint_names(lb) == ["node-a"]
+    })
+    .await;
+    h.wait_event("default", "web", "Warning", "endpoints[].draining")
+        .await;
+    h.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn node_heartbeats_do_not_cause_writes() {
     let mut h = Harness::new(Clusters::Split, ClassFilter::default()).await;

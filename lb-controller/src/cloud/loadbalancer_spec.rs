@@ -144,6 +144,9 @@ pub mod reasons {
     /// The Service asks for IPv6 and this installation does not serve it (the controller's `--serve-ipv6` is off):
     /// a PreferDualStack Service is served over IPv4 only, an IPv6-only or RequireDualStack one is refused.
     pub const IP_FAMILY_NOT_SUPPORTED: &str = "IPFamilyNotSupported";
+    /// The installed LoadBalancer CRD does not store `endpoints[].draining`: terminating nodes are left out
+    /// instead of draining.
+    pub const DRAINING_NOT_STORED: &str = "DrainingNotStored";
 }
 
 /// A problem with a Service, reported as a Warning event on it.

@@ -111,6 +111,7 @@ pub async fn run_controllers(
         reported: Default::default(),
         own_writes,
         releasing: Default::default(),
+        draining_dropped: Default::default(),
     });
     let backchannel_ctx = Arc::new(backchannel::Context {
         target: target.clone(),

@@ -8,6 +8,7 @@
 
 use std::collections::HashMap;
 use std::hash::{Hash, Hasher};
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -73,6 +74,10 @@ pub struct Context {
     /// released once it is gone, although their class no longer says they are ours. In memory: after a restart in
     /// between, the finalizer stays until the instance of the Service's class releases it.
     pub releasing: std::sync::Mutex<std::collections::HashSet<ObjectRef<Service>>>,
+    /// Set when a write showed that the installed LoadBalancer CRD drops `endpoints[].draining` (yawol's own or an
+    /// older one of ours): terminating nodes are then left out of the endpoints, as before draining existed,
+    /// instead of being written as draining endpoints the API server would turn into ordinary ones.
+    pub draining_dropped: std::sync::atomic::AtomicBool,
 }
 
 /// The LoadBalancers as returned by our own last write, by name.
@@ -148,6 +153,21 @@ impl Context {
     /// Emits the given warnings as events unless exactly this set was already reported. All of a reconcile's
     /// warnings go in one call: the fingerprint is one per Service. `refused`: the Service is not served (counted
     /// as invalid, not as a warning about a served one).
+    /// After a write that asked for draining endpoints (`asked`): whether the stored object lost them, i.e. the
+    /// installed CRD prunes the field. Remembered in [`Self::draining_dropped`] and logged once.
+    fn check_draining_stored(&self, asked: bool, written: &LoadBalancer) -> bool {
+        if !asked || written.spec.endpoints().iter().any(|e| e.is_draining()) {
+            return false;
+        }
+        if !self.draining_dropped.swap(true, Ordering::Relaxed) {
+            warn!(
+                "the installed LoadBalancer CRD drops endpoints[].draining (not this controller's CRD?): \
+                 terminating nodes are left out of the endpoints instead of draining; install deploy/crds"
+            );
+        }
+        true
+    }
+
     async fn report_warnings(
         &self,
         service: &Service,
@@ -270,6 +290,22 @@ async fn apply(
     desired.spec.ip_families = loadbalancer_spec::ip_families_field(&families.families);
     let mut warnings = desired.warnings;
     warnings.extend(families.warnings);
+    if ctx.draining_dropped.load(Ordering::Relaxed) {
+        if let Some(eps) = desired.spec.endpoints.as_mut() {
+            let before = eps.len();
+            eps.retain(|e| !e.is_draining());
+            if eps.len() < before {
+                warnings.push(Warning {
+                    reason: reasons::DRAINING_NOT_STORED,
+                    message: "the installed LoadBalancer CRD drops endpoints[].draining: terminating nodes are \
+                              left out of the endpoints (their connections end) instead of draining; install \
+                              this controller's CRDs (deploy/crds) to drain them"
+                        .into(),
+                });
+            }
+        }
+    }
+    let asked_draining = desired.spec.endpoints().iter().any(|e| e.is_draining());
 
     let cached = ctx
         .loadbalancers
@@ -286,7 +322,11 @@ async fn apply(
             );
             match ctx.lb_api().create(&PostParams::default(), &lb).await {
                 Ok(created) => {
+                    let dropped = ctx.check_draining_stored(asked_draining, &created);
                     ctx.own_writes.record(created);
+                    if dropped {
+                        return Ok(Action::requeue(Duration::ZERO));
+                    }
                     ctx.metrics.loadbalancer_write("create");
                     info!(service = %reference, loadbalancer = lb_name, "created LoadBalancer");
                     ctx.event(
@@ -353,7 +393,12 @@ async fn apply(
         .patch(&lb_name, &PatchParams::default(), &Patch::Merge(&patch))
         .await
         .map_err(kube_err(format!("patching LoadBalancer {lb_name}")))?;
+    let dropped = ctx.check_draining_stored(asked_draining, &patched);
     ctx.own_writes.record(patched);
+    if dropped {
+        // Written again at once without the draining endpoints (see `Context::draining_dropped`).
+        return Ok(Action::requeue(Duration::ZERO));
+    }
     ctx.metrics.loadbalancer_write("patch");
     if !fields.is_empty() {
         info!(service = %reference, loadbalancer = lb_name, ?fields, "updated LoadBalancer");

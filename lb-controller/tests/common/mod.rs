@@ -29,6 +29,7 @@ use ::kube::api::{
 use ::kube::{Api, Client};
 use futures::{StreamExt, TryStreamExt};
 use k8s_openapi::api::core::v1::{Event, Node, Service};
+use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use kube_testenv::KubeEnv;
 use lb_api::LoadBalancer;
 use lb_api::{OpenstackFlavorRef, OpenstackImageRef};
@@ -567,6 +568,15 @@ impl Harness {
             self.metrics.reconcile_count("service") >= before + n
         })
         .await;
+    }
+
+    /// Installs `crd` in the control cluster in place of ours (another version of a CRD).
+    pub async fn apply_control_crd(&self, crd: CustomResourceDefinition) {
+        let env = self
+            .control_cluster
+            .as_ref()
+            .map_or(self.target_cluster.env(), |c| c.env());
+        env.apply_crds(&self.control, [crd]).await.unwrap();
     }
 
     /// The controller's count of its LoadBalancer writes ([`controller_lb_writes`]) once it has counted the
