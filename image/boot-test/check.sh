@@ -4,7 +4,8 @@
 # `LB-IMAGE-CHECK key=value` lines on the serial console; the xtask judges them. Then powers the VM off.
 #
 # Environment (set by the xtask): USER_DATA — whose user data the VM booted with: `lb-controller` (then
-# FILE_VIP, ECHO_PORT: the file-mode data-plane check on eth1; CHECK_PROGRAMS=1: `lb-agent --check-programs`) or
+# FILE_VIP, FILE_SNAT, ECHO_PORT: the file-mode data-plane check, clients on eth1, the backend behind eth2;
+# CHECK_PROGRAMS=1: `lb-agent --check-programs`) or
 # `yawol` (then VIP: the LoadBalancer's VIP on eth0, REQUEUE: yawollet's requeue time); TRAFFIC_FLOWS —
 # connections the xtask opens on `traffic=go`.
 set -u
@@ -26,6 +27,30 @@ EOF
 }
 # A unit's log this boot, without the colours of the agent's text log format.
 log_of() { journalctl -b -u "$1" --no-pager 2>/dev/null | sed 's/\x1b\[[0-9;]*m//g'; }
+# The sum over NIC's queues of a virtio-net counter (`ethtool -S`, which the image lacks, through the ioctl):
+# DIR rx or tx, NAME e.g. xdp_redirects — rx_queue_0_xdp_redirects on 6.1, rx0_xdp_redirects on newer kernels.
+nic_stat() {
+    python3 - "$1" "$2" "$3" <<'EOF'
+import array, fcntl, re, socket, struct, sys
+ifname, direction, name = sys.argv[1:4]
+def ethtool(buf):
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    fcntl.ioctl(s.fileno(), 0x8946, struct.pack("16sP", ifname.encode(), buf.buffer_info()[0]) + bytes(16))
+try:
+    info = array.array("B", struct.pack("I", 0x03) + bytes(192))  # ETHTOOL_GDRVINFO: n_stats at 180
+    ethtool(info)
+    n = struct.unpack_from("I", info, 180)[0]
+    names = array.array("B", struct.pack("III", 0x1B, 1, n) + bytes(32 * n))  # ETHTOOL_GSTRINGS, ETH_SS_STATS
+    ethtool(names)
+    values = array.array("B", struct.pack("II", 0x1D, n) + bytes(8 * n))  # ETHTOOL_GSTATS
+    ethtool(values)
+    want = re.compile(rf"{direction}(_queue_)?[0-9]+_{name}")
+    print(sum(struct.unpack_from("Q", values, 8 + 8 * i)[0] for i in range(n)
+              if want.fullmatch(names[12 + 32 * i:44 + 32 * i].tobytes().split(b"\0")[0].decode())))
+except OSError as e:
+    print(f"error: {e}")
+EOF
+}
 # Seconds since boot of the first journal line of UNIT matching PATTERN (empty if none).
 journal_mono() {
     journalctl -b -u "$1" -o short-monotonic --no-pager 2>/dev/null | sed 's/\x1b\[[0-9;]*m//g' | grep -m1 -- "$2" |
@@ -77,7 +102,7 @@ out root_fs_mib "$(df -m --output=size / | tail -1 | tr -d ' ')"
 out failed_units "$(systemctl --failed --no-legend --plain | cut -d' ' -f1 | paste -sd, -)"
 
 # lb-controller's user data: its files, lb-agent.service retrying an API server that does not exist, and the
-# data plane for real through a second agent in file mode on eth1.
+# data plane for real through a second agent in file mode on eth1 and eth2.
 lb_controller_checks() {
     # Every program of the data plane through this kernel's verifier (the agents here attach only the fast XDP
     # ones): the TC programs and `lbctl trace`'s too, by the agent's own preflight. A line per program, then the
@@ -101,21 +126,27 @@ lb_controller_checks() {
     # yawol compatibility stays out of the way: no /etc/yawol/env.conf, so yawollet.service is skipped.
     out yawollet_condition "$(systemctl show -p ConditionResult --value yawollet.service)"
 
-    # The data plane for real: a second agent in file mode on eth1, a TCP service whose backend is the host (the
-    # xtask's echo server behind QEMU's user network). The xtask opens TRAFFIC_FLOWS connections through it when it
-    # reads traffic=go; they must show up as flows in this agent's counters.
+    # The data plane for real, two-armed as a LoadBalancer with additionalNetworks: a second agent in file mode on
+    # eth1 (the VIP, where the clients come from) and eth2 (another QEMU user network, where the backend is), a TCP
+    # service whose backend is the host (the xtask's echo server) as reached through eth2 only — slirp's gateway
+    # there, with this guest's eth2 address as the SNAT source (slirp forwards only its guest's own address). The
+    # xtask opens TRAFFIC_FLOWS connections through eth1's port forward when it reads traffic=go: each crosses the
+    # XDP program on eth1 and is redirected to eth2 (devmap), each reply crosses eth2's and is redirected back.
+    # They must show up as flows in this agent's counters, and as XDP redirects in both NICs' counters.
     ip link set eth1 up && ip addr add "$FILE_VIP/24" dev eth1
+    ip link set eth2 up && ip addr add "$FILE_SNAT/24" dev eth2
     mkdir -p /run/lb-image-check
     cat >/run/lb-image-check/dataplane.yaml <<EOF
 vip: $FILE_VIP
 ports:
   - {name: echo, protocol: TCP, port: 80, nodePort: $ECHO_PORT}
 endpoints:
-  - {name: host, addresses: [${FILE_VIP%.*}.2]}
+  - {name: host, addresses: [${FILE_SNAT%.*}.2]}
 healthCheck: {interval: 1s, timeout: 1s, unhealthyThreshold: 2, healthyThreshold: 1}
 EOF
-    systemd-run --quiet --unit=lb-agent-file /usr/local/bin/lb-agent --interface eth1 \
-        --config /run/lb-image-check/dataplane.yaml --metrics-address 127.0.0.1:9101 --max-flows 65536
+    systemd-run --quiet --unit=lb-agent-file /usr/local/bin/lb-agent --interface eth1,eth2 \
+        --snat-address "$FILE_SNAT" --config /run/lb-image-check/dataplane.yaml --metrics-address 127.0.0.1:9101 \
+        --max-flows 65536
     ready=0
     started=$(uptime_s)
     for _ in $(seq 120); do
@@ -125,10 +156,24 @@ EOF
     out file_agent_ready "$ready"
     info "file-mode agent: ready=$ready after $(awk "BEGIN{print $(uptime_s) - $started}")s of polling"
     [ "$ready" = 1 ] || log_of lb-agent-file | tail -15 | while IFS= read -r l; do info "lb-agent-file: $l"; done
-    out file_agent_mode "$(log_of lb-agent-file | sed -n 's/.*data plane attached.*mode=\([A-Za-z]*\).*/\1/p' | head -1)"
-    out xdp_on_eth1 "$(ip -d link show eth1 | grep -q 'prog/xdp' && echo 1 || echo 0)"
+    # The mode each interface got (XdpNative; XdpGeneric when the driver refused native XDP), the hooks the agent
+    # reports attached (lb_interface_attached as IFACE:HOOK, the hook "XDP" when native), and the programs the
+    # kernel shows.
+    for i in eth1 eth2; do
+        out "file_agent_mode_$i" "$(log_of lb-agent-file | sed -n "s/.*data plane attached.*interface=$i mode=\([A-Za-z]*\).*/\1/p" | head -1)"
+        out "xdp_on_$i" "$(ip -d link show "$i" | grep -q 'prog/xdp' && echo 1 || echo 0)"
+    done
+    out file_agent_attached "$(http_get 9101 /metrics | sed -n 's/^lb_interface_attached{interface="\([^"]*\)",hook="\([^"]*\)"} 1$/\1:\2/p' | sort | paste -sd, -)"
+    ip -d link show eth2 | while IFS= read -r l; do info "eth2: $l"; done
     out traffic go
     out file_agent_flows "$(flows_counted 9101)"
+    # Frames each way: client to backend (in on eth1, out of eth2) and back; XDP_REDIRECTs counted by virtio-net.
+    out file_agent_client_packets "$(http_get 9101 /metrics | sed -n 's/^lb_client_packets_total{.*} \([0-9]*\)$/\1/p' | head -1)"
+    out file_agent_backend_packets "$(http_get 9101 /metrics | sed -n 's/^lb_backend_packets_total{.*} \([0-9]*\)$/\1/p' | head -1)"
+    out eth1_xdp_redirects "$(nic_stat eth1 rx xdp_redirects)"
+    out eth2_xdp_redirects "$(nic_stat eth2 rx xdp_redirects)"
+    out eth1_xdp_xmit "$(nic_stat eth1 tx xdp_tx)"
+    out eth2_xdp_xmit "$(nic_stat eth2 tx xdp_tx)"
     log_of lb-agent-file | tail -5 | while IFS= read -r l; do info "lb-agent-file: $l"; done
 
     # lb-agent.service as cloud-init started it: the API server does not exist, so it must be up, attached to

@@ -22,11 +22,14 @@
 //!   guest reaches it at 169.254.169.254:80 through QEMU's guestfwd, which needs that address inside the user
 //!   network: this boot's eth0 is 169.254.169.0/24.
 //!
-//! With lb-controller's user data a second NIC (QEMU user network with a port forward) carries the data-plane
-//! check: the script starts a second agent in file mode on eth1 with one TCP service whose backend is this
-//! process's echo server on the host. On `traffic=go` this side opens connections through the forwarded port —
-//! each crosses the XDP program twice (DNAT+SNAT to the host and back) — and the guest counts the flows in the
-//! agent's metrics.
+//! With lb-controller's user data two more NICs carry the data-plane check, two-armed as a LoadBalancer with
+//! `additionalNetworks`: eth1 (QEMU user network with a port forward) the VIP and the clients, eth2 (another user
+//! network, no port forward) the backend. The script starts a second agent in file mode on `--interface
+//! eth1,eth2` with one TCP service whose backend is this process's echo server on the host as reached through
+//! eth2 only (10.0.4.2, SNAT source the guest's eth2 address). On `traffic=go` this side opens connections through
+//! the forwarded port — each frame crosses the XDP program on eth1 and is redirected out of eth2 (DNAT+SNAT), each
+//! reply crosses eth2's and is redirected back out of eth1 — and the guest counts the flows in the agent's metrics
+//! and the XDP redirects in both NICs' virtio-net counters.
 //!
 //! Every key is compared with what it must be; failures are listed, the serial logs stay in
 //! `target/image/boot-test/<boot>/serial.log`, timings go to `target/image/report.json`.
@@ -46,6 +49,9 @@ use std::time::{Duration, Instant};
 const API_SERVER: &str = "https://192.0.2.1:6443";
 /// The file-mode agent's VIP on eth1 (QEMU user network 10.0.3.0/24, whose host side is 10.0.3.2).
 const FILE_VIP: &str = "10.0.3.15";
+/// The guest's address on eth2 (QEMU user network 10.0.4.0/24): the file-mode agent's SNAT source towards its
+/// backend, the host's echo server as 10.0.4.2 (slirp forwards only what comes from its guest's own address).
+const FILE_SNAT: &str = "10.0.4.15";
 /// Why a KVM boot was given up: the kernel printed nothing within [`KVM_STALL_AFTER`].
 const KVM_STALLED: &str = "the guest kernel did not start under KVM";
 const KVM_STALL_AFTER: Duration = Duration::from_secs(45);
@@ -133,7 +139,7 @@ impl Default for BootTestArgs {
 /// Whose user data a boot has, and what goes with it.
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Kind {
-    /// lb-controller's (its API server does not exist; a file-mode agent on eth1 carries the traffic).
+    /// lb-controller's (its API server does not exist; a file-mode agent on eth1 and eth2 carries the traffic).
     LbController,
     /// yawol-controller's, with the API server of the `yawol_boot` example.
     Yawol,
@@ -218,6 +224,7 @@ pub fn boot_test(args: &BootTestArgs) -> Result<()> {
         let lb_env = [
             ("USER_DATA", "lb-controller".to_string()),
             ("FILE_VIP", FILE_VIP.into()),
+            ("FILE_SNAT", FILE_SNAT.into()),
             ("ECHO_PORT", echo_port.to_string()),
             ("CHECK_PROGRAMS", (check_programs as u8).to_string()),
         ];
@@ -915,12 +922,16 @@ fn boot(
         qemu.arg("-netdev")
             .arg(&lb_eth0)
             .args(["-device", "virtio-net-pci,netdev=n0"])
-            // eth1: the data-plane check; the host's echo server is 10.0.3.2:<port> from inside.
+            // eth1: the data-plane check's VIP, where the host's connections come in through the port forward.
             .arg("-netdev")
             .arg(format!(
                 "user,id=n1,net=10.0.3.0/24,hostfwd=tcp:127.0.0.1:{fwd_port}-{FILE_VIP}:80"
             ))
-            .args(["-device", "virtio-net-pci,netdev=n1"]);
+            .args(["-device", "virtio-net-pci,netdev=n1"])
+            // eth2: the data-plane check's backend side; the host's echo server is 10.0.4.2:<port> from inside.
+            .arg("-netdev")
+            .arg("user,id=n2,net=10.0.4.0/24")
+            .args(["-device", "virtio-net-pci,netdev=n2"]);
     }
     if fw == Firmware::Uefi {
         let vars = dir.join("OVMF_VARS.fd");
@@ -1324,11 +1335,57 @@ fn judge_lb_controller(j: &mut Judge, check_programs: bool) {
     j.want_eq("xdp_on_eth0", "XDP program on eth0", "1");
     j.want_eq("agent_pinned", "pinned maps under /sys/fs/bpf/lb/eth0", "1");
     j.want_eq("agent_healthz", "lb-agent /healthz", "200 ok");
-    j.want_eq("file_agent_ready", "file-mode agent on eth1 ready", "1");
-    j.want_eq("xdp_on_eth1", "XDP program on eth1", "1");
-    j.want("file_agent_flows", "flows through the data plane", |v| {
-        v.parse::<usize>().is_ok_and(|n| n >= TRAFFIC_FLOWS)
-    });
+    j.want_eq(
+        "file_agent_ready",
+        "file-mode agent on eth1,eth2 ready",
+        "1",
+    );
+    // Native XDP on both virtio-net NICs: redirecting into eth2 (and back into eth1) needs its driver's
+    // ndo_xdp_xmit, which virtio-net offers only with an XDP program attached.
+    for nic in ["eth1", "eth2"] {
+        j.want_eq(
+            &format!("file_agent_mode_{nic}"),
+            &format!("file-mode agent attached to {nic} in native XDP"),
+            "XdpNative",
+        );
+        j.want_eq(
+            &format!("xdp_on_{nic}"),
+            &format!("XDP program on {nic}"),
+            "1",
+        );
+    }
+    // lb_interface_attached's hook label says "XDP" for native XDP ("generic XDP", "TC (tcx)" otherwise).
+    j.want_eq(
+        "file_agent_attached",
+        "lb_interface_attached of the file-mode agent: both interfaces, native XDP",
+        "eth1:XDP,eth2:XDP",
+    );
+    let at_least_flows = |v: &str| v.parse::<usize>().is_ok_and(|n| n >= TRAFFIC_FLOWS);
+    j.want(
+        "file_agent_flows",
+        "flows through the data plane",
+        at_least_flows,
+    );
+    j.want(
+        "file_agent_client_packets",
+        "frames client to backend (in on eth1, out of eth2)",
+        at_least_flows,
+    );
+    j.want(
+        "file_agent_backend_packets",
+        "frames backend to client (in on eth2, out of eth1)",
+        at_least_flows,
+    );
+    // Every connection's frames are redirected both ways, at least its SYN and its SYN-ACK: XDP_REDIRECT on the
+    // way in (rx) and ndo_xdp_xmit on the way out (tx), as virtio-net counts them.
+    for (key, what) in [
+        ("eth1_xdp_redirects", "XDP redirects from eth1 to eth2"),
+        ("eth2_xdp_xmit", "XDP frames sent out of eth2"),
+        ("eth2_xdp_redirects", "XDP redirects from eth2 to eth1"),
+        ("eth1_xdp_xmit", "XDP frames sent out of eth1"),
+    ] {
+        j.want(key, what, at_least_flows);
+    }
 }
 
 /// The yawol boot: yawol's files and runcmd, the agent as yawollet with yawol's VRRP settings, the readyz probe,
