@@ -374,13 +374,15 @@ impl Agent {
             &self.resolved,
             self.opts.snat_override,
         );
-        // Backends whose connections stay (healthy or draining); those that just left the set have their
-        // connections ended below (see gc::end_flows). Before the first apply every configured backend counts
-        // as serving, so that flows pinned by an earlier agent to a backend found dead now end too.
+        // Backends whose connections stay (healthy or draining); those that left the set since the last applied
+        // configuration have their connections ended below (see gc::end_flows). Before the first apply every
+        // configured backend counts as serving, so that flows pinned by an earlier agent to a backend found dead
+        // now end too.
         let serving = cfg.serving(&self.health_rx.borrow());
-        let before = self.serving.take().unwrap_or_else(|| cfg.all_backends());
-        let gone: BTreeSet<_> = before.difference(&serving).copied().collect();
-        self.serving = Some(serving);
+        let gone: BTreeSet<_> = match &self.serving {
+            Some(before) => before.difference(&serving).copied().collect(),
+            None => cfg.all_backends().difference(&serving).copied().collect(),
+        };
         let t = Instant::now();
         match self.programmer.apply(&mut self.dp.maps, &services) {
             Ok(r) => {
@@ -397,6 +399,7 @@ impl Agent {
                 self.applied_generation = generation;
                 self.status_tx
                     .send_modify(|s| s.applied_generation = generation);
+                self.serving = Some(serving);
                 match gc::end_flows(&mut self.dp.maps, &gone) {
                     Ok(ended) if ended.is_empty() => {}
                     Ok(ended) => {
@@ -404,8 +407,8 @@ impl Agent {
                         tracing::info!(
                             connections = n,
                             backends = ?gone,
-                            "ended the connections of backends that failed or left (UDP flows move, TCP clients \
-                             get a reset on their next segment)"
+                            "ended the connections of backends that failed or left (UDP flows move; TCP clients \
+                             get a reset at their next segment once the backend is silent)"
                         );
                         for (svc, n) in ended {
                             *self.ended.entry(svc).or_default() += n;

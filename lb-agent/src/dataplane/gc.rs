@@ -174,8 +174,9 @@ pub fn flow_ip<A: FlowAddr>(a: A) -> IpAddr {
 /// Ends the connections (both families) that go to one of `backends` — (protocol, node:NodePort) pairs that
 /// failed their checks or left the service without draining — and returns how many per service id. A UDP flow is
 /// deleted, both entries: its next datagram picks a live backend (a UDP flow has no handshake to lose). A TCP
-/// connection's forward entry is marked [`FLOW_F_END`]: the data plane answers the client's next segment with a
-/// RST instead of forwarding it into silence (the entries stay until then, or until they idle out).
+/// connection's forward entry is marked [`FLOW_F_END`]: once the backend has been silent on it for
+/// [`lb_common::END_SILENCE_NS`], the data plane answers the client's next segment with a RST instead of
+/// forwarding it into silence (the entries stay until then, or until they idle out).
 pub fn end_flows(
     maps: &mut Maps,
     backends: &BTreeSet<(Protocol, SocketAddr)>,
