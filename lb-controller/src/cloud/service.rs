@@ -150,9 +150,6 @@ impl Context {
         Api::namespaced(self.control.clone(), &self.config.defaults.namespace)
     }
 
-    /// Emits the given warnings as events unless exactly this set was already reported. All of a reconcile's
-    /// warnings go in one call: the fingerprint is one per Service. `refused`: the Service is not served (counted
-    /// as invalid, not as a warning about a served one).
     /// After a write that asked for draining endpoints (`asked`): whether the stored object lost them, i.e. the
     /// installed CRD prunes the field. Remembered in [`Self::draining_dropped`] and logged once.
     fn check_draining_stored(&self, asked: bool, written: &LoadBalancer) -> bool {
@@ -168,6 +165,9 @@ impl Context {
         true
     }
 
+    /// Emits the given warnings as events unless exactly this set was already reported. All of a reconcile's
+    /// warnings go in one call: the fingerprint is one per Service. `refused`: the Service is not served (counted
+    /// as invalid, not as a warning about a served one).
     async fn report_warnings(
         &self,
         service: &Service,
