@@ -173,11 +173,9 @@ impl DesiredConfig {
     /// node being drained may fail them on purpose, as kube-proxy's health check does on a node the autoscaler
     /// removes). A backend that leaves this set has its connections ended (`gc::end_flows`).
     pub fn serving(&self, health: &HealthMap) -> BTreeSet<(Protocol, SocketAddr)> {
-        self.services
-            .iter()
-            .flat_map(|s| s.backends.iter().map(|b| (s.id.protocol, *b)))
-            .filter(|(p, b)| self.draining.contains(&b.ip()) || backend_healthy(*p, b, health))
-            .collect()
+        let mut all = self.all_backends();
+        all.retain(|(p, b)| self.draining.contains(&b.ip()) || backend_healthy(*p, b, health));
+        all
     }
 
     /// Every configured backend with its service's protocol.

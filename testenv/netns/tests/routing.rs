@@ -80,13 +80,20 @@ fn healthy(r: &Rig, i: usize) -> bool {
         == 1.0
 }
 
-#[test]
-fn backends_behind_bgp_routes_and_a_route_withdrawn_under_traffic() {
+/// The routed topology, the agent in native XDP with `agent_args` added.
+fn routed_rig(agent_args: &[&str]) -> Rig {
     assert!(lb_testbed::is_root(), "end-to-end tests need root");
     let mut cfg = RigConfig::new().expect("artifacts built");
     cfg.attach_mode = "xdp-native".into();
     cfg.topology.routed = true;
-    let r = Rig::start(cfg).expect("rig starts");
+    cfg.agent_args
+        .extend(agent_args.iter().map(|a| a.to_string()));
+    Rig::start(cfg).expect("rig starts")
+}
+
+#[test]
+fn backends_behind_bgp_routes_and_a_route_withdrawn_under_traffic() {
+    let r = routed_rig(&[]);
     let dir = std::env::temp_dir().join(format!("{}-bird", r.topo.id()));
     std::fs::create_dir_all(&dir).unwrap();
     let lb_ip = r.topo.backend_side(Host::Lb).unwrap().ip;
@@ -239,12 +246,7 @@ fn backends_behind_bgp_routes_and_a_route_withdrawn_under_traffic() {
 /// within the wait.
 #[test]
 fn a_route_moved_to_another_host_reaches_new_flows_at_once() {
-    assert!(lb_testbed::is_root(), "end-to-end tests need root");
-    let mut cfg = RigConfig::new().expect("artifacts built");
-    cfg.attach_mode = "xdp-native".into();
-    cfg.topology.routed = true;
-    cfg.agent_args.push("--neighbor-interval=60".into());
-    let r = Rig::start(cfg).expect("rig starts");
+    let r = routed_rig(&["--neighbor-interval=60"]);
     let anycast = Ipv4Addr::new(10, 210, 0, 100);
     for i in 1..=2 {
         r.topo
