@@ -395,10 +395,6 @@ impl Agent {
                     elapsed_ms = t.elapsed().as_secs_f64() * 1e3,
                     "configuration applied"
                 );
-                let generation = self.generation;
-                self.applied_generation = generation;
-                self.status_tx
-                    .send_modify(|s| s.applied_generation = generation);
                 self.serving = Some(serving);
                 match gc::end_flows(&mut self.dp.maps, &gone) {
                     Ok(ended) if ended.is_empty() => {}
@@ -418,6 +414,21 @@ impl Agent {
                         tracing::warn!(error = %e, "ending the connections of failed backends failed")
                     }
                 }
+                match gc::end_denied_udp(&mut self.dp.maps, &r.narrowed) {
+                    Ok(ended) if ended.is_empty() => {}
+                    Ok(ended) => tracing::info!(
+                        flows = ended.values().sum::<u64>(),
+                        "deleted the UDP flows of clients a narrowed source-range list denies now"
+                    ),
+                    Err(e) => {
+                        tracing::warn!(error = %e, "deleting the UDP flows of denied clients failed")
+                    }
+                }
+                // Published last: whoever waits for this generation finds its flows ended too.
+                let generation = self.generation;
+                self.applied_generation = generation;
+                self.status_tx
+                    .send_modify(|s| s.applied_generation = generation);
             }
             Err(e) => {
                 self.errors += 1;

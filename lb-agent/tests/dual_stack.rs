@@ -332,6 +332,66 @@ fn ending_a_backends_flows_and_next_hop_changes_reach_ipv6_flows() {
 }
 
 #[test]
+fn a_narrowed_source_range_list_deletes_the_denied_clients_udp_flows_only() {
+    let mut dp = load();
+    let mut p = Programmer::new(16, 64, 1 << 14);
+    let backends = ["[fd00::11]:30443"];
+    let r = p
+        .apply(&mut dp.maps, &[spec(VIP, &["2001:db8:c::/48"], &backends)])
+        .unwrap();
+    assert!(r.narrowed.is_empty(), "a new service has no flows to end");
+    let r = p
+        .apply(
+            &mut dp.maps,
+            &[spec(
+                VIP,
+                &["2001:db8:c::/48", "2001:db8:d::/48"],
+                &backends,
+            )],
+        )
+        .unwrap();
+    assert!(r.narrowed.is_empty(), "a widened list denies no one new");
+    let r = p
+        .apply(&mut dp.maps, &[spec(VIP, &["2001:db8:d::/48"], &backends)])
+        .unwrap();
+    let [(id, allowed)] = &r.narrowed[..] else {
+        panic!("{r:?}");
+    };
+    assert_eq!(allowed.len(), 1);
+
+    let now = now_ns();
+    let mut udp = connection(PROTO_UDP, 5353, now, 60);
+    let mut tcp = connection(PROTO_TCP, 40000, now, 60);
+    let mut other = connection(PROTO_UDP, 5354, now, 60);
+    for e in udp.iter_mut().chain(tcp.iter_mut()) {
+        e.1.svc_id = *id;
+    }
+    for e in other.iter_mut() {
+        e.1.svc_id = id + 1;
+    }
+    for c in [&udp, &tcp, &other] {
+        write(&mut dp, c);
+    }
+    let ended = gc::end_denied_udp(&mut dp.maps, &r.narrowed).unwrap();
+    assert_eq!(ended, HashMap::from([(*id, 1)]));
+    assert!(dp.maps.flows_v6.get(&udp[0].0).unwrap().is_none());
+    assert!(dp.maps.flows_v6.get(&udp[1].0).unwrap().is_none());
+    let fwd = dp.maps.flows_v6.get(&tcp[0].0).unwrap().unwrap();
+    assert_eq!(fwd.flags & FLOW_F_END, 0, "TCP connections are kept");
+    assert!(
+        dp.maps.flows_v6.get(&other[0].0).unwrap().is_some(),
+        "another service's flow stays"
+    );
+    // The client's own range allowed again, then narrowed to one that still holds it: nothing ends.
+    write(&mut dp, &udp);
+    let narrowed = [(*id, BTreeSet::from(["2001:db8::/32".parse().unwrap()]))];
+    assert!(gc::end_denied_udp(&mut dp.maps, &narrowed)
+        .unwrap()
+        .is_empty());
+    assert!(dp.maps.flows_v6.get(&udp[0].0).unwrap().is_some());
+}
+
+#[test]
 fn lbctl_shows_ipv6_services_and_connections() {
     use lb_agent::report::inspect::{self, FlowFilter};
     let mut dp = load();

@@ -6,6 +6,7 @@ use crate::dataplane::model::Protocol;
 use crate::dataplane::programmer::addr_to_ip;
 use crate::dataplane::Maps;
 use anyhow::Result;
+use ipnet::IpNet;
 use lb_common::{
     Addr, Flow, FlowAddr, FlowEvent, FlowEventV4, FlowEventV6, FlowKey, FlowKeyV4, FlowV4,
     Transient, FAMILY_V4, FLOW_EV_REFRESH, FLOW_F_END, FLOW_F_FORWARD, FLOW_F_SYNCED, PROTO_TCP,
@@ -183,15 +184,43 @@ pub fn end_flows(
 ) -> Result<HashMap<u32, u64>> {
     let mut ended = HashMap::new();
     if !backends.is_empty() {
-        end_in(&mut maps.flows, backends, &mut ended)?;
-        end_in(&mut maps.flows_v6, backends, &mut ended)?;
+        let to_gone = |p: Protocol, _: IpAddr, _: u32, to: SocketAddr| backends.contains(&(p, to));
+        end_in(&mut maps.flows, &to_gone, &mut ended)?;
+        end_in(&mut maps.flows_v6, &to_gone, &mut ended)?;
     }
     Ok(ended)
 }
 
+/// Deletes the UDP flows (both families) of services whose allow-list narrowed (`narrowed`: service id and the
+/// ranges it allows now) whose client the list now denies, and returns how many per service id. A changed list
+/// applies to new flows, and to a UDP client a reused source port is a new flow: without this, a datagram from
+/// a port an earlier flow had used would pass the new list. TCP connections are kept until they close, as
+/// kube-proxy and IPVS keep them.
+pub fn end_denied_udp(
+    maps: &mut Maps,
+    narrowed: &[(u32, BTreeSet<IpNet>)],
+) -> Result<HashMap<u32, u64>> {
+    let mut ended = HashMap::new();
+    if !narrowed.is_empty() {
+        let allowed: HashMap<u32, &BTreeSet<IpNet>> =
+            narrowed.iter().map(|(id, r)| (*id, r)).collect();
+        let denied = |p: Protocol, client: IpAddr, svc: u32, _: SocketAddr| {
+            p == Protocol::Udp
+                && allowed
+                    .get(&svc)
+                    .is_some_and(|r| !r.iter().any(|n| n.contains(&client)))
+        };
+        end_in(&mut maps.flows, &denied, &mut ended)?;
+        end_in(&mut maps.flows_v6, &denied, &mut ended)?;
+    }
+    Ok(ended)
+}
+
+/// Ends the connections of one family's flow table that `ends` picks by protocol, client address, service id and
+/// backend: UDP flows are deleted, TCP connections marked [`FLOW_F_END`].
 fn end_in<A: FlowAddr>(
     table: &mut Table<FlowKey<A>, Flow<A>>,
-    backends: &BTreeSet<(Protocol, SocketAddr)>,
+    ends: &dyn Fn(Protocol, IpAddr, u32, SocketAddr) -> bool,
     ended: &mut HashMap<u32, u64>,
 ) -> Result<()> {
     let mut gone = Vec::new();
@@ -205,7 +234,7 @@ fn end_in<A: FlowAddr>(
             _ => continue,
         };
         let to = SocketAddr::new(flow_ip(f.new_dst), u16::from_be(f.new_dport));
-        if !backends.contains(&(protocol, to)) {
+        if !ends(protocol, flow_ip(k.src), f.svc_id, to) {
             continue;
         }
         if protocol == Protocol::Udp {

@@ -28,6 +28,9 @@ pub struct ApplyReport {
     pub removed: usize,
     /// Services left as they were.
     pub unchanged: usize,
+    /// Services whose allow-list now denies sources it allowed before: service id and the ranges it allows
+    /// (none: every source is denied). Their flows from denied sources are for the caller to end.
+    pub narrowed: Vec<(u32, BTreeSet<IpNet>)>,
 }
 
 #[derive(Clone, Debug)]
@@ -208,7 +211,7 @@ impl Programmer {
             report.removed += 1;
         }
         for spec in desired {
-            match self.upsert(maps, spec)? {
+            match self.upsert(maps, spec, &mut report)? {
                 Change::Added => report.added += 1,
                 Change::Updated => report.updated += 1,
                 Change::Unchanged => report.unchanged += 1,
@@ -218,7 +221,12 @@ impl Programmer {
         Ok(report)
     }
 
-    fn upsert(&mut self, maps: &mut Maps, spec: &ServiceSpec) -> Result<Change> {
+    fn upsert(
+        &mut self,
+        maps: &mut Maps,
+        spec: &ServiceSpec,
+        report: &mut ApplyReport,
+    ) -> Result<Change> {
         let mut backends = spec.backends.clone();
         backends.sort();
         backends.dedup();
@@ -314,6 +322,15 @@ impl Programmer {
                 .remove(svc_idx, ip_to_addr(r.addr()), r.prefix_len() as u32)?;
         }
         let ranges_changed = ranges != old_ranges;
+        let was_restricted = existing
+            .as_ref()
+            .is_some_and(|a| a.value.flags & SVC_F_SOURCE_RANGES != 0);
+        if !is_new
+            && restricted
+            && (!was_restricted || old_ranges.difference(&ranges).next().is_some())
+        {
+            report.narrowed.push((svc_idx, ranges.clone()));
+        }
         self.services.insert(
             spec.id,
             Applied {

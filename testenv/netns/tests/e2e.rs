@@ -204,9 +204,13 @@ fn source_ranges_allow_and_deny_tcp_and_udp() {
         ])
         .unwrap();
     assert_spread(&ok, 50, 50, &[]);
-    // The client (10.200.0.10) is no longer in the list: new TCP and UDP flows are dropped.
+    // The client (10.200.0.10) is no longer in the list: new TCP and UDP flows are dropped. Its UDP flows are
+    // deleted with the change, so a datagram from a source port one of the 50 flows had used is a new flow too.
     let yaml = r.config_yaml(&[1, 2, 3], "  loadBalancerSourceRanges: [192.0.2.0/24]\n");
     r.update_config(&yaml).unwrap();
+    assert!(r
+        .agent_log()
+        .contains("deleted the UDP flows of clients a narrowed source-range list denies now"));
     let denied = r
         .load(&[
             "--tcp",
