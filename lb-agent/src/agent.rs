@@ -212,6 +212,10 @@ impl Agent {
             }
             attached.push((iface.clone(), used));
         }
+        // After an upgrade across a map layout change, the old layout's maps once every link moved here.
+        for dir in dp.remove_other_layouts()? {
+            tracing::info!(dir = %dir.display(), "removed the pins of an earlier map layout");
+        }
         if attached.len() > 1 && attached.iter().any(|(_, m)| *m == AttachMode::XdpGeneric) {
             // Measured: bulk TCP across interfaces stops (bench connections --routed, generic XDP 0 Gbit/s).
             tracing::warn!(

@@ -504,6 +504,54 @@ fn agent_killed_and_restarted_during_transfer_breaks_nothing() {
     assert_spread(&rep, 100, 30, &[]);
 }
 
+/// An upgrade across a map layout change: the previous agent's programs stay attached through a link pinned in its
+/// own layout's directory (here: this layout's, renamed as the one before). The new agent takes that link over in
+/// place — a second native XDP attach would be refused, a second tcx program would run first with the old maps —
+/// frees the old layout's maps and forwards.
+#[test]
+fn an_agent_with_a_new_map_layout_takes_over_the_previous_layouts_link() {
+    let mut r = rig(|_| {});
+    let (tcp, udp) = targets(&r);
+    r.kill_agent(libc::SIGKILL).unwrap();
+    let layout = lb_common::LAYOUT_VERSION;
+    // The agent pins under a directory named after its first interface.
+    let dir = r.pin_dir().join(r.topo.ifname(Host::Lb));
+    let (new, old) = (
+        dir.join(format!("v{layout}")),
+        dir.join(format!("v{}", layout - 1)),
+    );
+    std::fs::rename(&new, &old).unwrap();
+    r.start_agent().unwrap();
+    let log = r.agent_log();
+    assert!(log.contains("taking its link over in place"), "{log}");
+    assert!(
+        log.contains("removed the pins of an earlier map layout"),
+        "{log}"
+    );
+    assert!(!old.exists(), "the old layout's maps are freed");
+    assert!(
+        std::fs::read_dir(&new).unwrap().any(|e| e
+            .unwrap()
+            .file_name()
+            .to_string_lossy()
+            .starts_with("link-")),
+        "the link is pinned in this layout's directory"
+    );
+    let rep = r
+        .load(&[
+            "--tcp",
+            &tcp,
+            "--connections",
+            "100",
+            "--udp",
+            &udp,
+            "--udp-flows",
+            "30",
+        ])
+        .unwrap();
+    assert_spread(&rep, 100, 30, &[]);
+}
+
 /// The live storm: malformed frames of every kind, as XDP live frames from the client's namespace
 /// (`lb-testbed stormgen`, the rig's highest rate), for 30 s while 1000 held connections and 100 UDP flows
 /// exchange data. None of them breaks (a wrong translation would break its echo too), new connections
