@@ -17,7 +17,7 @@ use std::net::{IpAddr, SocketAddr};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-#[derive(Clone, Copy, ValueEnum, Debug)]
+#[derive(Clone, Copy, ValueEnum, Debug, PartialEq, Eq)]
 enum Mode {
     /// Native XDP, falling back to generic XDP with a warning.
     Xdp,
@@ -483,7 +483,11 @@ async fn main() -> Result<()> {
     // Kept alive for the whole run: dropping it stops the Kubernetes tasks.
     let mut _kube_mode = None;
     let config_rx = match (&cli.config, &cli.loadbalancer_name) {
-        (Some(path), None) => lb_agent::source::file::watch_file(path.clone(), Duration::from_millis(50)),
+        (Some(path), None) => lb_agent::source::file::watch_file(
+            path.clone(),
+            Duration::from_millis(50),
+            cli.attach_mode != Mode::Tc,
+        ),
         (None, Some(lb)) => {
             let settings = kube_settings(&cli, lb, as_yawollet.as_ref().map(|t| t.compat))?;
             tracing::info!(namespace = %settings.namespace, loadbalancer = %settings.loadbalancer,
@@ -548,6 +552,7 @@ fn kube_settings(
         ad_hoc_debug: (!cli.ad_hoc_debug_user.is_empty())
             .then(|| debug::AdHocDebugSettings::for_user(&cli.ad_hoc_debug_user)),
         yawollet,
+        proxy_v2: cli.attach_mode != Mode::Tc,
     })
 }
 

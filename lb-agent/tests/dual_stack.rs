@@ -52,6 +52,7 @@ fn spec(vip: &str, ranges: &[&str], backends: &[&str]) -> ServiceSpec {
         idle_timeout: Duration::from_secs(60),
         source_ranges: ranges.iter().map(|r| r.parse().unwrap()).collect(),
         backends: backends.iter().map(|b| b.parse().unwrap()).collect(),
+        proxy_v2: false,
     }
 }
 

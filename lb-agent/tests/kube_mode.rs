@@ -80,6 +80,7 @@ fn settings(ns: &str, clock: &Arc<Mutex<i64>>) -> KubeSettings {
         machine_revision: None,
         ad_hoc_debug: None,
         yawollet: None,
+        proxy_v2: true,
     }
 }
 
@@ -704,6 +705,52 @@ async fn the_api_server_defaults_port_protocol_and_replicas() {
     assert_eq!(cfg.services[0].id.protocol, Protocol::Tcp);
 }
 
+/// `tcpProxyProtocol` with a port filter: exactly the filtered TCP ports get PROXY v2 (an agent at XDP), nothing is
+/// reported as unsupported.
+#[tokio::test]
+async fn proxy_protocol_programs_exactly_the_filtered_ports() {
+    let h = Harness::start(KubeEnv::shared(), async |lbs, lbms, ns| {
+        let mut lb = lb_json(
+            ns,
+            json!([{"name": "http", "protocol": "TCP", "port": 80, "nodePort": 30080},
+                   {"name": "https", "protocol": "TCP", "port": 443, "nodePort": 30443},
+                   {"name": "dns", "protocol": "UDP", "port": 53, "nodePort": 30053}]),
+            json!([{"name": "node-1", "addresses": ["10.0.0.11"]}]),
+            json!({}),
+        );
+        lb["spec"]["options"]["tcpProxyProtocol"] = json!(true);
+        lb["spec"]["options"]["tcpProxyProtocolPortFilter"] = json!([443]);
+        create(lbs, lbms, lb, Some(VIP)).await
+    })
+    .await;
+    let ConfigState::Valid(cfg, _) = h
+        .wait_config("valid", |s| matches!(s, ConfigState::Valid(..)))
+        .await
+    else {
+        unreachable!()
+    };
+    let mut proxied: Vec<(u16, bool)> = cfg
+        .services
+        .iter()
+        .map(|s| (s.id.port, s.proxy_v2))
+        .collect();
+    proxied.sort();
+    assert_eq!(proxied, [(53, false), (80, false), (443, true)]);
+    let events = eventually("the Update Event", || async {
+        let e = h.events().await;
+        e.iter()
+            .any(|e| e.reason.as_deref() == Some("Update"))
+            .then_some(e)
+    })
+    .await;
+    assert!(
+        events
+            .iter()
+            .all(|e| e.reason.as_deref() != Some("ProxyProtocolNotSupported")),
+        "{events:?}"
+    );
+}
+
 /// yawol's user data starts the agent twice at boot: the second start writes no second `Update` for the
 /// generation the first applied, nor a second Event about the spec, on the machine or the LoadBalancer.
 #[tokio::test]
@@ -711,7 +758,8 @@ async fn a_second_start_repeats_no_event() {
     let h = Harness::start(KubeEnv::shared(), async |lbs, lbms, ns| {
         let mut lb = good_lb(ns);
         // An option this image does not implement: a spec Event on the machine and on the LoadBalancer.
-        lb["spec"]["options"]["tcpProxyProtocol"] = json!(true);
+        lb["spec"]["options"]["logForward"] =
+            json!({"enabled": true, "lokiUrl": "http://loki:3100"});
         create(lbs, lbms, lb, Some(VIP)).await
     })
     .await;
@@ -721,7 +769,7 @@ async fn a_second_start_repeats_no_event() {
             .filter(|e| e.reason.as_deref() == Some(reason))
             .count()
     };
-    let reasons = ["Update", "ProxyProtocolNotSupported"];
+    let reasons = ["Update", "LogForwardNotSupported"];
     eventually("the first start's Events", || async {
         let on_machine = h.events().await;
         let on_lb = h.events_about(LB).await;
@@ -1129,6 +1177,7 @@ async fn an_unreachable_api_server_is_retried_with_backoff() {
         machine_revision: None,
         ad_hoc_debug: None,
         yawollet: None,
+        proxy_v2: true,
     };
     let mode = kube_mode::start(client, settings, status_rx, SharedSnapshot::default());
     tokio::time::sleep(Duration::from_secs(2)).await;
@@ -1713,6 +1762,8 @@ async fn under_yawols_role_revision_ad_hoc_debug_and_unsupported_options() {
         yawollet: Some(kube_mode::yawollet::Compat {
             keepalived_stats: true,
         }),
+        // An agent at TC, which inserts no PROXY v2 header: `tcpProxyProtocol` is reported as not implemented.
+        proxy_v2: false,
     };
     let (status_tx, status_rx) = watch::channel(AgentStatus::default());
     let mode = kube_mode::start(client, settings, status_rx, SharedSnapshot::default());

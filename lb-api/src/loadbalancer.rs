@@ -198,8 +198,7 @@ impl LoadBalancerOptions {
             }
     }
 
-    /// The TCP service ports among `ports` that ask for a PROXY header, in their order: what an implementation
-    /// without PROXY protocol must report as not honoured.
+    /// The TCP service ports among `ports` that ask for a PROXY header, in their order.
     pub fn tcp_proxy_protocol_ports(&self, ports: &[ServicePort]) -> Vec<i32> {
         ports
             .iter()

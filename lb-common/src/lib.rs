@@ -13,7 +13,7 @@
 
 /// Bumped whenever a pinned map's key or value layout changes. The agent pins maps under a directory named
 /// after it, so an upgrade with a new layout starts with fresh maps instead of misreading old ones.
-pub const LAYOUT_VERSION: u32 = 8;
+pub const LAYOUT_VERSION: u32 = 9;
 
 /// IP protocol number of TCP.
 pub const PROTO_TCP: u8 = 6;
@@ -136,6 +136,9 @@ pub struct ServiceKey {
 
 /// The service has a non-empty source-range allow-list in `SOURCE_RANGES`.
 pub const SVC_F_SOURCE_RANGES: u32 = 1 << 0;
+/// TCP service whose backends get a PROXY protocol v2 header in front of each connection's byte stream (see
+/// [`proxy`]).
+pub const SVC_F_PROXY_V2: u32 = 1 << 1;
 
 /// Value of the `SERVICES` map.
 ///
@@ -259,6 +262,11 @@ pub const FLOW_F_SYN_ACK: u8 = 1 << 5;
 /// with a RST, and the connection closes as if the client had reset it.
 pub const FLOW_F_END: u8 = 1 << 6;
 
+/// Entry of a PROXY v2 connection whose backend acknowledged the header: the client's segments no longer get it.
+/// Set on both entries by the backend's first acknowledgement past the header; a peer's copy without it only makes
+/// the header go again at the same sequence number, which the backend takes as a duplicate.
+pub const FLOW_F_PROXY_ACKED: u8 = 1 << 7;
+
 /// How long the backend of an ended connection must have sent nothing on it before the client gets the reset
 /// (ns). Until then the backend still answers — a health check failing under load, a backend removed while it
 /// serves — and the connection goes on: the reset replaces silence, never a working exchange. The reverse
@@ -312,6 +320,15 @@ pub struct Flow<A> {
     pub csum_addr: u32,
     /// One's-complement sum that turns the old ports into the new ones (L4 header only).
     pub csum_port: u32,
+    /// A PROXY v2 connection (`proxy_len` ≠ 0): the client's sequence number where the header goes in (one past
+    /// its SYN's), network order. Both entries hold it: the client's segments are shifted after it, the backend's
+    /// acknowledgements back (see [`proxy`]).
+    pub proxy_seq_be: u32,
+    /// Length of the PROXY v2 header this connection's backend gets ([`proxy::HEADER_LEN_V4`] or
+    /// [`proxy::HEADER_LEN_V6`]); 0: none.
+    pub proxy_len: u16,
+    /// Reserved, zero.
+    pub _pad: u16,
     /// Last time a packet used this entry, `bpf_ktime_get_coarse_ns` clock (CLOCK_MONOTONIC_COARSE), ns.
     pub last_seen_ns: u64,
 }
@@ -439,6 +456,64 @@ pub fn key_hash<A: FlowAddr>(seed: u32, key: &FlowKey<A>) -> u32 {
     h = key.dst.mix(h);
     h = fmix(h ^ (((key.sport as u32) << 16) | key.dport as u32));
     fmix(h ^ key.proto as u32)
+}
+
+/// PROXY protocol v2 on the packet path (HAProxy's spec, "2.2. Binary header format"). A connection of a service
+/// with [`SVC_F_PROXY_V2`] carries the header as the first bytes of the client's stream: the data plane puts it in
+/// front of the payload of the client's segment at the stream's first sequence number (the handshake's ACK, and any
+/// later segment there until the backend acknowledges the header), and from then on the two sides count the
+/// client's bytes `len` apart — the client's sequence numbers go `len` up towards the backend, the backend's
+/// acknowledgements (and SACK blocks) `len` down towards the client. The header's bytes are the same at each
+/// insertion, so a second copy at the same place is a duplicate TCP drops, never a second header in the stream.
+pub mod proxy {
+    /// The v2 signature, the header's first 12 bytes.
+    pub const SIGNATURE: [u8; 12] = [
+        0x0d, 0x0a, 0x0d, 0x0a, 0x00, 0x0d, 0x0a, 0x51, 0x55, 0x49, 0x54, 0x0a,
+    ];
+    /// Version 2, command PROXY.
+    pub const VER_CMD: u8 = 0x21;
+    /// AF_INET, STREAM.
+    pub const FAM_TCP4: u8 = 0x11;
+    /// AF_INET6, STREAM.
+    pub const FAM_TCP6: u8 = 0x21;
+    /// The header for IPv4: 16 bytes, then addresses (2 × 4) and ports (2 × 2).
+    pub const HEADER_LEN_V4: u16 = 28;
+    /// The header for IPv6: 16 bytes, then addresses (2 × 16) and ports (2 × 2).
+    pub const HEADER_LEN_V6: u16 = 52;
+
+    /// Whether a client's segment (not a SYN, not a RST) with sequence number `seq` gets the header in front of
+    /// its payload: it starts where the stream starts (`proxy_seq`, host order) and the backend has not
+    /// acknowledged the header yet.
+    #[inline(always)]
+    pub fn header_due(seq: u32, proxy_seq: u32, acked: bool) -> bool {
+        !acked && seq == proxy_seq
+    }
+
+    /// The sequence number towards the backend of a client's segment (host order): unchanged where the header
+    /// goes in front of it (or, for a RST, where the backend may not hold the header yet), `len` up after it.
+    #[inline(always)]
+    pub fn to_backend_seq(seq: u32, proxy_seq: u32, len: u16, acked: bool) -> u32 {
+        if header_due(seq, proxy_seq, acked) {
+            seq
+        } else {
+            seq.wrapping_add(len as u32)
+        }
+    }
+
+    /// The acknowledgement (or SACK edge) towards the client of the backend's number `ack` (host order), and
+    /// whether it covers the header: `len` down past the header; inside the header, the stream's start (the
+    /// client has sent nothing the backend acknowledged).
+    #[inline(always)]
+    pub fn to_client_ack(ack: u32, proxy_seq: u32, len: u16) -> (u32, bool) {
+        let d = ack.wrapping_sub(proxy_seq) as i32;
+        if d >= len as i32 {
+            (ack.wrapping_sub(len as u32), true)
+        } else if d >= 0 {
+            (proxy_seq, false)
+        } else {
+            (ack, false)
+        }
+    }
 }
 
 /// `HANDSHAKES`: where a client's handshake is. A handshake has one entry in `TRANSIENT_V4`, under its reverse key
@@ -767,8 +842,14 @@ pub mod stat {
     pub const PASS_NO_IPV6_PROGRAM: u32 = 25;
     /// RSTs sent to clients whose connection's backend failed or left (see [`super::FLOW_F_END`]).
     pub const RESET_BACKEND_GONE: u32 = 26;
+    /// PROXY v2 headers put in front of a client's segment (the first one of each connection, and again for a
+    /// segment at the header's place before the backend acknowledged it).
+    pub const PROXY_HEADERS: u32 = 27;
+    /// Dropped: a client's segment of a PROXY v2 connection that could not take the header (the TC hook, which
+    /// does not insert, or headers too long to move); the client retransmits.
+    pub const DROP_PROXY: u32 = 28;
     /// Number of counters.
-    pub const COUNT: u32 = 27;
+    pub const COUNT: u32 = 29;
 
     /// Names for metrics and logs, by index.
     pub const NAMES: [&str; COUNT as usize] = [
@@ -799,6 +880,8 @@ pub mod stat {
         "pass_ipv6_ext",
         "pass_no_ipv6_program",
         "reset_backend_gone",
+        "proxy_headers",
+        "drop_proxy",
     ];
 }
 
@@ -1008,18 +1091,56 @@ mod tests {
         assert_eq!(size_of::<NextHop>(), 12);
         assert_eq!(size_of::<SourceRangeKey>(), 20);
         assert_eq!(size_of::<FlowKeyV4>(), 16);
-        assert_eq!(size_of::<FlowV4>(), 48);
-        assert_eq!(size_of::<TransientV4>(), 104);
-        assert_eq!(size_of::<FlowEventV4>(), 120);
+        assert_eq!(size_of::<FlowV4>(), 56);
+        assert_eq!(size_of::<TransientV4>(), 120);
+        assert_eq!(size_of::<FlowEventV4>(), 136);
         // IPv6: the same fields, every one at a natural alignment without implicit padding.
         assert_eq!(size_of::<FlowKeyV6>(), 40);
-        assert_eq!(size_of::<FlowV6>(), 72);
-        assert_eq!(size_of::<TransientV6>(), 152);
-        assert_eq!(size_of::<FlowEventV6>(), 192);
+        assert_eq!(size_of::<FlowV6>(), 80);
+        assert_eq!(size_of::<TransientV6>(), 168);
+        assert_eq!(size_of::<FlowEventV6>(), 208);
         assert_eq!(size_of::<KernelEvent>(), 32);
         assert_eq!(size_of::<ServiceStats>(), 128);
         assert_eq!(size_of::<Config>(), 28);
         assert_eq!(stat::NAMES.len(), stat::COUNT as usize);
+    }
+
+    #[test]
+    fn proxy_numbers_translate_around_the_header_also_across_the_wrap() {
+        use proxy::{header_due, to_backend_seq, to_client_ack};
+        for start in [1000u32, u32::MAX - 10] {
+            let n = proxy::HEADER_LEN_V4;
+            // The stream's start takes the header until the backend acknowledges it; then it is only shifted.
+            assert!(header_due(start, start, false));
+            assert!(!header_due(start, start, true));
+            assert_eq!(to_backend_seq(start, start, n, false), start);
+            assert_eq!(
+                to_backend_seq(start, start, n, true),
+                start.wrapping_add(28)
+            );
+            assert_eq!(
+                to_backend_seq(start.wrapping_add(5), start, n, false),
+                start.wrapping_add(33)
+            );
+            // Acknowledgements: before the header, inside it, past it.
+            assert_eq!(to_client_ack(start, start, n), (start, false));
+            assert_eq!(
+                to_client_ack(start.wrapping_add(27), start, n),
+                (start, false)
+            );
+            assert_eq!(
+                to_client_ack(start.wrapping_add(28), start, n),
+                (start, true)
+            );
+            assert_eq!(
+                to_client_ack(start.wrapping_add(33), start, n),
+                (start.wrapping_add(5), true)
+            );
+            assert_eq!(
+                to_client_ack(start.wrapping_sub(1), start, n),
+                (start.wrapping_sub(1), false)
+            );
+        }
     }
 
     #[test]

@@ -306,19 +306,6 @@ async fn annotations_applied_and_changed_in_one_write() {
         .await;
     h.wait_event("default", "web", "Normal", "synced with the service")
         .await;
-    // Applied, but not honoured by the data plane yet: said on the Service, naming the port.
-    eventually("ProxyProtocolNotSupported event", || async {
-        h.events_for("default", "web")
-            .await
-            .iter()
-            .any(|(t, r, m, _)| {
-                t == "Warning"
-                    && r == "ProxyProtocolNotSupported"
-                    && m.contains("tcpProxyProtocol is not supported yet")
-                    && m.contains("TCP port(s) 80 ")
-            })
-    })
-    .await;
     // The watch may lag behind the GET above; then no further write may follow.
     eventually("the write seen by the watch", || async {
         writes.count() >= 1
@@ -1272,6 +1259,93 @@ async fn ingress_published_without_ip_mode_gets_vip() {
         created,
         ["LoadBalancer is successfully created with IP 192.0.2.12"]
     );
+    h.stop().await;
+}
+
+/// A LoadBalancer that inserts a PROXY header on a TCP port publishes `ipMode: Proxy` (kube-proxy's short-circuit
+/// would deliver in-cluster connections without the header); switching the annotation rewrites the stored ipMode,
+/// without a second "created" event. Filter ports that get no header are Warning events.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ip_mode_follows_proxy_protocol() {
+    let mut h = Harness::new(Clusters::Split, ClassFilter::default()).await;
+    h.put_node("node-a", "True", &["10.0.0.1"]).await;
+    h.run().await;
+    h.create_service(
+        "default",
+        "web",
+        json!({"yawol.stackit.cloud/tcpProxyProtocol": "true"}),
+        json!({"ports": [{"name": "http", "port": 80, "protocol": "TCP"},
+                         {"name": "dns", "port": 53, "protocol": "UDP"}]}),
+    )
+    .await;
+    h.wait_lb(LB, "created with PROXY protocol", |lb| {
+        lb.spec.options().tcp_proxy_protocol()
+    })
+    .await;
+    h.set_lb_status(
+        LB,
+        json!({"externalIP": "192.0.2.20", "replicas": 1, "readyReplicas": 1}),
+    )
+    .await;
+    let modes = |mode: &str| [(Some("192.0.2.20".to_string()), Some(mode.to_string()))];
+    eventually("ipMode Proxy", || async {
+        ingress_modes(&h).await == modes("Proxy")
+    })
+    .await;
+
+    h.patch_service(
+        "default",
+        "web",
+        json!({"metadata": {"annotations": {"yawol.stackit.cloud/tcpProxyProtocol": null}}}),
+    )
+    .await;
+    eventually("ipMode VIP without PROXY protocol", || async {
+        ingress_modes(&h).await == modes("VIP")
+    })
+    .await;
+
+    // The filter selects no TCP port: no header anywhere, and both ports are named in Warnings.
+    h.patch_service(
+        "default",
+        "web",
+        json!({"metadata": {"annotations": {
+            "yawol.stackit.cloud/tcpProxyProtocol": "true",
+            "yawol.stackit.cloud/tcpProxyProtocolPortsFilter": "53,8080",
+        }}}),
+    )
+    .await;
+    wait_warning(
+        &h,
+        "web",
+        "ProxyProtocolPortNotTcp",
+        "port(s) 53 of the Service",
+    )
+    .await;
+    wait_warning(&h, "web", "ProxyProtocolPortUnknown", "port(s) 8080 that").await;
+    h.wait_lb(LB, "filter applied", |lb| {
+        lb.spec.options().tcp_proxy_protocol_ports_filter == Some(vec![53, 8080])
+    })
+    .await;
+    assert_eq!(ingress_modes(&h).await, modes("VIP"));
+
+    h.patch_service(
+        "default",
+        "web",
+        json!({"metadata": {"annotations": {"yawol.stackit.cloud/tcpProxyProtocolPortsFilter": "80"}}}),
+    )
+    .await;
+    eventually("ipMode Proxy again", || async {
+        ingress_modes(&h).await == modes("Proxy")
+    })
+    .await;
+    let created = h
+        .events_for("default", "web")
+        .await
+        .into_iter()
+        .filter(|(_, _, m, _)| m.contains("successfully created with IP"))
+        .map(|(_, _, _, count)| count)
+        .sum::<i32>();
+    assert_eq!(created, 1, "a changed ipMode is no new IP");
     h.stop().await;
 }
 

@@ -17,7 +17,7 @@ use crate::{
     maps::{count, with_service_stats},
     nat::{forward, Target},
     packet::L4Pkt,
-    reset,
+    proxy, reset,
     snat::alloc_snat_port,
 };
 
@@ -97,7 +97,7 @@ pub fn established<C: Ctx, F: Family>(
         return reset::end(c, cfg, p, fl, now);
     }
     let closed = track::<F>(cfg, &p.key, fl, p.key.proto, p.tcp_flags, now);
-    let v = forward(c, p, fl);
+    let v = proxy::forward(c, p, fl);
     if closed {
         retire::<F>(&p.key, fl);
     }

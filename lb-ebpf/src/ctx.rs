@@ -3,7 +3,10 @@
 use crate::{csum, maps::EGRESS_DEVMAP};
 use aya_ebpf::{
     bindings::{BPF_F_MARK_MANGLED_0, BPF_F_PSEUDO_HDR},
-    helpers::{bpf_l4_csum_replace, bpf_redirect, bpf_skb_load_bytes, bpf_xdp_load_bytes},
+    helpers::{
+        bpf_l4_csum_replace, bpf_redirect, bpf_skb_load_bytes, bpf_xdp_adjust_head,
+        bpf_xdp_load_bytes, bpf_xdp_store_bytes,
+    },
     programs::{TcContext, XdpContext},
     EbpfContext,
 };
@@ -28,6 +31,21 @@ pub trait Ctx {
     /// Sends the frame out of the interface in `EGRESS` slot `slot` (index `ifindex`): `Verdict::Redirect`, or
     /// `Verdict::Pass` when the hook cannot.
     fn redirect(&self, slot: u32, ifindex: u32) -> Verdict;
+    /// Whether this hook can put bytes into a packet ([`Self::push_head`]): a PROXY v2 header.
+    const INSERTS: bool = false;
+    /// Adds `n` bytes in front of the frame (the caller moves the headers there); false when it cannot. Invalidates
+    /// every packet pointer.
+    fn push_head(&self, _n: u32) -> bool {
+        false
+    }
+    /// Copies `len` bytes at frame offset `off` to `to` (`INSERTS` hooks only).
+    fn copy_out(&self, _off: u32, _to: *mut u8, _len: u32) -> bool {
+        false
+    }
+    /// Copies `len` bytes from `from` to frame offset `off` (`INSERTS` hooks only).
+    fn copy_in(&self, _off: u32, _from: *const u8, _len: u32) -> bool {
+        false
+    }
 }
 
 /// Bounds-checked pointer to a `T` at offset `off`.
@@ -105,9 +123,28 @@ impl Ctx for Xdp<'_> {
             Err(_) => Verdict::Pass,
         }
     }
+    // An XDP frame has no offload state to keep true (no GSO, checksums complete), and 256 bytes of headroom.
+    const INSERTS: bool = true;
+    #[inline(always)]
+    fn push_head(&self, n: u32) -> bool {
+        // SAFETY: the helper checks the headroom itself.
+        unsafe { bpf_xdp_adjust_head(self.0.ctx, -(n as i32)) == 0 }
+    }
+    #[inline(always)]
+    fn copy_out(&self, off: u32, to: *mut u8, len: u32) -> bool {
+        // SAFETY: the helper checks the frame's bounds, the verifier `to`'s.
+        unsafe { bpf_xdp_load_bytes(self.0.ctx, off, to.cast(), len) == 0 }
+    }
+    #[inline(always)]
+    fn copy_in(&self, off: u32, from: *const u8, len: u32) -> bool {
+        // SAFETY: as `copy_out`.
+        unsafe { bpf_xdp_store_bytes(self.0.ctx, off, from as *mut _, len) == 0 }
+    }
 }
 
-/// An skb at TC.
+/// An skb at TC. It inserts nothing (no PROXY v2 header): an skb may be a GSO super-packet, whose inserted
+/// payload bytes the segmentation would repeat in every segment, or carry a partial checksum whose start and length
+/// the insertion would leave stale.
 pub struct Tc<'a>(pub &'a TcContext);
 
 impl Ctx for Tc<'_> {
@@ -178,6 +215,7 @@ impl Ctx for Tc<'_> {
 
 /// What to do with the packet; each hook maps it to its own return code.
 #[derive(Clone, Copy, PartialEq, Eq)]
+#[repr(u32)]
 pub enum Verdict {
     /// Hand to the kernel unchanged.
     Pass,
@@ -192,4 +230,25 @@ pub enum Verdict {
     /// An IPv6 packet that opens a flow: the IPv6 program hands it to its new-flow program (by tail call; see
     /// `maps::NEW_FLOW_HANDOFF`).
     NewFlow,
+}
+
+impl Verdict {
+    /// The verdict as a number: a BPF call's result must be a plain value (`proxy::proxied`).
+    #[inline(always)]
+    pub fn code(self) -> u32 {
+        self as u32
+    }
+
+    /// The verdict of [`Self::code`]; an unknown code drops.
+    #[inline(always)]
+    pub fn from_code(code: u32) -> Self {
+        match code {
+            0 => Verdict::Pass,
+            2 => Verdict::Tx,
+            3 => Verdict::Redirect,
+            4 => Verdict::Ipv6,
+            5 => Verdict::NewFlow,
+            _ => Verdict::Drop,
+        }
+    }
 }

@@ -3,7 +3,7 @@
 //! NAT, SNAT, Maglev, the SYN guard — is written once, generic over [`Family`].
 
 use aya_ebpf::maps::{Array, LruHashMap, PerCpuArray, RingBuf};
-use lb_common::{Addr, Flow, FlowAddr, FlowKey, In6, Transient};
+use lb_common::{proxy, Addr, Flow, FlowAddr, FlowKey, In6, Transient};
 
 use crate::{
     csum,
@@ -26,6 +26,9 @@ pub trait Family: 'static {
     /// IPv6's keys and entries the lookups and the new-flow path do not fit one 512-byte stack; IPv4's do, and
     /// stay in one program.
     const NEW_FLOW_PROGRAM: bool;
+    /// Length of this family's PROXY v2 header, and its address-family byte.
+    const PROXY_LEN: u16;
+    const PROXY_FAM: u8;
     /// Connection tracking (`FLOWS_V4`/`FLOWS_V6`).
     fn flows() -> &'static LruHashMap<FlowKey<Self::A>, Flow<Self::A>>;
     /// Handshakes and closed connections.
@@ -40,11 +43,23 @@ pub trait Family: 'static {
     fn from_addr(a: &Addr) -> Self::A;
     /// The one's-complement sum that turns address `old` into `new`.
     fn diff(old: &Self::A, new: &Self::A) -> u32;
+    /// The one's-complement sum of an address's 16-bit words.
+    fn sum(a: &Self::A) -> u32;
     /// Writes new addresses into the IP header (IPv4 also updates its header checksum with `csum_addr`).
     ///
     /// # Safety
     /// `ip` must point at a bounds-checked header of this family.
     unsafe fn set_addrs(ip: *mut Self::Ip, src: &Self::A, dst: &Self::A, csum_addr: u32);
+    /// Writes an address at `at` (no alignment), word by word.
+    ///
+    /// # Safety
+    /// `at` must point at as many writable bytes as the address has.
+    unsafe fn put(at: *mut u8, a: &Self::A);
+    /// Adds `n` to the IP header's length (IPv4 also updates its header checksum).
+    ///
+    /// # Safety
+    /// `ip` must point at a bounds-checked header of this family.
+    unsafe fn grow(ip: *mut Self::Ip, n: u16);
 }
 
 /// IPv4.
@@ -55,6 +70,8 @@ impl Family for V4 {
     type Ip = Ipv4Hdr;
     const ADDR_BITS: u32 = 32;
     const NEW_FLOW_PROGRAM: bool = false;
+    const PROXY_LEN: u16 = proxy::HEADER_LEN_V4;
+    const PROXY_FAM: u8 = proxy::FAM_TCP4;
     #[inline(always)]
     fn flows() -> &'static LruHashMap<FlowKey<u32>, Flow<u32>> {
         &FLOWS_V4
@@ -84,11 +101,28 @@ impl Family for V4 {
         csum::diff32(*old, *new)
     }
     #[inline(always)]
+    fn sum(a: &u32) -> u32 {
+        csum::fold((*a & 0xffff) as u64 + (*a >> 16) as u64)
+    }
+    #[inline(always)]
     unsafe fn set_addrs(ip: *mut Ipv4Hdr, src: &u32, dst: &u32, csum_addr: u32) {
         unsafe {
             (*ip).src = *src;
             (*ip).dst = *dst;
             (*ip).check = csum::apply((*ip).check, csum_addr);
+        }
+    }
+    #[inline(always)]
+    unsafe fn put(at: *mut u8, a: &u32) {
+        unsafe { core::ptr::write_unaligned(at as *mut u32, *a) }
+    }
+    #[inline(always)]
+    unsafe fn grow(ip: *mut Ipv4Hdr, n: u16) {
+        unsafe {
+            let old = (*ip).tot_len;
+            let new = (u16::from_be(old) + n).to_be();
+            (*ip).tot_len = new;
+            (*ip).check = csum::apply((*ip).check, csum::diff16(old, new));
         }
     }
 }
@@ -101,6 +135,8 @@ impl Family for V6 {
     type Ip = Ipv6Hdr;
     const ADDR_BITS: u32 = 128;
     const NEW_FLOW_PROGRAM: bool = true;
+    const PROXY_LEN: u16 = proxy::HEADER_LEN_V6;
+    const PROXY_FAM: u8 = proxy::FAM_TCP6;
     #[inline(always)]
     fn flows() -> &'static LruHashMap<FlowKey<In6>, Flow<In6>> {
         &FLOWS_V6
@@ -130,11 +166,29 @@ impl Family for V6 {
         diff128(old, new)
     }
     #[inline(always)]
+    fn sum(a: &In6) -> u32 {
+        csum::fold(
+            a.iter()
+                .map(|w| (w & 0xffff) as u64 + (w >> 16) as u64)
+                .sum(),
+        )
+    }
+    #[inline(always)]
     unsafe fn set_addrs(ip: *mut Ipv6Hdr, src: &In6, dst: &In6, _csum_addr: u32) {
         unsafe {
             (*ip).src = *src;
             (*ip).dst = *dst;
         }
+    }
+    #[inline(always)]
+    unsafe fn put(at: *mut u8, a: &In6) {
+        for (i, w) in a.iter().enumerate() {
+            unsafe { core::ptr::write_unaligned(at.add(4 * i) as *mut u32, *w) }
+        }
+    }
+    #[inline(always)]
+    unsafe fn grow(ip: *mut Ipv6Hdr, n: u16) {
+        unsafe { (*ip).payload_len = (u16::from_be((*ip).payload_len) + n).to_be() }
     }
 }
 

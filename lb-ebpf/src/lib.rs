@@ -26,6 +26,7 @@ pub mod maps;
 pub mod nat;
 pub mod packet;
 pub mod process;
+pub mod proxy;
 pub mod reset;
 pub mod snat;
 pub mod syn_guard;

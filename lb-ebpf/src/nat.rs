@@ -1,7 +1,9 @@
 //! Full NAT: the two entries of a new flow (forward: client → SNAT, VIP → node; reverse: node → VIP, SNAT → client)
 //! and the rewrite of a packet by its entry — MACs, addresses, ports, and the checksums updated incrementally.
 
-use lb_common::{stat, Flow, FlowAddr, Service, FLOW_F_FORWARD, FLOW_F_REVERSE, PROTO_UDP};
+use lb_common::{
+    stat, Flow, FlowAddr, Service, FLOW_F_FORWARD, FLOW_F_REVERSE, PROTO_UDP, SVC_F_PROXY_V2,
+};
 
 use crate::{
     csum,
@@ -15,6 +17,13 @@ use crate::{
 /// Counts a packet of a flow (established or transient) in its direction and rewrites it.
 #[inline(always)]
 pub fn forward<C: Ctx, F: Family>(c: &C, p: &L4Pkt<F>, fl: &Flow<F::A>) -> Verdict {
+    count_packet(p, fl);
+    rewrite(c, p, fl)
+}
+
+/// Counts a packet of a flow in its direction (the service's rx/tx counters).
+#[inline(always)]
+pub fn count_packet<F: Family>(p: &L4Pkt<F>, fl: &Flow<F::A>) {
     let fwd_dir = fl.flags & FLOW_F_FORWARD != 0;
     with_service_stats(fl.svc_id, |s| {
         if fwd_dir {
@@ -25,7 +34,6 @@ pub fn forward<C: Ctx, F: Family>(c: &C, p: &L4Pkt<F>, fl: &Flow<F::A>) -> Verdi
             s.tx_bytes += p.tot as u64;
         }
     });
-    rewrite(c, p, fl)
 }
 
 /// The backend a new flow goes to, and how to reach it.
@@ -83,6 +91,7 @@ impl<A: FlowAddr> Target<A> {
         fl.timeout_s = svc.idle_timeout_s;
         fl.csum_addr = csum::add(F::diff(&self.node, &key.dst), F::diff(&self.snat, &key.src));
         fl.csum_port = 0;
+        set_proxy(p, svc, fl);
         fl.last_seen_ns = now;
     }
 
@@ -124,6 +133,7 @@ impl<A: FlowAddr> Target<A> {
         fl.backend_id = self.backend_id;
         fl.timeout_s = svc.idle_timeout_s;
         fl.csum_addr = csum::add(F::diff(&key.src, &self.snat), F::diff(&key.dst, &self.node));
+        set_proxy(p, svc, fl);
         self.set_snat_port(p, fl, snat_port);
     }
 
@@ -136,6 +146,20 @@ impl<A: FlowAddr> Target<A> {
             csum::diff16(p.key.dport, self.node_port),
         );
     }
+}
+
+/// A new entry's PROXY v2 fields: the header's length and where it goes (after the client's SYN) for a TCP
+/// connection of a PROXY service, none otherwise (scratch entries are reused: every field is written).
+#[inline(always)]
+fn set_proxy<F: Family>(p: &L4Pkt<F>, svc: &Service, fl: &mut Flow<F::A>) {
+    let proxied = svc.flags & SVC_F_PROXY_V2 != 0 && p.is_tcp();
+    fl.proxy_len = if proxied { F::PROXY_LEN } else { 0 };
+    fl.proxy_seq_be = if proxied {
+        u32::from_be(p.seq_be()).wrapping_add(1).to_be()
+    } else {
+        0
+    };
+    fl._pad = 0;
 }
 
 /// [`Target::fill_reverse`] in a call frame of its own. Returns the entry's address checksum delta, which the caller
@@ -170,8 +194,21 @@ fn fill_forward_frame<F: Family>(
 /// Applies a flow's rewrite to the packet: MACs, addresses, ports, checksums; sends it by the entry's egress.
 #[inline(always)]
 pub fn rewrite<C: Ctx, F: Family>(c: &C, p: &L4Pkt<F>, fl: &Flow<F::A>) -> Verdict {
+    match rewrite_headers(c, p, fl) {
+        Ok(out) => send(c, fl.egress, &out),
+        Err(v) => v,
+    }
+}
+
+/// [`rewrite`] without the send: the frame's way out, or the verdict when it has none.
+#[inline(always)]
+pub fn rewrite_headers<C: Ctx, F: Family>(
+    c: &C,
+    p: &L4Pkt<F>,
+    fl: &Flow<F::A>,
+) -> Result<Out, Verdict> {
     let Ok(out) = egress(fl.egress) else {
-        return Verdict::Pass;
+        return Err(Verdict::Pass);
     };
     unsafe {
         set_macs(p.eth, &fl.mac, &out);
@@ -184,7 +221,7 @@ pub fn rewrite<C: Ctx, F: Family>(c: &C, p: &L4Pkt<F>, fl: &Flow<F::A>) -> Verdi
     let (csum_p, csum_off) = p.csum();
     if csum_p as usize + 2 > c.data_end() {
         count(stat::DROP_MALFORMED);
-        return Verdict::Drop;
+        return Err(Verdict::Drop);
     }
     c.l4_csum(
         csum_off,
@@ -193,7 +230,7 @@ pub fn rewrite<C: Ctx, F: Family>(c: &C, p: &L4Pkt<F>, fl: &Flow<F::A>) -> Verdi
         fl.csum_port,
         p.key.proto == PROTO_UDP,
     );
-    send(c, fl.egress, &out)
+    Ok(out)
 }
 
 /// A frame's way out, copied out of `EGRESS`: `ifindex` 0 is the interface it came in on. Values, not a pointer
@@ -242,12 +279,35 @@ pub fn egress(slot: u8) -> Result<Out, NoEgress> {
 pub unsafe fn set_macs(eth: *mut EthHdr, dst: &[u8; 6], out: &Out) {
     // SAFETY: as the function's.
     unsafe {
-        (*eth).src = if out.ifindex == 0 {
-            (*eth).dst
+        let src = if out.ifindex == 0 {
+            mac_words(&(*eth).dst)
         } else {
-            out.mac
+            mac_words(&out.mac)
         };
-        (*eth).dst = *dst;
+        set_mac(&mut (*eth).src, src);
+        set_mac(&mut (*eth).dst, mac_words(dst));
+    }
+}
+
+/// A MAC address as two words. MACs are copied this way, not as 6-byte arrays: chosen between two sources, such a
+/// copy became a call to `memmove` (a frame kernel 6.1 counts) wherever the rewrite is not inlined.
+#[inline(always)]
+fn mac_words(m: &[u8; 6]) -> (u32, u16) {
+    // SAFETY: 6 readable bytes.
+    unsafe {
+        (
+            core::ptr::read_unaligned(m.as_ptr() as *const u32),
+            core::ptr::read_unaligned(m.as_ptr().add(4) as *const u16),
+        )
+    }
+}
+
+#[inline(always)]
+fn set_mac(to: &mut [u8; 6], (a, b): (u32, u16)) {
+    // SAFETY: 6 writable bytes.
+    unsafe {
+        core::ptr::write_unaligned(to.as_mut_ptr() as *mut u32, a);
+        core::ptr::write_unaligned(to.as_mut_ptr().add(4) as *mut u16, b);
     }
 }
 

@@ -7,7 +7,7 @@
 use aya_ebpf::helpers::bpf_ktime_get_coarse_ns;
 use lb_common::{
     stat, Addr, Config, Flow, FlowAddr, Service, ServiceKey, CFG_F_CHECK_DST_MAC, FLOW_F_END,
-    FLOW_F_FIN, FLOW_F_FORWARD, FLOW_F_RST, PROTO_ICMP, PROTO_TCP, PROTO_UDP,
+    FLOW_F_FIN, FLOW_F_FORWARD, FLOW_F_RST, PROTO_ICMP, PROTO_TCP, PROTO_UDP, SVC_F_PROXY_V2,
 };
 
 use crate::{
@@ -23,7 +23,7 @@ use crate::{
     },
     nat::Target,
     packet::{flow_key, L4Pkt},
-    syn_guard, transient,
+    proxy, syn_guard, transient,
 };
 
 /// Processes one frame.
@@ -305,6 +305,16 @@ pub(crate) fn open_handshake<C: Ctx, F: Family>(
     reopen: *const Flow<F::A>,
     now: u64,
 ) -> Verdict {
+    if svc.flags & SVC_F_PROXY_V2 != 0 {
+        if !C::INSERTS {
+            // This hook cannot put the header in (see `ctx::Tc`); the agent never programs such a service for
+            // it.
+            count(stat::DROP_PROXY);
+            return Verdict::Drop;
+        }
+        let sum = proxy::no_sack(c, p);
+        proxy::apply_sum(c, p, sum);
+    }
     if let Some(old) = reopen_of(reopen) {
         // The previous connection on this client port is over: its entries go now, so that the new one's
         // segments cannot follow them.

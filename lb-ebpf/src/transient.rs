@@ -26,6 +26,7 @@ use crate::{
     maps::{count, with_service_stats},
     nat::{forward, rewrite, Target},
     packet::L4Pkt,
+    proxy,
     snat::alloc_snat_port,
     syn_guard,
 };
@@ -180,6 +181,9 @@ pub fn segment<C: Ctx, F: Family>(
             return None;
         }
         if !t.closed() && p.tcp_flags & (TCP_SYN | TCP_ACK) == TCP_SYN | TCP_ACK {
+            if t.flow.proxy_len != 0 {
+                proxy::clamp_mss(c, p, t.flow.proxy_len);
+            }
             t.flow.flags |= FLOW_F_SYN_ACK;
             t.ack_be = u32::from_be(p.seq_be()).wrapping_add(1).to_be();
             // Written again, so that the client's ACK finds the handshake even if another client's SYN took the
@@ -188,6 +192,7 @@ pub fn segment<C: Ctx, F: Family>(
         }
         t.flow.last_seen_ns = now;
         let _ = close_bit(&mut t.flow, p.tcp_flags, now);
+        // No PROXY translation in a handshake: the backend cannot acknowledge a header it has not been sent.
         return Some(forward(c, p, &t.flow));
     }
     let partner = t.flow.partner_key(PROTO_TCP);
@@ -200,7 +205,7 @@ pub fn segment<C: Ctx, F: Family>(
     }
     // The last segments of a closed connection.
     track(t, p, partner, now);
-    Some(forward(c, p, &t.flow))
+    Some(proxy::forward(c, p, &mut t.flow))
 }
 
 /// A client's segment (not a SYN) of its handshake `h`, found through `HANDSHAKES`. Returns `None` when the
@@ -223,6 +228,8 @@ pub fn client_segment<C: Ctx, F: Family>(
         // The last segments of a reset handshake, or the client giving up: the backend must hear it.
         h.flow.last_seen_ns = now;
         let _ = close_bit(&mut h.flow, p.tcp_flags, now);
+        // No PROXY translation either: before its handshake completes the client has sent nothing past where the
+        // header would go.
         return Some(forward(c, p, &h.fwd));
     }
     if p.tcp_flags & TCP_ACK != 0 && h.flow.flags & FLOW_F_SYN_ACK != 0 && h.ack_be == p.ack_be() {
@@ -275,7 +282,7 @@ fn promote<C: Ctx, F: Family>(
     flow_filter::mark(&p.key);
     established_new::<F>(cfg, &p.key, &h.fwd, &h.flow);
     syn_guard::trust(cfg, p.key.src);
-    let v = forward(c, p, &h.fwd);
+    let v = proxy::forward(c, p, &mut h.fwd);
     let _ = F::transient().remove(rkey);
     v
 }

@@ -21,7 +21,8 @@ const fn pkg(name: &'static str, provides: &'static [&'static str]) -> Pkg {
 /// of the HA tests, supervised by the agent as on the load-balancer VMs), and `etcd` (etcd-server: the store of
 /// the real kube-apiserver the Kubernetes-side tests start, see `kube-testenv`); for the frontend-node test nginx
 /// with its stream module (API-server-like HTTPS and UDP backends), openssl (their CAs) and curl (the client); for
-/// the routing test BIRD 2 (BGP between the load balancer and its backends).
+/// the routing test BIRD 2 (BGP between the load balancer and its backends); for the PROXY protocol tests HAProxy
+/// (backends taking the header) and nftables (loss on the test links: this kernel has no netem).
 pub const NETNS_PACKAGES: &[Pkg] = &[
     pkg("iproute2", &["ip"]),
     pkg("ethtool", &["ethtool"]),
@@ -35,6 +36,8 @@ pub const NETNS_PACKAGES: &[Pkg] = &[
     pkg("openssl", &["openssl"]),
     pkg("curl", &["curl"]),
     pkg("bird2", &["/usr/sbin/bird", "/usr/sbin/birdc"]),
+    pkg("haproxy", &["/usr/sbin/haproxy"]),
+    pkg("nftables", &["nft"]),
 ];
 
 /// Debian packages the parser fuzzing uses: a C++ compiler, for libFuzzer itself (`libfuzzer-sys` builds it from

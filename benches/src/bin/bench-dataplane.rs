@@ -173,6 +173,7 @@ fn load(obj: &[u8], sizes: &MapSizes) -> Result<Dataplane> {
                 SocketAddr::new(node, node_port)
             })
             .collect(),
+        proxy_v2: false,
     };
     let svc = |protocol, port, node_port| svc_on(IpAddr::V4(VIP), protocol, port, node_port);
     let mut denied = svc(Protocol::Tcp, 8443, 30443);

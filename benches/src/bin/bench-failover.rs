@@ -145,6 +145,7 @@ fn apply_cost(connections: usize, per_frame: usize) -> Result<ApplyRun> {
             idle_timeout: Duration::from_secs(3600),
             source_ranges: vec![],
             backends: vec![SocketAddr::new(IpAddr::V4(node), 30080)],
+            proxy_v2: false,
         }],
     )?;
     let mut store = BpfFlowStore::open(&dp.maps, Default::default())?;

@@ -133,6 +133,7 @@ fn services(n: u32, per: u32, port_shift: u16) -> Vec<ServiceSpec> {
                     )
                 })
                 .collect(),
+            proxy_v2: false,
         })
         .collect()
 }

@@ -77,4 +77,6 @@ pub struct ServiceSpec {
     pub source_ranges: Vec<IpNet>,
     /// Backends that take new flows (the healthy ones), as node address + NodePort.
     pub backends: Vec<SocketAddr>,
+    /// TCP: each connection's backend gets a PROXY protocol v2 header before the client's bytes.
+    pub proxy_v2: bool,
 }

@@ -9,11 +9,13 @@
 
 use crate::dataplane::arena::Arena;
 use crate::dataplane::maglev::{self, MaglevBackend};
-use crate::dataplane::model::{ServiceId, ServiceSpec};
+use crate::dataplane::model::{Protocol, ServiceId, ServiceSpec};
 use crate::dataplane::Maps;
 use anyhow::{bail, Context, Result};
 use ipnet::IpNet;
-use lb_common::{Addr, Backend, Service, ServiceKey, FAMILY_V4, FAMILY_V6, SVC_F_SOURCE_RANGES};
+use lb_common::{
+    Addr, Backend, Service, ServiceKey, FAMILY_V4, FAMILY_V6, SVC_F_PROXY_V2, SVC_F_SOURCE_RANGES,
+};
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::net::{IpAddr, SocketAddr};
 
@@ -305,7 +307,12 @@ impl Programmer {
 
         let value = Service {
             id: svc_idx,
-            flags: if restricted { SVC_F_SOURCE_RANGES } else { 0 },
+            flags: if restricted { SVC_F_SOURCE_RANGES } else { 0 }
+                | if spec.proxy_v2 && spec.id.protocol == Protocol::Tcp {
+                    SVC_F_PROXY_V2
+                } else {
+                    0
+                },
             table_offset: table.0,
             table_size: table.1,
             idle_timeout_s: spec.idle_timeout.as_secs().min(u32::MAX as u64) as u32,
@@ -537,6 +544,7 @@ mod tests {
             idle_timeout: Duration::from_secs(60),
             source_ranges: vec![],
             backends: backends.iter().map(|b| b.parse().unwrap()).collect(),
+            proxy_v2: false,
         }
     }
 

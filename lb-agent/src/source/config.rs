@@ -382,6 +382,19 @@ fn checked(
         }
         ports_ok.push((protocol, p.port as u16, node_port));
     }
+    if options.tcp_proxy_protocol() {
+        for port in options.tcp_proxy_protocol_ports_filter.iter().flatten() {
+            if !ports_ok
+                .iter()
+                .any(|(proto, p, _)| *proto == Protocol::Tcp && i32::from(*p) == *port)
+            {
+                warnings.push(format!(
+                    "options.tcpProxyProtocolPortFilter names port {port}, which is no TCP port of this load \
+                     balancer: no PROXY header is sent for it"
+                ));
+            }
+        }
+    }
     let mut services = Vec::new();
     for (vip, addrs) in &addrs_of {
         for &(protocol, port, node_port) in &ports_ok {
@@ -406,6 +419,8 @@ fn checked(
                     .iter()
                     .map(|a| SocketAddr::new(*a, node_port))
                     .collect(),
+                proxy_v2: protocol == Protocol::Tcp
+                    && options.tcp_proxy_protocol_for_port(port.into()),
             });
         }
     }
@@ -430,7 +445,7 @@ fn checked(
 pub enum UnsupportedOption {
     /// `options.logForward`: this image ships no logs.
     LogForward,
-    /// `options.tcpProxyProtocol`: the data plane inserts no PROXY protocol header yet.
+    /// `options.tcpProxyProtocol` on an agent attached at TC: only the XDP hook inserts the PROXY v2 header.
     ProxyProtocol,
 }
 
@@ -459,10 +474,12 @@ pub struct Unsupported {
     pub message: String,
 }
 
-/// The options among `options` (for the service ports `ports`) that this agent does not implement.
+/// The options among `options` (for the service ports `ports`) that this agent does not implement; `proxy_v2`:
+/// whether its data plane inserts PROXY v2 headers (every XDP mode; not TC).
 pub fn unsupported_options(
     ports: &[ServicePort],
     options: &LoadBalancerOptions,
+    proxy_v2: bool,
 ) -> Vec<Unsupported> {
     let mut out = Vec::new();
     if let Some(lf) = options.log_forward.as_ref().filter(|l| l.enabled) {
@@ -476,13 +493,14 @@ pub fn unsupported_options(
         });
     }
     let proxied = options.tcp_proxy_protocol_ports(ports);
-    if !proxied.is_empty() {
+    if !proxied.is_empty() && !proxy_v2 {
         let ports: Vec<String> = proxied.iter().map(i32::to_string).collect();
         out.push(Unsupported {
             option: UnsupportedOption::ProxyProtocol,
             message: format!(
-                "tcpProxyProtocol is not supported yet: TCP port(s) {} are forwarded without a PROXY protocol \
-                 header, so the backends see the load balancer's address instead of the client's",
+                "tcpProxyProtocol needs the XDP hook and this agent runs at TC (--attach-mode tc): TCP port(s) {} \
+                 are forwarded without a PROXY protocol header, so the backends see the load balancer's address \
+                 instead of the client's",
                 ports.join(", ")
             ),
         });
@@ -493,10 +511,17 @@ pub fn unsupported_options(
 impl TryFrom<&LocalConfig> for DesiredConfig {
     type Error = anyhow::Error;
 
-    /// File mode: an option the agent cannot honour makes the file invalid (see [`Unsupported`]), reported with
-    /// the file's other problems.
+    /// [`DesiredConfig::from_file`] for a data plane that inserts PROXY v2 headers.
     fn try_from(c: &LocalConfig) -> Result<Self> {
-        let unsupported: Vec<String> = unsupported_options(&c.ports, &c.options)
+        DesiredConfig::from_file(c, true)
+    }
+}
+
+impl DesiredConfig {
+    /// File mode: an option the agent cannot honour makes the file invalid (see [`Unsupported`]), reported with
+    /// the file's other problems; `proxy_v2` as for [`unsupported_options`].
+    pub fn from_file(c: &LocalConfig, proxy_v2: bool) -> Result<Self> {
+        let unsupported: Vec<String> = unsupported_options(&c.ports, &c.options, proxy_v2)
             .into_iter()
             .map(|u| format!("{}: {}", u.option.field(), u.message))
             .collect();
@@ -670,14 +695,35 @@ options:
 
     #[test]
     fn file_mode_refuses_options_it_cannot_honour() {
+        // An agent at TC: no PROXY v2.
         let with = |options: &str| {
             let c: LocalConfig = serde_yaml::from_str(&format!("{GOOD}{options}")).unwrap();
-            DesiredConfig::try_from(&c).map(|_| ())
+            DesiredConfig::from_file(&c, false).map(|_| ())
         };
         let e = with("  tcpProxyProtocol: true\n").unwrap_err().to_string();
         assert!(
-            e.contains("options.tcpProxyProtocol: tcpProxyProtocol is not supported yet: TCP port(s) 80 are"),
+            e.contains("options.tcpProxyProtocol: tcpProxyProtocol needs the XDP hook and this agent runs at TC"),
             "{e}"
+        );
+        // At XDP the ports named get the header, and a filter port that is no TCP port is a warning.
+        let c: LocalConfig = serde_yaml::from_str(&format!(
+            "{GOOD}  tcpProxyProtocol: true\n  tcpProxyProtocolPortFilter: [80, 53]\n"
+        ))
+        .unwrap();
+        let d = DesiredConfig::try_from(&c).unwrap();
+        let proxied: Vec<(Protocol, u16, bool)> = d
+            .services
+            .iter()
+            .map(|s| (s.id.protocol, s.id.port, s.proxy_v2))
+            .collect();
+        assert!(proxied.contains(&(Protocol::Tcp, 80, true)), "{proxied:?}");
+        assert!(proxied.iter().all(|(p, _, on)| *p == Protocol::Tcp || !on));
+        assert!(
+            d.warnings
+                .iter()
+                .any(|w| w.contains("names port 53, which is no TCP port")),
+            "{:?}",
+            d.warnings
         );
         let e = with(
             "  logForward: {enabled: true, lokiUrl: \"http://loki:3100\"}\n  tcpProxyProtocol: true\n",

@@ -10,7 +10,8 @@ use tokio::sync::watch;
 /// Polls a config file (content, not just mtime, so atomic renames and editors are seen alike) and publishes
 /// each new version. Reading a few kilobytes every `every` (50 ms in the agent) costs nothing next to the
 /// latency it saves.
-pub fn watch_file(path: PathBuf, every: Duration) -> watch::Receiver<ConfigState> {
+/// `proxy_v2`: the data plane inserts PROXY v2 headers (see [`DesiredConfig::from_file`]).
+pub fn watch_file(path: PathBuf, every: Duration, proxy_v2: bool) -> watch::Receiver<ConfigState> {
     let (tx, rx) = watch::channel(ConfigState::Pending);
     tokio::spawn(async move {
         let mut last: Option<String> = None;
@@ -21,7 +22,9 @@ pub fn watch_file(path: PathBuf, every: Duration) -> watch::Receiver<ConfigState
                     generation += 1;
                     let state = serde_yaml::from_str::<crate::source::config::LocalConfig>(&text)
                         .map_err(|e| format!("{}: {e}", path.display()))
-                        .and_then(|c| DesiredConfig::try_from(&c).map_err(|e| format!("{e:#}")));
+                        .and_then(|c| {
+                            DesiredConfig::from_file(&c, proxy_v2).map_err(|e| format!("{e:#}"))
+                        });
                     let _ = tx.send(match state {
                         Ok(c) => {
                             for w in &c.warnings {

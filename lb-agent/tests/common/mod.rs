@@ -429,6 +429,7 @@ pub fn spec_on(
             .iter()
             .map(|i| SocketAddr::new(node_addr(*i), node_port))
             .collect(),
+        proxy_v2: false,
     }
 }
 

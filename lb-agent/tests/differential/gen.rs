@@ -431,6 +431,7 @@ impl Gen {
             csum_addr: 0,
             csum_port: 0,
             last_seen_ns: 0,
+            ..Default::default()
         };
         let fwd = Flow {
             csum_addr: sum(

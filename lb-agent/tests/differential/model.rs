@@ -1325,6 +1325,8 @@ impl<A: Fam> Target<A> {
                 &[word16(k.dport), word16(k.sport)],
             ) as u32,
             last_seen_ns: FRESH,
+            // The model's services never ask for PROXY v2 (its rules have their own packet tests).
+            ..Default::default()
         }
     }
 
@@ -1351,6 +1353,8 @@ impl<A: Fam> Target<A> {
                 &[word16(port), word16(self.node_port)],
             ) as u32,
             last_seen_ns: FRESH,
+            // The model's services never ask for PROXY v2 (its rules have their own packet tests).
+            ..Default::default()
         }
     }
 }

@@ -60,11 +60,18 @@ pub fn service_of(lb: &LoadBalancer) -> Option<(String, String)> {
     Some((namespace.to_string(), name.to_string()))
 }
 
-/// `ingress[].ipMode` (Kubernetes ≥ 1.30): `VIP` lets kube-proxy short-circuit in-cluster traffic to the address
-/// straight to the Service's endpoints instead of sending it out through the load balancer. That loses nothing
-/// while the data plane inserts no PROXY header (it would have to become `Proxy` once it does, so that in-cluster
-/// clients get the header too).
-pub const INGRESS_IP_MODE: &str = "VIP";
+/// `ingress[].ipMode` (Kubernetes ≥ 1.30) for a LoadBalancer. `VIP` lets kube-proxy short-circuit in-cluster
+/// traffic to the address straight to the Service's endpoints instead of sending it out through the load balancer.
+/// With a PROXY header on any TCP port that would deliver in-cluster connections without the header, and backends
+/// that expect it refuse them: `Proxy` then, so that the traffic goes through the load balancer, which inserts it.
+pub fn ingress_ip_mode(lb: &LoadBalancer) -> &'static str {
+    let options = lb.spec.options();
+    if options.tcp_proxy_protocol_ports(lb.spec.ports()).is_empty() {
+        "VIP"
+    } else {
+        "Proxy"
+    }
+}
 
 /// The IPs to publish, if the LoadBalancer is ready: its addresses and either ready machines or zero desired
 /// machines (yawol PR #521: keep reporting the IP when scaled to 0). One address per served family, in the order of
@@ -143,17 +150,19 @@ async fn reconcile_ip(lb: &LoadBalancer, ctx: &Context) -> Result<Action, Error>
                 .collect()
         })
         .unwrap_or_default();
-    // Also rewrites ingresses published before `ipMode` was set.
+    // Also rewrites ingresses published before `ipMode` was set, and those of a LoadBalancer whose PROXY protocol
+    // was switched on or off.
+    let mode = ingress_ip_mode(lb);
     if current
         .iter()
         .copied()
-        .eq(ips.iter().map(|ip| (Some(*ip), Some(INGRESS_IP_MODE))))
+        .eq(ips.iter().map(|ip| (Some(*ip), Some(mode))))
     {
         return Ok(Action::await_change());
     }
     let ingress: Vec<_> = ips
         .iter()
-        .map(|ip| json!({"ip": ip, "ipMode": INGRESS_IP_MODE}))
+        .map(|ip| json!({"ip": ip, "ipMode": mode}))
         .collect();
     let patch = json!({"status": {"loadBalancer": {"ingress": ingress}}});
     api.patch_status(&name, &PatchParams::default(), &Patch::Merge(&patch))
@@ -168,7 +177,8 @@ async fn reconcile_ip(lb: &LoadBalancer, ctx: &Context) -> Result<Action, Error>
         .map(|(ip, _)| *ip)
         .eq(ips.iter().map(|ip| Some(*ip)))
     {
-        // Only `ipMode` was added (an ingress published by an older version or by yawol): nothing to tell the user.
+        // Only `ipMode` changed (an ingress published by an older version or by yawol, or PROXY protocol switched):
+        // nothing to tell the user.
         return Ok(Action::await_change());
     }
     let ip = ips.join(", ");
@@ -387,6 +397,40 @@ mod tests {
         assert_eq!(
             service_of(&lb(1, json!({}))),
             Some(("default".into(), "web".into()))
+        );
+    }
+
+    #[test]
+    fn ip_mode_is_proxy_when_a_tcp_port_gets_a_proxy_header() {
+        let with = |spec: serde_json::Value| {
+            let mut l = lb(1, json!({}));
+            l.spec.ports = serde_json::from_value(spec["ports"].clone()).unwrap();
+            l.spec.options = serde_json::from_value(spec["options"].clone()).unwrap();
+            ingress_ip_mode(&l)
+        };
+        let tcp_udp = json!([{"port": 80, "protocol": "TCP"}, {"port": 53, "protocol": "UDP"}]);
+        assert_eq!(with(json!({"ports": tcp_udp})), "VIP");
+        let on = |options: serde_json::Value| with(json!({"ports": tcp_udp, "options": options}));
+        assert_eq!(on(json!({"tcpProxyProtocol": false})), "VIP");
+        assert_eq!(on(json!({"tcpProxyProtocol": true})), "Proxy");
+        assert_eq!(
+            on(json!({"tcpProxyProtocol": true, "tcpProxyProtocolPortFilter": [80]})),
+            "Proxy"
+        );
+        assert_eq!(
+            on(json!({"tcpProxyProtocol": true, "tcpProxyProtocolPortFilter": []})),
+            "Proxy",
+            "an empty filter: every TCP port"
+        );
+        // The filter selects no TCP port: no header anywhere, nothing for kube-proxy to bypass.
+        assert_eq!(
+            on(json!({"tcpProxyProtocol": true, "tcpProxyProtocolPortFilter": [53, 8080]})),
+            "VIP"
+        );
+        assert_eq!(
+            with(json!({"ports": [{"port": 53, "protocol": "UDP"}],
+                        "options": {"tcpProxyProtocol": true}})),
+            "VIP"
         );
     }
 

@@ -132,9 +132,11 @@ pub mod reasons {
     pub const VALIDATION: &str = "validation";
     /// An annotation's value was ignored or a change of it refused; the rest is applied.
     pub const ANNOTATION: &str = "annotation";
-    /// The Service asks for PROXY protocol, which the data plane does not send yet: the load balancer is created
-    /// and forwards, but the backends see the load balancer's address instead of the client's.
-    pub const PROXY_PROTOCOL_NOT_SUPPORTED: &str = "ProxyProtocolNotSupported";
+    /// `tcpProxyProtocolPortsFilter` names a port of the Service that is not TCP: PROXY protocol is TCP only, the
+    /// port is forwarded without a header.
+    pub const PROXY_PROTOCOL_PORT_NOT_TCP: &str = "ProxyProtocolPortNotTcp";
+    /// `tcpProxyProtocolPortsFilter` names a number that is no port of the Service: it selects nothing.
+    pub const PROXY_PROTOCOL_PORT_UNKNOWN: &str = "ProxyProtocolPortUnknown";
     /// No node that would receive traffic has an IPv4 InternalIP: a single-stack LoadBalancer has no backends, a
     /// PreferDualStack one is served over IPv6 only, a RequireDualStack Service is refused
     /// ([`crate::cloud::ip_families`]).
@@ -225,15 +227,10 @@ pub fn desired_spec(
     };
 
     let mut warnings = Warning::all(reasons::ANNOTATION, warnings);
-    // Copied into the LoadBalancer all the same (yawol-compatible objects, and honoured once the data plane
-    // inserts the header), but never silently: the user's backends do not get what the Service asks for.
-    let proxied = options.tcp_proxy_protocol_ports(spec.ports.as_deref().unwrap_or_default());
-    if !proxied.is_empty() {
-        warnings.push(Warning {
-            reason: reasons::PROXY_PROTOCOL_NOT_SUPPORTED,
-            message: proxy_protocol_message(&proxied),
-        });
-    }
+    warnings.extend(proxy_protocol_filter_warnings(
+        &options,
+        spec.ports.as_deref().unwrap_or_default(),
+    ));
 
     Desired {
         spec: LoadBalancerSpec {
@@ -263,14 +260,66 @@ pub fn ip_families_field(families: &[String]) -> Option<Vec<String>> {
     }
 }
 
-fn proxy_protocol_message(ports: &[i32]) -> String {
-    let ports: Vec<String> = ports.iter().map(i32::to_string).collect();
-    format!(
-        "annotation {} is not supported yet: the load balancer forwards TCP port(s) {} without a PROXY protocol \
-         header, so the backends see the load balancer's address instead of the client's",
-        ann::TCP_PROXY_PROTOCOL,
-        ports.join(", ")
-    )
+/// The ports `tcpProxyProtocolPortsFilter` names that get no PROXY header, so that the user is told and does not
+/// find out from a backend refusing connections. A number that is both a TCP and a UDP port (DNS) is served: the TCP
+/// port gets the header. Without PROXY protocol the filter does nothing and nothing is said.
+fn proxy_protocol_filter_warnings(
+    options: &LoadBalancerOptions,
+    ports: &[ServicePort],
+) -> Vec<Warning> {
+    let filter = match options.tcp_proxy_protocol_ports_filter.as_deref() {
+        Some(filter) if options.tcp_proxy_protocol() => filter,
+        _ => return Vec::new(),
+    };
+    let (mut not_tcp, mut unknown) = (Vec::new(), Vec::new());
+    for &wanted in filter {
+        let mut protocols = ports
+            .iter()
+            .filter(|p| p.port == wanted)
+            .map(lb_api::port_protocol)
+            .peekable();
+        let list = if protocols.peek().is_none() {
+            &mut unknown
+        } else if protocols.all(|p| p != "TCP") {
+            &mut not_tcp
+        } else {
+            continue;
+        };
+        if !list.contains(&wanted) {
+            list.push(wanted);
+        }
+    }
+    let join = |ports: &[i32]| {
+        ports
+            .iter()
+            .map(i32::to_string)
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    let mut warnings = Vec::new();
+    if !not_tcp.is_empty() {
+        warnings.push(Warning {
+            reason: reasons::PROXY_PROTOCOL_PORT_NOT_TCP,
+            message: format!(
+                "annotation {} names port(s) {} of the Service that are not TCP: PROXY protocol is TCP only, \
+                 they are forwarded without a PROXY header",
+                ann::TCP_PROXY_PROTOCOL_PORTS_FILTER,
+                join(&not_tcp)
+            ),
+        });
+    }
+    if !unknown.is_empty() {
+        warnings.push(Warning {
+            reason: reasons::PROXY_PROTOCOL_PORT_UNKNOWN,
+            message: format!(
+                "annotation {} names port(s) {} that the Service does not have (the filter names the Service's \
+                 ports, not node or target ports): they select nothing",
+                ann::TCP_PROXY_PROTOCOL_PORTS_FILTER,
+                join(&unknown)
+            ),
+        });
+    }
+    warnings
 }
 
 /// The ports with `protocol` filled in (TCP when absent), as the LoadBalancer CRD's schema
@@ -729,18 +778,16 @@ mod tests {
             "yawol.stackit.cloud/additionalNetworks": "extra1,extra2",
         }));
         let d = desired_spec(&svc, vec![], &defaults());
-        // Every annotation is applied; PROXY protocol is copied into the LoadBalancer but not honoured by the data
-        // plane yet, which must be said (a Warning event), never left silent.
+        // Every annotation is applied; the filter's 443 is no port of the Service, which is said, never silent.
         assert_eq!(
             d.warnings,
             [Warning {
-                reason: "ProxyProtocolNotSupported",
-                message: "annotation yawol.stackit.cloud/tcpProxyProtocol is not supported yet: the load \
-                          balancer forwards TCP port(s) 80 without a PROXY protocol header, so the backends \
-                          see the load balancer's address instead of the client's"
+                reason: "ProxyProtocolPortUnknown",
+                message: "annotation yawol.stackit.cloud/tcpProxyProtocolPortsFilter names port(s) 443 that the \
+                          Service does not have (the filter names the Service's ports, not node or target ports): \
+                          they select nothing"
                     .into(),
             }],
-            "the PROXY protocol warning, naming the affected port (443 is not a port of the Service)"
         );
         let s = d.spec;
         let infra = &s.infrastructure;
@@ -783,39 +830,80 @@ mod tests {
         assert_eq!(o.server_group_policy(), Some("anti-affinity"));
     }
 
+    /// The Service's PROXY protocol warnings (reason, message) with ports TCP 80 and 443, UDP 53, TCP and UDP 5353.
+    fn proxy_warnings(annotations: Value) -> Vec<(&'static str, String)> {
+        let mut svc = service(annotations);
+        let ports = svc.spec.as_mut().unwrap().ports.as_mut().unwrap();
+        for (port, protocol) in [(443, "TCP"), (53, "UDP"), (5353, "TCP"), (5353, "UDP")] {
+            ports.push(
+                serde_json::from_value(
+                    json!({"port": port, "protocol": protocol, "nodePort": 30000 + port}),
+                )
+                .unwrap(),
+            );
+        }
+        desired_spec(&svc, vec![], &defaults())
+            .warnings
+            .into_iter()
+            .filter(|w| w.reason != reasons::ANNOTATION)
+            .map(|w| (w.reason, w.message))
+            .collect()
+    }
+
     #[test]
-    fn proxy_protocol_warning_names_the_proxied_tcp_ports() {
-        let proxied = |annotations: Value| {
-            let mut svc = service(annotations);
-            let ports = svc.spec.as_mut().unwrap().ports.as_mut().unwrap();
-            for (port, protocol) in [(443, "TCP"), (53, "UDP")] {
-                ports.push(
-                    serde_json::from_value(
-                        json!({"port": port, "protocol": protocol, "nodePort": 30000 + port}),
-                    )
-                    .unwrap(),
-                );
-            }
-            desired_spec(&svc, vec![], &defaults())
-                .warnings
-                .into_iter()
-                .filter(|w| w.reason == reasons::PROXY_PROTOCOL_NOT_SUPPORTED)
-                .map(|w| w.message)
-                .collect::<Vec<_>>()
-        };
-        let all = proxied(json!({"yawol.stackit.cloud/tcpProxyProtocol": "true"}));
-        assert_eq!(all.len(), 1);
-        assert!(all[0].contains("TCP port(s) 80, 443 "), "{all:?}");
+    fn proxy_protocol_on_tcp_ports_is_served_without_warning() {
+        for annotations in [
+            json!({"yawol.stackit.cloud/tcpProxyProtocol": "true"}),
+            json!({"yawol.stackit.cloud/tcpProxyProtocol": "true",
+                   "yawol.stackit.cloud/tcpProxyProtocolPortsFilter": "80,443"}),
+            // 5353 is also a TCP port: that one gets the header.
+            json!({"yawol.stackit.cloud/tcpProxyProtocol": "true",
+                   "yawol.stackit.cloud/tcpProxyProtocolPortsFilter": "5353"}),
+            // The filter only matters with PROXY protocol on.
+            json!({"yawol.stackit.cloud/tcpProxyProtocol": "false",
+                   "yawol.stackit.cloud/tcpProxyProtocolPortsFilter": "53,8080"}),
+            json!({"yawol.stackit.cloud/tcpProxyProtocolPortsFilter": "53,8080"}),
+        ] {
+            let warnings = proxy_warnings(annotations.clone());
+            assert!(warnings.is_empty(), "{annotations}: {warnings:?}");
+        }
+    }
+
+    #[test]
+    fn proxy_protocol_filter_naming_a_udp_port_warns() {
+        let warnings = proxy_warnings(json!({
+            "yawol.stackit.cloud/tcpProxyProtocol": "true",
+            "yawol.stackit.cloud/tcpProxyProtocolPortsFilter": "80,53,53",
+        }));
         assert_eq!(
-            proxied(json!({"yawol.stackit.cloud/tcpProxyProtocol": "true",
-                           "yawol.stackit.cloud/tcpProxyProtocolPortsFilter": "8080"})),
-            Vec::<String>::new(),
-            "no port of the Service asks for the header: nothing is lost"
+            warnings,
+            [(
+                reasons::PROXY_PROTOCOL_PORT_NOT_TCP,
+                "annotation yawol.stackit.cloud/tcpProxyProtocolPortsFilter names port(s) 53 of the Service that \
+                 are not TCP: PROXY protocol is TCP only, they are forwarded without a PROXY header"
+                    .to_string()
+            )]
         );
+    }
+
+    #[test]
+    fn proxy_protocol_filter_naming_no_port_of_the_service_warns() {
+        let warnings = proxy_warnings(json!({
+            "yawol.stackit.cloud/tcpProxyProtocol": "true",
+            "yawol.stackit.cloud/tcpProxyProtocolPortsFilter": "8080, 53, 443, 30080",
+        }));
+        let reasons: Vec<_> = warnings.iter().map(|(r, _)| *r).collect();
+        assert_eq!(
+            reasons,
+            [
+                reasons::PROXY_PROTOCOL_PORT_NOT_TCP,
+                reasons::PROXY_PROTOCOL_PORT_UNKNOWN
+            ]
+        );
+        assert!(warnings[0].1.contains("port(s) 53 "), "{warnings:?}");
         assert!(
-            proxied(json!({"yawol.stackit.cloud/tcpProxyProtocol": "false",
-                               "yawol.stackit.cloud/tcpProxyProtocolPortsFilter": "80"}))
-            .is_empty()
+            warnings[1].1.contains("port(s) 8080, 30080 that"),
+            "a node port is no service port: {warnings:?}"
         );
     }
 
@@ -847,18 +935,13 @@ mod tests {
         }));
         let d = desired_spec(&svc, vec![], &defaults());
         let reasons: Vec<_> = d.warnings.iter().map(|w| w.reason).collect();
-        assert_eq!(
-            reasons,
-            [["annotation"; 7].as_slice(), &["ProxyProtocolNotSupported"]].concat(),
-            "{:#?}",
-            d.warnings
-        );
-        assert!(
-            d.warnings[7].message.contains("TCP port(s) 80 "),
-            "an invalid filter means all TCP ports: {:?}",
-            d.warnings[7]
-        );
+        assert_eq!(reasons, ["annotation"; 7], "{:#?}", d.warnings);
         let o = d.spec.options();
+        assert_eq!(
+            o.tcp_proxy_protocol_ports(d.spec.ports()),
+            [80],
+            "an invalid filter means all TCP ports"
+        );
         assert_eq!(d.spec.replicas, 1);
         assert!(!o.is_internal());
         assert!(o.tcp_proxy_protocol());

@@ -51,6 +51,8 @@ pub struct HaRigConfig {
     pub ipv6: bool,
     /// With `ipv6`: the IPv6 VIP only, so the VRRP instance is an IPv6 one (VRRPv3 from link-local addresses).
     pub ipv6_only: bool,
+    /// Extra `options:` lines of the LoadBalancer config (YAML, indented by two spaces).
+    pub options: String,
 }
 
 impl HaRigConfig {
@@ -68,6 +70,7 @@ impl HaRigConfig {
             sync: true,
             ipv6: false,
             ipv6_only: false,
+            options: String::new(),
         })
     }
 }
@@ -146,7 +149,10 @@ impl HaRig {
             .filter(|_| !rig.cfg.ipv6_only)
             .chain(vip6.map(IpAddr::from))
             .collect();
-        std::fs::write(rig.config_path(), lb_config_yaml(&vips, &nodes, ""))?;
+        std::fs::write(
+            rig.config_path(),
+            lb_config_yaml(&vips, &nodes, &rig.cfg.options),
+        )?;
         if rig.cfg.start_agents {
             for h in rig.topo.lbs() {
                 rig.start_agent(h, 100)?;
@@ -330,6 +336,17 @@ impl HaRig {
             }
             std::thread::sleep(Duration::from_millis(20));
         }
+    }
+
+    /// Stops every backend's echo server: its NodePorts are free for another server (e.g.
+    /// [`crate::proxy_backend::ProxyBackend`]).
+    pub fn stop_echo(&mut self) {
+        self.echo.clear();
+    }
+
+    /// The rig's scratch directory.
+    pub fn dir(&self) -> &std::path::Path {
+        &self.dir
     }
 
     /// GET on replica `host`'s metrics listener; returns the body.

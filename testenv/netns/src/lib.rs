@@ -27,6 +27,7 @@ pub mod hold;
 pub mod kube_rig;
 pub mod load;
 pub mod process;
+pub mod proxy_backend;
 pub mod rawsend;
 pub mod rig;
 pub mod stormgen;

@@ -102,7 +102,36 @@ pub fn tcp_seq(
     (seq, ack): (u32, u32),
     payload: &[u8],
 ) -> Vec<u8> {
+    tcp_opts(
+        src_mac,
+        dst_mac,
+        (src, sport),
+        (dst, dport),
+        flags,
+        (seq, ack),
+        &[],
+        payload,
+    )
+}
+
+/// [`tcp_seq`] with TCP options, as raw bytes (a multiple of 4).
+#[allow(clippy::too_many_arguments)]
+pub fn tcp_opts(
+    src_mac: [u8; 6],
+    dst_mac: [u8; 6],
+    (src, sport): (impl Into<IpAddr>, u16),
+    (dst, dport): (impl Into<IpAddr>, u16),
+    flags: Flags,
+    (seq, ack): (u32, u32),
+    options: &[u8],
+    payload: &[u8],
+) -> Vec<u8> {
     let mut b = ip(src_mac, dst_mac, src.into(), dst.into()).tcp(sport, dport, seq, 64240);
+    if !options.is_empty() {
+        b = b
+            .options_raw(options)
+            .expect("TCP options: at most 40 bytes, a multiple of 4");
+    }
     if flags.syn {
         b = b.syn();
     }

@@ -16,13 +16,14 @@
 //!   version u8 | kind u8 | reserved u16 = 0 | payload length u32 | sequence u64         (16 bytes)
 //!   payload | HMAC-SHA256(direction key, header || payload)                            (32 bytes)
 //!   sequence numbers start at 0 in each direction and grow by one per frame
-//! payloads: Records = count u32 | count × (family u8 = 4 | IPv4 record, 98 bytes
-//!                                         or family u8 = 6 | IPv6 record, 170 bytes);
+//! payloads: Records = count u32 | count × (family u8 = 4 | IPv4 record, 110 bytes
+//!                                         or family u8 = 6 | IPv6 record, 182 bytes);
 //!           DumpDone = records in the dump u64; Ack = sequence of the last applied Records frame u64;
 //!           Heartbeat = empty
 //! record:   kind u8 | key: src, dst, sport, dport, proto | forward entry | reverse entry | age_ms u32
 //! entry:    new_src, new_dst, new_sport, new_dport, mac [6], flags u8, egress u8, svc_id, backend_id, timeout_s,
-//!           csum_addr, csum_port (u32 LE each); addresses are 4 (IPv4) or 16 (IPv6) bytes
+//!           csum_addr, csum_port (u32 LE each), proxy_seq (network order), proxy_len u16 LE; addresses are 4 (IPv4)
+//!           or 16 (IPv6) bytes
 //! ```
 
 use super::{FlowRecord, SyncEvent};
@@ -38,8 +39,9 @@ type HmacSha256 = Hmac<Sha256>;
 
 /// Protocol version spoken by this build; a peer with another one is rejected during the handshake. Version 2
 /// added IPv6 records (each record names its family); version 3 the entries' egress interface slot (replicas
-/// configured with the same interfaces in the same order share the slots).
-pub const VERSION: u8 = 3;
+/// configured with the same interfaces in the same order share the slots); version 4 the PROXY v2 fields (where
+/// the header goes and its length: a peer taking over a PROXY connection keeps translating it).
+pub const VERSION: u8 = 4;
 /// First bytes of every handshake message.
 pub const MAGIC: [u8; 4] = *b"LBSY";
 /// Length of an HMAC-SHA256 tag.
@@ -69,10 +71,10 @@ pub const RECORDS_PER_FRAME: usize = (MAX_PAYLOAD - 4) / RECORD_LEN_V6;
 /// (their `last_seen_ns` and padding are not sent), age.
 const fn record_len(addr: usize) -> usize {
     let key = 2 * addr + 5;
-    let flow = 2 * addr + 4 + 6 + 1 + 1 + 20;
+    let flow = 2 * addr + 4 + 6 + 1 + 1 + 20 + 4 + 2;
     1 + key + 2 * flow + 4
 }
-const _: () = assert!(RECORD_LEN_V4 == 1 + 98 && RECORD_LEN_V6 == 1 + 170);
+const _: () = assert!(RECORD_LEN_V4 == 1 + 110 && RECORD_LEN_V6 == 1 + 182);
 
 const MSG_HELLO: u8 = 1;
 const MSG_CHALLENGE: u8 = 2;
@@ -324,6 +326,8 @@ fn put_flow<A: WireAddr>(f: &Flow<A>, out: &mut Vec<u8>) {
     out.extend_from_slice(&f.timeout_s.to_le_bytes());
     out.extend_from_slice(&f.csum_addr.to_le_bytes());
     out.extend_from_slice(&f.csum_port.to_le_bytes());
+    out.extend_from_slice(&f.proxy_seq_be.to_ne_bytes());
+    out.extend_from_slice(&f.proxy_len.to_le_bytes());
 }
 
 /// A cursor over a record; lengths are checked once by the caller.
@@ -344,6 +348,9 @@ impl Rd<'_> {
     fn ne32(&mut self) -> u32 {
         u32::from_ne_bytes(self.take())
     }
+    fn le16(&mut self) -> u16 {
+        u16::from_le_bytes(self.take())
+    }
     fn le32(&mut self) -> u32 {
         u32::from_le_bytes(self.take())
     }
@@ -361,6 +368,9 @@ impl Rd<'_> {
             timeout_s: self.le32(),
             csum_addr: self.le32(),
             csum_port: self.le32(),
+            proxy_seq_be: self.ne32(),
+            proxy_len: self.le16(),
+            _pad: 0,
             // A monotonic timestamp means nothing on another machine; the age travels instead.
             last_seen_ns: 0,
         }
@@ -658,6 +668,9 @@ mod tests {
                 timeout_s: 3600,
                 csum_addr: 0xdead_beef,
                 csum_port: 0x1234_5678,
+                proxy_seq_be: 0x0a0b_0c0d,
+                proxy_len: 28,
+                _pad: 0,
                 last_seen_ns: 0,
             },
             rev: FlowV4 {
@@ -701,6 +714,9 @@ mod tests {
             timeout_s: f.timeout_s,
             csum_addr: f.csum_addr,
             csum_port: f.csum_port,
+            proxy_seq_be: f.proxy_seq_be,
+            proxy_len: f.proxy_len,
+            _pad: 0,
             last_seen_ns: 0,
         };
         FlowRecord {
@@ -740,7 +756,15 @@ mod tests {
         assert_eq!(payload[4], FAMILY_V4);
         assert_eq!(&payload[6..10], &[10, 0, 0, 1]);
         assert_eq!(&payload[14..16], &40000u16.to_be_bytes());
-        assert_eq!(&payload[4 + 95..4 + 99], &123_456u32.to_le_bytes());
+        let end = 4 + RECORD_LEN_V4;
+        assert_eq!(&payload[end - 4..end], &123_456u32.to_le_bytes());
+        // The reverse entry's PROXY fields before it (zero), the forward entry's before those.
+        assert_eq!(&payload[end - 10..end - 4], &[0; 6]);
+        let fwd_end = end - 4 - (RECORD_LEN_V4 - 1 - 1 - 13 - 4) / 2;
+        assert_eq!(
+            &payload[fwd_end - 6..fwd_end],
+            &[0x0d, 0x0c, 0x0b, 0x0a, 28, 0]
+        );
         let v6 = 4 + 2 * RECORD_LEN_V4;
         assert_eq!(payload[v6], FAMILY_V6);
         assert_eq!(&payload[v6 + 2..v6 + 6], &[0x20, 0x01, 0x0d, 0xb8]);

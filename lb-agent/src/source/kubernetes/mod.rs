@@ -83,6 +83,8 @@ pub struct KubeSettings {
     pub ad_hoc_debug: Option<debug::AdHocDebugSettings>,
     /// Started as `yawollet`: what yawollet does differently (`None`: lb-agent's own behaviour).
     pub yawollet: Option<yawollet::Compat>,
+    /// The data plane inserts PROXY v2 headers (every XDP mode; not TC), so `tcpProxyProtocol` is honoured.
+    pub proxy_v2: bool,
 }
 
 /// What the config source learnt from the LoadBalancer that goes into the machine's status but not into the

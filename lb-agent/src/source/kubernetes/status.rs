@@ -735,7 +735,7 @@ mod tests {
         .unwrap();
         let both = Context {
             facts: LbFacts {
-                unsupported: crate::source::config::unsupported_options(&ports, &options),
+                unsupported: crate::source::config::unsupported_options(&ports, &options, false),
             },
             ..Default::default()
         };

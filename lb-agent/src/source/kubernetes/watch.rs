@@ -229,7 +229,7 @@ async fn publish(
             recorder.publish(&e).await;
         }
     }
-    let unsupported = unsupported_options(lb.spec.ports(), lb.spec.options());
+    let unsupported = unsupported_options(lb.spec.ports(), lb.spec.options(), settings.proxy_v2);
     for u in &unsupported {
         if extras.unsupported_reported.contains(u) {
             continue;

@@ -1,0 +1,164 @@
+//! PROXY protocol v2 end to end: each backend runs real HAProxy (`accept-proxy`) in front of the testbed's echo
+//! server, which speaks first (its greeting names the backend), so every connection goes client → load balancer
+//! (the header put in by XDP) → HAProxy (parses it, logs the addresses it carried) → echo server, and back. Every
+//! payload byte is verified by the loader, every connection's header by HAProxy's log: the client's address and
+//! port, the VIP and the service port, for IPv4 and IPv6 — also with loss on the way into the client and the
+//! backends. Needs root and HAProxy. (Failover: `ha.rs`, `master_dies_and_proxy_connections_survive`.)
+
+use lb_testbed::proxy_backend::{Proxied, ProxyBackend};
+use lb_testbed::rig::{Rig, RigConfig, TCP_PORT};
+use lb_testbed::Host;
+use std::net::IpAddr;
+use std::time::{Duration, Instant};
+
+/// A dual-stack rig whose TCP port asks for PROXY v2, its backends' echo servers moved behind HAProxy.
+fn rig() -> (Rig, Vec<ProxyBackend>) {
+    assert!(lb_testbed::is_root(), "end-to-end tests need root");
+    let mut cfg = RigConfig::new().expect("artifacts built");
+    cfg.topology.ipv6 = true;
+    cfg.options = "  tcpProxyProtocol: true\n".into();
+    let mut r = Rig::start(cfg).expect("rig starts");
+    let dir = std::env::temp_dir().join(format!("lbt-proxy-{}", r.topo.id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let mut backends = Vec::new();
+    for i in 1..=3 {
+        r.stop_backend(i).unwrap();
+        backends.push(ProxyBackend::start(&r.topo, Host::Backend(i), &dir).unwrap());
+    }
+    (r, backends)
+}
+
+/// Every connection HAProxy logged on any backend.
+fn logged(backends: &[ProxyBackend]) -> Vec<Proxied> {
+    backends.iter().flat_map(ProxyBackend::logged).collect()
+}
+
+/// Runs `n` connections (each greeted by its backend, `payload` bytes echoed and verified) against `vip`.
+fn load(r: &Rig, vip: IpAddr, n: usize, payload: usize) {
+    let target = std::net::SocketAddr::new(vip, TCP_PORT).to_string();
+    let rep = r
+        .load(&[
+            "--tcp",
+            &target,
+            "--connections",
+            &n.to_string(),
+            "--payload",
+            &payload.to_string(),
+        ])
+        .unwrap();
+    let t = rep.tcp.as_ref().unwrap();
+    assert_eq!((t.ok, t.failed), (n, 0), "{:?}", t.errors);
+    assert_eq!(t.per_backend.len(), 3, "{:?}", t.per_backend);
+}
+
+/// Waits until HAProxy logged `n` connections (a line is written when its connection ends) and checks each one's
+/// addresses: the client's, the VIP of its family and the service port.
+fn check_logged(r: &Rig, backends: &[ProxyBackend], n: usize) {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let mut lines = logged(backends);
+    while lines.len() < n && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(200));
+        lines = logged(backends);
+    }
+    assert_eq!(lines.len(), n, "connections HAProxy logged");
+    let client4 = IpAddr::from(r.topo.ip(Host::Client));
+    let client6 = IpAddr::from(r.topo.ip6(Host::Client));
+    let (vip4, vip6) = (IpAddr::from(r.vip), IpAddr::from(r.vip6.unwrap()));
+    for p in &lines {
+        let ok = (p.client == client4 && p.dst == vip4) || (p.client == client6 && p.dst == vip6);
+        assert!(
+            ok && p.dst_port == TCP_PORT && p.client_port >= 1024,
+            "{p:?}"
+        );
+    }
+    let v6 = lines.iter().filter(|p| p.client == client6).count();
+    assert!(v6 > 0 && v6 < n, "both families: {v6} of {n} over IPv6");
+}
+
+#[test]
+fn every_connection_reaches_haproxy_with_the_clients_address_ipv4_and_ipv6() {
+    let (r, backends) = rig();
+    load(&r, IpAddr::from(r.vip), 1000, 64);
+    load(&r, IpAddr::from(r.vip6.unwrap()), 300, 64);
+    check_logged(&r, &backends, 1300);
+    // The agent's snapshot of the data plane's counters moves once a second.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let headers = loop {
+        let h = r
+            .metric("lb_dataplane_packets_total", "reason=\"proxy_headers\"")
+            .unwrap();
+        if h >= 1300.0 || Instant::now() > deadline {
+            break h;
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    assert!(headers >= 1300.0, "headers put in: {headers}");
+}
+
+/// Loss on the way into the client and into every backend: 5 % of the TCP segments other than SYNs (this kernel
+/// has no netem; nftables' random numbers drop them — a lost segment's later retransmission also arrives out of
+/// order). A lost header segment is sent again (the backend's SYN-ACK retransmission brings the client's ACK
+/// again, or the client's data comes at the stream's start), a repeated one is a duplicate the backend drops; the
+/// streams stay exact. SYNs keep their way so that no connection waits out SYN retransmissions past the loader's
+/// timeouts, which are long here for the same reason.
+#[test]
+fn loss_keeps_every_stream_exact() {
+    let (r, backends) = rig();
+    let hosts = [
+        Host::Client,
+        Host::Backend(1),
+        Host::Backend(2),
+        Host::Backend(3),
+    ];
+    let rules = "table inet loss {\n  chain input {\n    type filter hook input priority 0;\n\
+                 tcp flags & syn == 0 numgen random mod 100 < 5 counter drop\n  }\n}\n";
+    let path = std::env::temp_dir().join(format!("lbt-proxy-loss-{}.nft", std::process::id()));
+    std::fs::write(&path, rules).unwrap();
+    let nft = |h: Host, args: &[&str]| {
+        let out = r
+            .topo
+            .spawn(h, std::iter::once("nft").chain(args.iter().copied()))
+            .unwrap()
+            .finish(Duration::from_secs(10))
+            .unwrap();
+        assert!(out.status.success(), "nft on {h:?}: {}", out.stderr);
+        out.stdout
+    };
+    for h in hosts {
+        nft(h, &["-f", &path.display().to_string()]);
+    }
+    for (vip, n) in [
+        (IpAddr::from(r.vip), 300),
+        (IpAddr::from(r.vip6.unwrap()), 100),
+    ] {
+        let target = std::net::SocketAddr::new(vip, TCP_PORT).to_string();
+        let rep = r
+            .load(&[
+                "--tcp",
+                &target,
+                "--connections",
+                &n.to_string(),
+                "--payload",
+                "8192",
+                "--timeout-ms",
+                "20000",
+                "--deadline-secs",
+                "300",
+            ])
+            .unwrap();
+        let t = rep.tcp.as_ref().unwrap();
+        assert_eq!((t.ok, t.failed), (n, 0), "{:?}", t.errors);
+    }
+    check_logged(&r, &backends, 400);
+    // Segments were dropped on every host.
+    for h in hosts {
+        let listed = nft(h, &["list", "table", "inet", "loss"]);
+        let dropped: u64 = listed
+            .split("packets ")
+            .nth(1)
+            .and_then(|t| t.split_whitespace().next())
+            .and_then(|n| n.parse().ok())
+            .unwrap_or(0);
+        assert!(dropped > 0, "{h:?}: {listed}");
+    }
+}
