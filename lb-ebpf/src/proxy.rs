@@ -286,7 +286,9 @@ fn put_header<C: Ctx, F: Family>(c: &C, p: &L4Pkt<F>) -> bool {
         return false;
     };
     let buf = buf as *mut u8;
-    if h == 0 || h > core::mem::size_of::<Transient<F::A>>() {
+    // A lower bound the verifier can keep (kernel 6.1 does not narrow a range by `!= 0`, and refuses a helper
+    // length that may be 0): at least the Ethernet header.
+    if h < crate::hdr::ETH_LEN || h > core::mem::size_of::<Transient<F::A>>() {
         return false;
     }
     if !c.copy_out(0, buf, h as u32) || !c.push_head(len as u32) || !c.copy_in(0, buf, h as u32) {

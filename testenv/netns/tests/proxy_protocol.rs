@@ -48,7 +48,10 @@ fn load(r: &Rig, vip: IpAddr, n: usize, payload: usize) {
         .unwrap();
     let t = rep.tcp.as_ref().unwrap();
     assert_eq!((t.ok, t.failed), (n, 0), "{:?}", t.errors);
-    assert_eq!(t.per_backend.len(), 3, "{:?}", t.per_backend);
+    if n >= 100 {
+        // (Fewer may all land on two of the three by chance.)
+        assert_eq!(t.per_backend.len(), 3, "{:?}", t.per_backend);
+    }
 }
 
 /// Waits until HAProxy logged `n` connections (a line is written when its connection ends) and checks each one's
@@ -80,19 +83,21 @@ fn every_connection_reaches_haproxy_with_the_clients_address_ipv4_and_ipv6() {
     let (r, backends) = rig();
     load(&r, IpAddr::from(r.vip), 1000, 64);
     load(&r, IpAddr::from(r.vip6.unwrap()), 300, 64);
-    check_logged(&r, &backends, 1300);
+    // Bulk: 4 MiB each way on each of 20 connections, every byte verified.
+    load(&r, IpAddr::from(r.vip), 20, 4 << 20);
+    check_logged(&r, &backends, 1320);
     // The agent's snapshot of the data plane's counters moves once a second.
     let deadline = Instant::now() + Duration::from_secs(10);
     let headers = loop {
         let h = r
             .metric("lb_dataplane_packets_total", "reason=\"proxy_headers\"")
             .unwrap();
-        if h >= 1300.0 || Instant::now() > deadline {
+        if h >= 1320.0 || Instant::now() > deadline {
             break h;
         }
         std::thread::sleep(Duration::from_millis(200));
     };
-    assert!(headers >= 1300.0, "headers put in: {headers}");
+    assert!(headers >= 1320.0, "headers put in: {headers}");
 }
 
 /// Loss on the way into the client and into every backend: 5 % of the TCP segments other than SYNs (this kernel
