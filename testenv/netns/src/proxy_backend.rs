@@ -3,7 +3,7 @@
 //! HAProxy parses each connection's header and logs the addresses it carried, one line per connection, which
 //! [`ProxyBackend::logged`] reads back.
 
-use crate::rig::{TCP_NODE_PORT, UDP_NODE_PORT};
+use crate::rig::{spawn_echo_on, TCP_NODE_PORT, UDP_NODE_PORT};
 use crate::{ChildGuard, Host, Topology};
 use anyhow::{bail, Context, Result};
 use std::net::{IpAddr, TcpStream};
@@ -33,21 +33,12 @@ impl ProxyBackend {
     /// NodePort, both families, its configuration in `dir`; waits until HAProxy listens. The backend's own echo
     /// server must be stopped first (it holds the NodePorts).
     pub fn start(topo: &Topology, host: Host, dir: &Path) -> Result<Self> {
-        let bin = crate::binary_path()?;
-        let mut echo = topo.spawn(
+        let echo = spawn_echo_on(
+            topo,
             host,
-            [
-                bin.display().to_string(),
-                "echo".into(),
-                "--id".into(),
-                host.name(),
-                "--tcp".into(),
-                format!("127.0.0.1:{ECHO_PORT}"),
-                "--udp".into(),
-                format!("[::]:{UDP_NODE_PORT}"),
-            ],
+            &format!("127.0.0.1:{ECHO_PORT}"),
+            &format!("[::]:{UDP_NODE_PORT}"),
         )?;
-        echo.wait_for_stdout("\"ready\":true", Duration::from_secs(10))?;
         let conf = format!(
             "global\n  log stdout format raw local0\n  maxconn 4096\n\
              defaults\n  mode tcp\n  log global\n  timeout connect 5s\n  timeout client 60s\n  timeout server 60s\n\

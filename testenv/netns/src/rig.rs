@@ -484,12 +484,22 @@ pub fn agent_http_get(topo: &Topology, host: Host, path: &str) -> Result<String>
 /// Starts an echo server on `host` (a backend) on the TCP and UDP NodePorts and waits until it listens (on
 /// both families when the topology has IPv6: one dual-stack socket each).
 pub fn spawn_echo(topo: &Topology, host: Host) -> Result<ChildGuard> {
-    let bin = crate::binary_path()?;
     let any = if topo.host(host).ip6.is_some() {
         "[::]"
     } else {
         "0.0.0.0"
     };
+    spawn_echo_on(
+        topo,
+        host,
+        &format!("{any}:{TCP_NODE_PORT}"),
+        &format!("{any}:{UDP_NODE_PORT}"),
+    )
+}
+
+/// Starts an echo server on `host` listening on `tcp` and `udp` (socket addresses) and waits until it listens.
+pub fn spawn_echo_on(topo: &Topology, host: Host, tcp: &str, udp: &str) -> Result<ChildGuard> {
+    let bin = crate::binary_path()?;
     let mut c = topo.spawn(
         host,
         [
@@ -498,9 +508,9 @@ pub fn spawn_echo(topo: &Topology, host: Host) -> Result<ChildGuard> {
             "--id".into(),
             host.name(),
             "--tcp".into(),
-            format!("{any}:{TCP_NODE_PORT}"),
+            tcp.to_string(),
             "--udp".into(),
-            format!("{any}:{UDP_NODE_PORT}"),
+            udp.to_string(),
         ],
     )?;
     c.wait_for_stdout("\"ready\":true", Duration::from_secs(10))?;

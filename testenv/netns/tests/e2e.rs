@@ -73,6 +73,23 @@ fn thousand_each(r: &Rig, tcp: &str, udp: &str) -> LoadReport {
     .unwrap()
 }
 
+/// 100 new TCP connections and 30 UDP flows, every one verified (after a restart or a takeover).
+fn new_connections_work(r: &Rig, tcp: &str, udp: &str) {
+    let rep = r
+        .load(&[
+            "--tcp",
+            tcp,
+            "--connections",
+            "100",
+            "--udp",
+            udp,
+            "--udp-flows",
+            "30",
+        ])
+        .unwrap();
+    assert_spread(&rep, 100, 30, &[]);
+}
+
 fn check_tcp_and_udp(mode: &str) {
     let r = rig(|c| c.attach_mode = mode.into());
     let (tcp, udp) = targets(&r);
@@ -489,19 +506,7 @@ fn agent_killed_and_restarted_during_transfer_breaks_nothing() {
         r.agent_log()
     );
     // New connections work after the restart.
-    let rep = r
-        .load(&[
-            "--tcp",
-            &tcp,
-            "--connections",
-            "100",
-            "--udp",
-            &udp,
-            "--udp-flows",
-            "30",
-        ])
-        .unwrap();
-    assert_spread(&rep, 100, 30, &[]);
+    new_connections_work(&r, &tcp, &udp);
 }
 
 /// An upgrade across a map layout change: the previous agent's programs stay attached through a link pinned in its
@@ -537,19 +542,7 @@ fn an_agent_with_a_new_map_layout_takes_over_the_previous_layouts_link() {
             .starts_with("link-")),
         "the link is pinned in this layout's directory"
     );
-    let rep = r
-        .load(&[
-            "--tcp",
-            &tcp,
-            "--connections",
-            "100",
-            "--udp",
-            &udp,
-            "--udp-flows",
-            "30",
-        ])
-        .unwrap();
-    assert_spread(&rep, 100, 30, &[]);
+    new_connections_work(&r, &tcp, &udp);
 }
 
 /// The live storm: malformed frames of every kind, as XDP live frames from the client's namespace

@@ -35,17 +35,23 @@ fn logged(backends: &[ProxyBackend]) -> Vec<Proxied> {
 
 /// Runs `n` connections (each greeted by its backend, `payload` bytes echoed and verified) against `vip`.
 fn load(r: &Rig, vip: IpAddr, n: usize, payload: usize) {
+    load_with(r, vip, n, payload, &[]);
+}
+
+/// [`load`] with more loader flags.
+fn load_with(r: &Rig, vip: IpAddr, n: usize, payload: usize, more: &[&str]) {
     let target = std::net::SocketAddr::new(vip, TCP_PORT).to_string();
-    let rep = r
-        .load(&[
-            "--tcp",
-            &target,
-            "--connections",
-            &n.to_string(),
-            "--payload",
-            &payload.to_string(),
-        ])
-        .unwrap();
+    let (n_s, payload_s) = (n.to_string(), payload.to_string());
+    let mut args = vec![
+        "--tcp",
+        &target,
+        "--connections",
+        &n_s,
+        "--payload",
+        &payload_s,
+    ];
+    args.extend_from_slice(more);
+    let rep = r.load(&args).unwrap();
     let t = rep.tcp.as_ref().unwrap();
     assert_eq!((t.ok, t.failed), (n, 0), "{:?}", t.errors);
     if n >= 100 {
@@ -132,28 +138,10 @@ fn loss_keeps_every_stream_exact() {
     for h in hosts {
         nft(h, &["-f", &path.display().to_string()]);
     }
-    for (vip, n) in [
-        (IpAddr::from(r.vip), 300),
-        (IpAddr::from(r.vip6.unwrap()), 100),
-    ] {
-        let target = std::net::SocketAddr::new(vip, TCP_PORT).to_string();
-        let rep = r
-            .load(&[
-                "--tcp",
-                &target,
-                "--connections",
-                &n.to_string(),
-                "--payload",
-                "8192",
-                "--timeout-ms",
-                "20000",
-                "--deadline-secs",
-                "300",
-            ])
-            .unwrap();
-        let t = rep.tcp.as_ref().unwrap();
-        assert_eq!((t.ok, t.failed), (n, 0), "{:?}", t.errors);
-    }
+    // Long loader timeouts: a segment lost several times waits out several retransmission timeouts.
+    let slow = ["--timeout-ms", "20000", "--deadline-secs", "300"];
+    load_with(&r, IpAddr::from(r.vip), 300, 8192, &slow);
+    load_with(&r, IpAddr::from(r.vip6.unwrap()), 100, 8192, &slow);
     check_logged(&r, &backends, 400);
     // Segments were dropped on every host.
     for h in hosts {
