@@ -135,10 +135,14 @@ pub struct TcpReport {
     pub ok: usize,
     /// `requested - ok`.
     pub failed: usize,
-    /// Failures by kind: `connect_refused`, `connect_timeout`, `connect_unreachable`, `connect_error`,
+    /// Failures by kind: `connect_refused`, `connect_timeout`, `connect_unreachable`, `connect_error_<errno>`,
     /// `greeting_timeout`, `greeting_eof`, `greeting_invalid`, `echo_timeout`, `echo_eof`, `echo_mismatch`,
     /// `trailing_data`, `close_timeout`, `reset`, `io_error`, `deadline`.
     pub errors: BTreeMap<String, usize>,
+    /// Each failed connection: when it started and how it failed (for placing failures against an event such as a
+    /// failover).
+    #[serde(default)]
+    pub failures: Vec<TcpFailure>,
     /// Verified connections per backend id (from the greeting).
     pub per_backend: BTreeMap<String, usize>,
     /// Payload bytes sent.
@@ -153,6 +157,17 @@ pub struct TcpReport {
     pub elapsed_s: f64,
     /// `ok / elapsed_s`.
     pub connections_per_s: f64,
+}
+
+/// One failed connection of a TCP run.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct TcpFailure {
+    /// When it started (its connect), in ms since the UNIX epoch.
+    pub started_ms: u64,
+    /// When it was given up, in ms since the UNIX epoch.
+    pub ended_ms: u64,
+    /// Its kind, as in [`TcpReport::errors`].
+    pub kind: String,
 }
 
 /// Result of a UDP run.
@@ -273,7 +288,8 @@ pub(crate) async fn tcp_connect(
         .map_err(|_| "connect_timeout".to_string())?
         .map_err(|e| match io_kind("connect", &e) {
             k if k.starts_with("connect_") => k,
-            _ => "connect_error".into(),
+            // Named by errno: a local failure (no free port, no buffers) reads differently from a network one.
+            _ => format!("connect_error_{}", e.raw_os_error().unwrap_or(0)),
         })?;
     let _ = stream.set_nodelay(true);
     Ok(stream)
@@ -349,6 +365,7 @@ async fn one_tcp(cfg: &TcpLoadConfig, payload: Vec<u8>) -> Result<TcpOk, String>
 struct Tally {
     ok: usize,
     errors: BTreeMap<String, usize>,
+    failures: Vec<TcpFailure>,
     per_backend: BTreeMap<String, usize>,
     bytes_sent: u64,
     bytes_received: u64,
@@ -363,6 +380,7 @@ impl Tally {
         for (k, v) in o.errors {
             *self.errors.entry(k).or_default() += v;
         }
+        self.failures.extend(o.failures);
         for (k, v) in o.per_backend {
             *self.per_backend.entry(k).or_default() += v;
         }
@@ -375,6 +393,20 @@ impl Tally {
 
     fn fail(&mut self, kind: String) {
         *self.errors.entry(kind).or_default() += 1;
+    }
+
+    /// A failed TCP connection, started at `started` and given up now.
+    fn fail_tcp(&mut self, kind: String, started: std::time::SystemTime) {
+        let ms = |t: std::time::SystemTime| {
+            t.duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_millis() as u64)
+        };
+        self.failures.push(TcpFailure {
+            started_ms: ms(started),
+            ended_ms: ms(std::time::SystemTime::now()),
+            kind: kind.clone(),
+        });
+        self.fail(kind);
     }
 }
 
@@ -425,9 +457,10 @@ pub async fn run_tcp(cfg: TcpLoadConfig) -> TcpReport {
         let cfg = c.clone();
         async move {
             let payload = Rng::new(i as u64).bytes(cfg.payload);
+            let started = std::time::SystemTime::now();
             match timeout_at(deadline, one_tcp(&cfg, payload)).await {
-                Err(_) => t.fail("deadline".into()),
-                Ok(Err(kind)) => t.fail(kind),
+                Err(_) => t.fail_tcp("deadline".into(), started),
+                Ok(Err(kind)) => t.fail_tcp(kind, started),
                 Ok(Ok(r)) => {
                     t.ok += 1;
                     *t.per_backend.entry(r.backend).or_default() += 1;
@@ -449,6 +482,7 @@ pub async fn run_tcp(cfg: TcpLoadConfig) -> TcpReport {
         ok: t.ok,
         failed,
         errors: std::mem::take(&mut t.errors),
+        failures: std::mem::take(&mut t.failures),
         per_backend: std::mem::take(&mut t.per_backend),
         bytes_sent: t.bytes_sent,
         bytes_received: t.bytes_received,
