@@ -11,7 +11,7 @@ use lb_common::{FlowAddr, In6};
 use lb_testbed::ha::{survival, HaRig, HaRigConfig};
 use lb_testbed::hold::HoldReport;
 use lb_testbed::load::TcpFailure;
-use lb_testbed::proxy_backend::ProxyBackend;
+use lb_testbed::proxy_backend::{Acceptor, ProxyBackend};
 use lb_testbed::rig::{TCP_PORT, UDP_PORT};
 use lb_testbed::Host;
 use std::time::{Duration, Instant, SystemTime};
@@ -213,7 +213,7 @@ fn master_dies_and_proxy_connections_survive() {
         .backends()
         .collect::<Vec<_>>()
         .into_iter()
-        .map(|b| ProxyBackend::start(&r.topo, b, r.dir()).unwrap())
+        .map(|b| ProxyBackend::start(&r.topo, b, r.dir(), Acceptor::Haproxy).unwrap())
         .collect();
     let (master, backup) = r.wait_master_and_backup(Duration::from_secs(20)).unwrap();
     let args = hold_args(&r, 300, 0);

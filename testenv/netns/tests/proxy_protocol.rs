@@ -1,17 +1,20 @@
-//! PROXY protocol v2 end to end: each backend runs real HAProxy (`accept-proxy`) in front of the testbed's echo
-//! server, which speaks first (its greeting names the backend), so every connection goes client → load balancer
-//! (the header put in by XDP) → HAProxy (parses it, logs the addresses it carried) → echo server, and back. Every
-//! payload byte is verified by the loader, every connection's header by HAProxy's log: the client's address and
-//! port, the VIP and the service port, for IPv4 and IPv6 — also with loss on the way into the client and the
-//! backends. Needs root and HAProxy. (Failover: `ha.rs`, `master_dies_and_proxy_connections_survive`.)
+//! PROXY protocol v2 end to end: each backend runs a real server that takes the header — HAProxy (`accept-proxy`)
+//! on two, nginx (stream module, `listen … proxy_protocol`) on the third — in front of the testbed's echo server,
+//! which speaks first (its greeting names the backend), so every connection goes client → load balancer (the
+//! header put in by XDP) → HAProxy or nginx (parses it, logs the addresses it carried) → echo server, and back.
+//! Every payload byte is verified by the loader, every connection's header by the acceptors' logs: the client's
+//! address and port, the VIP and the service port, for IPv4 and IPv6 — also with loss on the way into the client
+//! and the backends. Needs root, HAProxy and nginx. (Failover: `ha.rs`,
+//! `master_dies_and_proxy_connections_survive`.)
 
-use lb_testbed::proxy_backend::{Proxied, ProxyBackend};
+use lb_testbed::proxy_backend::{Acceptor, Proxied, ProxyBackend};
 use lb_testbed::rig::{Rig, RigConfig, TCP_PORT};
 use lb_testbed::Host;
 use std::net::IpAddr;
 use std::time::{Duration, Instant};
 
-/// A dual-stack rig whose TCP port asks for PROXY v2, its backends' echo servers moved behind HAProxy.
+/// A dual-stack rig whose TCP port asks for PROXY v2, its backends' echo servers moved behind HAProxy (backends 1
+/// and 2) and nginx (backend 3).
 fn rig() -> (Rig, Vec<ProxyBackend>) {
     assert!(lb_testbed::is_root(), "end-to-end tests need root");
     let mut cfg = RigConfig::new().expect("artifacts built");
@@ -23,12 +26,17 @@ fn rig() -> (Rig, Vec<ProxyBackend>) {
     let mut backends = Vec::new();
     for i in 1..=3 {
         r.stop_backend(i).unwrap();
-        backends.push(ProxyBackend::start(&r.topo, Host::Backend(i), &dir).unwrap());
+        let acceptor = if i == 3 {
+            Acceptor::Nginx
+        } else {
+            Acceptor::Haproxy
+        };
+        backends.push(ProxyBackend::start(&r.topo, Host::Backend(i), &dir, acceptor).unwrap());
     }
     (r, backends)
 }
 
-/// Every connection HAProxy logged on any backend.
+/// Every connection logged on any backend.
 fn logged(backends: &[ProxyBackend]) -> Vec<Proxied> {
     backends.iter().flat_map(ProxyBackend::logged).collect()
 }
@@ -60,8 +68,8 @@ fn load_with(r: &Rig, vip: IpAddr, n: usize, payload: usize, more: &[&str]) {
     }
 }
 
-/// Waits until HAProxy logged `n` connections (a line is written when its connection ends) and checks each one's
-/// addresses: the client's, the VIP of its family and the service port.
+/// Waits until the backends logged `n` connections (a line is written when its connection ends) and checks each
+/// one's addresses: the client's, the VIP of its family and the service port; nginx's backend among them.
 fn check_logged(r: &Rig, backends: &[ProxyBackend], n: usize) {
     let deadline = Instant::now() + Duration::from_secs(20);
     let mut lines = logged(backends);
@@ -69,7 +77,11 @@ fn check_logged(r: &Rig, backends: &[ProxyBackend], n: usize) {
         std::thread::sleep(Duration::from_millis(200));
         lines = logged(backends);
     }
-    assert_eq!(lines.len(), n, "connections HAProxy logged");
+    assert_eq!(lines.len(), n, "connections the backends logged");
+    assert!(
+        !backends[2].logged().is_empty(),
+        "nginx (backend 3) logged no connection"
+    );
     let client4 = IpAddr::from(r.topo.ip(Host::Client));
     let client6 = IpAddr::from(r.topo.ip6(Host::Client));
     let (vip4, vip6) = (IpAddr::from(r.vip), IpAddr::from(r.vip6.unwrap()));
@@ -85,7 +97,7 @@ fn check_logged(r: &Rig, backends: &[ProxyBackend], n: usize) {
 }
 
 #[test]
-fn every_connection_reaches_haproxy_with_the_clients_address_ipv4_and_ipv6() {
+fn every_connection_reaches_haproxy_and_nginx_with_the_clients_address_ipv4_and_ipv6() {
     let (r, backends) = rig();
     load(&r, IpAddr::from(r.vip), 1000, 64);
     load(&r, IpAddr::from(r.vip6.unwrap()), 300, 64);
