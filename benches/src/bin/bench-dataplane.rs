@@ -12,6 +12,11 @@
 //! (84 bytes) is measured and subtracted the same way. The report compares IPv6 with IPv4, case by case; the
 //! established and other fast cases are measured in rounds (each case once per round), so that the drift of a
 //! shared machine does not fall on one family.
+//!
+//! The PROXY v2 cases (`*_proxy_*`, a service on port 8080 with the header on) are the segment the header is put
+//! in front of (measured while the backend has not acknowledged it, so every repeat puts it in), an established
+//! segment whose sequence number is shifted, and the backend's reply whose acknowledgement is shifted back;
+//! the report compares them with the plain connection's cases.
 
 use anyhow::{bail, Context, Result};
 use aya::maps::Array;
@@ -72,6 +77,8 @@ unsafe impl aya::Pod for BenchPacket {}
 const VIP: Ipv4Addr = Ipv4Addr::new(203, 0, 113, 1);
 const CLIENT: Ipv4Addr = Ipv4Addr::new(198, 51, 100, 10);
 const NODES: u8 = 64;
+/// The VIP's port whose connections get a PROXY v2 header (both families).
+const PROXY_PORT: u16 = 8080;
 
 fn node_ip(i: u8) -> Ipv4Addr {
     Ipv4Addr::new(10, 0, 1, 10 + i)
@@ -109,6 +116,20 @@ struct Report {
     cases: Vec<Case>,
     targets: Targets,
     ipv6_vs_ipv4: V6VsV4,
+    proxy_vs_plain_ipv4: ProxyVsPlain,
+    proxy_vs_plain_ipv6: ProxyVsPlain,
+}
+
+/// A PROXY v2 connection's net cost over a plain one's, same family, same run.
+#[derive(Serialize)]
+struct ProxyVsPlain {
+    /// `*_proxy_established` (sequence shifted) / `*_established`.
+    established: f64,
+    /// `*_proxy_reply` (acknowledgement shifted back) / `*_reply`.
+    reply: f64,
+    /// `*_proxy_first_segment` (the header put in; its frame start moved back by the wrapper, not subtracted) /
+    /// `*_established`.
+    first_segment: f64,
 }
 
 #[derive(Serialize)]
@@ -178,6 +199,10 @@ fn load(obj: &[u8], sizes: &MapSizes) -> Result<Dataplane> {
     let svc = |protocol, port, node_port| svc_on(IpAddr::V4(VIP), protocol, port, node_port);
     let mut denied = svc(Protocol::Tcp, 8443, 30443);
     denied.source_ranges = vec!["192.0.2.0/24".parse()?];
+    let proxied = |vip| ServiceSpec {
+        proxy_v2: true,
+        ..svc_on(vip, Protocol::Tcp, PROXY_PORT, 30880)
+    };
     programmer.apply(
         &mut dp.maps,
         &[
@@ -185,6 +210,8 @@ fn load(obj: &[u8], sizes: &MapSizes) -> Result<Dataplane> {
             svc(Protocol::Udp, 53, 30053),
             denied,
             svc_on(IpAddr::V6(VIP6), Protocol::Tcp, 80, 30080),
+            proxied(IpAddr::V4(VIP)),
+            proxied(IpAddr::V6(VIP6)),
         ],
     )?;
     for i in 0..NODES {
@@ -394,36 +421,74 @@ impl Bench {
 
 const XDP_TX: u32 = 3;
 
-/// Opens a connection from `client`:`port` to `vip`:80 (either family) on the current data plane — the client's
-/// SYN, the backend's SYN-ACK, the client's ACK — and returns its established segment and a reply from its backend.
+/// A connection opened by [`open_connection`], as segments to send through the load balancer again.
+struct Conn {
+    /// The client's handshake-completing ACK, carrying its first 10 bytes (on a PROXY port: the segment the header
+    /// goes in front of, again on every repeat until the backend acknowledges it).
+    first: Vec<u8>,
+    /// The backend's reply: 10 bytes, acknowledging the client's first 10 (and a PROXY header).
+    reply: Vec<u8>,
+    /// The client's next 10 bytes.
+    next: Vec<u8>,
+}
+
+/// Opens a connection from `client`:`port` to `vip`:`dport` (either family) on the current data plane — the
+/// client's SYN, the backend's SYN-ACK, the client's ACK with its first bytes — and returns its segments. On a
+/// PROXY port the forwarded ACK must have grown by the header.
 fn open_connection(
     b: &mut Bench,
     client: IpAddr,
     vip: IpAddr,
     port: u16,
-) -> Result<(Vec<u8>, Vec<u8>)> {
-    let to_vip = |flags, payload: &[u8]| {
-        pad(tcp(
-            CLIENT_MAC, LB_MAC, client, port, vip, 80, flags, payload,
-        ))
-    };
-    let syn = b.forward(&to_vip(SYN, b""), &format!("the SYN from port {port}"))?;
-    // The backend answers the SNAT address and port the SYN came from.
-    let from_node = |flags, payload: &[u8]| {
-        pad(tcp(
-            syn.dst_mac,
+    dport: u16,
+) -> Result<Conn> {
+    const ISN: u32 = 1000;
+    const BACKEND_ISN: u32 = 5000;
+    let to_vip = |flags, seq_ack, payload: &[u8]| {
+        pad(tcp_seq(
+            CLIENT_MAC,
             LB_MAC,
-            syn.dst,
-            syn.dport,
-            syn.src,
-            syn.sport,
+            (client, port),
+            (vip, dport),
             flags,
+            seq_ack,
             payload,
         ))
     };
-    let seg = to_vip(ACK, b"0123456789");
-    b.forward(&from_node(SYN_ACK, b""), "the SYN-ACK")?;
-    b.forward(&seg, "the handshake's ACK")?;
+    let syn = b.forward(
+        &to_vip(SYN, (ISN, 0), b""),
+        &format!("the SYN from port {port}"),
+    )?;
+    // The backend answers the SNAT address and port the SYN came from.
+    let from_node = |flags, seq_ack, payload: &[u8]| {
+        pad(tcp_seq(
+            syn.dst_mac,
+            LB_MAC,
+            (syn.dst, syn.dport),
+            (syn.src, syn.sport),
+            flags,
+            seq_ack,
+            payload,
+        ))
+    };
+    let first = to_vip(ACK, (ISN + 1, BACKEND_ISN + 1), b"0123456789");
+    b.forward(
+        &from_node(SYN_ACK, (BACKEND_ISN, ISN + 1), b""),
+        "the SYN-ACK",
+    )?;
+    let sent = b.forward(&first, "the handshake's ACK")?;
+    let header = match (dport == PROXY_PORT, vip) {
+        (false, _) => 0,
+        (true, IpAddr::V4(_)) => lb_common::proxy::HEADER_LEN_V4 as u32,
+        (true, IpAddr::V6(_)) => lb_common::proxy::HEADER_LEN_V6 as u32,
+    };
+    if sent.payload.len() != 10 + header as usize {
+        bail!(
+            "the handshake's ACK left with {} bytes of payload, not {}",
+            sent.payload.len(),
+            10 + header
+        );
+    }
     let established = match (client, vip) {
         (IpAddr::V4(c), IpAddr::V4(v)) => {
             b.dp.maps
@@ -432,7 +497,7 @@ fn open_connection(
                     src: u32::from_ne_bytes(c.octets()),
                     dst: u32::from_ne_bytes(v.octets()),
                     sport: port.to_be(),
-                    dport: 80u16.to_be(),
+                    dport: dport.to_be(),
                     proto: 6,
                     _pad: [0; 3],
                 })?
@@ -445,7 +510,7 @@ fn open_connection(
                     src: Addr { bytes: c.octets() }.v6_raw(),
                     dst: Addr { bytes: v.octets() }.v6_raw(),
                     sport: port.to_be(),
-                    dport: 80u16.to_be(),
+                    dport: dport.to_be(),
                     proto: 6,
                     _pad: [0; 3],
                 })?
@@ -456,7 +521,11 @@ fn open_connection(
     if !established {
         bail!("the connection from {client} port {port} was not established");
     }
-    Ok((seg, from_node(ACK, b"0123456789")))
+    Ok(Conn {
+        first,
+        reply: from_node(ACK, (BACKEND_ISN + 1, ISN + 1 + header + 10), b"0123456789"),
+        next: to_vip(ACK, (ISN + 11, BACKEND_ISN + 11), b"0123456789"),
+    })
 }
 
 fn duration_ns(d: Duration) -> f64 {
@@ -542,8 +611,10 @@ fn main() -> Result<()> {
     let wrapper6 = (restore6 - bare_tx).max(0.0);
 
     // Establish the TCP connections and the UDP flow once.
-    let (seg, reply) = open_connection(&mut b, CLIENT.into(), VIP.into(), 40000)?;
-    let (seg6, reply6) = open_connection(&mut b, CLIENT6.into(), VIP6.into(), 40000)?;
+    let c4 = open_connection(&mut b, CLIENT.into(), VIP.into(), 40000, 80)?;
+    let c6 = open_connection(&mut b, CLIENT6.into(), VIP6.into(), 40000, 80)?;
+    let p4 = open_connection(&mut b, CLIENT.into(), VIP.into(), 40000, PROXY_PORT)?;
+    let p6 = open_connection(&mut b, CLIENT6.into(), VIP6.into(), 40000, PROXY_PORT)?;
     b.forward(&dgram, "the UDP datagram")?;
 
     let mut results = Vec::new();
@@ -563,16 +634,34 @@ fn main() -> Result<()> {
             ratio_to_reflector: net / reflector,
         });
     };
-    let fast: [(&'static str, &[u8]); 7] = [
-        ("tcp_established", &seg),
-        ("tcp_reply", &reply),
+    // PROXY: the first segment gets the header put in on every repeat while the backend has not acknowledged it;
+    // then the backend's reply acknowledges it, and the connection's segments only have their numbers shifted.
+    let inserting: [(&'static str, &[u8]); 2] = [
+        ("tcp_proxy_first_segment", &p4.first),
+        ("tcp6_proxy_first_segment", &p6.first),
+    ];
+    let inserted = b.measure_rounds(&inserting)?;
+    for p in [&p4, &p6] {
+        b.forward(&p.reply, "the PROXY backend's reply")?;
+    }
+    let fast: [(&'static str, &[u8]); 11] = [
+        ("tcp_established", &c4.first),
+        ("tcp_reply", &c4.reply),
         ("udp_established", &dgram),
         ("non_service_pass", &other),
         ("source_range_drop", &denied_syn),
-        ("tcp6_established", &seg6),
-        ("tcp6_reply", &reply6),
+        ("tcp_proxy_established", &p4.next),
+        ("tcp_proxy_reply", &p4.reply),
+        ("tcp6_established", &c6.first),
+        ("tcp6_reply", &c6.reply),
+        ("tcp6_proxy_established", &p6.next),
+        ("tcp6_proxy_reply", &p6.reply),
     ];
     for ((name, frame), m) in fast.into_iter().zip(b.measure_rounds(&fast)?) {
+        record(name, frame, m);
+    }
+    // (Listed after the fast cases, measured before them.)
+    for ((name, frame), m) in inserting.into_iter().zip(inserted) {
         record(name, frame, m);
     }
     // Last: they fill the handshake tables (sized to hold every one of them: no eviction).
@@ -591,11 +680,11 @@ fn main() -> Result<()> {
         b.set_template(frame, true)?;
         record(name, frame, b.measure("bench_lb", frame)?);
     }
-    let (seg, _) = open_connection(&mut b, CLIENT.into(), VIP.into(), 40001)?;
-    let (seg6, _) = open_connection(&mut b, CLIENT6.into(), VIP6.into(), 40001)?;
+    let c4 = open_connection(&mut b, CLIENT.into(), VIP.into(), 40001, 80)?;
+    let c6 = open_connection(&mut b, CLIENT6.into(), VIP6.into(), 40001, 80)?;
     let full: [(&'static str, &[u8]); 2] = [
-        ("tcp_established_full", &seg),
-        ("tcp6_established_full", &seg6),
+        ("tcp_established_full", &c4.first),
+        ("tcp6_established_full", &c6.first),
     ];
     for ((name, frame), m) in full.into_iter().zip(b.measure_rounds(&full)?) {
         record(name, frame, m);
@@ -654,6 +743,7 @@ fn main() -> Result<()> {
     // The targets are IPv4's (IPv6's is its ratio to IPv4, below).
     let v4 = || results.iter().filter(|c| c.family == "ipv4");
     let est = v4()
+        .filter(|c| !c.name.contains("proxy"))
         .filter(|c| c.name.contains("established") || c.name == "tcp_reply")
         .map(|c| c.ratio_to_reflector)
         .fold(0.0, f64::max);
@@ -684,6 +774,21 @@ fn main() -> Result<()> {
         established_max: 1.3,
         established_met: established <= 1.3,
     };
+    let proxy = |v6: bool| {
+        let (plain, proxied) = if v6 {
+            ("tcp6", "tcp6_proxy")
+        } else {
+            ("tcp", "tcp_proxy")
+        };
+        ProxyVsPlain {
+            established: net(&format!("{proxied}_established"))
+                / net(&format!("{plain}_established")),
+            reply: net(&format!("{proxied}_reply")) / net(&format!("{plain}_reply")),
+            first_segment: net(&format!("{proxied}_first_segment"))
+                / net(&format!("{plain}_established")),
+        }
+    };
+    let (proxy4, proxy6) = (proxy(false), proxy(true));
     let met = |m: bool| if m { "met" } else { "NOT met" };
     println!();
     println!(
@@ -702,6 +807,12 @@ fn main() -> Result<()> {
         ipv6_vs_ipv4.established_full,
         ipv6_vs_ipv4.new_flow_full,
     );
+    for (family, p) in [("IPv4", &proxy4), ("IPv6", &proxy6)] {
+        println!(
+            "  PROXY / plain, {family}, net: established {:.2}x, reply {:.2}x, first segment (header put in) {:.2}x",
+            p.established, p.reply, p.first_segment
+        );
+    }
     let report = Report {
         repeat: b.args.repeat,
         runs: b.args.runs,
@@ -714,6 +825,8 @@ fn main() -> Result<()> {
         cases: results,
         targets,
         ipv6_vs_ipv4,
+        proxy_vs_plain_ipv4: proxy4,
+        proxy_vs_plain_ipv6: proxy6,
     };
     let path = write_json("dataplane", b.args.smoke, &report)?;
     println!("  JSON: {}", path.display());

@@ -2,7 +2,9 @@
 //!
 //! `BPF_PROG_TEST_RUN` with `repeat` reuses one buffer, and the load balancer rewrites it, so every repeat
 //! after the first would see a NATed packet. The wrappers copy a template packet into the frame first;
-//! `bench_restore` measures that copy alone so the report can subtract it.
+//! `bench_restore` measures that copy alone so the report can subtract it. A case that grows the frame at its
+//! front (the PROXY header's insertion) has it moved back first, by one `bpf_xdp_adjust_head` that the
+//! subtraction does not cover.
 //!
 //! IPv6 takes the product's path, so that its cases cost what a real IPv6 packet costs: `bench_lb` runs `lb_xdp`'s
 //! logic (`process`, then `lb_ebpf::entry::xdp_next`), whose `Verdict::Ipv6` tail-calls slot `V6_PROG_FAST`
@@ -22,6 +24,7 @@
 mod programs {
     use aya_ebpf::{
         bindings::xdp_action,
+        helpers::bpf_xdp_adjust_head,
         macros::{map, xdp},
         maps::{Array, DevMap, PerCpuArray},
         programs::XdpContext,
@@ -66,6 +69,12 @@ mod programs {
         };
         // SAFETY: `t` is the map's value; `dst` was bounds-checked for the bytes written.
         unsafe {
+            // A case that grew the frame at its front (a PROXY header put in) left it that much longer: the next
+            // repeat starts at the template's length again (one helper call, in those cases only).
+            let grown = (ctx.data_end() - ctx.data()) as i64 - (*t).len as i64;
+            if grown > 0 && bpf_xdp_adjust_head(ctx.ctx, grown as i32) != 0 {
+                return false;
+            }
             let n = (*t).counter;
             let vary = (*t).vary != 0;
             if vary {
