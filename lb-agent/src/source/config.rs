@@ -90,8 +90,22 @@ impl LocalConfig {
     pub fn load(path: &Path) -> Result<Self> {
         let text = std::fs::read_to_string(path)
             .with_context(|| format!("reading config file {}", path.display()))?;
-        serde_yaml::from_str(&text)
-            .with_context(|| format!("parsing config file {}", path.display()))
+        Self::parse(&text).with_context(|| format!("parsing config file {}", path.display()))
+    }
+
+    /// Parses a config file's text. A key this agent does not know is an error at any depth, as at the top
+    /// (`deny_unknown_fields`): the options are yawol's type, lenient for the Kubernetes API's sake (a newer
+    /// controller's field must not make a LoadBalancer unreadable), and in a file a misspelt option would
+    /// otherwise be ignored in silence.
+    pub fn parse(text: &str) -> Result<Self> {
+        let mut unknown = Vec::new();
+        let c: Self = serde_ignored::deserialize(serde_yaml::Deserializer::from_str(text), |p| {
+            unknown.push(p.to_string())
+        })?;
+        if !unknown.is_empty() {
+            bail!("unknown field(s): {}", unknown.join(", "));
+        }
+        Ok(c)
     }
 }
 
@@ -617,6 +631,24 @@ options:
         assert_eq!(d.services[0].id.protocol, Protocol::Tcp);
         assert_eq!(d.services[0].idle_timeout, Duration::from_secs(3600));
         assert!(d.services[0].backends.is_empty());
+    }
+
+    #[test]
+    fn an_unknown_key_is_an_error_at_any_depth() {
+        let base = "vip: 10.0.0.1\nports: [{port: 80, nodePort: 30080}]\nendpoints: []\n";
+        assert!(LocalConfig::parse(base).is_ok());
+        // yawol's option is `tcpProxyProtocolPortFilter`: the plural would be ignored by the options' own type.
+        let e = LocalConfig::parse(&format!(
+            "{base}options: {{tcpProxyProtocol: true, tcpProxyProtocolPortsFilter: [80]}}\n"
+        ))
+        .unwrap_err();
+        assert!(
+            format!("{e:#}").contains("options.tcpProxyProtocolPortsFilter"),
+            "{e:#}"
+        );
+        let e = LocalConfig::parse(&format!("{base}healthCheck: {{intervall: 1s}}\n")).unwrap_err();
+        assert!(format!("{e:#}").contains("intervall"), "{e:#}");
+        assert!(LocalConfig::parse(&format!("{base}vipp: 10.0.0.2\n")).is_err());
     }
 
     #[test]

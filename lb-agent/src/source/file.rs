@@ -20,8 +20,8 @@ pub fn watch_file(path: PathBuf, every: Duration, proxy_v2: bool) -> watch::Rece
             match tokio::fs::read_to_string(&path).await {
                 Ok(text) if last.as_deref() != Some(text.as_str()) => {
                     generation += 1;
-                    let state = serde_yaml::from_str::<crate::source::config::LocalConfig>(&text)
-                        .map_err(|e| format!("{}: {e}", path.display()))
+                    let state = crate::source::config::LocalConfig::parse(&text)
+                        .map_err(|e| format!("{}: {e:#}", path.display()))
                         .and_then(|c| {
                             DesiredConfig::from_file(&c, proxy_v2).map_err(|e| format!("{e:#}"))
                         });

@@ -4,7 +4,7 @@
 //! header put in by XDP) → HAProxy or nginx (parses it, logs the addresses it carried) → echo server, and back.
 //! Every payload byte is verified by the loader, every connection's header by the acceptors' logs: the client's
 //! address and port, the VIP and the service port, for IPv4 and IPv6 — also with loss on the way into the client
-//! and the backends. Needs root, HAProxy and nginx. (Failover: `ha.rs`,
+//! and the backends, and with segments reordered there. Needs root, HAProxy, nginx and nftables. (Failover: `ha.rs`,
 //! `master_dies_and_proxy_connections_survive`.)
 
 use lb_testbed::proxy_backend::{Acceptor, Proxied, ProxyBackend};
@@ -118,14 +118,17 @@ fn every_connection_reaches_haproxy_and_nginx_with_the_clients_address_ipv4_and_
     assert!(headers >= 1320.0, "headers put in: {headers}");
 }
 
-/// Loss on the way into the client and into every backend: 5 % of the TCP segments other than SYNs (this kernel
-/// has no netem; nftables' random numbers drop them — a lost segment's later retransmission also arrives out of
-/// order). A lost header segment is sent again (the backend's SYN-ACK retransmission brings the client's ACK
-/// again, or the client's data comes at the stream's start), a repeated one is a duplicate the backend drops; the
-/// streams stay exact. SYNs keep their way so that no connection waits out SYN retransmissions past the loader's
-/// timeouts, which are long here for the same reason.
+/// Reordering, then loss as well, on the way into the client and into every backend — this kernel has no netem,
+/// so both are made with what it has. Reordering: on output, nftables sends 10 % of the TCP segments other than SYNs
+/// into a slow HTB class (20 Mbit/s: a full segment waits ≥ 0.6 ms there) while the rest leave at once, so those
+/// arrive after segments sent later (the receivers' out-of-order queues, with no loss yet, prove it). Loss:
+/// nftables drops 5 % of the segments other than SYNs on input (a lost segment's later retransmission also arrives out of order).
+/// A lost header segment is sent again (the backend's SYN-ACK retransmission brings the client's ACK again, or the
+/// client's data comes at the stream's start), a repeated one is a duplicate the backend drops; the streams stay
+/// exact. SYNs keep their way so that no connection waits out SYN retransmissions past the loader's timeouts, which
+/// are long here for the same reason.
 #[test]
-fn loss_keeps_every_stream_exact() {
+fn reordering_and_loss_keep_every_stream_exact() {
     let (r, backends) = rig();
     let hosts = [
         Host::Client,
@@ -133,37 +136,88 @@ fn loss_keeps_every_stream_exact() {
         Host::Backend(2),
         Host::Backend(3),
     ];
-    let rules = "table inet loss {\n  chain input {\n    type filter hook input priority 0;\n\
-                 tcp flags & syn == 0 numgen random mod 100 < 5 counter drop\n  }\n}\n";
-    let path = std::env::temp_dir().join(format!("lbt-proxy-loss-{}.nft", std::process::id()));
-    std::fs::write(&path, rules).unwrap();
-    let nft = |h: Host, args: &[&str]| {
+    let run = |h: Host, argv: &[&str]| {
         let out = r
             .topo
-            .spawn(h, std::iter::once("nft").chain(args.iter().copied()))
+            .spawn(h, argv.iter().copied())
             .unwrap()
             .finish(Duration::from_secs(10))
             .unwrap();
-        assert!(out.status.success(), "nft on {h:?}: {}", out.stderr);
+        assert!(out.status.success(), "{argv:?} on {h:?}: {}", out.stderr);
         out.stdout
     };
-    for h in hosts {
-        nft(h, &["-f", &path.display().to_string()]);
-    }
-    // Long loader timeouts: a segment lost several times waits out several retransmission timeouts.
-    let slow = ["--timeout-ms", "20000", "--deadline-secs", "300"];
-    load_with(&r, IpAddr::from(r.vip), 300, 8192, &slow);
-    load_with(&r, IpAddr::from(r.vip6.unwrap()), 100, 8192, &slow);
-    check_logged(&r, &backends, 400);
-    // Segments were dropped on every host.
-    for h in hosts {
-        let listed = nft(h, &["list", "table", "inet", "loss"]);
-        let dropped: u64 = listed
+    let dir = std::env::temp_dir();
+    let nft = |name: &str, chain: &str, percent: u32| {
+        let path = dir.join(format!("lbt-proxy-{name}-{}.nft", std::process::id()));
+        std::fs::write(
+            &path,
+            format!(
+                "table inet {name} {{\n  chain {chain} {{\n    type filter hook {chain} priority 0;\n    \
+                 tcp flags & syn == 0 numgen random mod 100 < {percent} counter {}\n  }}\n}}\n",
+                if name == "loss" {
+                    "drop"
+                } else {
+                    "meta priority set 1:20"
+                }
+            ),
+        )
+        .unwrap();
+        path.display().to_string()
+    };
+    let (reorder, loss) = (nft("reorder", "output", 10), nft("loss", "input", 5));
+    // Packets of a table's rule: its counter.
+    let matched = |h: Host, table: &str| -> u64 {
+        let listed = run(h, &["nft", "list", "table", "inet", table]);
+        listed
             .split("packets ")
             .nth(1)
             .and_then(|t| t.split_whitespace().next())
             .and_then(|n| n.parse().ok())
-            .unwrap_or(0);
-        assert!(dropped > 0, "{h:?}: {listed}");
+            .unwrap_or(0)
+    };
+    let out_of_order = |h: Host| -> u64 {
+        let nstat = run(h, &["nstat", "-az", "TcpExtTCPOFOQueue"]);
+        nstat
+            .lines()
+            .filter_map(|l| l.strip_prefix("TcpExtTCPOFOQueue"))
+            .filter_map(|v| v.split_whitespace().next()?.parse::<u64>().ok())
+            .sum()
+    };
+    for h in hosts {
+        let dev = r.topo.ifname(h);
+        run(h, &["nft", "-f", &reorder]);
+        // Unclassified traffic (class 1:10) leaves at once; 1:20 is the slow lane.
+        run(
+            h,
+            &[
+                "tc", "qdisc", "add", "dev", dev, "root", "handle", "1:", "htb", "default", "10",
+            ],
+        );
+        for (class, rate) in [("1:10", "10gbit"), ("1:20", "20mbit")] {
+            run(
+                h,
+                &[
+                    "tc", "class", "add", "dev", dev, "parent", "1:", "classid", class, "htb",
+                    "rate", rate,
+                ],
+            );
+        }
     }
+    // Long loader timeouts: a segment lost several times waits out several retransmission timeouts.
+    let slow = ["--timeout-ms", "20000", "--deadline-secs", "300"];
+    load_with(&r, IpAddr::from(r.vip), 150, 8192, &slow);
+    load_with(&r, IpAddr::from(r.vip6.unwrap()), 50, 8192, &slow);
+    let reordered: u64 = hosts.iter().map(|h| out_of_order(*h)).sum();
+    for h in hosts {
+        assert!(matched(h, "reorder") > 0, "{h:?} delayed nothing");
+        run(h, &["nft", "-f", &loss]);
+    }
+    load_with(&r, IpAddr::from(r.vip), 300, 8192, &slow);
+    load_with(&r, IpAddr::from(r.vip6.unwrap()), 100, 8192, &slow);
+    check_logged(&r, &backends, 600);
+    for h in hosts {
+        assert!(matched(h, "loss") > 0, "{h:?} dropped nothing");
+    }
+    println!("segments that arrived out of order with reordering alone: {reordered}");
+    assert!(reordered > 0, "no segment arrived out of order");
 }
