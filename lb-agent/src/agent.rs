@@ -372,19 +372,13 @@ impl Agent {
         let Some(cfg) = self.current.clone() else {
             return;
         };
-        let mut services = effective(
+        // (At TC the config source built the services without PROXY v2 headers: only XDP puts them in.)
+        let services = effective(
             &cfg,
             &self.health_rx.borrow(),
             &self.resolved,
             self.opts.snat_override,
         );
-        if self.opts.attach_mode == AttachMode::Tc {
-            // Only XDP inserts PROXY v2 headers: at TC those ports forward without one, as the config source
-            // reported (a condition and an Event, or a refused file).
-            for s in &mut services {
-                s.proxy_v2 = false;
-            }
-        }
         // Backends whose connections stay (healthy or draining); those that left the set since the last applied
         // configuration have their connections ended below (see gc::end_flows). Before the first apply every
         // configured backend counts as serving, so that flows pinned by an earlier agent to a backend found dead

@@ -216,6 +216,9 @@ fn backend_healthy(protocol: Protocol, b: &SocketAddr, health: &HealthMap) -> bo
 /// Dual stack: each VIP (at most one per family) gets every port, and as backends the endpoints' addresses of
 /// its own family; a SNAT address applies to the VIP of its family. The data plane does not translate between
 /// families, so a SNAT address without a VIP of its family, or a VIP whose family no endpoint has, is refused.
+///
+/// `proxy_v2`: whether this agent's data plane puts PROXY v2 headers in (XDP does, TC does not). Without, the
+/// ports that ask for one are built without it; the caller reports that ([`unsupported_options`]).
 pub fn desired(
     vips: &[Named],
     snat: &[Named],
@@ -223,6 +226,7 @@ pub fn desired(
     endpoints: &[LoadBalancerEndpoint],
     options: &LoadBalancerOptions,
     health_check: HealthCheckSpec,
+    proxy_v2: bool,
 ) -> Result<DesiredConfig> {
     checked(
         vips,
@@ -231,11 +235,13 @@ pub fn desired(
         endpoints,
         options,
         health_check,
+        proxy_v2,
         Vec::new(),
     )
 }
 
 /// [`desired`] with problems the caller already found (`errors`), reported together with the others.
+#[allow(clippy::too_many_arguments)]
 fn checked(
     vips: &[Named],
     snat: &[Named],
@@ -243,6 +249,7 @@ fn checked(
     endpoints: &[LoadBalancerEndpoint],
     options: &LoadBalancerOptions,
     health_check: HealthCheckSpec,
+    proxy_v2: bool,
     mut errors: Vec<String>,
 ) -> Result<DesiredConfig> {
     let mut warnings = Vec::new();
@@ -433,7 +440,8 @@ fn checked(
                     .iter()
                     .map(|a| SocketAddr::new(*a, node_port))
                     .collect(),
-                proxy_v2: protocol == Protocol::Tcp
+                proxy_v2: proxy_v2
+                    && protocol == Protocol::Tcp
                     && options.tcp_proxy_protocol_for_port(port.into()),
             });
         }
@@ -546,6 +554,7 @@ impl DesiredConfig {
             &c.endpoints,
             &c.options,
             c.health_check.clone(),
+            proxy_v2,
             unsupported,
         )
     }
@@ -750,6 +759,18 @@ options:
             .collect();
         assert!(proxied.contains(&(Protocol::Tcp, 80, true)), "{proxied:?}");
         assert!(proxied.iter().all(|(p, _, on)| *p == Protocol::Tcp || !on));
+        // A data plane that puts no header in (TC) gets no such service from the Kubernetes side's builder.
+        let no_header = desired(
+            &c.named_vips(),
+            &[],
+            &c.ports,
+            &c.endpoints,
+            &c.options,
+            c.health_check.clone(),
+            false,
+        )
+        .unwrap();
+        assert!(no_header.services.iter().all(|s| !s.proxy_v2));
         assert!(
             d.warnings
                 .iter()

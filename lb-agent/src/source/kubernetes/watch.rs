@@ -22,8 +22,12 @@ use tokio::sync::watch;
 /// The agent's configuration from its LoadBalancer: the VIPs are `status.portIP` (IPv4) and `status.portIPv6`
 /// (IPv6), each when `spec.ipFamilies` asks for its family (absent: IPv4 only, as yawol writes it); `Pending`
 /// until the controller has created the port with every wanted address; services from the spec, generation =
-/// `metadata.generation`.
-pub fn config_from_lb(lb: &LoadBalancer, health_check: &HealthCheckSpec) -> ConfigState {
+/// `metadata.generation`. `proxy_v2` as for [`desired`].
+pub fn config_from_lb(
+    lb: &LoadBalancer,
+    health_check: &HealthCheckSpec,
+    proxy_v2: bool,
+) -> ConfigState {
     let generation = lb.metadata.generation.unwrap_or(0).max(0) as u64;
     let status = lb.status.as_ref();
     let wanted = [
@@ -65,6 +69,7 @@ pub fn config_from_lb(lb: &LoadBalancer, health_check: &HealthCheckSpec) -> Conf
         lb.spec.endpoints(),
         lb.spec.options(),
         health_check.clone(),
+        proxy_v2,
     ) {
         Ok(c) => ConfigState::Valid(Arc::new(c), generation),
         Err(e) => ConfigState::Invalid(format!("{e:#}"), generation),
@@ -253,7 +258,7 @@ async fn publish(
     });
     let revision = extras.revision.borrow_and_update().clone();
     let state = with_ha_hints(
-        config_from_lb(lb, &settings.health_check),
+        config_from_lb(lb, &settings.health_check, settings.proxy_v2),
         lb,
         revision.as_deref(),
     );
@@ -327,7 +332,7 @@ mod tests {
             "spec": {"ports": [{"name": "web", "protocol": "TCP", "port": 80, "nodePort": 30080}]},
             "status": {"portIP": "10.0.0.9"}
         }));
-        let base = config_from_lb(&l, &HealthCheckSpec::default());
+        let base = config_from_lb(&l, &HealthCheckSpec::default(), true);
         let ConfigState::Valid(c, _) = with_ha_hints(base.clone(), &l, Some("3")) else {
             panic!("valid")
         };
@@ -374,12 +379,12 @@ mod tests {
     fn lb_without_port_ip_is_pending() {
         let l = lb(json!({"spec": {"ports": [{"port": 80, "nodePort": 30080}]}}));
         assert!(matches!(
-            config_from_lb(&l, &HealthCheckSpec::default()),
+            config_from_lb(&l, &HealthCheckSpec::default(), true),
             ConfigState::Pending
         ));
         let l = lb(json!({"status": {"portIP": " "}}));
         assert!(matches!(
-            config_from_lb(&l, &HealthCheckSpec::default()),
+            config_from_lb(&l, &HealthCheckSpec::default(), true),
             ConfigState::Pending
         ));
     }
@@ -395,7 +400,8 @@ mod tests {
                 "options": {"loadBalancerSourceRanges": ["10.0.0.0/8"], "udpIdleTimeout": "10s"}
             }
         }));
-        let ConfigState::Valid(c, generation) = config_from_lb(&l, &HealthCheckSpec::default())
+        let ConfigState::Valid(c, generation) =
+            config_from_lb(&l, &HealthCheckSpec::default(), true)
         else {
             panic!("not valid")
         };
@@ -432,7 +438,7 @@ mod tests {
         let l = lb(
             json!({"status": {"portIP": "192.0.2.10", "portIPv6": "2001:db8::10"}, "spec": spec}),
         );
-        let ConfigState::Valid(c, _) = config_from_lb(&l, &HealthCheckSpec::default()) else {
+        let ConfigState::Valid(c, _) = config_from_lb(&l, &HealthCheckSpec::default(), true) else {
             panic!("not valid")
         };
         let vips: Vec<(IpAddr, SocketAddr)> = c
@@ -455,7 +461,7 @@ mod tests {
         );
         let l = lb(json!({"status": {"portIP": "192.0.2.10"}, "spec": spec}));
         assert!(matches!(
-            config_from_lb(&l, &HealthCheckSpec::default()),
+            config_from_lb(&l, &HealthCheckSpec::default(), true),
             ConfigState::Pending
         ));
         // IPv6 only: the IPv4 port address exists but is not served.
@@ -464,7 +470,7 @@ mod tests {
         let l = lb(
             json!({"status": {"portIP": "192.0.2.10", "portIPv6": "2001:db8::10"}, "spec": v6only}),
         );
-        let ConfigState::Valid(c, _) = config_from_lb(&l, &HealthCheckSpec::default()) else {
+        let ConfigState::Valid(c, _) = config_from_lb(&l, &HealthCheckSpec::default(), true) else {
             panic!("not valid")
         };
         assert_eq!(c.vips(), vec!["2001:db8::10".parse::<IpAddr>().unwrap()]);
@@ -479,7 +485,7 @@ mod tests {
                 "endpoints": [{"name": "n1", "addresses": ["10.0.0.1"]}, {"name": "n2", "addresses": ["10.0.0.2", "2001:db8::2"]}]
             }
         }));
-        let ConfigState::Valid(c, _) = config_from_lb(&l, &HealthCheckSpec::default()) else {
+        let ConfigState::Valid(c, _) = config_from_lb(&l, &HealthCheckSpec::default(), true) else {
             panic!("not valid")
         };
         assert_eq!(
@@ -502,7 +508,8 @@ mod tests {
             "status": {"portIP": "2001:db8::10"},
             "spec": {"ports": [{"port": 443, "nodePort": 30443}], "endpoints": [{"name": "n1", "addresses": ["10.0.0.1"]}]}
         }));
-        let ConfigState::Invalid(msg, 3) = config_from_lb(&l, &HealthCheckSpec::default()) else {
+        let ConfigState::Invalid(msg, 3) = config_from_lb(&l, &HealthCheckSpec::default(), true)
+        else {
             panic!()
         };
         assert!(
@@ -516,7 +523,8 @@ mod tests {
     #[test]
     fn bad_vip_or_spec_is_invalid_with_the_generation() {
         let l = lb(json!({"status": {"portIP": "not-an-ip"}}));
-        let ConfigState::Invalid(msg, 3) = config_from_lb(&l, &HealthCheckSpec::default()) else {
+        let ConfigState::Invalid(msg, 3) = config_from_lb(&l, &HealthCheckSpec::default(), true)
+        else {
             panic!()
         };
         assert!(msg.contains("status.portIP"), "{msg}");
@@ -525,7 +533,8 @@ mod tests {
             "spec": {"ports": [{"protocol": "SCTP", "port": 80, "nodePort": 30080}, {"port": 0, "nodePort": 30081}],
                      "options": {"loadBalancerSourceRanges": ["10.0.0.0/33"]}}
         }));
-        let ConfigState::Invalid(msg, 3) = config_from_lb(&l, &HealthCheckSpec::default()) else {
+        let ConfigState::Invalid(msg, 3) = config_from_lb(&l, &HealthCheckSpec::default(), true)
+        else {
             panic!()
         };
         for needle in ["protocol \"SCTP\"", "port 0", "loadBalancerSourceRanges[0]"] {
@@ -538,14 +547,14 @@ mod tests {
         let l = lb(
             json!({"status": {"portIP": "192.0.2.10"}, "spec": {"ports": [{"port": 80, "nodePort": 30080}]}}),
         );
-        let a = config_from_lb(&l, &HealthCheckSpec::default());
-        let b = config_from_lb(&l, &HealthCheckSpec::default());
+        let a = config_from_lb(&l, &HealthCheckSpec::default(), true);
+        let b = config_from_lb(&l, &HealthCheckSpec::default(), true);
         assert!(same_config(&a, &b));
         let mut l2 = l.clone();
         l2.metadata.generation = Some(4);
         assert!(!same_config(
             &a,
-            &config_from_lb(&l2, &HealthCheckSpec::default())
+            &config_from_lb(&l2, &HealthCheckSpec::default(), true)
         ));
         assert!(!same_config(&a, &ConfigState::Pending));
         assert!(same_config(&ConfigState::Pending, &ConfigState::Pending));
