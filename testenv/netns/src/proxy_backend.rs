@@ -10,7 +10,7 @@ use std::net::{IpAddr, TcpStream};
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-/// Where the echo server listens behind HAProxy, on the backend's loopback.
+/// Where the echo server listens behind the acceptor, on the backend's loopback.
 pub const ECHO_PORT: u16 = 31999;
 
 /// The server that takes the header on a backend.
