@@ -8,7 +8,8 @@ libfuzzer_sys::fuzz_target!(|data: &[u8]| {
     let Ok(text) = std::str::from_utf8(data) else {
         return;
     };
-    let Ok(cfg) = serde_yaml::from_str::<LocalConfig>(text) else {
+    // As the agent reads its file (an unknown key at any depth is refused).
+    let Ok(cfg) = LocalConfig::parse(text) else {
         return;
     };
     if let Err(e) = desired(
@@ -18,6 +19,7 @@ libfuzzer_sys::fuzz_target!(|data: &[u8]| {
         &cfg.endpoints,
         &cfg.options,
         cfg.health_check.clone(),
+        true,
     ) {
         let msg = format!("{e:#}");
         assert!(
