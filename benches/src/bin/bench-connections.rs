@@ -275,13 +275,9 @@ fn run_path(args: &Args, path: &str, threads: usize, envoy: Option<&Path>) -> Ro
 /// The load balancer's options with PROXY v2 on the TCP port (80) only: the bulk port carries iperf3.
 const PROXY_OPTIONS: &str = "  tcpProxyProtocol: true\n  tcpProxyProtocolPortFilter: [80]\n";
 
-/// Every backend's echo server moved behind HAProxy taking the PROXY header; the acceptors' files in `dir`.
+/// Every backend's echo server behind HAProxy taking the PROXY header; the acceptors' files in `dir`.
 fn proxy_backends(topo: &Topology, dir: &Path) -> Result<Vec<ProxyBackend>> {
-    topo.backends()
-        .collect::<Vec<_>>()
-        .into_iter()
-        .map(|b| ProxyBackend::start(topo, b, dir, Acceptor::Haproxy))
-        .collect()
+    ProxyBackend::start_all(topo, dir, |_| Acceptor::Haproxy)
 }
 
 fn run_lb(args: &Args, mode: &str, proxy: bool) -> Result<Row> {

@@ -397,17 +397,19 @@ impl Tally {
 
     /// A failed TCP connection, started at `started` and given up now.
     fn fail_tcp(&mut self, kind: String, started: std::time::SystemTime) {
-        let ms = |t: std::time::SystemTime| {
-            t.duration_since(std::time::UNIX_EPOCH)
-                .map_or(0, |d| d.as_millis() as u64)
-        };
         self.failures.push(TcpFailure {
-            started_ms: ms(started),
-            ended_ms: ms(std::time::SystemTime::now()),
+            started_ms: epoch_ms(started),
+            ended_ms: epoch_ms(std::time::SystemTime::now()),
             kind: kind.clone(),
         });
         self.fail(kind);
     }
+}
+
+/// `t` in ms since the UNIX epoch (the unit of [`TcpFailure`]).
+pub fn epoch_ms(t: std::time::SystemTime) -> u64 {
+    t.duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
 }
 
 fn ms(d: Duration) -> f64 {

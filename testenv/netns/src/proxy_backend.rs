@@ -111,6 +111,24 @@ impl ProxyBackend {
         })
     }
 
+    /// [`ProxyBackend::start`] on every backend of `topo`, with the acceptor `acceptor(backend)`.
+    pub fn start_all(
+        topo: &Topology,
+        dir: &Path,
+        acceptor: impl Fn(Host) -> Acceptor,
+    ) -> Result<Vec<Self>> {
+        topo.backends()
+            .collect::<Vec<_>>()
+            .into_iter()
+            .map(|b| ProxyBackend::start(topo, b, dir, acceptor(b)))
+            .collect()
+    }
+
+    /// Every connection any of `backends` logged so far.
+    pub fn logged_all(backends: &[Self]) -> Vec<Proxied> {
+        backends.iter().flat_map(Self::logged).collect()
+    }
+
     /// The connections the acceptor logged so far (a line is written when its connection ends).
     pub fn logged(&self) -> Vec<Proxied> {
         self.acceptor

@@ -10,7 +10,7 @@
 use lb_common::{FlowAddr, In6};
 use lb_testbed::ha::{survival, HaRig, HaRigConfig};
 use lb_testbed::hold::HoldReport;
-use lb_testbed::load::TcpFailure;
+use lb_testbed::load::{epoch_ms, TcpFailure};
 use lb_testbed::proxy_backend::{Acceptor, ProxyBackend};
 use lb_testbed::rig::{TCP_PORT, UDP_PORT};
 use lb_testbed::Host;
@@ -208,13 +208,7 @@ fn master_dies_and_ipv6_connections_survive() {
 fn master_dies_and_proxy_connections_survive() {
     let (_one, mut r) = rig(|c| c.options = "  tcpProxyProtocol: true\n".into());
     r.stop_echo();
-    let backends: Vec<ProxyBackend> = r
-        .topo
-        .backends()
-        .collect::<Vec<_>>()
-        .into_iter()
-        .map(|b| ProxyBackend::start(&r.topo, b, r.dir(), Acceptor::Haproxy).unwrap())
-        .collect();
+    let backends = ProxyBackend::start_all(&r.topo, r.dir(), |_| Acceptor::Haproxy).unwrap();
     let (master, backup) = r.wait_master_and_backup(Duration::from_secs(20)).unwrap();
     let args = hold_args(&r, 300, 0);
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
@@ -222,7 +216,7 @@ fn master_dies_and_proxy_connections_survive() {
     wait_synced(&r, master, backup);
     master_dies_and_most_survive(&r, master, backup, hold, "PROXY v2, master link cut");
     let client = std::net::IpAddr::from(r.topo.ip(Host::Client));
-    let logged: Vec<_> = backends.iter().flat_map(ProxyBackend::logged).collect();
+    let logged = ProxyBackend::logged_all(&backends);
     assert!(logged.len() >= 297, "{} connections logged", logged.len());
     assert!(
         logged
@@ -380,12 +374,6 @@ fn churn(r: &HaRig, stop: &std::sync::atomic::AtomicBool, per_batch: usize) -> C
         c.failures.extend(t.failures);
     }
     c
-}
-
-fn epoch_ms(t: SystemTime) -> u64 {
-    t.duration_since(SystemTime::UNIX_EPOCH)
-        .unwrap()
-        .as_millis() as u64
 }
 
 #[test]

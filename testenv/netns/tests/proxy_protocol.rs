@@ -7,7 +7,7 @@
 //! and the backends, and with segments reordered there. Needs root, HAProxy, nginx and nftables. (Failover: `ha.rs`,
 //! `master_dies_and_proxy_connections_survive`.)
 
-use lb_testbed::proxy_backend::{Acceptor, Proxied, ProxyBackend};
+use lb_testbed::proxy_backend::{Acceptor, ProxyBackend};
 use lb_testbed::rig::{Rig, RigConfig, TCP_PORT};
 use lb_testbed::Host;
 use std::net::IpAddr;
@@ -23,22 +23,15 @@ fn rig() -> (Rig, Vec<ProxyBackend>) {
     let mut r = Rig::start(cfg).expect("rig starts");
     let dir = std::env::temp_dir().join(format!("lbt-proxy-{}", r.topo.id()));
     std::fs::create_dir_all(&dir).unwrap();
-    let mut backends = Vec::new();
     for i in 1..=3 {
         r.stop_backend(i).unwrap();
-        let acceptor = if i == 3 {
-            Acceptor::Nginx
-        } else {
-            Acceptor::Haproxy
-        };
-        backends.push(ProxyBackend::start(&r.topo, Host::Backend(i), &dir, acceptor).unwrap());
     }
+    let backends = ProxyBackend::start_all(&r.topo, &dir, |b| match b {
+        Host::Backend(3) => Acceptor::Nginx,
+        _ => Acceptor::Haproxy,
+    })
+    .unwrap();
     (r, backends)
-}
-
-/// Every connection logged on any backend.
-fn logged(backends: &[ProxyBackend]) -> Vec<Proxied> {
-    backends.iter().flat_map(ProxyBackend::logged).collect()
 }
 
 /// Runs `n` connections (each greeted by its backend, `payload` bytes echoed and verified) against `vip`.
@@ -72,10 +65,10 @@ fn load_with(r: &Rig, vip: IpAddr, n: usize, payload: usize, more: &[&str]) {
 /// one's addresses: the client's, the VIP of its family and the service port; nginx's backend among them.
 fn check_logged(r: &Rig, backends: &[ProxyBackend], n: usize) {
     let deadline = Instant::now() + Duration::from_secs(20);
-    let mut lines = logged(backends);
+    let mut lines = ProxyBackend::logged_all(backends);
     while lines.len() < n && Instant::now() < deadline {
         std::thread::sleep(Duration::from_millis(200));
-        lines = logged(backends);
+        lines = ProxyBackend::logged_all(backends);
     }
     assert_eq!(lines.len(), n, "connections the backends logged");
     assert!(
@@ -137,34 +130,24 @@ fn reordering_and_loss_keep_every_stream_exact() {
         Host::Backend(3),
     ];
     let run = |h: Host, argv: &[&str]| {
-        let out = r
-            .topo
-            .spawn(h, argv.iter().copied())
-            .unwrap()
-            .finish(Duration::from_secs(10))
-            .unwrap();
-        assert!(out.status.success(), "{argv:?} on {h:?}: {}", out.stderr);
-        out.stdout
+        String::from_utf8_lossy(&r.topo.exec(h, argv).unwrap().stdout).into_owned()
     };
     let dir = std::env::temp_dir();
-    let nft = |name: &str, chain: &str, percent: u32| {
+    // Table `name`: `percent` % of the non-SYN TCP segments through hook `chain` get `action`, counted.
+    let nft = |name: &str, chain: &str, percent: u32, action: &str| {
         let path = dir.join(format!("lbt-proxy-{name}-{}.nft", std::process::id()));
         std::fs::write(
             &path,
             format!(
                 "table inet {name} {{\n  chain {chain} {{\n    type filter hook {chain} priority 0;\n    \
-                 tcp flags & syn == 0 numgen random mod 100 < {percent} counter {}\n  }}\n}}\n",
-                if name == "loss" {
-                    "drop"
-                } else {
-                    "meta priority set 1:20"
-                }
+                 tcp flags & syn == 0 numgen random mod 100 < {percent} counter {action}\n  }}\n}}\n"
             ),
         )
         .unwrap();
         path.display().to_string()
     };
-    let (reorder, loss) = (nft("reorder", "output", 10), nft("loss", "input", 5));
+    let reorder = nft("reorder", "output", 10, "meta priority set 1:20");
+    let loss = nft("loss", "input", 5, "drop");
     // Packets of a table's rule: its counter.
     let matched = |h: Host, table: &str| -> u64 {
         let listed = run(h, &["nft", "list", "table", "inet", table]);
