@@ -129,15 +129,19 @@ impl Binaries {
     /// dependency graph would add minutes to `cargo xtask test`). The netns rigs find `lb-agent` and `lb-testbed`
     /// next to the benchmark binary.
     fn build(kinds: &[Which], smoke: bool) -> Result<Binaries> {
+        // The rigs' tools (ethtool, nginx, HAProxy, BIRD, etcd …), as `demo` and `test` install them: a benchmark
+        // run first on a fresh machine would otherwise stop at the first missing one. The bench-smoke stage runs
+        // after the prerequisites stage; the openstack stage's smoke run may run alone (`--only openstack`).
+        if !smoke || matches!(kinds, [Which::Openstack]) {
+            crate::prereq::all()?;
+        }
         crate::ebpf::build()?;
         if kinds.iter().any(|k| matches!(k, Which::KubeConfig)) {
             // A real kube-apiserver (kube-testenv): KUBEBUILDER_ASSETS made absolute for the benchmark's process.
             crate::prereq::kube_assets()?;
         }
         if matches!(kinds, [Which::Openstack]) {
-            // Built before the environment starts: the services and the compiler would share the 2 cores. It starts
-            // its own real kube-apiserver: etcd (a Debian package of the prerequisites), KUBEBUILDER_ASSETS.
-            crate::prereq::all()?;
+            // It starts its own real kube-apiserver: etcd (a Debian package of the prerequisites), KUBEBUILDER_ASSETS.
             crate::prereq::kube_assets()?;
         }
         if smoke {
