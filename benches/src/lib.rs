@@ -3,13 +3,19 @@
 use serde::Serialize;
 use std::path::{Path, PathBuf};
 
-/// Where benchmark JSON goes: `target/bench/<name>.json` under the workspace root; a smoke run's (`--smoke`: a
-/// few seconds, only proving the benchmark runs) under `target/bench/smoke/`, never over a measurement.
+/// Where benchmark JSON goes: `target/bench/<name>.json` under the workspace root, or under `$LB_BENCH_OUT` when
+/// set (a prebuilt benchmark run on another machine: `benches/sweep.sh`); a smoke run's (`--smoke`: a few seconds,
+/// only proving the benchmark runs) under `smoke/` there, never over a measurement.
 pub fn json_path(name: &str, smoke: bool) -> PathBuf {
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("..")
-        .join("target")
-        .join("bench");
+    let dir = std::env::var_os("LB_BENCH_OUT").map_or_else(
+        || {
+            Path::new(env!("CARGO_MANIFEST_DIR"))
+                .join("..")
+                .join("target")
+                .join("bench")
+        },
+        PathBuf::from,
+    );
     let dir = if smoke { dir.join("smoke") } else { dir };
     dir.join(format!("{name}.json"))
 }

@@ -63,12 +63,16 @@ const ALL: [Which; 11] = [
 /// Runs the chosen benchmarks. With `smoke`, each runs at a few seconds' size (its `--smoke`) from the dev-profile
 /// build the test stages share: that only proves it still loads and runs, and its JSON goes to `target/bench/smoke/`
 /// so that it never overwrites a measurement.
-pub fn run_bench(which: Which, smoke: bool) -> Result<()> {
+pub fn run_bench(which: Which, smoke: bool, args: Vec<String>) -> Result<()> {
     let kinds: Vec<Which> = match which {
+        Which::All if !args.is_empty() => {
+            anyhow::bail!("arguments after `--` go to one benchmark: name it (e.g. `bench dataplane -- --sweep`)")
+        }
         Which::All => ALL.to_vec(),
         one => vec![one],
     };
-    let bins = Binaries::build(&kinds, smoke)?;
+    let mut bins = Binaries::build(&kinds, smoke)?;
+    bins.args = args;
     for kind in kinds {
         bins.run(kind)?;
     }
@@ -121,6 +125,8 @@ impl Which {
 struct Binaries {
     dir: PathBuf,
     smoke: bool,
+    /// Passed on to the benchmark (`cargo xtask bench <kind> -- …`).
+    args: Vec<String>,
 }
 
 impl Binaries {
@@ -155,7 +161,11 @@ impl Binaries {
                 .and_then(|b| b.executable.parent())
                 .context("cargo built no lb-agent binary")?
                 .to_path_buf();
-            return Ok(Binaries { dir, smoke });
+            return Ok(Binaries {
+                dir,
+                smoke,
+                args: Vec::new(),
+            });
         }
         let mut args = vec!["build", "--release", "--quiet"];
         for kind in kinds {
@@ -181,6 +191,7 @@ impl Binaries {
         Ok(Binaries {
             dir: root().join("target/release"),
             smoke,
+            args: Vec::new(),
         })
     }
 
@@ -215,6 +226,7 @@ impl Binaries {
         if self.smoke {
             cmd.arg("--smoke");
         }
+        cmd.args(&self.args);
         cmd
     }
 

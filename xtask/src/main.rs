@@ -44,6 +44,10 @@ enum Cmd {
         /// `bench-smoke` runs this); JSON under target/bench/smoke/.
         #[arg(long)]
         smoke: bool,
+        /// Passed on to the one benchmark chosen, after `--`: e.g. `cargo xtask bench dataplane -- --sweep` (the
+        /// data plane on 1, 2, 4, … CPUs at once) or `-- --threads 2`; each benchmark's `--help` lists its own.
+        #[arg(last = true)]
+        args: Vec<String>,
     },
     /// A real OpenStack control plane on 127.0.0.1 for tests and local development.
     Openstack {
@@ -69,7 +73,7 @@ fn main() -> Result<()> {
         Cmd::BuildEbpf => ebpf::build().map(|_| ()),
         Cmd::Demo { attach_mode } => demo::demo(&attach_mode),
         Cmd::Test(args) => test::run_all(args),
-        Cmd::Bench { which, smoke } => bench::run_bench(which, smoke),
+        Cmd::Bench { which, smoke, args } => bench::run_bench(which, smoke, args),
         Cmd::Openstack { cmd } => openstack::run(cmd),
         Cmd::Image { cmd } => image::run(cmd),
         Cmd::Chart => chart::render(),

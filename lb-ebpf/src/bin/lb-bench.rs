@@ -59,8 +59,10 @@ mod programs {
         pub data: [u8; FRAME6],
     }
 
+    /// Per CPU: each thread of the scaling sweep (`bench-dataplane --threads`), pinned to its CPU, runs its own
+    /// flows from its own template, and the per-repeat counter is no cache line the CPUs share.
     #[map]
-    static BENCH: Array<BenchPacket> = Array::with_max_entries(1, 0);
+    static BENCH: PerCpuArray<BenchPacket> = PerCpuArray::with_max_entries(1, 0);
 
     #[inline(always)]
     fn restore(ctx: &XdpContext) -> bool {

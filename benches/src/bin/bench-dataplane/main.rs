@@ -19,7 +19,7 @@
 //! the report compares them with the plain connection's cases.
 
 use anyhow::{bail, Context, Result};
-use aya::maps::Array;
+use aya::maps::{PerCpuArray, PerCpuValues};
 use aya::programs::{TestRun, TestRunOptions};
 use clap::Parser;
 use lb_agent::dataplane::flow_filter::FlowFilterMap;
@@ -36,6 +36,8 @@ use serde::Serialize;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::path::PathBuf;
 use std::time::Duration;
+
+mod scaling;
 
 #[derive(Parser)]
 struct Args {
@@ -55,6 +57,12 @@ struct Args {
     /// run, a 64k-entry production table; JSON under target/bench/smoke/.
     #[arg(long)]
     smoke: bool,
+    /// Only the scaling sweep, on 1 and N threads at once (each pinned to a CPU of its own; see scaling.rs).
+    #[arg(long, conflicts_with = "sweep")]
+    threads: Option<usize>,
+    /// Only the scaling sweep, on 1, 2, 4, … threads up to the CPUs present.
+    #[arg(long)]
+    sweep: bool,
 }
 
 /// Bytes of an IPv4 benchmark frame, and of an IPv6 one (mirrors of lb-bench.rs).
@@ -328,34 +336,43 @@ fn fill_both(dp: &mut Dataplane, sizes: &MapSizes) -> Result<(u32, u32)> {
 }
 
 impl Bench {
-    /// Makes `frame` (IPv4, `FRAME` bytes, or IPv6, `FRAME6` bytes) the wrapper's template; with `vary`, every
-    /// repeat gets another source address and port.
+    /// Makes `frame` (IPv4, `FRAME` bytes, or IPv6, `FRAME6` bytes) the wrapper's template on every CPU; with
+    /// `vary`, every repeat gets another source address and port.
     fn set_template(&mut self, frame: &[u8], vary: bool) -> Result<()> {
-        if frame.len() != FRAME && frame.len() != FRAME6 {
-            bail!(
-                "benchmark frames must be {FRAME} (IPv4) or {FRAME6} (IPv6) bytes, got {}",
-                frame.len()
-            );
-        }
-        let mut data = [0u8; FRAME6];
-        data[..frame.len()].copy_from_slice(frame);
-        let map = self
-            .dp
-            .ebpf_mut()?
-            .map_mut("BENCH")
-            .context("BENCH map missing: is this lb-bench.o?")?;
-        let mut a: Array<_, BenchPacket> = Array::try_from(map)?;
-        a.set(
-            0,
-            BenchPacket {
+        self.set_templates(&[frame], vary)
+    }
+
+    /// Makes `frames[k]` CPU `k`'s template (the CPUs past the list get the first): each thread of the scaling
+    /// sweep, pinned to its CPU, runs its own flows.
+    fn set_templates(&mut self, frames: &[&[u8]], vary: bool) -> Result<()> {
+        let packet = |frame: &[u8]| {
+            if frame.len() != FRAME && frame.len() != FRAME6 {
+                bail!(
+                    "benchmark frames must be {FRAME} (IPv4) or {FRAME6} (IPv6) bytes, got {}",
+                    frame.len()
+                );
+            }
+            let mut data = [0u8; FRAME6];
+            data[..frame.len()].copy_from_slice(frame);
+            Ok(BenchPacket {
                 vary: vary as u32,
                 counter: 0,
                 len: frame.len() as u32,
                 _pad: 0,
                 data,
-            },
-            0,
-        )?;
+            })
+        };
+        let cpus = aya::util::nr_cpus().map_err(|(_, e)| e)?;
+        let values = (0..cpus)
+            .map(|k| packet(frames.get(k).unwrap_or(&frames[0])))
+            .collect::<Result<Vec<_>>>()?;
+        let map = self
+            .dp
+            .ebpf_mut()?
+            .map_mut("BENCH")
+            .context("BENCH map missing: is this lb-bench.o?")?;
+        let mut a: PerCpuArray<_, BenchPacket> = PerCpuArray::try_from(map)?;
+        a.set(0, PerCpuValues::try_from(values)?, 0)?;
         Ok(())
     }
 
@@ -582,6 +599,19 @@ fn main() -> Result<()> {
         flows_v6: args.production_flows,
         ..MapSizes::default()
     };
+    let cpus = scaling::allowed_cpus()?.len();
+    let counts = match (args.threads, args.sweep) {
+        (Some(n), _) => Some(if n > 1 { vec![1, n] } else { vec![1] }),
+        (None, true) => Some(scaling::sweep_counts(cpus)),
+        (None, false) => None,
+    };
+    if let Some(counts) = counts {
+        let mut b = Bench {
+            dp: load(&obj, &MapSizes::default())?,
+            args,
+        };
+        return scaling::run(&mut b, &obj, &counts);
+    }
     let mut b = Bench {
         dp: load(&obj, &sizes)?,
         args,
@@ -830,5 +860,9 @@ fn main() -> Result<()> {
     };
     let path = write_json("dataplane", b.args.smoke, &report)?;
     println!("  JSON: {}", path.display());
+    if b.args.smoke {
+        // The sweep's code paths too (threads on CPUs of their own), at smoke size.
+        scaling::run(&mut b, &obj, &scaling::sweep_counts(cpus.min(2)))?;
+    }
     Ok(())
 }
