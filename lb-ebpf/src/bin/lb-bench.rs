@@ -184,8 +184,10 @@ mod programs {
         pub data: [u8; FRAME],
     }
 
+    /// Per CPU: with `bench-pktgen --cpus N` a generator thread runs on each of N CPUs, each from its own
+    /// template and counter (no cache line the generators share).
     #[map]
-    static GEN: Array<GenPacket> = Array::with_max_entries(1, 0);
+    static GEN: PerCpuArray<GenPacket> = PerCpuArray::with_max_entries(1, 0);
 
     /// Live-frames generator (`BPF_F_TEST_XDP_LIVE_FRAMES`): the kernel recycles frames without resetting
     /// them and the load balancer rewrites them downstream, so every run writes the whole frame from the

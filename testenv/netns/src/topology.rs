@@ -130,6 +130,11 @@ pub struct TopologyConfig {
     /// there) and through which the backends route everything else, as behind a router: the client's segment
     /// never sees them. IPv4 only, one load balancer.
     pub routed: bool,
+    /// Queues of every veth (each end, each direction; 1 by default). A veth's receive queue is where its peer's
+    /// frames land (by the sending CPU for `XDP_TX`/`XDP_REDIRECT`, by the skb's queue otherwise), and each queue
+    /// has a NAPI instance of its own: with one queue, frames sent on several CPUs at once all end up in one
+    /// softirq, as on a single-queue NIC.
+    pub queues: usize,
 }
 
 impl Default for TopologyConfig {
@@ -145,6 +150,7 @@ impl Default for TopologyConfig {
             lb_replicas: 1,
             ipv6: false,
             routed: false,
+            queues: 1,
         }
     }
 }
@@ -443,25 +449,21 @@ impl Topology {
         let sw = self.switch_ns.as_str();
         let o = side.ip.octets();
         let port_mac = mac_string(&[0x06, 0x00, o[0], o[1], o[2], o[3]]);
-        run_cmd([
-            "ip",
-            "-n",
-            sw,
-            "link",
-            "add",
-            &side.switch_port,
-            "address",
-            &port_mac,
-            "type",
-            "veth",
-            "peer",
-            "name",
-            &side.ifname,
-            "address",
-            &mac_string(&side.mac),
-            "netns",
-            ns,
-        ])?;
+        let queues = cfg.queues.to_string();
+        let host_mac = mac_string(&side.mac);
+        let q: &[&str] = if cfg.queues > 1 {
+            &["numtxqueues", &queues, "numrxqueues", &queues]
+        } else {
+            &[]
+        };
+        let mut cmd = vec!["ip", "-n", sw, "link", "add", &side.switch_port];
+        cmd.extend(["address", &port_mac]);
+        cmd.extend(q);
+        cmd.extend(["type", "veth", "peer", "name", &side.ifname]);
+        cmd.extend(["address", &host_mac]);
+        cmd.extend(q);
+        cmd.extend(["netns", ns]);
+        run_cmd(cmd)?;
         run_cmd([
             "ip",
             "-n",
@@ -509,7 +511,28 @@ impl Topology {
         if let Some(gro) = cfg.switch_port_gro {
             self.ethtool(sw, &side.switch_port, &["gro", on_off(gro)])?;
         }
+        if cfg.queues > 1 {
+            self.steer_queues(ns, &side.ifname, cfg.queues)?;
+            self.steer_queues(sw, &side.switch_port, cfg.queues)?;
+        }
         Ok(())
+    }
+
+    /// Transmit queue `q` of `ifname` for the frames CPU `q` sends (XPS), so that they land in its peer's receive
+    /// queue `q`, whose softirq the same CPU runs: each CPU's frames stay on it along the chain, as a NIC's queue
+    /// stays on the CPU its interrupt is bound to. (Without it the skb's hash chooses, and a queue whose softirq
+    /// runs on one CPU overflowed with the other CPU's frames: half of them lost with native XDP on two CPUs.)
+    fn steer_queues(&self, ns: &str, ifname: &str, queues: usize) -> Result<()> {
+        let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let script: String = (0..queues)
+            .map(|q| {
+                format!(
+                    "echo {:x} > /sys/class/net/{ifname}/queues/tx-{q}/xps_cpus; ",
+                    1u128 << (q % cpus)
+                )
+            })
+            .collect();
+        run_cmd(["ip", "netns", "exec", ns, "sh", "-c", &script]).map(|_| ())
     }
 
     fn add_netns(&mut self, name: &str) -> Result<()> {

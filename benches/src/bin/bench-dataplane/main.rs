@@ -599,7 +599,7 @@ fn main() -> Result<()> {
         flows_v6: args.production_flows,
         ..MapSizes::default()
     };
-    let cpus = scaling::allowed_cpus()?.len();
+    let cpus = lb_benches::allowed_cpus()?.len();
     let counts = match (args.threads, args.sweep) {
         (Some(n), _) => Some(if n > 1 { vec![1, n] } else { vec![1] }),
         (None, true) => Some(scaling::sweep_counts(cpus)),

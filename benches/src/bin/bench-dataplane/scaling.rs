@@ -14,7 +14,7 @@
 use super::{fill_both, load, open_connection, pad, verdict_name, Bench, MapSizes, VIP};
 use anyhow::{bail, Context, Result};
 use aya::programs::{TestRun, TestRunOptions};
-use lb_benches::{median, pin_cpu, write_json};
+use lb_benches::{allowed_cpus, cpu_model, median, pin_cpu, write_json};
 use lb_test_support::packets::*;
 use serde::Serialize;
 use std::net::Ipv4Addr;
@@ -30,35 +30,6 @@ pub fn sweep_counts(cpus: usize) -> Vec<usize> {
         v.push(cpus);
     }
     v
-}
-
-/// The CPUs this process may run on (its affinity mask), in order: thread `k` of a run is pinned to the `k`-th.
-pub fn allowed_cpus() -> Result<Vec<usize>> {
-    // SAFETY: a zeroed cpu_set_t is valid; sched_getaffinity writes at most its size.
-    let set = unsafe {
-        let mut set: libc::cpu_set_t = std::mem::zeroed();
-        if libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut set) != 0 {
-            bail!("sched_getaffinity: {}", std::io::Error::last_os_error());
-        }
-        set
-    };
-    // SAFETY: CPU_ISSET reads the set only.
-    Ok((0..libc::CPU_SETSIZE as usize)
-        .filter(|&c| unsafe { libc::CPU_ISSET(c, &set) })
-        .collect())
-}
-
-/// The CPU model as /proc/cpuinfo names it.
-fn cpu_model() -> String {
-    std::fs::read_to_string("/proc/cpuinfo")
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find(|l| l.starts_with("model name"))
-                .and_then(|l| l.split_once(':'))
-                .map(|(_, m)| m.trim().to_owned())
-        })
-        .unwrap_or_else(|| "unknown".into())
 }
 
 #[derive(Serialize)]
