@@ -164,6 +164,11 @@ EOF
         out "xdp_on_$i" "$(ip -d link show "$i" | grep -q 'prog/xdp' && echo 1 || echo 0)"
     done
     out file_agent_attached "$(http_get 9101 /metrics | sed -n 's/^lb_interface_attached{interface="\([^"]*\)",hook="\([^"]*\)"} 1$/\1:\2/p' | sort | paste -sd, -)"
+    # Each NIC's queues and whether native XDP transmits under a lock there (IFACE:VALUE): these NICs have one
+    # queue pair for two vCPUs, so virtio-net shares it with XDP (its kernel log says so too).
+    out file_agent_xdp_tx_locked "$(http_get 9101 /metrics | sed -n 's/^lb_interface_xdp_tx_locked{interface="\([^"]*\)"} \([0-9]*\)$/\1:\2/p' | sort | paste -sd, -)"
+    out file_agent_rx_queues "$(http_get 9101 /metrics | sed -n 's/^lb_interface_queues{interface="\([^"]*\)",direction="rx"} \([0-9]*\)$/\1:\2/p' | sort | paste -sd, -)"
+    dmesg | grep -i 'locked tx mode' | head -2 | while IFS= read -r l; do info "kernel: $l"; done
     ip -d link show eth2 | while IFS= read -r l; do info "eth2: $l"; done
     out traffic go
     out file_agent_flows "$(flows_counted 9101)"

@@ -5,6 +5,7 @@
 use crate::dataplane::gc;
 use crate::dataplane::model::{Protocol, ServiceSpec};
 use crate::dataplane::neighbor;
+use crate::dataplane::nic::Nic;
 use crate::dataplane::programmer::{ip_to_addr, Programmer};
 use crate::dataplane::route_events::RouteEvents;
 use crate::dataplane::{AttachMode, Dataplane, MapSizes};
@@ -148,6 +149,8 @@ struct Agent {
     resolved: HashSet<lb_common::Addr>,
     /// The interfaces the data plane is attached to, with the hook on each.
     attached: Vec<(String, AttachMode)>,
+    /// Their NICs, and whether native XDP transmits under a lock there.
+    nics: Vec<(String, Nic, bool)>,
     last_gc: Instant,
     last_nh: Instant,
     /// The kernel's route changes (`None` when the subscription failed: the periodic refresh remains), and
@@ -197,6 +200,8 @@ impl Agent {
             );
         }
         let mut attached = Vec::new();
+        let mut nics = Vec::new();
+        let possible_cpus = crate::dataplane::nic::possible_cpus();
         for (i, iface) in opts.interfaces().enumerate() {
             // Slot 1 upwards in the order given: replicas configured alike share the slots (flow sync carries
             // them).
@@ -211,6 +216,19 @@ impl Agent {
                 }
             }
             attached.push((iface.clone(), used));
+            let nic = Nic::read(iface);
+            let locked = nic.xdp_tx_locked(used, possible_cpus);
+            tracing::info!(interface = %iface, driver = nic.driver.as_deref().unwrap_or("-"),
+                rx_queues = nic.rx_queues, tx_queues = nic.tx_queues, max_combined = ?nic.max_combined, "NIC queues");
+            if locked {
+                tracing::warn!(interface = %iface, queue_pairs = ?nic.max_combined, stack_queues = nic.tx_queues,
+                    possible_cpus,
+                    "virtio-net has too few queue pairs for native XDP's transmits: XDP_TX and XDP_REDIRECT share \
+                     the stack's queues under a lock (slower on several CPUs); give the image \
+                     hw_vif_multiqueue_enabled=true and lower the stack's channels (ethtool -L {iface} combined N) \
+                     so that N + {possible_cpus} queue pairs fit");
+            }
+            nics.push((iface.clone(), nic, locked));
         }
         // After an upgrade across a map layout change, the old layout's maps once every link moved here.
         for dir in dp.remove_other_layouts()? {
@@ -227,6 +245,11 @@ impl Agent {
         status_tx.send_modify(|s| {
             s.dataplane_ready = true;
             s.attached = attached.clone();
+            s.xdp_tx_locked = nics
+                .iter()
+                .filter(|(_, _, locked)| *locked)
+                .map(|(i, _, _)| i.clone())
+                .collect();
         });
         let (hc, health_rx) = HealthChecker::new()?;
         let resolved = resolved_nexthops(&dp)?;
@@ -256,6 +279,7 @@ impl Agent {
             ended: HashMap::new(),
             resolved,
             attached,
+            nics,
             last_gc: Instant::now(),
             last_nh,
             routes,
@@ -658,6 +682,7 @@ impl Agent {
                 .iter()
                 .map(|(i, m)| (i.clone(), m.describe()))
                 .collect(),
+            nics: self.nics.clone(),
             ha,
         };
     }

@@ -10,6 +10,7 @@ mod mapped;
 pub mod maps;
 pub mod model;
 pub mod neighbor;
+pub mod nic;
 pub mod programmer;
 pub mod route_events;
 

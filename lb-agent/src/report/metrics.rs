@@ -65,6 +65,9 @@ pub struct Snapshot {
     pub ready: bool,
     /// The interfaces the data plane is attached to, with the hook on each.
     pub interfaces: Vec<(String, &'static str)>,
+    /// Each attached interface's NIC as read at attach time, and whether native XDP transmits through the
+    /// stack's queues under a lock ([`crate::dataplane::nic`]).
+    pub nics: Vec<(String, crate::dataplane::nic::Nic, bool)>,
     /// VRRP and flow sync, when enabled.
     pub ha: Option<crate::ha::HaSnapshot>,
 }
@@ -569,6 +572,36 @@ impl Collector for SnapshotCollector {
             "lb_interface_attached",
             "1 for each interface the data plane is attached to, with its hook.",
             &interfaces,
+        )?;
+        let queues: Vec<_> = s
+            .nics
+            .iter()
+            .flat_map(|(i, n, _)| {
+                [("rx", n.rx_queues), ("tx", n.tx_queues)].map(|(d, q)| {
+                    (
+                        vec![("interface", i.clone()), ("direction", d.to_string())],
+                        q as u64,
+                    )
+                })
+            })
+            .collect();
+        gauge(
+            &mut enc,
+            "lb_interface_queues",
+            "Receive and transmit queues the network stack uses on each attached interface.",
+            &queues,
+        )?;
+        let locked: Vec<_> = s
+            .nics
+            .iter()
+            .map(|(i, _, l)| (vec![("interface", i.clone())], u64::from(*l)))
+            .collect();
+        gauge(
+            &mut enc,
+            "lb_interface_xdp_tx_locked",
+            "1 where native XDP transmits (XDP_TX, XDP_REDIRECT) through the stack's queues under a lock: a \
+             virtio-net NIC with fewer queue pairs than the stack's plus one per possible CPU.",
+            &locked,
         )?;
         let host: Vec<_> = s
             .host

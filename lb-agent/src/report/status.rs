@@ -8,6 +8,9 @@ pub struct AgentStatus {
     pub dataplane_ready: bool,
     /// The interfaces it is attached to and the hook on each (for the status message), once attached.
     pub attached: Vec<(String, crate::dataplane::AttachMode)>,
+    /// The attached interfaces where native XDP transmits through the stack's queues under a lock (see
+    /// `dataplane::nic`).
+    pub xdp_tx_locked: Vec<String>,
     /// The latest config was invalid (message), or `None`.
     pub config_error: Option<String>,
     /// Generation of the latest input seen from the source.

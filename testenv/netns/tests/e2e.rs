@@ -186,6 +186,23 @@ fn check_routed(mode: &str) {
             1.0,
             "{iface} attached"
         );
+        // The rig's veths: one queue each way, and no virtio-net lock to report.
+        for dir in ["rx", "tx"] {
+            assert_eq!(
+                r.metric(
+                    "lb_interface_queues",
+                    &format!("interface=\"{iface}\",direction=\"{dir}\"")
+                )
+                .unwrap(),
+                1.0,
+                "{iface} {dir} queues"
+            );
+        }
+        let locked = format!("lb_interface_xdp_tx_locked{{interface=\"{iface}\"}} 0");
+        assert!(
+            r.http_get("/metrics").unwrap().contains(&locked),
+            "{iface}: veth transmits XDP frames without a lock ({locked})"
+        );
     }
 }
 

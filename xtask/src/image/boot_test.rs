@@ -1361,6 +1361,18 @@ fn judge_lb_controller(j: &mut Judge, check_programs: bool) {
         "lb_interface_attached of the file-mode agent: both interfaces, native XDP",
         "eth1:XDP,eth2:XDP",
     );
+    // One queue pair per NIC (QEMU's user network has no multiqueue) for two vCPUs: virtio-net shares the stack's
+    // queue with native XDP's transmits under a lock, and the agent says so.
+    j.want_eq(
+        "file_agent_xdp_tx_locked",
+        "lb_interface_xdp_tx_locked of the file-mode agent: both one-queue virtio-net NICs",
+        "eth1:1,eth2:1",
+    );
+    j.want_eq(
+        "file_agent_rx_queues",
+        "lb_interface_queues (rx) of the file-mode agent",
+        "eth1:1,eth2:1",
+    );
     let at_least_flows = |v: &str| v.parse::<usize>().is_ok_and(|n| n >= TRAFFIC_FLOWS);
     j.want(
         "file_agent_flows",

@@ -150,6 +150,16 @@ fn truths(s: &AgentStatus, ctx: &Context) -> Vec<Truth> {
         }
         (false, _) => "the data plane is not attached".to_string(),
     };
+    // Slow, not broken: said beside the hook (see `dataplane::nic`).
+    let ready_msg = if s.dataplane_ready && !s.xdp_tx_locked.is_empty() {
+        format!(
+            "{ready_msg}; XDP_TX shares the stack's transmit queues under a lock on {} (too few virtio-net queue \
+             pairs)",
+            s.xdp_tx_locked.join(", ")
+        )
+    } else {
+        ready_msg
+    };
     let up_to_date = s.up_to_date();
     let up_msg = up_to_date_message(s);
     let pick = |ok: bool, yes: &'static str, no: &'static str| if ok { yes } else { no };
@@ -566,6 +576,22 @@ mod tests {
         assert_eq!(
             find(&c, cond::DATAPLANE_READY).message.as_deref(),
             Some("the data plane is attached (eth0: XDP, eth1: generic XDP)")
+        );
+        // Native XDP transmitting under a lock is said, and stays ready.
+        let locked = AgentStatus {
+            attached: vec![("eth0".into(), crate::dataplane::AttachMode::XdpNative)],
+            xdp_tx_locked: vec!["eth0".into()],
+            ..running(3)
+        };
+        let c = conditions(&[], &locked, &Context::default(), &t(0));
+        let ready = find(&c, cond::DATAPLANE_READY);
+        assert_eq!(ready.status, cond::TRUE);
+        assert_eq!(
+            ready.message.as_deref(),
+            Some(
+                "the data plane is attached (XDP); XDP_TX shares the stack's transmit queues under a lock on eth0 \
+                 (too few virtio-net queue pairs)"
+            )
         );
         let stale = AgentStatus {
             source_stale: Some(
