@@ -41,6 +41,7 @@ use lb_testbed::{Host, Topology, TopologyConfig};
 use serde::Serialize;
 use std::net::Ipv4Addr;
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Barrier;
 use std::time::{Duration, Instant};
 
@@ -225,15 +226,19 @@ impl Gen {
                 .map(|&cpu| {
                     let (ns, ifname, start, frame) = (&ns, &ifname, &start, &frame);
                     s.spawn(move || {
-                        in_netns(ns, || {
+                        // Every thread reaches the barrier, also one that failed before it: the others wait there.
+                        let waited = AtomicBool::new(false);
+                        let r = in_netns(ns, || {
                             pin_cpu(cpu);
-                            let ifindex = nix_ifindex(ifname)?;
+                            let ifindex = nix_ifindex(ifname);
+                            start.wait();
+                            waited.store(true, Ordering::Relaxed);
+                            let ifindex = ifindex?;
                             // struct xdp_md: data, data_end, data_meta, ingress_ifindex, rx_queue_index,
                             // egress_ifindex.
                             let mut ctx = [0u8; 24];
                             ctx[4..8].copy_from_slice(&(FRAME as u32).to_ne_bytes());
                             ctx[12..16].copy_from_slice(&ifindex.to_ne_bytes());
-                            start.wait();
                             let t0 = Instant::now();
                             let mut sent = 0u64;
                             loop {
@@ -250,7 +255,11 @@ impl Gen {
                                 }
                             }
                             Ok((sent, t0.elapsed().as_secs_f64()))
-                        })
+                        });
+                        if !waited.load(Ordering::Relaxed) {
+                            start.wait();
+                        }
+                        r
                     })
                 })
                 .collect();

@@ -4,7 +4,7 @@
 //! lock) shows as the aggregate falling behind N times one thread's rate.
 //!
 //! Per case and thread count: the aggregate rate (the threads' rates added up, each the kernel's timing of its own
-//! repeats — the call's set-up around them costs milliseconds that are no packet's — with the share of the run all
+//! repeats — the call around them costs milliseconds that are no packet's — with the share of the run all
 //! threads were running at once, "overlap", beside it), the mean ns per packet of the threads (the template
 //! restore included, in every thread count alike) and the scaling efficiency, aggregate ÷ (N × one thread's).
 //! Thread counts are measured in rounds. IPv4 cases; the tables are the single-thread report's: small ones for
@@ -126,8 +126,8 @@ impl Bench {
                 .collect::<Vec<_>>()
         });
         // Each thread's rate is the kernel's timing of its own repeats (`BPF_PROG_TEST_RUN`'s duration): the
-        // call's set-up outside them (the XDP dispatcher's update for a repeated run) costs milliseconds that
-        // are no packet's. The runs overlap when they started together and none ended before the last began.
+        // call around them costs milliseconds that are no packet's (measured: 48 ms of wall time for 34 ms of
+        // repeats, one thread, 300 000 repeats). The runs overlap when they started together and none ended before the last began.
         let mut spans = Vec::new();
         let (mut rate, mut ns, mut verdict) = (0.0, 0.0, None);
         for (t0, t1, r) in runs {
