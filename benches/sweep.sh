@@ -1,8 +1,9 @@
 #!/bin/sh
 # The data plane's scaling sweep on a machine with no compiler or package manager (root, kernel with BTF).
 #
-#   benches/sweep.sh pack [DIR]   on the build machine: builds the benchmark and its eBPF object and puts them,
-#                                 with this script, into DIR (default target/sweep); copy DIR to the other machine.
+#   benches/sweep.sh pack [DIR]   on the build machine, from the repository root: builds the benchmark and its
+#                                 eBPF object and puts them, with this script, into DIR (default target/sweep);
+#                                 copy DIR to the other machine.
 #   ./sweep.sh run [ARGS]         there, in DIR: `bench-dataplane --sweep` (1, 2, 4, … threads up to the CPUs
 #                                 present; ARGS are passed on, e.g. --runs 5) with the machine's description;
 #                                 prints the table and leaves results/ (JSON, uname, CPU list) beside the script.
@@ -12,6 +13,7 @@ set -eu
 
 case "${1:-}" in
 pack)
+    [ -f benches/sweep.sh ] || { echo "sweep.sh pack: run it from the repository root" >&2; exit 1; }
     out="${2:-target/sweep}"
     cargo xtask build-ebpf
     cargo build --release -p lb-benches --bin bench-dataplane

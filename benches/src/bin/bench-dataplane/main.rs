@@ -17,6 +17,9 @@
 //! in front of (measured while the backend has not acknowledged it, so every repeat puts it in), an established
 //! segment whose sequence number is shifted, and the backend's reply whose acknowledgement is shifted back;
 //! the report compares them with the plain connection's cases.
+//!
+//! `--sweep` / `--threads N`: only the scaling sweep, the same program on several CPUs at once (`scaling.rs`); a
+//! smoke run ends with it on one and two threads.
 
 use anyhow::{bail, Context, Result};
 use aya::maps::{PerCpuArray, PerCpuValues};
