@@ -527,8 +527,8 @@ impl Topology {
         let script: String = (0..queues)
             .map(|q| {
                 format!(
-                    "echo {:x} > /sys/class/net/{ifname}/queues/tx-{q}/xps_cpus; ",
-                    1u128 << (q % cpus)
+                    "echo {} > /sys/class/net/{ifname}/queues/tx-{q}/xps_cpus; ",
+                    cpu_mask(q % cpus)
                 )
             })
             .collect();
@@ -934,6 +934,19 @@ where
     v
 }
 
+/// CPU `cpu` alone as a mask the kernel parses (`xps_cpus`): 32-bit hex groups, most significant first, separated
+/// by commas.
+fn cpu_mask(cpu: usize) -> String {
+    (0..=cpu / 32)
+        .rev()
+        .map(|w| {
+            let bits = if w == cpu / 32 { 1u32 << (cpu % 32) } else { 0 };
+            format!("{bits:x}")
+        })
+        .collect::<Vec<_>>()
+        .join(",")
+}
+
 fn on_off(b: bool) -> &'static str {
     if b {
         "on"
@@ -969,4 +982,18 @@ pub fn parse_mac(s: &str) -> Result<[u8; 6]> {
         *m = u8::from_str_radix(p, 16).with_context(|| format!("invalid MAC address {s:?}"))?;
     }
     Ok(mac)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::cpu_mask;
+
+    #[test]
+    fn cpu_masks_in_32_bit_groups() {
+        assert_eq!(cpu_mask(0), "1");
+        assert_eq!(cpu_mask(5), "20");
+        assert_eq!(cpu_mask(31), "80000000");
+        assert_eq!(cpu_mask(32), "1,0");
+        assert_eq!(cpu_mask(70), "40,0,0");
+    }
 }
