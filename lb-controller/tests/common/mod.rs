@@ -43,6 +43,8 @@ use tokio::sync::oneshot;
 
 /// Default namespace of the LoadBalancers in the control cluster (`cloud_controller.rs` uses one per test).
 pub const LB_NS: &str = "yawol";
+/// The component the cloud controller under test publishes its events as.
+pub const EVENT_COMPONENT: &str = "lb-cloud-controller";
 
 pub fn defaults() -> InfrastructureDefaults {
     InfrastructureDefaults {
@@ -70,7 +72,7 @@ pub fn run_config(classes: ClassFilter) -> RunConfig {
             serve_ipv6: true,
         },
         event_max_age: Duration::from_secs(300),
-        event_component: "lb-cloud-controller".into(),
+        event_component: EVENT_COMPONENT.into(),
         instance: "test".into(),
         concurrency: 8,
     }
@@ -512,7 +514,10 @@ impl Harness {
         .await
     }
 
-    /// Events (core/v1) about an object in the target cluster: (type, reason, message, count).
+    /// Events (core/v1) the cloud controller published about an object in the target cluster: (type, reason,
+    /// message, count). The apiserver's own controllers write events about Services too (its cluster-IP repair
+    /// loop warns "ClusterIPNotAllocated" when it runs between an allocation and the Service's creation); they
+    /// are not ours to assert on.
     pub async fn events_for(
         &self,
         namespace: &str,
@@ -525,6 +530,7 @@ impl Harness {
             .items
             .into_iter()
             .filter(|e| e.involved_object.name.as_deref() == Some(name))
+            .filter(|e| e.reporting_component.as_deref() == Some(EVENT_COMPONENT))
             .map(|e| {
                 (
                     e.type_.unwrap_or_default(),
