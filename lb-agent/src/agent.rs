@@ -50,6 +50,9 @@ pub struct AgentOptions {
     pub detach_on_exit: bool,
     /// VRRP and connection-state sync between replicas.
     pub ha: HaOptions,
+    /// Start from empty connection tables where an agent of a map layout this one cannot carry over is attached,
+    /// instead of refusing to start (see `dataplane::layouts`).
+    pub clean_start: bool,
 }
 
 impl AgentOptions {
@@ -167,6 +170,9 @@ impl Agent {
         snapshot: SharedSnapshot,
     ) -> Result<Self> {
         let mut dp = Dataplane::load(&opts.sizes, opts.pin_dir.as_deref())?;
+        // Before anything writes the new maps: an upgrade across a map layout change brings the previous layout's
+        // state along (the services adopted below included).
+        let carried = dp.carry_over(opts.clean_start)?;
         crate::report::kernel_log::spawn(&mut dp)?;
         let ha = Ha::start(opts.ha.clone(), &mut dp.maps).await?;
         let (flags, local_mac) = ha.dataplane_settings(&opts.interface)?;
@@ -230,7 +236,11 @@ impl Agent {
             }
             nics.push((iface.clone(), nic, locked));
         }
-        // After an upgrade across a map layout change, the old layout's maps once every link moved here.
+        // After an upgrade across a map layout change: what the old program added since the carry, then the old
+        // layout's maps once every link moved here.
+        if let Some(c) = carried {
+            dp.finish_carry_over(c)?;
+        }
         for dir in dp.remove_other_layouts()? {
             tracing::info!(dir = %dir.display(), "removed the pins of an earlier map layout");
         }

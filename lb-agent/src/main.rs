@@ -135,6 +135,11 @@ struct Cli {
     /// Do not pin: the data plane and its flows end with the process (tests, experiments).
     #[arg(long, env = "LB_NO_PIN")]
     no_pin: bool,
+    /// Where an agent of a map layout this release cannot carry over (older than the previous release's, or
+    /// newer) left programs attached: take them over with empty connection tables (every connection through
+    /// this node breaks) instead of refusing to start.
+    #[arg(long, env = "LB_CLEAN_START")]
+    clean_start: bool,
     /// Connection-tracking entries of established connections and UDP flows (two per connection; ~120 bytes
     /// each).
     #[arg(long, env = "LB_MAX_FLOWS", default_value_t = lb_common::defaults::MAX_FLOWS)]
@@ -474,6 +479,7 @@ async fn main() -> Result<()> {
         neighbor_interval: Duration::from_secs(cli.neighbor_interval.max(1)),
         detach_on_exit: false,
         ha: cli.ha()?,
+        clean_start: cli.clean_start,
     };
     if let Some(dir) = &opts.pin_dir {
         ensure_bpffs(dir)?;

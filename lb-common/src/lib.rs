@@ -11,9 +11,10 @@
 //! header ([`FlowAddr`]: a `u32` for IPv4, [`In6`] for IPv6), with `…V4`/`…V6` names for each.
 #![no_std]
 
-/// Bumped whenever a pinned map's key or value layout changes. The agent pins maps under a directory named
-/// after it, so an upgrade with a new layout starts with fresh maps instead of misreading old ones.
-pub const LAYOUT_VERSION: u32 = 9;
+/// Bumped whenever a pinned map's key or value layout, type or flags change. The agent pins maps under a directory
+/// named after it, so an upgrade with a new layout creates new maps instead of misreading old ones, and carries the
+/// previous layout's state over into them (the agent's `dataplane::layouts`).
+pub const LAYOUT_VERSION: u32 = 10;
 
 /// IP protocol number of TCP.
 pub const PROTO_TCP: u8 = 6;

@@ -2,7 +2,7 @@
 //! Capacities here are defaults; the agent sets the real ones at load time.
 
 use aya_ebpf::{
-    bindings::BPF_F_MMAPABLE,
+    bindings::{BPF_F_MMAPABLE, BPF_F_NO_COMMON_LRU},
     macros::map,
     maps::{
         lpm_trie::LpmTrie, Array, DevMap, HashMap, LruHashMap, PerCpuArray, ProgramArray, RingBuf,
@@ -61,10 +61,11 @@ pub static FLOWS_V4: LruHashMap<FlowKeyV4, FlowV4> =
 
 /// TCP handshakes in progress and closed connections, both directions (see `lb_common::TransientV4`): a small
 /// LRU of their own, so SYN floods and the churn of short connections never evict an established connection
-/// from `FLOWS_V4`.
+/// from `FLOWS_V4`. Its LRU lists are per CPU: every new flow inserts here, on its client's CPU, and common lists
+/// would serialise those inserts under one lock (docs/design.md, "Several CPUs").
 #[map]
 pub static TRANSIENT_V4: LruHashMap<FlowKeyV4, TransientV4> =
-    LruHashMap::with_max_entries(defaults::MAX_TRANSIENT, 0);
+    LruHashMap::with_max_entries(defaults::MAX_TRANSIENT, BPF_F_NO_COMMON_LRU);
 
 /// IPv6 connection tracking: `FLOWS_V4`'s rules with IPv6 keys.
 #[map]
@@ -74,7 +75,7 @@ pub static FLOWS_V6: LruHashMap<FlowKeyV6, FlowV6> =
 /// IPv6 handshakes and closed connections: `TRANSIENT_V4`'s rules with IPv6 keys.
 #[map]
 pub static TRANSIENT_V6: LruHashMap<FlowKeyV6, TransientV6> =
-    LruHashMap::with_max_entries(defaults::MAX_TRANSIENT_V6, 0);
+    LruHashMap::with_max_entries(defaults::MAX_TRANSIENT_V6, BPF_F_NO_COMMON_LRU);
 
 /// Which TCP keys `FLOWS_V4` may hold (see `lb_common::flow_filter`): two generations of bits and the active
 /// generation's number. Memory-mappable so the agent marks and rebuilds it without a syscall per word.

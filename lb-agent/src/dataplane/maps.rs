@@ -294,6 +294,24 @@ impl<V: Pod> Slots<V> {
             .set(index, value, 0)
             .with_context(|| format!("writing {}[{index}]", self.name))
     }
+
+    /// Copies `other`'s elements that are not all zero (those this array starts with) into the same indices;
+    /// returns how many. Indices beyond this array's length are left out.
+    pub fn copy_from(&mut self, other: &Slots<V>) -> Result<usize> {
+        let mut copied = 0;
+        for i in 0..self.map.len().min(other.map.len()) {
+            let v = other.get(i)?;
+            // SAFETY: `V` is plain data of `size_of::<V>()` bytes.
+            let bytes = unsafe {
+                std::slice::from_raw_parts((&v as *const V).cast::<u8>(), std::mem::size_of::<V>())
+            };
+            if bytes.iter().any(|b| *b != 0) {
+                self.set(i, &v)?;
+                copied += 1;
+            }
+        }
+        Ok(copied)
+    }
 }
 
 /// Values that a per-CPU counter element adds up to.
@@ -363,6 +381,20 @@ impl<V: CpuTotal> Counters<V> {
         (0..self.map.len()).map(|i| self.total(i)).collect()
     }
 
+    /// Copies every CPU's value of every element of `other` (the same machine's CPUs) into this array.
+    pub fn copy_from(&mut self, other: &Counters<V>) -> Result<()> {
+        for i in 0..self.map.len().min(other.map.len()) {
+            let values = other
+                .map
+                .get(&i, 0)
+                .with_context(|| format!("reading {}[{i}]", other.name))?;
+            self.map
+                .set(i, values, 0)
+                .with_context(|| format!("writing {}[{i}]", self.name))?;
+        }
+        Ok(())
+    }
+
     /// Zeroes element `index` on every CPU (when a service id is given to a new service).
     pub fn reset(&mut self, index: u32) -> Result<()> {
         let cpus = aya::util::nr_cpus().map_err(|(_, e)| e)?;
@@ -397,6 +429,15 @@ impl SourceRanges {
     pub fn remove(&mut self, svc_id: u32, addr: Addr, prefix_len: u32) -> Result<()> {
         missing_ok(self.map.remove(&source_range_key(svc_id, addr, prefix_len)))
             .context("removing a source range")
+    }
+
+    /// Copies every entry of `other` into this trie; returns how many.
+    pub fn copy_from(&mut self, other: &SourceRanges) -> Result<usize> {
+        let entries = other.entries();
+        for (svc, addr, len) in &entries {
+            self.insert(*svc, *addr, *len)?;
+        }
+        Ok(entries.len())
     }
 
     /// Every entry as (svc id, address, CIDR prefix length).
@@ -475,6 +516,18 @@ impl Maglev {
             self.slots.set(offset + i as u32, id)?;
         }
         Ok(())
+    }
+
+    /// Copies the whole of `other`'s arena (of the same length) into this one.
+    pub fn copy_from(&mut self, other: &Maglev) -> Result<()> {
+        let len = other.slots.map.len();
+        if len != self.slots.map.len() {
+            bail!(
+                "the Maglev arenas differ in length ({len} and {} slots)",
+                self.slots.map.len()
+            );
+        }
+        self.write(0, &other.read(0, len)?)
     }
 
     /// Reads `len` arena slots from `offset`.

@@ -4,6 +4,7 @@
 pub mod arena;
 pub mod flow_filter;
 pub mod gc;
+mod layouts;
 pub mod maglev;
 pub mod map_batch;
 mod mapped;
@@ -14,6 +15,7 @@ pub mod nic;
 pub mod programmer;
 pub mod route_events;
 
+pub use layouts::Carried;
 pub use maps::Maps;
 
 use anyhow::{anyhow, bail, Context, Result};
@@ -221,16 +223,7 @@ impl Dataplane {
     /// loaded or created, and the data plane is not touched.
     pub fn open_pinned(pin_dir: &Path) -> Result<Self> {
         let dir = pin_dir.join(format!("v{LAYOUT_VERSION}"));
-        let maps = Maps::open(|name| {
-            let path = dir.join(name);
-            let data = MapData::from_pin(&path).with_context(|| {
-                format!(
-                    "opening the pinned map {} (does an agent pin here, with map layout v{LAYOUT_VERSION}?)",
-                    path.display()
-                )
-            })?;
-            Ok(Map::from_map_data(data)?)
-        })?;
+        let maps = open_pinned_maps(&dir, LAYOUT_VERSION)?;
         Ok(Dataplane {
             ebpf: None,
             pin_dir: Some(dir),
@@ -390,91 +383,6 @@ impl Dataplane {
                 Ok(used)
             }
         }
-    }
-
-    /// An upgrade across a map layout change: an agent of another layout left its link for `iface` pinned in its
-    /// own directory (`<base>/v<N>/`), and the kernel holds that link on the interface (a second native XDP
-    /// attach would be refused; a second tcx program would run before ours with the old maps). The link moves to
-    /// this layout's `pin` (pinned there, unpinned there), and the caller then puts this agent's program on it in
-    /// place as on any restart: no packet meets no program. The connections that agent tracked are not carried
-    /// over — their state is in maps of the old layout ([`Self::remove_other_layouts`] frees them).
-    fn take_over_other_layout(&self, iface: &str, mode: AttachMode, pin: &Path) -> Result<()> {
-        if pin.exists() {
-            return Ok(());
-        }
-        let name = pin.file_name().context("link pin without a name")?;
-        for dir in self.other_layouts()? {
-            let old = dir.join(name);
-            if !old.exists() {
-                continue;
-            }
-            tracing::warn!(
-                %iface,
-                hook = mode.describe(),
-                from = %dir.display(),
-                "the programs on this interface were attached by an agent with another map layout (this one uses \
-                 v{LAYOUT_VERSION}): taking its link over in place; the connections that agent tracked are not \
-                 carried over"
-            );
-            let link = FdLink::from(
-                PinnedLink::from_pin(&old)
-                    .with_context(|| format!("opening pinned link {}", old.display()))?,
-            );
-            link.pin(pin)
-                .with_context(|| format!("pinning the link at {}", pin.display()))?;
-            std::fs::remove_file(&old)
-                .with_context(|| format!("unpinning the link at {}", old.display()))?;
-            return Ok(());
-        }
-        Ok(())
-    }
-
-    /// The pin directories of other map layouts beside this one's (`v<N>` under the same base directory).
-    fn other_layouts(&self) -> Result<Vec<PathBuf>> {
-        let Some(dir) = &self.pin_dir else {
-            return Ok(Vec::new());
-        };
-        let Some(base) = dir.parent() else {
-            return Ok(Vec::new());
-        };
-        let mut dirs = Vec::new();
-        for e in std::fs::read_dir(base)
-            .with_context(|| format!("reading the pin directory {}", base.display()))?
-        {
-            let e = e?;
-            let name = e.file_name().to_string_lossy().to_string();
-            let layout = name.strip_prefix('v').and_then(|n| n.parse::<u32>().ok());
-            if layout.is_some_and(|v| v != LAYOUT_VERSION) && e.path().is_dir() {
-                dirs.push(e.path());
-            }
-        }
-        dirs.sort();
-        Ok(dirs)
-    }
-
-    /// Removes the pins of other map layouts that hold no link any more (every interface was taken over, see
-    /// [`Self::take_over_other_layout`]): their maps, flow tables included, are freed. Returns the directories
-    /// removed.
-    pub fn remove_other_layouts(&self) -> Result<Vec<PathBuf>> {
-        let mut removed = Vec::new();
-        for dir in self.other_layouts()? {
-            let pins: Vec<PathBuf> = std::fs::read_dir(&dir)?
-                .filter_map(|e| e.ok().map(|e| e.path()))
-                .collect();
-            let linked = pins.iter().any(|p| {
-                p.file_name()
-                    .is_some_and(|n| n.to_string_lossy().starts_with("link-"))
-            });
-            if linked {
-                continue;
-            }
-            for p in &pins {
-                std::fs::remove_file(p).with_context(|| format!("unpinning {}", p.display()))?;
-            }
-            std::fs::remove_dir(&dir).with_context(|| format!("removing {}", dir.display()))?;
-            removed.push(dir);
-        }
-        Ok(removed)
     }
 
     /// The links this data plane's agent pinned (under the pin directory: one per interface), and whether they
@@ -649,6 +557,21 @@ pub fn pinned_link_program(pin: &Path) -> Result<String> {
         id = now;
     }
     bail!("program {id} of link {} not found", pin.display())
+}
+
+/// The maps pinned in `dir`, a directory of map layout `layout`, typed as this layout's (aya checks each map's
+/// type and key and value sizes).
+fn open_pinned_maps(dir: &Path, layout: u32) -> Result<Maps> {
+    Maps::open(|name| {
+        let path = dir.join(name);
+        let data = MapData::from_pin(&path).with_context(|| {
+            format!(
+                "opening the pinned map {} (does an agent pin here, with map layout v{layout}?)",
+                path.display()
+            )
+        })?;
+        Ok(Map::from_map_data(data)?)
+    })
 }
 
 /// The sizes of the maps pinned under `pin_dir` (an agent's), to load another instance of the object onto them.

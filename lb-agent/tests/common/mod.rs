@@ -161,8 +161,14 @@ impl<F: Fam> Harness<F> {
     /// Loads the data plane with next hops for nodes 1..=4, for tests of family `F` (for IPv6 with the IPv6
     /// programs in their slots).
     pub fn open(hook: Hook) -> Self {
+        Self::open_in(hook, None)
+    }
+
+    /// As [`Self::open`], with the maps pinned under `pin_dir` (on a bpffs), re-used if pinned there already.
+    pub fn open_in(hook: Hook, pin_dir: Option<&std::path::Path>) -> Self {
         let sizes = test_sizes();
-        let mut dp = Dataplane::load(&sizes, None).expect("loading the data plane (root needed)");
+        let mut dp =
+            Dataplane::load(&sizes, pin_dir).expect("loading the data plane (root needed)");
         // Only the hook under test's program: verifying the other one too took a second of every test.
         match hook {
             Hook::Xdp => dp

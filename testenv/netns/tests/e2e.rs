@@ -526,39 +526,97 @@ fn agent_killed_and_restarted_during_transfer_breaks_nothing() {
     new_connections_work(&r, &tcp, &udp);
 }
 
-/// An upgrade across a map layout change: the previous agent's programs stay attached through a link pinned in its
-/// own layout's directory (here: this layout's, renamed as the one before). The new agent takes that link over in
-/// place — a second native XDP attach would be refused, a second tcx program would run first with the old maps —
-/// frees the old layout's maps and forwards.
+/// An upgrade across a map layout change, under 1000 held connections and 100 UDP flows: the previous agent's
+/// programs stay attached through a link pinned in its own layout's directory (here: this layout's, renamed as the
+/// one before — the two differ only in the handshake tables' LRU flag, which the carry does not depend on). An agent
+/// that cannot carry a layout (renamed as two before) refuses to start and the old program keeps serving; the new
+/// agent carries the previous layout's state into its maps, takes the link over in place (a second native XDP
+/// attach would be refused, a second tcx program would run first with the old maps), frees the old maps: 0 broken.
+/// Then a layout it cannot carry with `--clean-start`: taken over from empty tables, new connections work.
 #[test]
-fn an_agent_with_a_new_map_layout_takes_over_the_previous_layouts_link() {
+fn an_agent_with_a_new_map_layout_carries_the_previous_layouts_connections_over() {
     let mut r = rig(|_| {});
     let (tcp, udp) = targets(&r);
+    let hold = r
+        .start_hold(&[
+            "--tcp",
+            &tcp,
+            "--connections",
+            "1000",
+            "--udp",
+            &udp,
+            "--udp-flows",
+            "100",
+            "--interval-ms",
+            "300",
+        ])
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(1000));
     r.kill_agent(libc::SIGKILL).unwrap();
     let layout = lb_common::LAYOUT_VERSION;
     // The agent pins under a directory named after its first interface.
     let dir = r.pin_dir().join(r.topo.ifname(Host::Lb));
-    let (new, old) = (
-        dir.join(format!("v{layout}")),
-        dir.join(format!("v{}", layout - 1)),
+    let layout_dir = |v: u32| dir.join(format!("v{v}"));
+    std::fs::rename(layout_dir(layout), layout_dir(layout - 2)).unwrap();
+    let refused = r.start_agent().unwrap_err().to_string();
+    assert!(
+        refused.contains(&format!("an agent with map layout v{}", layout - 2))
+            && refused.contains("Refusing to start")
+            && refused.contains("--clean-start"),
+        "{refused}"
     );
-    std::fs::rename(&new, &old).unwrap();
+    std::thread::sleep(Duration::from_millis(1000));
+
+    std::fs::rename(layout_dir(layout - 2), layout_dir(layout - 1)).unwrap();
     r.start_agent().unwrap();
+    std::thread::sleep(Duration::from_millis(1500));
+    let held = hold.stop().unwrap();
     let log = r.agent_log();
+    assert_eq!(held.established, 1100);
+    assert_eq!(
+        held.broken,
+        0,
+        "{:?}\n{log}",
+        held.connections
+            .iter()
+            .filter(|c| c.broken)
+            .take(5)
+            .collect::<Vec<_>>()
+    );
+    assert!(
+        log.contains("carried the previous map layout's state over"),
+        "{log}"
+    );
     assert!(log.contains("taking its link over in place"), "{log}");
     assert!(
         log.contains("removed the pins of an earlier map layout"),
         "{log}"
     );
-    assert!(!old.exists(), "the old layout's maps are freed");
     assert!(
-        std::fs::read_dir(&new).unwrap().any(|e| e
+        !layout_dir(layout - 1).exists(),
+        "the old layout's maps are freed"
+    );
+    assert!(
+        std::fs::read_dir(layout_dir(layout)).unwrap().any(|e| e
             .unwrap()
             .file_name()
             .to_string_lossy()
             .starts_with("link-")),
         "the link is pinned in this layout's directory"
     );
+    new_connections_work(&r, &tcp, &udp);
+
+    // A layout that cannot be carried, with a clean start asked for.
+    r.kill_agent(libc::SIGKILL).unwrap();
+    std::fs::rename(layout_dir(layout), layout_dir(layout - 2)).unwrap();
+    r.cfg.agent_args.push("--clean-start".into());
+    r.start_agent().unwrap();
+    let log = r.agent_log();
+    assert!(
+        log.contains("starting from empty connection tables as asked"),
+        "{log}"
+    );
+    assert!(!layout_dir(layout - 2).exists(), "{log}");
     new_connections_work(&r, &tcp, &udp);
 }
 
