@@ -3,8 +3,8 @@
 //! attached through its links and forwarding with its maps. The new agent, as Cilium does with its pinned maps:
 //! 1. carries the state of the layout before its own ([`CARRIED_LAYOUT`]) into its new maps before it attaches
 //!    ([`Dataplane::carry_over`]): the services, backends and Maglev tables (so the agent re-adopts them as on any
-//!    restart), next hops, source ranges, the connection and handshake tables with the flow filter, the SYN
-//!    guard's trusted sources and the counters;
+//!    restart), next hops, source ranges, the connection and handshake tables with the flow filter and the
+//!    handshake index, the SYN guard's trusted sources and the counters;
 //! 2. takes each old link over in place when it attaches ([`Dataplane::take_over_other_layout`]): no packet meets
 //!    no program;
 //! 3. copies the connections and handshakes the old program made while step 1 ran, those the new tables lack
@@ -100,8 +100,6 @@ fn carry(old: &Maps, new: &mut Maps) -> Result<Counts> {
     new.vips.insert_many(&old.vips.entries()?)?;
     new.trusted_sources
         .insert_many(&old.trusted_sources.entries()?)?;
-    new.handshakes.copy_from(&old.handshakes)?;
-    new.handshakes_v6.copy_from(&old.handshakes_v6)?;
     new.service_stats.copy_from(&old.service_stats)?;
     new.stats.copy_from(&old.stats)?;
     // The flow filter as it is: it marks every connection of the old tables.
@@ -149,6 +147,14 @@ where
         .filter(|(k, _)| !skip_transient.contains(k))
         .collect();
     insert_on_every_cpu(A::transient(new), &transient)?;
+    // The handshake index, for the handshakes carried: where the client's ACK finds its handshake. Rebuilt from
+    // the entries rather than copied, whose 2^18 slots are mostly empty or stale.
+    for (rkey, t) in &transient {
+        if t.handshake() {
+            let client = t.flow.partner_key(rkey.proto);
+            A::handshakes_mut(new).set(lb_common::handshakes::slot(&client), rkey)?;
+        }
+    }
     Ok(Counts {
         flows: flows.len(),
         transient: transient.len(),

@@ -112,6 +112,8 @@ pub trait FamilyMaps: FlowAddr {
     fn transient_mut(m: &mut Maps) -> &mut Table<FlowKey<Self>, Transient<Self>>;
     /// `handshakes` or `handshakes_v6`.
     fn handshakes(m: &Maps) -> &Slots<FlowKey<Self>>;
+    /// As [`FamilyMaps::handshakes`], to write.
+    fn handshakes_mut(m: &mut Maps) -> &mut Slots<FlowKey<Self>>;
     /// `flow_events` or `flow_events_v6`, with the map's name.
     fn flow_events(m: &mut Maps) -> (&mut Option<RingBuf<MapData>>, &'static str);
 }
@@ -133,6 +135,9 @@ macro_rules! family_maps {
             }
             fn handshakes(m: &Maps) -> &Slots<FlowKey<Self>> {
                 &m.$handshakes
+            }
+            fn handshakes_mut(m: &mut Maps) -> &mut Slots<FlowKey<Self>> {
+                &mut m.$handshakes
             }
             fn flow_events(m: &mut Maps) -> (&mut Option<RingBuf<MapData>>, &'static str) {
                 (&mut m.$events, names::$events_name)
