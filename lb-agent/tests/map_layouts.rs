@@ -7,8 +7,10 @@
 mod common;
 use common::*;
 
+use aya::maps::{Map, MapData};
+use lb_agent::dataplane::maps::FamilyMaps;
 use lb_agent::dataplane::programmer::Programmer;
-use lb_common::{stat, LAYOUT_VERSION};
+use lb_common::{map_names as names, stat, Flow, FlowAddr, FlowKey, LAYOUT_VERSION};
 use std::path::PathBuf;
 
 /// A bpffs directory of the test's own, removed when dropped.
@@ -99,7 +101,45 @@ fn carried_over<F: Fam>(name: &str) {
     )
     .unwrap();
     assert_eq!(h.programmer.len(), 2, "both services adopted");
+    // Between the copy and its second pass, the old program (still attached on a real upgrade) opened a connection
+    // — the first connection's entry under another client port, written into the old table here — and the new one
+    // closed a carried connection (its forward entry left the table). The second pass brings the former over, not
+    // the latter back.
+    let late = h.key(30000, 6, WEB_PORT);
+    let first = h.key(conns[0].sport, 6, WEB_PORT);
+    let closed = h.key(conns[1].sport, 6, WEB_PORT);
+    {
+        let name = if F::A::FAMILY == lb_common::FAMILY_V4 {
+            names::FLOWS_V4
+        } else {
+            names::FLOWS_V6
+        };
+        let data = MapData::from_pin(base.layout(LAYOUT_VERSION - 1).join(name)).unwrap();
+        let mut old: aya::maps::HashMap<_, FlowKey<F::A>, Flow<F::A>> =
+            aya::maps::HashMap::try_from(Map::from_map_data(data).unwrap()).unwrap();
+        let entry = h.flows().get(&first).unwrap().unwrap();
+        old.insert(late, entry, 0).unwrap();
+    }
+    let closed_entry = h.flows().get(&closed).unwrap().unwrap();
+    F::A::flows_mut(&mut h.dp.maps).remove(&closed).unwrap();
     h.dp.finish_carry_over(carried).unwrap();
+    assert!(
+        h.flows().get(&late).unwrap().is_some(),
+        "the late connection carried"
+    );
+    assert!(
+        h.flows().get(&closed).unwrap().is_none(),
+        "the closed one not brought back"
+    );
+    let (v, out) = h.run(&h.client_tcp(30000, ACK, b"late"));
+    assert_eq!(
+        v,
+        Verdict::Tx,
+        "the late connection's segment (marked in the flow filter)"
+    );
+    assert_eq!(parse(&out).dst, conns[0].syn.dst);
+    // The closed one back, as the rest of the test expects every connection.
+    h.dp.maps.set_flow(&closed, &closed_entry).unwrap();
     assert_eq!(
         h.dp.remove_other_layouts().unwrap(),
         vec![base.layout(LAYOUT_VERSION - 1)],

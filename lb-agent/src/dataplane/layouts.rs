@@ -7,9 +7,9 @@
 //!    handshake index, the SYN guard's trusted sources and the counters;
 //! 2. takes each old link over in place when it attaches ([`Dataplane::take_over_other_layout`]): no packet meets
 //!    no program;
-//! 3. copies the connections and handshakes the old program made while step 1 ran, those the new tables lack
-//!    ([`Dataplane::finish_carry_over`]): between steps 1 and 3 (milliseconds after the attach), a connection
-//!    opened during the copy is unknown to the new program;
+//! 3. copies the connections and handshakes the old program made after step 1 read its tables
+//!    ([`Dataplane::finish_carry_over`]): between the attach and step 3 (milliseconds), a connection opened
+//!    during the copy is unknown to the new program;
 //! 4. frees the old layout's maps once no link is pinned there ([`Dataplane::remove_other_layouts`]).
 //!
 //! A layout this build cannot carry (older than the one before it, or newer: a downgrade) is refused while a
@@ -24,7 +24,7 @@ use aya::Pod;
 #[cfg(test)]
 use lb_common::map_names as names;
 use lb_common::{FlowKey, In6, Transient, LAYOUT_VERSION};
-use std::collections::HashSet;
+use std::hash::{DefaultHasher, Hash, Hasher};
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
@@ -68,11 +68,33 @@ const NOT_CARRIED: &[&str] = &[
     names::FLOW_EVENTS_V6,
 ];
 
-/// The previous layout's maps, carried over before the attach and kept open for [`Dataplane::finish_carry_over`].
+/// The previous layout's maps, carried over before the attach and kept open for [`Dataplane::finish_carry_over`],
+/// with the keys that first copy saw.
 pub struct Carried {
     dir: PathBuf,
     old: Maps,
+    seen: [Seen; 2],
     started: Instant,
+}
+
+/// The keys of one family's tables that a copy saw, as sorted hashes (8 bytes a key, whatever the family).
+#[derive(Default)]
+struct Seen {
+    flows: Vec<u64>,
+    transient: Vec<u64>,
+}
+
+impl Seen {
+    fn hash<K: Hash>(key: &K) -> u64 {
+        let mut h = DefaultHasher::new();
+        key.hash(&mut h);
+        h.finish()
+    }
+
+    fn sorted(mut hashes: Vec<u64>) -> Vec<u64> {
+        hashes.sort_unstable();
+        hashes
+    }
 }
 
 /// Entries carried over: connections (both families' flow tables) and handshake-table entries (handshakes and
@@ -90,8 +112,9 @@ impl std::ops::AddAssign for Counts {
     }
 }
 
-/// Copies the state of `old` (the previous layout's maps) into `new`.
-fn carry(old: &Maps, new: &mut Maps) -> Result<Counts> {
+/// Copies the state of `old` (the previous layout's maps) into `new`; returns the counts and the keys seen (IPv4's,
+/// IPv6's).
+fn carry(old: &Maps, new: &mut Maps) -> Result<(Counts, [Seen; 2])> {
     new.services.insert_many(&old.services.entries()?)?;
     new.backends.copy_from(&old.backends)?;
     new.maglev.copy_from(&old.maglev)?;
@@ -104,48 +127,66 @@ fn carry(old: &Maps, new: &mut Maps) -> Result<Counts> {
     new.stats.copy_from(&old.stats)?;
     // The flow filter as it is: it marks every connection of the old tables.
     new.flow_filter.copy_from(&old.flow_filter);
-    let mut counts = carry_family::<u32>(old, new, &HashSet::new(), &HashSet::new())?;
-    counts += carry_family::<In6>(old, new, &HashSet::new(), &HashSet::new())?;
+    let (mut counts, v4) = carry_family::<u32>(old, new, |_, _| Ok(true))?;
+    let (c, v6) = carry_family::<In6>(old, new, |_, _| Ok(true))?;
+    counts += c;
+    Ok((counts, [v4, v6]))
+}
+
+/// One family's entries that the old program made after [`carry`] read its tables — keys that copy did not see
+/// and the new tables do not hold — carried over. (An entry it did see and the new tables lack was since deleted
+/// by the new program: a handshake promoted, a connection closed; not brought back.)
+fn carry_late<A: FamilyMaps>(old: &Maps, new: &mut Maps, seen: &Seen) -> Result<Counts>
+where
+    FlowKey<A>: Pod + Send + Sync,
+    Transient<A>: Pod + Send + Sync,
+{
+    let unseen = |hashes: &[u64], k: &FlowKey<A>| hashes.binary_search(&Seen::hash(k)).is_err();
+    let (counts, _) = carry_family::<A>(old, new, |new, k| {
+        Ok(match k {
+            Entry::Flow(k) => unseen(&seen.flows, k) && A::flows(new).get(k)?.is_none(),
+            Entry::Transient(k) => {
+                unseen(&seen.transient, k) && A::transient(new).get(k)?.is_none()
+            }
+        })
+    })?;
     Ok(counts)
 }
 
-/// One family's entries of `old` that `new` lacks (made by the old program during [`carry`]), carried over.
-fn carry_late<A: FamilyMaps>(old: &Maps, new: &mut Maps) -> Result<Counts>
-where
-    FlowKey<A>: Pod + Send + Sync,
-    Transient<A>: Pod + Send + Sync,
-{
-    let flows: HashSet<FlowKey<A>> = A::flows(new).keys()?.into_iter().collect();
-    let transient: HashSet<FlowKey<A>> = A::transient(new).keys()?.into_iter().collect();
-    carry_family::<A>(old, new, &flows, &transient)
+/// A key of one of a family's two tables, for the choice of what to copy.
+enum Entry<'a, A> {
+    Flow(&'a FlowKey<A>),
+    Transient(&'a FlowKey<A>),
 }
 
-/// Copies one family's connection and handshake tables from `old` into `new`, leaving out the keys in
-/// `skip_flows` and `skip_transient`. Connections are marked in the flow filter.
+/// Copies one family's connection and handshake tables from `old` into `new`, the entries for which `copy`
+/// holds. Connections are marked in the flow filter, handshakes put into the handshake index. Returns the counts
+/// and the keys copied.
 fn carry_family<A: FamilyMaps>(
     old: &Maps,
     new: &mut Maps,
-    skip_flows: &HashSet<FlowKey<A>>,
-    skip_transient: &HashSet<FlowKey<A>>,
-) -> Result<Counts>
+    copy: impl Fn(&Maps, Entry<A>) -> Result<bool>,
+) -> Result<(Counts, Seen)>
 where
     FlowKey<A>: Pod + Send + Sync,
     Transient<A>: Pod + Send + Sync,
 {
-    let flows: Vec<_> = A::flows(old)
-        .entries()?
-        .into_iter()
-        .filter(|(k, _)| !skip_flows.contains(k))
-        .collect();
+    let mut flows = Vec::new();
+    for (k, v) in A::flows(old).entries()? {
+        if copy(new, Entry::Flow(&k))? {
+            flows.push((k, v));
+        }
+    }
     A::flows_mut(new).insert_many(&flows)?;
     for (k, _) in &flows {
         new.flow_filter.mark(k);
     }
-    let transient: Vec<_> = A::transient(old)
-        .entries()?
-        .into_iter()
-        .filter(|(k, _)| !skip_transient.contains(k))
-        .collect();
+    let mut transient = Vec::new();
+    for (k, v) in A::transient(old).entries()? {
+        if copy(new, Entry::Transient(&k))? {
+            transient.push((k, v));
+        }
+    }
     insert_on_every_cpu(A::transient(new), &transient)?;
     // The handshake index, for the handshakes carried: where the client's ACK finds its handshake. Rebuilt from
     // the entries rather than copied, whose 2^18 slots are mostly empty or stale.
@@ -155,10 +196,15 @@ where
             A::handshakes_mut(new).set(lb_common::handshakes::slot(&client), rkey)?;
         }
     }
-    Ok(Counts {
+    let counts = Counts {
         flows: flows.len(),
         transient: transient.len(),
-    })
+    };
+    let seen = Seen {
+        flows: Seen::sorted(flows.iter().map(|(k, _)| Seen::hash(k)).collect()),
+        transient: Seen::sorted(transient.iter().map(|(k, _)| Seen::hash(k)).collect()),
+    };
+    Ok((counts, seen))
 }
 
 /// Writes `entries` into a handshake table from one thread per CPU this process may run on, an even share each.
@@ -266,12 +312,17 @@ impl Dataplane {
             let result = open_pinned_maps(&dir, layout)
                 .and_then(|old| Ok((carry(&old, &mut self.maps)?, old)));
             match result {
-                Ok((counts, old)) => {
+                Ok(((counts, seen), old)) => {
                     tracing::info!(from = %dir.display(), connections = counts.flows / 2,
                         flow_entries = counts.flows, handshake_entries = counts.transient,
                         ms = started.elapsed().as_millis() as u64,
                         "carried the previous map layout's state over (v{layout} → v{LAYOUT_VERSION})");
-                    carried = Some(Carried { dir, old, started });
+                    carried = Some(Carried {
+                        dir,
+                        old,
+                        seen,
+                        started,
+                    });
                 }
                 Err(e) => refusal(format!(
                     "the maps of layout v{layout} under {} could not be carried over: {e:#}",
@@ -285,9 +336,14 @@ impl Dataplane {
     /// Step 3 (see the module), after every interface is attached: copies the connections and handshakes that the
     /// old program made while [`Self::carry_over`] ran and the new tables lack, then closes the old maps.
     pub fn finish_carry_over(&mut self, carried: Carried) -> Result<()> {
-        let Carried { dir, old, started } = carried;
-        let mut late = carry_late::<u32>(&old, &mut self.maps)?;
-        late += carry_late::<In6>(&old, &mut self.maps)?;
+        let Carried {
+            dir,
+            old,
+            seen: [v4, v6],
+            started,
+        } = carried;
+        let mut late = carry_late::<u32>(&old, &mut self.maps, &v4)?;
+        late += carry_late::<In6>(&old, &mut self.maps, &v6)?;
         tracing::info!(from = %dir.display(), flow_entries = late.flows, handshake_entries = late.transient,
             total_ms = started.elapsed().as_millis() as u64,
             "carried over what the previous layout's program added meanwhile");
