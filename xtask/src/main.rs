@@ -11,6 +11,7 @@ mod openstack;
 mod prereq;
 mod stack;
 mod test;
+mod upgrade;
 mod util;
 
 use anyhow::Result;
@@ -66,6 +67,13 @@ enum Cmd {
         #[command(subcommand)]
         cmd: fuzz::FuzzCmd,
     },
+    /// The upgrade tests with a previous release's agent (built from git) on the old side: the carry across a
+    /// map layout change under held connections, and an HA rollover through flow sync between the two.
+    UpgradeCheck {
+        /// The previous release: a commit, tag or branch.
+        #[arg(long)]
+        from: String,
+    },
 }
 
 fn main() -> Result<()> {
@@ -78,5 +86,6 @@ fn main() -> Result<()> {
         Cmd::Image { cmd } => image::run(cmd),
         Cmd::Chart => chart::render(),
         Cmd::Fuzz { cmd } => fuzz::run_fuzz(cmd),
+        Cmd::UpgradeCheck { from } => upgrade::check(&from),
     }
 }

@@ -395,19 +395,21 @@ impl HaRig {
     }
 
     /// Every entry of replica `host`'s connection table of one family (`FLOWS_V4` or `FLOWS_V6` as `A` is; forward
-    /// and reverse), read from its pinned map.
+    /// and reverse), read from its pinned map: this layout's, or the previous layout's where that replica runs the
+    /// previous release's agent (`LB_PREVIOUS_AGENT_BIN`; the table's entries are the same).
     pub fn flow_table<A: FlowAddr>(&self, host: Host) -> Result<HashMap<FlowKey<A>, Flow<A>>> {
         let name = if A::FAMILY == lb_common::FAMILY_V6 {
             lb_common::map_names::FLOWS_V6
         } else {
             lb_common::map_names::FLOWS_V4
         };
-        let path = self
-            .pin_dir
-            .join(host.name())
-            .join(self.topo.ifname(host))
-            .join(format!("v{}", lb_common::LAYOUT_VERSION))
-            .join(name);
+        let dir = self.pin_dir.join(host.name()).join(self.topo.ifname(host));
+        let layout = lb_common::LAYOUT_VERSION;
+        let path = [layout, layout - 1]
+            .map(|v| dir.join(format!("v{v}")).join(name))
+            .into_iter()
+            .find(|p| p.exists())
+            .unwrap_or_else(|| dir.join(format!("v{layout}")).join(name));
         let data = aya::maps::MapData::from_pin(&path)
             .with_context(|| format!("opening {}", path.display()))?;
         let map: aya::maps::HashMap<_, FlowKey<A>, Flow<A>> =

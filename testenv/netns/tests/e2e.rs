@@ -527,15 +527,24 @@ fn agent_killed_and_restarted_during_transfer_breaks_nothing() {
 }
 
 /// An upgrade across a map layout change, under 1000 held connections and 100 UDP flows: the previous agent's
-/// programs stay attached through a link pinned in its own layout's directory (here: this layout's, renamed as the
-/// one before — the two differ only in the handshake tables' LRU flag, which the carry does not depend on). An agent
-/// that cannot carry a layout (renamed as two before) refuses to start and the old program keeps serving; the new
-/// agent carries the previous layout's state into its maps, takes the link over in place (a second native XDP
-/// attach would be refused, a second tcx program would run first with the old maps), frees the old maps: 0 broken.
-/// Then a layout it cannot carry with `--clean-start`: taken over from empty tables, new connections work.
+/// programs stay attached through a link pinned in its own layout's directory. The previous agent is the previous
+/// release's when `LB_PREVIOUS_AGENT_BIN` names its binary (`cargo xtask upgrade-check`); otherwise this build's,
+/// its pins renamed as the previous layout's (the two layouts differ only in the handshake tables' LRU flag, which
+/// the carry does not depend on). An agent that cannot carry a layout (renamed as two before) refuses to start and
+/// the old program keeps serving; the new agent carries the previous layout's state into its maps, takes the link
+/// over in place (a second native XDP attach would be refused, a second tcx program would run first with the old
+/// maps), frees the old maps: 0 broken. Then a layout it cannot carry with `--clean-start`: taken over from empty
+/// tables, new connections work.
 #[test]
 fn an_agent_with_a_new_map_layout_carries_the_previous_layouts_connections_over() {
-    let mut r = rig(|_| {});
+    let previous = std::env::var_os("LB_PREVIOUS_AGENT_BIN").map(std::path::PathBuf::from);
+    let mut this_build = None;
+    let mut r = rig(|c| {
+        if let Some(p) = &previous {
+            this_build = Some(std::mem::replace(&mut c.agent_bin, p.clone()));
+        }
+    });
+    println!("the previous agent: {}", r.cfg.agent_bin.display());
     let (tcp, udp) = targets(&r);
     let hold = r
         .start_hold(&[
@@ -553,11 +562,22 @@ fn an_agent_with_a_new_map_layout_carries_the_previous_layouts_connections_over(
         .unwrap();
     std::thread::sleep(Duration::from_millis(1000));
     r.kill_agent(libc::SIGKILL).unwrap();
+    if let Some(bin) = this_build {
+        r.cfg.agent_bin = bin;
+    }
     let layout = lb_common::LAYOUT_VERSION;
     // The agent pins under a directory named after its first interface.
     let dir = r.pin_dir().join(r.topo.ifname(Host::Lb));
     let layout_dir = |v: u32| dir.join(format!("v{v}"));
-    std::fs::rename(layout_dir(layout), layout_dir(layout - 2)).unwrap();
+    if previous.is_none() {
+        std::fs::rename(layout_dir(layout), layout_dir(layout - 1)).unwrap();
+    }
+    assert!(
+        layout_dir(layout - 1).exists(),
+        "the previous agent pinned under layout v{}",
+        layout - 1
+    );
+    std::fs::rename(layout_dir(layout - 1), layout_dir(layout - 2)).unwrap();
     let refused = r.start_agent().unwrap_err().to_string();
     assert!(
         refused.contains(&format!("an agent with map layout v{}", layout - 2))

@@ -243,8 +243,12 @@ fn an_ipv6_only_pair_fails_over_with_vrrpv3() {
     master_dies_and_most_survive(&r, master, backup, hold, "IPv6 only, master link cut");
 }
 
+/// A rollover as yawol does it: a machine of the new revision joins, takes the VIP once it has the flows, the old
+/// ones go. The old revision runs the previous release's agent when `LB_PREVIOUS_AGENT_BIN` names its binary
+/// (`cargo xtask upgrade-check`: flow sync between two releases), otherwise this build's.
 #[test]
 fn planned_rollover_to_a_new_revision_breaks_nothing() {
+    let previous = std::env::var_os("LB_PREVIOUS_AGENT_BIN").map(std::path::PathBuf::from);
     let (_one, mut r) = rig(|c| {
         c.replicas = 3;
         c.start_agents = false;
@@ -252,8 +256,14 @@ fn planned_rollover_to_a_new_revision_breaks_nothing() {
     let [old1, old2, new] = r.topo.lbs()[..] else {
         panic!("three replicas")
     };
+    let this_build = r.cfg.agent_bin.clone();
+    if let Some(p) = previous {
+        r.cfg.agent_bin = p;
+    }
+    println!("the old revision's agent: {}", r.cfg.agent_bin.display());
     r.start_agent(old1, 100).unwrap();
     r.start_agent(old2, 100).unwrap();
+    r.cfg.agent_bin = this_build;
     let master = r.wait_master(Duration::from_secs(20)).unwrap();
     let standby = if master == old1 { old2 } else { old1 };
     let args = hold_args(&r, 200, 20);
