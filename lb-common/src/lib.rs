@@ -36,7 +36,7 @@ pub type In6 = [u32; 4];
 
 /// The address type of a connection-tracking key: `u32` (IPv4) or [`In6`] (IPv6), network order as on the wire.
 pub trait FlowAddr:
-    Copy + Default + PartialEq + Eq + core::fmt::Debug + core::hash::Hash + 'static
+    Copy + Default + PartialEq + Eq + core::fmt::Debug + core::hash::Hash + Send + Sync + 'static
 {
     /// `FAMILY_V4` or `FAMILY_V6`.
     const FAMILY: u8;

@@ -16,7 +16,7 @@
 //! program is attached through it — that program keeps serving its connections — unless the operator asks for a
 //! clean start: then its links are taken over and its connections break.
 
-use super::maps::{FamilyMaps, Maps, Table};
+use super::maps::{FamilyMaps, Maps};
 use super::{open_pinned_maps, AttachMode, Dataplane};
 use anyhow::{bail, Context, Result};
 use aya::programs::links::{FdLink, PinnedLink};
@@ -138,8 +138,8 @@ fn carry(old: &Maps, new: &mut Maps) -> Result<(Counts, [Seen; 2])> {
 /// by the new program: a handshake promoted, a connection closed; not brought back.)
 fn carry_late<A: FamilyMaps>(old: &Maps, new: &mut Maps, seen: &Seen) -> Result<Counts>
 where
-    FlowKey<A>: Pod + Send + Sync,
-    Transient<A>: Pod + Send + Sync,
+    FlowKey<A>: Pod,
+    Transient<A>: Pod,
 {
     let unseen = |hashes: &[u64], k: &FlowKey<A>| hashes.binary_search(&Seen::hash(k)).is_err();
     let (counts, _) = carry_family::<A>(old, new, |new, k| {
@@ -168,8 +168,8 @@ fn carry_family<A: FamilyMaps>(
     copy: impl Fn(&Maps, Entry<A>) -> Result<bool>,
 ) -> Result<(Counts, Seen)>
 where
-    FlowKey<A>: Pod + Send + Sync,
-    Transient<A>: Pod + Send + Sync,
+    FlowKey<A>: Pod,
+    Transient<A>: Pod,
 {
     let mut flows = Vec::new();
     for (k, v) in A::flows(old).entries()? {
@@ -187,7 +187,7 @@ where
             transient.push((k, v));
         }
     }
-    insert_on_every_cpu(A::transient(new), &transient)?;
+    A::transient(new).insert_on_every_cpu(&transient)?;
     // The handshake index, for the handshakes carried: where the client's ACK finds its handshake. Rebuilt from
     // the entries rather than copied, whose 2^18 slots are mostly empty or stale.
     for (rkey, t) in &transient {
@@ -205,65 +205,6 @@ where
         transient: Seen::sorted(transient.iter().map(|(k, _)| Seen::hash(k)).collect()),
     };
     Ok((counts, seen))
-}
-
-/// Writes `entries` into a handshake table from one thread per CPU this process may run on, an even share each.
-/// The table's LRU lists are per CPU, each over an even share of its capacity, and an entry written from user
-/// space joins the writing CPU's list: written from one CPU, more than its share would evict one another.
-fn insert_on_every_cpu<K, V>(table: &Table<K, V>, entries: &[(K, V)]) -> Result<()>
-where
-    K: Pod + Send + Sync,
-    V: Pod + Send + Sync,
-{
-    if entries.is_empty() {
-        return Ok(());
-    }
-    let cpus = allowed_cpus();
-    let share = entries.len().div_ceil(cpus.len().max(1));
-    std::thread::scope(|s| {
-        let writers: Vec<_> = cpus
-            .iter()
-            .zip(entries.chunks(share))
-            .map(|(&cpu, chunk)| {
-                s.spawn(move || -> Result<()> {
-                    pin_to(cpu)?;
-                    table.reopen()?.insert_many(chunk)
-                })
-            })
-            .collect();
-        writers
-            .into_iter()
-            .try_for_each(|w| w.join().expect("a handshake-table writer panicked"))
-    })
-}
-
-/// The CPUs this process may run on (its affinity mask).
-fn allowed_cpus() -> Vec<usize> {
-    // SAFETY: a zeroed cpu_set_t is a valid empty set; sched_getaffinity fills it.
-    let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
-    let ok = unsafe { libc::sched_getaffinity(0, std::mem::size_of_val(&set), &mut set) } == 0;
-    let cpus: Vec<usize> = (0..libc::CPU_SETSIZE as usize)
-        .filter(|&c| ok && unsafe { libc::CPU_ISSET(c, &set) })
-        .collect();
-    if cpus.is_empty() {
-        vec![0]
-    } else {
-        cpus
-    }
-}
-
-/// Pins the calling thread to `cpu`.
-fn pin_to(cpu: usize) -> Result<()> {
-    // SAFETY: a zeroed cpu_set_t is a valid empty set; CPU_SET stays within it (cpu < CPU_SETSIZE).
-    let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
-    unsafe { libc::CPU_SET(cpu, &mut set) };
-    if unsafe { libc::sched_setaffinity(0, std::mem::size_of_val(&set), &set) } != 0 {
-        bail!(
-            "pinning a thread to CPU {cpu}: {}",
-            std::io::Error::last_os_error()
-        );
-    }
-    Ok(())
 }
 
 /// Whether an agent's link is pinned in the layout directory `dir` (its programs are attached through it).
@@ -460,12 +401,5 @@ mod tests {
             LAYOUT_VERSION,
             "a new map layout: say what carries over from the one before (CARRIED_LAYOUT, carry)"
         );
-    }
-
-    #[test]
-    fn a_share_per_allowed_cpu() {
-        let cpus = allowed_cpus();
-        assert!(!cpus.is_empty());
-        pin_to(cpus[0]).unwrap();
     }
 }

@@ -201,8 +201,10 @@ fn commit<A: FlowAddr>(t: &mut Tables<A>, filter: &FlowFilterMap, b: Batch<A>) -
         .remove_many(&deletes)
         .context("deleting replaced flows")?;
     let (writes, deletes) = split(b.transient);
+    // From every CPU: the table's LRU lists are per CPU (a resync's thousands of closed connections would
+    // otherwise crowd one CPU's share).
     t.transient
-        .insert_many(&writes)
+        .insert_on_every_cpu(&writes)
         .context("writing closed connections")?;
     t.transient
         .remove_many(&deletes)
