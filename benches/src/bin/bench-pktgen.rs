@@ -594,6 +594,16 @@ fn run_lb(args: &Args, obj: &[u8], sizes: &MapSizes, mode: &str) -> Result<Vec<C
     cfg.agent_args = vec!["--syn-rate-limit".into(), "0".into()];
     let rig = Rig::start(cfg)?;
     let topo = &rig.topo;
+    // The established case connects from fixed ports (20000 + 0..=PORT_MASK). The client's ephemeral range is
+    // 1024-65535 (the rig's tuning), so the check below could leave one of them in TIME_WAIT from a socket
+    // without SO_REUSEADDR, and binding it again failed (EADDRINUSE): reserved, no ephemeral port lands there.
+    in_netns(topo.netns(Host::Client), || {
+        std::fs::write(
+            "/proc/sys/net/ipv4/ip_local_reserved_ports",
+            format!("20000-{}", 20000 + PORT_MASK),
+        )
+        .context("reserving the established case's ports in the client's namespace")
+    })?;
     let mut g = Gen {
         dp: Dataplane::load_object(obj, sizes, None)?,
         client_ns: topo.netns(Host::Client).to_string(),
