@@ -3,7 +3,8 @@
 //! layout's) and flow sync between replicas of one build; before a release that changes the layout (or the sync
 //! protocol), this builds the previous release's agent from git and runs the same tests with it on the old side:
 //! the single-replica upgrade under 1000 held connections, and the HA rollover from replicas of the previous
-//! release to one of this build. Not a CI stage: it builds a second workspace (≈ 10 minutes on 2 cores).
+//! release to one of this build. Not a CI stage: it builds a second workspace (a few minutes; the worktree and its
+//! build directory are kept under target/upgrade-check/ for the next run).
 
 use crate::util::{cargo, root, run};
 use anyhow::{Context, Result};
