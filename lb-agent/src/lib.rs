@@ -1,6 +1,7 @@
 //! The load-balancer agent: loads the XDP data plane and programs it (see docs/design.md).
 //!
 //! Rooms, each importing only from the rooms listed before it:
+//! - [`cpus`]: the CPUs this process may run on, and pinning a thread to one.
 //! - [`health`]: the backends' health checks.
 //! - [`dataplane`]: the data plane's user side — loading and pinning the programs, map access, the desired state
 //!   ([`dataplane::model`]) programmed into the maps ([`dataplane::programmer`], with [`dataplane::maglev`] and
@@ -12,6 +13,7 @@
 //!   Kubernetes ([`source::kubernetes`]) — as a [`source::config::DesiredConfig`].
 //! - [`agent`]: the main loop: source → health filtering → programmer → maps, HA and reporting alongside.
 pub mod agent;
+pub mod cpus;
 pub mod dataplane;
 pub mod ha;
 pub mod health;

@@ -47,15 +47,6 @@ impl FlowFilterMap {
         self.word(GENERATION_INDEX).load(Ordering::Acquire) as u32 & 1
     }
 
-    /// Copies `other`'s words (both generations and the active generation's number) into this filter, which
-    /// then marks every key `other` marks.
-    pub fn copy_from(&self, other: &FlowFilterMap) {
-        for i in 0..ENTRIES {
-            self.word(i)
-                .store(other.word(i).load(Ordering::Acquire), Ordering::Release);
-        }
-    }
-
     /// Marks `key`, already written into `FLOWS_V4` or `FLOWS_V6`, in both generations (TCP keys only: see
     /// `lb_common::flow_filter`).
     pub fn mark<A: FlowAddr>(&self, key: &FlowKey<A>) {

@@ -3,8 +3,8 @@
 //! attached through its links and forwarding with its maps. The new agent, as Cilium does with its pinned maps:
 //! 1. carries the state of the layout before its own ([`CARRIED_LAYOUT`]) into its new maps before it attaches
 //!    ([`Dataplane::carry_over`]): the services, backends and Maglev tables (so the agent re-adopts them as on any
-//!    restart), next hops, source ranges, the connection and handshake tables with the flow filter and the
-//!    handshake index, the SYN guard's trusted sources and the counters;
+//!    restart), next hops, source ranges, the connection and handshake tables (the flow filter and the
+//!    handshake index derived from them), the SYN guard's trusted sources and the counters;
 //! 2. takes each old link over in place when it attaches ([`Dataplane::take_over_other_layout`]): no packet meets
 //!    no program;
 //! 3. copies the connections and handshakes the old program made after step 1 read its tables
@@ -34,7 +34,8 @@ use std::time::Instant;
 /// type here and converts it in [`carry`].
 pub const CARRIED_LAYOUT: u32 = 9;
 
-/// The maps [`carry`] copies (the test checks every map is here or in [`NOT_CARRIED`]).
+/// The maps whose state [`carry`] brings over: copied, or derived from what is (the flow filter, the handshake
+/// index). The test checks every map is here or in [`NOT_CARRIED`].
 #[cfg(test)]
 const CARRIED: &[&str] = &[
     names::SERVICES,
@@ -125,8 +126,6 @@ fn carry(old: &Maps, new: &mut Maps) -> Result<(Counts, [Seen; 2])> {
         .insert_many(&old.trusted_sources.entries()?)?;
     new.service_stats.copy_from(&old.service_stats)?;
     new.stats.copy_from(&old.stats)?;
-    // The flow filter as it is: it marks every connection of the old tables.
-    new.flow_filter.copy_from(&old.flow_filter);
     let (mut counts, v4) = carry_family::<u32>(old, new, |_, _| Ok(true))?;
     let (c, v6) = carry_family::<In6>(old, new, |_, _| Ok(true))?;
     counts += c;
@@ -160,7 +159,8 @@ enum Entry<'a, A> {
 }
 
 /// Copies one family's connection and handshake tables from `old` into `new`, the entries for which `copy`
-/// holds. Connections are marked in the flow filter, handshakes put into the handshake index. Returns the counts
+/// holds. Connections are marked in the flow filter (as `Maps::set_flow` does), handshakes put into the handshake
+/// index: both derived from the entries carried, not copied. Returns the counts
 /// and the keys copied.
 fn carry_family<A: FamilyMaps>(
     old: &Maps,
@@ -171,23 +171,15 @@ where
     FlowKey<A>: Pod,
     Transient<A>: Pod,
 {
-    let mut flows = Vec::new();
-    for (k, v) in A::flows(old).entries()? {
-        if copy(new, Entry::Flow(&k))? {
-            flows.push((k, v));
-        }
-    }
+    let flows = chosen(A::flows(old).entries()?, |k| copy(new, Entry::Flow(k)))?;
     A::flows_mut(new).insert_many(&flows)?;
     for (k, _) in &flows {
         new.flow_filter.mark(k);
     }
-    let mut transient = Vec::new();
-    for (k, v) in A::transient(old).entries()? {
-        if copy(new, Entry::Transient(&k))? {
-            transient.push((k, v));
-        }
-    }
-    A::transient(new).insert_on_every_cpu(&transient)?;
+    let transient = chosen(A::transient(old).entries()?, |k| {
+        copy(new, Entry::Transient(k))
+    })?;
+    A::transient_mut(new).insert_on_every_cpu(&transient)?;
     // The handshake index, for the handshakes carried: where the client's ACK finds its handshake. Rebuilt from
     // the entries rather than copied, whose 2^18 slots are mostly empty or stale.
     for (rkey, t) in &transient {
@@ -205,6 +197,17 @@ where
         transient: Seen::sorted(transient.iter().map(|(k, _)| Seen::hash(k)).collect()),
     };
     Ok((counts, seen))
+}
+
+/// The entries whose key `keep` holds for.
+fn chosen<K, V>(entries: Vec<(K, V)>, keep: impl Fn(&K) -> Result<bool>) -> Result<Vec<(K, V)>> {
+    let mut out = Vec::new();
+    for (k, v) in entries {
+        if keep(&k)? {
+            out.push((k, v));
+        }
+    }
+    Ok(out)
 }
 
 /// Whether an agent's link is pinned in the layout directory `dir` (its programs are attached through it).

@@ -273,24 +273,28 @@ impl<K: Pod, V: Pod> Table<K, V> {
     /// process may run on, an even share each. Each CPU's list covers an even share of the table, and an entry
     /// written from user space joins the writing CPU's list: written from one CPU, more than that share would evict
     /// one another. A few entries are written from the calling thread (threads cost more than they spread).
-    pub fn insert_on_every_cpu(&self, entries: &[(K, V)]) -> Result<()>
+    pub fn insert_on_every_cpu(&mut self, entries: &[(K, V)]) -> Result<()>
     where
         K: Send + Sync,
         V: Send + Sync,
     {
-        let cpus = allowed_cpus();
-        if entries.len() < 256 || cpus.len() < 2 {
-            return self.reopen()?.insert_many(entries);
+        if entries.len() < 256 {
+            return self.insert_many(entries);
+        }
+        let cpus = crate::cpus::allowed();
+        if cpus.len() < 2 {
+            return self.insert_many(entries);
         }
         let share = entries.len().div_ceil(cpus.len());
+        let this = &*self;
         std::thread::scope(|s| {
             let writers: Vec<_> = cpus
                 .iter()
                 .zip(entries.chunks(share))
                 .map(|(&cpu, chunk)| {
                     s.spawn(move || -> Result<()> {
-                        pin_to(cpu)?;
-                        self.reopen()?.insert_many(chunk)
+                        crate::cpus::pin_current_thread(cpu)?;
+                        this.reopen()?.insert_many(chunk)
                     })
                 })
                 .collect();
@@ -299,35 +303,6 @@ impl<K: Pod, V: Pod> Table<K, V> {
                 .try_for_each(|w| w.join().expect("a table writer panicked"))
         })
     }
-}
-
-/// The CPUs this process may run on (its affinity mask).
-fn allowed_cpus() -> Vec<usize> {
-    // SAFETY: a zeroed cpu_set_t is a valid empty set; sched_getaffinity fills it.
-    let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
-    let ok = unsafe { libc::sched_getaffinity(0, std::mem::size_of_val(&set), &mut set) } == 0;
-    let cpus: Vec<usize> = (0..libc::CPU_SETSIZE as usize)
-        .filter(|&c| ok && unsafe { libc::CPU_ISSET(c, &set) })
-        .collect();
-    if cpus.is_empty() {
-        vec![0]
-    } else {
-        cpus
-    }
-}
-
-/// Pins the calling thread to `cpu`.
-fn pin_to(cpu: usize) -> Result<()> {
-    // SAFETY: a zeroed cpu_set_t is a valid empty set; CPU_SET stays within it (cpu < CPU_SETSIZE).
-    let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
-    unsafe { libc::CPU_SET(cpu, &mut set) };
-    if unsafe { libc::sched_setaffinity(0, std::mem::size_of_val(&set), &set) } != 0 {
-        bail!(
-            "pinning a thread to CPU {cpu}: {}",
-            std::io::Error::last_os_error()
-        );
-    }
-    Ok(())
 }
 
 /// An array map.

@@ -127,18 +127,9 @@ fn clock_ticks() -> f64 {
 /// CPUs in this process's affinity mask, like Go's `runtime.NumCPU`. Rust's `available_parallelism` would also
 /// apply cgroup CPU quotas, which yawol's number does not.
 fn num_cpu() -> usize {
-    // SAFETY: cpu_set_t is plain data (all-zero is an empty set); sched_getaffinity writes at most the size given.
-    let n = unsafe {
-        let mut set: libc::cpu_set_t = std::mem::zeroed();
-        if libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut set) == 0 {
-            libc::CPU_COUNT(&set)
-        } else {
-            0
-        }
-    };
-    match usize::try_from(n) {
-        Ok(n) if n > 0 => n,
-        _ => std::thread::available_parallelism().map_or(1, |n| n.get()),
+    match crate::cpus::allowed().len() {
+        0 => std::thread::available_parallelism().map_or(1, |n| n.get()),
+        n => n,
     }
 }
 
