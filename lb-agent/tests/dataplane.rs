@@ -1676,23 +1676,8 @@ both_families! {
 /// Keeps the test on one CPU: the kernel side rate-limits per CPU, and a thread moved between runs would be
 /// allowed a line on each.
 fn pin_to_one_cpu() {
-    // SAFETY: plain syscalls on this thread's own affinity with a zeroed, then filled, cpu_set_t.
-    unsafe {
-        let mut set: libc::cpu_set_t = std::mem::zeroed();
-        assert_eq!(
-            libc::sched_getaffinity(0, std::mem::size_of_val(&set), &mut set),
-            0
-        );
-        let cpu = (0..libc::CPU_SETSIZE as usize)
-            .find(|&c| libc::CPU_ISSET(c, &set))
-            .unwrap();
-        libc::CPU_ZERO(&mut set);
-        libc::CPU_SET(cpu, &mut set);
-        assert_eq!(
-            libc::sched_setaffinity(0, std::mem::size_of_val(&set), &set),
-            0
-        );
-    }
+    let cpu = lb_agent::cpus::allowed()[0];
+    lb_agent::cpus::pin_current_thread(cpu).unwrap();
 }
 
 both_families! {
