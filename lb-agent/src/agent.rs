@@ -230,9 +230,9 @@ impl Agent {
                 tracing::warn!(interface = %iface, queue_pairs = ?nic.max_combined, stack_queues = nic.tx_queues,
                     possible_cpus,
                     "virtio-net has too few queue pairs for native XDP's transmits: XDP_TX and XDP_REDIRECT share \
-                     the stack's queues under a lock (slower on several CPUs); give the image \
-                     hw_vif_multiqueue_enabled=true and lower the stack's channels (ethtool -L {iface} combined N) \
-                     so that N + {possible_cpus} queue pairs fit");
+                     the stack's queues under a lock (slower on several CPUs); XDP needs {possible_cpus} queue pairs \
+                     of its own beside the stack's N (ethtool -L {iface} combined N), i.e. a NIC with more queue \
+                     pairs than CPUs (OpenStack's hw_vif_multiqueue_enabled=true gives one per vCPU)");
             }
             nics.push((iface.clone(), nic, locked));
         }

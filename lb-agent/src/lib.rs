@@ -18,6 +18,7 @@ pub mod dataplane;
 pub mod ha;
 pub mod health;
 pub mod report;
+pub mod snat_ports;
 pub mod source;
 
 /// TLS set-up shared by every client the agent builds.

@@ -11,6 +11,7 @@ use lb_agent::ha::{HaOptions, SyncSettings};
 use lb_agent::health::{Bytes, HealthCheckSpec, HttpCheck, UdpCheck};
 use lb_agent::report::metrics::SharedSnapshot;
 use lb_agent::report::AgentStatus;
+use lb_agent::snat_ports::SnatPorts;
 use lb_agent::source::kubernetes::{debug, yawollet, KubeSettings};
 use std::ffi::OsString;
 use std::net::{IpAddr, SocketAddr};
@@ -123,9 +124,11 @@ struct Cli {
     /// Source address towards backends for every service (default: each service's VIP).
     #[arg(long, env = "LB_SNAT_ADDRESS")]
     snat_address: Option<IpAddr>,
-    /// SNAT source-port range, `MIN-MAX`.
-    #[arg(long, env = "LB_SNAT_PORTS", default_value = "1024-65535")]
-    snat_ports: String,
+    /// SNAT source-port range: `auto` (the ports outside the kernel's own ephemeral range,
+    /// `net.ipv4.ip_local_port_range`) or `MIN-MAX` (the part inside that range is reserved for SNAT in
+    /// `net.ipv4.ip_local_reserved_ports`).
+    #[arg(long, env = "LB_SNAT_PORTS", default_value = "auto")]
+    snat_ports: SnatPorts,
     /// Seed of the flow hash; must be equal on all replicas so they choose the same backends.
     #[arg(long, env = "LB_HASH_SEED", default_value_t = lb_common::Config::default().hash_seed)]
     hash_seed: u32,
@@ -323,17 +326,6 @@ fn bytes_flag(text: &Option<String>, hex: &Option<String>) -> Option<Bytes> {
     })
 }
 
-fn parse_ports(s: &str) -> Result<(u16, u16)> {
-    let (a, b) = s
-        .split_once('-')
-        .context("--snat-ports must look like MIN-MAX")?;
-    let (a, b): (u16, u16) = (a.trim().parse()?, b.trim().parse()?);
-    if a == 0 || a > b {
-        bail!("--snat-ports: need 1 <= MIN <= MAX");
-    }
-    Ok((a, b))
-}
-
 /// `--check-programs`: a line per program of the object, then a summary; an error naming the refused ones.
 fn check_programs() -> Result<()> {
     let kernel = std::fs::read_to_string("/proc/sys/kernel/osrelease")
@@ -445,7 +437,7 @@ async fn main() -> Result<()> {
             }
         }
     }
-    let (min, max) = parse_ports(&cli.snat_ports)?;
+    let (min, max) = lb_agent::snat_ports::apply(cli.snat_ports, Path::new("/proc/sys/net/ipv4"))?;
     let opts = AgentOptions {
         interface: cli.interface[0].clone(),
         forward_interfaces: cli.interface[1..].to_vec(),

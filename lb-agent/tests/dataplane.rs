@@ -24,7 +24,7 @@ use lb_agent::dataplane::model::Protocol;
 use lb_agent::dataplane::programmer::ip_to_addr;
 use lb_common::{
     handshakes, stat, FlowAddr, FlowEvent, FlowKey, FLOW_F_END, FLOW_F_FIN, FLOW_F_FORWARD,
-    FLOW_F_REVERSE, FLOW_F_RST, FLOW_F_SYN_ACK,
+    FLOW_F_REVERSE, FLOW_F_RST, FLOW_F_SYN_ACK, TCP_CLOSING_TIMEOUT_S,
 };
 use std::net::{IpAddr, Ipv4Addr};
 
@@ -253,7 +253,7 @@ both_families! {
         assert_eq!(h.run(&reply_tcp(&p, FIN_ACK, b"")).0, Verdict::Tx);
         assert_eq!(h.flows().entries().unwrap(), vec![], "closed both ways: out of the flow table");
         let t = h.transient().get(&key).unwrap().expect("moved to the transient table");
-        assert_eq!((t.flow.flags & FLOW_F_FIN, t.flow.timeout_s), (FLOW_F_FIN, 10));
+        assert_eq!((t.flow.flags & FLOW_F_FIN, t.flow.timeout_s), (FLOW_F_FIN, TCP_CLOSING_TIMEOUT_S));
         let (v, out) = h.run(&h.client_tcp(40009, ACK, b""));
         assert_eq!(v, Verdict::Tx, "the last ACK");
         assert_eq!(parse(&out).dst, p.dst);
@@ -266,7 +266,7 @@ both_families! {
         h.run(&reply_tcp(&p, SYN_ACK, b""));
         assert_eq!(h.run(&h.client_tcp(40012, FIN_ACK, b"GET / HTTP/1.0\r\n\r\n")).0, Verdict::Tx);
         let f = h.flows().get(&h.key(40012, 6, WEB_PORT)).unwrap().expect("established");
-        assert_eq!((f.flags & FLOW_F_FIN, f.timeout_s), (FLOW_F_FIN, 10));
+        assert_eq!((f.flags & FLOW_F_FIN, f.timeout_s), (FLOW_F_FIN, TCP_CLOSING_TIMEOUT_S));
     }
 
     fn a_syn_from_the_backend_side_follows_only_an_existing_flow(h) {
@@ -553,13 +553,13 @@ both_families! {
         h.run(&h.client_tcp(40070, FIN_ACK, b""));
         let f = h.flows().get(&key).unwrap().unwrap();
         assert_eq!(f.flags & FLOW_F_FIN, FLOW_F_FIN);
-        assert_eq!(f.timeout_s, 10);
+        assert_eq!(f.timeout_s, TCP_CLOSING_TIMEOUT_S);
         let r = h.flows().get(&f.partner_key(6)).unwrap().unwrap();
         assert_eq!(r.timeout_s, 3600, "the other direction may still send (half close)");
         // A reset from the backend ends both directions (and moves them to the transient table).
         h.run(&reply_tcp(&p, RST, b""));
         let r = h.transient().get(&f.partner_key(6)).unwrap().unwrap().flow;
-        assert_eq!((r.flags & FLOW_F_RST, r.timeout_s), (FLOW_F_RST, 10));
+        assert_eq!((r.flags & FLOW_F_RST, r.timeout_s), (FLOW_F_RST, TCP_CLOSING_TIMEOUT_S));
         let f = h.transient().get(&key).unwrap().unwrap().flow;
         assert_eq!(f.flags & FLOW_F_RST, FLOW_F_RST);
         assert_eq!(h.svc_stats(&h.web(&[]).id).closed_flows, 2);
@@ -1190,7 +1190,7 @@ mod state_sync {
                     FLOW_F_RST,
                     "a reset closes both entries"
                 );
-                assert_eq!(t.flow.timeout_s, lb_common::TCP_CLOSING_TIMEOUT_S);
+                assert_eq!(t.flow.timeout_s, TCP_CLOSING_TIMEOUT_S);
             }
             assert_eq!(
                 apply::<F>(&mut store, &close, 0),

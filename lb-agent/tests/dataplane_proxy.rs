@@ -177,6 +177,35 @@ both_families! {
         assert_eq!(l.seq, ISN + 12 + n);
     }
 
+    /// A client that reuses its port right after a PROXY connection closed (TIME_WAIT reuse, as Linux clients with
+    /// `tcp_tw_reuse` do) opens a connection of its own, with none of the closed one's translation: SACK off again,
+    /// its numbers unshifted, the backend's SYN-ACK acknowledged exactly, the header in front of its first bytes.
+    fn a_reused_client_port_after_the_close_is_a_new_proxy_connection(h) {
+        if h.hook == Hook::Tc {
+            // TC refuses PROXY connections (above).
+            return;
+        }
+        h.apply(&[proxy_service(h)]);
+        let n = if F::vip().is_ipv4() { proxy::HEADER_LEN_V4 } else { proxy::HEADER_LEN_V6 } as u32;
+        let sack_ok = [2u8, 4, 0x05, 0xb4, 4, 2];
+        let (syn, _) = run_ok(h, &client::<F>(SYN, ISN, 0, &sack_ok, b""));
+        run_ok(h, &backend(&syn, SYN_ACK, BISN, ISN + 1, &[2, 4, 0x05, 0xb4]));
+        run_ok(h, &client::<F>(ACK, ISN + 1, BISN + 1, &[], b"hello"));
+        run_ok(h, &backend(&syn, ACK, BISN + 1, ISN + 6 + n, &[]));
+        run_ok(h, &client::<F>(FIN_ACK, ISN + 6, BISN + 1, &[], b""));
+        run_ok(h, &backend(&syn, FIN_ACK, BISN + 1, ISN + 7 + n, &[]));
+        run_ok(h, &client::<F>(ACK, ISN + 7, BISN + 2, &[], b""));
+        // The same port again, a new ISN.
+        let isn2 = ISN + 1_000_000;
+        let (syn2, out) = run_ok(h, &client::<F>(SYN, isn2, 0, &sack_ok, b""));
+        assert_eq!(syn2.seq, isn2, "the new SYN is not shifted");
+        assert_eq!(options_of(&out), [2u8, 4, 0x05, 0xb4, 1, 1, 0, 0], "SACK is off on the new connection");
+        let (sa, _) = run_ok(h, &backend(&syn2, SYN_ACK, BISN + 7, isn2 + 1, &[2, 4, 0x05, 0xb4]));
+        assert_eq!(sa.ack, isn2 + 1);
+        let (a, _) = run_ok(h, &client::<F>(ACK, isn2 + 1, BISN + 8, &[], b""));
+        assert_eq!(a.payload, expected_header::<F>());
+    }
+
     fn a_service_without_proxy_keeps_its_numbers(h) {
         h.apply(&[h.web(&[1])]);
         let (syn, _) = run_ok(h, &client::<F>(SYN, ISN, 0, &[2, 4, 0x05, 0xb4], b""));

@@ -275,8 +275,12 @@ pub const FLOW_F_PROXY_ACKED: u8 = 1 << 7;
 pub const END_SILENCE_NS: u64 = 2_000_000_000;
 
 /// Idle timeout of a TCP flow once FIN or RST was seen (seconds): long enough for the last ACKs and
-/// retransmissions, short enough to release the SNAT port soon.
-pub const TCP_CLOSING_TIMEOUT_S: u32 = 10;
+/// retransmissions — a peer whose retransmission timeout has backed off (Linux starts at 3 s after a lost
+/// handshake segment and doubles it) sends its FIN again after 20 s and more; a connection forgotten before that
+/// leaves the client waiting for a FIN the load balancer's kernel answers with a RST (Linux's conntrack keeps
+/// LAST_ACK 30 s, TIME_WAIT 120 s). Closed connections live in the handshake table, whose LRU recycles the oldest
+/// first when it is full, so under a high connection rate they give their SNAT ports back sooner.
+pub const TCP_CLOSING_TIMEOUT_S: u32 = 60;
 
 /// How long a TCP handshake may stay incomplete (seconds): covers a client's SYN retransmissions at 1, 3, 7 and
 /// 15 s; after that a SYN from the same port starts over.

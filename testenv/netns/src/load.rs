@@ -168,6 +168,12 @@ pub struct TcpFailure {
     pub ended_ms: u64,
     /// Its kind, as in [`TcpReport::errors`].
     pub kind: String,
+    /// The client socket's state as the kernel saw it when the connection was given up (`TCP_INFO`: Linux's state
+    /// number — 1 established, 4 and 5 FIN_WAIT1/2 —, retransmissions, unacknowledged segments, ms since the last
+    /// data and ACK received), empty when it never connected: whether the client was waiting for the backend or
+    /// retransmitting its own.
+    #[serde(default)]
+    pub socket: String,
 }
 
 /// Result of a UDP run.
@@ -318,11 +324,33 @@ pub(crate) async fn read_greeting<R: tokio::io::AsyncBufRead + Unpin>(
     String::from_utf8(line).map_err(|_| "greeting_invalid".into())
 }
 
-async fn one_tcp(cfg: &TcpLoadConfig, payload: Vec<u8>) -> Result<TcpOk, String> {
+/// A failed connection's kind, and its socket's state then (see [`TcpFailure::socket`]).
+type TcpError = (String, String);
+
+async fn one_tcp(cfg: &TcpLoadConfig, payload: Vec<u8>) -> Result<TcpOk, TcpError> {
     let start = Instant::now();
-    let stream = tcp_connect(cfg.target, cfg.bind, cfg.op_timeout).await?;
+    let mut stream = tcp_connect(cfg.target, cfg.bind, cfg.op_timeout)
+        .await
+        .map_err(|kind| (kind, String::new()))?;
     let connect = start.elapsed();
-    let (rd, mut wr) = stream.into_split();
+    let r = exchange(cfg, payload, &mut stream).await;
+    // TCP_INFO is read here, while the socket is still open.
+    r.map(|(backend, payload)| TcpOk {
+        backend,
+        connect,
+        total: start.elapsed(),
+        payload,
+    })
+    .map_err(|kind| (kind, tcp_info(&stream)))
+}
+
+/// The greeting, the payload echoed and verified, the server's EOF: the backend's id and the payload's length.
+async fn exchange(
+    cfg: &TcpLoadConfig,
+    payload: Vec<u8>,
+    stream: &mut tokio::net::TcpStream,
+) -> Result<(String, usize), String> {
+    let (rd, mut wr) = stream.split();
     let mut rd = BufReader::new(rd);
     let backend = read_greeting(&mut rd, cfg.op_timeout).await?;
 
@@ -353,12 +381,46 @@ async fn one_tcp(cfg: &TcpLoadConfig, payload: Vec<u8>) -> Result<TcpOk, String>
     if n != 0 {
         return Err("trailing_data".into());
     }
-    Ok(TcpOk {
-        backend,
-        connect,
-        total: start.elapsed(),
-        payload: payload.len(),
-    })
+    Ok((backend, payload.len()))
+}
+
+/// `TCP_INFO` of `stream`, in a line (the fields an `ss -ti` reader looks at first).
+fn tcp_info(stream: &tokio::net::TcpStream) -> String {
+    use std::os::fd::AsRawFd;
+    // SAFETY: tcp_info is plain data (all-zero is valid); getsockopt writes at most `len` bytes into it.
+    let mut i: libc::tcp_info = unsafe { std::mem::zeroed() };
+    let mut len = std::mem::size_of::<libc::tcp_info>() as libc::socklen_t;
+    let rc = unsafe {
+        libc::getsockopt(
+            stream.as_raw_fd(),
+            libc::IPPROTO_TCP,
+            libc::TCP_INFO,
+            &mut i as *mut libc::tcp_info as *mut libc::c_void,
+            &mut len,
+        )
+    };
+    if rc != 0 {
+        return String::new();
+    }
+    let local = stream
+        .local_addr()
+        .map(|a| a.to_string())
+        .unwrap_or_default();
+    format!(
+        "local={local} state={} ca_state={} retransmits={} backoff={} rto_ms={} unacked={} lost={} \
+         total_retrans={} last_data_recv_ms={} last_ack_recv_ms={} last_data_sent_ms={}",
+        i.tcpi_state,
+        i.tcpi_ca_state,
+        i.tcpi_retransmits,
+        i.tcpi_backoff,
+        i.tcpi_rto / 1000,
+        i.tcpi_unacked,
+        i.tcpi_lost,
+        i.tcpi_total_retrans,
+        i.tcpi_last_data_recv,
+        i.tcpi_last_ack_recv,
+        i.tcpi_last_data_sent,
+    )
 }
 
 #[derive(Default)]
@@ -396,11 +458,12 @@ impl Tally {
     }
 
     /// A failed TCP connection, started at `started` and given up now.
-    fn fail_tcp(&mut self, kind: String, started: std::time::SystemTime) {
+    fn fail_tcp(&mut self, (kind, socket): TcpError, started: std::time::SystemTime) {
         self.failures.push(TcpFailure {
             started_ms: epoch_ms(started),
             ended_ms: epoch_ms(std::time::SystemTime::now()),
             kind: kind.clone(),
+            socket,
         });
         self.fail(kind);
     }
@@ -461,8 +524,8 @@ pub async fn run_tcp(cfg: TcpLoadConfig) -> TcpReport {
             let payload = Rng::new(i as u64).bytes(cfg.payload);
             let started = std::time::SystemTime::now();
             match timeout_at(deadline, one_tcp(&cfg, payload)).await {
-                Err(_) => t.fail_tcp("deadline".into(), started),
-                Ok(Err(kind)) => t.fail_tcp(kind, started),
+                Err(_) => t.fail_tcp(("deadline".into(), String::new()), started),
+                Ok(Err(e)) => t.fail_tcp(e, started),
                 Ok(Ok(r)) => {
                     t.ok += 1;
                     *t.per_backend.entry(r.backend).or_default() += 1;

@@ -386,6 +386,11 @@ impl Topology {
             self.add_netns(&h.netns)?;
             let ns = h.netns.as_str();
             self.prepare_netns(ns, cfg)?;
+            if matches!(h.host, Host::Lb | Host::LbReplica(_)) {
+                // As the VM image does: the host's own connections (health checks among them) take the top ports,
+                // the agent's SNAT (`--snat-ports auto`) the ones below.
+                sysctl(ns, &["net.ipv4.ip_local_port_range=60000 65535"])?;
+            }
             let bridge = match h.host {
                 Host::Backend(_) if cfg.routed => BACKEND_BRIDGE,
                 _ => BRIDGE,
@@ -421,17 +426,13 @@ impl Topology {
         }
         if cfg.tune_client {
             let ns = self.netns(Host::Client).to_string();
-            run_cmd([
-                "ip",
-                "netns",
-                "exec",
+            sysctl(
                 &ns,
-                "sysctl",
-                "-q",
-                "-w",
-                "net.ipv4.ip_local_port_range=1024 65535",
-                "net.ipv4.tcp_tw_reuse=1",
-            ])?;
+                &[
+                    "net.ipv4.ip_local_port_range=1024 65535",
+                    "net.ipv4.tcp_tw_reuse=1",
+                ],
+            )?;
         }
         Ok(())
     }
@@ -547,31 +548,23 @@ impl Topology {
         if cfg.ipv6 {
             // Addresses usable at once (no DAD: the topology hands them out uniquely) and no router
             // solicitations: there is no router, and fewer stray frames reach the load balancer.
-            run_cmd([
-                "ip",
-                "netns",
-                "exec",
+            sysctl(
                 ns,
-                "sysctl",
-                "-q",
-                "-w",
-                "net.ipv6.conf.default.accept_dad=0",
-                "net.ipv6.conf.default.dad_transmits=0",
-                "net.ipv6.conf.default.router_solicitations=0",
-                "net.ipv6.conf.default.accept_ra=0",
-            ])?;
+                &[
+                    "net.ipv6.conf.default.accept_dad=0",
+                    "net.ipv6.conf.default.dad_transmits=0",
+                    "net.ipv6.conf.default.router_solicitations=0",
+                    "net.ipv6.conf.default.accept_ra=0",
+                ],
+            )?;
         } else {
-            run_cmd([
-                "ip",
-                "netns",
-                "exec",
+            sysctl(
                 ns,
-                "sysctl",
-                "-q",
-                "-w",
-                "net.ipv6.conf.all.disable_ipv6=1",
-                "net.ipv6.conf.default.disable_ipv6=1",
-            ])?;
+                &[
+                    "net.ipv6.conf.all.disable_ipv6=1",
+                    "net.ipv6.conf.default.disable_ipv6=1",
+                ],
+            )?;
         }
         run_cmd(["ip", "-n", ns, "link", "set", "lo", "up"]).map(|_| ())
     }
@@ -982,6 +975,13 @@ pub fn parse_mac(s: &str) -> Result<[u8; 6]> {
         *m = u8::from_str_radix(p, 16).with_context(|| format!("invalid MAC address {s:?}"))?;
     }
     Ok(mac)
+}
+
+/// Sets kernel `settings` (`key=value`) in namespace `ns`.
+fn sysctl(ns: &str, settings: &[&str]) -> Result<()> {
+    let mut argv = vec!["ip", "netns", "exec", ns, "sysctl", "-q", "-w"];
+    argv.extend_from_slice(settings);
+    run_cmd(argv).map(|_| ())
 }
 
 #[cfg(test)]
