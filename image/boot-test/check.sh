@@ -135,6 +135,9 @@ lb_controller_checks() {
     # They must show up as flows in this agent's counters, and as XDP redirects in both NICs' counters.
     ip link set eth1 up && ip addr add "$FILE_VIP/24" dev eth1
     ip link set eth2 up && ip addr add "$FILE_SNAT/24" dev eth2
+    # eth3: a multiqueue NIC (four queue pairs for two vCPUs: enough for native XDP to transmit on queues of its
+    # own), no traffic: the agent attaches there too and reports its queues.
+    ip link set eth3 up
     mkdir -p /run/lb-image-check
     cat >/run/lb-image-check/dataplane.yaml <<EOF
 vip: $FILE_VIP
@@ -144,7 +147,7 @@ endpoints:
   - {name: host, addresses: [${FILE_SNAT%.*}.2]}
 healthCheck: {interval: 1s, timeout: 1s, unhealthyThreshold: 2, healthyThreshold: 1}
 EOF
-    systemd-run --quiet --unit=lb-agent-file /usr/local/bin/lb-agent --interface eth1,eth2 \
+    systemd-run --quiet --unit=lb-agent-file /usr/local/bin/lb-agent --interface eth1,eth2,eth3 \
         --snat-address "$FILE_SNAT" --config /run/lb-image-check/dataplane.yaml --metrics-address 127.0.0.1:9101 \
         --max-flows 65536
     ready=0
@@ -159,13 +162,17 @@ EOF
     # The mode each interface got (XdpNative; XdpGeneric when the driver refused native XDP), the hooks the agent
     # reports attached (lb_interface_attached as IFACE:HOOK, the hook "XDP" when native), and the programs the
     # kernel shows.
-    for i in eth1 eth2; do
+    for i in eth1 eth2 eth3; do
         out "file_agent_mode_$i" "$(log_of lb-agent-file | sed -n "s/.*data plane attached.*interface=$i mode=\([A-Za-z]*\).*/\1/p" | head -1)"
         out "xdp_on_$i" "$(ip -d link show "$i" | grep -q 'prog/xdp' && echo 1 || echo 0)"
     done
+    # The SNAT ports the agent chose (`auto`) beside the image's kernel range for the host's own connections.
+    out file_agent_snat_ports "$(log_of lb-agent-file | sed -n 's/.*SNAT ports \([0-9]*-[0-9]*\).*/\1/p' | head -1)"
+    out kernel_port_range "$(sysctl -n net.ipv4.ip_local_port_range | tr -s '\t ' '-')"
     out file_agent_attached "$(http_get 9101 /metrics | sed -n 's/^lb_interface_attached{interface="\([^"]*\)",hook="\([^"]*\)"} 1$/\1:\2/p' | sort | paste -sd, -)"
-    # Each NIC's queues and whether native XDP transmits under a lock there (IFACE:VALUE): these NICs have one
-    # queue pair for two vCPUs, so virtio-net shares it with XDP (its kernel log says so too).
+    # Each NIC's queues and whether native XDP transmits under a lock there (IFACE:VALUE): eth1 and eth2 have one
+    # queue pair for two vCPUs, so virtio-net shares it with XDP (its kernel log says so too); eth3 has four: the
+    # stack transmits on two, XDP on the other two, all four receive.
     out file_agent_xdp_tx_locked "$(http_get 9101 /metrics | sed -n 's/^lb_interface_xdp_tx_locked{interface="\([^"]*\)"} \([0-9]*\)$/\1:\2/p' | sort | paste -sd, -)"
     out file_agent_rx_queues "$(http_get 9101 /metrics | sed -n 's/^lb_interface_queues{interface="\([^"]*\)",direction="rx"} \([0-9]*\)$/\1:\2/p' | sort | paste -sd, -)"
     dmesg | grep -i 'locked tx mode' | head -2 | while IFS= read -r l; do info "kernel: $l"; done

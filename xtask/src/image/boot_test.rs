@@ -25,11 +25,13 @@
 //! With lb-controller's user data two more NICs carry the data-plane check, two-armed as a LoadBalancer with
 //! `additionalNetworks`: eth1 (QEMU user network with a port forward) the VIP and the clients, eth2 (another user
 //! network, no port forward) the backend. The script starts a second agent in file mode on `--interface
-//! eth1,eth2` with one TCP service whose backend is this process's echo server on the host as reached through
+//! eth1,eth2,eth3` with one TCP service whose backend is this process's echo server on the host as reached through
 //! eth2 only (10.0.4.2, SNAT source the guest's eth2 address). On `traffic=go` this side opens connections through
 //! the forwarded port — each frame crosses the XDP program on eth1 and is redirected out of eth2 (DNAT+SNAT), each
 //! reply crosses eth2's and is redirected back out of eth1 — and the guest counts the flows in the agent's metrics
-//! and the XDP redirects in both NICs' virtio-net counters.
+//! and the XDP redirects in both NICs' virtio-net counters. A third NIC, eth3, is a multiqueue virtio-net on a tap
+//! device with four queue pairs for the two vCPUs: the agent attaches there in native XDP too and reports transmit
+//! queues of XDP's own (no lock) and four receive queues, where eth1 and eth2 (one queue pair) report the lock.
 //!
 //! Every key is compared with what it must be; failures are listed, the serial logs stay in
 //! `target/image/boot-test/<boot>/serial.log`, timings go to `target/image/report.json`.
@@ -861,6 +863,13 @@ fn boot(
     )?;
     let serial_log = dir.join("serial.log");
     let fwd_port = free_port()?;
+    // The lb-controller boots' eth3: a NIC with several queue pairs (QEMU's user network has one queue only), on a
+    // tap device removed when the boot ends.
+    let multiqueue = if yawol.is_none() {
+        Some(Tap::multiqueue()?)
+    } else {
+        None
+    };
     let mut qemu = Command::new("qemu-system-x86_64");
     qemu.args([
         "-machine",
@@ -934,6 +943,20 @@ fn boot(
             .arg("user,id=n2,net=10.0.4.0/24")
             .args(["-device", "virtio-net-pci,netdev=n2"]);
     }
+    if let Some(tap) = &multiqueue {
+        // eth3: MQ_QUEUES queue pairs (MSI-X vectors: one per queue and two more), no traffic; the agent attaches
+        // to it too and reports its queues.
+        qemu.arg("-netdev")
+            .arg(format!(
+                "tap,id=n3,ifname={},script=no,downscript=no,queues={MQ_QUEUES}",
+                tap.0
+            ))
+            .args(["-device"])
+            .arg(format!(
+                "virtio-net-pci,netdev=n3,mq=on,vectors={}",
+                2 * MQ_QUEUES + 2
+            ));
+    }
     if fw == Firmware::Uefi {
         let vars = dir.join("OVMF_VARS.fd");
         std::fs::copy("/usr/share/OVMF/OVMF_VARS_4M.fd", &vars)?;
@@ -966,6 +989,40 @@ fn boot(
         b.metadata_requests = Some(m.requests());
     }
     Ok(b)
+}
+
+/// Queue pairs of the multiqueue NIC: twice the vCPUs, so that virtio-net has a transmit queue per CPU for
+/// native XDP beside the stack's (one per CPU).
+const MQ_QUEUES: usize = 4;
+
+/// A multiqueue tap device on the host for one boot (QEMU opens its queues), deleted when dropped.
+struct Tap(String);
+
+impl Tap {
+    fn multiqueue() -> Result<Self> {
+        static N: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+        let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let name = format!("lbmq{}-{n}", std::process::id() % 100_000);
+        run(
+            Command::new("ip").args(["tuntap", "add", "dev", &name, "mode", "tap", "multi_queue"]),
+            "creating the multiqueue tap for the boot test (needs root and /dev/net/tun)",
+        )?;
+        let tap = Self(name);
+        run(
+            Command::new("ip").args(["link", "set", &tap.0, "up"]),
+            "setting the multiqueue tap up",
+        )?;
+        Ok(tap)
+    }
+}
+
+impl Drop for Tap {
+    fn drop(&mut self) {
+        let _ = Command::new("ip")
+            .args(["link", "del", &self.0])
+            .stderr(Stdio::null())
+            .status();
+    }
 }
 
 /// Follows the serial log until QEMU exits or time is up; runs the host side of the data-plane check and, with
@@ -1343,7 +1400,7 @@ fn judge_lb_controller(j: &mut Judge, check_programs: bool) {
     );
     // Native XDP on both virtio-net NICs: redirecting into eth2 (and back into eth1) needs its driver's
     // ndo_xdp_xmit, which virtio-net offers only with an XDP program attached.
-    for nic in ["eth1", "eth2"] {
+    for nic in ["eth1", "eth2", "eth3"] {
         j.want_eq(
             &format!("file_agent_mode_{nic}"),
             &format!("file-mode agent attached to {nic} in native XDP"),
@@ -1355,23 +1412,36 @@ fn judge_lb_controller(j: &mut Judge, check_programs: bool) {
             "1",
         );
     }
+    // The image gives the host's own connections the top ports and the agent's SNAT the rest: never one port for
+    // both towards a backend.
+    j.want_eq(
+        "kernel_port_range",
+        "the image's ephemeral ports for the host's own connections",
+        "60000-65535",
+    );
+    j.want_eq(
+        "file_agent_snat_ports",
+        "SNAT ports the agent chose (auto): below the kernel's",
+        "1024-59999",
+    );
     // lb_interface_attached's hook label says "XDP" for native XDP ("generic XDP", "TC (tcx)" otherwise).
     j.want_eq(
         "file_agent_attached",
-        "lb_interface_attached of the file-mode agent: both interfaces, native XDP",
-        "eth1:XDP,eth2:XDP",
+        "lb_interface_attached of the file-mode agent: every interface, native XDP",
+        "eth1:XDP,eth2:XDP,eth3:XDP",
     );
-    // One queue pair per NIC (QEMU's user network has no multiqueue) for two vCPUs: virtio-net shares the stack's
-    // queue with native XDP's transmits under a lock, and the agent says so.
+    // One queue pair per user-network NIC for two vCPUs: virtio-net shares the stack's queue with native XDP's
+    // transmits under a lock, and the agent says so. On the multiqueue NIC native XDP turns all four queue pairs on:
+    // the stack transmits on two, XDP on the other two (no lock), all four receive.
     j.want_eq(
         "file_agent_xdp_tx_locked",
-        "lb_interface_xdp_tx_locked of the file-mode agent: both one-queue virtio-net NICs",
-        "eth1:1,eth2:1",
+        "lb_interface_xdp_tx_locked of the file-mode agent: the one-queue NICs locked, the multiqueue one not",
+        "eth1:1,eth2:1,eth3:0",
     );
     j.want_eq(
         "file_agent_rx_queues",
-        "lb_interface_queues (rx) of the file-mode agent",
-        "eth1:1,eth2:1",
+        "lb_interface_queues (rx) of the file-mode agent: all four on the multiqueue NIC",
+        "eth1:1,eth2:1,eth3:4",
     );
     let at_least_flows = |v: &str| v.parse::<usize>().is_ok_and(|n| n >= TRAFFIC_FLOWS);
     j.want(
