@@ -1395,11 +1395,11 @@ fn judge_lb_controller(j: &mut Judge, check_programs: bool) {
     j.want_eq("agent_healthz", "lb-agent /healthz", "200 ok");
     j.want_eq(
         "file_agent_ready",
-        "file-mode agent on eth1,eth2 ready",
+        "file-mode agent on eth1,eth2,eth3 ready",
         "1",
     );
-    // Native XDP on both virtio-net NICs: redirecting into eth2 (and back into eth1) needs its driver's
-    // ndo_xdp_xmit, which virtio-net offers only with an XDP program attached.
+    // Native XDP on every virtio-net NIC: redirecting into eth2 (and back into eth1) needs its driver's
+    // ndo_xdp_xmit, which virtio-net offers only with an XDP program attached; eth3 (no traffic) for its queues.
     for nic in ["eth1", "eth2", "eth3"] {
         j.want_eq(
             &format!("file_agent_mode_{nic}"),
