@@ -22,9 +22,9 @@ pub enum SnatPorts {
 }
 
 /// Fewest ports `auto` accepts: below that the kernel's range is nearly everything and the operator must choose.
-pub const MIN_AUTO_PORTS: u32 = 1024;
+const MIN_AUTO_PORTS: u32 = 1024;
 /// Lowest port `auto` uses (the well-known ports stay free for services of the host).
-pub const AUTO_FLOOR: u16 = 1024;
+const AUTO_FLOOR: u16 = 1024;
 
 impl std::str::FromStr for SnatPorts {
     type Err = anyhow::Error;
@@ -46,15 +46,15 @@ impl std::str::FromStr for SnatPorts {
 
 /// The SNAT range to program, and the ports to take out of the kernel's choice for it.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Plan {
-    pub range: (u16, u16),
+struct Plan {
+    range: (u16, u16),
     /// Ports of `range` inside the kernel's ephemeral range, to reserve; `None` when they are apart.
-    pub reserve: Option<(u16, u16)>,
+    reserve: Option<(u16, u16)>,
 }
 
 /// Decides the SNAT range for `asked`, given the kernel's ephemeral range `ephemeral` (inclusive) and the ports
 /// already reserved there (`reserved`, as the sysctl lists them).
-pub fn plan(asked: SnatPorts, ephemeral: (u16, u16), reserved: &[(u16, u16)]) -> Result<Plan> {
+fn plan(asked: SnatPorts, ephemeral: (u16, u16), reserved: &[(u16, u16)]) -> Result<Plan> {
     let (lo, hi) = ephemeral;
     let range = match asked {
         SnatPorts::Auto => {
@@ -104,7 +104,7 @@ pub fn plan(asked: SnatPorts, ephemeral: (u16, u16), reserved: &[(u16, u16)]) ->
 }
 
 /// `net.ipv4.ip_local_port_range` of this network namespace.
-pub fn ephemeral_range(sysctl: &Path) -> Result<(u16, u16)> {
+fn ephemeral_range(sysctl: &Path) -> Result<(u16, u16)> {
     let path = sysctl.join("ip_local_port_range");
     let text =
         std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
@@ -116,7 +116,7 @@ pub fn ephemeral_range(sysctl: &Path) -> Result<(u16, u16)> {
 }
 
 /// Parses `net.ipv4.ip_local_reserved_ports` (`a-b,c,...`, or empty).
-pub fn parse_reserved(text: &str) -> Result<Vec<(u16, u16)>> {
+fn parse_reserved(text: &str) -> Result<Vec<(u16, u16)>> {
     text.trim()
         .split(',')
         .filter(|s| !s.is_empty())
