@@ -5,8 +5,10 @@
 #                                 eBPF object and puts them, with this script, into DIR (default target/sweep);
 #                                 copy DIR to the other machine.
 #   ./sweep.sh run [ARGS]         there, in DIR: `bench-dataplane --sweep` (1, 2, 4, … threads up to the CPUs
-#                                 present; ARGS are passed on, e.g. --runs 5) with the machine's description;
-#                                 prints the table and leaves results/ (JSON, uname, CPU list) beside the script.
+#                                 present; ARGS are passed on, e.g. --runs 5 --sweeps 4: on a virtual machine one
+#                                 sweep is not enough, see scaling.rs) with the machine's description; prints the
+#                                 table and leaves results/ (JSON, uname, CPU list) beside the script.
+#   ./bench-dataplane --combine A.json B.json …   the medians of sweeps run separately, as one table.
 #
 # The sweep needs no `ip`, `ethtool` or network namespace: BPF_PROG_TEST_RUN only, no map pinned.
 set -eu
@@ -31,7 +33,7 @@ run)
     LB_BENCH_OUT="$PWD/results" ./bench-dataplane --object ./lb-bench.o --sweep "$@" | tee results/sweep.txt
     ;;
 *)
-    sed -n '2,11p' "$0" >&2
+    sed -n '2,13p' "$0" >&2
     exit 2
     ;;
 esac

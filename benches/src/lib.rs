@@ -44,7 +44,12 @@ pub fn prog_stats(name: &str) -> (u64, u64) {
 /// Median of a non-empty sample.
 pub fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(|a, b| a.partial_cmp(b).unwrap());
-    v[v.len() / 2]
+    let n = v.len();
+    if n.is_multiple_of(2) {
+        (v[n / 2 - 1] + v[n / 2]) / 2.0
+    } else {
+        v[n / 2]
+    }
 }
 
 /// Runs `f` on a scoped thread that has entered network namespace `ns` (a name under /var/run/netns), so it

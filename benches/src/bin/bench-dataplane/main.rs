@@ -18,8 +18,9 @@
 //! segment whose sequence number is shifted, and the backend's reply whose acknowledgement is shifted back;
 //! the report compares them with the plain connection's cases.
 //!
-//! `--sweep` / `--threads N`: only the scaling sweep, the same program on several CPUs at once (`scaling.rs`); a
-//! smoke run ends with it on one and two threads.
+//! `--sweep` / `--threads N`: only the scaling sweep, the same program on several CPUs at once (`scaling.rs`;
+//! `--sweeps K` for the medians of K sweeps, `--combine FILES` for those of sweeps run elsewhere); a smoke run ends
+//! with it on one and two threads.
 
 use anyhow::{bail, Context, Result};
 use aya::maps::{PerCpuArray, PerCpuValues};
@@ -66,6 +67,13 @@ struct Args {
     /// Only the scaling sweep, on 1, 2, 4, … threads up to the CPUs present.
     #[arg(long)]
     sweep: bool,
+    /// With `--sweep`/`--threads`: run the sweep this many times and report the medians (see scaling.rs).
+    #[arg(long, default_value_t = 1)]
+    sweeps: usize,
+    /// Measure nothing: combine these sweeps' JSON files (`dataplane-scaling.json`, from any machine) into one
+    /// table of their medians.
+    #[arg(long, num_args = 1.., conflicts_with_all = ["sweep", "threads", "smoke"])]
+    combine: Vec<PathBuf>,
 }
 
 /// Bytes of an IPv4 benchmark frame, and of an IPv6 one (mirrors of lb-bench.rs).
@@ -576,6 +584,9 @@ fn verdict_name(v: u32) -> &'static str {
 
 fn main() -> Result<()> {
     let mut args = Args::parse();
+    if !args.combine.is_empty() {
+        return scaling::combine_files(&args.combine);
+    }
     if args.smoke {
         (args.repeat, args.runs, args.production_flows) = (1000, 1, 1 << 16);
     }
@@ -613,7 +624,8 @@ fn main() -> Result<()> {
             dp: load(&obj, &MapSizes::default())?,
             args,
         };
-        return scaling::run(&mut b, &obj, &counts);
+        let sweeps = b.args.sweeps;
+        return scaling::run(&mut b, &obj, &counts, sweeps);
     }
     let mut b = Bench {
         dp: load(&obj, &sizes)?,
@@ -865,7 +877,7 @@ fn main() -> Result<()> {
     println!("  JSON: {}", path.display());
     if b.args.smoke {
         // The sweep's code paths too (threads on CPUs of their own), at smoke size.
-        scaling::run(&mut b, &obj, &scaling::sweep_counts(cpus.min(2)))?;
+        scaling::run(&mut b, &obj, &scaling::sweep_counts(cpus.min(2)), 1)?;
     }
     Ok(())
 }

@@ -9,15 +9,23 @@
 //! restore included, in every thread count alike) and the scaling efficiency, aggregate ÷ (N × one thread's).
 //! Thread counts are measured in rounds. IPv4 cases; small tables for the fast cases, a handshake table emptied
 //! before each measurement and sized for its SYNs for the new flow with room, the production-sized, filled ones for
-//! the `_full` cases and the guarded SYN drop.
+//! the `_full` cases (new TCP handshakes, new UDP flows, established connections) and the guarded SYN drop.
+//!
+//! `--sweeps K` runs the whole sweep K times and reports, per case and count, the medians across them, with the
+//! efficiency against the median one-thread rate and the sweeps' own efficiencies as a range; `--combine` does
+//! the same with the JSON of sweeps run elsewhere (`benches/sweep.sh`). One sweep is not enough on a virtual
+//! machine whose neighbours come and go: a vCPU's speed changes from one sweep to the next (measured on a 16-vCPU
+//! VM: one thread alone took 60 or 120 ns per established packet, sweep by sweep, sixteen at once 100-115 ns),
+//! and one sweep's efficiency inherits whichever speed its one-thread row caught.
 
 use super::{fill_both, load, open_connection, pad, verdict_name, Bench, MapSizes, VIP};
 use anyhow::{bail, Context, Result};
 use aya::programs::{TestRun, TestRunOptions};
 use lb_benches::{allowed_cpus, cpu_model, median, pin_cpu, write_json};
 use lb_test_support::packets::*;
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use std::net::Ipv4Addr;
+use std::path::PathBuf;
 use std::sync::Barrier;
 use std::time::Instant;
 
@@ -32,11 +40,11 @@ pub fn sweep_counts(cpus: usize) -> Vec<usize> {
     v
 }
 
-#[derive(Serialize)]
+#[derive(Serialize, Deserialize)]
 struct Row {
-    case: &'static str,
+    case: String,
     threads: usize,
-    verdict: &'static str,
+    verdict: String,
     aggregate_mpps: f64,
     /// Mean over the threads of the kernel's ns per repeat (template restore included).
     ns_per_packet: f64,
@@ -45,19 +53,22 @@ struct Row {
     /// The share of the shortest thread's run during which all threads ran (the lowest of the runs); the rates
     /// add up as concurrent ones only near 1.
     overlap: f64,
+    /// Several sweeps combined: the lowest and highest of their own efficiencies.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    efficiency_range: Option<[f64; 2]>,
 }
 
-#[derive(Serialize)]
+#[derive(Serialize, Deserialize)]
 struct Goal {
     threads: usize,
     min_efficiency: f64,
-    cases: Vec<&'static str>,
+    cases: Vec<String>,
     /// The lowest efficiency among `cases` at `threads`, and whether it reaches the goal.
     worst: f64,
     met: bool,
 }
 
-#[derive(Serialize)]
+#[derive(Serialize, Deserialize)]
 struct Report {
     cpu_model: String,
     /// CPUs this process could run on.
@@ -66,8 +77,15 @@ struct Report {
     repeat: u32,
     new_flow_repeat: u32,
     runs: usize,
+    /// Sweeps whose medians the rows are (1: the rows are one sweep's).
+    #[serde(default = "one")]
+    sweeps: usize,
     rows: Vec<Row>,
     goals: Vec<Goal>,
+}
+
+fn one() -> usize {
+    1
 }
 
 /// Thread `k`'s client address for its connections and flows (not varied).
@@ -80,6 +98,9 @@ fn client(k: usize) -> Ipv4Addr {
 fn varied_source(first: u8, k: usize) -> Ipv4Addr {
     Ipv4Addr::new(first, k as u8, 0, 0)
 }
+
+/// A new flow costs ~10× an established packet: fewer repeats keep each measurement near a second.
+const NEW_FLOW_REPEAT: u32 = 200_000;
 
 /// One measurement on N threads at once (or the median of several).
 struct Measured {
@@ -198,8 +219,9 @@ impl Bench {
     }
 }
 
-/// Runs the sweep over `counts` thread counts (each ≤ the allowed CPUs) and prints and writes its report.
-pub fn run(b: &mut Bench, obj: &[u8], counts: &[usize]) -> Result<()> {
+/// Runs the sweep over `counts` thread counts (each ≤ the allowed CPUs) `sweeps` times, printing each sweep's
+/// table, and prints and writes the report: the one sweep's, or the medians of several.
+pub fn run(b: &mut Bench, obj: &[u8], counts: &[usize], sweeps: usize) -> Result<()> {
     let allowed = allowed_cpus()?;
     let max = *counts.iter().max().context("no thread counts")?;
     if max > allowed.len() || max > 250 {
@@ -208,9 +230,62 @@ pub fn run(b: &mut Bench, obj: &[u8], counts: &[usize]) -> Result<()> {
             allowed.len()
         );
     }
+    let mut reports = Vec::new();
+    for k in 1..=sweeps.max(1) {
+        let rows = sweep(b, obj, &allowed, counts)?;
+        let report = Report {
+            cpu_model: cpu_model(),
+            cpus: allowed.len(),
+            threads: counts.to_vec(),
+            repeat: b.args.repeat,
+            new_flow_repeat: b.args.repeat.min(NEW_FLOW_REPEAT),
+            runs: b.args.runs,
+            sweeps: 1,
+            goals: goals(&rows, counts),
+            rows,
+        };
+        if sweeps > 1 {
+            println!("\nsweep {k} of {sweeps}");
+        }
+        print(&report);
+        reports.push(report);
+    }
+    let report = if reports.len() == 1 {
+        reports.pop().context("no sweep")?
+    } else {
+        let r = combine(reports)?;
+        print(&r);
+        r
+    };
+    let path = write_json("dataplane-scaling", b.args.smoke, &report)?;
+    println!("  JSON: {}", path.display());
+    Ok(())
+}
+
+/// Combines the JSON of earlier sweeps (`--combine`: run elsewhere, e.g. by `benches/sweep.sh` on a larger
+/// machine) into one report of their medians; measures nothing.
+pub fn combine_files(paths: &[PathBuf]) -> Result<()> {
+    let reports = paths
+        .iter()
+        .map(|p| -> Result<Report> {
+            let text =
+                std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))?;
+            serde_json::from_str(&text)
+                .with_context(|| format!("{}: not a scaling sweep's JSON", p.display()))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let report = combine(reports)?;
+    print(&report);
+    let path = write_json("dataplane-scaling-combined", false, &report)?;
+    println!("  JSON: {}", path.display());
+    Ok(())
+}
+
+/// One sweep: every case on every count, its rows in the order measured.
+fn sweep(b: &mut Bench, obj: &[u8], allowed: &[usize], counts: &[usize]) -> Result<Vec<Row>> {
+    let max = *counts.iter().max().context("no thread counts")?;
     b.dp = load(obj, &MapSizes::default())?;
-    // A new flow costs ~10× an established packet: fewer repeats keep each measurement near a second.
-    let nf_repeat = b.args.repeat.min(200_000);
+    let nf_repeat = b.args.repeat.min(NEW_FLOW_REPEAT);
     let mut rows: Vec<Row> = Vec::new();
     let syn_from = |src: Ipv4Addr| pad(tcp(CLIENT_MAC, LB_MAC, src, 40000, VIP, 80, SYN, b""));
 
@@ -241,7 +316,7 @@ pub fn run(b: &mut Bench, obj: &[u8], counts: &[usize]) -> Result<()> {
     fast.push(("udp_established", udp));
     fast.push(("non_service_pass", other));
     for (case, frames) in &fast {
-        let m = b.scale_case(&allowed, counts, frames, false, b.args.repeat, false)?;
+        let m = b.scale_case(allowed, counts, frames, false, b.args.repeat, false)?;
         record_all(&mut rows, counts, case, m);
     }
     let syns: Vec<Vec<u8>> = (0..max).map(|k| syn_from(varied_source(10, k))).collect();
@@ -260,7 +335,7 @@ pub fn run(b: &mut Bench, obj: &[u8], counts: &[usize]) -> Result<()> {
             ..MapSizes::default()
         },
     )?;
-    let m = b.scale_case(&allowed, counts, &syns, true, room_repeat, true)?;
+    let m = b.scale_case(allowed, counts, &syns, true, room_repeat, true)?;
     record_all(&mut rows, counts, "tcp_new_flow_syn", m);
 
     // Production tables, filled: new flows into them (the handshake table overrun), established connections in
@@ -276,22 +351,95 @@ pub fn run(b: &mut Bench, obj: &[u8], counts: &[usize]) -> Result<()> {
     for k in 0..max {
         established.push(open_connection(b, client(k).into(), VIP.into(), 40001, 80)?.first);
     }
-    let m = b.scale_case(&allowed, counts, &syns, true, nf_repeat, false)?;
+    let m = b.scale_case(allowed, counts, &syns, true, nf_repeat, false)?;
     record_all(&mut rows, counts, "tcp_new_flow_syn_full", m);
-    let m = b.scale_case(&allowed, counts, &established, false, b.args.repeat, false)?;
+    // A new UDP flow goes straight into the connection table (no handshake), whose LRU lists are common.
+    let datagrams: Vec<Vec<u8>> = (0..max)
+        .map(|k| pad(udp_frame(varied_source(20, k))))
+        .collect();
+    let m = b.scale_case(allowed, counts, &datagrams, true, nf_repeat, false)?;
+    record_all(&mut rows, counts, "udp_new_flow_full", m);
+    let m = b.scale_case(allowed, counts, &established, false, b.args.repeat, false)?;
     record_all(&mut rows, counts, "tcp_established_full", m);
     b.dp.maps.config.set(
         lb_common::CONFIG_INDEX,
         &lb_common::Config::default().with_syn_rate(1, 1),
     )?;
     let spoofed: Vec<Vec<u8>> = (0..max).map(|k| syn_from(varied_source(100, k))).collect();
-    let m = b.scale_case(&allowed, counts, &spoofed, true, b.args.repeat, false)?;
+    let m = b.scale_case(allowed, counts, &spoofed, true, b.args.repeat, false)?;
     record_all(&mut rows, counts, "tcp_syn_guard_drop_full", m);
 
+    Ok(rows)
+}
+
+/// The medians of several sweeps of the same thread counts, case by case: a count's aggregate and ns are the
+/// medians of the sweeps' (each itself a median of runs), its efficiency is against the median one-thread rate,
+/// and `efficiency_range` keeps the sweeps' own.
+fn combine(reports: Vec<Report>) -> Result<Report> {
+    let first = reports.first().context("no sweep to combine")?;
+    if let Some(r) = reports.iter().find(|r| r.threads != first.threads) {
+        bail!(
+            "sweeps of different thread counts ({:?} and {:?}) do not combine",
+            first.threads,
+            r.threads
+        );
+    }
+    let sweeps: usize = reports.iter().map(|r| r.sweeps).sum();
+    let mut rows: Vec<Row> = Vec::new();
+    for row in &first.rows {
+        let same: Vec<&Row> = reports
+            .iter()
+            .flat_map(|r| &r.rows)
+            .filter(|r| r.case == row.case && r.threads == row.threads)
+            .collect();
+        // A row that is itself combined brings its sweeps' range.
+        let lo = same
+            .iter()
+            .map(|r| r.efficiency_range.map_or(r.efficiency, |e| e[0]));
+        let hi = same
+            .iter()
+            .map(|r| r.efficiency_range.map_or(r.efficiency, |e| e[1]));
+        let mpps = median(same.iter().map(|r| r.aggregate_mpps).collect());
+        let one = rows
+            .iter()
+            .find(|r| r.case == row.case && r.threads == 1)
+            .map_or(mpps, |r| r.aggregate_mpps);
+        rows.push(Row {
+            case: row.case.clone(),
+            threads: row.threads,
+            verdict: row.verdict.clone(),
+            aggregate_mpps: mpps,
+            ns_per_packet: median(same.iter().map(|r| r.ns_per_packet).collect()),
+            efficiency: mpps / (row.threads as f64 * one),
+            overlap: same.iter().map(|r| r.overlap).fold(f64::INFINITY, f64::min),
+            efficiency_range: Some([
+                lo.fold(f64::INFINITY, f64::min),
+                hi.fold(f64::NEG_INFINITY, f64::max),
+            ]),
+        });
+    }
+    let mut models: Vec<&str> = reports.iter().map(|r| r.cpu_model.as_str()).collect();
+    models.dedup();
+    Ok(Report {
+        cpu_model: models.join(" / "),
+        cpus: first.cpus,
+        threads: first.threads.clone(),
+        repeat: first.repeat,
+        new_flow_repeat: first.new_flow_repeat,
+        runs: first.runs,
+        sweeps,
+        goals: goals(&rows, &first.threads),
+        rows,
+    })
+}
+
+/// The issue's goals that these counts can show: every case at two threads, the established, UDP and new-flow-
+/// into-the-full-table cases at sixteen.
+fn goals(rows: &[Row], counts: &[usize]) -> Vec<Goal> {
     // The cases in the order measured (each case's rows are together: `record_all` adds all its counts at once).
-    let mut order: Vec<&'static str> = rows.iter().map(|r| r.case).collect();
+    let mut order: Vec<String> = rows.iter().map(|r| r.case.clone()).collect();
     order.dedup();
-    let goal = |threads, min, cases: Vec<&'static str>| {
+    let goal = |threads, min, cases: Vec<String>| {
         let worst = rows
             .iter()
             .filter(|r| r.threads == threads && cases.contains(&r.case))
@@ -307,50 +455,35 @@ pub fn run(b: &mut Bench, obj: &[u8], counts: &[usize]) -> Result<()> {
     };
     let mut goals = vec![];
     if counts.contains(&2) {
-        goals.push(goal(2, 0.9, order.clone()));
+        goals.push(goal(2, 0.9, order));
     }
     if counts.contains(&16) {
-        goals.push(goal(
-            16,
-            0.8,
-            vec![
-                "tcp_established",
-                "udp_established",
-                "tcp_new_flow_syn_full",
-            ],
-        ));
+        let cases = [
+            "tcp_established",
+            "udp_established",
+            "tcp_new_flow_syn_full",
+        ];
+        goals.push(goal(16, 0.8, cases.map(String::from).to_vec()));
     }
-    let report = Report {
-        cpu_model: cpu_model(),
-        cpus: allowed.len(),
-        threads: counts.to_vec(),
-        repeat: b.args.repeat,
-        new_flow_repeat: nf_repeat,
-        runs: b.args.runs,
-        rows,
-        goals,
-    };
-    print(&report);
-    let path = write_json("dataplane-scaling", b.args.smoke, &report)?;
-    println!("  JSON: {}", path.display());
-    Ok(())
+    goals
 }
 
 /// Adds a case's rows, one per thread count, with each count's efficiency against the case's one-thread row.
-fn record_all(rows: &mut Vec<Row>, counts: &[usize], case: &'static str, m: Vec<Measured>) {
+fn record_all(rows: &mut Vec<Row>, counts: &[usize], case: &str, m: Vec<Measured>) {
     for (&threads, m) in counts.iter().zip(m) {
         let one = rows
             .iter()
             .find(|r| r.case == case && r.threads == 1)
             .map_or(m.mpps, |r| r.aggregate_mpps);
         rows.push(Row {
-            case,
+            case: case.to_owned(),
             threads,
-            verdict: verdict_name(m.verdict),
+            verdict: verdict_name(m.verdict).to_owned(),
             aggregate_mpps: m.mpps,
             ns_per_packet: m.ns,
             efficiency: m.mpps / (threads as f64 * one),
             overlap: m.overlap,
+            efficiency_range: None,
         });
     }
 }
@@ -363,17 +496,29 @@ fn print(r: &Report) {
     println!();
     println!(
         "scaling, BPF_PROG_TEST_RUN on N threads at once (each pinned to a CPU of its own, on flows of its own), \
-         {} repeats (new flows {}) x {} runs (median), 64-byte IPv4 frames",
-        r.repeat, r.new_flow_repeat, r.runs
+         {} repeats (new flows {}) x {} runs (median){}, 64-byte IPv4 frames",
+        r.repeat,
+        r.new_flow_repeat,
+        r.runs,
+        if r.sweeps > 1 {
+            format!(", medians of {} sweeps", r.sweeps)
+        } else {
+            String::new()
+        }
     );
     println!("  CPU: {} ({} CPUs usable)", r.cpu_model, r.cpus);
+    let range_head = if r.sweeps > 1 { "  sweeps' eff." } else { "" };
     println!(
-        "  {:<24} {:>7} {:>8} {:>14} {:>14} {:>10} {:>8}",
+        "  {:<24} {:>7} {:>8} {:>14} {:>14} {:>10} {:>8}{range_head}",
         "case", "threads", "verdict", "aggregate Mpps", "ns/pkt/thread", "efficiency", "overlap"
     );
     for row in &r.rows {
+        let range = row
+            .efficiency_range
+            .map(|[lo, hi]| format!("  {lo:>5.2}-{hi:.2}"))
+            .unwrap_or_default();
         println!(
-            "  {:<24} {:>7} {:>8} {:>14.2} {:>14.1} {:>10.2} {:>8.2}",
+            "  {:<24} {:>7} {:>8} {:>14.2} {:>14.1} {:>10.2} {:>8.2}{range}",
             row.case,
             row.threads,
             row.verdict,
@@ -385,7 +530,7 @@ fn print(r: &Report) {
     }
     for g in &r.goals {
         println!(
-            "  goal: efficiency ≥ {} at {} threads ({}): {} (worst {:.2})",
+            "  goal: efficiency ≥ {} at {} threads ({}): {} (worst {:.3})",
             g.min_efficiency,
             g.threads,
             if g.cases.len() > 3 {
