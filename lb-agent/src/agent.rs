@@ -8,7 +8,7 @@ use crate::dataplane::neighbor;
 use crate::dataplane::nic::Nic;
 use crate::dataplane::programmer::{ip_to_addr, Programmer};
 use crate::dataplane::route_events::RouteEvents;
-use crate::dataplane::{AttachMode, Dataplane, MapSizes};
+use crate::dataplane::{AttachMode, ConnectionLru, Dataplane, MapSizes};
 use crate::ha::{Ha, HaOptions, HaSnapshot};
 use crate::health::{HealthChecker, HealthMap};
 use crate::report::metrics::{ServiceMetrics, SharedSnapshot, Snapshot};
@@ -170,6 +170,14 @@ impl Agent {
         snapshot: SharedSnapshot,
     ) -> Result<Self> {
         let mut dp = Dataplane::load(&opts.sizes, opts.pin_dir.as_deref())?;
+        let per_cpu = dp.maps.flows.per_cpu_lru();
+        if per_cpu != (opts.sizes.connection_lru == ConnectionLru::PerCpu) {
+            tracing::info!(
+                per_cpu_lists = per_cpu,
+                "the pinned connection tables keep the LRU lists they were made with; --connection-lru applies when \
+                 they are made again (a map layout change, or a clean start)"
+            );
+        }
         // Before anything writes the new maps: an upgrade across a map layout change brings the previous layout's
         // state along (the services adopted below included).
         let carried = dp.carry_over(opts.clean_start)?;
@@ -675,6 +683,7 @@ impl Agent {
                 .collect(),
             flow_entries,
             flow_capacity: self.opts.sizes.flows as u64,
+            flow_table_per_cpu_lists: self.dp.maps.flows.per_cpu_lru(),
             transient_entries,
             transient_capacity: self.opts.sizes.transient as u64,
             flow_entries_v6,

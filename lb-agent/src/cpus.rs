@@ -29,6 +29,28 @@ pub fn pin_current_thread(cpu: usize) -> Result<()> {
     Ok(())
 }
 
+/// Runs `f` on the calling thread moved to `cpu`, then lets the thread run where it could before.
+pub fn on_cpu<T>(cpu: usize, f: impl FnOnce() -> T) -> Result<T> {
+    // SAFETY: as in `allowed`.
+    let mut before: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+    if unsafe { libc::sched_getaffinity(0, std::mem::size_of_val(&before), &mut before) } != 0 {
+        bail!(
+            "reading this thread's CPUs: {}",
+            std::io::Error::last_os_error()
+        );
+    }
+    pin_current_thread(cpu)?;
+    let out = f();
+    // SAFETY: `before` is the mask the kernel gave this thread.
+    if unsafe { libc::sched_setaffinity(0, std::mem::size_of_val(&before), &before) } != 0 {
+        bail!(
+            "restoring this thread's CPUs: {}",
+            std::io::Error::last_os_error()
+        );
+    }
+    Ok(out)
+}
+
 #[cfg(test)]
 mod tests {
     #[test]
@@ -38,5 +60,18 @@ mod tests {
         std::thread::spawn(move || super::pin_current_thread(cpus[0]).unwrap())
             .join()
             .unwrap();
+    }
+
+    #[test]
+    fn a_thread_moved_to_a_cpu_for_a_while_gets_its_cpus_back() {
+        let cpus = super::allowed();
+        let last = *cpus.last().unwrap();
+        std::thread::spawn(move || {
+            let inside = super::on_cpu(last, super::allowed).unwrap();
+            assert_eq!(inside, vec![last]);
+            assert_eq!(super::allowed(), cpus);
+        })
+        .join()
+        .unwrap();
     }
 }

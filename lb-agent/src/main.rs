@@ -5,7 +5,8 @@
 use anyhow::{bail, Context, Result};
 use clap::{Parser, ValueEnum};
 use lb_agent::agent::{self, AgentOptions};
-use lb_agent::dataplane::{AttachMode, MapSizes};
+use lb_agent::dataplane::nic::Nic;
+use lb_agent::dataplane::{AttachMode, ConnectionLru, MapSizes};
 use lb_agent::ha::vrrp::VrrpOptions;
 use lb_agent::ha::{HaOptions, SyncSettings};
 use lb_agent::health::{Bytes, HealthCheckSpec, HttpCheck, UdpCheck};
@@ -28,6 +29,17 @@ enum Mode {
     XdpGeneric,
     /// TC ingress (tcx): keeps GSO/GRO super-packets; for bulk TCP on virtio/veth.
     Tc,
+}
+
+/// The connection tables' LRU lists (`--connection-lru`).
+#[derive(Clone, Copy, ValueEnum, Debug, PartialEq, Eq)]
+enum LruLists {
+    /// Per CPU when every interface has a receive queue per possible CPU, else common.
+    Auto,
+    /// One list per CPU (new connections scale with the CPUs; each CPU evicts within its share).
+    PerCpu,
+    /// Lists common to all CPUs.
+    Common,
 }
 
 #[derive(Clone, Copy, ValueEnum, Debug)]
@@ -167,6 +179,11 @@ struct Cli {
     /// Sources remembered as having completed a TCP handshake (let through by the SYN rate guard).
     #[arg(long, env = "LB_MAX_TRUSTED_SOURCES", default_value_t = lb_common::defaults::MAX_TRUSTED_SOURCES)]
     max_trusted_sources: u32,
+    /// The connection tables' LRU lists, chosen when they are created (a restart keeps the pinned tables'):
+    /// per CPU they let every CPU insert new connections without waiting for the others, but split the table
+    /// evenly between the possible CPUs, so they suit interfaces whose receive queues cover the CPUs (`auto`).
+    #[arg(long, env = "LB_CONNECTION_LRU", value_enum, default_value_t = LruLists::Auto)]
+    connection_lru: LruLists,
     /// Services (VIP, port, protocol).
     #[arg(long, env = "LB_MAX_SERVICES", default_value_t = lb_common::defaults::MAX_SERVICES)]
     max_services: u32,
@@ -438,6 +455,23 @@ async fn main() -> Result<()> {
         }
     }
     let (min, max) = lb_agent::snat_ports::apply(cli.snat_ports, Path::new("/proc/sys/net/ipv4"))?;
+    let connection_lru = match cli.connection_lru {
+        LruLists::PerCpu => ConnectionLru::PerCpu,
+        LruLists::Common => ConnectionLru::Common,
+        LruLists::Auto => {
+            let queues: Vec<u32> = cli
+                .interface
+                .iter()
+                .map(|i| Nic::read(i).rx_queues)
+                .collect();
+            let cpus = lb_agent::dataplane::nic::possible_cpus();
+            let lists = ConnectionLru::for_queues(&queues, cpus);
+            tracing::info!(receive_queues = ?queues, possible_cpus = cpus, lists = ?lists,
+                "connection tables' LRU lists (--connection-lru auto): per CPU when every interface has a receive \
+                 queue per possible CPU");
+            lists
+        }
+    };
     let opts = AgentOptions {
         interface: cli.interface[0].clone(),
         forward_interfaces: cli.interface[1..].to_vec(),
@@ -449,6 +483,7 @@ async fn main() -> Result<()> {
         },
         pin_dir: (!cli.no_pin).then(|| cli.pin_dir.join(&cli.interface[0])),
         sizes: MapSizes {
+            connection_lru,
             flows: cli.max_flows,
             transient: cli.max_transient_flows,
             flows_v6: cli.max_flows_v6,

@@ -1229,6 +1229,33 @@ mod state_sync {
                 "the replaced SNAT port is freed"
             );
         }
+
+        fn a_backup_keeps_more_connections_than_one_cpus_share_of_its_table() {
+            // The connection table's LRU lists are per CPU here, each CPU evicting within its share (`test_sizes`:
+            // 8192 entries). A master's connections arrive in a sync's small frames: written from one CPU, 6000
+            // connections (12 000 entries) would overrun that CPU's share and evict one another.
+            let (mut a, b, mut store, mut events) = pair::<F>(None);
+            assert!(b.flows().per_cpu_lru());
+            open(&mut a, 44000);
+            let ev = read_event::<F::A>(&mut events).unwrap();
+            let recs: Vec<FlowRecord> = (0..6000u16)
+                .map(|i| {
+                    let mut e = ev;
+                    e.key.sport = (10000 + i).to_be();
+                    e.fwd.new_sport = (20000 + i).to_be();
+                    e.rev.new_dport = e.key.sport;
+                    FlowRecord {
+                        event: F::sync_event(e),
+                        age_ms: 0,
+                    }
+                })
+                .collect();
+            for chunk in recs.chunks(7) {
+                let outcomes = store.apply_batch(chunk).unwrap();
+                assert!(outcomes.iter().all(|o| *o == ApplyOutcome::Applied), "{outcomes:?}");
+            }
+            assert_eq!(b.flows().entries().unwrap().len(), 12000, "every connection kept, both entries");
+        }
     }
 
     /// An IPv6 connection's records land in the IPv6 tables under the same rules: the service id translated,

@@ -5,7 +5,7 @@
 use lb_agent::dataplane::gc::{self, now_ns};
 use lb_agent::dataplane::model::{Protocol, ServiceId, ServiceSpec};
 use lb_agent::dataplane::programmer::{ip_to_addr, service_key, Programmer};
-use lb_agent::dataplane::{Dataplane, MapSizes};
+use lb_agent::dataplane::{ConnectionLru, Dataplane, MapSizes};
 use lb_common::{
     Addr, FlowKeyV4, FlowKeyV6, FlowV4, FlowV6, In6, TransientV6, FAMILY_V6, FLOW_F_END,
     FLOW_F_FIN, FLOW_F_FORWARD, FLOW_F_REVERSE, PROTO_TCP, PROTO_UDP, SVC_F_SOURCE_RANGES,
@@ -16,6 +16,7 @@ use std::time::Duration;
 
 fn sizes() -> MapSizes {
     MapSizes {
+        connection_lru: ConnectionLru::PerCpu,
         flows: 1024,
         transient: 256,
         flows_v6: 1024,

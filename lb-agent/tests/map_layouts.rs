@@ -1,7 +1,7 @@
 //! An upgrade across a map layout change, with the real programs and maps (root): the previous layout's pinned
 //! state is carried into the new layout's maps before the new programs run, and every connection, UDP flow and
 //! handshake in progress continues with the same translation. The previous layout's pins are this layout's,
-//! renamed to the previous layout's directory: the two differ only in the handshake tables' LRU lists (per CPU
+//! renamed to the previous layout's directory: the two differ only in the connection tables' LRU lists (per CPU
 //! now), which the carry does not depend on. (The netns e2e does the same with the real agent and real traffic.)
 
 mod common;

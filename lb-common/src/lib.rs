@@ -14,7 +14,7 @@
 /// Bumped whenever a pinned map's key or value layout, type or flags change. The agent pins maps under a directory
 /// named after it, so an upgrade with a new layout creates new maps instead of misreading old ones, and carries the
 /// previous layout's state over into them (the agent's `dataplane::layouts`).
-pub const LAYOUT_VERSION: u32 = 10;
+pub const LAYOUT_VERSION: u32 = 11;
 
 /// IP protocol number of TCP.
 pub const PROTO_TCP: u8 = 6;

@@ -53,11 +53,13 @@ pub static SOURCE_RANGES: LpmTrie<SourceRangeKey, u8> =
 #[map]
 pub static VIPS: HashMap<Addr, u32> = HashMap::with_max_entries(defaults::MAX_SERVICES, 0);
 
-/// IPv4 connection tracking, both directions of every flow. Shared by all CPUs on purpose: the reply of a
-/// full-NAT flow usually arrives on another CPU than the request.
+/// IPv4 connection tracking, both directions of every flow. One hash table for all CPUs (the reply of a full-NAT
+/// flow usually arrives on another CPU than the request); its LRU lists are per CPU, as built here — both entries
+/// of a flow are made on its client's CPU — unless the agent clears the flag before load because the NICs' receive
+/// queues do not cover the CPUs (docs/design.md, "Several CPUs").
 #[map]
 pub static FLOWS_V4: LruHashMap<FlowKeyV4, FlowV4> =
-    LruHashMap::with_max_entries(defaults::MAX_FLOWS, 0);
+    LruHashMap::with_max_entries(defaults::MAX_FLOWS, BPF_F_NO_COMMON_LRU);
 
 /// TCP handshakes in progress and closed connections, both directions (see `lb_common::TransientV4`): a small
 /// LRU of their own, so SYN floods and the churn of short connections never evict an established connection
@@ -70,7 +72,7 @@ pub static TRANSIENT_V4: LruHashMap<FlowKeyV4, TransientV4> =
 /// IPv6 connection tracking: `FLOWS_V4`'s rules with IPv6 keys.
 #[map]
 pub static FLOWS_V6: LruHashMap<FlowKeyV6, FlowV6> =
-    LruHashMap::with_max_entries(defaults::MAX_FLOWS_V6, 0);
+    LruHashMap::with_max_entries(defaults::MAX_FLOWS_V6, BPF_F_NO_COMMON_LRU);
 
 /// IPv6 handshakes and closed connections: `TRANSIENT_V4`'s rules with IPv6 keys.
 #[map]

@@ -100,16 +100,23 @@ fn map_memory() -> Vec<MapMem> {
 
 fn fill_flows(dp: &mut Dataplane, n: u32) -> Result<()> {
     let v = FlowV4::default();
-    for i in 0..n {
-        let key = FlowKeyV4 {
-            src: (0x0a00_0000 | (i >> 16)).to_be(),
-            dst: u32::from_be_bytes([203, 0, 113, 1]).to_be(),
-            sport: (i as u16).to_be(),
-            dport: 80u16.to_be(),
-            proto: 6,
-            _pad: [0; 3],
-        };
-        dp.maps.set_flow(&key, &v)?;
+    let entries: Vec<(FlowKeyV4, FlowV4)> = (0..n)
+        .map(|i| {
+            let key = FlowKeyV4 {
+                src: (0x0a00_0000 | (i >> 16)).to_be(),
+                dst: u32::from_be_bytes([203, 0, 113, 1]).to_be(),
+                sport: (i as u16).to_be(),
+                dport: 80u16.to_be(),
+                proto: 6,
+                _pad: [0; 3],
+            };
+            (key, v)
+        })
+        .collect();
+    // Spread over the CPUs: with per-CPU LRU lists, one CPU's writes would fill only its share of the table.
+    dp.maps.flows.insert_spread(&entries)?;
+    for (k, _) in &entries {
+        dp.maps.flow_filter.mark(k);
     }
     Ok(())
 }

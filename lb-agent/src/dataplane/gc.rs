@@ -223,7 +223,7 @@ fn end_in<A: FlowAddr>(
     ends: &dyn Fn(Protocol, IpAddr, u32, SocketAddr) -> bool,
     ended: &mut HashMap<u32, u64>,
 ) -> Result<()> {
-    let mut gone = Vec::new();
+    let (mut gone, mut marked) = (Vec::new(), Vec::new());
     for (k, mut f) in table.entries()? {
         if f.flags & (FLOW_F_FORWARD | FLOW_F_END) != FLOW_F_FORWARD {
             continue;
@@ -241,10 +241,12 @@ fn end_in<A: FlowAddr>(
             gone.extend([k, f.partner_key(k.proto)]);
         } else {
             f.flags |= FLOW_F_END;
-            table.insert(&k, &f)?;
+            marked.push((k, f));
         }
         *ended.entry(f.svc_id).or_default() += 1;
     }
+    // A dead backend's connections can be many: spread where the lists are per CPU.
+    table.insert_spread(&marked)?;
     table.remove_many(&gone)?;
     Ok(())
 }
@@ -273,12 +275,13 @@ pub fn retarget<A: FlowAddr>(
                 if let Some(egress) = nh.egress {
                     f.egress = egress;
                 }
-                table.insert(&k, &f)?;
-                written.push(k);
+                written.push((k, f));
             }
         }
     }
-    Ok(written)
+    // Every connection through a next hop can be many: spread where the lists are per CPU.
+    table.insert_spread(&written)?;
+    Ok(written.into_iter().map(|(k, _)| k).collect())
 }
 
 /// Nanoseconds per millisecond (ages travel in ms, the data plane's clock is in ns).

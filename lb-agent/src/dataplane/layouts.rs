@@ -28,11 +28,11 @@ use std::hash::{DefaultHasher, Hash, Hasher};
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-/// The layout whose pinned state this build carries over: the one before it. v9 → v10 gave the handshake tables
-/// per-CPU LRU lists and changed no entry's bytes, so the carried maps are read with this layout's types (aya
-/// checks each map's type and key and value sizes). A layout that changes an entry keeps the previous layout's
-/// type here and converts it in [`carry`].
-pub const CARRIED_LAYOUT: u32 = 9;
+/// The layout whose pinned state this build carries over: the one before it. v10 → v11 gave the connection
+/// tables per-CPU LRU lists (v9 → v10 the handshake tables) and changed no entry's bytes, so the carried maps are
+/// read with this layout's types (aya checks each map's type and key and value sizes). A layout that changes an
+/// entry keeps the previous layout's type here and converts it in [`carry`].
+pub const CARRIED_LAYOUT: u32 = 10;
 
 /// The maps whose state [`carry`] brings over: copied, or derived from what is (the flow filter, the handshake
 /// index). The test checks every map is here or in [`NOT_CARRIED`].
@@ -172,14 +172,14 @@ where
     Transient<A>: Pod,
 {
     let flows = chosen(A::flows(old).entries()?, |k| copy(new, Entry::Flow(k)))?;
-    A::flows_mut(new).insert_many(&flows)?;
+    A::flows_mut(new).insert_spread(&flows)?;
     for (k, _) in &flows {
         new.flow_filter.mark(k);
     }
     let transient = chosen(A::transient(old).entries()?, |k| {
         copy(new, Entry::Transient(k))
     })?;
-    A::transient_mut(new).insert_on_every_cpu(&transient)?;
+    A::transient_mut(new).insert_spread(&transient)?;
     // The handshake index, for the handshakes carried: where the client's ACK finds its handshake. Rebuilt from
     // the entries rather than copied, whose 2^18 slots are mostly empty or stale.
     for (rkey, t) in &transient {

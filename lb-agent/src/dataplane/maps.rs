@@ -206,13 +206,22 @@ impl Maps {
 pub struct Table<K, V> {
     name: &'static str,
     map: HashMap<MapData, K, V>,
+    /// An LRU map with a list per CPU (`BPF_F_NO_COMMON_LRU`), as the kernel reports it.
+    per_cpu_lru: bool,
 }
 
 impl<K: Pod, V: Pod> Open for Table<K, V> {
     fn open(name: &'static str, map: Map) -> Result<Self> {
+        let map: HashMap<MapData, K, V> = typed(name, map)?;
+        let flags = map
+            .map()
+            .info()
+            .with_context(|| format!("reading the kernel's information on {name}"))?
+            .map_flags();
         Ok(Table {
             name,
-            map: typed(name, map)?,
+            map,
+            per_cpu_lru: flags & super::map_defs::BPF_F_NO_COMMON_LRU != 0,
         })
     }
 }
@@ -269,21 +278,31 @@ impl<K: Pod, V: Pod> Table<K, V> {
         Self::open(self.name, Map::from_map_data(data)?)
     }
 
-    /// Writes `entries` into a table with per-CPU LRU lists (the handshake tables) from one thread per CPU this
-    /// process may run on, an even share each. Each CPU's list covers an even share of the table, and an entry
-    /// written from user space joins the writing CPU's list: written from one CPU, more than that share would evict
-    /// one another. A few entries are written from the calling thread (threads cost more than they spread).
-    pub fn insert_on_every_cpu(&mut self, entries: &[(K, V)]) -> Result<()>
+    /// Whether this is an LRU table with a list per CPU.
+    pub fn per_cpu_lru(&self) -> bool {
+        self.per_cpu_lru
+    }
+
+    /// Writes `entries` (as [`Self::insert_many`]) so that a table with per-CPU LRU lists keeps them spread over
+    /// the CPUs. Each CPU's list covers an even share of such a table, and a write from user space — a new entry or
+    /// a replaced one — takes its element from the writing CPU's share: written from one CPU, more than that share
+    /// would evict one another, and that CPU's connections with them. Large batches are written from one thread
+    /// per CPU this process may run on, an even share each; small ones from the calling thread moved to the next
+    /// CPU in turn. Other tables are written as they are.
+    pub fn insert_spread(&mut self, entries: &[(K, V)]) -> Result<()>
     where
         K: Send + Sync,
         V: Send + Sync,
     {
-        if entries.len() < 256 {
+        let cpus = crate::cpus::allowed();
+        if !self.per_cpu_lru || cpus.len() < 2 || entries.is_empty() {
             return self.insert_many(entries);
         }
-        let cpus = crate::cpus::allowed();
-        if cpus.len() < 2 {
-            return self.insert_many(entries);
+        if entries.len() < 256 {
+            // Threads cost more than they spread here.
+            static NEXT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+            let cpu = cpus[NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed) % cpus.len()];
+            return crate::cpus::on_cpu(cpu, || self.insert_many(entries))?;
         }
         let share = entries.len().div_ceil(cpus.len());
         let this = &*self;

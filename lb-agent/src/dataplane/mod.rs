@@ -7,6 +7,7 @@ pub mod gc;
 mod layouts;
 pub mod maglev;
 pub mod map_batch;
+pub mod map_defs;
 mod mapped;
 pub mod maps;
 pub mod model;
@@ -73,9 +74,36 @@ pub const V6_PROGRAMS: &[(&str, bool, u32)] = &[
 /// The IPv6 programs' tail-call arrays (see [`V6_PROGRAMS`]).
 const V6_PROG_ARRAYS: &[&str] = &[names::V6_PROGS_XDP, names::V6_PROGS_TC];
 
+/// Whether the connection tables' (`FLOWS_V4/V6`) LRU lists are per CPU or common to all CPUs — a choice made when
+/// the maps are created (docs/design.md, "Several CPUs").
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ConnectionLru {
+    /// One LRU list per CPU (as the object is built): new connections on different CPUs never wait for one
+    /// another, but each CPU evicts within its even share of the table.
+    PerCpu,
+    /// Lists common to all CPUs: the whole table for any CPU, inserts from many CPUs serialised when it is full.
+    Common,
+}
+
+impl ConnectionLru {
+    /// The lists for interfaces with `rx_queues` receive queues each on a machine of `possible_cpus`: per CPU only
+    /// when every interface spreads its flows over at least as many queues as there are CPUs (RSS then spreads
+    /// the new connections, and so the table, evenly); with fewer, the CPUs that receive nothing would hold shares
+    /// of the table nobody uses.
+    pub fn for_queues(rx_queues: &[u32], possible_cpus: u32) -> Self {
+        if !rx_queues.is_empty() && rx_queues.iter().all(|&q| q >= possible_cpus) {
+            ConnectionLru::PerCpu
+        } else {
+            ConnectionLru::Common
+        }
+    }
+}
+
 /// Capacities of the maps, set at load time.
 #[derive(Clone, Debug)]
 pub struct MapSizes {
+    /// The connection tables' LRU lists (flags, not a size: set at load time all the same).
+    pub connection_lru: ConnectionLru,
     /// Connection-tracking entries (two per connection).
     pub flows: u32,
     /// Entries for TCP handshakes and closed connections (two per connection; `TRANSIENT_V4`).
@@ -102,6 +130,7 @@ impl Default for MapSizes {
     fn default() -> Self {
         use lb_common::defaults as d;
         MapSizes {
+            connection_lru: ConnectionLru::PerCpu,
             flows: d::MAX_FLOWS,
             transient: d::MAX_TRANSIENT,
             flows_v6: d::MAX_FLOWS_V6,
@@ -122,6 +151,7 @@ impl MapSizes {
     /// production sizes would only cost memory and load time.
     pub fn small() -> Self {
         MapSizes {
+            connection_lru: ConnectionLru::PerCpu,
             flows: 1024,
             transient: 1024,
             flows_v6: 1024,
@@ -204,6 +234,18 @@ impl Dataplane {
         for (name, path) in &pins {
             loader.map_pin_path(name, path.as_path());
         }
+        let patched;
+        let obj = match sizes.connection_lru {
+            ConnectionLru::PerCpu => obj,
+            ConnectionLru::Common => {
+                let mut o = obj.to_vec();
+                for name in [names::FLOWS_V4, names::FLOWS_V6] {
+                    map_defs::patch_map_flags(&mut o, name, 0, map_defs::BPF_F_NO_COMMON_LRU)?;
+                }
+                patched = o;
+                &patched[..]
+            }
+        };
         let mut ebpf = loader.load(obj).context(
             "loading the eBPF object (map creation or pinned-map reuse failed; a pinned map with another size \
              must be removed from bpffs first)",
@@ -577,12 +619,19 @@ fn open_pinned_maps(dir: &Path, layout: u32) -> Result<Maps> {
 /// The sizes of the maps pinned under `pin_dir` (an agent's), to load another instance of the object onto them.
 pub fn pinned_sizes(pin_dir: &Path) -> Result<MapSizes> {
     let dir = pin_dir.join(format!("v{LAYOUT_VERSION}"));
-    let entries = |name: &str| -> Result<u32> {
+    let info = |name: &str| -> Result<aya::maps::MapInfo> {
         let data = MapData::from_pin(dir.join(name))
             .with_context(|| format!("opening the pinned map {name} under {}", dir.display()))?;
-        Ok(data.info()?.max_entries())
+        Ok(data.info()?)
     };
+    let entries = |name: &str| -> Result<u32> { Ok(info(name)?.max_entries()) };
+    let per_cpu = info(names::FLOWS_V4)?.map_flags() & map_defs::BPF_F_NO_COMMON_LRU != 0;
     Ok(MapSizes {
+        connection_lru: if per_cpu {
+            ConnectionLru::PerCpu
+        } else {
+            ConnectionLru::Common
+        },
         flows: entries(names::FLOWS_V4)?,
         transient: entries(names::TRANSIENT_V4)?,
         flows_v6: entries(names::FLOWS_V6)?,
@@ -638,5 +687,21 @@ fn verifier_error(e: aya::programs::ProgramError) -> anyhow::Error {
             anyhow!("the kernel refused the program ({io_error}); verifier log:\n{verifier_log}")
         }
         e => anyhow!(e).context("loading the program"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::ConnectionLru::{self, Common, PerCpu};
+
+    #[test]
+    fn the_connection_lists_are_per_cpu_only_where_every_interface_has_a_queue_per_cpu() {
+        assert_eq!(ConnectionLru::for_queues(&[16], 16), PerCpu);
+        assert_eq!(ConnectionLru::for_queues(&[16, 32], 16), PerCpu);
+        // One interface short, a single queue (Nova without multiqueue, a veth), no interface at all.
+        assert_eq!(ConnectionLru::for_queues(&[16, 4], 16), Common);
+        assert_eq!(ConnectionLru::for_queues(&[1], 2), Common);
+        assert_eq!(ConnectionLru::for_queues(&[], 2), Common);
+        assert_eq!(ConnectionLru::for_queues(&[1], 1), PerCpu);
     }
 }

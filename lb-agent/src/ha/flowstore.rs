@@ -191,8 +191,10 @@ impl BpfFlowStore {
 /// filter after the write (see `lb_common::flow_filter`), then deletions, then the transient table.
 fn commit<A: FlowAddr>(t: &mut Tables<A>, filter: &FlowFilterMap, b: Batch<A>) -> Result<()> {
     let (writes, deletes) = split(b.flows);
+    // Spread over the CPUs where the lists are per CPU (`Table::insert_spread`): a backup writes every connection
+    // of the master here, and from one CPU it would keep only that CPU's share of the table.
     t.flows
-        .insert_many(&writes)
+        .insert_spread(&writes)
         .context("writing synced flows")?;
     for (k, _) in &writes {
         filter.mark(k);
@@ -201,10 +203,9 @@ fn commit<A: FlowAddr>(t: &mut Tables<A>, filter: &FlowFilterMap, b: Batch<A>) -
         .remove_many(&deletes)
         .context("deleting replaced flows")?;
     let (writes, deletes) = split(b.transient);
-    // From every CPU: the table's LRU lists are per CPU (a resync's thousands of closed connections would
-    // otherwise crowd one CPU's share).
+    // Likewise (a resync's thousands of closed connections would otherwise crowd one CPU's share).
     t.transient
-        .insert_on_every_cpu(&writes)
+        .insert_spread(&writes)
         .context("writing closed connections")?;
     t.transient
         .remove_many(&deletes)

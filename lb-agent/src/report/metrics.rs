@@ -42,6 +42,8 @@ pub struct Snapshot {
     pub flow_entries: u64,
     /// Capacity of the connection-tracking map.
     pub flow_capacity: u64,
+    /// The connection tables' LRU lists are per CPU (each CPU evicts within an even share of the capacity).
+    pub flow_table_per_cpu_lists: bool,
     /// Entries of TCP handshakes and closed connections in use, and their capacity.
     pub transient_entries: u64,
     pub transient_capacity: u64,
@@ -488,6 +490,13 @@ impl Collector for SnapshotCollector {
             "lb_flow_table_capacity",
             "Connection-tracking capacity (entries).",
             &[(vec![], s.flow_capacity)],
+        )?;
+        gauge(
+            &mut enc,
+            "lb_flow_table_per_cpu_lists",
+            "1 where the connection tables' LRU lists are per CPU (--connection-lru): each CPU evicts within an \
+             even share of the capacity.",
+            &[(vec![], u64::from(s.flow_table_per_cpu_lists))],
         )?;
         gauge(
             &mut enc,

@@ -8,7 +8,7 @@ use aya::programs::{TestRun, TestRunOptions};
 use lb_agent::dataplane::maps::{FamilyMaps, Table};
 use lb_agent::dataplane::model::{Protocol, ServiceId, ServiceSpec};
 use lb_agent::dataplane::programmer::{ip_to_addr, Programmer};
-use lb_agent::dataplane::{Dataplane, MapSizes, XDP_PROGRAM};
+use lb_agent::dataplane::{ConnectionLru, Dataplane, MapSizes, XDP_PROGRAM};
 use lb_agent::ha::sync::SyncEvent;
 use lb_common::{Flow, FlowAddr, FlowEvent, FlowKey, In6, NextHop, Transient};
 pub use packets::*;
@@ -134,12 +134,15 @@ pub struct Harness<F: Fam = V4> {
     family: PhantomData<F>,
 }
 
-/// Small maps: tests load many objects in parallel.
+/// Small maps: tests load many objects in parallel. The connection tables' LRU lists are per CPU (as built), each
+/// CPU's share an even part: sized so that one CPU's share (8192 entries) holds what a test makes from one thread.
 pub fn test_sizes() -> MapSizes {
+    let flows = 8192 * lb_agent::dataplane::nic::possible_cpus();
     MapSizes {
-        flows: 4096,
+        connection_lru: ConnectionLru::PerCpu,
+        flows,
         transient: 1024,
-        flows_v6: 4096,
+        flows_v6: flows,
         transient_v6: 1024,
         services: 64,
         backends: 256,

@@ -529,7 +529,7 @@ fn agent_killed_and_restarted_during_transfer_breaks_nothing() {
 /// An upgrade across a map layout change, under 1000 held connections and 100 UDP flows: the previous agent's
 /// programs stay attached through a link pinned in its own layout's directory. The previous agent is the previous
 /// release's when `LB_PREVIOUS_AGENT_BIN` names its binary (`cargo xtask upgrade-check`); otherwise this build's,
-/// its pins renamed as the previous layout's (the two layouts differ only in the handshake tables' LRU flag, which
+/// its pins renamed as the previous layout's (the two layouts differ only in the connection tables' LRU flag, which
 /// the carry does not depend on). An agent that cannot carry a layout (renamed as two before) refuses to start and
 /// the old program keeps serving; the new agent carries the previous layout's state into its maps, takes the link
 /// over in place (a second native XDP attach would be refused, a second tcx program would run first with the old

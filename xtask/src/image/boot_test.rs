@@ -1443,6 +1443,11 @@ fn judge_lb_controller(j: &mut Judge, check_programs: bool) {
         "lb_interface_queues (rx) of the file-mode agent: all four on the multiqueue NIC",
         "eth1:1,eth2:1,eth3:4",
     );
+    j.want_eq(
+        "file_agent_per_cpu_lists",
+        "lb_flow_table_per_cpu_lists of the file-mode agent (auto): 0, eth1 and eth2 have one receive queue for two vCPUs",
+        "0",
+    );
     let at_least_flows = |v: &str| v.parse::<usize>().is_ok_and(|n| n >= TRAFFIC_FLOWS);
     j.want(
         "file_agent_flows",

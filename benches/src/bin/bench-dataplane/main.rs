@@ -314,7 +314,8 @@ fn write_marked<A: FlowAddr>(
     filter: &FlowFilterMap,
     batch: &mut Vec<(FlowKey<A>, Flow<A>)>,
 ) -> Result<()> {
-    flows.insert_many(batch)?;
+    // Spread over the CPUs: with per-CPU LRU lists, one CPU's writes would fill only its share of the table.
+    flows.insert_spread(batch)?;
     for (k, _) in batch.iter() {
         filter.mark(k);
     }
