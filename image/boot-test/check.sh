@@ -176,7 +176,8 @@ EOF
     out file_agent_xdp_tx_locked "$(http_get 9101 /metrics | sed -n 's/^lb_interface_xdp_tx_locked{interface="\([^"]*\)"} \([0-9]*\)$/\1:\2/p' | sort | paste -sd, -)"
     out file_agent_rx_queues "$(http_get 9101 /metrics | sed -n 's/^lb_interface_queues{interface="\([^"]*\)",direction="rx"} \([0-9]*\)$/\1:\2/p' | sort | paste -sd, -)"
     # --connection-lru auto: per-CPU lists only where every interface has a receive queue per vCPU (eth1, eth2: one).
-    out file_agent_per_cpu_lists "$(http_get 9101 /metrics | sed -n 's/^lb_flow_table_per_cpu_lists \([0-9]*\)$/\1/p')"
+    # (A gauge without labels reads `name{} value`.)
+    out file_agent_per_cpu_lists "$(http_get 9101 /metrics | sed -n 's/^lb_flow_table_per_cpu_lists[{}]* \([0-9]*\)$/\1/p')"
     dmesg | grep -i 'locked tx mode' | head -2 | while IFS= read -r l; do info "kernel: $l"; done
     ip -d link show eth2 | while IFS= read -r l; do info "eth2: $l"; done
     out traffic go
