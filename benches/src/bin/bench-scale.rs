@@ -114,11 +114,7 @@ fn fill_flows(dp: &mut Dataplane, n: u32) -> Result<()> {
         })
         .collect();
     // Spread over the CPUs: with per-CPU LRU lists, one CPU's writes would fill only its share of the table.
-    dp.maps.flows.insert_spread(&entries)?;
-    for (k, _) in &entries {
-        dp.maps.flow_filter.mark(k);
-    }
-    Ok(())
+    dp.maps.set_flows(&entries)
 }
 
 fn services(n: u32, per: u32, port_shift: u16) -> Vec<ServiceSpec> {

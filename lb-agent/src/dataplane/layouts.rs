@@ -172,10 +172,7 @@ where
     Transient<A>: Pod,
 {
     let flows = chosen(A::flows(old).entries()?, |k| copy(new, Entry::Flow(k)))?;
-    A::flows_mut(new).insert_spread(&flows)?;
-    for (k, _) in &flows {
-        new.flow_filter.mark(k);
-    }
+    new.set_flows(&flows)?;
     let transient = chosen(A::transient(old).entries()?, |k| {
         copy(new, Entry::Transient(k))
     })?;

@@ -181,6 +181,16 @@ impl Maps {
         Ok(())
     }
 
+    /// Writes many flow entries of either family as [`Self::set_flow`] does one, spread over the CPUs
+    /// ([`Table::insert_spread`]).
+    pub fn set_flows<A: FamilyMaps>(&mut self, entries: &[(FlowKey<A>, Flow<A>)]) -> Result<()> {
+        A::flows_mut(self).insert_spread(entries)?;
+        for (k, _) in entries {
+            self.flow_filter.mark(k);
+        }
+        Ok(())
+    }
+
     /// The handshake in progress of a client's key (client → VIP): its reverse key and its entry in the
     /// family's transient table, found the way the data plane finds it (see `lb_common::handshakes`).
     pub fn handshake<A: FamilyMaps>(

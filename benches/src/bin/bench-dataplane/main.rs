@@ -26,14 +26,13 @@ use anyhow::{bail, Context, Result};
 use aya::maps::{PerCpuArray, PerCpuValues};
 use aya::programs::{TestRun, TestRunOptions};
 use clap::Parser;
-use lb_agent::dataplane::flow_filter::FlowFilterMap;
-use lb_agent::dataplane::maps::Table;
+use lb_agent::dataplane::maps::{FamilyMaps, Maps};
 use lb_agent::dataplane::model::{Protocol, ServiceId, ServiceSpec};
 use lb_agent::dataplane::programmer::{ip_to_addr, Programmer};
 use lb_agent::dataplane::{Dataplane, MapSizes};
 use lb_benches::{median, write_json};
 use lb_common::{
-    Addr, Flow, FlowAddr, FlowKey, FlowKeyV4, FlowKeyV6, NextHop, FLOW_F_FORWARD, FLOW_F_REVERSE,
+    Addr, Flow, FlowKey, FlowKeyV4, FlowKeyV6, NextHop, FLOW_F_FORWARD, FLOW_F_REVERSE,
 };
 use lb_test_support::packets::*;
 use serde::Serialize;
@@ -249,12 +248,12 @@ fn load(obj: &[u8], sizes: &MapSizes) -> Result<Dataplane> {
     Ok(dp)
 }
 
-/// Fills a flow table to its capacity with established-looking connections from other clients (both entries each,
-/// marked in the flow filter, as `Maps::set_flow` marks them), as a busy load balancer's table is; returns the
-/// entries written. `client(i)` is the address of the `i`-th 256 connections' client.
-fn fill<A: FlowAddr>(
-    flows: &mut Table<FlowKey<A>, Flow<A>>,
-    filter: &FlowFilterMap,
+/// Fills a family's flow table to its capacity with established-looking connections from other clients (both
+/// entries each, written by `Maps::set_flows`: marked in the flow filter and spread over the CPUs, so that every
+/// CPU's share of a table with per-CPU LRU lists is full), as a busy load balancer's table is; returns the entries
+/// written. `client(i)` is the address of the `i`-th 256 connections' client.
+fn fill<A: FamilyMaps>(
+    maps: &mut Maps,
     capacity: u32,
     vip: A,
     client: impl Fn(u32) -> A,
@@ -301,26 +300,12 @@ fn fill<A: FlowAddr>(
         n += 2;
         i += 1;
         if batch.len() >= BATCH {
-            write_marked(flows, filter, &mut batch)?;
+            maps.set_flows(&batch)?;
+            batch.clear();
         }
     }
-    write_marked(flows, filter, &mut batch)?;
+    maps.set_flows(&batch)?;
     Ok(n)
-}
-
-/// Writes `batch` into `flows`, marks its keys in the flow filter, and empties it.
-fn write_marked<A: FlowAddr>(
-    flows: &mut Table<FlowKey<A>, Flow<A>>,
-    filter: &FlowFilterMap,
-    batch: &mut Vec<(FlowKey<A>, Flow<A>)>,
-) -> Result<()> {
-    // Spread over the CPUs: with per-CPU LRU lists, one CPU's writes would fill only its share of the table.
-    flows.insert_spread(batch)?;
-    for (k, _) in batch.iter() {
-        filter.mark(k);
-    }
-    batch.clear();
-    Ok(())
 }
 
 /// Both families' flow tables filled ([`fill`]); returns the entries written into each.
@@ -329,16 +314,14 @@ fn fill_both(dp: &mut Dataplane, sizes: &MapSizes) -> Result<(u32, u32)> {
     let v4 = |a: Ipv4Addr| u32::from_ne_bytes(a.octets());
     let v6 = |a: Ipv6Addr| Addr { bytes: a.octets() }.v6_raw();
     let n4 = fill(
-        &mut m.flows,
-        &m.flow_filter,
+        m,
         sizes.flows,
         v4(VIP),
         |i| v4(Ipv4Addr::from(0x6400_0000 + i)),
         |i| v4(node_ip(i)),
     )?;
     let n6 = fill(
-        &mut m.flows_v6,
-        &m.flow_filter,
+        m,
         sizes.flows_v6,
         v6(VIP6),
         |i| v6(Ipv6Addr::from(0x2001_0db8_6400_u128 << 80 | i as u128)),

@@ -353,7 +353,7 @@ fn sweep(b: &mut Bench, obj: &[u8], allowed: &[usize], counts: &[usize]) -> Resu
     }
     let m = b.scale_case(allowed, counts, &syns, true, nf_repeat, false)?;
     record_all(&mut rows, counts, "tcp_new_flow_syn_full", m);
-    // A new UDP flow goes straight into the connection table (no handshake), whose LRU lists are common.
+    // A new UDP flow goes straight into the connection table (no handshake): its inserts, and its LRU lists.
     let datagrams: Vec<Vec<u8>> = (0..max)
         .map(|k| pad(udp_frame(varied_source(20, k))))
         .collect();
@@ -400,17 +400,14 @@ fn combine(reports: Vec<Report>) -> Result<Report> {
             .iter()
             .map(|r| r.efficiency_range.map_or(r.efficiency, |e| e[1]));
         let mpps = median(same.iter().map(|r| r.aggregate_mpps).collect());
-        let one = rows
-            .iter()
-            .find(|r| r.case == row.case && r.threads == 1)
-            .map_or(mpps, |r| r.aggregate_mpps);
+        let efficiency = efficiency(&rows, &row.case, row.threads, mpps);
         rows.push(Row {
             case: row.case.clone(),
             threads: row.threads,
             verdict: row.verdict.clone(),
             aggregate_mpps: mpps,
             ns_per_packet: median(same.iter().map(|r| r.ns_per_packet).collect()),
-            efficiency: mpps / (row.threads as f64 * one),
+            efficiency,
             overlap: same.iter().map(|r| r.overlap).fold(f64::INFINITY, f64::min),
             efficiency_range: Some([
                 lo.fold(f64::INFINITY, f64::min),
@@ -471,21 +468,27 @@ fn goals(rows: &[Row], counts: &[usize]) -> Vec<Goal> {
 /// Adds a case's rows, one per thread count, with each count's efficiency against the case's one-thread row.
 fn record_all(rows: &mut Vec<Row>, counts: &[usize], case: &str, m: Vec<Measured>) {
     for (&threads, m) in counts.iter().zip(m) {
-        let one = rows
-            .iter()
-            .find(|r| r.case == case && r.threads == 1)
-            .map_or(m.mpps, |r| r.aggregate_mpps);
+        let efficiency = efficiency(rows, case, threads, m.mpps);
         rows.push(Row {
             case: case.to_owned(),
             threads,
             verdict: verdict_name(m.verdict).to_owned(),
             aggregate_mpps: m.mpps,
             ns_per_packet: m.ns,
-            efficiency: m.mpps / (threads as f64 * one),
+            efficiency,
             overlap: m.overlap,
             efficiency_range: None,
         });
     }
+}
+
+/// `mpps` at `threads` against `threads` times the case's one-thread row in `rows` (1 for that row itself).
+fn efficiency(rows: &[Row], case: &str, threads: usize, mpps: f64) -> f64 {
+    let one = rows
+        .iter()
+        .find(|r| r.case == case && r.threads == 1)
+        .map_or(mpps, |r| r.aggregate_mpps);
+    mpps / (threads as f64 * one)
 }
 
 fn udp_frame(src: Ipv4Addr) -> Vec<u8> {
