@@ -7,6 +7,7 @@ use clap::{Parser, ValueEnum};
 use lb_agent::agent::{self, AgentOptions};
 use lb_agent::dataplane::nic::Nic;
 use lb_agent::dataplane::{AttachMode, ConnectionLru, MapSizes};
+use lb_agent::ha::bgp::BgpOptions;
 use lb_agent::ha::vrrp::VrrpOptions;
 use lb_agent::ha::{HaOptions, SyncSettings};
 use lb_agent::health::{Bytes, HealthCheckSpec, HttpCheck, UdpCheck};
@@ -254,6 +255,32 @@ struct Cli {
     /// The keepalived binary.
     #[arg(long, env = "LB_KEEPALIVED_BINARY", default_value = lb_agent::ha::vrrp::DEFAULT_KEEPALIVED_BIN)]
     keepalived_binary: PathBuf,
+    /// Active-active: this replica's BGP AS; enables announcing the VIPs over BGP through BIRD to the
+    /// `--bgp-peer` routers while the machine is eligible (instead of VRRP). Needs `--snat-address` (this
+    /// replica's own address: replies must come back to the replica holding the flow) and flow sync with
+    /// every other replica.
+    #[arg(long, env = "LB_BGP_LOCAL_AS", conflicts_with = "vrrp_router_id",
+          requires_all = ["bgp_peers", "bgp_peer_as", "snat_address", "sync_listen"])]
+    bgp_local_as: Option<u32>,
+    /// An upstream router to announce the VIPs to (repeatable).
+    #[arg(long = "bgp-peer", env = "LB_BGP_PEERS", value_delimiter = ',')]
+    bgp_peers: Vec<IpAddr>,
+    /// The upstream routers' AS.
+    #[arg(long, env = "LB_BGP_PEER_AS")]
+    bgp_peer_as: Option<u32>,
+    /// BGP hold time (whole seconds, at least 3): a router stops sending to a replica it has not heard from
+    /// for this long; a stopped or crashed BIRD is withdrawn at once (its TCP connection closes).
+    #[arg(long, env = "LB_BGP_HOLD_TIME", default_value = "9s", value_parser = go_duration)]
+    bgp_hold_time: Duration,
+    /// BGP router id (default: BIRD's choice, the machine's lowest IPv4 address).
+    #[arg(long, env = "LB_BGP_ROUTER_ID")]
+    bgp_router_id: Option<std::net::Ipv4Addr>,
+    /// Directory of BIRD's generated config, control socket and pid file.
+    #[arg(long, env = "LB_BGP_RUN_DIR", default_value = "/run/lb-agent/bgp")]
+    bgp_run_dir: PathBuf,
+    /// The bird binary (BIRD 2).
+    #[arg(long, env = "LB_BIRD_BINARY", default_value = lb_agent::ha::bgp::DEFAULT_BIRD_BIN)]
+    bird_binary: PathBuf,
     /// Listen address of connection-state sync (this machine's address on the VIP network and the sync port);
     /// enables sync with the peers.
     #[arg(long, env = "LB_SYNC_LISTEN", requires = "sync_secret_file")]
@@ -272,7 +299,7 @@ struct Cli {
 }
 
 impl Cli {
-    /// VRRP and sync settings.
+    /// VRRP, BGP and sync settings.
     fn ha(&self) -> Result<HaOptions> {
         let vrrp = self.vrrp_router_id.map(|id| {
             let mut v = VrrpOptions::new(self.interface[0].clone(), id, self.vrrp_run_dir.clone());
@@ -298,7 +325,23 @@ impl Cli {
             }
             _ => None,
         };
-        Ok(HaOptions { vrrp, sync })
+        let bgp = match (self.bgp_local_as, self.bgp_peer_as) {
+            (Some(local), Some(peer_as)) => {
+                let mut b = BgpOptions::new(
+                    local,
+                    self.bgp_peers.clone(),
+                    peer_as,
+                    self.bgp_run_dir.clone(),
+                );
+                b.hold_time = self.bgp_hold_time;
+                b.router_id = self.bgp_router_id;
+                b.bird_bin = self.bird_binary.clone();
+                b.validate()?;
+                Some(b)
+            }
+            _ => None,
+        };
+        Ok(HaOptions { vrrp, bgp, sync })
     }
 }
 
@@ -454,6 +497,8 @@ async fn main() -> Result<()> {
             }
         }
     }
+    // Before anything is changed on the machine: a setting the HA parts would refuse stops the agent here.
+    let ha = cli.ha()?;
     let (min, max) = lb_agent::snat_ports::apply(cli.snat_ports, Path::new("/proc/sys/net/ipv4"))?;
     let connection_lru = match cli.connection_lru {
         LruLists::PerCpu => ConnectionLru::PerCpu,
@@ -505,7 +550,7 @@ async fn main() -> Result<()> {
         gc_interval: Duration::from_secs(cli.gc_interval.max(1)),
         neighbor_interval: Duration::from_secs(cli.neighbor_interval.max(1)),
         detach_on_exit: false,
-        ha: cli.ha()?,
+        ha,
         clean_start: cli.clean_start,
     };
     if let Some(dir) = &opts.pin_dir {

@@ -34,6 +34,10 @@ pub enum Which {
     /// VRRP failover between replicas: takeover time, traffic pause and surviving connections over 10
     /// failovers, next to yawol's keepalived timing without sync; sync throughput and CPU (root).
     Failover,
+    /// Active-active behind a BGP router with ECMP: connections/s and packets/s through 1, 2 and 3 replicas,
+    /// each replica's share, XDP time per packet and agent CPU per connection, connections broken when a
+    /// replica is added or drained (root).
+    Scaleout,
     /// LoadBalancer port change → first packet through the new port: the real agent in Kubernetes mode against a
     /// real kube-apiserver, XDP on the netns rig, 50 changes (root).
     KubeConfig,
@@ -46,7 +50,7 @@ pub enum Which {
 }
 
 /// Every kind, in the order `all` runs them.
-const ALL: [Which; 11] = [
+const ALL: [Which; 12] = [
     Which::Dataplane,
     Which::Controller,
     Which::Pktgen,
@@ -56,6 +60,7 @@ const ALL: [Which; 11] = [
     Which::Routed,
     Which::Scale,
     Which::Failover,
+    Which::Scaleout,
     Which::KubeConfig,
     Which::Openstack,
 ];
@@ -213,6 +218,7 @@ impl Binaries {
             Which::Synflood => self.bin("bench-synflood"),
             Which::Scale => self.bin("bench-scale"),
             Which::Failover => self.bin("bench-failover"),
+            Which::Scaleout => self.bin("bench-scaleout"),
             Which::KubeConfig => self.bin("examples/bench-kube-config"),
             Which::Openstack => crate::openstack::with_environment(|state| self.openstack(state)),
             Which::All => unreachable!("run_bench expands all"),

@@ -1,12 +1,14 @@
-//! High availability on one replica: VRRP ([`crate::ha::vrrp`], keepalived) decides who holds the VIP, and
-//! connection-state sync ([`crate::ha::sync`]) gives every replica the flows of the others, so a new master
-//! translates established connections exactly like the old one.
+//! High availability on one replica: VRRP ([`crate::ha::vrrp`], keepalived) decides who holds the VIP — or, active-
+//! active, every eligible replica announces it over BGP ([`crate::ha::bgp`], BIRD) and the routers spread it —
+//! and connection-state sync ([`crate::ha::sync`]) gives every replica the flows of the others, so a new master
+//! (or the replica a flow moved to) translates established connections exactly like the old one.
 //!
 //! The glue here: the data plane's flow events (ring buffer) go to the peers as they happen; the periodic GC
 //! pass sends refreshes; the peers' records land in the BPF maps through [`BpfFlowStore`]; and the machine is
-//! only eligible for the VIP ([`Keepalived::set_healthy`]) while its data plane is attached, its config is the
-//! latest and its flow table has caught up with every reachable peer.
+//! only eligible for the VIP ([`Keepalived::set_healthy`], [`Bird::announce`]) while its data plane is attached,
+//! its config is the latest and its flow table has caught up with every reachable peer.
 
+pub mod bgp;
 pub mod flowstore;
 pub mod sync;
 pub mod vrrp;
@@ -14,6 +16,7 @@ pub mod vrrp;
 use crate::dataplane::{interface_mac, Maps};
 use anyhow::{Context, Result};
 use aya::maps::{MapData, RingBuf};
+use bgp::{BgpOptions, BgpSnapshot, Bird};
 use flowstore::BpfFlowStore;
 use lb_common::{FlowAddr, FlowEvent, In6, CFG_F_CHECK_DST_MAC, CFG_F_SYNC_EVENTS};
 use std::net::{IpAddr, SocketAddr};
@@ -36,11 +39,14 @@ pub struct SyncSettings {
     pub secret: Vec<u8>,
 }
 
-/// What HA runs on this machine; both parts are optional (a single machine runs neither).
+/// What HA runs on this machine; every part is optional (a single machine runs none), VRRP and BGP exclude
+/// each other.
 #[derive(Clone, Debug, Default)]
 pub struct HaOptions {
     /// VRRP through keepalived.
     pub vrrp: Option<VrrpOptions>,
+    /// Active-active: the VIPs announced over BGP through BIRD.
+    pub bgp: Option<BgpOptions>,
     /// Connection-state sync.
     pub sync: Option<SyncSettings>,
 }
@@ -48,7 +54,7 @@ pub struct HaOptions {
 impl HaOptions {
     /// Whether anything is enabled.
     pub fn enabled(&self) -> bool {
-        self.vrrp.is_some() || self.sync.is_some()
+        self.vrrp.is_some() || self.bgp.is_some() || self.sync.is_some()
     }
 }
 
@@ -61,6 +67,8 @@ pub struct HaSnapshot {
     pub vrrp_stats: Option<VrrpStats>,
     /// keepalived restarts by the supervisor.
     pub keepalived_restarts: u64,
+    /// BIRD's announcement and sessions, when active-active.
+    pub bgp: Option<BgpSnapshot>,
     /// Whether this machine currently offers itself for the VIP.
     pub eligible: bool,
     /// Sync counters, when sync runs.
@@ -73,6 +81,8 @@ pub struct HaSnapshot {
 pub struct Ha {
     vrrp_opts: Option<VrrpOptions>,
     keepalived: Option<Keepalived>,
+    bgp_opts: Option<BgpOptions>,
+    bird: Option<Bird>,
     sync: Option<SyncHandle>,
     /// Sync waits for the first applied config: records for services this machine does not have yet would be
     /// dropped, and a dump received then would mark it synced without the flows.
@@ -127,10 +137,13 @@ impl Ha {
     /// Opens what sync needs; sync itself (listener, peers, ring-buffer reader) starts once the first config is
     /// applied, keepalived with the first VIPs (it refuses an instance without one) — both in [`Self::update`].
     pub async fn start(opts: HaOptions, maps: &mut Maps) -> Result<Ha> {
-        let master = Arc::new(AtomicBool::new(false));
+        // Active-active replicas all serve: each keeps its own connections over a peer's conflicting record.
+        let master = Arc::new(AtomicBool::new(opts.bgp.is_some()));
         let mut ha = Ha {
             vrrp_opts: opts.vrrp,
             keepalived: None,
+            bgp_opts: opts.bgp,
+            bird: None,
             sync: None,
             pending_sync: None,
             tasks: Vec::new(),
@@ -191,8 +204,8 @@ impl Ha {
         if self.sync.is_some() || self.pending_sync.is_some() {
             flags |= CFG_F_SYNC_EVENTS;
         }
-        if self.vrrp_opts.is_some() {
-            // Several replicas on one segment: flooded frames for the master must not be forwarded twice.
+        if self.vrrp_opts.is_some() || self.bgp_opts.is_some() {
+            // Several replicas on one segment: flooded frames for another one must not be forwarded twice.
             flags |= CFG_F_CHECK_DST_MAC;
         }
         let mac = if flags & CFG_F_CHECK_DST_MAC != 0 {
@@ -204,9 +217,10 @@ impl Ha {
     }
 
     /// Called every loop tick and after config changes: `ready` says the data plane is attached and runs the
-    /// latest config. Starts sync once ready and keepalived once there are VIPs, keeps keepalived's VIPs in
-    /// line, and offers the machine for the VIP only when ready and synced. Fails only when sync cannot start
-    /// (its listen address cannot be bound): a replica that cannot sync must not run as if it could.
+    /// latest config. Starts sync once ready, keepalived once there are VIPs and BIRD at once, keeps their VIPs
+    /// in line, and offers the machine for the VIP (VRRP) or announces it (BGP) only when ready and synced.
+    /// Fails only when sync cannot start (its listen address cannot be bound): a replica that cannot sync must
+    /// not run as if it could.
     pub async fn update(&mut self, ready: bool, vips: Vec<IpAddr>) -> Result<()> {
         if ready {
             if let Some(p) = self.pending_sync.take() {
@@ -229,11 +243,24 @@ impl Ha {
                 }
             }
         }
+        if self.bird.is_none() {
+            if let Some(opts) = self.bgp_opts.clone() {
+                match Bird::start(opts) {
+                    Ok(b) => self.bird = Some(b),
+                    Err(e) => {
+                        tracing::error!(error = %format!("{e:#}"), "starting bird failed; retrying")
+                    }
+                }
+            }
+        }
         let synced = self.synced();
         let eligible = ready && synced;
         if eligible != self.eligible {
-            tracing::info!(eligible, ready, synced, "VRRP eligibility changed");
+            tracing::info!(eligible, ready, synced, "eligibility for the VIP changed");
             self.eligible = eligible;
+        }
+        if let Some(b) = &self.bird {
+            b.announce(if eligible { vips.clone() } else { Vec::new() });
         }
         let hold_verdict = match self.adopted_until {
             Some(until) if !eligible && std::time::Instant::now() < until => true,
@@ -314,6 +341,7 @@ impl Ha {
     /// Current numbers (keepalived's counters as of the last read, at most [`STATS_PERIOD`] old).
     pub async fn snapshot(&mut self) -> HaSnapshot {
         let mut s = HaSnapshot {
+            bgp: self.bird.as_ref().map(Bird::snapshot),
             eligible: self.eligible,
             synced: self.synced(),
             sync: self.sync.as_ref().map(|s| s.counters()),
@@ -342,9 +370,13 @@ impl Ha {
         s
     }
 
-    /// Stops sync. keepalived is stopped only with `stop_keepalived` (the VIP then moves to a peer); otherwise it
-    /// keeps running with the data plane, and the next agent adopts it without a failover.
+    /// Stops sync and BIRD (the routers withdraw this replica; its pinned data plane goes on translating the
+    /// replies to its SNAT address). keepalived is stopped only with `stop_keepalived` (the VIP then moves to a
+    /// peer); otherwise it keeps running with the data plane, and the next agent adopts it without a failover.
     pub async fn stop(mut self, stop_keepalived: bool) {
+        if let Some(b) = self.bird.take() {
+            b.stop().await;
+        }
         if let Some(k) = self.keepalived.take().filter(|_| stop_keepalived) {
             if let Err(e) = k.stop().await {
                 tracing::warn!(error = %format!("{e:#}"), "stopping keepalived");

@@ -142,7 +142,7 @@ impl Snapshot {
     }
 }
 
-/// VRRP and sync families (only when HA is enabled).
+/// VRRP, BGP and sync families (only when HA is enabled).
 fn encode_ha(enc: &mut DescriptorEncoder, h: &crate::ha::HaSnapshot) -> std::fmt::Result {
     let one = |v: u64| [(Vec::<(&'static str, String)>::new(), v)];
     if let Some(state) = h.vrrp_state {
@@ -200,6 +200,37 @@ fn encode_ha(enc: &mut DescriptorEncoder, h: &crate::ha::HaSnapshot) -> std::fmt
                 &one(st.advertisements_received),
             )?;
         }
+    }
+    if let Some(b) = &h.bgp {
+        gauge(
+            enc,
+            "lb_bgp_eligible",
+            "1 when the machine announces the VIPs (data plane attached, config current, flows synced).",
+            &one(u64::from(h.eligible)),
+        )?;
+        gauge(
+            enc,
+            "lb_bgp_announced_vips",
+            "VIPs announced to the routers over BGP.",
+            &one(b.announced.len() as u64),
+        )?;
+        let rows: Vec<_> = b
+            .sessions
+            .iter()
+            .map(|s| (vec![("peer", s.peer.to_string())], u64::from(s.established)))
+            .collect();
+        gauge(
+            enc,
+            "lb_bgp_session_established",
+            "1 for each router whose BGP session is established (as BIRD last said).",
+            &rows,
+        )?;
+        counter(
+            enc,
+            "lb_bird_restarts",
+            "BIRD processes restarted by the agent.",
+            &one(b.restarts),
+        )?;
     }
     if let Some(c) = &h.sync {
         counter(

@@ -9,12 +9,19 @@
 //!   client .10   lb .2    lb-2 .3    lb-3 .4     backend-1 .11 …
 //!                  └──── VIP .100 on the VRRP master ────┘
 //! ```
+//!
+//! Active-active ([`HaRigConfig::active_active`]): no VRRP; every replica's agent announces the VIP over BGP
+//! (its own BIRD) to an upstream router between the client and the segment ([`Topology::add_client_router`]):
+//! BIRD 2 there installs one route to the VIP with a next hop per announcing replica (`merge paths`), and the
+//! router's kernel spreads the client's connections over them by a hash of their addresses and ports.
+//! Every replica SNATs to its own address, and flow sync runs between all of them.
 
 use crate::hold::HoldReport;
 use crate::rig::{
     agent_http_get, attach_xdp_pass, find_artifact, lb_config_yaml, parse_metric, pin_root,
     run_load, spawn_echo, spawn_hold, Hold, METRICS,
 };
+use crate::topology::ClientRouter;
 use crate::{ChildGuard, Host, Topology, TopologyConfig};
 use anyhow::{bail, Context, Result};
 use lb_common::{Flow, FlowAddr, FlowKey};
@@ -25,6 +32,12 @@ use std::time::{Duration, Instant};
 
 /// Port of the connection-state sync on every replica.
 pub const SYNC_PORT: u16 = 9190;
+/// The upstream router's AS (active-active).
+pub const ROUTER_AS: u32 = 65000;
+/// The replicas' AS (active-active).
+pub const REPLICA_AS: u32 = 65001;
+/// BGP hold time on both sides (BIRD's minimum).
+pub const BGP_HOLD_S: u64 = 3;
 
 /// How to build the HA rig.
 #[derive(Clone, Debug)]
@@ -53,6 +66,8 @@ pub struct HaRigConfig {
     pub ipv6_only: bool,
     /// Extra `options:` lines of the LoadBalancer config (YAML, indented by two spaces).
     pub options: String,
+    /// Active-active behind the client namespace's BGP router instead of VRRP (IPv4).
+    pub active_active: bool,
 }
 
 impl HaRigConfig {
@@ -71,6 +86,7 @@ impl HaRigConfig {
             ipv6: false,
             ipv6_only: false,
             options: String::new(),
+            active_active: false,
         })
     }
 }
@@ -89,6 +105,8 @@ pub struct HaRig {
     /// Settings it was built with.
     pub cfg: HaRigConfig,
     agents: BTreeMap<Host, ChildGuard>,
+    /// The upstream router and its BIRD (active-active).
+    router: Option<(ClientRouter, ChildGuard)>,
     echo: Vec<ChildGuard>,
     xdp_pass: Vec<ChildGuard>,
     dir: PathBuf,
@@ -123,6 +141,7 @@ impl HaRig {
             vip6,
             cfg,
             agents: BTreeMap::new(),
+            router: None,
             echo: Vec::new(),
             xdp_pass: Vec::new(),
             dir,
@@ -153,13 +172,121 @@ impl HaRig {
             rig.config_path(),
             lb_config_yaml(&vips, &nodes, &rig.cfg.options),
         )?;
+        if rig.cfg.active_active {
+            rig.start_router()?;
+        }
         if rig.cfg.start_agents {
             for h in rig.topo.lbs() {
                 rig.start_agent(h, 100)?;
             }
-            rig.wait_master(Duration::from_secs(20))?;
+            if rig.cfg.active_active {
+                rig.wait_next_hops(&rig.topo.lbs(), Duration::from_secs(20))?;
+            } else {
+                rig.wait_master(Duration::from_secs(20))?;
+            }
         }
         Ok(rig)
+    }
+
+    /// The upstream router: a namespace between the client and the segment running BIRD 2 with a session to
+    /// every replica's address and their routes merged into one multipath route, hashed on the five-tuple.
+    fn start_router(&mut self) -> Result<()> {
+        if self.cfg.ipv6 || !self.cfg.sync {
+            bail!("an active-active rig is IPv4 with flow sync");
+        }
+        let router = self.topo.add_client_router(&[self.vip])?;
+        let mut conf = format!(
+            "router id {};\nprotocol device {{}}\n\
+             protocol kernel {{ ipv4 {{ import none; export all; }}; merge paths on; }}\n\
+             template bgp replica {{\n  local as {ROUTER_AS};\n  hold time {BGP_HOLD_S};\n  keepalive time 1;\n  \
+             connect delay time 1;\n  connect retry time 2;\n  error wait time 1, 5;\n  graceful restart off;\n  \
+             ipv4 {{ import all; export none; }};\n}}\n",
+            router.ip,
+        );
+        for (i, h) in self.topo.lbs().into_iter().enumerate() {
+            conf += &format!(
+                "protocol bgp replica{i} from replica {{ neighbor {} as {REPLICA_AS}; }}\n",
+                self.topo.ip(h)
+            );
+        }
+        let path = self.dir.join("router.conf");
+        std::fs::write(&path, conf)?;
+        let argv = [
+            "ip".to_string(),
+            "netns".into(),
+            "exec".into(),
+            router.netns.clone(),
+            "/usr/sbin/bird".into(),
+            "-f".into(),
+            "-c".into(),
+            path.display().to_string(),
+            "-s".into(),
+            self.router_socket().display().to_string(),
+            "-P".into(),
+            self.dir.join("router.pid").display().to_string(),
+        ];
+        let bird = ChildGuard::spawn(&argv, "bird@router")?;
+        self.router = Some((router, bird));
+        Ok(())
+    }
+
+    /// The upstream router (active-active).
+    pub fn router(&self) -> Option<&ClientRouter> {
+        self.router.as_ref().map(|(r, _)| r)
+    }
+
+    /// The upstream router's BIRD control socket (active-active).
+    pub fn router_socket(&self) -> PathBuf {
+        self.dir.join("router.ctl")
+    }
+
+    /// The replicas the upstream router's route to the VIP leads to now (active-active).
+    pub fn next_hops(&self) -> Result<Vec<Host>> {
+        let vip = format!("{}/32", self.vip);
+        let router = self.router().context("no upstream router")?;
+        let out = crate::process::run_cmd([
+            "ip",
+            "-n",
+            router.netns.as_str(),
+            "-4",
+            "route",
+            "show",
+            vip.as_str(),
+        ])?;
+        let text = String::from_utf8_lossy(&out.stdout).into_owned();
+        let via: Vec<Ipv4Addr> = text
+            .split_whitespace()
+            .collect::<Vec<_>>()
+            .windows(2)
+            .filter(|w| w[0] == "via")
+            .filter_map(|w| w[1].parse().ok())
+            .collect();
+        Ok(self
+            .topo
+            .lbs()
+            .into_iter()
+            .filter(|h| via.contains(&self.topo.ip(*h)))
+            .collect())
+    }
+
+    /// Waits until the route to the VIP leads to exactly `hosts` (active-active).
+    pub fn wait_next_hops(&self, hosts: &[Host], timeout: Duration) -> Result<()> {
+        let mut want = hosts.to_vec();
+        want.sort();
+        let deadline = Instant::now() + timeout;
+        loop {
+            let now = self.next_hops()?;
+            if now == want {
+                return Ok(());
+            }
+            if Instant::now() > deadline {
+                bail!(
+                    "the route to the VIP leads to {now:?}, not {want:?}:\n{}",
+                    self.all_logs()
+                );
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
     }
 
     /// The config file every replica reads.
@@ -167,7 +294,7 @@ impl HaRig {
         self.dir.join("lb.yaml")
     }
 
-    /// The agent's command line for replica `host` with VRRP priority `priority`.
+    /// The agent's command line for replica `host` with VRRP priority `priority` (unused when active-active).
     pub fn agent_argv(&self, host: Host, priority: u8) -> Vec<String> {
         let me = self.topo.ip(host);
         let mut argv: Vec<String> = vec![
@@ -186,18 +313,42 @@ impl HaRig {
             "1".into(),
             "--metrics-address".into(),
             METRICS.into(),
-            "--vrrp-router-id".into(),
-            self.cfg.router_id.to_string(),
-            "--vrrp-priority".into(),
-            priority.to_string(),
-            "--vrrp-advert-interval".into(),
-            format!("{}ms", self.cfg.advert_interval.as_millis()),
-            "--vrrp-run-dir".into(),
-            self.dir
-                .join(format!("{}-vrrp", host.name()))
-                .display()
-                .to_string(),
         ];
+        if self.cfg.active_active {
+            argv.extend([
+                "--bgp-local-as".into(),
+                REPLICA_AS.to_string(),
+                "--bgp-peer".into(),
+                self.router().map_or_else(String::new, |r| r.ip.to_string()),
+                "--bgp-peer-as".into(),
+                ROUTER_AS.to_string(),
+                "--bgp-hold-time".into(),
+                format!("{BGP_HOLD_S}s"),
+                "--bgp-router-id".into(),
+                me.to_string(),
+                "--bgp-run-dir".into(),
+                self.dir
+                    .join(format!("{}-bgp", host.name()))
+                    .display()
+                    .to_string(),
+                "--snat-address".into(),
+                me.to_string(),
+            ]);
+        } else {
+            argv.extend([
+                "--vrrp-router-id".into(),
+                self.cfg.router_id.to_string(),
+                "--vrrp-priority".into(),
+                priority.to_string(),
+                "--vrrp-advert-interval".into(),
+                format!("{}ms", self.cfg.advert_interval.as_millis()),
+                "--vrrp-run-dir".into(),
+                self.dir
+                    .join(format!("{}-vrrp", host.name()))
+                    .display()
+                    .to_string(),
+            ]);
+        }
         if self.cfg.sync {
             argv.extend([
                 "--sync-listen".into(),
@@ -436,6 +587,7 @@ impl Drop for HaRig {
         for (_, mut a) in std::mem::take(&mut self.agents) {
             a.kill();
         }
+        self.router = None;
         self.echo.clear();
         self.xdp_pass.clear();
         let _ = std::fs::remove_dir_all(&self.pin_dir);

@@ -12,6 +12,9 @@
 //! A routed topology ([`TopologyConfig::routed`]) puts the backends on a second bridge in the switch namespace,
 //! reached by the load balancer's second interface ([`BACKEND_IFNAME`]) and routing everything else through it.
 //!
+//! A client router ([`Topology::add_client_router`]) puts the client's traffic to chosen destinations behind a
+//! router namespace on the segment, as an upstream router in front of a load balancer's replicas (ECMP).
+//!
 //! Every veth pair is created directly between the switch namespace and the host namespace (`ip -n <sw> link
 //! add … peer … netns <host>`), so nothing ever appears in the caller's namespace and parallel topologies cannot
 //! collide on interface names; only namespace names are global, and those carry prefix + pid + counter.
@@ -234,6 +237,17 @@ pub struct Side {
     pub mac: [u8; 6],
     /// Its bridge port in the switch namespace.
     pub switch_port: String,
+}
+
+/// A router between the client and the segment ([`Topology::add_client_router`]).
+#[derive(Debug, Clone)]
+pub struct ClientRouter {
+    /// Its network namespace.
+    pub netns: String,
+    /// Its address on the segment (the next hop the load balancers' routing peers see).
+    pub ip: Ipv4Addr,
+    /// The client's address behind it: the source of the client's traffic through the router.
+    pub client_ip: Ipv4Addr,
 }
 
 /// A created topology. Dropping it kills every process left in its namespaces and deletes them (also while
@@ -820,6 +834,117 @@ impl Topology {
                 errors.join("; ")
             ))
         }
+    }
+
+    /// Puts a router between the client and the segment for traffic to `dsts`: a namespace `<id>-router` with a
+    /// port on the bridge (`.9` of the /24) and a point-to-point link to the client, forwarding, and choosing a
+    /// multipath route's next hop by a hash of each packet's addresses, protocol and ports, as a hardware router
+    /// in front of a load balancer's replicas does. The client gets an address of its own behind the router
+    /// (`192.0.2.10`, outside the segment) and sends to `dsts` from it, so both directions pass the router.
+    /// The router's routes to `dsts` are the caller's (a routing daemon's).
+    ///
+    /// Why the custom hash (`fib_multipath_hash_policy=3` on the five fields) and not the usual L4 policy 1:
+    /// policy 1 takes a packet's existing L4 hash when it has one, and a frame from a local socket crosses a
+    /// veth with its socket's random `sk_txhash` — a new one per connection, also when a connection reuses an
+    /// earlier one's ports — so the same five-tuple would land on another replica.
+    pub fn add_client_router(&mut self, dsts: &[Ipv4Addr]) -> Result<ClientRouter> {
+        let ns = format!("{}-router", self.id);
+        self.add_netns(&ns)?;
+        let sw = self.switch_ns.clone();
+        let ip = Ipv4Addr::from(u32::from(self.subnet) | 9);
+        let client_ip = Ipv4Addr::new(192, 0, 2, 10);
+        let client = self.host(Host::Client).clone();
+        run_cmd(["ip", "-n", &ns, "link", "set", "lo", "up"])?;
+        let o = ip.octets();
+        run_cmd([
+            "ip",
+            "-n",
+            &sw,
+            "link",
+            "add",
+            "p-router",
+            "type",
+            "veth",
+            "peer",
+            "name",
+            "eth0",
+            "address",
+            &mac_string(&[0x02, 0x00, o[0], o[1], o[2], o[3]]),
+            "netns",
+            &ns,
+        ])?;
+        run_cmd(["ip", "-n", &sw, "link", "set", "p-router", "master", BRIDGE])?;
+        run_cmd(["ip", "-n", &sw, "link", "set", "p-router", "up"])?;
+        run_cmd([
+            "ip",
+            "-n",
+            &ns,
+            "link",
+            "add",
+            "to-client",
+            "type",
+            "veth",
+            "peer",
+            "name",
+            "to-router",
+            "netns",
+            &client.netns,
+        ])?;
+        for (n, dev, addr) in [
+            (ns.as_str(), "eth0", format!("{ip}/24")),
+            (ns.as_str(), "to-client", "169.254.10.1/30".into()),
+            (client.netns.as_str(), "to-router", "169.254.10.2/30".into()),
+            (client.netns.as_str(), "lo", format!("{client_ip}/32")),
+        ] {
+            run_cmd(["ip", "-n", n, "addr", "add", &addr, "dev", dev])?;
+            run_cmd(["ip", "-n", n, "link", "set", dev, "up"])?;
+            // Full checksums, as on a wire (see `plug`).
+            if dev != "lo" {
+                self.ethtool(n, dev, &["tx", "off"])?;
+            }
+        }
+        sysctl(
+            &ns,
+            &[
+                "net.ipv4.ip_forward=1",
+                "net.ipv4.fib_multipath_hash_policy=3",
+                // Source and destination address, protocol, source and destination port.
+                "net.ipv4.fib_multipath_hash_fields=0x0037",
+                "net.ipv4.conf.all.send_redirects=0",
+                "net.ipv4.conf.all.rp_filter=0",
+                "net.ipv4.conf.default.rp_filter=0",
+            ],
+        )?;
+        let client_host = format!("{client_ip}/32");
+        run_cmd([
+            "ip",
+            "-n",
+            &ns,
+            "route",
+            "add",
+            &client_host,
+            "via",
+            "169.254.10.2",
+        ])?;
+        for dst in dsts {
+            run_cmd([
+                "ip",
+                "-n",
+                &client.netns,
+                "route",
+                "add",
+                &format!("{dst}/32"),
+                "via",
+                "169.254.10.1",
+                "src",
+                &client_ip.to_string(),
+            ])?;
+        }
+        Ok(ClientRouter {
+            netns: ns,
+            ip,
+            client_ip,
+        })
     }
 
     /// Removes leftovers of crashed runs: every namespace named `<prefix>-<pid>-…` whose creating process `pid`
