@@ -17,10 +17,10 @@ sed "s/@ROOT_UUID@/$ROOT_UUID/g" "$GRUB_CFG" >"$root/boot/grub/grub.cfg"
 # Again, with FSTYPE=ext4 from rootfs/ (the package's run had nothing to probe, so no fsck for the root).
 in_root update-initramfs -u -k all
 
-# Services. sshd only in debug mode (lb-controller's user data enables it then); keepalived only under the
-# agent, which writes its configuration and supervises it; no background apt runs on an appliance that is
-# replaced, not upgraded in place.
-in_root systemctl disable --quiet ssh.service keepalived.service apt-daily.timer apt-daily-upgrade.timer
+# Services. sshd only in debug mode (lb-controller's user data enables it then); keepalived and BIRD only under
+# the agent, which writes their configurations and supervises them; no background apt runs on an appliance that
+# is replaced, not upgraded in place.
+in_root systemctl disable --quiet ssh.service keepalived.service bird.service apt-daily.timer apt-daily-upgrade.timer
 
 # yawol compatibility (image/README.md, "yawol compatibility"): the users yawol-controller's user data writes files for
 # (write_files fails on an unknown owner) — yawol (its kubeconfig) and promtail (its config) as system users

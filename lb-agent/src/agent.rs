@@ -12,7 +12,7 @@ use crate::dataplane::{AttachMode, ConnectionLru, Dataplane, MapSizes};
 use crate::ha::{Ha, HaOptions, HaSnapshot};
 use crate::health::{HealthChecker, HealthMap};
 use crate::report::metrics::{ServiceMetrics, SharedSnapshot, Snapshot};
-use crate::report::AgentStatus;
+use crate::report::{AgentStatus, BgpStatus};
 use crate::source::config::DesiredConfig;
 use crate::source::ConfigState;
 use anyhow::{Context, Result};
@@ -601,9 +601,11 @@ impl Agent {
         let vips = self.current.as_ref().map(|c| c.vips()).unwrap_or_default();
         self.ha.update(ready, vips).await?;
         let vrrp = self.ha.vrrp_state();
+        let bgp = self.ha.bgp().as_ref().map(BgpStatus::from);
         self.status_tx.send_if_modified(|s| {
-            let changed = s.vrrp != vrrp;
+            let changed = s.vrrp != vrrp || s.bgp != bgp;
             s.vrrp = vrrp;
+            s.bgp = bgp;
             changed
         });
         if let Some(cfg) = &self.current {

@@ -333,6 +333,11 @@ impl Ha {
         )
     }
 
+    /// The BGP announcement and sessions, when active-active (`None` until BIRD runs).
+    pub fn bgp(&self) -> Option<BgpSnapshot> {
+        self.bird.as_ref().map(Bird::snapshot)
+    }
+
     /// Whether sync runs (the GC pass then collects refreshes).
     pub fn syncing(&self) -> bool {
         self.sync.is_some()
@@ -341,7 +346,7 @@ impl Ha {
     /// Current numbers (keepalived's counters as of the last read, at most [`STATS_PERIOD`] old).
     pub async fn snapshot(&mut self) -> HaSnapshot {
         let mut s = HaSnapshot {
-            bgp: self.bird.as_ref().map(Bird::snapshot),
+            bgp: self.bgp(),
             eligible: self.eligible,
             synced: self.synced(),
             sync: self.sync.as_ref().map(|s| s.counters()),

@@ -8,4 +8,4 @@ pub mod kernel_log;
 pub mod metrics;
 mod status;
 
-pub use status::AgentStatus;
+pub use status::{AgentStatus, BgpStatus, SessionState};

@@ -19,6 +19,8 @@ pub struct AgentStatus {
     pub applied_generation: Option<u64>,
     /// VRRP state, when this machine runs VRRP (`KeepalivedMaster`/`KeepalivedProcess` conditions).
     pub vrrp: Option<crate::ha::vrrp::VrrpState>,
+    /// The BGP announcement, when this machine runs active-active (`BGPAnnounced`/`BGPSessions` conditions).
+    pub bgp: Option<BgpStatus>,
     /// Why `desired_generation` cannot be confirmed as the latest input (Kubernetes mode: the watch of the
     /// LoadBalancer failed and has not relisted since, or the agent loop has not taken the latest published
     /// generation yet); `None` when it can. Set by the status reporter, not by the agent loop.
@@ -33,5 +35,40 @@ impl AgentStatus {
             && self.config_error.is_none()
             && self.applied_generation.is_some()
             && self.applied_generation == self.desired_generation
+    }
+}
+
+/// The BGP announcement as the status reports it: coarse on purpose (BIRD's words for a session that is down
+/// change every few seconds; the status is written when it changes).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct BgpStatus {
+    /// VIPs announced.
+    pub announced: usize,
+    /// Each router's session (empty while BIRD does not answer).
+    pub sessions: Vec<(std::net::IpAddr, SessionState)>,
+}
+
+/// A BGP session as the status reports it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SessionState {
+    /// Routes are exchanged.
+    Established,
+    /// Not yet (BIRD connecting, or the router just went away).
+    Connecting,
+    /// Down for 30 s or longer.
+    Stuck,
+}
+
+impl From<&crate::ha::bgp::BgpSnapshot> for BgpStatus {
+    fn from(s: &crate::ha::bgp::BgpSnapshot) -> Self {
+        let state = |x: &crate::ha::bgp::BgpSession| match (x.established, x.stuck) {
+            (true, _) => SessionState::Established,
+            (false, true) => SessionState::Stuck,
+            (false, false) => SessionState::Connecting,
+        };
+        BgpStatus {
+            announced: s.announced.len(),
+            sessions: s.sessions.iter().map(|x| (x.peer, state(x))).collect(),
+        }
     }
 }

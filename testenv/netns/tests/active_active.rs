@@ -337,3 +337,67 @@ fn a_crashed_replica_costs_only_the_connections_it_owned() {
     );
     assert!(rep.broken <= owned.len());
 }
+
+#[test]
+fn an_agent_killed_and_restarted_withdraws_and_returns_without_breaking_connections() {
+    let (_lock, mut r) = rig(3);
+    let lbs = r.topo.lbs();
+    let tcp = format!("{}:{TCP_PORT}", r.vip);
+    let udp = format!("{}:{UDP_PORT}", r.vip);
+    let hold = r
+        .start_hold(&[
+            "--tcp",
+            &tcp,
+            "--connections",
+            "600",
+            "--udp",
+            &udp,
+            "--udp-flows",
+            "60",
+            "--udp-retry-ms",
+            "200",
+            "--interval-ms",
+            "100",
+            "--timeout-ms",
+            "5000",
+            "--brief",
+        ])
+        .unwrap();
+    wait_until(
+        "every replica to hold every flow",
+        Duration::from_secs(30),
+        || {
+            lbs.iter()
+                .all(|h| r.forward_flows::<u32>(*h).unwrap().len() >= 660)
+        },
+    );
+    // SIGKILL: BIRD gets its parent-death signal and closes its session; the pinned data plane stays and
+    // translates the replies to this replica's SNAT address, the others take its client packets.
+    let victim = lbs[1];
+    let killed = Instant::now();
+    r.stop_agent(victim, libc::SIGKILL).unwrap();
+    let others = [lbs[0], lbs[2]];
+    r.wait_next_hops(&others, Duration::from_secs(BGP_HOLD_S))
+        .unwrap();
+    println!(
+        "withdrawn {} ms after the agent was killed",
+        killed.elapsed().as_millis()
+    );
+    std::thread::sleep(Duration::from_secs(2));
+    // The restarted agent takes its pinned data plane over, syncs, and announces again.
+    r.start_agent(victim, 100).unwrap();
+    r.wait_next_hops(&lbs, Duration::from_secs(30)).unwrap();
+    println!(
+        "announced again {} ms after the kill",
+        killed.elapsed().as_millis()
+    );
+    std::thread::sleep(Duration::from_secs(3));
+    let rep = hold.stop().unwrap();
+    report("held across an agent's SIGKILL and restart", &rep);
+    assert_eq!(
+        rep.broken,
+        0,
+        "{:?}",
+        rep.connections.iter().take(5).collect::<Vec<_>>()
+    );
+}

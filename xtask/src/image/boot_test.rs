@@ -1307,6 +1307,15 @@ fn judge(
         "Debian's keepalived.service must not run (keepalived runs under the agent)",
         |v| v != "active",
     );
+    j.want("bird", "BIRD 2 installed (active-active's BGP)", |v| {
+        v.starts_with('2')
+    });
+    j.want_eq("bird_unit", "BIRD runs only under the agent", "disabled");
+    j.want(
+        "bird_unit_active",
+        "Debian's bird.service must not run (BIRD runs under the agent)",
+        |v| v != "active",
+    );
     j.want("sshd_active", "sshd must not run without debug", |v| {
         v != "active"
     });

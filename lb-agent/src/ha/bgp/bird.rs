@@ -219,7 +219,7 @@ async fn supervise(
                 let mut answered = false;
                 let mut reload_pending = false;
                 let mut down_since = std::collections::HashMap::<IpAddr, Instant>::new();
-                let mut warned = HashSet::<IpAddr>::new();
+                let mut stuck = HashSet::<IpAddr>::new();
                 let mut poll = tokio::time::interval(POLL);
                 loop {
                     tokio::select! {
@@ -248,8 +248,8 @@ async fn supervise(
                                     if std::mem::take(&mut reload_pending) {
                                         signal(&child, libc::SIGHUP);
                                     }
-                                    let sessions = parse_protocols(&reply, &opts.peers);
-                                    report_stuck_peers(&sessions, &mut down_since, &mut warned);
+                                    let mut sessions = parse_protocols(&reply, &opts.peers);
+                                    mark_stuck(&mut sessions, &mut down_since, &mut stuck);
                                     *lock(&shared.sessions) = sessions;
                                 }
                                 Err(e) if answered => {
@@ -283,24 +283,26 @@ async fn supervise(
     }
 }
 
-/// Warns once about each router whose session has not been established for [`PEER_WARN_AFTER`].
-fn report_stuck_peers(
-    sessions: &[BgpSession],
+/// Marks the sessions down for [`PEER_WARN_AFTER`] or longer as stuck (`stuck` remembers them), and logs when
+/// one gets stuck and when it is established again.
+fn mark_stuck(
+    sessions: &mut [BgpSession],
     down_since: &mut std::collections::HashMap<IpAddr, Instant>,
-    warned: &mut HashSet<IpAddr>,
+    stuck: &mut HashSet<IpAddr>,
 ) {
     for s in sessions {
         if s.established {
             down_since.remove(&s.peer);
-            if warned.remove(&s.peer) {
+            if stuck.remove(&s.peer) {
                 tracing::info!(peer = %s.peer, "BGP session established");
             }
             continue;
         }
         let since = *down_since.entry(s.peer).or_insert_with(Instant::now);
-        if since.elapsed() >= PEER_WARN_AFTER && warned.insert(s.peer) {
+        if since.elapsed() >= PEER_WARN_AFTER && stuck.insert(s.peer) {
             tracing::warn!(peer = %s.peer, state = %s.info, "BGP session not established: the VIPs are not announced to this router");
         }
+        s.stuck = stuck.contains(&s.peer);
     }
 }
 

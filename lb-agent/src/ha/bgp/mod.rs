@@ -188,6 +188,8 @@ pub struct BgpSession {
     pub established: bool,
     /// BIRD's words (`Established`, `Active Socket: Connection refused`, …).
     pub info: String,
+    /// Down for 30 s or longer (a router that does not answer, not one still connecting).
+    pub stuck: bool,
 }
 
 /// What the announcement looks like now.
@@ -221,6 +223,7 @@ fn parse_protocols(reply: &str, peers: &[IpAddr]) -> Vec<BgpSession> {
                 peer: peers[i],
                 established: info.starts_with("Established"),
                 info,
+                stuck: false,
             })
         })
         .collect()

@@ -2,7 +2,7 @@
 //! them on the LoadBalancerMachine for both the config source and the status reporter.
 
 use super::KubeSettings;
-use crate::report::AgentStatus;
+use crate::report::{AgentStatus, SessionState};
 use crate::source::ConfigState;
 use ::kube::api::{Api, PostParams};
 use ::kube::Client;
@@ -51,6 +51,14 @@ pub mod event_reasons {
     pub const AD_HOC_DEBUG_NOT_ENABLED: &str = "AdHocDebuggingNotEnabled";
     /// Normal: the ad-hoc debug key was removed (the annotation went).
     pub const AD_HOC_DEBUG_DISABLED: &str = "AdHocDebuggingDisabled";
+    /// Normal: active-active, the machine announces the VIPs over BGP (it became eligible).
+    pub const BGP_ANNOUNCED: &str = "BGPAnnounced";
+    /// Warning: active-active, the machine withdrew the VIPs (no longer eligible).
+    pub const BGP_WITHDRAWN: &str = "BGPWithdrawn";
+    /// Normal: a router's BGP session is established.
+    pub const BGP_SESSION_ESTABLISHED: &str = "BGPSessionEstablished";
+    /// Warning: an established BGP session went down, or one has not come up for 30 s.
+    pub const BGP_SESSION_DOWN: &str = "BGPSessionDown";
     // Warning: an option the LoadBalancer asks for that this image does not implement; the reason is its
     // condition's (`super::status::unsupported_condition`: `LogForwardNotSupported`, `ProxyProtocolNotSupported`).
 }
@@ -92,6 +100,7 @@ pub fn status_events(
             message: "the data plane is no longer attached".to_string(),
         });
     }
+    events.extend(bgp_events(prev, cur));
     if let Some(g) = cur.applied_generation {
         if prev.applied_generation != Some(g) {
             events.push(MachineEvent {
@@ -99,6 +108,63 @@ pub fn status_events(
                 reason: event_reasons::UPDATE,
                 message: format!("data plane updated to configuration generation {g}"),
             });
+        }
+    }
+    events
+}
+
+/// Events for a change of the BGP announcement (active-active): announced or withdrawn, a session established,
+/// lost, or not up for 30 s. A session still connecting is no Event (every start has one for a moment).
+fn bgp_events(prev: &AgentStatus, cur: &AgentStatus) -> Vec<MachineEvent> {
+    let Some(b) = &cur.bgp else {
+        return Vec::new();
+    };
+    let mut events = Vec::new();
+    let was_announced = prev.bgp.as_ref().is_some_and(|p| p.announced > 0);
+    if b.announced > 0 && !was_announced {
+        events.push(MachineEvent {
+            warning: false,
+            reason: event_reasons::BGP_ANNOUNCED,
+            message: format!("{} VIPs announced over BGP", b.announced),
+        });
+    } else if b.announced == 0 && was_announced {
+        events.push(MachineEvent {
+            warning: true,
+            reason: event_reasons::BGP_WITHDRAWN,
+            message: "the VIPs were withdrawn: the machine is not eligible (data plane attached, config current, flows synced)".to_string(),
+        });
+    }
+    let before = |peer: &std::net::IpAddr| {
+        prev.bgp
+            .as_ref()
+            .and_then(|p| p.sessions.iter().find(|(q, _)| q == peer))
+            .map(|(_, st)| *st)
+    };
+    for (peer, st) in &b.sessions {
+        let was = before(peer);
+        match st {
+            SessionState::Established if was != Some(SessionState::Established) => {
+                events.push(MachineEvent {
+                    warning: false,
+                    reason: event_reasons::BGP_SESSION_ESTABLISHED,
+                    message: format!("BGP session with {peer} established"),
+                })
+            }
+            SessionState::Connecting if was == Some(SessionState::Established) => {
+                events.push(MachineEvent {
+                    warning: true,
+                    reason: event_reasons::BGP_SESSION_DOWN,
+                    message: format!("BGP session with {peer} went down"),
+                })
+            }
+            SessionState::Stuck if was != Some(SessionState::Stuck) => events.push(MachineEvent {
+                warning: true,
+                reason: event_reasons::BGP_SESSION_DOWN,
+                message: format!(
+                    "BGP session with {peer} not established for 30 s: the VIPs are not announced to it (the agent's log has BIRD's reason)"
+                ),
+            }),
+            _ => {}
         }
     }
     events
@@ -296,6 +362,46 @@ mod tests {
         };
         let e = status_events(&running(1), &detached, &ConfigState::Pending);
         assert_eq!(e[0].reason, "DataplaneNotReady");
+    }
+
+    #[test]
+    fn bgp_events_on_announcement_and_session_edges() {
+        use crate::report::BgpStatus;
+        let router: std::net::IpAddr = "10.0.0.1".parse().unwrap();
+        let with = |announced, st| AgentStatus {
+            bgp: Some(BgpStatus {
+                announced,
+                sessions: vec![(router, st)],
+            }),
+            ..running(1)
+        };
+        let reasons = |prev: &AgentStatus, cur: &AgentStatus| -> Vec<(bool, &str)> {
+            status_events(prev, cur, &ConfigState::Pending)
+                .iter()
+                .map(|e| (e.warning, e.reason))
+                .collect()
+        };
+        let connecting = with(0, SessionState::Connecting);
+        // BIRD's first answer: still connecting, nothing to say.
+        assert!(reasons(&running(1), &connecting).is_empty());
+        let up = with(1, SessionState::Established);
+        assert_eq!(
+            reasons(&connecting, &up),
+            [(false, "BGPAnnounced"), (false, "BGPSessionEstablished")]
+        );
+        assert!(reasons(&up, &up).is_empty());
+        // The router goes away: the session is down (the announcement stays in BIRD's config).
+        let lost = with(1, SessionState::Connecting);
+        assert_eq!(reasons(&up, &lost), [(true, "BGPSessionDown")]);
+        // A router that never answers: one Warning when it has been down for 30 s, none while connecting.
+        let stuck = with(0, SessionState::Stuck);
+        assert_eq!(reasons(&connecting, &stuck), [(true, "BGPSessionDown")]);
+        assert!(reasons(&stuck, &stuck).is_empty());
+        // No longer eligible.
+        assert_eq!(
+            reasons(&up, &with(0, SessionState::Established)),
+            [(true, "BGPWithdrawn")]
+        );
     }
 
     #[test]

@@ -221,6 +221,7 @@ mod test_support {
             desired_generation: Some(generation),
             applied_generation: Some(generation),
             vrrp: None,
+            bgp: None,
             attached: vec![("eth0".into(), crate::dataplane::AttachMode::Tc)],
             xdp_tx_locked: Vec::new(),
             source_stale: None,

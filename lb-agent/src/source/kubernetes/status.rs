@@ -4,7 +4,7 @@
 use super::events::{status_events, truncate, Recorder};
 use super::{KubeSettings, LbFacts};
 use crate::report::metrics::SharedSnapshot;
-use crate::report::AgentStatus;
+use crate::report::{AgentStatus, SessionState};
 use crate::source::config::UnsupportedOption;
 use crate::source::ConfigState;
 use ::kube::api::{Api, Patch, PatchParams};
@@ -28,6 +28,11 @@ pub mod types {
     /// Present only while the LoadBalancer asks for PROXY protocol on one of its TCP ports: always False, the data
     /// plane inserts no PROXY header yet (it forwards all the same).
     pub const PROXY_PROTOCOL: &str = "ProxyProtocol";
+    /// Active-active: the machine announces the VIPs over BGP (eligible: data plane attached, config current,
+    /// flows synced).
+    pub const BGP_ANNOUNCED: &str = "BGPAnnounced";
+    /// Active-active: every upstream router's BGP session is established.
+    pub const BGP_SESSIONS: &str = "BGPSessions";
 }
 
 /// Condition reasons. The yawol-named conditions use yawol's reasons where yawol has one, so dashboards
@@ -59,6 +64,14 @@ pub mod reasons {
     pub const ENVOY_UP_TO_DATE: &str = "EnvoySnapshotUpToDate";
     /// `EnvoyUpToDate=False` (yawol's reason: the same word as for True).
     pub const ENVOY_NOT_UP_TO_DATE: &str = "EnvoySnapshotUpToDate";
+    /// `BGPAnnounced=True`.
+    pub const BGP_ANNOUNCING: &str = "Announcing";
+    /// `BGPAnnounced=False`: not eligible (or BIRD does not run yet).
+    pub const BGP_WITHDRAWN: &str = "Withdrawn";
+    /// `BGPSessions=True`.
+    pub const BGP_ESTABLISHED: &str = "Established";
+    /// `BGPSessions=False`: a router's session is down, or BIRD does not answer.
+    pub const BGP_NOT_ESTABLISHED: &str = "NotEstablished";
     /// `KeepalivedMaster` (yawol's reason, both statuses).
     pub const KEEPALIVED_STATUS: &str = "KeepalivedStatus";
     /// `KeepalivedProcess=True` (yawol's reason).
@@ -245,6 +258,49 @@ fn truths(s: &AgentStatus, ctx: &Context) -> Vec<Truth> {
                 "keepalived's statistics were read at the last refresh".to_string()
             } else {
                 "keepalived's statistics could not be read".to_string()
+            },
+        });
+    }
+    if let Some(b) = &s.bgp {
+        let announcing = b.announced > 0;
+        v.push(Truth {
+            type_: types::BGP_ANNOUNCED,
+            ok: announcing,
+            reason: pick(
+                announcing,
+                reasons::BGP_ANNOUNCING,
+                reasons::BGP_WITHDRAWN,
+            ),
+            message: if announcing {
+                format!("{} VIPs announced over BGP", b.announced)
+            } else {
+                "the VIPs are not announced: the machine is not eligible (data plane attached, config current, flows synced)".to_string()
+            },
+        });
+        let down: Vec<String> = b
+            .sessions
+            .iter()
+            .filter(|(_, st)| *st != SessionState::Established)
+            .map(|(peer, st)| match st {
+                SessionState::Stuck => format!("{peer} (down for 30 s or longer)"),
+                _ => peer.to_string(),
+            })
+            .collect();
+        let up = !b.sessions.is_empty() && down.is_empty();
+        v.push(Truth {
+            type_: types::BGP_SESSIONS,
+            ok: up,
+            reason: pick(up, reasons::BGP_ESTABLISHED, reasons::BGP_NOT_ESTABLISHED),
+            message: if up {
+                format!("BGP sessions established with {} routers", b.sessions.len())
+            } else if b.sessions.is_empty() {
+                "BIRD does not answer on its control socket (not started, or restarting)"
+                    .to_string()
+            } else {
+                format!(
+                    "BGP session not established with {} (the agent's log has BIRD's reason)",
+                    down.join(", ")
+                )
             },
         });
     }
@@ -629,6 +685,38 @@ mod tests {
         let c = conditions(&c, &s, &Context::default(), &t(1));
         assert_eq!(find(&c, cond::KEEPALIVED_MASTER).status, cond::FALSE);
         assert_eq!(find(&c, cond::KEEPALIVED_PROCESS).status, cond::FALSE);
+    }
+
+    #[test]
+    fn the_bgp_announcement_becomes_conditions() {
+        use crate::report::BgpStatus;
+        let mut s = running(1);
+        let c = conditions(&[], &s, &Context::default(), &t(0));
+        assert!(
+            c.iter().all(|c| !c.type_.starts_with("BGP")),
+            "no BGP, no conditions"
+        );
+        let router: std::net::IpAddr = "10.0.0.1".parse().unwrap();
+        s.bgp = Some(BgpStatus {
+            announced: 1,
+            sessions: vec![(router, SessionState::Established)],
+        });
+        let c = conditions(&[], &s, &Context::default(), &t(0));
+        assert_eq!(find(&c, types::BGP_ANNOUNCED).status, cond::TRUE);
+        assert_eq!(find(&c, types::BGP_SESSIONS).status, cond::TRUE);
+        s.bgp = Some(BgpStatus {
+            announced: 0,
+            sessions: vec![(router, SessionState::Stuck)],
+        });
+        let c = conditions(&c, &s, &Context::default(), &t(1));
+        let announced = find(&c, types::BGP_ANNOUNCED);
+        assert_eq!(
+            (announced.status.as_str(), announced.reason.as_deref()),
+            (cond::FALSE, Some(reasons::BGP_WITHDRAWN))
+        );
+        let sessions = find(&c, types::BGP_SESSIONS);
+        assert_eq!(sessions.status, cond::FALSE);
+        assert!(sessions.message.as_deref().unwrap().contains("10.0.0.1"));
     }
 
     /// What yawol-controller and yawol's dashboards read: the yawol-named conditions with yawollet's reasons.
