@@ -100,6 +100,11 @@ pub struct Ha {
     stats: Option<(std::time::Instant, Option<VrrpStats>)>,
 }
 
+/// A std mutex that survives a panic elsewhere (the data stays usable: counters and maps of small values).
+pub(crate) fn lock<T: ?Sized>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
 /// How often keepalived's counters are read for metrics and the LoadBalancerMachine status.
 const STATS_PERIOD: std::time::Duration = std::time::Duration::from_secs(10);
 /// How long the agent loop waits for keepalived to write them.

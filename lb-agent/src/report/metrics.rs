@@ -211,7 +211,7 @@ fn encode_ha(enc: &mut DescriptorEncoder, h: &crate::ha::HaSnapshot) -> std::fmt
         gauge(
             enc,
             "lb_bgp_announced_vips",
-            "VIPs announced to the routers over BGP.",
+            "VIPs in BIRD's announcement (they reach the routers whose session is established).",
             &one(b.announced.len() as u64),
         )?;
         let rows: Vec<_> = b

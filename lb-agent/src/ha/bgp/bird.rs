@@ -4,6 +4,7 @@ use super::{
     is_last_reply_line, parse_protocols, prepare_run_dir, render_config, BgpOptions, BgpSession,
     BgpSnapshot,
 };
+use crate::ha::lock;
 use anyhow::{Context, Result};
 use std::collections::HashSet;
 use std::net::IpAddr;
@@ -107,10 +108,6 @@ impl Drop for Bird {
             let _ = tx.send(());
         }
     }
-}
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 /// Writes the config for `vips` (rename over the old one: BIRD never reads half a file).

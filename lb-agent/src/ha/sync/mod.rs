@@ -27,6 +27,7 @@ pub mod wire;
 
 pub use memory::MemoryFlowStore;
 
+use super::lock;
 use anyhow::{bail, Context, Result};
 use lb_common::{FlowEventV4, FlowEventV6};
 use queue::PeerQueue;
@@ -34,7 +35,7 @@ use std::collections::{HashMap, HashSet};
 use std::fmt;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use tokio::net::TcpListener;
 use tokio::sync::{watch, Notify};
@@ -315,11 +316,6 @@ impl Shared {
                 && a.port() == self.local_addr.port()
                 && a.ip().is_loopback())
     }
-}
-
-/// A std mutex that survives a panic elsewhere (the data stays usable: counters and maps of small values).
-fn lock<T: ?Sized>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
 type SharedStore = Arc<Mutex<dyn FlowStore>>;
