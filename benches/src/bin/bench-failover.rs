@@ -13,7 +13,7 @@ use anyhow::{bail, Result};
 use clap::Parser;
 use lb_benches::{median, print_table, process_cpu, write_json};
 use lb_testbed::ha::{survival, HaRig, HaRigConfig};
-use lb_testbed::rig::{TCP_PORT, UDP_PORT};
+use lb_testbed::rig::TCP_PORT;
 use lb_testbed::Host;
 use serde::Serialize;
 use std::time::{Duration, Instant};
@@ -219,24 +219,13 @@ fn apply_cost(connections: usize, per_frame: usize) -> Result<ApplyRun> {
 }
 
 fn hold_args(r: &HaRig, a: &Args, timeout_ms: u64) -> Vec<String> {
-    [
-        "--tcp".to_string(),
-        format!("{}:{TCP_PORT}", r.vip),
-        "--connections".into(),
-        a.connections.to_string(),
-        "--udp".into(),
-        format!("{}:{UDP_PORT}", r.vip),
-        "--udp-flows".into(),
-        a.udp_flows.to_string(),
-        "--udp-retry-ms".into(),
-        "200".into(),
-        "--interval-ms".into(),
-        "50".into(),
-        "--timeout-ms".into(),
-        timeout_ms.to_string(),
-        "--brief".into(),
-    ]
-    .into()
+    lb_testbed::ha::hold_args(
+        &r.vip.to_string(),
+        a.connections,
+        a.udp_flows,
+        Duration::from_millis(50),
+        Duration::from_millis(timeout_ms),
+    )
 }
 
 fn wait(what: &str, timeout: Duration, mut f: impl FnMut() -> Result<bool>) -> Result<()> {

@@ -19,8 +19,8 @@
 use anyhow::{bail, Context, Result};
 use clap::Parser;
 use lb_benches::{fmt_num, print_table, process_cpu, write_json};
-use lb_testbed::ha::{survival, HaRig, HaRigConfig};
-use lb_testbed::rig::{TCP_PORT, UDP_PORT};
+use lb_testbed::ha::{hold_args, survival, HaRig, HaRigConfig};
+use lb_testbed::rig::TCP_PORT;
 use lb_testbed::Host;
 use serde::Serialize;
 use std::time::{Duration, Instant};
@@ -216,30 +216,18 @@ fn across(
     what: &str,
     change: impl FnOnce(&mut HaRig) -> Result<()>,
 ) -> Result<Change> {
-    let (tcp, udp) = (
-        format!("{}:{TCP_PORT}", r.vip),
-        format!("{}:{UDP_PORT}", r.vip),
+    let udp = (a.held / 10).max(1);
+    let args = hold_args(
+        &r.vip.to_string(),
+        a.held,
+        udp,
+        Duration::from_millis(100),
+        Duration::from_secs(5),
     );
-    let (n, u) = (a.held.to_string(), (a.held / 10).max(1).to_string());
-    let hold = r.start_hold(&[
-        "--tcp",
-        &tcp,
-        "--connections",
-        &n,
-        "--udp",
-        &udp,
-        "--udp-flows",
-        &u,
-        "--udp-retry-ms",
-        "200",
-        "--interval-ms",
-        "100",
-        "--timeout-ms",
-        "5000",
-        "--brief",
-    ])?;
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let hold = r.start_hold(&args)?;
     // Every running replica has every held flow before the routes change.
-    let want = a.held + (a.held / 10).max(1);
+    let want = a.held + udp;
     let running: Vec<Host> = r
         .topo
         .lbs()

@@ -595,6 +595,49 @@ impl Drop for HaRig {
     }
 }
 
+/// Arguments of `lb-testbed hold` ([`HaRig::start_hold`]): `tcp` connections to `vip`'s TCP port and `udp` flows
+/// to its UDP port (an IPv6 `vip` in brackets), a message on each every `interval`, an unanswered datagram resent
+/// after 200 ms (as a DNS client does), a round trip broken after `timeout`, only the broken ones listed.
+pub fn hold_args(
+    vip: &str,
+    tcp: usize,
+    udp: usize,
+    interval: Duration,
+    timeout: Duration,
+) -> Vec<String> {
+    [
+        "--tcp".to_string(),
+        format!("{vip}:{}", crate::rig::TCP_PORT),
+        "--connections".into(),
+        tcp.to_string(),
+        "--udp".into(),
+        format!("{vip}:{}", crate::rig::UDP_PORT),
+        "--udp-flows".into(),
+        udp.to_string(),
+        "--udp-retry-ms".into(),
+        "200".into(),
+        "--interval-ms".into(),
+        interval.as_millis().to_string(),
+        "--timeout-ms".into(),
+        timeout.as_millis().to_string(),
+        "--brief".into(),
+    ]
+    .into()
+}
+
+/// One line about a hold run: what was held, what broke, the longest gap.
+pub fn hold_summary(r: &HoldReport) -> String {
+    format!(
+        "{} TCP + {} UDP, broken {}, survival {:.2} %, longest gap {:.0} ms, round trips {}",
+        r.tcp_connections,
+        r.udp_flows,
+        r.broken,
+        survival(r) * 100.0,
+        r.max_gap_ms,
+        r.round_trips
+    )
+}
+
 /// Surviving share of a hold run's connections and flows (0..=1).
 pub fn survival(r: &HoldReport) -> f64 {
     let total = (r.tcp_connections + r.udp_flows).max(1);

@@ -8,7 +8,7 @@
 //! Times are printed, not asserted, except the one bound the design promises: a replica whose BIRD dies is
 //! withdrawn within the BGP hold time.
 
-use lb_testbed::ha::{survival, HaRig, HaRigConfig, BGP_HOLD_S};
+use lb_testbed::ha::{hold_args, hold_summary, HaRig, HaRigConfig, BGP_HOLD_S};
 use lb_testbed::hold::HoldReport;
 use lb_testbed::rig::{TCP_PORT, UDP_PORT};
 use lb_testbed::Host;
@@ -45,6 +45,19 @@ fn wait_until(what: &str, timeout: Duration, mut f: impl FnMut() -> bool) {
     }
 }
 
+/// Waits until each of `hosts` holds at least `flows` forward entries: every held flow, its own and its peers'.
+fn wait_all_hold(r: &HaRig, hosts: &[Host], flows: usize) {
+    wait_until(
+        "every replica to hold every flow",
+        Duration::from_secs(30),
+        || {
+            hosts
+                .iter()
+                .all(|h| r.forward_flows::<u32>(*h).unwrap().len() >= flows)
+        },
+    );
+}
+
 /// New flows (TCP connections and UDP flows) each replica has taken, once they add up to `total` (the agents
 /// refresh their counters every second).
 fn new_flows(r: &HaRig, hosts: &[Host], total: f64) -> Vec<f64> {
@@ -65,15 +78,20 @@ fn new_flows(r: &HaRig, hosts: &[Host], total: f64) -> Vec<f64> {
 }
 
 fn report(what: &str, rep: &HoldReport) {
-    println!(
-        "{what}: {} TCP + {} UDP, broken {}, survival {:.2} %, longest gap {:.0} ms, round trips {}",
-        rep.tcp_connections,
-        rep.udp_flows,
-        rep.broken,
-        survival(rep) * 100.0,
-        rep.max_gap_ms,
-        rep.round_trips
+    println!("{what}: {}", hold_summary(rep));
+}
+
+/// Held connections and flows through the VIP: a message every 100 ms, `timeout` per round trip.
+fn hold(r: &HaRig, tcp: usize, udp: usize, timeout: Duration) -> lb_testbed::rig::Hold {
+    let args = hold_args(
+        &r.vip.to_string(),
+        tcp,
+        udp,
+        Duration::from_millis(100),
+        timeout,
     );
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    r.start_hold(&args).unwrap()
 }
 
 #[test]
@@ -181,40 +199,9 @@ fn three_replicas_share_new_flows_and_a_dead_bird_is_withdrawn_within_the_hold_t
 fn held_connections_survive_a_replica_added_and_one_drained() {
     let (_lock, mut r) = rig(4);
     let lbs = r.topo.lbs();
-    let tcp = format!("{}:{TCP_PORT}", r.vip);
-    let udp = format!("{}:{UDP_PORT}", r.vip);
-    let hold = r
-        .start_hold(&[
-            "--tcp",
-            &tcp,
-            "--connections",
-            "1000",
-            "--udp",
-            &udp,
-            "--udp-flows",
-            "200",
-            "--udp-retry-ms",
-            "200",
-            "--interval-ms",
-            "100",
-            "--timeout-ms",
-            "5000",
-            "--brief",
-        ])
-        .unwrap();
+    let hold = hold(&r, 1000, 200, Duration::from_millis(5000));
     // Every connection is in every replica's table before the routes change.
-    let owners: Vec<Host> = lbs[..3].to_vec();
-    wait_until(
-        "every replica to hold every flow",
-        Duration::from_secs(30),
-        || {
-            let counts: Vec<usize> = owners
-                .iter()
-                .map(|h| r.forward_flows::<u32>(*h).unwrap().len())
-                .collect();
-            counts.iter().all(|c| *c >= 1200)
-        },
-    );
+    wait_all_hold(&r, &lbs[..3], 1200);
 
     // A fourth replica: it syncs, then announces; the routers rehash part of the flows onto it.
     let packets = |r: &HaRig, h: Host| r.metric(h, "lb_client_packets_total", "").unwrap();
@@ -263,36 +250,9 @@ fn held_connections_survive_a_replica_added_and_one_drained() {
 fn a_crashed_replica_costs_only_the_connections_it_owned() {
     let (_lock, mut r) = rig(3);
     let lbs = r.topo.lbs();
-    let tcp = format!("{}:{TCP_PORT}", r.vip);
-    let udp = format!("{}:{UDP_PORT}", r.vip);
     // Round trips may wait out the hold time and TCP's retransmission backoff behind it.
-    let hold = r
-        .start_hold(&[
-            "--tcp",
-            &tcp,
-            "--connections",
-            "900",
-            "--udp",
-            &udp,
-            "--udp-flows",
-            "150",
-            "--udp-retry-ms",
-            "200",
-            "--interval-ms",
-            "100",
-            "--timeout-ms",
-            "15000",
-            "--brief",
-        ])
-        .unwrap();
-    wait_until(
-        "every replica to hold every flow",
-        Duration::from_secs(30),
-        || {
-            lbs.iter()
-                .all(|h| r.forward_flows::<u32>(*h).unwrap().len() >= 1050)
-        },
-    );
+    let hold = hold(&r, 900, 150, Duration::from_millis(15000));
+    wait_all_hold(&r, &lbs, 1050);
     // A connection belongs to the replica whose SNAT address it has: the backend answers there.
     let victim = lbs[1];
     let victim_ip = r.topo.ip(victim);
@@ -342,35 +302,8 @@ fn a_crashed_replica_costs_only_the_connections_it_owned() {
 fn an_agent_killed_and_restarted_withdraws_and_returns_without_breaking_connections() {
     let (_lock, mut r) = rig(3);
     let lbs = r.topo.lbs();
-    let tcp = format!("{}:{TCP_PORT}", r.vip);
-    let udp = format!("{}:{UDP_PORT}", r.vip);
-    let hold = r
-        .start_hold(&[
-            "--tcp",
-            &tcp,
-            "--connections",
-            "600",
-            "--udp",
-            &udp,
-            "--udp-flows",
-            "60",
-            "--udp-retry-ms",
-            "200",
-            "--interval-ms",
-            "100",
-            "--timeout-ms",
-            "5000",
-            "--brief",
-        ])
-        .unwrap();
-    wait_until(
-        "every replica to hold every flow",
-        Duration::from_secs(30),
-        || {
-            lbs.iter()
-                .all(|h| r.forward_flows::<u32>(*h).unwrap().len() >= 660)
-        },
-    );
+    let hold = hold(&r, 600, 60, Duration::from_millis(5000));
+    wait_all_hold(&r, &lbs, 660);
     // SIGKILL: BIRD gets its parent-death signal and closes its session; the pinned data plane stays and
     // translates the replies to this replica's SNAT address, the others take its client packets.
     let victim = lbs[1];

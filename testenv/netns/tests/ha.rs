@@ -8,11 +8,11 @@
 //! is that connections survive and that the replicas never translate one flow differently.
 
 use lb_common::{FlowAddr, In6};
-use lb_testbed::ha::{survival, HaRig, HaRigConfig};
+use lb_testbed::ha::{hold_summary, survival, HaRig, HaRigConfig};
 use lb_testbed::hold::HoldReport;
 use lb_testbed::load::{epoch_ms, TcpFailure};
 use lb_testbed::proxy_backend::{Acceptor, ProxyBackend};
-use lb_testbed::rig::{TCP_PORT, UDP_PORT};
+use lb_testbed::rig::TCP_PORT;
 use lb_testbed::Host;
 use std::time::{Duration, Instant, SystemTime};
 
@@ -36,26 +36,15 @@ fn hold_args(r: &HaRig, conns: usize, udp: usize) -> Vec<String> {
     hold_args_to(&r.vip.to_string(), conns, udp)
 }
 
-/// [`hold_args`] towards `vip` (an IPv6 one in brackets).
+/// [`hold_args`] towards `vip` (an IPv6 one in brackets): a message every 50 ms, 5 s per round trip.
 fn hold_args_to(vip: &str, conns: usize, udp: usize) -> Vec<String> {
-    [
-        "--tcp".to_string(),
-        format!("{vip}:{TCP_PORT}"),
-        "--connections".into(),
-        conns.to_string(),
-        "--udp".into(),
-        format!("{vip}:{UDP_PORT}"),
-        "--udp-flows".into(),
-        udp.to_string(),
-        "--udp-retry-ms".into(),
-        "200".into(),
-        "--interval-ms".into(),
-        "50".into(),
-        "--timeout-ms".into(),
-        "5000".into(),
-        "--brief".into(),
-    ]
-    .into()
+    lb_testbed::ha::hold_args(
+        vip,
+        conns,
+        udp,
+        Duration::from_millis(50),
+        Duration::from_secs(5),
+    )
 }
 
 fn wait_until(what: &str, timeout: Duration, mut f: impl FnMut() -> bool) {
@@ -154,15 +143,7 @@ fn kill_master(r: &HaRig, master: Host, backup: Host) -> Cut {
 }
 
 fn report(what: &str, rep: &HoldReport) {
-    println!(
-        "{what}: {} TCP + {} UDP, broken {}, survival {:.2} %, longest gap {:.0} ms, round trips {}",
-        rep.tcp_connections,
-        rep.udp_flows,
-        rep.broken,
-        survival(rep) * 100.0,
-        rep.max_gap_ms,
-        rep.round_trips
-    );
+    println!("{what}: {}", hold_summary(rep));
 }
 
 #[test]
