@@ -429,4 +429,14 @@ fn lbctl_shows_ipv6_services_and_connections() {
         ..Default::default()
     };
     assert_eq!(inspect::flows(&dp.maps, &only).unwrap().len(), 1);
+    let elsewhere = FlowFilter {
+        snat: Some(NODE.parse().unwrap()),
+        ..Default::default()
+    };
+    assert!(inspect::flows(&dp.maps, &elsewhere).unwrap().is_empty());
+    let own = FlowFilter {
+        snat: Some(VIP.parse().unwrap()),
+        ..Default::default()
+    };
+    assert_eq!(inspect::flows(&dp.maps, &own).unwrap().len(), 1);
 }

@@ -47,6 +47,10 @@ enum Cmd {
         /// Only connections to this node.
         #[arg(long)]
         backend: Option<IpAddr>,
+        /// Only connections translated to this source address (active-active: a replica's own ones, which a
+        /// drained replica serves until they end).
+        #[arg(long)]
+        snat: Option<IpAddr>,
         /// Only this service (VIP:port).
         #[arg(long)]
         service: Option<SocketAddr>,
@@ -180,12 +184,14 @@ fn main() -> Result<()> {
         Cmd::Flows {
             client,
             backend,
+            snat,
             service,
             state,
         } => {
             let filter = FlowFilter {
                 client,
                 backend,
+                snat,
                 service,
                 state,
             };

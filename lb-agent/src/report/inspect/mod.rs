@@ -72,6 +72,8 @@ pub struct ConnectionView {
 pub struct FlowFilter {
     pub client: Option<IpAddr>,
     pub backend: Option<IpAddr>,
+    /// Only connections translated to this source address (active-active: a replica's own connections).
+    pub snat: Option<IpAddr>,
     pub service: Option<SocketAddr>,
     pub state: Option<String>,
 }
@@ -80,6 +82,7 @@ impl FlowFilter {
     fn accepts(&self, c: &ConnectionView) -> bool {
         self.client.is_none_or(|a| a == c.client.ip())
             && self.backend.is_none_or(|a| a == c.backend.ip())
+            && self.snat.is_none_or(|a| a == c.snat.ip())
             && self.service.is_none_or(|s| s == c.service)
             && self.state.as_deref().is_none_or(|s| s == c.state)
     }
