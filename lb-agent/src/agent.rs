@@ -39,8 +39,9 @@ pub struct AgentOptions {
     pub sizes: MapSizes,
     /// SNAT port range and hash seed.
     pub dataplane: lb_common::Config,
-    /// Overrides every service's SNAT address.
-    pub snat_override: Option<IpAddr>,
+    /// Override every service's SNAT address, at most one per family (a service keeps its own where its
+    /// family has none).
+    pub snat_override: Vec<IpAddr>,
     /// Idle-flow collection period.
     pub gc_interval: Duration,
     /// Next-hop refresh period.
@@ -150,6 +151,8 @@ struct Agent {
     /// Backend addresses with a next hop in the map; only they go into tables.
     /// Next-hop keys in the map (the 16-byte form: its keys carry no family).
     resolved: HashSet<lb_common::Addr>,
+    /// Active-active: the VIPs left out of the BGP announcement for want of a SNAT address of their family.
+    unannounced: Vec<IpAddr>,
     /// The interfaces the data plane is attached to, with the hook on each.
     attached: Vec<(String, AttachMode)>,
     /// Their NICs, and whether native XDP transmits under a lock there.
@@ -296,6 +299,7 @@ impl Agent {
             serving: None,
             ended: HashMap::new(),
             resolved,
+            unannounced: Vec::new(),
             attached,
             nics,
             last_gc: Instant::now(),
@@ -419,7 +423,7 @@ impl Agent {
             &cfg,
             &self.health_rx.borrow(),
             &self.resolved,
-            self.opts.snat_override,
+            &self.opts.snat_override,
         );
         // Backends whose connections stay (healthy or draining); those that left the set since the last applied
         // configuration have their connections ended below (see gc::end_flows). Before the first apply every
@@ -592,13 +596,29 @@ impl Agent {
         Ok(differs)
     }
 
+    /// Active-active: leaves out the VIPs of a family this replica has no SNAT address of — their replies would
+    /// go to the VIP, which no replica holds — and says so when that set changes.
+    fn keep_announceable(&mut self, vips: &mut Vec<IpAddr>) {
+        let (keep, left_out) = announceable(vips, &self.opts.snat_override);
+        if left_out != self.unannounced {
+            if !left_out.is_empty() {
+                tracing::error!(vips = ?left_out, "not announced over BGP: no --snat-address of their family, so their replies could not come back to this replica");
+            }
+            self.unannounced = left_out;
+        }
+        *vips = keep;
+    }
+
     /// Keeps VRRP and sync in line with the loop: VIPs and eligibility, peers and revision from the config source.
     async fn update_ha(&mut self) -> Result<()> {
         if !self.opts.ha.enabled() {
             return Ok(());
         }
         let ready = self.status_tx.borrow().up_to_date();
-        let vips = self.current.as_ref().map(|c| c.vips()).unwrap_or_default();
+        let mut vips = self.current.as_ref().map(|c| c.vips()).unwrap_or_default();
+        if self.opts.ha.bgp.is_some() {
+            self.keep_announceable(&mut vips);
+        }
         self.ha.update(ready, vips).await?;
         let vrrp = self.ha.vrrp_state();
         let bgp = self.ha.bgp().as_ref().map(BgpStatus::from);
@@ -714,21 +734,30 @@ fn resolved_nexthops(dp: &Dataplane) -> Result<HashSet<lb_common::Addr>> {
     Ok(dp.maps.nexthops.keys()?.into_iter().collect())
 }
 
+/// Active-active: the VIPs of a family `snat` has an address of, and the others.
+fn announceable(vips: &[IpAddr], snat: &[IpAddr]) -> (Vec<IpAddr>, Vec<IpAddr>) {
+    vips.iter()
+        .partition(|v| snat.iter().any(|a| a.is_ipv4() == v.is_ipv4()))
+}
+
 /// The services as they must be in the maps now: healthy backends whose next hop is known, SNAT override
 /// applied.
 fn effective(
     cfg: &DesiredConfig,
     health: &HealthMap,
     resolved: &HashSet<lb_common::Addr>,
-    snat_override: Option<IpAddr>,
+    snat_override: &[IpAddr],
 ) -> Vec<ServiceSpec> {
     let mut services = cfg.effective(health);
     for s in &mut services {
         s.backends
             .retain(|b| resolved.contains(&ip_to_addr(b.ip())));
-        // The override is of one family; the other family's services keep theirs.
-        if let Some(snat) = snat_override.filter(|a| a.is_ipv4() == s.id.vip.is_ipv4()) {
-            s.snat = Some(snat);
+        // An override is of one family; a family without one keeps the services' own.
+        if let Some(snat) = snat_override
+            .iter()
+            .find(|a| a.is_ipv4() == s.id.vip.is_ipv4())
+        {
+            s.snat = Some(*snat);
         }
     }
     services
@@ -738,6 +767,19 @@ fn effective(
 mod tests {
     use super::*;
     use crate::source::config::LocalConfig;
+
+    #[test]
+    fn only_vips_with_a_snat_address_of_their_family_are_announced() {
+        let v4: IpAddr = "10.0.0.1".parse().unwrap();
+        let v6: IpAddr = "fd00::1".parse().unwrap();
+        let snat4: IpAddr = "10.0.0.5".parse().unwrap();
+        assert_eq!(announceable(&[v4, v6], &[snat4]), (vec![v4], vec![v6]));
+        let snat6: IpAddr = "fd00::5".parse().unwrap();
+        assert_eq!(
+            announceable(&[v4, v6], &[snat6, snat4]),
+            (vec![v4, v6], vec![])
+        );
+    }
 
     #[test]
     fn resolved_backends_and_the_snat_override_apply_per_family() {
@@ -751,7 +793,7 @@ mod tests {
             &cfg,
             &HealthMap::new(),
             &resolved,
-            Some("10.0.0.5".parse().unwrap()),
+            &["10.0.0.5".parse().unwrap()],
         );
         assert_eq!(s[0].id.vip, "10.0.0.1".parse::<IpAddr>().unwrap());
         assert!(s[0].backends.is_empty(), "10.0.0.11 has no next hop yet");
@@ -762,5 +804,8 @@ mod tests {
             "an IPv4 override leaves the IPv6 VIP its own"
         );
         Programmer::validate(&s).unwrap();
+        let both: [IpAddr; 2] = ["10.0.0.5".parse().unwrap(), "fd00::5".parse().unwrap()];
+        let s = effective(&cfg, &HealthMap::new(), &resolved, &both);
+        assert_eq!((s[0].snat, s[1].snat), (Some(both[0]), Some(both[1])));
     }
 }

@@ -134,9 +134,10 @@ struct Cli {
     /// Attach mode.
     #[arg(long, env = "LB_ATTACH_MODE", value_enum, default_value = "xdp")]
     attach_mode: Mode,
-    /// Source address towards backends for every service (default: each service's VIP).
-    #[arg(long, env = "LB_SNAT_ADDRESS")]
-    snat_address: Option<IpAddr>,
+    /// Source address towards backends for every service of its family (default: each service's VIP);
+    /// repeatable, one per family.
+    #[arg(long = "snat-address", env = "LB_SNAT_ADDRESS", value_delimiter = ',')]
+    snat_address: Vec<IpAddr>,
     /// SNAT source-port range: `auto` (the ports outside the kernel's own ephemeral range,
     /// `net.ipv4.ip_local_port_range`) or `MIN-MAX` (the part inside that range is reserved for SNAT in
     /// `net.ipv4.ip_local_reserved_ports`).
@@ -499,6 +500,14 @@ async fn main() -> Result<()> {
     }
     // Before anything is changed on the machine: a setting the HA parts would refuse stops the agent here.
     let ha = cli.ha()?;
+    if cli.snat_address.iter().filter(|a| a.is_ipv4()).count() > 1
+        || cli.snat_address.iter().filter(|a| a.is_ipv6()).count() > 1
+    {
+        anyhow::bail!(
+            "--snat-address takes one address per family, got {:?}",
+            cli.snat_address
+        );
+    }
     let (min, max) = lb_agent::snat_ports::apply(cli.snat_ports, Path::new("/proc/sys/net/ipv4"))?;
     let connection_lru = match cli.connection_lru {
         LruLists::PerCpu => ConnectionLru::PerCpu,
@@ -546,7 +555,7 @@ async fn main() -> Result<()> {
             ..Default::default()
         }
         .with_syn_rate(cli.syn_rate_limit, cli.syn_burst),
-        snat_override: cli.snat_address,
+        snat_override: cli.snat_address.clone(),
         gc_interval: Duration::from_secs(cli.gc_interval.max(1)),
         neighbor_interval: Duration::from_secs(cli.neighbor_interval.max(1)),
         detach_on_exit: false,

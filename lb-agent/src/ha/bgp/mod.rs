@@ -22,7 +22,8 @@
 //! # Replies and moved flows
 //!
 //! Full NAT sends a backend's reply to the SNAT address, so every replica SNATs to an address of its own
-//! (`--snat-address`, required here): a reply reaches the replica that holds the flow. Flow sync runs as a
+//! (`--snat-address`, required here, one per family; a VIP of a family without one is not announced): a reply
+//! reaches the replica that holds the flow. Flow sync runs as a
 //! full mesh (every replica lists the others as peers), so when the routers move a flow — a replica added,
 //! drained or lost — the replica that now gets its client packets has the owner's entry and translates them
 //! exactly like the owner did (same backend, the owner's SNAT address and port); the backend's replies still go
