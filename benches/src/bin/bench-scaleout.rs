@@ -10,11 +10,12 @@
 //! Between the counts a replica is added while held connections run, and at the end one is drained: connections
 //! broken per change.
 //!
-//! On this 2-core machine the client, the replicas and the backends share the same two CPUs, so the aggregate
-//! cannot grow with the replicas; what must hold is that a replica's cost per packet and per connection does not
-//! grow with N. On a machine with more cores the same run shows the aggregate once the client is no longer the
-//! bottleneck (raise `--concurrency`): a veth runs its XDP program in the NAPI poll of the CPU that sent into it,
-//! so the replicas' work spreads over the CPUs the client and the backends send from.
+//! On this 2-core machine the client, the router, the replicas and the backends share the same two CPUs, so the
+//! aggregate cannot grow with the replicas; what should hold is that a replica's cost per packet does not grow with
+//! N and its agent's per VIP connection stays bounded. On a machine with more cores the same run shows the
+//! aggregate once the client is no longer the bottleneck (raise `--concurrency`): a veth runs its XDP program in
+//! the NAPI poll of the CPU that sent into it, so the replicas' work spreads over the CPUs the router and the
+//! backends send from.
 
 use anyhow::{bail, Context, Result};
 use clap::Parser;
@@ -51,7 +52,8 @@ struct ReplicaRow {
     packets: f64,
     xdp_ns_per_packet: f64,
     /// The agent's CPU time per connection through the VIP (any replica's): with full-mesh sync every agent sends
-    /// its own flows and applies everyone else's, so this, not a share of the replica's own flows, stays flat.
+    /// its own flows to N − 1 peers and applies everyone else's, about (N − 1)/N × (send + apply) per connection
+    /// of the VIP, bounded as N grows — the figure to compare across counts, not a share of its own flows.
     agent_cpu_us_per_vip_connection: f64,
 }
 
