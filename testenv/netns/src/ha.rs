@@ -66,7 +66,7 @@ pub struct HaRigConfig {
     pub ipv6_only: bool,
     /// Extra `options:` lines of the LoadBalancer config (YAML, indented by two spaces).
     pub options: String,
-    /// Active-active behind the client namespace's BGP router instead of VRRP (IPv4).
+    /// Active-active behind a BGP router between the client and the segment instead of VRRP (IPv4).
     pub active_active: bool,
 }
 
