@@ -41,6 +41,22 @@ pub fn prog_stats(name: &str) -> (u64, u64) {
     t
 }
 
+/// Polls `f` every 20 ms until it says yes; an error when it has not within `timeout` (or when `f` fails).
+pub fn wait(
+    what: &str,
+    timeout: std::time::Duration,
+    mut f: impl FnMut() -> anyhow::Result<bool>,
+) -> anyhow::Result<()> {
+    let t = std::time::Instant::now();
+    while !f()? {
+        if t.elapsed() > timeout {
+            anyhow::bail!("timed out waiting for {what}");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    Ok(())
+}
+
 /// Median of a non-empty sample.
 pub fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(|a, b| a.partial_cmp(b).unwrap());

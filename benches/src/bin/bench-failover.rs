@@ -11,7 +11,7 @@
 
 use anyhow::{bail, Result};
 use clap::Parser;
-use lb_benches::{median, print_table, process_cpu, write_json};
+use lb_benches::{median, print_table, process_cpu, wait, write_json};
 use lb_testbed::ha::{survival, HaRig, HaRigConfig};
 use lb_testbed::rig::TCP_PORT;
 use lb_testbed::Host;
@@ -226,17 +226,6 @@ fn hold_args(r: &HaRig, a: &Args, timeout_ms: u64) -> Vec<String> {
         Duration::from_millis(50),
         Duration::from_millis(timeout_ms),
     )
-}
-
-fn wait(what: &str, timeout: Duration, mut f: impl FnMut() -> Result<bool>) -> Result<()> {
-    let t = Instant::now();
-    while !f()? {
-        if t.elapsed() > timeout {
-            bail!("timed out waiting for {what}");
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    Ok(())
 }
 
 /// One failover: hold, cut the master, measure, restore, settle. A connection that has not exchanged data

@@ -19,7 +19,7 @@
 
 use anyhow::{bail, Context, Result};
 use clap::Parser;
-use lb_benches::{fmt_num, print_table, process_cpu, write_json};
+use lb_benches::{fmt_num, print_table, process_cpu, wait, write_json};
 use lb_testbed::ha::{hold_args, survival, HaRig, HaRigConfig};
 use lb_testbed::rig::TCP_PORT;
 use lb_testbed::Host;
@@ -132,17 +132,6 @@ fn xdp_stats(r: &HaRig, h: Host) -> Result<(u64, u64)> {
         }
     }
     bail!("XDP program {id} of {h} not found")
-}
-
-fn wait(what: &str, timeout: Duration, mut f: impl FnMut() -> Result<bool>) -> Result<()> {
-    let t = Instant::now();
-    while !f()? {
-        if t.elapsed() > timeout {
-            bail!("timed out waiting for {what}");
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    Ok(())
 }
 
 /// Short connections through `running` replicas.
