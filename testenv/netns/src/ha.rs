@@ -19,7 +19,7 @@
 use crate::hold::HoldReport;
 use crate::rig::{
     agent_http_get, attach_xdp_pass, find_artifact, lb_config_yaml, parse_metric, pin_root,
-    run_load, spawn_echo, spawn_hold, Hold, METRICS,
+    run_load, spawn_bird, spawn_echo, spawn_hold, Hold, METRICS,
 };
 use crate::topology::ClientRouter;
 use crate::{ChildGuard, Host, Topology, TopologyConfig};
@@ -209,23 +209,7 @@ impl HaRig {
                 self.topo.ip(h)
             );
         }
-        let path = self.dir.join("router.conf");
-        std::fs::write(&path, conf)?;
-        let argv = [
-            "ip".to_string(),
-            "netns".into(),
-            "exec".into(),
-            router.netns.clone(),
-            "/usr/sbin/bird".into(),
-            "-f".into(),
-            "-c".into(),
-            path.display().to_string(),
-            "-s".into(),
-            self.router_socket().display().to_string(),
-            "-P".into(),
-            self.dir.join("router.pid").display().to_string(),
-        ];
-        let bird = ChildGuard::spawn(&argv, "bird@router")?;
+        let (bird, _) = spawn_bird(&router.netns, &self.dir, "router", &conf)?;
         self.router = Some((router, bird));
         Ok(())
     }
@@ -233,11 +217,6 @@ impl HaRig {
     /// The upstream router (active-active).
     pub fn router(&self) -> Option<&ClientRouter> {
         self.router.as_ref().map(|(r, _)| r)
-    }
-
-    /// The upstream router's BIRD control socket (active-active).
-    pub fn router_socket(&self) -> PathBuf {
-        self.dir.join("router.ctl")
     }
 
     /// The replicas the upstream router's route to the VIP leads to now (active-active).

@@ -663,6 +663,36 @@ pub(crate) fn rand_suffix() -> u64 {
         .unwrap_or(0)
 }
 
+/// Debian's BIRD 2 in network namespace `netns`, in the foreground with `conf` written to `<dir>/<name>.conf`;
+/// returns it and its control socket (`<dir>/<name>.ctl`).
+pub fn spawn_bird(
+    netns: &str,
+    dir: &Path,
+    name: &str,
+    conf: &str,
+) -> Result<(ChildGuard, PathBuf)> {
+    let base = dir.join(name);
+    let conf_path = base.with_extension("conf");
+    let sock = base.with_extension("ctl");
+    std::fs::write(&conf_path, conf)?;
+    let argv = [
+        "ip".to_string(),
+        "netns".into(),
+        "exec".into(),
+        netns.into(),
+        "/usr/sbin/bird".into(),
+        "-f".into(),
+        "-c".into(),
+        conf_path.display().to_string(),
+        "-s".into(),
+        sock.display().to_string(),
+        "-P".into(),
+        base.with_extension("pid").display().to_string(),
+    ];
+    let bird = ChildGuard::spawn(&argv, &format!("bird@{name}"))?;
+    Ok((bird, sock))
+}
+
 /// Sums the samples of `name` (exact metric name) whose label text contains `labels`.
 pub fn parse_metric(body: &str, name: &str, labels: &str) -> f64 {
     body.lines()

@@ -6,7 +6,9 @@
 //! segment, so they are not ended); re-announced, the backend takes new flows again. A route that moves reaches
 //! new flows within a second (the agent watches the kernel's route changes). Needs root and bird2.
 
-use lb_testbed::rig::{lb_config_yaml, Rig, RigConfig, TCP_NODE_PORT, TCP_PORT, UDP_PORT};
+use lb_testbed::rig::{
+    lb_config_yaml, spawn_bird, Rig, RigConfig, TCP_NODE_PORT, TCP_PORT, UDP_PORT,
+};
 use lb_testbed::{ChildGuard, Host};
 use std::net::{IpAddr, Ipv4Addr};
 use std::path::{Path, PathBuf};
@@ -21,27 +23,7 @@ fn service_addr(i: usize) -> Ipv4Addr {
 
 /// BIRD in `host`'s namespace with `conf`; its control socket under `dir`.
 fn bird(r: &Rig, dir: &Path, host: Host, conf: &str) -> (ChildGuard, PathBuf) {
-    let base = dir.join(host.name());
-    let conf_path = base.with_extension("conf");
-    let sock = base.with_extension("ctl");
-    std::fs::write(&conf_path, conf).unwrap();
-    let c = r
-        .topo
-        .spawn(
-            host,
-            [
-                "/usr/sbin/bird".to_string(),
-                "-f".into(),
-                "-c".into(),
-                conf_path.display().to_string(),
-                "-s".into(),
-                sock.display().to_string(),
-                "-P".into(),
-                base.with_extension("pid").display().to_string(),
-            ],
-        )
-        .expect("bird starts");
-    (c, sock)
+    spawn_bird(r.topo.netns(host), dir, &host.name(), conf).expect("bird starts")
 }
 
 fn birdc(r: &Rig, host: Host, sock: &Path, args: &[&str]) {
