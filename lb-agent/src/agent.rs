@@ -622,10 +622,12 @@ impl Agent {
         self.ha.update(ready, vips).await?;
         let vrrp = self.ha.vrrp_state();
         let bgp = self.ha.bgp().as_ref().map(BgpStatus::from);
+        let vip_eligibility = self.ha.vip_eligibility();
         self.status_tx.send_if_modified(|s| {
-            let changed = s.vrrp != vrrp || s.bgp != bgp;
+            let changed = s.vrrp != vrrp || s.bgp != bgp || s.vip_eligibility != vip_eligibility;
             s.vrrp = vrrp;
             s.bgp = bgp;
+            s.vip_eligibility = vip_eligibility;
             changed
         });
         if let Some(cfg) = &self.current {

@@ -256,9 +256,16 @@ struct Cli {
     /// The keepalived binary.
     #[arg(long, env = "LB_KEEPALIVED_BINARY", default_value = lb_agent::ha::vrrp::DEFAULT_KEEPALIVED_BIN)]
     keepalived_binary: PathBuf,
-    /// Active-active: this replica's BGP AS; enables announcing the VIPs over BGP through BIRD to the
-    /// `--bgp-peer` routers while the machine is eligible (instead of VRRP). Needs `--snat-address` (this
-    /// replica's own address: replies must come back to the replica holding the flow) and flow sync with
+    /// Active-active instead of VRRP: every replica serves the VIPs at once, and someone else routes them to the
+    /// eligible ones (the cloud controller's router routes, reading the `VIPEligible` condition, or static ECMP
+    /// routes). Needs `--snat-address` (this replica's own address: replies must come back to the replica holding
+    /// the flow) and flow sync with every other replica. `--bgp-local-as` implies it.
+    #[arg(long, env = "LB_ACTIVE_ACTIVE", conflicts_with = "vrrp_router_id",
+          requires_all = ["snat_address", "sync_listen"])]
+    active_active: bool,
+    /// Active-active, announced by the agent: this replica's BGP AS; enables announcing the VIPs over BGP through
+    /// BIRD to the `--bgp-peer` routers while the machine is eligible (instead of VRRP). Needs `--snat-address`
+    /// (this replica's own address: replies must come back to the replica holding the flow) and flow sync with
     /// every other replica.
     #[arg(long, env = "LB_BGP_LOCAL_AS", conflicts_with = "vrrp_router_id",
           requires_all = ["bgp_peers", "bgp_peer_as", "snat_address", "sync_listen"])]
@@ -300,7 +307,7 @@ struct Cli {
 }
 
 impl Cli {
-    /// VRRP, BGP and sync settings.
+    /// VRRP, active-active (BGP) and sync settings.
     fn ha(&self) -> Result<HaOptions> {
         let vrrp = self.vrrp_router_id.map(|id| {
             let mut v = VrrpOptions::new(self.interface[0].clone(), id, self.vrrp_run_dir.clone());
@@ -342,7 +349,13 @@ impl Cli {
             }
             _ => None,
         };
-        Ok(HaOptions { vrrp, bgp, sync })
+        Ok(HaOptions {
+            vrrp,
+            // Announcing over BGP is one way of being active-active.
+            active_active: self.active_active || bgp.is_some(),
+            bgp,
+            sync,
+        })
     }
 }
 
@@ -678,4 +691,66 @@ fn ensure_bpffs(pin_dir: &Path) -> Result<()> {
         "pin directory {} is not on a bpffs mount: mount one (mount -t bpf bpf DIR) or pass --no-pin",
         pin_dir.display()
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(extra: &[&str]) -> Result<Cli, clap::Error> {
+        let base = [
+            "lb-agent",
+            "--interface",
+            "eth0",
+            "--config",
+            "/etc/lb.yaml",
+        ];
+        Cli::try_parse_from(base.iter().chain(extra))
+    }
+
+    const ACTIVE: [&str; 5] = [
+        "--snat-address=10.0.0.5",
+        "--sync-listen=10.0.0.5:9190",
+        "--sync-secret-file=/dev/null",
+        "--sync-peer=10.0.0.6:9190",
+        "--active-active",
+    ];
+
+    #[test]
+    fn active_active_with_or_without_bgp() {
+        let ha = parse(&ACTIVE).unwrap().ha().unwrap();
+        assert!(ha.active_active && ha.bgp.is_none() && ha.vrrp.is_none() && ha.enabled());
+        // BGP implies it, with the flag or without.
+        let bgp = [
+            "--bgp-local-as=65001",
+            "--bgp-peer=10.0.0.1",
+            "--bgp-peer-as=65000",
+        ];
+        for flags in [&ACTIVE[..], &ACTIVE[..4]] {
+            let args: Vec<&str> = flags.iter().chain(&bgp).copied().collect();
+            let ha = parse(&args).unwrap().ha().unwrap();
+            assert!(ha.active_active && ha.bgp.is_some(), "{args:?}");
+        }
+        assert!(!parse(&[]).unwrap().ha().unwrap().active_active);
+    }
+
+    #[test]
+    fn active_active_refuses_vrrp_and_needs_snat_and_sync() {
+        let e = parse(&[&ACTIVE[..], &["--vrrp-router-id=7"]].concat()).unwrap_err();
+        assert_eq!(e.kind(), clap::error::ErrorKind::ArgumentConflict);
+        for missing in [0, 1] {
+            let args: Vec<&str> = ACTIVE
+                .iter()
+                .enumerate()
+                .filter(|(i, _)| *i != missing)
+                .map(|(_, a)| *a)
+                .collect();
+            let e = parse(&args).unwrap_err();
+            assert_eq!(
+                e.kind(),
+                clap::error::ErrorKind::MissingRequiredArgument,
+                "{args:?}"
+            );
+        }
+    }
 }

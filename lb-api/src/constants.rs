@@ -59,6 +59,9 @@ pub mod service_annotations {
     pub const LOG_FORWARD_PROXY_URL: &str = "yawol.stackit.cloud/logForwardProxyURL";
     /// Nova server group policy.
     pub const SERVER_GROUP_POLICY: &str = "yawol.stackit.cloud/serverGroupPolicy";
+    /// "true": the machines serve the VIP active-active behind the VIP network's router (ECMP over its extra
+    /// routes) instead of as a VRRP pair; wants `replicas` of 2 or more.
+    pub const ACTIVE_ACTIVE: &str = "yawol.stackit.cloud/activeActive";
     /// Comma-separated extra network IDs.
     pub const ADDITIONAL_NETWORKS: &str = "yawol.stackit.cloud/additionalNetworks";
     /// Prefix of annotations that become extra Loki labels (the prefix is stripped).
@@ -154,6 +157,22 @@ pub mod conditions {
     pub const REASON_KEEPALIVED_MASTER_IN_SET: &str = "KeepalivedMasterInSet";
     /// Reason of [`HAS_KEEPALIVED_MASTER`] = False.
     pub const REASON_NO_KEEPALIVED_MASTER_IN_SET: &str = "NoKeepalivedMasterInSet";
+    /// Machine condition (active-active): this machine should receive the VIP's traffic now (data plane attached,
+    /// configuration current, flows synced with its peers); the controller routes the VIP to the machines that say
+    /// True with a fresh heartbeat.
+    pub const VIP_ELIGIBLE: &str = "VIPEligible";
+    /// LoadBalancer condition (active-active): the router's routes for the VIP are the eligible machines.
+    pub const ACTIVE_ACTIVE: &str = "ActiveActive";
+    /// Reason of [`ACTIVE_ACTIVE`] = True: the VIP's routes name every eligible machine.
+    pub const REASON_ROUTES_PROGRAMMED: &str = "RoutesProgrammed";
+    /// Reason of [`ACTIVE_ACTIVE`] = False: fewer than two replicas are asked for (the one serves alone).
+    pub const REASON_TOO_FEW_REPLICAS: &str = "TooFewReplicas";
+    /// Reason of [`ACTIVE_ACTIVE`] = False: no machine is eligible, so the VIP has no route.
+    pub const REASON_NO_ELIGIBLE_MACHINE: &str = "NoEligibleMachine";
+    /// Reason of [`ACTIVE_ACTIVE`] = False: the VIP's subnet has no router to program.
+    pub const REASON_NO_ROUTER: &str = "NoRouter";
+    /// Reason of [`ACTIVE_ACTIVE`] = False: OpenStack refused or failed to change the routes.
+    pub const REASON_ROUTES_FAILED: &str = "RoutesFailed";
     /// Condition status "True".
     pub const TRUE: &str = "True";
     /// Condition status "False".

@@ -1,5 +1,6 @@
 //! High availability on one replica: VRRP ([`crate::ha::vrrp`], keepalived) decides who holds the VIP — or, active-
-//! active, every eligible replica announces it over BGP ([`crate::ha::bgp`], BIRD) and the routers spread it —
+//! active, every eligible replica serves it and the routers spread it: announced over BGP ([`crate::ha::bgp`], BIRD),
+//! or routed by someone else (the cloud controller's router routes, reading the machine's eligibility) —
 //! and connection-state sync ([`crate::ha::sync`]) gives every replica the flows of the others, so a new master
 //! (or the replica a flow moved to) translates established connections exactly like the old one.
 //!
@@ -39,13 +40,16 @@ pub struct SyncSettings {
     pub secret: Vec<u8>,
 }
 
-/// What HA runs on this machine; every part is optional (a single machine runs none), VRRP and BGP exclude
-/// each other.
+/// What HA runs on this machine; every part is optional (a single machine runs none), VRRP and active-active
+/// exclude each other.
 #[derive(Clone, Debug, Default)]
 pub struct HaOptions {
     /// VRRP through keepalived.
     pub vrrp: Option<VrrpOptions>,
-    /// Active-active: the VIPs announced over BGP through BIRD.
+    /// Active-active: every replica serves the VIPs at once and someone else routes them to the eligible ones
+    /// (BGP below, the cloud controller's router routes, static ECMP routes). `bgp` implies it.
+    pub active_active: bool,
+    /// Active-active with the VIPs announced over BGP through BIRD.
     pub bgp: Option<BgpOptions>,
     /// Connection-state sync.
     pub sync: Option<SyncSettings>,
@@ -54,7 +58,39 @@ pub struct HaOptions {
 impl HaOptions {
     /// Whether anything is enabled.
     pub fn enabled(&self) -> bool {
-        self.vrrp.is_some() || self.bgp.is_some() || self.sync.is_some()
+        self.vrrp.is_some() || self.is_active_active() || self.sync.is_some()
+    }
+
+    /// Whether every replica serves the VIPs at once (announcing them over BGP is one way of it).
+    pub fn is_active_active(&self) -> bool {
+        self.active_active || self.bgp.is_some()
+    }
+}
+
+/// Whether the machine should get the VIPs' traffic, and if not, why: the data plane's readiness comes first
+/// (sync starts only once it is ready).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum VipEligibility {
+    /// Data plane attached, config current, flows caught up with every reachable peer.
+    Eligible,
+    /// The data plane is not attached or does not run the latest config.
+    NotReady,
+    /// The flow table has not caught up with the peers yet.
+    NotSynced,
+}
+
+impl VipEligibility {
+    fn new(ready: bool, synced: bool) -> Self {
+        match (ready, synced) {
+            (false, _) => VipEligibility::NotReady,
+            (true, false) => VipEligibility::NotSynced,
+            (true, true) => VipEligibility::Eligible,
+        }
+    }
+
+    /// Whether the machine is eligible.
+    pub fn eligible(self) -> bool {
+        self == VipEligibility::Eligible
     }
 }
 
@@ -67,7 +103,9 @@ pub struct HaSnapshot {
     pub vrrp_stats: Option<VrrpStats>,
     /// keepalived restarts by the supervisor.
     pub keepalived_restarts: u64,
-    /// BIRD's announcement and sessions, when active-active.
+    /// Every replica serves the VIPs at once (with BGP or without).
+    pub active_active: bool,
+    /// BIRD's announcement and sessions, when active-active over BGP.
     pub bgp: Option<BgpSnapshot>,
     /// Whether this machine currently offers itself for the VIP.
     pub eligible: bool,
@@ -81,6 +119,7 @@ pub struct HaSnapshot {
 pub struct Ha {
     vrrp_opts: Option<VrrpOptions>,
     keepalived: Option<Keepalived>,
+    active_active: bool,
     bgp_opts: Option<BgpOptions>,
     bird: Option<Bird>,
     sync: Option<SyncHandle>,
@@ -90,7 +129,7 @@ pub struct Ha {
     tasks: Vec<JoinHandle<()>>,
     peers_tx: Option<watch::Sender<Vec<SocketAddr>>>,
     master: Arc<AtomicBool>,
-    eligible: bool,
+    eligibility: VipEligibility,
     /// Set while an adopted keepalived (agent restart) must keep the previous agent's health verdict: the
     /// pinned data plane kept forwarding, so demoting the master until this agent has caught up would only
     /// cause a needless failover.
@@ -143,10 +182,12 @@ impl Ha {
     /// applied, keepalived with the first VIPs (it refuses an instance without one) — both in [`Self::update`].
     pub async fn start(opts: HaOptions, maps: &mut Maps) -> Result<Ha> {
         // Active-active replicas all serve: each keeps its own connections over a peer's conflicting record.
-        let master = Arc::new(AtomicBool::new(opts.bgp.is_some()));
+        let active_active = opts.is_active_active();
+        let master = Arc::new(AtomicBool::new(active_active));
         let mut ha = Ha {
             vrrp_opts: opts.vrrp,
             keepalived: None,
+            active_active,
             bgp_opts: opts.bgp,
             bird: None,
             sync: None,
@@ -154,7 +195,7 @@ impl Ha {
             tasks: Vec::new(),
             peers_tx: None,
             master: master.clone(),
-            eligible: false,
+            eligibility: VipEligibility::NotReady,
             adopted_until: None,
             stats: None,
         };
@@ -209,7 +250,7 @@ impl Ha {
         if self.sync.is_some() || self.pending_sync.is_some() {
             flags |= CFG_F_SYNC_EVENTS;
         }
-        if self.vrrp_opts.is_some() || self.bgp_opts.is_some() {
+        if self.vrrp_opts.is_some() || self.active_active {
             // Several replicas on one segment: flooded frames for another one must not be forwarded twice.
             flags |= CFG_F_CHECK_DST_MAC;
         }
@@ -223,7 +264,8 @@ impl Ha {
 
     /// Called every loop tick and after config changes: `ready` says the data plane is attached and runs the
     /// latest config. Starts sync once ready, keepalived once there are VIPs and BIRD at once, keeps their VIPs
-    /// in line, and offers the machine for the VIP (VRRP) or announces it (BGP) only when ready and synced.
+    /// in line, and offers the machine for the VIP (VRRP) or announces it (BGP) only when ready and synced (without
+    /// BGP, active-active only reports that: [`Self::vip_eligibility`]).
     /// Fails only when sync cannot start (its listen address cannot be bound): a replica that cannot sync must
     /// not run as if it could.
     pub async fn update(&mut self, ready: bool, vips: Vec<IpAddr>) -> Result<()> {
@@ -259,11 +301,12 @@ impl Ha {
             }
         }
         let synced = self.synced();
-        let eligible = ready && synced;
-        if eligible != self.eligible {
+        let eligibility = VipEligibility::new(ready, synced);
+        let eligible = eligibility.eligible();
+        if eligible != self.eligibility.eligible() {
             tracing::info!(eligible, ready, synced, "eligibility for the VIP changed");
-            self.eligible = eligible;
         }
+        self.eligibility = eligibility;
         if let Some(b) = &self.bird {
             b.announce(if eligible { vips.clone() } else { Vec::new() });
         }
@@ -338,9 +381,15 @@ impl Ha {
         )
     }
 
-    /// The BGP announcement and sessions, when active-active (`None` until BIRD runs).
+    /// The BGP announcement and sessions, when active-active over BGP (`None` until BIRD runs).
     pub fn bgp(&self) -> Option<BgpSnapshot> {
         self.bird.as_ref().map(Bird::snapshot)
+    }
+
+    /// Whether the machine should get the VIPs' traffic as of the last [`Self::update`], when active-active (the
+    /// cloud controller routes the VIPs to the machines that say so).
+    pub fn vip_eligibility(&self) -> Option<VipEligibility> {
+        self.active_active.then_some(self.eligibility)
     }
 
     /// Whether sync runs (the GC pass then collects refreshes).
@@ -351,8 +400,9 @@ impl Ha {
     /// Current numbers (keepalived's counters as of the last read, at most [`STATS_PERIOD`] old).
     pub async fn snapshot(&mut self) -> HaSnapshot {
         let mut s = HaSnapshot {
+            active_active: self.active_active,
             bgp: self.bgp(),
-            eligible: self.eligible,
+            eligible: self.eligibility.eligible(),
             synced: self.synced(),
             sync: self.sync.as_ref().map(|s| s.counters()),
             ..Default::default()

@@ -142,7 +142,7 @@ impl Snapshot {
     }
 }
 
-/// VRRP, BGP and sync families (only when HA is enabled).
+/// VRRP, active-active, BGP and sync families (only when HA is enabled).
 fn encode_ha(enc: &mut DescriptorEncoder, h: &crate::ha::HaSnapshot) -> std::fmt::Result {
     let one = |v: u64| [(Vec::<(&'static str, String)>::new(), v)];
     if let Some(state) = h.vrrp_state {
@@ -200,6 +200,14 @@ fn encode_ha(enc: &mut DescriptorEncoder, h: &crate::ha::HaSnapshot) -> std::fmt
                 &one(st.advertisements_received),
             )?;
         }
+    }
+    if h.active_active {
+        gauge(
+            enc,
+            "lb_vip_eligible",
+            "1 when the machine should get the VIPs' traffic (active-active: data plane attached, config current, flows synced).",
+            &one(u64::from(h.eligible)),
+        )?;
     }
     if let Some(b) = &h.bgp {
         gauge(
@@ -730,6 +738,29 @@ pub async fn serve(addr: SocketAddr, snapshot: SharedSnapshot) -> anyhow::Result
 mod tests {
     use super::*;
     use crate::dataplane::model::Protocol;
+
+    fn render(snap: Snapshot) -> String {
+        let mut out = String::new();
+        prometheus_client::encoding::text::encode(&mut out, &registry(Arc::new(RwLock::new(snap))))
+            .unwrap();
+        out
+    }
+
+    #[test]
+    fn vip_eligible_only_when_active_active() {
+        let ha = |active_active, eligible| Snapshot {
+            ha: Some(crate::ha::HaSnapshot {
+                active_active,
+                eligible,
+                ..Default::default()
+            }),
+            ..Default::default()
+        };
+        assert!(render(ha(true, true)).contains("lb_vip_eligible{} 1"));
+        assert!(render(ha(true, false)).contains("lb_vip_eligible{} 0"));
+        let vrrp = render(ha(false, true));
+        assert!(!vrrp.contains("lb_vip_eligible"), "{vrrp}");
+    }
 
     #[test]
     fn renders_services_and_yawol_names() {

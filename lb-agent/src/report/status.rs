@@ -19,8 +19,11 @@ pub struct AgentStatus {
     pub applied_generation: Option<u64>,
     /// VRRP state, when this machine runs VRRP (`KeepalivedMaster`/`KeepalivedProcess` conditions).
     pub vrrp: Option<crate::ha::vrrp::VrrpState>,
-    /// The BGP announcement, when this machine runs active-active (`BGPAnnounced`/`BGPSessions` conditions).
+    /// The BGP announcement, when this machine runs active-active over BGP (`BGPAnnounced`/`BGPSessions`
+    /// conditions).
     pub bgp: Option<BgpStatus>,
+    /// Whether the machine should get the VIPs' traffic, when it runs active-active (`VIPEligible` condition).
+    pub vip_eligibility: Option<crate::ha::VipEligibility>,
     /// Why `desired_generation` cannot be confirmed as the latest input (Kubernetes mode: the watch of the
     /// LoadBalancer failed and has not relisted since, or the agent loop has not taken the latest published
     /// generation yet); `None` when it can. Set by the status reporter, not by the agent loop.

@@ -59,6 +59,10 @@ pub mod event_reasons {
     pub const BGP_SESSION_ESTABLISHED: &str = "BGPSessionEstablished";
     /// Warning: an established BGP session went down, or one has not come up for 30 s.
     pub const BGP_SESSION_DOWN: &str = "BGPSessionDown";
+    /// Normal: active-active (with BGP or without), the machine became eligible for the VIPs' traffic.
+    pub const VIP_ELIGIBLE: &str = "VIPEligible";
+    /// Warning: active-active, the machine is no longer eligible (the VIPs are routed to the others).
+    pub const VIP_NOT_ELIGIBLE: &str = "VIPNotEligible";
     // Warning: an option the LoadBalancer asks for that this image does not implement; the reason is its
     // condition's (`super::status::unsupported_condition`: `LogForwardNotSupported`, `ProxyProtocolNotSupported`).
 }
@@ -100,6 +104,7 @@ pub fn status_events(
             message: "the data plane is no longer attached".to_string(),
         });
     }
+    events.extend(vip_eligibility_events(prev, cur));
     events.extend(bgp_events(prev, cur));
     if let Some(g) = cur.applied_generation {
         if prev.applied_generation != Some(g) {
@@ -111,6 +116,26 @@ pub fn status_events(
         }
     }
     events
+}
+
+/// Events for a change of the machine's eligibility (active-active): became eligible, or no longer is. A start
+/// that is not eligible yet is no Event (every start is so for a moment).
+fn vip_eligibility_events(prev: &AgentStatus, cur: &AgentStatus) -> Option<MachineEvent> {
+    let cur = cur.vip_eligibility?;
+    let was = prev.vip_eligibility.is_some_and(|e| e.eligible());
+    match (was, cur.eligible()) {
+        (false, true) => Some(MachineEvent {
+            warning: false,
+            reason: event_reasons::VIP_ELIGIBLE,
+            message: "the machine is eligible for the VIPs' traffic (data plane attached, configuration current, flows synced)".to_string(),
+        }),
+        (true, false) => Some(MachineEvent {
+            warning: true,
+            reason: event_reasons::VIP_NOT_ELIGIBLE,
+            message: super::status::vip_eligibility_words(cur).1.to_string(),
+        }),
+        _ => None,
+    }
 }
 
 /// Events for a change of the BGP announcement (active-active): announced or withdrawn, a session established,
@@ -333,6 +358,14 @@ mod tests {
     use super::*;
     use crate::source::kubernetes::test_support::running;
 
+    /// The events between two statuses (config unchanged): whether each is a warning, and its reason.
+    fn reasons(prev: &AgentStatus, cur: &AgentStatus) -> Vec<(bool, &'static str)> {
+        status_events(prev, cur, &ConfigState::Pending)
+            .iter()
+            .map(|e| (e.warning, e.reason))
+            .collect()
+    }
+
     #[test]
     fn events_on_edges_only() {
         let idle = AgentStatus {
@@ -375,12 +408,6 @@ mod tests {
             }),
             ..running(1)
         };
-        let reasons = |prev: &AgentStatus, cur: &AgentStatus| -> Vec<(bool, &str)> {
-            status_events(prev, cur, &ConfigState::Pending)
-                .iter()
-                .map(|e| (e.warning, e.reason))
-                .collect()
-        };
         let connecting = with(0, SessionState::Connecting);
         // BIRD's first answer: still connecting, nothing to say.
         assert!(reasons(&running(1), &connecting).is_empty());
@@ -402,6 +429,39 @@ mod tests {
             reasons(&up, &with(0, SessionState::Established)),
             [(true, "BGPWithdrawn")]
         );
+    }
+
+    #[test]
+    fn vip_eligibility_events_on_edges() {
+        use crate::ha::VipEligibility;
+        let with = |e| AgentStatus {
+            vip_eligibility: Some(e),
+            ..running(1)
+        };
+        let (not_ready, not_synced, eligible) = (
+            with(VipEligibility::NotReady),
+            with(VipEligibility::NotSynced),
+            with(VipEligibility::Eligible),
+        );
+        // Starting up: not eligible yet, nothing to say.
+        assert!(reasons(&running(1), &not_ready).is_empty());
+        assert!(reasons(&not_ready, &not_synced).is_empty());
+        assert_eq!(reasons(&not_synced, &eligible), [(false, "VIPEligible")]);
+        assert!(reasons(&eligible, &eligible).is_empty());
+        let lost = status_events(&eligible, &not_synced, &ConfigState::Pending);
+        assert_eq!(
+            lost.iter()
+                .map(|e| (e.warning, e.reason))
+                .collect::<Vec<_>>(),
+            [(true, "VIPNotEligible")]
+        );
+        assert!(
+            lost[0].message.contains("caught up with the peers"),
+            "{lost:?}"
+        );
+        assert_eq!(reasons(&eligible, &not_ready), [(true, "VIPNotEligible")]);
+        // Not active-active: none.
+        assert!(reasons(&running(1), &running(1)).is_empty());
     }
 
     #[test]

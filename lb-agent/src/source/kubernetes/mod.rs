@@ -222,6 +222,7 @@ mod test_support {
             applied_generation: Some(generation),
             vrrp: None,
             bgp: None,
+            vip_eligibility: None,
             attached: vec![("eth0".into(), crate::dataplane::AttachMode::Tc)],
             xdp_tx_locked: Vec::new(),
             source_stale: None,

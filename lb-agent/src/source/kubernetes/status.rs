@@ -3,6 +3,7 @@
 
 use super::events::{status_events, truncate, Recorder};
 use super::{KubeSettings, LbFacts};
+use crate::ha::VipEligibility;
 use crate::report::metrics::SharedSnapshot;
 use crate::report::{AgentStatus, SessionState};
 use crate::source::config::UnsupportedOption;
@@ -33,6 +34,7 @@ pub mod types {
     pub const BGP_ANNOUNCED: &str = "BGPAnnounced";
     /// Active-active: every upstream router's BGP session is established.
     pub const BGP_SESSIONS: &str = "BGPSessions";
+    // Active-active, with BGP or without: `lb_api`'s `VIPEligible` (the controller routes the VIPs by it).
 }
 
 /// Condition reasons. The yawol-named conditions use yawol's reasons where yawol has one, so dashboards
@@ -72,6 +74,12 @@ pub mod reasons {
     pub const BGP_ESTABLISHED: &str = "Established";
     /// `BGPSessions=False`: a router's session is down, or BIRD does not answer.
     pub const BGP_NOT_ESTABLISHED: &str = "NotEstablished";
+    /// `VIPEligible=True`.
+    pub const VIP_ELIGIBLE: &str = "Eligible";
+    /// `VIPEligible=False`: the data plane is not attached or does not run the latest configuration.
+    pub const VIP_NOT_READY: &str = "NotReady";
+    /// `VIPEligible=False`: the flow table has not caught up with the peers yet.
+    pub const VIP_NOT_SYNCED: &str = "NotSynced";
     /// `KeepalivedMaster` (yawol's reason, both statuses).
     pub const KEEPALIVED_STATUS: &str = "KeepalivedStatus";
     /// `KeepalivedProcess=True` (yawol's reason).
@@ -304,6 +312,15 @@ fn truths(s: &AgentStatus, ctx: &Context) -> Vec<Truth> {
             },
         });
     }
+    if let Some(e) = s.vip_eligibility {
+        let (reason, message) = vip_eligibility_words(e);
+        v.push(Truth {
+            type_: cond::VIP_ELIGIBLE,
+            ok: e.eligible(),
+            reason,
+            message: message.to_string(),
+        });
+    }
     for u in &ctx.facts.unsupported {
         let (type_, reason) = unsupported_condition(u.option);
         v.push(Truth {
@@ -314,6 +331,24 @@ fn truths(s: &AgentStatus, ctx: &Context) -> Vec<Truth> {
         });
     }
     v
+}
+
+/// `VIPEligible`'s reason and message (the Event on a loss of eligibility says the same).
+pub(super) fn vip_eligibility_words(e: VipEligibility) -> (&'static str, &'static str) {
+    match e {
+        VipEligibility::Eligible => (
+            reasons::VIP_ELIGIBLE,
+            "the machine takes the VIPs' traffic: data plane attached, configuration current, flows synced with its peers",
+        ),
+        VipEligibility::NotReady => (
+            reasons::VIP_NOT_READY,
+            "not eligible for the VIPs' traffic: the data plane is not attached or does not run the latest configuration",
+        ),
+        VipEligibility::NotSynced => (
+            reasons::VIP_NOT_SYNCED,
+            "not eligible for the VIPs' traffic: the flow table has not caught up with the peers yet",
+        ),
+    }
 }
 
 fn up_to_date_message(s: &AgentStatus) -> String {
@@ -717,6 +752,49 @@ mod tests {
         let sessions = find(&c, types::BGP_SESSIONS);
         assert_eq!(sessions.status, cond::FALSE);
         assert!(sessions.message.as_deref().unwrap().contains("10.0.0.1"));
+    }
+
+    #[test]
+    fn vip_eligibility_becomes_a_condition_when_active_active() {
+        let mut s = running(1);
+        let c = conditions(&[], &s, &Context::default(), &t(0));
+        assert!(
+            c.iter().all(|c| c.type_ != cond::VIP_ELIGIBLE),
+            "not active-active, no condition"
+        );
+        let state = |c: &[NodeCondition]| {
+            let c = find(c, "VIPEligible");
+            (
+                c.status.clone(),
+                c.reason.clone().unwrap(),
+                c.last_heartbeat_time.clone().unwrap(),
+                c.last_transition_time.clone().unwrap(),
+            )
+        };
+        let four = |st: &str, r: &str, beat: i64, flip: i64| {
+            (st.to_string(), r.to_string(), t(beat), t(flip))
+        };
+        s.vip_eligibility = Some(VipEligibility::NotReady);
+        let c = conditions(&[], &s, &Context::default(), &t(0));
+        assert_eq!(state(&c), four("False", "NotReady", 0, 0));
+        // Still not eligible for another reason: no transition.
+        s.vip_eligibility = Some(VipEligibility::NotSynced);
+        let c = conditions(&c, &s, &Context::default(), &t(1));
+        assert_eq!(state(&c), four("False", "NotSynced", 1, 0));
+        assert!(find(&c, "VIPEligible")
+            .message
+            .as_deref()
+            .unwrap()
+            .contains("caught up with the peers"));
+        s.vip_eligibility = Some(VipEligibility::Eligible);
+        let c = conditions(&c, &s, &Context::default(), &t(2));
+        assert_eq!(state(&c), four("True", "Eligible", 2, 2));
+        // The heartbeat moves, the transition time stays.
+        let c = conditions(&c, &s, &Context::default(), &t(30));
+        assert_eq!(state(&c), four("True", "Eligible", 30, 2));
+        s.vip_eligibility = Some(VipEligibility::NotReady);
+        let c = conditions(&c, &s, &Context::default(), &t(31));
+        assert_eq!(state(&c), four("False", "NotReady", 31, 31));
     }
 
     /// What yawol-controller and yawol's dashboards read: the yawol-named conditions with yawollet's reasons.
