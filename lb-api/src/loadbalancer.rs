@@ -15,7 +15,7 @@ use std::sync::LazyLock;
 use std::time::Duration;
 
 use k8s_openapi::api::core::v1::{SecretReference, ServicePort};
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, Time};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, LabelSelector, Time};
 use kube::CustomResource;
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
@@ -176,9 +176,19 @@ pub struct LoadBalancerOptions {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(extend("enum" = ["", "affinity", "anti-affinity", "soft-affinity", "soft-anti-affinity"]))]
     pub server_group_policy: Option<String>,
+    /// Active-active (not in yawol): every machine serves the VIP at once, the VIP network's router spreads it
+    /// over them by ECMP (its extra routes, one next hop per eligible machine, kept by the controller), each
+    /// machine translates to its own port address. Default false: one VRRP master at a time.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub active_active: Option<bool>,
 }
 
 impl LoadBalancerOptions {
+    /// Whether the machines run active-active behind the router instead of a VRRP pair.
+    pub fn is_active_active(&self) -> bool {
+        self.active_active.unwrap_or(false)
+    }
+
     /// Whether this is an internal load balancer (no floating IP).
     pub fn is_internal(&self) -> bool {
         self.internal_lb.unwrap_or(false)
@@ -628,4 +638,9 @@ pub struct LoadBalancerStatus {
     /// Hash of the OpenStack-relevant settings at the last reconciliation.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub openstack_reconcile_hash: Option<String>,
+    /// Conditions of the LoadBalancer (not in yawol): `ActiveActive` says whether the router spreads the VIP over
+    /// the machines, and why not.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(transform = crate::schema::metav1_conditions)]
+    pub conditions: Option<Vec<Condition>>,
 }

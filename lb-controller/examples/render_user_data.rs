@@ -48,6 +48,10 @@ struct Args {
     /// State-sync secret (with --vrrp-router-id).
     #[arg(long, default_value = "boot-test-sync-secret-0123456789abcdef")]
     sync_secret: String,
+    /// Active-active (with --vrrp-router-id for the sync settings): the machine's own port address, which it
+    /// translates to; no VRRP.
+    #[arg(long, requires = "vrrp_router_id")]
+    active_active_address: Option<String>,
     /// Revision of the machine's LoadBalancerSet.
     #[arg(long)]
     machine_revision: Option<String>,
@@ -78,6 +82,7 @@ fn main() -> anyhow::Result<()> {
             sync_port: lb_api::ha::DEFAULT_SYNC_PORT,
             sync_secret: a.sync_secret,
         }),
+        active_active_address: a.active_active_address,
         machine_revision: a.machine_revision,
     };
     print!("{}", user_data(&params));

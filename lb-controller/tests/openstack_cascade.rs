@@ -38,13 +38,20 @@
 //!   the group, ICMP / ICMPv6), both VIPs as allowed address pairs of its machine's port, `status.portIPv6`, and the
 //!   back channel would publish both addresses on the Service; deletion leaves no port, group or floating IP.
 //!
+//! - `cascade_active_active_routes_follow_the_eligible_machines`: a LoadBalancer with `activeActive` and 3 replicas
+//!   boots its machines without VRRP, each translating to its own port address; the project's router routes the
+//!   VIP's /32 to exactly the machines that report `VIPEligible=True` (one that reports False loses its next hop
+//!   and gets it back), `ActiveActive` is True; scaled to 1, the condition and an event say `TooFewReplicas` and
+//!   the VIP is routed to the one machine left; deleted, no route of the VIP is left.
+//!
 //! Every test starts and ends with the leak check over the test project (a failing check sweeps the project so the
 //! next test starts clean).
 //!
 //! What this OpenStack cannot do, and how the tests deal with it:
 //! - Nova's fake driver never boots a VM, so no agent runs: the harness plays the agents once a machine's server is
 //!   ACTIVE (ready conditions, heartbeats, `KeepalivedMaster` on one machine per LoadBalancer, moving to the newest
-//!   revision like the agents' revision bonus does), with the credentials the VM would have.
+//!   revision like the agents' revision bonus does, or `VIPEligible` on every machine booted active-active), with
+//!   the credentials the VM would have. It has no data plane either: routes are checked as Neutron stores them.
 //! - There is one image; the rolling update changes the flavor (a second flavor is created as admin and deleted at
 //!   the end). An image change takes the same path (both are in the machine template's hash).
 //! - Nova cannot sit behind the proxy through an endpoint override (openstack_sdk skips version discovery for it and
@@ -63,7 +70,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use anyhow::{ensure, Context, Result};
+use anyhow::{bail, ensure, Context, Result};
 use kube_testenv::KubeEnv;
 use lb_api::constants::{conditions, lb_annotations};
 use lb_controller::metrics::Metrics;
@@ -71,7 +78,7 @@ use lb_controller::openstack::clouds::{FixedCloud, SecretClouds};
 use lb_controller::openstack::{Cloud, FloatingIpFilter};
 use lb_test_support::cascade::{
     self, condition, connect, connect_counted, connect_routed, delete_flavor, ensure_flavor,
-    finish, lb_json, nova_group_members, nova_server, nova_servers_are, ready, revision,
+    finish, lb_json, name_of, nova_group_members, nova_server, nova_servers_are, ready, revision,
     server_ids, servers_named, user_data_files, Cascade, CascadeConfig, Kind, NovaProxy,
     CALL_TIMEOUT, CONTROLLER_SERVICE_ACCOUNT, STEP,
 };
@@ -571,6 +578,173 @@ async fn cascade_internal_lb_and_keep_annotations() -> Result<()> {
         cleanup = cleanup.and(cloud.delete_security_group(id).await.map_err(Into::into));
     }
     finish(&env, &cloud, &direct, scenario, cleanup).await
+}
+
+/// The next hops of `destination` on the test project's router, sorted.
+async fn next_hops(cloud: &impl Cloud, router: &str, destination: &str) -> Result<Vec<String>> {
+    let mut hops: Vec<String> = cloud
+        .router_routes(router)
+        .await?
+        .into_iter()
+        .filter(|r| r.destination == destination)
+        .map(|r| r.nexthop)
+        .collect();
+    hops.sort();
+    Ok(hops)
+}
+
+/// Waits until the router routes `destination` to exactly `want` (sorted).
+async fn wait_next_hops(
+    cloud: &impl Cloud,
+    router: &str,
+    destination: &str,
+    want: &[String],
+) -> Result<Duration> {
+    let t0 = Instant::now();
+    loop {
+        let hops = next_hops(cloud, router, destination).await?;
+        if hops == want {
+            return Ok(t0.elapsed());
+        }
+        if t0.elapsed() > STEP {
+            bail!("router routes {destination} via {hops:?}, not {want:?}");
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs the OpenStack test environment (cargo xtask openstack up); run by the openstack stage"]
+async fn cascade_active_active_routes_follow_the_eligible_machines() -> Result<()> {
+    const LB: &str = "csc-aa";
+    let env = TestEnv::load()?;
+    let cloud = connect(&env, &[]).await?;
+    let direct = env.connect().await?;
+    let admin = env.connect_admin().await?;
+    LeakCheck::new(&env)
+        .assert_clean(&direct)
+        .await
+        .context("before the test")?;
+    let c = start(&env).await?;
+    let router = env.info.router_id.clone();
+    let scenario = async {
+        c.create_lb(lb_json(&env, &c.ns, LB, 3, json!({"activeActive": true})))
+            .await?;
+        let (_, active) = ready(&c, LB, 1, 3).await?;
+        let vip = c.status(LB)["portIP"].as_str().context("VIP")?.to_string();
+        let dst = format!("{vip}/32");
+        let port_ip = |m: &str| {
+            c.machine(m)["status"]["defaultPortIP"]
+                .as_str()
+                .unwrap_or_default()
+                .to_string()
+        };
+        // Booted active-active: no VRRP, each translating to its own port address.
+        for (m, server) in &active {
+            let files = user_data_files(&nova_server(&admin, server).await?)?;
+            let agent = files
+                .iter()
+                .find(|(p, _)| p == lb_controller::openstack::machine::cloudinit::AGENT_ENV_PATH)
+                .map(|(_, c)| c.clone())
+                .unwrap_or_default();
+            ensure!(
+                agent.contains("--active-active")
+                    && agent.contains(&format!("--snat-address={}", port_ip(m)))
+                    && agent.contains("--sync-listen=")
+                    && !agent.contains("--vrrp-router-id"),
+                "agent settings of {m}: {agent}"
+            );
+        }
+
+        // Every eligible machine is a next hop of the VIP.
+        let mut all: Vec<String> = active.iter().map(|(m, _)| port_ip(m)).collect();
+        all.sort();
+        let t = wait_next_hops(&cloud, &router, &dst, &all).await?;
+        eprintln!(
+            "timing: 3 next hops {:.2}s after the machines were ready",
+            secs(t)
+        );
+        c.wait("ActiveActive=True", STEP, |c| {
+            c.status(LB)["conditions"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .any(|k| {
+                    k["type"] == conditions::ACTIVE_ACTIVE
+                        && k["status"] == "True"
+                        && k["reason"] == conditions::REASON_ROUTES_PROGRAMMED
+                })
+        })
+        .await?;
+
+        // A machine that stops being eligible loses its next hop; the others keep theirs.
+        let (out, _) = &active[0];
+        c.set_sick(out, true);
+        let now = jiff::Timestamp::now().to_string();
+        let conds = [
+            conditions::CONFIG_READY,
+            conditions::DATAPLANE_READY,
+            conditions::DATAPLANE_UP_TO_DATE,
+        ]
+        .iter()
+        .map(|t| {
+            json!({"type": t, "status": "True", "reason": "Itest", "message": "",
+                        "lastHeartbeatTime": now, "lastTransitionTime": now})
+        })
+        .chain([
+            json!({"type": conditions::VIP_ELIGIBLE, "status": "False", "reason": "NotSynced",
+                       "message": "", "lastHeartbeatTime": now, "lastTransitionTime": now}),
+        ])
+        .collect();
+        c.report(out, conds).await?;
+        let rest: Vec<String> = all
+            .iter()
+            .filter(|ip| **ip != port_ip(out))
+            .cloned()
+            .collect();
+        let t = wait_next_hops(&cloud, &router, &dst, &rest).await?;
+        eprintln!(
+            "timing: an ineligible machine's next hop gone after {:.2}s",
+            secs(t)
+        );
+        // Eligible again: back.
+        c.set_sick(out, false);
+        wait_next_hops(&cloud, &router, &dst, &all).await?;
+
+        // Scaled to one: a condition and an event say so, and the one machine left still has the VIP.
+        c.patch_lb(LB, json!({"spec": {"replicas": 1}})).await?;
+        c.wait("ActiveActive=False TooFewReplicas", STEP, |c| {
+            c.status(LB)["conditions"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .any(|k| {
+                    k["type"] == conditions::ACTIVE_ACTIVE
+                        && k["status"] == "False"
+                        && k["reason"] == conditions::REASON_TOO_FEW_REPLICAS
+                })
+                && c.machines_of(LB).len() == 1
+        })
+        .await?;
+        let left = name_of(&c.machines_of(LB)[0]);
+        wait_next_hops(&cloud, &router, &dst, &[port_ip(&left)]).await?;
+        ensure!(
+            !c.lb_events(LB, conditions::REASON_TOO_FEW_REPLICAS)
+                .is_empty(),
+            "no TooFewReplicas event"
+        );
+
+        // Deleted: no route of the VIP is left (the leak check also looks at the router's routes).
+        c.delete_lb(LB, STEP).await?;
+        ensure!(
+            next_hops(&cloud, &router, &dst).await?.is_empty(),
+            "routes of {dst} left"
+        );
+        anyhow::Ok(())
+    }
+    .await;
+    let stopped = c.stop().await;
+    finish(&env, &cloud, &direct, scenario, stopped).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

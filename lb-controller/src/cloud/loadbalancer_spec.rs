@@ -149,6 +149,8 @@ pub mod reasons {
     /// The installed LoadBalancer CRD does not store `endpoints[].draining`: terminating nodes are left out
     /// instead of draining.
     pub const DRAINING_NOT_STORED: &str = "DrainingNotStored";
+    /// `activeActive` with fewer than two replicas: the machine serves the VIP alone (routed, without a standby).
+    pub const ACTIVE_ACTIVE_TOO_FEW_REPLICAS: &str = "ActiveActiveTooFewReplicas";
 }
 
 /// A problem with a Service, reported as a Warning event on it.
@@ -227,6 +229,18 @@ pub fn desired_spec(
     };
 
     let mut warnings = Warning::all(reasons::ANNOTATION, warnings);
+    if options.is_active_active() && replicas < 2 {
+        warnings.push(Warning {
+            reason: reasons::ACTIVE_ACTIVE_TOO_FEW_REPLICAS,
+            message: format!(
+                "annotation {}=\"true\" wants {} of 2 or more, it is {replicas}: the VIP is routed to {} without \
+                 a second one to take over",
+                ann::ACTIVE_ACTIVE,
+                ann::REPLICAS,
+                if replicas == 1 { "the one machine" } else { "no machine" },
+            ),
+        });
+    }
     warnings.extend(proxy_protocol_filter_warnings(
         &options,
         spec.ports.as_deref().unwrap_or_default(),
@@ -508,6 +522,8 @@ fn options(
         }
     });
 
+    let active_active = bool_annotation(service, ann::ACTIVE_ACTIVE, warnings).unwrap_or(false);
+
     LoadBalancerOptions {
         internal_lb: Some(internal),
         load_balancer_source_ranges: (!source_ranges.is_empty()).then_some(source_ranges),
@@ -518,6 +534,8 @@ fn options(
         udp_idle_timeout,
         log_forward,
         server_group_policy,
+        // Absent unless asked for: VRRP LoadBalancers stay exactly what yawol writes.
+        active_active: active_active.then_some(true),
     }
 }
 
@@ -867,6 +885,32 @@ mod tests {
             let warnings = proxy_warnings(annotations.clone());
             assert!(warnings.is_empty(), "{annotations}: {warnings:?}");
         }
+    }
+
+    #[test]
+    fn active_active_is_carried_and_warns_below_two_replicas() {
+        let desired = |a: Value| desired_spec(&service(a), vec![], &defaults());
+        let d = desired(json!({}));
+        assert_eq!(d.spec.options.unwrap().active_active, None);
+        let d = desired(json!({"yawol.stackit.cloud/activeActive": "true",
+                               "yawol.stackit.cloud/replicas": "3"}));
+        assert!(d.warnings.is_empty(), "{:?}", d.warnings);
+        assert_eq!(d.spec.options.unwrap().active_active, Some(true));
+        let d = desired(json!({"yawol.stackit.cloud/activeActive": "true"}));
+        assert_eq!(d.spec.options.unwrap().active_active, Some(true));
+        assert_eq!(d.warnings.len(), 1, "{:?}", d.warnings);
+        assert_eq!(
+            d.warnings[0].reason,
+            reasons::ACTIVE_ACTIVE_TOO_FEW_REPLICAS
+        );
+        assert!(
+            d.warnings[0].message.contains("it is 1"),
+            "{:?}",
+            d.warnings
+        );
+        let d = desired(json!({"yawol.stackit.cloud/activeActive": "yes"}));
+        assert_eq!(d.spec.options.unwrap().active_active, None);
+        assert_eq!(d.warnings[0].reason, reasons::ANNOTATION);
     }
 
     #[test]

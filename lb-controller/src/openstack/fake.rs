@@ -8,7 +8,7 @@
 //! ([`FakeCloud::set_server_delete_lag`]).
 
 use super::*;
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Mutex;
 
 #[derive(Default)]
@@ -20,6 +20,8 @@ struct State {
     subnets: BTreeMap<String, Subnet>,
     server_groups: BTreeMap<String, ServerGroup>,
     servers: BTreeMap<String, Server>,
+    /// Router ID → its extra routes.
+    routers: BTreeMap<String, BTreeSet<Route>>,
     /// Operation name (`create_floating_ip`) → errors to return, first first.
     faults: BTreeMap<String, Vec<CloudError>>,
     /// Status new servers get (`ACTIVE` unless a test wants `ERROR`/`BUILD`).
@@ -70,6 +72,40 @@ impl FakeCloud {
                 cidr: cidr.to_string(),
             },
         );
+    }
+
+    /// Adds a router with an interface on `subnet_id` of `network_id` at `address`.
+    pub fn add_router(&self, router_id: &str, network_id: &str, subnet_id: &str, address: &str) {
+        let mut st = self.state.lock().unwrap();
+        st.routers.entry(router_id.to_string()).or_default();
+        let id = format!("{router_id}-if-{subnet_id}");
+        st.ports.insert(
+            id.clone(),
+            Port {
+                id,
+                name: String::new(),
+                network_id: network_id.to_string(),
+                fixed_ips: vec![FixedIp {
+                    ip_address: address.to_string(),
+                    subnet_id: subnet_id.to_string(),
+                }],
+                security_groups: vec![],
+                allowed_address_pairs: vec![],
+                device_id: router_id.to_string(),
+                device_owner: ROUTER_INTERFACE_OWNERS[0].to_string(),
+            },
+        );
+    }
+
+    /// A router's extra routes, sorted.
+    pub fn routes(&self, router_id: &str) -> Vec<Route> {
+        self.state
+            .lock()
+            .unwrap()
+            .routers
+            .get(router_id)
+            .map(|r| r.iter().cloned().collect())
+            .unwrap_or_default()
     }
 
     /// A port as the fake holds it.
@@ -455,6 +491,7 @@ impl Cloud for FakeCloud {
             security_groups: spec.security_groups.clone(),
             allowed_address_pairs: spec.allowed_address_pairs.clone(),
             device_id: String::new(),
+            device_owner: String::new(),
         };
         st.ports.insert(id, port.clone());
         Ok(port)
@@ -517,6 +554,49 @@ impl Cloud for FakeCloud {
             .filter(|s| s.network_id == network_id && s.ip_version == ip_version)
             .cloned()
             .collect())
+    }
+
+    async fn find_router_interfaces(&self, network_id: &str) -> CloudResult<Vec<Port>> {
+        let st = self.enter("find_router_interfaces")?;
+        Ok(st
+            .ports
+            .values()
+            .filter(|p| {
+                p.network_id == network_id
+                    && ROUTER_INTERFACE_OWNERS.contains(&p.device_owner.as_str())
+            })
+            .cloned()
+            .collect())
+    }
+
+    async fn router_routes(&self, router_id: &str) -> CloudResult<Vec<Route>> {
+        let st = self.enter("router_routes")?;
+        st.routers
+            .get(router_id)
+            .map(|r| r.iter().cloned().collect())
+            .ok_or_else(|| not_found("reading router", router_id))
+    }
+
+    async fn add_router_routes(&self, router_id: &str, routes: &[Route]) -> CloudResult<()> {
+        let mut st = self.enter("add_router_routes")?;
+        let router = st
+            .routers
+            .get_mut(router_id)
+            .ok_or_else(|| not_found("adding router routes", router_id))?;
+        router.extend(routes.iter().cloned());
+        Ok(())
+    }
+
+    async fn remove_router_routes(&self, router_id: &str, routes: &[Route]) -> CloudResult<()> {
+        let mut st = self.enter("remove_router_routes")?;
+        let router = st
+            .routers
+            .get_mut(router_id)
+            .ok_or_else(|| not_found("removing router routes", router_id))?;
+        for r in routes {
+            router.remove(r);
+        }
+        Ok(())
     }
 
     async fn delete_port(&self, id: &str) -> CloudResult<()> {

@@ -3,8 +3,8 @@
 //! [`machine`]), started together by [`run`], with their cloud sessions from [`clouds`].
 //!
 //! The controllers talk to the cloud only through the [`Cloud`] trait: a small set of find/create/update/delete
-//! operations on the five resource kinds a load balancer needs (security groups and rules, floating IPs, ports,
-//! server groups, servers). The domain-level "ensure" steps (adopt by name, diff rules, never replace a floating IP)
+//! operations on the resource kinds a load balancer needs (security groups and rules, floating IPs, ports, server
+//! groups, servers, and an active-active LoadBalancer's routes on its network's router). The domain-level "ensure" steps (adopt by name, diff rules, never replace a floating IP)
 //! live in each controller's `resources.rs` ([`loadbalancer::resources`], [`machine::resources`]) and are written
 //! against the trait, so they are unit-tested with `fake::FakeCloud` and run against a real cloud with
 //! [`sdk::SdkCloud`] (`openstack_sdk`, async; credentials in [`config`]). Another cloud could plug in by implementing
@@ -126,6 +126,31 @@ pub trait Cloud: Send + Sync {
         ip_version: u8,
     ) -> impl Future<Output = CloudResult<Vec<Subnet>>> + Send;
 
+    /// The router interfaces on a network: its ports with a `device_owner` of [`ROUTER_INTERFACE_OWNERS`] (the
+    /// router is the port's `device_id`).
+    fn find_router_interfaces(
+        &self,
+        network_id: &str,
+    ) -> impl Future<Output = CloudResult<Vec<Port>>> + Send;
+    /// A router's extra routes.
+    fn router_routes(
+        &self,
+        router_id: &str,
+    ) -> impl Future<Output = CloudResult<Vec<Route>>> + Send;
+    /// Adds extra routes to a router in one atomic step (Neutron's `extraroute-atomic`: no read-modify-write of
+    /// the whole list, so other writers' routes are safe; a route that exists already changes nothing).
+    fn add_router_routes(
+        &self,
+        router_id: &str,
+        routes: &[Route],
+    ) -> impl Future<Output = CloudResult<()>> + Send;
+    /// Removes extra routes from a router, atomically (a route that is not there changes nothing).
+    fn remove_router_routes(
+        &self,
+        router_id: &str,
+        routes: &[Route],
+    ) -> impl Future<Output = CloudResult<()>> + Send;
+
     /// Server groups named exactly `name`.
     fn find_server_groups(
         &self,
@@ -155,7 +180,7 @@ pub trait Cloud: Send + Sync {
 pub struct OpenStackCallLabels {
     /// `neutron` or `nova`.
     pub api: String,
-    /// `floatingip`, `port`, `subnet`, `group`, `rule`, `server`, `servergroup`.
+    /// `floatingip`, `port`, `subnet`, `group`, `rule`, `server`, `servergroup`, `router`.
     pub object: String,
     /// `create`, `delete`, `get`, `list`, `update`.
     pub operation: String,

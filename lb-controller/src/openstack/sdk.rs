@@ -411,7 +411,27 @@ pub fn parse_port(what: &str, v: &Value) -> CloudResult<Port> {
                 .collect::<CloudResult<_>>()?,
         },
         device_id: f.text("device_id")?,
+        device_owner: f.text("device_owner")?,
     })
+}
+
+/// A Neutron router's extra routes (none without the `extraroute` extension, which leaves the key out).
+#[doc(hidden)]
+pub fn parse_router_routes(what: &str, v: &Value) -> CloudResult<Vec<Route>> {
+    let f = Fields::of(what, "router", v)?;
+    if f.get("routes").is_none() {
+        return Ok(Vec::new());
+    }
+    f.list("routes")?
+        .iter()
+        .map(|r| {
+            let r = Fields::of(what, "router.routes[]", r)?;
+            Ok(Route {
+                destination: r.required("destination")?,
+                nexthop: r.required("nexthop")?,
+            })
+        })
+        .collect()
 }
 
 /// A Neutron subnet.
@@ -486,6 +506,34 @@ pub fn parse_server(what: &str, v: &Value) -> CloudResult<Server> {
 #[doc(hidden)]
 pub fn parse_created_server(what: &str, v: &Value) -> CloudResult<String> {
     Fields::of(what, "server", v)?.required("id")
+}
+
+/// The request of Neutron's `add_extraroutes` or `remove_extraroutes` (`$call`): the same body in two modules
+/// of distinct types, hence a macro rather than a function.
+macro_rules! extraroutes_request {
+    ($call:ident, $what:expr, $router_id:expr, $routes:expr) => {{
+        use neutron::router::$call::{Request, RouterBuilder, RoutesBuilder};
+        let routes = $routes
+            .iter()
+            .map(|r| {
+                RoutesBuilder::default()
+                    .destination(r.destination.as_str())
+                    .nexthop(r.nexthop.as_str())
+                    .build()
+            })
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(bad_request($what))?;
+        Request::builder()
+            .id($router_id)
+            .router(
+                RouterBuilder::default()
+                    .routes(routes)
+                    .build()
+                    .map_err(bad_request($what))?,
+            )
+            .build()
+            .map_err(bad_request($what))?
+    }};
 }
 
 impl Cloud for SdkCloud {
@@ -828,6 +876,55 @@ impl Cloud for SdkCloud {
             .into_iter()
             .filter(|s| s.network_id == network_id && s.ip_version == ip_version)
             .collect())
+    }
+
+    async fn find_router_interfaces(&self, network_id: &str) -> CloudResult<Vec<Port>> {
+        let what = "listing router interfaces";
+        // One owner per query (Neutron filters on one value); a network's routers are all of one kind, so the
+        // first owner with ports ends the search.
+        for owner in ROUTER_INTERFACE_OWNERS {
+            let req = neutron::port::list::Request::builder()
+                .network_id(network_id)
+                .device_owner(owner)
+                .build()
+                .map_err(bad_request(what))?;
+            let v = self.ask("neutron", "port", "list", what, req).await?;
+            // Filtered again: a server that ignores a query parameter must not hand us a server's port.
+            let found: Vec<Port> = parse_list(what, &v, parse_port)?
+                .into_iter()
+                .filter(|p| p.network_id == network_id && p.device_owner == owner)
+                .collect();
+            if !found.is_empty() {
+                return Ok(found);
+            }
+        }
+        Ok(Vec::new())
+    }
+
+    async fn router_routes(&self, router_id: &str) -> CloudResult<Vec<Route>> {
+        let what = "reading router";
+        let req = neutron::router::get::Request::builder()
+            .id(router_id)
+            .build()
+            .map_err(bad_request(what))?;
+        let v = self.ask("neutron", "router", "get", what, req).await?;
+        parse_router_routes(what, &v)
+    }
+
+    async fn add_router_routes(&self, router_id: &str, routes: &[Route]) -> CloudResult<()> {
+        let what = "adding router routes";
+        let req = extraroutes_request!(add_extraroutes, what, router_id, routes);
+        self.ask("neutron", "router", "update", what, req)
+            .await
+            .map(|_| ())
+    }
+
+    async fn remove_router_routes(&self, router_id: &str, routes: &[Route]) -> CloudResult<()> {
+        let what = "removing router routes";
+        let req = extraroutes_request!(remove_extraroutes, what, router_id, routes);
+        self.ask("neutron", "router", "update", what, req)
+            .await
+            .map(|_| ())
     }
 
     async fn delete_port(&self, id: &str) -> CloudResult<()> {

@@ -119,6 +119,27 @@ pub struct Port {
     pub allowed_address_pairs: Vec<String>,
     /// Server (or router) using it.
     pub device_id: String,
+    /// What uses it: `compute:<zone>` for a server, `network:router_interface` (and its distributed and HA
+    /// forms, [`ROUTER_INTERFACE_OWNERS`]) for a router's leg on a subnet.
+    pub device_owner: String,
+}
+
+/// `device_owner` of a router's interface on a subnet: legacy and OVN routers, distributed (DVR) routers, HA
+/// routers.
+pub const ROUTER_INTERFACE_OWNERS: [&str; 3] = [
+    "network:router_interface",
+    "network:router_interface_distributed",
+    "network:ha_router_replicated_interface",
+];
+
+/// One extra route of a Neutron router: traffic for `destination` (a CIDR) goes to `nexthop`. Several routes of one
+/// destination are ECMP next hops (OVN installs them so).
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct Route {
+    /// CIDR.
+    pub destination: String,
+    /// Next-hop address (on a subnet the router is attached to).
+    pub nexthop: String,
 }
 
 impl Port {
@@ -357,6 +378,7 @@ mod tests {
             security_groups: vec![],
             allowed_address_pairs: vec![],
             device_id: String::new(),
+            device_owner: String::new(),
         };
         assert_eq!(p.primary_ip(), Some("10.0.0.5"));
     }

@@ -1,7 +1,7 @@
 //! The leak check: lists every resource in the test project and fails on anything a test left behind.
 //!
-//! Checked: servers, ports, floating IPs, security groups, server groups, plus routers and networks. What `up`
-//! created for every test (the project's network `lbtest-net` with its router, the router's ports, the `default`
+//! Checked: servers, ports, floating IPs, security groups, server groups, plus routers, the baseline router's extra
+//! routes and networks. What `up` created for every test (the project's network `lbtest-net` with its router, the router's ports, the `default`
 //! security group) is the baseline and not a leak. Run it when no other test of the project is in flight (the
 //! `openstack` stage runs the integration tests one at a time), or give the resources of a test a name prefix and
 //! check with [`LeakCheck::only_prefixed`].
@@ -16,7 +16,8 @@ use std::fmt;
 /// One resource found in the project.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Resource {
-    /// `server`, `port`, `floating IP`, `security group`, `server group`, `router`, `network`.
+    /// `server`, `port`, `floating IP`, `security group`, `server group`, `router`, `router route` (ID: the
+    /// router's, name: the destination, detail: the next hop), `network`.
     pub kind: &'static str,
     /// Its ID.
     pub id: String,
@@ -142,11 +143,25 @@ impl<'a> LeakCheck<'a> {
             "routers",
         )
         .await?;
-        for r in routers
-            .iter()
-            .filter(|r| str_field(r, "id") != info.router_id)
-        {
-            found.push(resource("router", r, String::new()));
+        for r in &routers {
+            if str_field(r, "id") != info.router_id {
+                found.push(resource("router", r, String::new()));
+                continue;
+            }
+            // The baseline router has no extra routes: one left is an active-active VIP's that outlived it.
+            for route in r
+                .get("routes")
+                .and_then(Value::as_array)
+                .into_iter()
+                .flatten()
+            {
+                found.push(Resource {
+                    kind: "router route",
+                    id: info.router_id.clone(),
+                    name: str_field(route, "destination"),
+                    detail: format!("via {}", str_field(route, "nexthop")),
+                });
+            }
         }
 
         let networks = list(

@@ -260,6 +260,13 @@ pub async fn sweep(env: &TestEnv, cloud: &SdkCloud, direct: &AsyncOpenStack) -> 
             tokio::time::sleep(Duration::from_millis(500)).await;
         }
     }
+    for r in found.iter().filter(|r| r.kind == "router route") {
+        let route = lb_controller::openstack::Route {
+            destination: r.name.clone(),
+            nexthop: r.detail.trim_start_matches("via ").to_string(),
+        };
+        cloud.remove_router_routes(&r.id, &[route]).await?;
+    }
     for id in of("floating IP") {
         cloud.delete_floating_ip(&id).await?;
     }
@@ -338,11 +345,21 @@ pub async fn controller_token(kube: &KubeEnv, admin: &kube::Client, ns: &str) ->
 
 /// The kubeconfig a machine's VM gets: the file of that name in the user data Nova stores for `server` (as admin).
 pub async fn vm_kubeconfig(nova: &AsyncOpenStack, server: &str) -> Result<String> {
+    vm_file(
+        nova,
+        server,
+        lb_controller::openstack::machine::cloudinit::KUBECONFIG_PATH,
+    )
+    .await
+}
+
+/// The file at `path` in the user data Nova holds for `server`.
+pub async fn vm_file(nova: &AsyncOpenStack, server: &str, path: &str) -> Result<String> {
     user_data_files(&nova_server(nova, server).await?)?
         .into_iter()
-        .find(|(path, _)| path == lb_controller::openstack::machine::cloudinit::KUBECONFIG_PATH)
+        .find(|(p, _)| p == path)
         .map(|(_, content)| content)
-        .with_context(|| format!("no kubeconfig in the user data of server {server}"))
+        .with_context(|| format!("no {path} in the user data of server {server}"))
 }
 
 /// How the cascade runs.
@@ -383,6 +400,9 @@ struct Agents {
     sick: HashSet<String>,
     /// The VRRP master per LoadBalancer.
     masters: HashMap<String, String>,
+    /// Machines booted active-active (`--active-active` in their user data): they report `VIPEligible` instead
+    /// of `KeepalivedMaster`.
+    active_active: HashSet<String>,
     /// Each running agent's client: the kubeconfig from its VM's user data (its own ServiceAccount's token).
     clients: HashMap<String, kube::Client>,
     /// When each agent last tried to write: at most once a second, since the view it decides from can lag (e.g.
@@ -499,7 +519,8 @@ impl View {
 /// machine controller wrote — and reports `ConfigReady`, `DataplaneReady`, `DataplaneUpToDate` True with a heartbeat
 /// every [`CascadeConfig::heartbeat`], and `KeepalivedMaster` True on one machine per LoadBalancer — like keepalived
 /// with the agents' revision bonus, the newest revision's oldest machine, kept while it stays eligible and is of the
-/// newest revision. Every request of the controllers and agents goes through [`Cascade::refusals`]; a 401 or 403
+/// newest revision; a machine booted active-active (`--active-active` in its user data) reports `VIPEligible` True
+/// instead of `KeepalivedMaster`. Every request of the controllers and agents goes through [`Cascade::refusals`]; a 401 or 403
 /// fails [`Cascade::stop`].
 pub struct Cascade {
     /// The namespace of the LoadBalancers, sets and machines (also the first part of the OpenStack names).
@@ -984,6 +1005,14 @@ const AGENT_CONDITIONS: [&str; 4] = [
     conditions::KEEPALIVED_MASTER,
 ];
 
+/// What an active-active agent reports: `VIPEligible` in place of `KeepalivedMaster`.
+const ACTIVE_ACTIVE_CONDITIONS: [&str; 4] = [
+    conditions::CONFIG_READY,
+    conditions::DATAPLANE_READY,
+    conditions::DATAPLANE_UP_TO_DATE,
+    conditions::VIP_ELIGIBLE,
+];
+
 /// The agents (see [`Cascade`]), every 100 ms: an agent starts with its VM's kubeconfig once its machine's server is
 /// ACTIVE and ends with the machine. Failed writes (e.g. the API server is away) are retried at the next round, as
 /// the agent's requeue would.
@@ -1012,12 +1041,20 @@ async fn play_agents(
                     continue;
                 }
             };
+            let env_path = lb_controller::openstack::machine::cloudinit::AGENT_ENV_PATH;
+            let active_active = vm_file(&nova, server, env_path)
+                .await
+                .is_ok_and(|env| env.contains("--active-active"));
             match refusals
                 .client(&kubeconfig, &format!("agent of {name}"))
                 .await
             {
                 Ok(client) => {
-                    agents.lock().unwrap().clients.insert(name, client);
+                    let mut a = agents.lock().unwrap();
+                    if active_active {
+                        a.active_active.insert(name.clone());
+                    }
+                    a.clients.insert(name, client);
                 }
                 Err(e) => eprintln!("agent of {name}: its kubeconfig does not load: {e:#}"),
             }
@@ -1030,6 +1067,8 @@ async fn play_agents(
             };
             a.clients.retain(|name, _| live(name));
             a.tried.retain(|name, _| live(name));
+            let running: HashSet<String> = a.clients.keys().cloned().collect();
+            a.active_active.retain(|name| running.contains(name));
         }
         let writes = agent_writes(&all, &agents, heartbeat);
         for (machine, conds) in writes {
@@ -1120,12 +1159,17 @@ fn agent_writes(
         }
         let lb = m["spec"]["loadBalancerRef"]["name"].as_str().unwrap_or("");
         let master = a.masters.get(lb) == Some(&name);
+        let types = if a.active_active.contains(&name) {
+            ACTIVE_ACTIVE_CONDITIONS
+        } else {
+            AGENT_CONDITIONS
+        };
         let current: Vec<Value> = m["status"]["conditions"]
             .as_array()
             .cloned()
             .unwrap_or_default();
         let find = |t: &str| current.iter().find(|c| c["type"] == t);
-        let due = AGENT_CONDITIONS.iter().any(|t| {
+        let due = types.iter().any(|t| {
             let want = if *t == conditions::KEEPALIVED_MASTER && !master {
                 conditions::FALSE
             } else {
@@ -1149,10 +1193,13 @@ fn agent_writes(
         }
         let mut conds: Vec<Value> = current
             .iter()
-            .filter(|c| !AGENT_CONDITIONS.contains(&c["type"].as_str().unwrap_or("")))
+            .filter(|c| {
+                let t = c["type"].as_str().unwrap_or("");
+                !AGENT_CONDITIONS.contains(&t) && !ACTIVE_ACTIVE_CONDITIONS.contains(&t)
+            })
             .cloned()
             .collect();
-        for t in AGENT_CONDITIONS {
+        for t in types {
             let want = if t == conditions::KEEPALIVED_MASTER && !master {
                 conditions::FALSE
             } else {

@@ -18,6 +18,7 @@
 pub mod ha;
 pub mod metrics;
 pub mod resources;
+pub mod routes;
 pub mod sets;
 
 use std::collections::BTreeMap;
@@ -51,6 +52,7 @@ use crate::runtime::retry::{self, Retries};
 use crate::runtime::stop::{drive, Stop};
 use crate::runtime::watches;
 use ha::{router_id, sync_peers, sync_secret_name, taken_router_ids};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
 use resources::StatusSink;
 use sets::{machine_template, plan_sets, replica_sums, revision_of, set_of, template_problems};
 
@@ -190,6 +192,26 @@ struct Running<F: CloudFactory> {
     reported: Reported,
     /// Failures per LoadBalancer, for the error policy's backoff.
     retries: Retries<ObjectRef<LoadBalancer>>,
+    /// Active-active routes as last programmed, by LoadBalancer UID: an unchanged set of eligible machines costs
+    /// no cloud call until the resync period has passed.
+    routes: std::sync::Mutex<BTreeMap<String, Programmed>>,
+}
+
+/// The routes memory (a panic elsewhere leaves it usable: it is only a cache).
+fn programmed<F: CloudFactory>(
+    run: &Running<F>,
+) -> std::sync::MutexGuard<'_, BTreeMap<String, Programmed>> {
+    run.routes
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// What the routes step last did for one LoadBalancer.
+#[derive(Clone)]
+struct Programmed {
+    router: String,
+    next_hops: std::collections::BTreeSet<String>,
+    at: Instant,
 }
 
 async fn reconcile<F: CloudFactory>(
@@ -324,7 +346,14 @@ async fn apply<F: CloudFactory>(
         .filter(|s| set_of(s, lb))
         .map(|s| s.as_ref().clone())
         .collect();
-    let (requeue, revision) = apply_sets(lb, run, &status, now, &mut sets, problems).await?;
+    let (mut requeue, revision) = apply_sets(lb, run, &status, now, &mut sets, problems).await?;
+    let routes_error = match ensure_routes(lb, run, &status, now, problems).await {
+        Ok(recheck) => {
+            requeue = requeue.min(recheck.unwrap_or(requeue));
+            None
+        }
+        Err(e) => Some(e),
+    };
     let mut annotations = serde_json::Map::new();
     if let Some(rev) = revision {
         annotations.insert(lb_annotations::REVISION.into(), json!(rev.to_string()));
@@ -358,10 +387,148 @@ async fn apply<F: CloudFactory>(
     observed.status = Some(status);
     ctx.metrics.loadbalancers.observe(&observed);
 
-    match openstack_error {
+    match openstack_error.or(routes_error) {
         Some(e) => Err(e),
         None => Ok(Action::requeue(requeue)),
     }
+}
+
+/// The routes step of an active-active LoadBalancer ([`routes`]): the VIP's routes follow the eligible machines,
+/// the `ActiveActive` condition says what they are or why not, with an event when it changes. A LoadBalancer that
+/// was active-active and is no longer loses its routes and the condition. Returns when to look again (a machine
+/// whose heartbeat goes stale sends no change).
+async fn ensure_routes<F: CloudFactory>(
+    lb: &LoadBalancer,
+    run: &Running<F>,
+    status: &LoadBalancerStatus,
+    now: jiff::Timestamp,
+    problems: &mut Vec<String>,
+) -> Result<Option<Duration>, Error> {
+    let ctx = &run.ctx;
+    let uid = lb.uid().unwrap_or_default();
+    problems.extend(routes::active_active_problem(lb));
+    if !routes::active_active(lb) {
+        programmed(run).remove(&uid);
+        let Some(_) = routes::current_condition(lb) else {
+            return Ok(None);
+        };
+        let cloud = ctx.clouds.cloud_for(lb).await.map_err(Error::Credentials)?;
+        let removed = routes::remove_routes(cloud.as_ref(), lb)
+            .await
+            .map_err(resources::step("router routes"))?;
+        write_active_active_condition(lb, run, None).await?;
+        ctx.events
+            .publish_best_effort(
+                &object_ref(lb),
+                EventType::Normal,
+                "ActiveActiveOff",
+                &format!("not active-active any more: removed {removed} route(s) of the VIP"),
+            )
+            .await;
+        return Ok(None);
+    }
+    let next_hops =
+        routes::eligible_next_hops(lb, run.machines.state().iter().map(|m| m.as_ref()), now);
+    let cached = programmed(run).get(&uid).cloned();
+    let outcome = match cached {
+        Some(c) if c.next_hops == next_hops && c.at.elapsed() < ctx.config.resync => {
+            routes::Outcome::Programmed {
+                router: c.router,
+                next_hops,
+            }
+        }
+        cached => {
+            let cloud = ctx.clouds.cloud_for(lb).await.map_err(Error::Credentials)?;
+            let (outcome, change) =
+                routes::program(cloud.as_ref(), status, cached.map(|c| c.router), &next_hops).await;
+            if change != routes::RouteChange::default() {
+                info!(lb = %lb.name_any(), added = ?change.added, removed = ?change.removed, "VIP routes changed");
+            }
+            outcome
+        }
+    };
+    match &outcome {
+        routes::Outcome::Programmed { router, next_hops } => {
+            programmed(run).insert(
+                uid,
+                Programmed {
+                    router: router.clone(),
+                    next_hops: next_hops.clone(),
+                    at: Instant::now(),
+                },
+            );
+        }
+        _ => {
+            programmed(run).remove(&uid);
+        }
+    }
+    let vip = routes::vip_destination(status.port_ip.as_deref().unwrap_or("-"));
+    let condition = routes::condition(
+        routes::current_condition(lb),
+        &outcome,
+        &vip,
+        lb.spec.replicas,
+        now,
+    );
+    write_active_active_condition(lb, run, Some(condition)).await?;
+    match outcome {
+        routes::Outcome::Failed(error) => Err(resources::StepError {
+            step: "router routes",
+            error,
+        }
+        .into()),
+        _ => Ok(Some(routes::ELIGIBLE_HEARTBEAT)),
+    }
+}
+
+/// Sets (or, with `None`, removes) the LoadBalancer's `ActiveActive` condition when it differs from what the
+/// LoadBalancer has, with an event saying the new state (Normal when True, Warning otherwise).
+async fn write_active_active_condition<F: CloudFactory>(
+    lb: &LoadBalancer,
+    run: &Running<F>,
+    condition: Option<Condition>,
+) -> Result<(), Error> {
+    let old = routes::current_condition(lb);
+    let same = |a: &Condition, b: &Condition| {
+        (&a.status, &a.reason, &a.message) == (&b.status, &b.reason, &b.message)
+    };
+    match (old, &condition) {
+        (None, None) => return Ok(()),
+        (Some(o), Some(n)) if same(o, n) => return Ok(()),
+        _ => {}
+    }
+    let mut all: Vec<_> = lb
+        .status
+        .as_ref()
+        .and_then(|s| s.conditions.clone())
+        .unwrap_or_default()
+        .into_iter()
+        .filter(|c| c.type_ != lb_api::constants::conditions::ACTIVE_ACTIVE)
+        .collect();
+    if let Some(c) = &condition {
+        all.push(c.clone());
+    }
+    let api: Api<LoadBalancer> =
+        Api::namespaced(run.ctx.client.clone(), &lb.namespace().unwrap_or_default());
+    // A merge patch replaces the list: this controller is the only writer of a LoadBalancer's conditions.
+    api.patch_status(
+        &lb.name_any(),
+        &PatchParams::default(),
+        &Patch::Merge(json!({"status": {"conditions": all}})),
+    )
+    .await?;
+    if let Some(c) = condition {
+        let kind = if c.status == lb_api::constants::conditions::TRUE {
+            EventType::Normal
+        } else {
+            EventType::Warning
+        };
+        run.ctx
+            .events
+            .publish_best_effort(&object_ref(lb), kind, &c.reason, &c.message)
+            .await;
+    }
+    Ok(())
 }
 
 /// The OpenStack step ([`resources::reconcile`], status saved after each resource) when it is due
@@ -671,10 +838,21 @@ fn set_fingerprint(s: &LoadBalancerSet) -> u64 {
     ))
 }
 
-/// What of a machine the LoadBalancer reacts to: its address (sync peers), deletion, owner.
+/// What of a machine the LoadBalancer reacts to: its address (sync peers), deletion, owner, whether it is eligible
+/// for an active-active VIP (not its heartbeats: [`ensure_routes`] rechecks those on a timer).
 fn machine_fingerprint(m: &LoadBalancerMachine) -> u64 {
+    let eligible = m
+        .status
+        .as_ref()
+        .and_then(|s| s.conditions.as_ref())
+        .and_then(|c| {
+            c.iter()
+                .find(|c| c.type_ == lb_api::constants::conditions::VIP_ELIGIBLE)
+        })
+        .map(|c| c.status.clone());
     hash_of(&(
         m.metadata.deletion_timestamp.is_some(),
+        eligible,
         m.status.as_ref().and_then(|s| s.default_port_ip.clone()),
         &m.spec.load_balancer_ref.name,
         &m.spec.load_balancer_ref.namespace,
@@ -698,6 +876,7 @@ pub async fn run<F: CloudFactory>(ctx: Arc<Context<F>>, namespace: &str, stop: S
         router_ids: tokio::sync::Mutex::new(()),
         reported: Reported::default(),
         retries: Retries::new(retry::BASE, retry::OUTAGE_MAX),
+        routes: std::sync::Mutex::new(BTreeMap::new()),
     });
     let controller = watches::controller(api, watcher::Config::default());
     let store = controller.store();

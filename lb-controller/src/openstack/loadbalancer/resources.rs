@@ -49,7 +49,7 @@ impl fmt::Display for StepError {
 
 impl std::error::Error for StepError {}
 
-fn step(step: &'static str) -> impl Fn(CloudError) -> StepError {
+pub(crate) fn step(step: &'static str) -> impl Fn(CloudError) -> StepError {
     move |error| StepError { step, error }
 }
 
@@ -727,12 +727,17 @@ pub async fn ensure_server_group<C: Cloud>(
 }
 
 /// Deletes the load balancer's OpenStack resources (machines must be gone first: their ports use the group):
-/// server groups, floating IP (unless `keepFloatingIP` or it is an `existingFloatingIP`), VIP port (unless
+/// an active-active VIP's routes ([`super::routes::remove_routes`]), server groups, floating IP (unless `keepFloatingIP` or it is an `existingFloatingIP`), VIP port (unless
 /// `keepPort`), security group (unless `keepSecurityGroup`). Finds resources by status ID and by name, so orphans of
 /// interrupted creates go too. Idempotent.
 pub async fn delete<C: Cloud>(cloud: &C, lb: &LoadBalancer) -> Result<(), StepError> {
     let name = resource_name(lb);
     let status = lb.status.clone().unwrap_or_default();
+    // First, while the VIP port still names the address: a route to a VIP that is gone would be left pointing at
+    // machines that are gone too.
+    super::routes::remove_routes(cloud, lb)
+        .await
+        .map_err(step("router routes"))?;
     for g in cloud
         .find_server_groups(&name)
         .await

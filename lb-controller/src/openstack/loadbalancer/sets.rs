@@ -89,12 +89,17 @@ pub fn machine_template(lb: &LoadBalancer, status: &LoadBalancerStatus) -> Optio
             namespace: lb.namespace().unwrap_or_default(),
         },
     };
-    let input = json!({
+    let mut input = json!({
         "spec": spec,
         "debugSettings": lb.spec.debug_settings,
         "logForward": opts.log_forward,
         "serverGroupPolicy": opts.server_group_policy(),
     });
+    // The machines boot as a VRRP pair or active-active (their cloud-init differs): switching rolls new ones.
+    // Only when on, so the templates of every VRRP LoadBalancer keep their hash.
+    if super::routes::active_active(lb) {
+        input["activeActive"] = json!(true);
+    }
     let digest = sha2::Sha256::digest(input.to_string().as_bytes());
     let hash = digest.iter().take(8).map(|b| format!("{b:02x}")).collect();
     Some(MachineTemplate { spec, hash })

@@ -1,6 +1,9 @@
 use super::ha::*;
+use super::routes::*;
 use super::sets::*;
 use super::*;
+use crate::openstack::fake::FakeCloud;
+use crate::openstack::{Cloud, CloudError, Route};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 use lb_api::constants::conditions;
 use lb_api::LoadBalancerSetStatus;
@@ -432,4 +435,164 @@ fn sets_of_other_loadbalancers_are_not_ours() {
     assert!(set_of(&s, &l));
     s.metadata.labels = Some(BTreeMap::new());
     assert!(!set_of(&s, &l));
+}
+
+fn aa_lb(active: bool, families: Option<Vec<&str>>) -> LoadBalancer {
+    let mut extra = json!({"spec": {"options": {"activeActive": active}}});
+    if let Some(f) = families {
+        extra["spec"]["ipFamilies"] = json!(f);
+    }
+    lb(extra)
+}
+
+fn aa_machine(
+    name: &str,
+    ip: &str,
+    eligible: &str,
+    age_s: i64,
+    now: jiff::Timestamp,
+) -> LoadBalancerMachine {
+    let mut m = machine(name, "web", Some(ip), false);
+    m.status.as_mut().unwrap().conditions = Some(vec![k8s_openapi::api::core::v1::NodeCondition {
+        type_: conditions::VIP_ELIGIBLE.into(),
+        status: eligible.into(),
+        last_heartbeat_time: Some(Time(now - jiff::SignedDuration::from_secs(age_s))),
+        ..Default::default()
+    }]);
+    m
+}
+
+#[test]
+fn active_active_is_ipv4_only_for_now() {
+    assert!(active_active(&aa_lb(true, None)));
+    assert!(!active_active(&aa_lb(false, None)));
+    let dual = aa_lb(true, Some(vec!["IPv4", "IPv6"]));
+    assert!(!active_active(&dual));
+    assert!(active_active_problem(&dual).unwrap().contains("VRRP pair"));
+    assert_eq!(active_active_problem(&aa_lb(true, None)), None);
+}
+
+#[test]
+fn only_fresh_eligible_live_machines_are_next_hops() {
+    let now = jiff::Timestamp::now();
+    let l = aa_lb(true, None);
+    let mut deleting = aa_machine("d", "10.0.0.5", "True", 1, now);
+    deleting.metadata.deletion_timestamp = Some(Time(now));
+    let mut other = aa_machine("o", "10.0.0.6", "True", 1, now);
+    other.spec.load_balancer_ref.name = "other".into();
+    let ms = [
+        aa_machine("a", "10.0.0.2", "True", 5, now),
+        aa_machine("b", "10.0.0.3", "False", 5, now),
+        aa_machine("c", "10.0.0.4", "True", 31, now),
+        aa_machine("e", "10.0.0.1", "True", 29, now),
+        deleting,
+        other,
+    ];
+    let hops: Vec<String> = eligible_next_hops(&l, &ms, now).into_iter().collect();
+    assert_eq!(hops, ["10.0.0.1", "10.0.0.2"]);
+}
+
+#[tokio::test]
+async fn next_hops_follow_the_eligible_machines_and_leave_other_routes_alone() {
+    let cloud = FakeCloud::new();
+    cloud.add_router("r1", "net", "sub", "10.0.0.1");
+    let foreign = Route {
+        destination: "192.0.2.0/24".into(),
+        nexthop: "10.0.0.9".into(),
+    };
+    cloud
+        .add_router_routes("r1", std::slice::from_ref(&foreign))
+        .await
+        .unwrap();
+    assert_eq!(
+        find_router(&cloud, "net", "sub").await.unwrap().as_deref(),
+        Some("r1")
+    );
+    assert_eq!(find_router(&cloud, "net", "other").await.unwrap(), None);
+
+    let dst = vip_destination("10.0.0.100");
+    let set = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<BTreeSet<_>>();
+    let c = set_next_hops(&cloud, "r1", &dst, &set(&["10.0.0.2", "10.0.0.3"]))
+        .await
+        .unwrap();
+    assert_eq!(c.added, ["10.0.0.2", "10.0.0.3"]);
+    let c = set_next_hops(&cloud, "r1", &dst, &set(&["10.0.0.3", "10.0.0.4"]))
+        .await
+        .unwrap();
+    assert_eq!(
+        (c.added, c.removed),
+        (vec!["10.0.0.4".into()], vec!["10.0.0.2".to_string()])
+    );
+    // Unchanged: one read, no write.
+    cloud.clear_calls();
+    let c = set_next_hops(&cloud, "r1", &dst, &set(&["10.0.0.3", "10.0.0.4"]))
+        .await
+        .unwrap();
+    assert_eq!(c, RouteChange::default());
+    assert_eq!(cloud.calls(), ["router_routes"]);
+    // Nobody eligible: the routes stay.
+    set_next_hops(&cloud, "r1", &dst, &BTreeSet::new())
+        .await
+        .unwrap();
+    assert_eq!(cloud.routes("r1").len(), 3);
+
+    assert_eq!(remove_all(&cloud, "net", &dst).await.unwrap(), 2);
+    assert_eq!(cloud.routes("r1"), [foreign]);
+    assert_eq!(remove_all(&cloud, "net", &dst).await.unwrap(), 0);
+}
+
+#[test]
+fn the_condition_says_why() {
+    let now = jiff::Timestamp::now();
+    let hops = |v: &[&str]| Outcome::Programmed {
+        router: "r1".into(),
+        next_hops: v.iter().map(|s| s.to_string()).collect(),
+    };
+    let c = condition(
+        None,
+        &hops(&["10.0.0.2", "10.0.0.3"]),
+        "10.0.0.100/32",
+        2,
+        now,
+    );
+    assert_eq!(
+        (c.status.as_str(), c.reason.as_str()),
+        (conditions::TRUE, conditions::REASON_ROUTES_PROGRAMMED)
+    );
+    assert!(c.message.contains("10.0.0.2, 10.0.0.3"), "{}", c.message);
+    let c1 = condition(Some(&c), &hops(&["10.0.0.2"]), "v", 1, now);
+    assert_eq!(c1.reason, conditions::REASON_TOO_FEW_REPLICAS);
+    assert_eq!(
+        condition(None, &hops(&[]), "v", 2, now).reason,
+        conditions::REASON_NO_ELIGIBLE_MACHINE
+    );
+    let later = now + jiff::SignedDuration::from_secs(60);
+    let c2 = condition(
+        Some(&c1),
+        &Outcome::NoRouter { subnet: "s".into() },
+        "v",
+        2,
+        later,
+    );
+    assert_eq!(c2.reason, conditions::REASON_NO_ROUTER);
+    // Still False: the transition time stays.
+    assert_eq!(c2.last_transition_time, c1.last_transition_time);
+    let failed = Outcome::Failed(CloudError::new(
+        crate::openstack::CloudErrorKind::BadRequest,
+        "adding router routes",
+        "Invalid input for routes",
+    ));
+    let c3 = condition(None, &failed, "v", 2, now);
+    assert_eq!(c3.reason, conditions::REASON_ROUTES_FAILED);
+    assert!(c3.message.contains("Invalid input for routes"));
+}
+
+#[test]
+fn switching_to_active_active_rolls_new_machines_and_leaves_vrrp_hashes_alone() {
+    let vrrp = lb(json!({}));
+    assert_eq!(hash(&vrrp), hash(&aa_lb(false, None)));
+    assert_ne!(hash(&vrrp), hash(&aa_lb(true, None)));
+    // Asked for but not used (dual stack): the machines stay what they are.
+    let dual = |active| aa_lb(active, Some(vec!["IPv4", "IPv6"]));
+    assert_eq!(hash(&dual(true)), hash(&dual(false)));
 }

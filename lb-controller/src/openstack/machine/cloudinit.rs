@@ -52,6 +52,9 @@ pub struct UserDataParams {
     /// VRRP and state sync: the agent gets [`ha_args`] after its Kubernetes-mode arguments and the secret is written
     /// to [`SYNC_SECRET_PATH`] (0600). `None`: a machine without either.
     pub ha: Option<HaSettings>,
+    /// Active-active ([`active_active_args`]): the machine's own port address, which it translates to. `None`: a
+    /// VRRP pair (with [`Self::ha`]).
+    pub active_active_address: Option<String>,
     /// Revision of the machine's LoadBalancerSet (`--machine-revision`): equal to the LoadBalancer's current
     /// revision, the agent raises its VRRP priority, so a rollout's new machines take the VIP.
     pub machine_revision: Option<String>,
@@ -84,8 +87,10 @@ pub fn agent_args(p: &UserDataParams) -> Vec<String> {
         format!("--kubeconfig={KUBECONFIG_PATH}"),
         format!("--interface={}", p.interfaces.join(",")),
     ];
-    if let Some(ha) = &p.ha {
-        args.extend(ha_args(ha));
+    match (&p.ha, &p.active_active_address) {
+        (Some(ha), Some(address)) => args.extend(active_active_args(ha, address)),
+        (Some(ha), None) => args.extend(ha_args(ha)),
+        (None, _) => {}
     }
     if let Some(r) = &p.machine_revision {
         args.push(format!("--machine-revision={r}"));
@@ -102,13 +107,41 @@ pub fn agent_args(p: &UserDataParams) -> Vec<String> {
 /// the LoadBalancerMachines of its LoadBalancer) or because the defaults fit: `--vrrp-peer` and `--sync-peer`
 /// (repeatable; no `--vrrp-peer` = multicast), `--keepalived-binary` (default `/usr/sbin/keepalived`).
 pub fn ha_args(settings: &HaSettings) -> Vec<String> {
-    vec![
+    let mut args = vec![
         format!("--vrrp-router-id={}", settings.router_id),
         format!("--vrrp-priority={}", settings.base_priority),
         format!(
             "--vrrp-advert-interval={}",
             lb_api::format_go_duration(settings.advert_interval)
         ),
+    ];
+    args.extend(sync_args(settings));
+    args
+}
+
+/// lb-agent's flags for an active-active machine (no VRRP; the LoadBalancer controller routes the VIP to it while
+/// it reports `VIPEligible`, see `loadbalancer::routes`):
+///
+/// - `--active-active`, `--snat-address=<the machine's port address>` (replies come back to the machine that
+///   holds the connection);
+/// - `--requeue-period` = `loadbalancer::routes::ELIGIBLE_HEARTBEAT`: its heartbeat says it still serves, and a
+///   crashed machine's route goes after three missed ones;
+/// - the state-sync flags as for VRRP (every machine syncs with every other).
+pub fn active_active_args(settings: &HaSettings, address: &str) -> Vec<String> {
+    let mut args = vec![
+        "--active-active".to_string(),
+        format!("--snat-address={address}"),
+        format!(
+            "--requeue-period={}",
+            lb_api::format_go_duration(crate::openstack::loadbalancer::routes::ELIGIBLE_HEARTBEAT)
+        ),
+    ];
+    args.extend(sync_args(settings));
+    args
+}
+
+fn sync_args(settings: &HaSettings) -> [String; 2] {
+    [
         format!("--sync-listen=0.0.0.0:{}", settings.sync_port),
         format!("--sync-secret-file={SYNC_SECRET_PATH}"),
     ]
@@ -197,6 +230,7 @@ mod tests {
                 sync_port: 9190,
                 sync_secret: "0123456789abcdef0123456789abcdef-sync".into(),
             }),
+            active_active_address: None,
             machine_revision: Some("3".into()),
         }
     }
@@ -329,6 +363,27 @@ mod tests {
             args.iter().all(|a| !a.contains(&s.sync_secret)),
             "the secret must not be on the command line"
         );
+    }
+
+    #[test]
+    fn an_active_active_machine_runs_without_vrrp_and_translates_to_its_own_address() {
+        let mut p = params();
+        p.active_active_address = Some("198.51.100.23".into());
+        let args = agent_args(&p);
+        assert!(args.iter().all(|a| !a.starts_with("--vrrp")), "{args:?}");
+        for want in [
+            "--active-active",
+            "--snat-address=198.51.100.23",
+            "--requeue-period=10s",
+            "--sync-listen=0.0.0.0:9190",
+            "--sync-secret-file=/etc/lb-agent/sync-secret",
+            "--machine-revision=3",
+        ] {
+            assert!(args.iter().any(|a| a == want), "{want} missing: {args:?}");
+        }
+        // The secret still goes in its file.
+        let doc: Value = serde_yaml::from_str(&user_data(&p)).unwrap();
+        assert!(entry(&doc, SYNC_SECRET_PATH).is_some());
     }
 
     #[test]

@@ -420,10 +420,12 @@ async fn apply<F: CloudFactory>(
                 status.save().await?;
                 continue;
             }
-            spec.user_data = match user_data(ctx, &scope, lbm, &lb, &api_server, &vip).await? {
-                Ok(u) => u,
-                Err(after) => return Ok(Action::requeue(after)),
-            };
+            let port_ip = status.now.default_port_ip.clone();
+            spec.user_data =
+                match user_data(ctx, &scope, lbm, &lb, &api_server, &vip, port_ip).await? {
+                    Ok(u) => u,
+                    Err(after) => return Ok(Action::requeue(after)),
+                };
             let server = scope
                 .os("server", cloud.create_server(&spec.server_spec(&port_id)))
                 .await?;
@@ -521,7 +523,7 @@ async fn vip_of<F: CloudFactory, C: Cloud>(
 }
 
 /// Renders the user data, or says how long to wait for what it needs (the ServiceAccount token, the
-/// LoadBalancer's VRRP router ID and sync secret).
+/// LoadBalancer's VRRP router ID and sync secret; an active-active machine's port address, `port_ip`).
 async fn user_data<F: CloudFactory>(
     ctx: &Context<F>,
     scope: &Scope<'_, F>,
@@ -529,6 +531,7 @@ async fn user_data<F: CloudFactory>(
     lb: &LoadBalancer,
     api_server: &str,
     vip: &str,
+    port_ip: Option<String>,
 ) -> Result<Result<String, Duration>, Error> {
     let names = machine_names(lbm);
     let secrets: Api<Secret> = Api::namespaced(ctx.client.clone(), &names.namespace);
@@ -573,6 +576,17 @@ async fn user_data<F: CloudFactory>(
             .await;
         return Ok(Err(ctx.config.resync));
     }
+    let active_active_address = if crate::openstack::loadbalancer::routes::active_active(lb) {
+        match port_ip.filter(|ip| !ip.is_empty()) {
+            Some(ip) => Some(ip),
+            None => {
+                debug!(lbm = %names.machine, "waiting for the machine port's address (active-active)");
+                return Ok(Err(ctx.config.poll));
+            }
+        }
+    } else {
+        None
+    };
     let params = UserDataParams {
         api_server: api_server.to_string(),
         ca_data_base64: token.ca_base64,
@@ -588,6 +602,7 @@ async fn user_data<F: CloudFactory>(
         ntp_servers: ctx.config.ntp_servers.clone(),
         debug_ssh: lb.spec.debug_settings().enabled,
         ha: Some(ha),
+        active_active_address,
         machine_revision: lbm
             .annotations()
             .get(lb_api::constants::lb_annotations::REVISION)

@@ -30,7 +30,7 @@ pub struct MachineView {
     pub deleting: bool,
     /// The health verdict.
     pub health: Health,
-    /// VRRP master with a fresh heartbeat.
+    /// VRRP master, or eligible for an active-active VIP, with a fresh heartbeat.
     pub master: bool,
     /// Carries `MarkedForDeletion=True`.
     pub marked: bool,
@@ -106,8 +106,12 @@ pub fn machine_view(
         .and_then(|s| s.conditions.clone())
         .unwrap_or_default();
     let health = health::machine_health(&health_conditions(&conds), &Time(created), now, timeout);
+    // Active-active machines all hold the VIP while the router routes it to them (`VIPEligible`), which lets a
+    // rollout's old set go the same way as a new VRRP master does.
     let master = conds.iter().any(|c| {
-        c.type_ == conditions::KEEPALIVED_MASTER && c.status == conditions::TRUE && fresh(c, now)
+        (c.type_ == conditions::KEEPALIVED_MASTER || c.type_ == conditions::VIP_ELIGIBLE)
+            && c.status == conditions::TRUE
+            && fresh(c, now)
     });
     let marked = conds
         .iter()
@@ -215,7 +219,7 @@ pub fn master_condition(
         Some(name) => (
             conditions::TRUE,
             conditions::REASON_KEEPALIVED_MASTER_IN_SET,
-            format!("{name} is VRRP master"),
+            format!("{name} is VRRP master (or routed active-active)"),
         ),
         None => (
             conditions::FALSE,

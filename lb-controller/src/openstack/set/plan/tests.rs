@@ -103,6 +103,13 @@ fn views_judge_health_and_mastership() {
     let mut c = healthy(10);
     c.push(cond(conditions::KEEPALIVED_MASTER, "True", 400, 600));
     assert!(!view(&machine("a", 3600, c)).master);
+    // An eligible active-active machine holds the VIP like a master; not with a stale heartbeat.
+    let mut c = healthy(10);
+    c.push(cond(conditions::VIP_ELIGIBLE, "True", 10, 600));
+    assert!(view(&machine("a", 3600, c)).master);
+    let mut c = healthy(10);
+    c.push(cond(conditions::VIP_ELIGIBLE, "True", 400, 600));
+    assert!(!view(&machine("a", 3600, c)).master);
     // Marked machines are ready while they recover, but not available.
     let mut c = healthy(10);
     c.push(cond(conditions::MARKED_FOR_DELETION, "True", 30, 30));
