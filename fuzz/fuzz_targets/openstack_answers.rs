@@ -10,8 +10,8 @@ use async_trait::async_trait;
 use bytes::Bytes;
 use http::{request::Builder, HeaderMap, Response};
 use lb_controller::openstack::sdk::{
-    answer, parse_created_server, parse_fip, parse_list, parse_port, parse_rule, parse_server,
-    parse_server_group, parse_sg,
+    answer, parse_created_server, parse_fip, parse_list, parse_port, parse_router_routes, parse_rule,
+    parse_server, parse_server_group, parse_sg,
 };
 use lb_controller::openstack::{CloudErrorKind, CloudResult};
 use openstack_sdk::api::compute::v2 as nova;
@@ -93,7 +93,7 @@ fn ids<T>(items: CloudResult<Vec<T>>, id: impl Fn(&T) -> &str) -> CloudResult<us
 /// Runs call `op` against `cloud`; the number of resources read.
 async fn call(op: u8, cloud: &CannedCloud) -> CloudResult<usize> {
     const W: &str = "fuzz";
-    match op % 12 {
+    match op % 13 {
         0 => {
             let req = neutron::security_group::list::Request::builder()
                 .name("sg")
@@ -211,6 +211,15 @@ async fn call(op: u8, cloud: &CannedCloud) -> CloudResult<usize> {
             let s = parse_server(W, &ask(cloud, req).await?)?;
             assert!(!s.status.is_empty());
             ids(Ok(vec![s]), |s| &s.id)
+        }
+        11 => {
+            let req = neutron::router::get::Request::builder()
+                .id("r")
+                .build()
+                .unwrap();
+            let routes = parse_router_routes(W, &ask(cloud, req).await?)?;
+            assert!(routes.iter().all(|r| !r.nexthop.is_empty()));
+            ids(Ok(routes), |r| &r.destination)
         }
         _ => {
             use nova::server::create_294::{NetworksBuilder, ServerBuilder, ServerNetworks};

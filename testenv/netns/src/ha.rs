@@ -14,7 +14,10 @@
 //! (its own BIRD) to an upstream router between the client and the segment ([`Topology::add_client_router`]):
 //! BIRD 2 there installs one route to the VIP with a next hop per announcing replica (`merge paths`), and the
 //! router's kernel spreads the client's connections over them by a hash of their addresses and ports.
-//! Every replica SNATs to its own address, and flow sync runs between all of them.
+//! Every replica SNATs to its own address, and flow sync runs between all of them. With
+//! [`HaRigConfig::static_routes`] nobody speaks BGP: the agents run `--active-active` alone and the test programs
+//! the router's multipath route itself ([`HaRig::set_next_hops`]) from their eligibility
+//! ([`HaRig::eligible`]), as the OpenStack controller does with the Neutron router's routes.
 
 use crate::hold::HoldReport;
 use crate::rig::{
@@ -68,6 +71,8 @@ pub struct HaRigConfig {
     pub options: String,
     /// Active-active behind a BGP router between the client and the segment instead of VRRP (IPv4).
     pub active_active: bool,
+    /// With `active_active`: no BGP; the agents run `--active-active` and the test sets the router's route.
+    pub static_routes: bool,
 }
 
 impl HaRigConfig {
@@ -87,6 +92,7 @@ impl HaRigConfig {
             ipv6_only: false,
             options: String::new(),
             active_active: false,
+            static_routes: false,
         })
     }
 }
@@ -106,7 +112,7 @@ pub struct HaRig {
     pub cfg: HaRigConfig,
     agents: BTreeMap<Host, ChildGuard>,
     /// The upstream router and its BIRD (active-active).
-    router: Option<(ClientRouter, ChildGuard)>,
+    router: Option<(ClientRouter, Option<ChildGuard>)>,
     echo: Vec<ChildGuard>,
     xdp_pass: Vec<ChildGuard>,
     dir: PathBuf,
@@ -179,7 +185,11 @@ impl HaRig {
             for h in rig.topo.lbs() {
                 rig.start_agent(h, 100)?;
             }
-            if rig.cfg.active_active {
+            if rig.cfg.static_routes {
+                let lbs = rig.topo.lbs();
+                rig.wait_eligible(&lbs, Duration::from_secs(20))?;
+                rig.set_next_hops(&lbs)?;
+            } else if rig.cfg.active_active {
                 rig.wait_next_hops(&rig.topo.lbs(), Duration::from_secs(20))?;
             } else {
                 rig.wait_master(Duration::from_secs(20))?;
@@ -195,6 +205,10 @@ impl HaRig {
             bail!("an active-active rig is IPv4 with flow sync");
         }
         let router = self.topo.add_client_router(&[self.vip])?;
+        if self.cfg.static_routes {
+            self.router = Some((router, None));
+            return Ok(());
+        }
         let mut conf = format!(
             "router id {};\nprotocol device {{}}\n\
              protocol kernel {{ ipv4 {{ import none; export all; }}; merge paths on; }}\n\
@@ -210,7 +224,49 @@ impl HaRig {
             );
         }
         let (bird, _) = spawn_bird(&router.netns, &self.dir, "router", &conf)?;
-        self.router = Some((router, bird));
+        self.router = Some((router, Some(bird)));
+        Ok(())
+    }
+
+    /// Whether replica `host`'s agent says it should get the VIP's traffic (`lb_vip_eligible`; false when it
+    /// does not answer).
+    pub fn eligible(&self, host: Host) -> bool {
+        self.metric(host, "lb_vip_eligible", "")
+            .is_ok_and(|v| v == 1.0)
+    }
+
+    /// Waits until every one of `hosts` is eligible.
+    pub fn wait_eligible(&self, hosts: &[Host], timeout: Duration) -> Result<()> {
+        let deadline = Instant::now() + timeout;
+        while !hosts.iter().all(|h| self.eligible(*h)) {
+            if Instant::now() > deadline {
+                bail!(
+                    "not every one of {hosts:?} became eligible:\n{}",
+                    self.all_logs()
+                );
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        Ok(())
+    }
+
+    /// Sets the router's route to the VIP to one next hop per replica of `hosts` (none: no route), as a
+    /// controller reading the replicas' eligibility does ([`HaRigConfig::static_routes`]).
+    pub fn set_next_hops(&self, hosts: &[Host]) -> Result<()> {
+        let router = self.router().context("no upstream router")?;
+        let vip = format!("{}/32", self.vip);
+        let mut cmd: Vec<String> = ["ip", "-n", router.netns.as_str(), "-4", "route"]
+            .map(String::from)
+            .to_vec();
+        if hosts.is_empty() {
+            cmd.extend(["del".into(), vip]);
+        } else {
+            cmd.extend(["replace".into(), vip]);
+            for h in hosts {
+                cmd.extend(["nexthop".into(), "via".into(), self.topo.ip(*h).to_string()]);
+            }
+        }
+        crate::process::run_cmd(cmd)?;
         Ok(())
     }
 
@@ -293,7 +349,13 @@ impl HaRig {
             "--metrics-address".into(),
             METRICS.into(),
         ];
-        if self.cfg.active_active {
+        if self.cfg.static_routes {
+            argv.extend([
+                "--active-active".into(),
+                "--snat-address".into(),
+                me.to_string(),
+            ]);
+        } else if self.cfg.active_active {
             argv.extend([
                 "--bgp-local-as".into(),
                 REPLICA_AS.to_string(),

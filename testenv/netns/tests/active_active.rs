@@ -5,6 +5,9 @@
 //! move to another replica is translated there as its owner does. Needs root, bird2, `lb-agent` and the eBPF
 //! objects (`cargo xtask test` provides all of them).
 //!
+//! Without BGP (`--active-active` alone, as on OpenStack, where the controller programs the router from the
+//! machines' eligibility), the test sets the router's multipath route itself from the agents' `lb_vip_eligible`.
+//!
 //! Times are printed, not asserted, except the one bound the design promises: a replica whose BIRD dies is
 //! withdrawn within the BGP hold time.
 
@@ -77,6 +80,53 @@ fn new_flows(r: &HaRig, hosts: &[Host], total: f64) -> Vec<f64> {
     }
 }
 
+/// `n` TCP connections and `n` UDP flows through the VIP, every one of them served; asserts each of `hosts` took
+/// 33 % ± 10 % of the new flows (from their counters) and returns the counts.
+fn assert_spread(r: &HaRig, hosts: &[Host], n: usize) -> Vec<f64> {
+    let tcp = format!("{}:{TCP_PORT}", r.vip);
+    let udp = format!("{}:{UDP_PORT}", r.vip);
+    let n_text = n.to_string();
+    let rep = r
+        .load(&[
+            "--tcp",
+            &tcp,
+            "--connections",
+            &n_text,
+            "--udp",
+            &udp,
+            "--udp-flows",
+            &n_text,
+            // Distinct source ports: a reused one would be the same flow.
+            "--udp-first-port",
+            "20000",
+            "--concurrency",
+            "64",
+        ])
+        .unwrap();
+    let (t, u) = (rep.tcp.unwrap(), rep.udp.unwrap());
+    assert_eq!(
+        (t.ok, u.ok),
+        (n, n),
+        "TCP {:?}, UDP {:?}",
+        t.errors,
+        u.errors
+    );
+    let expected = (2 * n) as f64;
+    let flows = new_flows(r, hosts, expected);
+    let total: f64 = flows.iter().sum();
+    assert_eq!(total, expected, "every flow counted once: {flows:?}");
+    for (h, f) in hosts.iter().zip(&flows) {
+        let share = f / total;
+        println!("{h}: {f} new flows ({:.1} %)", share * 100.0);
+        assert!(
+            (share - 1.0 / hosts.len() as f64).abs() <= 0.10,
+            "{h} took {:.1} % of the flows: {flows:?}",
+            share * 100.0
+        );
+    }
+    flows
+}
+
 fn report(what: &str, rep: &HoldReport) {
     println!("{what}: {}", hold_summary(rep));
 }
@@ -98,45 +148,8 @@ fn hold(r: &HaRig, tcp: usize, udp: usize, timeout: Duration) -> lb_testbed::rig
 fn three_replicas_share_new_flows_and_a_dead_bird_is_withdrawn_within_the_hold_time() {
     let (_lock, r) = rig(3);
     let lbs = r.topo.lbs();
+    assert_spread(&r, &lbs, 3000);
     let tcp = format!("{}:{TCP_PORT}", r.vip);
-    let udp = format!("{}:{UDP_PORT}", r.vip);
-    let rep = r
-        .load(&[
-            "--tcp",
-            &tcp,
-            "--connections",
-            "3000",
-            "--udp",
-            &udp,
-            "--udp-flows",
-            "3000",
-            // Distinct source ports: a reused one would be the same flow.
-            "--udp-first-port",
-            "20000",
-            "--concurrency",
-            "64",
-        ])
-        .unwrap();
-    let (t, u) = (rep.tcp.unwrap(), rep.udp.unwrap());
-    assert_eq!(
-        (t.ok, u.ok),
-        (3000, 3000),
-        "TCP {:?}, UDP {:?}",
-        t.errors,
-        u.errors
-    );
-    let flows = new_flows(&r, &lbs, 6000.0);
-    let total: f64 = flows.iter().sum();
-    assert_eq!(total, 6000.0, "every flow counted once: {flows:?}");
-    for (h, n) in lbs.iter().zip(&flows) {
-        let share = n / total;
-        println!("{h}: {n} new flows ({:.1} %)", share * 100.0);
-        assert!(
-            (share - 1.0 / 3.0).abs() <= 0.10,
-            "{h} took {:.1} % of the flows: {flows:?}",
-            share * 100.0
-        );
-    }
 
     // The third replica's BIRD dies: its session closes, the router withdraws it at once (well within the hold
     // time, which bounds a replica that vanished without closing).
@@ -333,4 +346,64 @@ fn an_agent_killed_and_restarted_withdraws_and_returns_without_breaking_connecti
         "{:?}",
         rep.connections.iter().take(5).collect::<Vec<_>>()
     );
+}
+
+/// Without BGP (`--active-active` alone, how the OpenStack machines run): the test plays the controller, routing
+/// the VIP to the replicas whose agent reports itself eligible (`lb_vip_eligible`, the `VIPEligible` condition in
+/// Kubernetes mode). The replicas share the new flows; held connections survive one replica taken out of the route
+/// and stopped, and brought back once eligible again.
+#[test]
+fn without_bgp_the_replicas_serve_where_the_routes_send_them() {
+    let _lock = ONE_RIG
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    assert!(lb_testbed::is_root(), "active-active tests need root");
+    let mut cfg = HaRigConfig::new().expect("artifacts built");
+    cfg.replicas = 3;
+    cfg.active_active = true;
+    cfg.static_routes = true;
+    // Starts the agents, waits until each is eligible and routes the VIP to all three.
+    let mut r = HaRig::start(cfg).expect("active-active rig starts");
+    let lbs = r.topo.lbs();
+    assert_eq!(
+        r.next_hops().unwrap(),
+        lbs,
+        "the route leads to the three replicas"
+    );
+    assert_spread(&r, &lbs, 1500);
+
+    let hold = hold(&r, 600, 60, Duration::from_millis(5000));
+    wait_all_hold(&r, &lbs, 660);
+    // Drained as the controller drains a machine: out of the route first, then stopped; its pinned data plane
+    // translates the replies to its SNAT address while the others take its client packets.
+    let drained = lbs[0];
+    r.set_next_hops(&lbs[1..]).unwrap();
+    std::thread::sleep(Duration::from_secs(1));
+    r.stop_agent(drained, libc::SIGTERM).unwrap();
+    assert!(!r.eligible(drained), "a stopped agent is not eligible");
+    std::thread::sleep(Duration::from_secs(2));
+    // Back: routed to again only once its agent reports itself eligible (synced).
+    r.start_agent(drained, 100).unwrap();
+    r.wait_eligible(&[drained], Duration::from_secs(30))
+        .unwrap();
+    r.set_next_hops(&lbs).unwrap();
+    std::thread::sleep(Duration::from_secs(3));
+    let rep = hold.stop().unwrap();
+    report(
+        "held across a replica routed out, stopped, restarted and routed back",
+        &rep,
+    );
+    assert_eq!(
+        rep.broken,
+        0,
+        "{:?}",
+        rep.connections.iter().take(5).collect::<Vec<_>>()
+    );
+    for h in &lbs {
+        assert_eq!(
+            r.metric(*h, "lb_sync_conflicts_total", "").unwrap(),
+            0.0,
+            "sync conflicts on {h}"
+        );
+    }
 }
