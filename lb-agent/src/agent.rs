@@ -692,6 +692,17 @@ impl Agent {
             .as_ref()
             .and_then(|r| r.flow_filter_bits)
             .unwrap_or(s.flow_filter_bits);
+        // Active-active: the connections translated to this replica's own address, which no other replica can
+        // carry — a machine drained on OpenStack keeps its server until they are gone.
+        let own_connections = ha.as_ref().filter(|h| h.active_active).map(|_| match &gc {
+            Some(r) => self
+                .opts
+                .snat_override
+                .iter()
+                .filter_map(|a| r.active_by_snat.get(a))
+                .sum(),
+            None => s.own_connections.unwrap_or(0),
+        });
         *s = Snapshot {
             services,
             dataplane: stat::NAMES
@@ -726,6 +737,7 @@ impl Agent {
                 .map(|(i, m)| (i.clone(), m.describe()))
                 .collect(),
             nics: self.nics.clone(),
+            own_connections,
             ha,
         };
     }

@@ -244,6 +244,15 @@ fn the_gc_expires_idle_ipv6_connections_keeps_busy_ones_and_rebuilds_the_filter(
     assert_eq!(r.refresh_v6[0].0.key, busy[0].0);
     assert_eq!(r.active.get(&3), Some(&1));
     assert_eq!(r.active.get(&1), Some(&1), "the IPv4 connection counts too");
+    // By SNAT address: the IPv6 one translates to the VIP, the IPv4 one to its own.
+    let vip: std::net::IpAddr = VIP.parse().unwrap();
+    assert_eq!(
+        r.active_by_snat.get(&vip),
+        Some(&1),
+        "{:?}",
+        r.active_by_snat
+    );
+    assert_eq!(r.active_by_snat.values().sum::<u64>(), 2);
     assert_eq!((r.entries, r.entries_v6), (1, 2));
     assert_eq!(r.transient_entries_v6, 1);
     assert_eq!(

@@ -108,6 +108,13 @@ pub mod lbm_annotations {
     pub const CREATION_TIMEOUT: &str = "yawol.stackit.cloud/creationTimeout";
 }
 
+/// Entries of `LoadBalancerMachine.status.metrics` (beside yawol's) that the controllers read.
+pub mod machine_metrics {
+    /// Active-active: the open connections translated to the machine's own address, which only it can carry;
+    /// the machine controller keeps a draining machine's server until they are gone.
+    pub const OWN_CONNECTIONS_ACTIVE: &str = "ownConnectionsActive";
+}
+
 /// Label keys.
 pub mod labels {
     /// Selector label linking a LoadBalancer to its sets and machines

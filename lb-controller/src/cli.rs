@@ -234,6 +234,10 @@ pub struct MachineArgs {
     /// How long a new machine that is not ready yet holds back the creation of the next one.
     #[arg(long, env = "SCALE_UP_TIMEOUT", default_value = "5m", value_parser = parse_duration)]
     pub scale_up_timeout: Duration,
+    /// Longest an active-active machine being deleted keeps its server while the connections translated to its
+    /// address drain (its agent reports them; it gets no new ones).
+    #[arg(long, env = "ACTIVE_ACTIVE_DRAIN_TIMEOUT", default_value = "10m", value_parser = parse_duration)]
+    pub active_active_drain_timeout: Duration,
 }
 
 impl MachineArgs {
@@ -261,6 +265,7 @@ impl MachineArgs {
                     .collect(),
                 interface: self.vm_interface.clone(),
                 resync: self.machine_resync_period.max(Duration::from_secs(1)),
+                drain_timeout: self.active_active_drain_timeout,
                 ..Default::default()
             },
         }

@@ -2,7 +2,8 @@
 //! per test), with the fake cloud: RBAC objects, VM port and server booted with the machine's token and the agent's
 //! (HA) arguments, status after each step, ACTIVE wait by requeue, ERROR servers replaced with Nova's fault in an
 //! event, injected OpenStack errors (quota, 5xx) retried without duplicates, deletion leaving nothing, metrics
-//! series appearing and going.
+//! series appearing and going; an active-active machine being deleted keeps its server while its agent reports
+//! connections of its own.
 //!
 //! The cluster's token controller fills the machines' token Secrets, as in production.
 
@@ -160,6 +161,7 @@ fn config() -> machine::Config {
         poll: Duration::from_millis(20),
         error_backoff_base: Duration::from_millis(20),
         error_backoff_max: Duration::from_millis(200),
+        drain_timeout: Duration::from_secs(60),
     }
 }
 
@@ -470,6 +472,73 @@ async fn creates_rbac_port_and_server_then_deletion_leaves_nothing() {
         Ok(!h.metrics.encode().contains("web-abc-x1"))
     })
     .await;
+    h.task.abort();
+}
+
+/// What an active-active agent writes: `VIPEligible` with a heartbeat `age_s` old and its own open connections.
+async fn report_own_connections(h: &H, name: &str, connections: u64, age_s: i64) {
+    let beat = (jiff::Timestamp::now() - jiff::SignedDuration::from_secs(age_s)).to_string();
+    h.lbm_api()
+        .patch_status(
+            name,
+            &PatchParams::default(),
+            &Patch::Merge(json!({"status": {
+                "conditions": [{"type": "VIPEligible", "status": "True", "reason": "Eligible", "message": "",
+                                "lastHeartbeatTime": beat, "lastTransitionTime": beat}],
+                "metrics": [{"type": "ownConnectionsActive", "value": connections.to_string(),
+                             "timestamp": beat}]}})),
+        )
+        .await
+        .unwrap();
+}
+
+#[tokio::test]
+async fn an_active_active_machine_keeps_its_server_while_its_own_connections_drain() {
+    let h = start("drain").await;
+    create_machine(&h, "web-abc-d1").await;
+    create_machine(&h, "web-abc-d2").await;
+    wait_active(&h, "web-abc-d1").await;
+    wait_active(&h, "web-abc-d2").await;
+
+    // Its agent reports 3 connections of its own: deleted, the machine keeps its server and says why.
+    report_own_connections(&h, "web-abc-d1", 3, 0).await;
+    h.lbm_api()
+        .delete("web-abc-d1", &DeleteParams::default())
+        .await
+        .unwrap();
+    let ev = h
+        .wait_events("MachineDraining", "LoadBalancerMachine", 1)
+        .await;
+    assert!(
+        ev[0]["message"]
+            .as_str()
+            .unwrap()
+            .contains("3 connection(s)"),
+        "{ev:?}"
+    );
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(h.servers().len(), 2, "the draining machine's server stays");
+    assert!(!h.machine("web-abc-d1").await.is_null());
+    // The last one ends: the server goes, then the machine.
+    report_own_connections(&h, "web-abc-d1", 0, 0).await;
+    h.wait_gone("web-abc-d1").await;
+    assert_eq!(h.servers().len(), 1);
+
+    // An agent that stopped reporting (heartbeat 60 s old) holds nothing back.
+    report_own_connections(&h, "web-abc-d2", 5, 60).await;
+    h.lbm_api()
+        .delete("web-abc-d2", &DeleteParams::default())
+        .await
+        .unwrap();
+    h.wait_gone("web-abc-d2").await;
+    assert!(h.servers().is_empty());
+    assert_eq!(
+        h.events("MachineDraining", "LoadBalancerMachine")
+            .await
+            .len(),
+        1,
+        "announced once, for the first machine only"
+    );
     h.task.abort();
 }
 

@@ -32,6 +32,9 @@ pub struct GcReport {
     /// Active connections per service id (both families): not idle-expired, not reset, not closed by FIN in
     /// both directions.
     pub active: HashMap<u32, u64>,
+    /// Active connections per SNAT address they are translated to (both families): an active-active replica's
+    /// own ones are those of its own address, which only it can carry (their replies come back to it).
+    pub active_by_snat: HashMap<IpAddr, u64>,
     /// Connections expired in this pass per service id (both families).
     pub expired: HashMap<u32, u64>,
     /// Entries left in `FLOWS_V4` after the pass.
@@ -141,6 +144,7 @@ fn expire<A: FlowAddr>(
             *r.expired.entry(f.svc_id).or_default() += 1;
         } else if !f.connection_closed(partner) {
             *r.active.entry(f.svc_id).or_default() += 1;
+            *r.active_by_snat.entry(flow_ip(f.new_src)).or_default() += 1;
         }
     }
     for (k, f) in flows {

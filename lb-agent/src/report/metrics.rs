@@ -70,6 +70,8 @@ pub struct Snapshot {
     /// Each attached interface's NIC as read at attach time, and whether native XDP transmits through the
     /// stack's queues under a lock ([`crate::dataplane::nic`]).
     pub nics: Vec<(String, crate::dataplane::nic::Nic, bool)>,
+    /// Active-active: open connections translated to this replica's own SNAT address (`--snat-address`).
+    pub own_connections: Option<u64>,
     /// VRRP and flow sync, when enabled.
     pub ha: Option<crate::ha::HaSnapshot>,
 }
@@ -134,6 +136,12 @@ impl Snapshot {
         }
         // yawol's names, units and text (loads and stealTime with two decimals).
         v.extend(crate::report::hostmetrics::yawol_metrics(&self.host));
+        if let Some(n) = self.own_connections {
+            v.push((
+                lb_api::constants::machine_metrics::OWN_CONNECTIONS_ACTIVE.to_string(),
+                n.to_string(),
+            ));
+        }
         let stats = self.ha.as_ref().and_then(|h| h.vrrp_stats.as_ref());
         if let Some(stats) = stats.filter(|_| keepalived_stats) {
             v.extend(stats.yawol_metrics());
@@ -665,6 +673,14 @@ impl Collector for SnapshotCollector {
         if let Some(h) = &s.ha {
             encode_ha(&mut enc, h)?;
         }
+        if let Some(n) = s.own_connections {
+            gauge(
+                &mut enc,
+                "lb_own_connections_active",
+                "Active-active: open connections translated to this replica's own address (only it can carry them).",
+                &[(Vec::<(&'static str, String)>::new(), n)],
+            )?;
+        }
         Ok(())
     }
 }
@@ -760,6 +776,23 @@ mod tests {
         assert!(render(ha(true, false)).contains("lb_vip_eligible{} 0"));
         let vrrp = render(ha(false, true));
         assert!(!vrrp.contains("lb_vip_eligible"), "{vrrp}");
+    }
+
+    #[test]
+    fn own_connections_only_when_active_active() {
+        let snap = |own| Snapshot {
+            own_connections: own,
+            ..Default::default()
+        };
+        assert!(render(snap(Some(7))).contains("lb_own_connections_active{} 7"));
+        assert!(snap(Some(7))
+            .yawol_metrics(false)
+            .contains(&("ownConnectionsActive".to_string(), "7".to_string())));
+        assert!(!render(snap(None)).contains("lb_own_connections"));
+        assert!(snap(None)
+            .yawol_metrics(false)
+            .iter()
+            .all(|(k, _)| k != "ownConnectionsActive"));
     }
 
     #[test]

@@ -379,6 +379,14 @@ fn without_bgp_the_replicas_serve_where_the_routes_send_them() {
     let drained = lbs[0];
     r.set_next_hops(&lbs[1..]).unwrap();
     std::thread::sleep(Duration::from_secs(1));
+    // What a drain waits for: the connections translated to its own address (its share of the held ones and of
+    // the UDP flows above that have not idled out).
+    let own = r.metric(drained, "lb_own_connections_active", "").unwrap();
+    println!("{drained} routed out with {own} connections of its own");
+    assert!(
+        own > 0.0,
+        "a replica routed out reports its own connections"
+    );
     r.stop_agent(drained, libc::SIGTERM).unwrap();
     assert!(!r.eligible(drained), "a stopped agent is not eligible");
     std::thread::sleep(Duration::from_secs(2));

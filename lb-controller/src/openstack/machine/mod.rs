@@ -19,6 +19,7 @@
 //! [`status_patch`], …) with unit tests; `apply` and `cleanup` only sequence them with the API calls.
 
 pub mod cloudinit;
+pub mod drain;
 pub mod metrics;
 pub mod plan;
 pub mod rbac;
@@ -77,6 +78,9 @@ pub struct Config {
     pub error_backoff_base: Duration,
     /// …up to this.
     pub error_backoff_max: Duration,
+    /// Longest an active-active machine being deleted keeps its server while its own connections drain
+    /// ([`drain`]).
+    pub drain_timeout: Duration,
 }
 
 impl Default for Config {
@@ -89,6 +93,7 @@ impl Default for Config {
             poll: Duration::from_secs(2),
             error_backoff_base: Duration::from_secs(2),
             error_backoff_max: Duration::from_secs(300),
+            drain_timeout: Duration::from_secs(600),
         }
     }
 }
@@ -121,6 +126,8 @@ struct Memory {
     applied: HashMap<String, u64>,
     /// Per machine: RBAC objects and VM port done for these inputs, so polls for ACTIVE only ask Nova.
     prepared: HashMap<String, Prepared>,
+    /// Machines whose drain has been announced (one Event each).
+    draining: std::collections::HashSet<String>,
 }
 
 /// RBAC and VM port of a machine, as the last full pass left them.
@@ -690,6 +697,9 @@ async fn cleanup<F: CloudFactory>(
         name: names.machine.clone(),
         lb: None,
     };
+    if let Some(wait) = drain_wait(lbm, &scope, &key).await? {
+        return Ok(Action::requeue(wait));
+    }
     let cloud = match ctx.clouds.cloud_for(&credentials_key(lbm)).await {
         Ok(c) => c,
         Err(e) => {
@@ -730,10 +740,53 @@ async fn cleanup<F: CloudFactory>(
         m.deleting.retain(|_, machine| *machine != key);
         m.applied.remove(&key);
         m.prepared.remove(&key);
+        m.draining.remove(&key);
     });
     ctx.metrics.remove(&names.namespace, &names.machine);
     info!(lbm = %key, "machine deleted");
     Ok(Action::await_change())
+}
+
+/// How long a machine being deleted must wait before its server goes ([`drain`]): `None` when it need not.
+async fn drain_wait<F: CloudFactory>(
+    lbm: &LoadBalancerMachine,
+    scope: &Scope<'_, F>,
+    key: &str,
+) -> Result<Option<Duration>, Error> {
+    let ctx = scope.ctx;
+    let now = jiff::Timestamp::now();
+    if lbm
+        .status
+        .as_ref()
+        .and_then(|s| s.server_id.as_ref())
+        .is_none()
+        || drain::draining(lbm, false, now, ctx.config.drain_timeout).is_none()
+    {
+        return Ok(None);
+    }
+    // Only now the LoadBalancer: when it goes too, its VIP goes and there is nothing to drain for.
+    let lb_api: Api<LoadBalancer> = Api::namespaced(ctx.client.clone(), &lb_namespace(lbm));
+    let lb_going = lb_api
+        .get_opt(&lbm.spec.load_balancer_ref.name)
+        .await?
+        .is_none_or(|lb| lb.metadata.deletion_timestamp.is_some());
+    let Some(d) = drain::draining(lbm, lb_going, now, ctx.config.drain_timeout) else {
+        return Ok(None);
+    };
+    if ctx.mem(|m| m.draining.insert(key.to_string())) {
+        let msg = format!(
+            "draining: the server stays while {} connection(s) translated to this machine's address are open, \
+             at most {}s more (it no longer gets new ones)",
+            d.connections,
+            d.left.as_secs()
+        );
+        scope
+            .event(EventType::Normal, "MachineDraining", &msg)
+            .await;
+    }
+    Ok(Some(
+        ctx.config.poll.max(Duration::from_secs(5)).min(d.left),
+    ))
 }
 
 /// Retries with per-machine exponential backoff ([`Config::error_backoff_base`] doubling up to
