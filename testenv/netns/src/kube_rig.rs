@@ -84,6 +84,7 @@ impl KubeRig {
             .map(|i| topo.ip(Host::Backend(i)))
             .collect();
         let interface = topo.host_ifname.clone();
+        let active_active = options["activeActive"] == json!(true);
         let (namespace, lbs, agent) = rt.block_on(async {
             let admin = env.client().await?;
             env.apply_crds(&admin, lb_api::crds().into_iter().map(|(_, c)| c))
@@ -120,6 +121,16 @@ impl KubeRig {
             };
             apply_machine_access(&admin, &id).await?;
             let token = machine_token(&admin, &ns).await?;
+            // Active-active: the machine's flags as the controller writes them (its own address as SNAT
+            // address, sync without peers), the sync secret in a file of the rig's instead of the VM's path.
+            let sync_secret = std::env::temp_dir().join(format!("{ns}-sync-secret"));
+            let (ha, active_active_address) = if active_active {
+                let settings = lb_api::ha::HaSettings::new(&ns, LB, &Default::default())?;
+                std::fs::write(&sync_secret, &settings.sync_secret)?;
+                (Some(settings), Some(topo.ip(Host::Lb).to_string()))
+            } else {
+                (None, None)
+            };
             let params = UserDataParams {
                 api_server: env.url(),
                 ca_data_base64: token.ca_base64,
@@ -129,6 +140,8 @@ impl KubeRig {
                 machine: MACHINE.into(),
                 vip: vip.to_string(),
                 interfaces: vec![interface],
+                ha,
+                active_active_address,
                 ..UserDataParams::default()
             };
             let kubeconfig = cloudinit::kubeconfig(&params);
@@ -137,6 +150,10 @@ impl KubeRig {
             let args = cloudinit::agent_args(&params)
                 .into_iter()
                 .filter(|a| !a.starts_with("--kubeconfig=") && !a.starts_with("--interface="))
+                .map(|a| match a.strip_prefix("--sync-secret-file=") {
+                    Some(_) => format!("--sync-secret-file={}", sync_secret.display()),
+                    None => a,
+                })
                 .collect();
             let api_server = env
                 .url()
@@ -182,6 +199,17 @@ impl KubeRig {
         lb.metadata
             .generation
             .context("a LoadBalancer without generation")
+    }
+
+    /// The LoadBalancerMachine's `status`, as the agent last wrote it.
+    pub fn machine_status(&self) -> Result<Value> {
+        let api: Api<LoadBalancerMachine> =
+            Api::namespaced(self.lbs.clone().into_client(), &self.namespace);
+        let m = self
+            .rt
+            .block_on(api.get(MACHINE))
+            .context("reading the LoadBalancerMachine")?;
+        Ok(serde_json::to_value(m)?["status"].clone())
     }
 
     /// The `spec.ports` with the TCP service on `tcp_port` (and UDP [`UDP_PORT`] as before).

@@ -1,7 +1,9 @@
 //! The real agent in Kubernetes mode with its real data plane: the rig's `lb-agent` (XDP on the lb namespace's
 //! interface) takes its configuration from a LoadBalancer on a real API server (kube-testenv), with the identity
 //! the controller gives a machine ([`KubeRig`]). What is written to the LoadBalancer must reach the maps (read
-//! with `lbctl`) and the packets: a moved port, the TCP idle timeout, and TCP timeout 0 (never).
+//! with `lbctl`) and the packets: a moved port, the TCP idle timeout, and TCP timeout 0 (never). And what the
+//! agent writes back for the controller, started active-active with the controller's flags: `VIPEligible` and the
+//! connections of its own.
 //! `lb-agent/tests/kube_mode.rs` covers the API side with a stand-in for the data plane; this is the whole way.
 //!
 //! Needs root, `lb-agent` and `lbctl` built, the eBPF objects and `KUBEBUILDER_ASSETS`; `cargo xtask test`
@@ -287,4 +289,43 @@ fn udp_flow(k: &KubeRig) -> SocketAddr {
         .unwrap()
         .unwrap();
     SocketAddr::from((k.rig.topo.ip(Host::Client), port))
+}
+
+#[test]
+fn an_active_active_agent_reports_its_eligibility_and_its_own_connections() {
+    let k = kube_rig(json!({"activeActive": true}));
+    let condition = |status: &Value, type_: &str| -> Option<Value> {
+        status["conditions"]
+            .as_array()?
+            .iter()
+            .find(|c| c["type"] == type_)
+            .cloned()
+    };
+    // Eligible: attached, configured, synced (no peer to wait for).
+    let eligible = wait_until("VIPEligible=True", || {
+        condition(&k.machine_status().ok()?, "VIPEligible").filter(|c| c["status"] == "True")
+    });
+    assert_eq!(eligible["reason"], "Eligible", "{eligible}");
+    // A held connection is translated to the machine's own address and counted as its own.
+    let mut c = Conn::open(&k, TCP_PORT);
+    let own = k.rig.topo.ip(Host::Lb).to_string();
+    let f = wait_until("the connection in the maps", || flow(&k, c.local));
+    assert_eq!(
+        f["snat"].as_str().map(|s| s.split(':').next().unwrap_or(s)),
+        Some(own.as_str()),
+        "{f}"
+    );
+    let n = wait_until("ownConnectionsActive >= 1 in the machine's status", || {
+        let status = k.machine_status().ok()?;
+        let n: u64 = status["metrics"]
+            .as_array()?
+            .iter()
+            .find(|m| m["type"] == "ownConnectionsActive")?["value"]
+            .as_str()?
+            .parse()
+            .ok()?;
+        (n >= 1).then_some(n)
+    });
+    println!("ownConnectionsActive = {n}");
+    c.round_trip().expect("the connection still works");
 }
