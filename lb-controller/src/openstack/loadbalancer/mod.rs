@@ -302,6 +302,7 @@ async fn cleanup<F: CloudFactory>(lb: &LoadBalancer, run: &Running<F>) -> Result
     finalizer::remove(&api, lb, finalizers::LOADBALANCER).await?;
     ctx.metrics.loadbalancers.forget(&ns, &name);
     run.reported.forget(&lb.uid().unwrap_or_default());
+    programmed(run).remove(&lb.uid().unwrap_or_default());
     info!(lb = %name, "OpenStack resources deleted");
     Ok(Action::await_change())
 }
@@ -463,14 +464,15 @@ async fn ensure_routes<F: CloudFactory>(
         }
     }
     let vip = routes::vip_destination(status.port_ip.as_deref().unwrap_or("-"));
-    let condition = routes::condition(
+    if let Some(condition) = routes::condition(
         routes::current_condition(lb),
         &outcome,
         &vip,
         lb.spec.replicas,
         now,
-    );
-    write_active_active_condition(lb, run, Some(condition)).await?;
+    ) {
+        write_active_active_condition(lb, run, Some(condition)).await?;
+    }
     match outcome {
         routes::Outcome::Failed(error) => Err(resources::StepError {
             step: "router routes",

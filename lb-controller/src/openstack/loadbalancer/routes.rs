@@ -181,7 +181,7 @@ pub enum Outcome {
         /// The eligible machines' addresses.
         next_hops: BTreeSet<String>,
     },
-    /// No VIP port or address yet.
+    /// No VIP port or address yet (nothing to say: the condition waits).
     NoVip,
     /// The VIP's subnet has no router.
     NoRouter {
@@ -192,21 +192,17 @@ pub enum Outcome {
     Failed(CloudError),
 }
 
-/// The LoadBalancer's `ActiveActive` condition for `outcome` with `replicas` asked for; the transition time
-/// survives an unchanged status.
+/// The LoadBalancer's `ActiveActive` condition for `outcome` with `replicas` asked for (none while there is no VIP);
+/// the transition time survives an unchanged status.
 pub fn condition(
     prev: Option<&Condition>,
     outcome: &Outcome,
     vip: &str,
     replicas: i32,
     now: jiff::Timestamp,
-) -> Condition {
+) -> Option<Condition> {
     let (status, reason, message) = match outcome {
-        Outcome::NoVip => (
-            conditions::FALSE,
-            conditions::REASON_NO_ELIGIBLE_MACHINE,
-            "the VIP port has no address yet".to_string(),
-        ),
+        Outcome::NoVip => return None,
         Outcome::NoRouter { subnet } => (
             conditions::FALSE,
             conditions::REASON_NO_ROUTER,
@@ -259,14 +255,14 @@ pub fn condition(
         Some(p) if p.status == status => p.last_transition_time.clone(),
         _ => Time(now),
     };
-    Condition {
+    Some(Condition {
         type_: conditions::ACTIVE_ACTIVE.to_string(),
         status: status.to_string(),
         reason: reason.to_string(),
         message,
         last_transition_time,
         observed_generation: None,
-    }
+    })
 }
 
 /// The LoadBalancer's `ActiveActive` condition, if it has one.

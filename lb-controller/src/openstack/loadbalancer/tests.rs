@@ -554,16 +554,17 @@ fn the_condition_says_why() {
         "10.0.0.100/32",
         2,
         now,
-    );
+    )
+    .unwrap();
     assert_eq!(
         (c.status.as_str(), c.reason.as_str()),
         (conditions::TRUE, conditions::REASON_ROUTES_PROGRAMMED)
     );
     assert!(c.message.contains("10.0.0.2, 10.0.0.3"), "{}", c.message);
-    let c1 = condition(Some(&c), &hops(&["10.0.0.2"]), "v", 1, now);
+    let c1 = condition(Some(&c), &hops(&["10.0.0.2"]), "v", 1, now).unwrap();
     assert_eq!(c1.reason, conditions::REASON_TOO_FEW_REPLICAS);
     assert_eq!(
-        condition(None, &hops(&[]), "v", 2, now).reason,
+        condition(None, &hops(&[]), "v", 2, now).unwrap().reason,
         conditions::REASON_NO_ELIGIBLE_MACHINE
     );
     let later = now + jiff::SignedDuration::from_secs(60);
@@ -573,7 +574,8 @@ fn the_condition_says_why() {
         "v",
         2,
         later,
-    );
+    )
+    .unwrap();
     assert_eq!(c2.reason, conditions::REASON_NO_ROUTER);
     // Still False: the transition time stays.
     assert_eq!(c2.last_transition_time, c1.last_transition_time);
@@ -582,9 +584,11 @@ fn the_condition_says_why() {
         "adding router routes",
         "Invalid input for routes",
     ));
-    let c3 = condition(None, &failed, "v", 2, now);
+    let c3 = condition(None, &failed, "v", 2, now).unwrap();
     assert_eq!(c3.reason, conditions::REASON_ROUTES_FAILED);
     assert!(c3.message.contains("Invalid input for routes"));
+    // No VIP yet: nothing to say.
+    assert_eq!(condition(Some(&c3), &Outcome::NoVip, "v", 2, now), None);
 }
 
 #[test]
