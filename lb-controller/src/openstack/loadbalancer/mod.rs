@@ -6,7 +6,8 @@
 //!   with the cloud's error text; the HA settings ([`ha`]: the VRRP router id, allocated once under a lock from a fresh
 //!   list and never changed while valid; the Secret `<lb>-sync`, created once and never replaced); the LoadBalancerSets
 //!   ([`sets`]: a new set per machine template, old ones retired once the current one holds the VIP); the revision and
-//!   sync-peer annotations and the replica counts.
+//!   sync-peer annotations and the replica counts; for an active-active LoadBalancer the VIP's routes on its
+//!   subnet's router ([`routes`], condition `ActiveActive`).
 //! - `cleanup`: the child LoadBalancerSets first, then the cloud resources, then the finalizer.
 //!
 //! Bad input (no image/flavor/network ID, an unparsable revision or router id) gets a Warning event and
@@ -308,8 +309,8 @@ async fn cleanup<F: CloudFactory>(lb: &LoadBalancer, run: &Running<F>) -> Result
 }
 
 /// The LoadBalancer as it should be, step by step: finalizer, cloud resources ([`ensure_cloud_resources`]), HA
-/// settings ([`ensure_router_id`], [`ensure_sync_secret`]), sets ([`apply_sets`]), the revision and sync-peer
-/// annotations, the replica counts.
+/// settings ([`ensure_router_id`], [`ensure_sync_secret`]), sets ([`apply_sets`]), active-active routes
+/// ([`ensure_routes`]), the revision and sync-peer annotations, the replica counts.
 async fn apply<F: CloudFactory>(
     lb: &LoadBalancer,
     run: &Running<F>,
