@@ -18,6 +18,7 @@
 use std::collections::BTreeSet;
 use std::time::Duration;
 
+use k8s_openapi::api::core::v1::NodeCondition;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 use lb_api::constants::{conditions, service_annotations};
 use lb_api::{LoadBalancer, LoadBalancerMachine, LoadBalancerStatus};
@@ -69,19 +70,21 @@ pub fn eligible_next_hops<'a>(
     machines
         .into_iter()
         .filter(|m| machine_of(m, lb) && m.metadata.deletion_timestamp.is_none())
-        .filter_map(|m| {
-            let status = m.status.as_ref()?;
-            let eligible = status.conditions.as_ref()?.iter().any(|c| {
-                c.type_ == conditions::VIP_ELIGIBLE
-                    && c.status == conditions::TRUE
-                    && c.last_heartbeat_time.as_ref().is_some_and(|t| {
-                        now.duration_since(t.0).as_secs_f64() <= ELIGIBLE_STALE.as_secs_f64()
-                    })
-            });
-            eligible.then(|| status.default_port_ip.clone()).flatten()
-        })
+        .filter(|m| fresh_vip_eligible(m, now).is_some_and(|c| c.status == conditions::TRUE))
+        .filter_map(|m| m.status.as_ref()?.default_port_ip.clone())
         .filter(|ip| !ip.is_empty())
         .collect()
+}
+
+/// The machine's `VIPEligible` condition if its heartbeat is at most [`ELIGIBLE_STALE`] old: its active-active
+/// agent still reports (whatever it says).
+pub fn fresh_vip_eligible(m: &LoadBalancerMachine, now: jiff::Timestamp) -> Option<&NodeCondition> {
+    m.status.as_ref()?.conditions.as_ref()?.iter().find(|c| {
+        c.type_ == conditions::VIP_ELIGIBLE
+            && c.last_heartbeat_time.as_ref().is_some_and(|t| {
+                now.duration_since(t.0).as_secs_f64() <= ELIGIBLE_STALE.as_secs_f64()
+            })
+    })
 }
 
 /// The router of the VIP's subnet: the router whose interface on `network_id` has an address on `subnet_id`.

@@ -9,10 +9,10 @@
 
 use std::time::Duration;
 
-use lb_api::constants::{conditions, machine_metrics};
+use lb_api::constants::machine_metrics;
 use lb_api::LoadBalancerMachine;
 
-use crate::openstack::loadbalancer::routes::ELIGIBLE_STALE;
+use crate::openstack::loadbalancer::routes::fresh_vip_eligible;
 
 /// Why the server must wait.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -39,18 +39,11 @@ pub fn draining(
     if left <= 0.0 {
         return None;
     }
-    let status = lbm.status.as_ref()?;
-    let fresh =
-        |t: &jiff::Timestamp| now.duration_since(*t).as_secs_f64() <= ELIGIBLE_STALE.as_secs_f64();
     // Only an active-active agent reports VIPEligible; its heartbeat says it still runs.
-    let alive = status.conditions.as_ref()?.iter().any(|c| {
-        c.type_ == conditions::VIP_ELIGIBLE
-            && c.last_heartbeat_time.as_ref().is_some_and(|t| fresh(&t.0))
-    });
-    if !alive {
-        return None;
-    }
-    let connections = status
+    fresh_vip_eligible(lbm, now)?;
+    let connections = lbm
+        .status
+        .as_ref()?
         .metrics
         .as_ref()?
         .iter()
