@@ -27,6 +27,7 @@ use lb_controller::cli::run_openstack_controllers;
 use lb_controller::metrics::Metrics;
 use lb_controller::openstack::clouds::CloudFactory;
 use lb_controller::openstack::loadbalancer::{self, RolloutGate};
+use lb_controller::openstack::machine::cloudinit::{AGENT_ENV_PATH, KUBECONFIG_PATH};
 use lb_controller::openstack::run::{
     run_openstack_controllers_with, OpenStackRunConfig, OpenStackTuning,
 };
@@ -345,21 +346,17 @@ pub async fn controller_token(kube: &KubeEnv, admin: &kube::Client, ns: &str) ->
 
 /// The kubeconfig a machine's VM gets: the file of that name in the user data Nova stores for `server` (as admin).
 pub async fn vm_kubeconfig(nova: &AsyncOpenStack, server: &str) -> Result<String> {
-    vm_file(
-        nova,
-        server,
-        lb_controller::openstack::machine::cloudinit::KUBECONFIG_PATH,
-    )
-    .await
+    let files = user_data_files(&nova_server(nova, server).await?)?;
+    file_of(&files, KUBECONFIG_PATH)
+        .with_context(|| format!("no kubeconfig in the user data of server {server}"))
 }
 
-/// The file at `path` in the user data Nova holds for `server`.
-pub async fn vm_file(nova: &AsyncOpenStack, server: &str, path: &str) -> Result<String> {
-    user_data_files(&nova_server(nova, server).await?)?
-        .into_iter()
+/// The content of the file at `path` among [`user_data_files`].
+fn file_of(files: &[(String, String)], path: &str) -> Option<String> {
+    files
+        .iter()
         .find(|(p, _)| p == path)
-        .map(|(_, content)| content)
-        .with_context(|| format!("no {path} in the user data of server {server}"))
+        .map(|(_, content)| content.clone())
 }
 
 /// How the cascade runs.
@@ -1034,17 +1031,23 @@ async fn play_agents(
             if agents.lock().unwrap().clients.contains_key(&name) {
                 continue;
             }
-            let kubeconfig = match vm_kubeconfig(&nova, server).await {
-                Ok(k) => k,
+            // One read of the server for both files the played agent needs.
+            let files = match nova_server(&nova, server)
+                .await
+                .and_then(|v| user_data_files(&v))
+            {
+                Ok(f) => f,
                 Err(e) => {
-                    eprintln!("agent of {name}: no kubeconfig yet: {e:#}");
+                    eprintln!("agent of {name}: no user data yet: {e:#}");
                     continue;
                 }
             };
-            let env_path = lb_controller::openstack::machine::cloudinit::AGENT_ENV_PATH;
-            let active_active = vm_file(&nova, server, env_path)
-                .await
-                .is_ok_and(|env| env.contains("--active-active"));
+            let Some(kubeconfig) = file_of(&files, KUBECONFIG_PATH) else {
+                eprintln!("agent of {name}: no kubeconfig in its server's user data");
+                continue;
+            };
+            let active_active =
+                file_of(&files, AGENT_ENV_PATH).is_some_and(|env| env.contains("--active-active"));
             match refusals
                 .client(&kubeconfig, &format!("agent of {name}"))
                 .await
